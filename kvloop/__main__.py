@@ -1,0 +1,3 @@
+from kvloop.cli import main
+
+raise SystemExit(main())

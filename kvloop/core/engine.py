@@ -1,0 +1,138 @@
+"""EngineCore: the step, in full.
+
+    out     = scheduler.schedule()
+    result  = runner.execute(out)
+    apply pending aborts            (after the forward pass, before accounting)
+    outputs = scheduler.update_from_output(out, result)
+    events  = kv_cache_manager.take_events()     (one batch per step)
+
+Owner: the engine owns the scheduler, the KV cache manager, the block pool and the runner.
+Aborts may be requested from another thread (`abort_requests`); they are applied between
+steps or, for a step in flight, after its forward pass returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvloop.config import EngineConfig
+from kvloop.core.block_pool import BlockPool
+from kvloop.core.hashing import BlockHasher
+from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.outputs import SchedulerOutput
+from kvloop.core.request import Request, RequestStatus, SamplingParams
+from kvloop.core.runner import Runner
+from kvloop.core.scheduler import Admission, Scheduler
+from kvloop.core.trace import StepRecord, make_step_record
+from kvloop.events.types import KVEvent, KVEventBatch
+from kvloop.wire import EngineCoreOutput, SchedulerStats
+
+
+@dataclass
+class StepResult:
+    """Everything one step produced; the only object that leaves `EngineCore.step()`."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    events: KVEventBatch | None = None
+    stats: SchedulerStats | None = None
+    scheduler_output: SchedulerOutput | None = None
+    admissions: list[Admission] = field(default_factory=list)
+    record: StepRecord | None = None
+    executed: bool = False
+
+
+class EngineCore:
+    """Scheduler + KV cache + runner in one process, driven by `step()`."""
+
+    def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None):
+        self.config = config
+        cc = config.cache
+        self.num_gpu_blocks = num_gpu_blocks or cc.num_gpu_blocks
+        self.block_pool = BlockPool(self.num_gpu_blocks, cc.enable_prefix_caching,
+                                    cc.enable_kv_cache_events, cc.kv_events_int_hashes)
+        self.kv_cache_manager = KVCacheManager(
+            self.block_pool, cc.block_size, config.scheduler.max_model_len,
+            cc.enable_prefix_caching, cc.watermark)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.log_stats)
+        self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
+                       if cc.enable_prefix_caching else None)
+        self.runner = runner
+        self._pending_aborts: list[str] = []
+        self._abort_lock = threading.Lock()
+        self._arrivals = 0
+
+    # --- requests -------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     sampling_params: SamplingParams, arrival_time: float | None = None,
+                     lora_name: str | None = None, client_index: int = 0) -> Request:
+        """Build a Request hashed with this engine's block hasher.
+
+        Raises ValueError for a prompt that cannot fit `max_model_len`.
+        """
+        max_len = self.config.scheduler.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the maximum context "
+                             f"length is {max_len} and at least one token must be generated")
+        if arrival_time is None:
+            self._arrivals += 1
+            arrival_time = time.monotonic() + self._arrivals * 1e-9
+        return Request(request_id, prompt_token_ids, sampling_params, arrival_time,
+                       self.hasher, lora_name, client_index)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Thread-safe: queue aborts; they take effect at the next safe point."""
+        with self._abort_lock:
+            self._pending_aborts.extend(request_ids)
+
+    def _apply_aborts(self) -> list[str]:
+        with self._abort_lock:
+            ids, self._pending_aborts = self._pending_aborts, []
+        if ids:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self._pending_aborts)
+
+    # --- the step -------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """One engine step. With nothing to do, returns an empty, not-executed result."""
+        self._apply_aborts()
+        if not self.scheduler.has_requests():
+            return StepResult()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        admissions = self.scheduler.last_admissions
+        result = self.runner.execute(out)
+        self._apply_aborts()
+        outputs = self.scheduler.update_from_output(out, result)
+        events = self._take_event_batch()
+        stats = self.scheduler.make_stats() if self.config.log_stats else None
+        if self.config.check_invariants:
+            self.scheduler.check_invariants()
+        record = make_step_record(out, admissions, outputs, time.perf_counter() - t0,
+                                  self.config.scheduler.max_num_batched_tokens,
+                                  self.block_pool, self.scheduler)
+        return StepResult(outputs, events, stats, out, admissions, record,
+                          executed=not out.is_empty)
+
+    def _take_event_batch(self) -> KVEventBatch | None:
+        events: list[KVEvent] = self.kv_cache_manager.take_events()
+        if not events:
+            return None
+        return KVEventBatch(ts=time.time(), events=events)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

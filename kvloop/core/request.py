@@ -1,0 +1,239 @@
+"""Request, its status and its sampling parameters.
+
+Owner: the scheduler alone changes `Request.status`, `num_computed_tokens` and the token
+lists; the KV cache manager owns which blocks a request holds (a request holds no blocks).
+
+A request's block hashes grow as tokens arrive: every time a block of `block_size` tokens
+fills up (prompt or output), its chained hash is appended, so the prefix cache can store
+generated tokens too.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvloop.core.hashing import BlockHasher, block_extra_keys
+
+
+class RequestStatus(enum.IntEnum):
+    """vLLM's statuses, in vLLM's order; everything after PREEMPTED is finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    FINISHED_REPETITION = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_REPETITION: "repetition",
+}
+
+
+def finish_reason(status: RequestStatus) -> str | None:
+    """The OpenAI-style finish reason of a finished status ("stop", "length", "abort"...)."""
+    return _FINISH_REASONS.get(status)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate and when to stop; vLLM's names and defaults.
+
+    `eos_token_id` is filled from the tokenizer by whoever builds the request; with
+    `ignore_eos` it is not checked (it is still masked while `min_tokens` is not reached).
+    `stop` (strings) is handled by the detokenizing frontend, not the engine.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, "
+                             f"got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens="
+                             f"{self.max_tokens}, got {self.min_tokens}.")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, "
+                             f"got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, "
+                             f"got {self.repetition_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], "
+                             f"got {self.frequency_penalty}.")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """vLLM skips reading the prefix cache when prompt logprobs are asked for."""
+        if self.skip_reading_prefix_cache is not None:
+            return self.skip_reading_prefix_cache
+        return self.prompt_logprobs is not None
+
+    @property
+    def effective_eos(self) -> int | None:
+        return None if self.ignore_eos else self.eos_token_id
+
+
+class Request:
+    """One generation request as the engine core sees it.
+
+    Token regions (`num_tokens_with_spec` is what `num_computed_tokens` chases):
+
+        | prompt ............ | outputs ...... | drafts |
+        |<-- num_computed -->|
+        |<------------- num_tokens ---------->|
+        |<------------- num_tokens_with_spec ----------->|
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, arrival_time: float = 0.0,
+                 hasher: BlockHasher | None = None, lora_name: str | None = None,
+                 client_index: int = 0, data: Any = None):
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.client_index = client_index
+        self.sampling_params = sampling_params
+        self.priority = sampling_params.priority
+        self.arrival_time = arrival_time
+        self.lora_name = lora_name
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = sampling_params.max_tokens
+        self.eos_token_id = sampling_params.effective_eos
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix hit at the first admission; -1 until then
+        self.spec_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.data = data  # opaque per-request payload for the runner (e.g. logits processors)
+        self._hasher = hasher
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    # --- derived sizes -------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority-queue order: (priority, arrival_time, request_id)."""
+        return ((self.priority, self.arrival_time, self.request_id)
+                < (other.priority, other.arrival_time, other.request_id))
+
+    # --- mutation (scheduler only) --------------------------------------------------------
+    def append_output_token_ids(self, token_id: int) -> None:
+        """Append one sampled token and hash any block it completes."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self._hasher is not None and len(self.all_token_ids) % self._hasher.block_size == 0:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        hasher = self._hasher
+        if hasher is None:
+            return
+        start = len(self.block_hashes)
+        if (start + 1) * hasher.block_size > len(self.all_token_ids):
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        extra = self._extra_keys_upto(len(self.all_token_ids) // hasher.block_size)
+        self.block_hashes.extend(hasher.hash_range(self.all_token_ids, parent, start, extra))
+
+    def _extra_keys_upto(self, num_blocks: int) -> list[tuple[Any, ...] | None] | None:
+        salt = self.sampling_params.cache_salt
+        if salt is None and self.lora_name is None:
+            return None
+        return [block_extra_keys(i, lora_name=self.lora_name, cache_salt=salt)
+                for i in range(num_blocks)]
+
+    def block_extra_keys(self, block_index: int) -> tuple[Any, ...] | None:
+        return block_extra_keys(block_index, lora_name=self.lora_name,
+                                cache_salt=self.sampling_params.cache_salt)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}, tokens={self.num_tokens})")

@@ -1,0 +1,494 @@
+"""The scheduler: one loop that counts tokens.
+
+Owner: the scheduler alone changes `Request.status`, `num_computed_tokens`, the token lists
+and the waiting/running queues. Blocks are seen only through the KV cache manager.
+
+There is no prefill or decode phase. Each request has `num_computed_tokens` chasing
+`num_tokens_with_spec`; each step has a token budget; running requests go first, waiting
+ones get what is left: `min(gap, budget)`. Chunked prefill, prefix hits (admission with
+`num_computed_tokens > 0`) and speculative decoding (gap = 1 + k) all fall out of that.
+Preemption (recompute) frees the blocks, resets the counter to 0 and puts the request back
+at the front of the waiting queue. vLLM 0.33's rules are followed exactly
+(specs/vllm-engine.md section 1).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvloop.config import SchedulerConfig
+from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from kvloop.core.request import Request, RequestStatus, finish_reason
+from kvloop.wire import EngineCoreOutput, SchedulerStats, TopLogprobs
+
+
+class FCFSQueue:
+    """Waiting queue in arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, r: Request) -> None:
+        self._q.append(r)
+
+    def prepend(self, r: Request) -> None:
+        self._q.appendleft(r)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, r: Request) -> None:
+        self._q.remove(r)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityQueue:
+    """Waiting heap ordered by (priority, arrival_time, request_id); prepend is a push."""
+
+    def __init__(self) -> None:
+        self._h: list[Request] = []
+
+    def add(self, r: Request) -> None:
+        heapq.heappush(self._h, r)
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._h[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._h)
+
+    def remove(self, r: Request) -> None:
+        self._h.remove(r)
+        heapq.heapify(self._h)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._h))
+
+
+@dataclass
+class Admission:
+    """A waiting request moved to running in one step (for traces and stats)."""
+
+    request_id: str
+    resumed: bool
+    prefix_hit_tokens: int
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """Working state of one `schedule()` call."""
+
+    token_budget: int
+    threshold: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    spec: dict[str, list[int]] = field(default_factory=dict)
+    running: list[Request] = field(default_factory=list)   # scheduled running reqs, in order
+    new: list[Request] = field(default_factory=list)
+    resumed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Admission] = field(default_factory=list)
+
+
+class Scheduler:
+    """vLLM's V1 scheduler, synchronous (no async placeholders), single KV-cache group."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 log_stats: bool = True):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_model_len = config.max_model_len
+        self.log_stats = log_stats
+        self.requests: dict[str, Request] = {}
+        self.waiting: FCFSQueue | PriorityQueue = (
+            PriorityQueue() if config.policy == "priority" else FCFSQueue())
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.last_admissions: list[Admission] = []
+        self.last_preempted: list[str] = []
+        self.num_preemptions_total = 0
+        self._step_preemptions = 0
+        self.step_index = 0
+
+    # --- requests in and out --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING). Its id must not be in use."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None,
+                        status: RequestStatus) -> list[Request]:
+        """Finish requests from outside the loop (aborts). Unknown ids are ignored.
+
+        Removes them from the queues, sets `status`, frees their blocks; their ids reach the
+        runner in the next SchedulerOutput's `finished_req_ids`.
+        """
+        if request_ids is None:
+            ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            ids = [request_ids]
+        else:
+            ids = list(request_ids)
+        finished = []
+        running_ids = set()
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                running_ids.add(rid)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            finished.append(req)
+        if running_ids:
+            self.running = [r for r in self.running if r.request_id not in running_ids]
+        for req in finished:
+            self._free_request(req)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        return bool(self.requests) or bool(self.finished_req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    # --- schedule -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide who runs this step and how many tokens each computes.
+
+        Mutates: queues, statuses, blocks (via the KV cache manager), and, after building the
+        output, `num_computed_tokens += scheduled` for every scheduled request (optimistic:
+        before the model runs, as vLLM does).
+        """
+        cfg = self.config
+        threshold = cfg.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0
+        plan = StepPlan(token_budget=cfg.max_num_batched_tokens, threshold=threshold)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return self._build_output(plan)
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            n = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < plan.threshold < n:
+                n = plan.threshold
+            n = min(n, plan.token_budget,
+                    self.max_model_len - request.num_computed_tokens - 1)
+            if n <= 0:
+                req_index += 1
+                continue
+            blocks = self._allocate_or_preempt(request, n, req_index, plan)
+            if blocks is None:
+                if self.config.policy == "priority":
+                    continue  # the request preempted itself; the next one slid into its place
+                break
+            new_ids, req_index = blocks
+            plan.running.append(request)
+            plan.num_scheduled[request.request_id] = n
+            plan.new_blocks[request.request_id] = new_ids
+            plan.token_budget -= n
+            req_index += 1
+            if request.spec_token_ids:
+                k = n + request.num_computed_tokens - request.num_tokens
+                if k > 0:
+                    plan.spec[request.request_id] = request.spec_token_ids[:k]
+                request.spec_token_ids = []
+
+    def _allocate_or_preempt(self, request: Request, n: int, req_index: int,
+                             plan: StepPlan) -> tuple[list[int], int] | None:
+        """Allocate slots for a running request, preempting victims until it fits.
+
+        Returns (new block ids, updated req_index), or None if the request itself was
+        preempted.
+        """
+        while True:
+            new_blocks = self.kv.allocate_slots(request, n,
+                                                num_lookahead_tokens=self.config.num_lookahead_tokens)
+            if new_blocks is not None:
+                return [b.block_id for b in new_blocks], req_index
+            victim = self._pick_victim()
+            idx = self.running.index(victim)
+            self.running.pop(idx)
+            if idx < req_index:
+                req_index -= 1
+            if victim.request_id in plan.num_scheduled:
+                self._unschedule(victim, plan)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _unschedule(self, victim: Request, plan: StepPlan) -> None:
+        rid = victim.request_id
+        plan.token_budget += plan.num_scheduled.pop(rid)
+        plan.new_blocks.pop(rid, None)
+        plan.spec.pop(rid, None)
+        plan.running.remove(victim)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: free blocks, counter to 0, back to the waiting front."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self._step_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        cfg = self.config
+        while len(self.waiting) and plan.token_budget > 0:
+            if len(self.running) >= cfg.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + num_hit
+            n = request.num_tokens - num_computed
+            if 0 < plan.threshold < n:
+                n = plan.threshold
+            if not cfg.enable_chunked_prefill and n > plan.token_budget:
+                break
+            n = min(n, plan.token_budget)
+            new_blocks = self.kv.allocate_slots(
+                request, n, num_hit, hits, self.config.num_lookahead_tokens,
+                full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
+                has_scheduled_reqs=bool(self.running))
+            if new_blocks is None:
+                break
+            if self.log_stats:
+                self.kv.record_prefix_cache_stats(request, num_hit)
+            self.waiting.pop()
+            self._admit(request, n, num_computed, num_hit, plan)
+            plan.new_blocks[request.request_id] = [b.block_id for b in new_blocks]
+
+    def _admit(self, request: Request, n: int, num_computed: int, num_hit: int,
+               plan: StepPlan) -> None:
+        resumed = request.status == RequestStatus.PREEMPTED
+        self.running.append(request)
+        (plan.resumed if resumed else plan.new).append(request)
+        plan.admitted.append(Admission(request.request_id, resumed, num_hit, request.num_tokens))
+        plan.num_scheduled[request.request_id] = n
+        plan.token_budget -= n
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
+        out = SchedulerOutput(
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
+            scheduled_spec_decode_tokens=plan.spec,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=[r.request_id for r in plan.preempted])
+        assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        for req in plan.new + plan.resumed:
+            rid = req.request_id
+            n = plan.num_scheduled[rid]
+            c = req.num_computed_tokens
+            out.scheduled_new_reqs.append(NewRequestData(
+                req_id=rid, prompt_token_ids=req.prompt_token_ids,
+                all_token_ids=list(req.all_token_ids), sampling_params=req.sampling_params,
+                block_ids=self.kv.get_block_ids(rid), num_computed_tokens=c,
+                token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed))
+        for req in plan.running:
+            rid = req.request_id
+            n = plan.num_scheduled[rid]
+            c = req.num_computed_tokens
+            out.scheduled_cached_reqs.append(CachedRequestData(
+                req_id=rid, new_block_ids=plan.new_blocks.get(rid, []),
+                num_computed_tokens=c, token_ids=req.all_token_ids[c:c + n],
+                num_output_tokens=req.num_output_tokens))
+        for req in plan.running + plan.new + plan.resumed:
+            req.num_computed_tokens += plan.num_scheduled[req.request_id]
+            if req.num_computed_tokens >= req.num_tokens:
+                out.sampling_req_ids.add(req.request_id)
+        self.finished_req_ids = set()
+        self.last_admissions = plan.admitted
+        self.last_preempted = out.preempted_req_ids
+        self.step_index += 1
+        return out
+
+    # --- update ---------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, rewind rejected drafts, check stops, free finished requests.
+
+        Returns one `EngineCoreOutput` per request that got tokens or finished.
+        """
+        index = runner_output.index()
+        sampled = runner_output.sampled_token_ids
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[str] = set()
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            i = index.get(rid)
+            generated = sampled[i] if i is not None else []
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
+            if drafts and generated:
+                rejected = len(drafts) - max(len(generated) - 1, 0)
+                if rejected > 0:
+                    request.num_computed_tokens -= rejected
+            if not generated:
+                continue
+            kept, is_stopped = self._append_and_check(request, generated)
+            logprobs = self._logprobs(runner_output, i, len(kept))
+            out = EngineCoreOutput(request_id=rid, new_token_ids=kept,
+                                   num_cached_tokens=max(request.num_cached_tokens, 0),
+                                   new_logprobs=logprobs)
+            if is_stopped:
+                out.finish_reason = finish_reason(request.status)
+                out.stop_reason = request.stop_reason
+                stopped.add(rid)
+                self._free_request(request)
+            outputs.append(out)
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+        if runner_output.draft_token_ids:
+            self.update_draft_token_ids(runner_output.draft_token_ids, scheduler_output)
+        return outputs
+
+    def _append_and_check(self, request: Request, generated: list[int]) -> tuple[list[int], bool]:
+        kept: list[int] = []
+        for tok in generated:
+            request.append_output_token_ids(tok)
+            kept.append(tok)
+            if self._check_stop(request):
+                if len(kept) < len(generated):
+                    request.num_computed_tokens -= len(generated) - len(kept)
+                return kept, True
+        return kept, False
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's order: EOS, stop token ids, then max_tokens / max_model_len."""
+        last = request.all_token_ids[-1]
+        if request.eos_token_id is not None and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        if (request.num_tokens >= self.max_model_len
+                or (request.max_tokens is not None
+                    and request.num_output_tokens >= request.max_tokens)):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    @staticmethod
+    def _logprobs(runner_output: RunnerOutput, i: int | None,
+                  num_kept: int) -> list[TopLogprobs] | None:
+        if runner_output.logprobs is None or i is None:
+            return None
+        entries = runner_output.logprobs[i]
+        if entries is None:
+            return None
+        return [TopLogprobs(token_id=tok, logprob=lp.sampled_logprob, rank=lp.sampled_rank,
+                            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+                for tok, lp in zip(runner_output.sampled_token_ids[i][:num_kept],
+                                   entries[:num_kept], strict=False)]
+
+    def update_draft_token_ids(self, drafts: dict[str, list[int]],
+                               scheduler_output: SchedulerOutput) -> None:
+        """Attach next-step drafts; dropped for finished requests and partial prefill chunks."""
+        for rid, ids in drafts.items():
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if rid not in scheduler_output.sampling_req_ids:
+                req.spec_token_ids = []
+                continue
+            room = self.max_model_len - req.num_tokens - 1
+            req.spec_token_ids = list(ids[:max(room, 0)])
+
+    # --- stats and checks -----------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv.block_pool
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.get_usage(), num_free_blocks=pool.get_num_free_blocks(),
+            num_total_blocks=pool.num_gpu_blocks - 1,
+            prefix_cache_stats=self.kv.take_prefix_cache_stats(),
+            num_preemptions=self._step_preemptions, step_index=self.step_index)
+        self._step_preemptions = 0
+        return stats
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget the prefix cache; with `reset_running_requests`, preempt everyone first."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running.pop())
+        return self.kv.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Queues disjoint and consistent with statuses; counters within bounds; blocks
+        cover the computed tokens; the KV cache manager's and pool's invariants."""
+        self.kv.check_invariants()
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), "request twice in running"
+        assert not set(running_ids) & set(waiting_ids), "request both running and waiting"
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), "lost request"
+        assert len(self.running) <= self.config.max_num_seqs
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING, f"{r} in running"
+            assert 0 <= r.num_computed_tokens <= r.num_tokens_with_spec, f"{r} counter"
+            held = len(self.kv.req_to_blocks.get(r.request_id, ()))
+            assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} waiting"
+            if r.status == RequestStatus.PREEMPTED:
+                assert r.num_computed_tokens == 0
+                assert r.request_id not in self.kv.req_to_blocks

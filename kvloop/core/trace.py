@@ -1,0 +1,109 @@
+"""Per-step trace records: who got how many tokens, and what those tokens were.
+
+One `StepRecord` per engine step, written as one JSON line by `TraceWriter`. Kinds of work a
+request can get in a step:
+
+    prefill    a chunk of its prompt
+    recompute  tokens it had computed before a preemption, computed again
+    decode     the one new token after its last sampled one
+    spec       a decode token plus speculative drafts
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
+
+from kvloop.core.outputs import SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvloop.core.block_pool import BlockPool
+    from kvloop.core.scheduler import Admission, Scheduler
+    from kvloop.wire import EngineCoreOutput
+
+
+@dataclass
+class ScheduledWork:
+    tokens: int
+    kind: str
+    num_computed_before: int
+
+
+@dataclass
+class StepRecord:
+    step: int
+    time: float
+    duration_s: float
+    budget: int
+    total_tokens: int
+    scheduled: dict[str, ScheduledWork] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+    admitted: dict[str, int] = field(default_factory=dict)   # id -> prefix-hit tokens
+    finished: dict[str, str] = field(default_factory=dict)   # id -> finish reason
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def work_kind(num_computed_before: int, n: int, num_prompt: int, num_tokens: int,
+              num_spec: int, was_preempted: bool) -> str:
+    """Classify the tokens a request computes this step (see the module docstring)."""
+    if num_spec:
+        return "spec"
+    if num_computed_before + n >= num_tokens and n == 1 and num_computed_before >= num_prompt:
+        return "decode"
+    if was_preempted and num_computed_before + n > num_prompt:
+        return "recompute"
+    if num_computed_before < num_prompt:
+        return "recompute" if was_preempted else "prefill"
+    return "decode"
+
+
+def make_step_record(out: SchedulerOutput, admissions: list[Admission],
+                     outputs: list[EngineCoreOutput], duration_s: float, budget: int,
+                     pool: BlockPool, scheduler: Scheduler) -> StepRecord:
+    rec = StepRecord(step=scheduler.step_index - 1, time=time.time(), duration_s=duration_s,
+                     budget=budget, total_tokens=out.total_num_scheduled_tokens,
+                     preempted=list(out.preempted_req_ids),
+                     admitted={a.request_id: a.prefix_hit_tokens for a in admissions},
+                     finished={o.request_id: o.finish_reason for o in outputs
+                               if o.finish_reason is not None},
+                     kv_blocks_used=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+                     kv_blocks_total=pool.num_gpu_blocks - 1)
+    before = {d.req_id: (d.num_computed_tokens, len(d.prompt_token_ids), len(d.all_token_ids),
+                         d.resumed) for d in out.scheduled_new_reqs}
+    for d in out.scheduled_cached_reqs:
+        req = scheduler.requests.get(d.req_id)
+        num_prompt = req.num_prompt_tokens if req else 0
+        preempted = bool(req and req.num_preemptions)
+        before[d.req_id] = (d.num_computed_tokens, num_prompt,
+                            num_prompt + d.num_output_tokens, preempted)
+    for rid, n in out.num_scheduled_tokens.items():
+        c, num_prompt, num_tokens, preempted = before[rid]
+        spec = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+        rec.scheduled[rid] = ScheduledWork(
+            n, work_kind(c, n, num_prompt, num_tokens, spec, preempted), c)
+    return rec
+
+
+class TraceWriter:
+    """Appends one JSON line per step to a file; thread-safe, flushed per line."""
+
+    def __init__(self, path: str):
+        self._f: TextIO = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._lock = threading.Lock()
+
+    def write(self, record: StepRecord) -> None:
+        line = json.dumps(record.to_json(), separators=(",", ":"))
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()

@@ -1,0 +1,72 @@
+"""KV-cache events, wire-compatible with vLLM's `vllm.distributed.kv_events`.
+
+Same class names, fields, field order, defaults, tagging and array/map layout, so a consumer
+written for vLLM (llm-d's indexer, Dynamo, vLLM's example subscriber) decodes kvloop's
+batches unchanged:
+
+- a batch is a msgpack array `[ts, [events...], data_parallel_rank]`;
+- each event is a msgpack map whose first key is `type` (the class name), then the fields in
+  declaration order; fields without a default are always present, defaulted fields equal to
+  their default are omitted.
+
+Block hashes are 64-bit integers by default (the last 8 bytes of the digest, big-endian), or
+raw digest bytes when configured so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+ExternalBlockHash = bytes | int
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=False, omit_defaults=True, gc=False, tag=True):
+    """Base class of every KV-cache event (tagged by class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
