@@ -1,0 +1,1 @@
+"""The API server process: HTTP, tokenization, detokenization, metrics (no torch)."""
