@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvloop.config import SchedulerConfig
+from kvloop.core.block_pool import KVCacheBlock
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.outputs import (
     CachedRequestData,
@@ -287,7 +288,8 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
-            hits, num_hit = [], 0
+            hits: list[KVCacheBlock] = []
+            num_hit = 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + num_hit
@@ -369,7 +371,7 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
+        for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
