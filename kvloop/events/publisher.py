@@ -1,0 +1,519 @@
+"""ZmqEventPublisher: the engine core's KV events on ZMQ, as vLLM sends them, plus extensions.
+
+Threads and ownership:
+- The engine loop calls `publish(batch)` once per step (non-blocking: it appends to a bounded
+  queue) and, with recency on, `publish_touches(hashes)`.
+- One publisher thread (`kvloop-kv-events`) owns everything else: the PUB and ROUTER sockets,
+  the sequence counter, the ring buffer of the last `buffer_steps` encoded batches and the
+  mirror of the worker's cache (a `CacheView` fed with every published batch). Replay and
+  snapshot requests are served from this thread between publishes, so a snapshot is exact at
+  a sequence number and never touches the engine loop.
+
+vLLM compatibility (spec: vllm-engine.md §4.3-4.4): frames, sequence numbers, replay protocol
+and end marker, buffer and HWM defaults, `data_parallel_rank` filled in, tcp port + rank for
+DP ranks. One deliberate difference: an endpoint is *bound* unless it starts with ">" (CZMQ's
+"connect" prefix); vLLM connects whenever the host is a literal address.
+
+Extensions (see `protocol.py`), none of which a vLLM consumer sees unless it asks:
+- snapshot, info and epoch-tagged replay on the replay (ROUTER) socket: on whenever a replay
+  endpoint is configured (vLLM's publisher ignores such requests; ours answers them);
+- heartbeats on `HEARTBEAT_TOPIC`: on by default when `topic` is non-empty (a consumer
+  subscribed to its data topic never receives them); with the empty topic every subscriber
+  would get them, so they are opt-in (`heartbeat=True`);
+- recency on `RECENCY_TOPIC`: opt-in (`recency=True`).
+
+If the queue overflows (the publisher thread cannot keep up), the newest batches are dropped
+and, in their place, one `AllBlocksCleared` is published: consumers forget this worker's
+blocks rather than believe in blocks that are gone (their view becomes a subset of the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+import msgspec
+import zmq
+
+from kvloop.core.hashing import event_int
+from kvloop.events import protocol as proto
+from kvloop.events.types import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
+from kvloop.events.view import CacheView
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:0"
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_OVERFLOW = object()  # queue marker: batches were dropped here
+_TOUCHES_PER_NOTICE = 8192
+_ROUTER_MIN_HWM = 100_000
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Where and how a worker publishes its KV events.
+
+    `endpoint`: PUB address; None = an ephemeral port on 127.0.0.1. Bound, unless prefixed
+    with ">" (then connected, e.g. to a consumer's bound SUB). vLLM's default is
+    "tcp://*:5557". `replay_endpoint`: ROUTER address for replay, snapshots and info (always
+    bound); None = none, as in vLLM. Port 0 means ephemeral; the publisher reports the actual
+    addresses. `heartbeat`: None = on iff the topic is non-empty (see the module docstring).
+    `snapshot`: keep a mirror of the cache to serve snapshots (needs a replay endpoint).
+    `int_block_hashes`: recency notices carry 64-bit ints (as events do by default) or bytes.
+    """
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    heartbeat_interval_s: float = 1.0
+    recency: bool = False
+    recency_interval_s: float = 0.5
+    data_parallel_rank: int = 0
+    heartbeat: bool | None = None
+    snapshot: bool = True
+    int_block_hashes: bool = True
+    snapshot_blocks_per_message: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            ep = getattr(self, name)
+            if ep is not None:
+                _check_endpoint(name, ep)
+        if self.replay_endpoint is not None and self.replay_endpoint.startswith(">"):
+            raise ValueError("replay_endpoint is always bound; drop the '>' prefix")
+        if self.buffer_steps < 1:
+            raise ValueError(f"buffer_steps must be >= 1, got {self.buffer_steps}")
+        if self.hwm < 0:
+            raise ValueError(f"hwm must be >= 0, got {self.hwm}")
+        if self.max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if self.heartbeat_interval_s <= 0 or self.recency_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s and recency_interval_s must be > 0")
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
+        if self.snapshot_blocks_per_message < 1:
+            raise ValueError("snapshot_blocks_per_message must be >= 1")
+
+    @property
+    def heartbeats_enabled(self) -> bool:
+        """Explicit `heartbeat`, else on iff no subscriber of `topic` can receive them."""
+        if self.heartbeat is not None:
+            return self.heartbeat
+        topic = self.topic.encode()
+        return bool(topic) and not proto.HEARTBEAT_TOPIC.startswith(topic)
+
+
+def _check_endpoint(name: str, endpoint: str) -> None:
+    addr = endpoint.lstrip("@>")
+    if len(endpoint) - len(addr) > 1 or not addr.startswith(_SCHEMES):
+        raise ValueError(f"{name} must look like tcp://HOST:PORT, ipc://PATH or inproc://NAME "
+                         f"(optionally prefixed with '@' bind or '>' connect), got {endpoint!r}")
+    if addr.startswith("tcp://") and ":" not in addr[len("tcp://"):]:
+        raise ValueError(f"{name} {endpoint!r} has no port (use :0 for an ephemeral one)")
+
+
+def endpoint_for_rank(addr: str, rank: int) -> str:
+    """vLLM's DP rule: tcp port + rank (unless ephemeral); ipc/inproc get a `_dp<rank>` suffix."""
+    if rank == 0:
+        return addr
+    if addr.startswith("tcp://"):
+        host, _, port = addr.rpartition(":")
+        if port in ("0", "*"):
+            return addr
+        return f"{host}:{int(port) + rank}"
+    return f"{addr}_dp{rank}"
+
+
+def new_epoch() -> str:
+    """A fresh process-incarnation id."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class PublisherStats:
+    """Counters, written by the publisher thread (and `dropped` by `publish`)."""
+
+    published: int = 0
+    dropped: int = 0
+    heartbeats: int = 0
+    touch_notices: int = 0
+    replays_served: int = 0
+    snapshots_served: int = 0
+    infos_served: int = 0
+    bad_requests: int = 0
+
+
+class ZmqEventPublisher:
+    """Publishes one KVEventBatch per engine step; see the module docstring."""
+
+    def __init__(self, config: KVEventsConfig, epoch: str | None = None):
+        self.config = config
+        self._epoch = epoch or new_epoch()
+        self._topic = config.topic.encode("utf-8")
+        self._queue: deque[object] = deque()
+        self._overflow_pending = False
+        self._touches: list[bytes] = []
+        self._touch_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sleeping = False
+        self._started = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._ctx: zmq.Context | None = None
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._endpoint: str | None = None
+        self._replay_endpoint: str | None = None
+        self.stats = PublisherStats()
+        # Publisher-thread state.
+        self._next_seq = 0
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        keep = config.snapshot and config.replay_endpoint is not None
+        self._mirror: CacheView | None = CacheView(keep_blocks=True) if keep else None
+        self._touch_seq = 0
+
+    # --- public surface -------------------------------------------------------------------
+    @property
+    def epoch(self) -> str:
+        return self._epoch
+
+    @property
+    def endpoint(self) -> str | None:
+        """The PUB socket's actual address (bound port resolved), after `start()`."""
+        return self._endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """The ROUTER socket's actual address, or None without a replay endpoint."""
+        return self._replay_endpoint
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence number of the next batch the thread will send (= batches sent)."""
+        return self._next_seq
+
+    def start(self) -> ZmqEventPublisher:
+        """Bind (or connect) the sockets and start the publisher thread.
+
+        Raises RuntimeError when called twice, OSError when an address cannot be bound.
+        """
+        if self._started:
+            raise RuntimeError("ZmqEventPublisher.start() called twice")
+        self._ctx = zmq.Context()
+        try:
+            self._open_sockets()
+        except zmq.ZMQError as e:
+            self._close_sockets(linger=0)
+            self._ctx.term()
+            raise OSError(f"KV events: cannot open {self._failed_addr}: {e}") from e
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._started = True
+        self._thread = threading.Thread(target=self._run, name="kvloop-kv-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue one batch (one engine step). Never blocks; after `shutdown()` a no-op.
+
+        Raises RuntimeError before `start()`. When the queue is full the batch is dropped,
+        counted in `stats.dropped`, and an AllBlocksCleared takes its place (module docstring).
+        """
+        if not self._started:
+            raise RuntimeError("ZmqEventPublisher.publish() before start()")
+        if self._closed:
+            return
+        if len(self._queue) >= self.config.max_queue_size:
+            self.stats.dropped += 1
+            if not self._overflow_pending:
+                self._overflow_pending = True
+                self._queue.append(_OVERFLOW)
+                logger.warning("KV events: queue full (%d), dropping batches",
+                               self.config.max_queue_size)
+        else:
+            self._queue.append(batch)
+        if self._sleeping:
+            self._wake()
+
+    def publish_touches(self, hashes: Sequence[bytes]) -> None:
+        """Record cache-hit block hashes for the next recency notice (no-op unless recency)."""
+        if not self.config.recency or not hashes or self._closed:
+            return
+        with self._touch_lock:
+            self._touches.extend(hashes)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Send what is queued, close the sockets, stop the thread. Idempotent."""
+        if not self._started or self._closed:
+            self._closed = True
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("KV events: publisher thread did not stop in %.1fs", timeout)
+        if self._ctx is not None:
+            if self._thread is not None and self._thread.is_alive():
+                self._ctx.destroy(linger=0)
+            else:
+                self._ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def mirror_hashes(self) -> set[int | bytes] | None:
+        """The mirror's hashes (for tests; only meaningful when the thread is idle)."""
+        return None if self._mirror is None else self._mirror.hashes()
+
+    def info(self) -> proto.PublisherInfo:
+        """What heartbeats and reply headers say about this publisher right now."""
+        cfg = self.config
+        return proto.PublisherInfo(
+            epoch=self._epoch, next_seq=self._next_seq,
+            oldest_seq=self._buffer[0][0] if self._buffer else None, ts=time.time(),
+            topic=cfg.topic, data_parallel_rank=cfg.data_parallel_rank,
+            buffer_steps=cfg.buffer_steps, snapshot=self._mirror is not None,
+            heartbeat_interval_s=cfg.heartbeat_interval_s if cfg.heartbeats_enabled else 0.0,
+            recency=cfg.recency)
+
+    # --- sockets --------------------------------------------------------------------------
+    _failed_addr = ""
+
+    def _open_sockets(self) -> None:
+        cfg, ctx = self.config, self._ctx
+        assert ctx is not None
+        rank = cfg.data_parallel_rank
+        ep = cfg.endpoint or DEFAULT_ENDPOINT
+        connect = ep.startswith(">")
+        addr = endpoint_for_rank(ep.lstrip("@>"), rank)
+        self._failed_addr = addr
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        if connect:
+            self._pub.connect(addr)
+            self._endpoint = addr
+        else:
+            self._pub.bind(addr)
+            self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if cfg.replay_endpoint is not None:
+            raddr = endpoint_for_rank(cfg.replay_endpoint.lstrip("@"), rank)
+            self._failed_addr = raddr
+            self._router = ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.SNDHWM, max(2 * (cfg.buffer_steps + 1), _ROUTER_MIN_HWM))
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(raddr)
+            self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _close_sockets(self, linger: int | None = None) -> None:
+        for sock in (self._pub, self._router):
+            if sock is not None and not sock.closed:
+                sock.close(linger=linger)
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass
+
+    # --- the publisher thread -------------------------------------------------------------
+    def _run(self) -> None:
+        cfg = self.config
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        now = time.monotonic()
+        next_hb = now if cfg.heartbeats_enabled else float("inf")
+        next_touch = now + cfg.recency_interval_s if cfg.recency else float("inf")
+        try:
+            while True:
+                sent = self._send_queued(limit=1024)
+                self._serve_requests()
+                now = time.monotonic()
+                if now >= next_hb:
+                    self._send_heartbeat()
+                    next_hb = now + cfg.heartbeat_interval_s
+                if now >= next_touch:
+                    self._send_touches()
+                    next_touch = now + cfg.recency_interval_s
+                if sent == 0:
+                    if self._stop.is_set():
+                        break
+                    self._sleep(poller, min(next_hb, next_touch) - now)
+            self._send_queued(limit=None)
+        except Exception:
+            logger.exception("KV events: publisher thread failed")
+        finally:
+            self._close_sockets()
+
+    def _sleep(self, poller: zmq.Poller, timeout_s: float) -> None:
+        self._sleeping = True
+        try:
+            if self._queue or self._stop.is_set():
+                return
+            ms = 1000 if timeout_s == float("inf") else max(0, int(timeout_s * 1000) + 1)
+            poller.poll(ms)
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        finally:
+            self._sleeping = False
+
+    def _send_queued(self, limit: int | None) -> int:
+        n = 0
+        queue = self._queue
+        while queue and (limit is None or n < limit):
+            item = queue.popleft()
+            if item is _OVERFLOW:
+                self._overflow_pending = False
+                item = KVEventBatch(ts=time.time(), events=[AllBlocksCleared()])
+            assert isinstance(item, KVEventBatch)
+            self._send_batch(item)
+            n += 1
+        return n
+
+    def _send_batch(self, batch: KVEventBatch) -> None:
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.config.data_parallel_rank
+        payload = msgspec.msgpack.encode(batch)
+        seq = self._next_seq
+        assert self._pub is not None
+        self._pub.send_multipart((self._topic, proto.seq_bytes(seq), payload), copy=False)
+        self._buffer.append((seq, payload))
+        if self._mirror is not None:
+            self._mirror.apply(batch.events)
+        self._next_seq = seq + 1
+        self.stats.published += 1
+
+    def _send_heartbeat(self) -> None:
+        assert self._pub is not None
+        self._pub.send_multipart((proto.HEARTBEAT_TOPIC, proto.seq_bytes(self._next_seq),
+                                  proto.encode_info(self.info())))
+        self.stats.heartbeats += 1
+
+    def _send_touches(self) -> None:
+        with self._touch_lock:
+            touched, self._touches = self._touches, []
+        if not touched:
+            return
+        unique = list(dict.fromkeys(touched))
+        hashes: list[int | bytes] = ([event_int(h) for h in unique]
+                                     if self.config.int_block_hashes else list(unique))
+        assert self._pub is not None
+        for i in range(0, len(hashes), _TOUCHES_PER_NOTICE):
+            notice = proto.Touches(ts=time.time(), epoch=self._epoch,
+                                   block_hashes=hashes[i:i + _TOUCHES_PER_NOTICE],
+                                   data_parallel_rank=self.config.data_parallel_rank)
+            self._pub.send_multipart((proto.RECENCY_TOPIC, proto.seq_bytes(self._touch_seq),
+                                      msgspec.msgpack.encode(notice)))
+            self._touch_seq += 1
+            self.stats.touch_notices += 1
+
+    # --- replay socket --------------------------------------------------------------------
+    def _serve_requests(self, max_requests: int = 16) -> None:
+        router = self._router
+        for _ in range(max_requests):
+            if router is None or not router.poll(0):
+                return
+            self._handle_request(router.recv_multipart())
+
+    def _handle_request(self, frames: list[bytes]) -> None:
+        """vLLM's request is exactly [identity, b"", start_seq]; ours start with b"kvloop"."""
+        if len(frames) == 3 and frames[1] == b"" and len(frames[2]) == 8:
+            self._send_replay(frames[0], proto.seq_from_bytes(frames[2]))
+            self._send_end(frames[0])
+            self.stats.replays_served += 1
+        elif len(frames) >= 4 and frames[1] == b"" and frames[2] == proto.KVLOOP:
+            self._handle_kvloop(frames[0], frames[3], frames[4:])
+        else:
+            self.stats.bad_requests += 1
+            logger.debug("KV events: ignoring a malformed replay request of %d frames",
+                         len(frames))
+
+    def _handle_kvloop(self, ident: bytes, cmd: bytes, args: list[bytes]) -> None:
+        if cmd == proto.CMD_INFO:
+            self._send_header(ident, cmd)
+            self.stats.infos_served += 1
+        elif cmd == proto.CMD_REPLAY and len(args) == 1 and len(args[0]) == 8:
+            start = proto.seq_from_bytes(args[0])
+            self._send_header(ident, cmd)
+            if not self._history_lost(start):
+                self._send_replay(ident, start)
+            self._send_end(ident)
+            self.stats.replays_served += 1
+        elif cmd == proto.CMD_SNAPSHOT:
+            self._send_header(ident, cmd)
+            self._send_snapshot(ident)
+            self._send_end(ident)
+            self.stats.snapshots_served += 1
+        else:
+            self.stats.bad_requests += 1
+
+    def _history_lost(self, start: int) -> bool:
+        """True when batches from `start` on are no longer all in the buffer."""
+        if start >= self._next_seq:
+            return False
+        return not self._buffer or start < self._buffer[0][0]
+
+    def _send_header(self, ident: bytes, cmd: bytes) -> None:
+        assert self._router is not None
+        self._router.send_multipart((ident, b"", proto.KVLOOP, cmd,
+                                     proto.encode_info(self.info())))
+
+    def _send_replay(self, ident: bytes, start: int) -> None:
+        buf, router = self._buffer, self._router
+        assert router is not None
+        skip = max(0, start - buf[0][0]) if buf else 0
+        for seq, payload in islice(buf, skip, None):
+            router.send_multipart((ident, b"", self._topic, proto.seq_bytes(seq), payload),
+                                  copy=False)
+
+    def _send_snapshot(self, ident: bytes) -> None:
+        if self._mirror is None:
+            return
+        assert self._router is not None
+        seq = proto.seq_bytes(self._next_seq)
+        limit = self.config.snapshot_blocks_per_message
+        for events in _pack(self._mirror.snapshot_events(limit), limit):
+            batch = KVEventBatch(ts=time.time(), events=events,
+                                 data_parallel_rank=self.config.data_parallel_rank)
+            self._router.send_multipart((ident, b"", self._topic, seq,
+                                         msgspec.msgpack.encode(batch)))
+
+    def _send_end(self, ident: bytes) -> None:
+        assert self._router is not None
+        self._router.send_multipart((ident, b"", b"", proto.END_SEQ, b""))
+
+
+def _pack(events: list[BlockStored], max_blocks: int) -> list[list[KVEvent]]:
+    """Group events into messages of about `max_blocks` blocks each (at least one event)."""
+    out: list[list[KVEvent]] = []
+    cur: list[KVEvent] = []
+    n = 0
+    for ev in events:
+        if cur and n + len(ev.block_hashes) > max_blocks:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(ev)
+        n += len(ev.block_hashes)
+    if cur:
+        out.append(cur)
+    return out
