@@ -1,0 +1,138 @@
+"""Frozen configuration of the router: index bounds, cost model, liveness windows, addresses.
+
+Values learned at run time (each worker's block size, hash algorithm and seed, KV capacity)
+are never written here; they live in the registry's worker descriptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """Bounds of the global prefix index.
+
+    `max_blocks` caps the (block, worker) entries held in total; `max_blocks_per_worker`
+    caps one worker (None: the worker's own KV capacity, times `capacity_slack`).
+    `provisional_ttl_s` is how long a routing decision's provisional entries live unless a
+    BlockStored event confirms them.
+    """
+
+    num_shards: int = 16
+    max_blocks: int = 4_000_000
+    max_blocks_per_worker: int | None = None
+    capacity_slack: float = 1.25
+    provisional_ttl_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        if self.max_blocks_per_worker is not None and self.max_blocks_per_worker < 1:
+            raise ValueError("max_blocks_per_worker must be >= 1 or None")
+        if self.capacity_slack < 1.0:
+            raise ValueError(f"capacity_slack must be >= 1, got {self.capacity_slack}")
+        if self.provisional_ttl_s < 0:
+            raise ValueError("provisional_ttl_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """The cost model: every candidate's estimated work before its first token, in tokens.
+
+        cost = queued_prefill_tokens + (prompt_tokens - predicted_cached_tokens)
+             + decode_token_cost * active_decodes + recompute_penalty(KV shortage)
+
+    `load_bound` is the bounded-load factor for hot prefixes: a worker whose in-flight
+    requests exceed `load_bound` times the fleet's mean (plus one) is saturated, and a hot
+    prefix it holds is deliberately replicated to another worker.
+    """
+
+    decode_token_cost: float = 16.0
+    cache_credit: float = 1.0
+    load_bound: float = 2.0
+    kv_shortage_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.decode_token_cost < 0:
+            raise ValueError("decode_token_cost must be >= 0")
+        if not 0.0 <= self.cache_credit <= 1.0:
+            raise ValueError(f"cache_credit must be in [0, 1], got {self.cache_credit}")
+        if self.load_bound < 1.0:
+            raise ValueError(f"load_bound must be >= 1, got {self.load_bound}")
+        if self.kv_shortage_weight < 0:
+            raise ValueError("kv_shortage_weight must be >= 0")
+
+
+@dataclass(frozen=True)
+class LivenessConfig:
+    """When the router raises an alarm about a worker.
+
+    A worker that served traffic but sent no event and no heartbeat within `window_s` is
+    silent. Self-verification looks at the last `verify_window` requests with a predicted
+    or an actual hit; when at least `verify_min_samples` of them exist and the share that
+    missed (predicted but not found, or found but not predicted) reaches `verify_miss_ratio`,
+    the worker's predictions are declared broken. `poll_interval_s` is how often the router
+    reads each worker's /metrics (load) and re-probes dead workers.
+    """
+
+    window_s: float = 30.0
+    verify_window: int = 16
+    verify_min_samples: int = 6
+    verify_miss_ratio: float = 0.75
+    poll_interval_s: float = 0.5
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if self.verify_window < 1 or self.verify_min_samples < 1:
+            raise ValueError("verify_window and verify_min_samples must be >= 1")
+        if self.verify_min_samples > self.verify_window:
+            raise ValueError("verify_min_samples must be <= verify_window")
+        if not 0.0 < self.verify_miss_ratio <= 1.0:
+            raise ValueError("verify_miss_ratio must be in (0, 1]")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be > 0")
+
+
+@dataclass(frozen=True)
+class HashSpec:
+    """How the fleet hashes blocks: must equal every worker's, or its events are refused."""
+
+    block_size: int = 16
+    algo: str = "sha256"
+    seed: str = "vllm-none-hash"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def describe(self) -> str:
+        return f"block_size={self.block_size} hash={self.algo} seed={self.seed!r}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs. `port` 0 binds an ephemeral port."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    policy: str = "kv-aware"
+    index: IndexConfig = field(default_factory=IndexConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    hash_spec: HashSpec | None = None
+    random_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -1,0 +1,118 @@
+"""One worker's KV-event feed into the global index, with verification.
+
+Owner: one `EventFeed` per worker, driven by that worker's subscriber thread, so batches
+of one worker are applied in the order the subscriber delivers them (per-worker ordered
+ingestion); different workers' feeds run side by side.
+
+Each batch is checked before it is applied:
+- `block_size` of every BlockStored must equal the fleet's;
+- a root block (no parent, no extra keys) must hash, with the fleet's algorithm and seed,
+  to the hash the worker reported. This catches a different hash seed or algorithm on the
+  first prompt the worker caches, with certainty, instead of a silent 0% hit rate.
+A failed check refuses the worker's events from then on (its entries are dropped) and
+raises a `config_mismatch` alarm naming the field; routing to it becomes load-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvloop.core.hashing import BlockHasher, event_int
+from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvloop.router.index import PrefixIndex, to_u64
+from kvloop.router.registry import EventCounters
+
+log = logging.getLogger("kvloop.router")
+
+MismatchHandler = Callable[[str, str], None]
+
+
+class EventFeed:
+    """Applies one worker's event batches to the index (called from its subscriber)."""
+
+    def __init__(self, worker: str, index: PrefixIndex, hasher: BlockHasher | None,
+                 counters: EventCounters, on_mismatch: MismatchHandler,
+                 on_signal: Callable[[str, bool], None]):
+        self.worker = worker
+        self.index = index
+        self.hasher = hasher
+        self.counters = counters
+        self.on_mismatch = on_mismatch
+        self.on_signal = on_signal
+        self.refusing: str | None = None if hasher is not None else "no fleet hash spec"
+        self._lock = threading.Lock()
+
+    # --- subscriber callbacks -------------------------------------------------------------
+    def on_batch(self, batch: Any) -> None:
+        """Apply one decoded batch (anything with `.events`), in order."""
+        with self._lock:
+            self.on_signal(self.worker, False)
+            self.counters.batches += 1
+            if self.refusing is not None:
+                self.counters.refused += 1
+                return
+            for ev in getattr(batch, "events", ()):
+                if not self._apply(ev):
+                    return
+
+    def on_clear(self, reason: str) -> None:
+        """The subscriber says the worker's cache state is gone (epoch change, snapshot)."""
+        with self._lock:
+            dropped = self.index.clear_worker(self.worker)
+            self.counters.cleared += 1
+            by = self.counters.clears_by_reason
+            by[reason] = by.get(reason, 0) + 1
+        log.info("index: cleared worker %s (%s, %d entries dropped)", self.worker, reason,
+                 dropped)
+
+    def on_heartbeat(self) -> None:
+        self.on_signal(self.worker, True)
+
+    def refuse(self, reason: str) -> None:
+        """Stop indexing this worker's events and drop what it holds."""
+        with self._lock:
+            self.refusing = reason
+            self.index.clear_worker(self.worker)
+
+    # --- events ---------------------------------------------------------------------------
+    def _apply(self, ev: Any) -> bool:
+        if isinstance(ev, BlockStored):
+            problem = self._check_stored(ev)
+            if problem is not None:
+                self.refusing = problem
+                self.index.clear_worker(self.worker)
+                self.on_mismatch(self.worker, problem)
+                return False
+            self.counters.stored_blocks += len(ev.block_hashes)
+            self.index.store(self.worker, ev.block_hashes)
+        elif isinstance(ev, BlockRemoved):
+            self.counters.removed_blocks += len(ev.block_hashes)
+            self.index.remove(self.worker, ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            self.counters.cleared += 1
+            self.index.clear_worker(self.worker)
+        return True
+
+    def _check_stored(self, ev: BlockStored) -> str | None:
+        """A mismatch description, or None when the event agrees with the fleet's hashing."""
+        hasher = self.hasher
+        assert hasher is not None
+        if ev.block_size != hasher.block_size:
+            return (f"block size {ev.block_size} in its KV events, the fleet uses "
+                    f"{hasher.block_size}")
+        if ev.parent_block_hash is not None or not ev.block_hashes:
+            return None
+        if ev.lora_name is not None or (ev.extra_keys and ev.extra_keys[0] is not None):
+            return None
+        tokens = ev.token_ids[:hasher.block_size]
+        if len(tokens) < hasher.block_size:
+            return None
+        ours = event_int(hasher.hash_range(tokens, None, 0)[0])
+        self.counters.verified_roots += 1
+        if ours != to_u64(ev.block_hashes[0]):
+            return (f"its block hashes differ from the fleet's ({hasher.algo}, seed "
+                    f"{hasher.seed!r}): a different hash seed or algorithm")
+        return None

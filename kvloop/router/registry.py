@@ -1,0 +1,445 @@
+"""Workers: who they are, how loaded, whether their cache signal can be trusted.
+
+Owner: the registry owns every `WorkerState` (load snapshots, in-flight tickets, liveness
+marks, self-verification samples, alarms). The index owns block ownership; the router
+only reads worker states through the registry and reports what happened to it.
+
+Alarms (each names the worker and the likely cause, and turns routing to that worker
+load-only until it clears):
+
+    config_mismatch   the worker's block size / hash algorithm / seed / role differs from
+                      the fleet's (learned at registration, or seen in its events)
+    no_event_source   the worker advertises no KV-event endpoint
+    silent            it served traffic but sent no event and no heartbeat for a window
+    predictions_miss  hits the router predicted keep not happening
+    unpredicted_hits  the worker keeps reporting hits the router did not predict
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvloop.router.config import ROLES, HashSpec, LivenessConfig
+
+CONFIG_MISMATCH = "config_mismatch"
+NO_EVENT_SOURCE = "no_event_source"
+SILENT = "silent"
+PREDICTIONS_MISS = "predictions_miss"
+UNPREDICTED_HITS = "unpredicted_hits"
+ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS)
+
+_CAUSES = {
+    SILENT: "its KV events do not reach the router: wrong --kv-events-endpoint (or a "
+            "firewall / wrong advertised address), or the publisher is down",
+    PREDICTIONS_MISS: "the router's hashes do not match the worker's: different hash seed "
+                      "(PYTHONHASHSEED / --hash-seed), hash algorithm or block size, or "
+                      "BlockRemoved events are lost",
+    UNPREDICTED_HITS: "its events are not indexed: wrong KV-event endpoint, or a different "
+                      "hash seed, hash algorithm or block size",
+    NO_EVENT_SOURCE: "the worker was started without --kv-events-endpoint",
+}
+
+
+def likely_cause(kind: str) -> str:
+    return _CAUSES.get(kind, "")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How a worker was named to the router: `URL[,role][,events=EP][,replay=EP]`."""
+
+    url: str
+    role: str = "both"
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"worker URL must look like http://HOST:PORT, got {self.url!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        url, *rest = [p.strip() for p in text.split(",")]
+        kw: dict[str, str] = {}
+        for item in rest:
+            key, eq, value = item.partition("=")
+            if not eq:
+                kw["role"] = key
+            elif key in ("events", "replay"):
+                kw[f"{key}_endpoint"] = value
+            else:
+                raise ValueError(f"unknown worker option {key!r} in {text!r} "
+                                 f"(expected URL[,role][,events=EP][,replay=EP])")
+        return cls(url.rstrip("/"), **kw)
+
+    @property
+    def name(self) -> str:
+        """The worker's identity in logs, metrics and the index: `host:port`."""
+        return urlsplit(self.url).netloc
+
+
+@dataclass(frozen=True)
+class WorkerDescription:
+    """What a worker says about itself (GET /kvloop/worker)."""
+
+    model: str = ""
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+    capacity_blocks: int | None = None
+    events_endpoint: str | None = None
+    replay_endpoint: str | None = None
+    role: str | None = None
+    epoch: str | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WorkerDescription:
+        """Accepts flat or nested (`hash: {...}`, `kv_events: {...}`) layouts."""
+        h: dict[str, Any] = d["hash"] if isinstance(d.get("hash"), dict) else {}
+        ev: dict[str, Any] = d["kv_events"] if isinstance(d.get("kv_events"), dict) else {}
+        return cls(
+            model=str(_first(d, "model", "model_name", default="")),
+            block_size=_int(_first(d, "block_size", default=None)),
+            hash_algo=_first(h, "algorithm", "algo", default=None)
+            or _first(d, "hash_algo", "hash_algorithm", "prefix_caching_hash_algo",
+                      default=None),
+            hash_seed=_str(_first(h, "seed", default=None)
+                           or _first(d, "hash_seed", default=None)),
+            capacity_blocks=_int(_first(d, "num_gpu_blocks", "kv_capacity_blocks",
+                                        "capacity_blocks", "num_blocks", default=None)),
+            events_endpoint=_first(ev, "endpoint", default=None)
+            or _first(d, "kv_events_endpoint", "events_endpoint", default=None),
+            replay_endpoint=_first(ev, "replay_endpoint", default=None)
+            or _first(d, "kv_events_replay_endpoint", "replay_endpoint", default=None),
+            role=_first(d, "role", default=None),
+            epoch=_str(_first(d, "epoch", default=None)),
+        )
+
+    def hash_spec(self) -> HashSpec | None:
+        if self.block_size is None or self.hash_algo is None or self.hash_seed is None:
+            return None
+        return HashSpec(self.block_size, self.hash_algo, self.hash_seed)
+
+
+def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+def _int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The worker's own figures, from its /metrics (vLLM names)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Alarm:
+    kind: str
+    worker: str
+    detail: str
+    since: float
+
+    @property
+    def message(self) -> str:
+        cause = likely_cause(self.kind)
+        text = f"worker {self.worker}: {self.kind}: {self.detail}"
+        return f"{text} (likely cause: {cause})" if cause else text
+
+
+@dataclass
+class Ticket:
+    """One request the router sent to a worker, until it finishes."""
+
+    request_id: int
+    worker: str
+    prompt_tokens: int
+    uncached_tokens: int
+    predicted_tokens: int
+    sent_at: float
+    first_token_at: float | None = None
+
+
+class Verifier:
+    """Self-verification: predicted vs reported cached tokens, over a sliding window.
+
+    Only requests where either side saw at least one block count. A sample misses when
+    the worker found less than half of a predicted hit (`predictions_miss`), or when it
+    found a hit of which the router predicted less than half (`unpredicted_hits`).
+    """
+
+    def __init__(self, cfg: LivenessConfig):
+        self.cfg = cfg
+        self.samples: deque[str] = deque(maxlen=cfg.verify_window)
+        self.predicted_tokens = 0
+        self.actual_tokens = 0
+
+    def record(self, predicted: int, actual: int, block_size: int) -> None:
+        self.predicted_tokens += predicted
+        self.actual_tokens += actual
+        if predicted < block_size and actual < block_size:
+            return
+        if predicted >= block_size and actual * 2 < predicted:
+            self.samples.append(PREDICTIONS_MISS)
+        elif actual >= block_size and predicted * 2 < actual:
+            self.samples.append(UNPREDICTED_HITS)
+        else:
+            self.samples.append("ok")
+
+    def verdict(self) -> tuple[str, str] | None:
+        """(alarm kind, detail) when the window says predictions are broken, else None."""
+        n = len(self.samples)
+        if n < self.cfg.verify_min_samples:
+            return None
+        miss = sum(1 for s in self.samples if s == PREDICTIONS_MISS)
+        unpred = sum(1 for s in self.samples if s == UNPREDICTED_HITS)
+        if (miss + unpred) / n < self.cfg.verify_miss_ratio:
+            return None
+        kind = PREDICTIONS_MISS if miss >= unpred else UNPREDICTED_HITS
+        return kind, (f"{miss + unpred} of the last {n} cache predictions were wrong "
+                      f"({miss} predicted hits missed, {unpred} hits not predicted)")
+
+    def reset(self) -> None:
+        self.samples.clear()
+
+
+@dataclass
+class EventCounters:
+    """What the router's event feed saw from one worker (besides the subscriber's stats)."""
+
+    batches: int = 0
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared: int = 0
+    refused: int = 0
+    verified_roots: int = 0
+    last_event_at: float | None = None
+    last_heartbeat_at: float | None = None
+    clears_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class WorkerState:
+    """Everything the router knows about one worker. Mutated only through the registry."""
+
+    def __init__(self, spec: WorkerSpec, cfg: LivenessConfig, now: float):
+        self.spec = spec
+        self.name = spec.name
+        self.description = WorkerDescription()
+        self.up = False
+        self.down_reason = "not probed yet"
+        self.load = LoadSnapshot()
+        self.tickets: dict[int, Ticket] = {}
+        self.verifier = Verifier(cfg)
+        self.alarms: dict[str, Alarm] = {}
+        self.events = EventCounters()
+        self.subscribed_at = now
+        self.first_unsignalled_send: float | None = None
+        self.served = 0
+        self.failed = 0
+        self.subscriber_stats: Callable[[], dict[str, Any]] | None = None
+
+    @property
+    def role(self) -> str:
+        return self.spec.role
+
+    @property
+    def load_only(self) -> bool:
+        """True while any alarm says the worker's cache signal is not to be trusted."""
+        return bool(self.alarms)
+
+    def in_flight(self) -> int:
+        return len(self.tickets)
+
+    def prefilling(self) -> list[Ticket]:
+        return [t for t in self.tickets.values() if t.first_token_at is None]
+
+
+class Registry:
+    """The set of workers and their states; thread-safe."""
+
+    def __init__(self, cfg: LivenessConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._workers: dict[str, WorkerState] = {}
+        self._ids = itertools.count(1)
+
+    # --- membership -----------------------------------------------------------------------
+    def add(self, spec: WorkerSpec) -> WorkerState:
+        with self._lock:
+            if spec.name in self._workers:
+                raise ValueError(f"worker {spec.name} is already registered")
+            w = WorkerState(spec, self.cfg, self._clock())
+            self._workers[spec.name] = w
+            return w
+
+    def remove(self, name: str) -> WorkerState | None:
+        with self._lock:
+            return self._workers.pop(name, None)
+
+    def get(self, name: str) -> WorkerState | None:
+        return self._workers.get(name)
+
+    def all(self) -> list[WorkerState]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def usable(self, roles: tuple[str, ...] = ("both",)) -> list[WorkerState]:
+        """Workers that are up and serve one of `roles`."""
+        return [w for w in self.all() if w.up and w.role in roles]
+
+    # --- liveness -------------------------------------------------------------------------
+    def mark_up(self, name: str, description: WorkerDescription) -> None:
+        with self._lock:
+            w = self._workers[name]
+            w.description = description
+            w.up = True
+            w.down_reason = ""
+
+    def mark_down(self, name: str, reason: str) -> bool:
+        """Returns True if the worker was up (so the caller clears its index entries)."""
+        with self._lock:
+            w = self._workers.get(name)
+            if w is None or not w.up:
+                return False
+            w.up = False
+            w.down_reason = reason
+            w.first_unsignalled_send = None
+            w.verifier.reset()
+            w.alarms.pop(SILENT, None)
+            return True
+
+    def set_load(self, name: str, load: LoadSnapshot) -> None:
+        w = self._workers.get(name)
+        if w is not None:
+            w.load = load
+
+    def note_signal(self, name: str, heartbeat: bool = False) -> None:
+        """An event batch (or a heartbeat) arrived from `name`."""
+        w = self._workers.get(name)
+        if w is None:
+            return
+        now = self._clock()
+        if heartbeat:
+            w.events.last_heartbeat_at = now
+        else:
+            w.events.last_event_at = now
+        w.first_unsignalled_send = None
+
+    def restart_liveness(self, name: str) -> None:
+        """A new subscription (or epoch): the silence window starts again."""
+        w = self._workers.get(name)
+        if w is not None:
+            w.subscribed_at = self._clock()
+            w.first_unsignalled_send = None
+            w.verifier.reset()
+
+    # --- tickets --------------------------------------------------------------------------
+    def open_ticket(self, name: str, prompt_tokens: int, uncached_tokens: int,
+                    predicted_tokens: int, expects_event: bool) -> Ticket:
+        with self._lock:
+            w = self._workers[name]
+            now = self._clock()
+            t = Ticket(next(self._ids), name, prompt_tokens, uncached_tokens,
+                       predicted_tokens, now)
+            w.tickets[t.request_id] = t
+            if expects_event and w.first_unsignalled_send is None:
+                w.first_unsignalled_send = now
+            return t
+
+    def first_token(self, t: Ticket) -> None:
+        if t.first_token_at is None:
+            t.first_token_at = self._clock()
+
+    def close_ticket(self, t: Ticket, ok: bool) -> None:
+        with self._lock:
+            w = self._workers.get(t.worker)
+            if w is None:
+                return
+            w.tickets.pop(t.request_id, None)
+            if ok:
+                w.served += 1
+            else:
+                w.failed += 1
+
+    # --- alarms ---------------------------------------------------------------------------
+    def raise_alarm(self, name: str, kind: str, detail: str) -> Alarm | None:
+        """Set alarm `kind` on `name`; returns it if it is new (the caller logs it)."""
+        with self._lock:
+            w = self._workers.get(name)
+            if w is None or kind in w.alarms:
+                return None
+            alarm = Alarm(kind, name, detail, self._clock())
+            w.alarms[kind] = alarm
+            return alarm
+
+    def clear_alarm(self, name: str, kind: str) -> Alarm | None:
+        with self._lock:
+            w = self._workers.get(name)
+            return None if w is None else w.alarms.pop(kind, None)
+
+    def evaluate(self) -> tuple[list[Alarm], list[Alarm]]:
+        """Re-check the time- and sample-based alarms of every worker.
+
+        Returns (raised, cleared). `config_mismatch` and `no_event_source` are set and
+        cleared by registration, not here.
+        """
+        raised: list[Alarm] = []
+        cleared: list[Alarm] = []
+        now = self._clock()
+        for w in self.all():
+            if not w.up:
+                continue
+            self._judge(w, SILENT, self._silence(w, now), raised, cleared)
+            verdict = w.verifier.verdict()
+            for kind in (PREDICTIONS_MISS, UNPREDICTED_HITS):
+                detail = verdict[1] if verdict is not None and verdict[0] == kind else None
+                self._judge(w, kind, detail, raised, cleared)
+        return raised, cleared
+
+    def _judge(self, w: WorkerState, kind: str, detail: str | None,
+               raised: list[Alarm], cleared: list[Alarm]) -> None:
+        if detail is not None:
+            a = self.raise_alarm(w.name, kind, detail)
+            if a is not None:
+                raised.append(a)
+        else:
+            a = self.clear_alarm(w.name, kind)
+            if a is not None:
+                cleared.append(a)
+
+    def _silence(self, w: WorkerState, now: float) -> str | None:
+        """Detail of the `silent` alarm, or None while the worker is not silent."""
+        if NO_EVENT_SOURCE in w.alarms or w.first_unsignalled_send is None:
+            return None
+        quiet = now - max(w.first_unsignalled_send, w.subscribed_at)
+        if quiet < self.cfg.window_s:
+            return None
+        last = max((t for t in (w.events.last_event_at, w.events.last_heartbeat_at)
+                    if t is not None), default=None)
+        ago = "never" if last is None else f"{now - last:.1f}s ago"
+        return (f"served traffic but sent no KV event or heartbeat for {quiet:.1f}s "
+                f"(window {self.cfg.window_s:g}s; last signal: {ago})")

@@ -1,0 +1,374 @@
+"""The router's brain, without HTTP: register workers, hash prompts, pick, account.
+
+Owner: `Router` owns the prefix index, the registry, the event feeds and subscribers and
+the metrics; the HTTP front (`proxy.py`) calls `route()` / `first_token()` / `finish()`
+around each forwarded request and `register()` / `worker_down()` when it learns about a
+worker, and nothing else.
+
+Request lifecycle:
+    1. route(tokens): hash full blocks with the fleet's algorithm and seed; match the
+       index (confirmed + provisional); score candidates (policy); add provisional entries
+       for the chosen worker; open a ticket (in-flight load, predicted hit).
+    2. first_token(ticket): its prefill is done; its tokens leave the worker's queue.
+    3. finish(ticket, cached_tokens): compare the reported hit with the prediction
+       (self-verification); close the ticket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvloop.core.hashing import BlockHasher, block_extra_keys, event_int
+from kvloop.router.config import HashSpec, RouterConfig
+from kvloop.router.feed import EventFeed
+from kvloop.router.index import PrefixIndex
+from kvloop.router.metrics import RouterMetrics
+from kvloop.router.registry import (
+    CONFIG_MISMATCH,
+    NO_EVENT_SOURCE,
+    Alarm,
+    Registry,
+    Ticket,
+    WorkerDescription,
+    WorkerSpec,
+    WorkerState,
+)
+from kvloop.router.scorer import Candidate, Decision, RouteRequest, hit_tokens, make_policy
+
+log = logging.getLogger("kvloop.router")
+
+
+class NoWorkerError(RuntimeError):
+    """No usable worker for the request (the HTTP front answers 503)."""
+
+
+class Subscription(Protocol):
+    """A running KV-event subscription to one worker."""
+
+    def stop(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+SubscriberFactory = Callable[[str, str | None, EventFeed], Subscription]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The outcome of `route()`: where to send the request and its ticket."""
+
+    worker: WorkerState
+    decision: Decision
+    ticket: Ticket
+    predicted_tokens: int
+    num_blocks: int
+
+
+class Router:
+    """Index + registry + policy + feeds; thread-safe for one event loop plus feeds."""
+
+    def __init__(self, config: RouterConfig | None = None,
+                 subscriber_factory: SubscriberFactory | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config or RouterConfig()
+        self.clock = clock
+        self.index = PrefixIndex(self.config.index, clock)
+        self.registry = Registry(self.config.liveness, clock)
+        self.metrics = RouterMetrics(self.registry, self.index, clock)
+        self.policy = make_policy(self.config.policy, self.config.cost,
+                                  self.config.random_seed)
+        self.hash_spec: HashSpec | None = self.config.hash_spec
+        self.hasher = self._make_hasher(self.hash_spec)
+        self._subscriber_factory = subscriber_factory
+        self._feeds: dict[str, EventFeed] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._epochs: dict[str, tuple[str | None, str | None, str | None]] = {}
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def _make_hasher(spec: HashSpec | None) -> BlockHasher | None:
+        return None if spec is None else BlockHasher(spec.block_size, spec.algo, spec.seed)
+
+    # --- membership -----------------------------------------------------------------------
+    def register(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
+        """Add (or refresh) a worker that answered with `desc`; returns warnings.
+
+        The first worker that discloses its hashing fixes the fleet's, unless the config
+        did. A worker that disagrees (block size, algorithm, seed, role) is kept for
+        load-only routing, its events are refused, and a `config_mismatch` alarm says why.
+        """
+        with self._lock:
+            w = self.registry.get(spec.name) or self.registry.add(spec)
+            offered = desc.hash_spec()
+            if self.hash_spec is None and offered is not None:
+                self.hash_spec = offered
+                self.hasher = self._make_hasher(offered)
+                log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
+            self.index.add_worker(spec.name, desc.capacity_blocks)
+            identity = (desc.epoch, self._events_endpoint(spec, desc),
+                        self._replay_endpoint(spec, desc))
+            renewed = self._epochs.get(spec.name) != identity
+            self._epochs[spec.name] = identity
+            if renewed:
+                self._restart_feed(w, spec, desc)
+            self.registry.mark_up(spec.name, desc)
+            return self._check_worker(w, spec, desc)
+
+    def deregister(self, name: str) -> bool:
+        with self._lock:
+            self._stop_feed(name)
+            self._epochs.pop(name, None)
+            dropped = self.index.remove_worker(name)
+            removed = self.registry.remove(name) is not None
+        if removed:
+            log.info("worker %s deregistered (%d index entries dropped)", name, dropped)
+        return removed
+
+    def worker_down(self, name: str, reason: str) -> None:
+        """`name` stopped answering: drop its entries; its subscription restarts on return."""
+        with self._lock:
+            if not self.registry.mark_down(name, reason):
+                return
+            self._stop_feed(name)
+            self._epochs.pop(name, None)
+            dropped = self.index.clear_worker(name)
+        log.warning("worker %s is down (%s): %d index entries dropped; new requests go "
+                    "to other workers", name, reason, dropped)
+
+    def _events_endpoint(self, spec: WorkerSpec, desc: WorkerDescription) -> str | None:
+        return spec.events_endpoint or desc.events_endpoint
+
+    def _replay_endpoint(self, spec: WorkerSpec, desc: WorkerDescription) -> str | None:
+        return spec.replay_endpoint or desc.replay_endpoint
+
+    def _restart_feed(self, w: WorkerState, spec: WorkerSpec,
+                      desc: WorkerDescription) -> None:
+        self._stop_feed(w.name)
+        self.index.clear_worker(w.name)
+        self.registry.restart_liveness(w.name)
+        feed = EventFeed(w.name, self.index, self.hasher, w.events, self._on_mismatch,
+                         self.registry.note_signal)
+        self._feeds[w.name] = feed
+        endpoint = self._events_endpoint(spec, desc)
+        if endpoint is None or self._subscriber_factory is None:
+            w.subscriber_stats = None
+            return
+        sub = self._subscriber_factory(endpoint, self._replay_endpoint(spec, desc), feed)
+        self._subs[w.name] = sub
+        w.subscriber_stats = sub.stats
+
+    def _stop_feed(self, name: str) -> None:
+        sub = self._subs.pop(name, None)
+        feed = self._feeds.pop(name, None)
+        if feed is not None:
+            feed.refusing = "stopped"
+        if sub is not None:
+            try:
+                sub.stop()
+            except Exception:  # a dead socket must not block deregistration
+                log.exception("stopping the KV-event subscription of %s failed", name)
+
+    def feed(self, name: str) -> EventFeed | None:
+        return self._feeds.get(name)
+
+    def _check_worker(self, w: WorkerState, spec: WorkerSpec,
+                      desc: WorkerDescription) -> list[str]:
+        problems = self._mismatches(spec, desc)
+        warnings: list[str] = []
+        if problems:
+            detail = "; ".join(problems)
+            feed = self._feeds.get(w.name)
+            if feed is not None:
+                feed.refuse(detail)
+            self._raise(w.name, CONFIG_MISMATCH, detail + " (its KV events are refused)")
+            warnings.append(f"{w.name}: {detail}")
+        else:
+            self._clear(w.name, CONFIG_MISMATCH)
+        if self._events_endpoint(spec, desc) is None:
+            self._raise(w.name, NO_EVENT_SOURCE, "it advertises no KV-event endpoint")
+            warnings.append(f"{w.name}: no KV-event endpoint")
+        else:
+            self._clear(w.name, NO_EVENT_SOURCE)
+        return warnings
+
+    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
+        fleet = self.hash_spec
+        out: list[str] = []
+        if fleet is not None:
+            for field, theirs, ours in (("block size", desc.block_size, fleet.block_size),
+                                        ("hash algorithm", desc.hash_algo, fleet.algo),
+                                        ("hash seed", desc.hash_seed, fleet.seed)):
+                if theirs is not None and theirs != ours:
+                    out.append(f"{field} {theirs!r} differs from the fleet's {ours!r}")
+        if desc.role is not None and desc.role != spec.role:
+            out.append(f"it serves role {desc.role!r} but was registered as {spec.role!r}")
+        return out
+
+    def _on_mismatch(self, name: str, detail: str) -> None:
+        self._raise(name, CONFIG_MISMATCH, detail + " (seen in its KV events; refused)")
+
+    # --- alarms ---------------------------------------------------------------------------
+    def _raise(self, name: str, kind: str, detail: str) -> None:
+        alarm = self.registry.raise_alarm(name, kind, detail)
+        if alarm is not None:
+            self._announce(alarm)
+
+    def _clear(self, name: str, kind: str) -> None:
+        alarm = self.registry.clear_alarm(name, kind)
+        if alarm is not None:
+            log.warning("worker %s: %s cleared", name, kind)
+
+    def _announce(self, alarm: Alarm) -> None:
+        self.metrics.alarms_raised.labels(alarm.worker, alarm.kind).inc()
+        log.warning("%s; routing to %s is load-only (no cache credit) until this clears",
+                    alarm.message, alarm.worker)
+
+    def check_liveness(self) -> list[Alarm]:
+        """Re-evaluate time- and verification-based alarms; returns the new ones."""
+        raised, cleared = self.registry.evaluate()
+        for a in raised:
+            self._announce(a)
+        for a in cleared:
+            log.warning("worker %s: %s cleared; cache-aware routing to it resumes",
+                        a.worker, a.kind)
+        self.index.expire_provisional()
+        return raised
+
+    # --- routing --------------------------------------------------------------------------
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """The fleet's 64-bit block hashes of every full block of `token_ids`."""
+        hasher = self.hasher
+        if hasher is None:
+            return []
+        extra = None
+        if cache_salt is not None:
+            n = len(token_ids) // hasher.block_size
+            extra = [block_extra_keys(i, cache_salt=cache_salt) for i in range(n)]
+        return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
+
+    def route(self, token_ids: Sequence[int], roles: tuple[str, ...] = ("both",),
+              exclude: Sequence[str] = (), cache_salt: str | None = None,
+              expected_output_tokens: int = 16) -> Routed:
+        """Pick a worker for a prompt and open its ticket. Raises NoWorkerError."""
+        t0 = time.perf_counter()
+        workers = [w for w in self.registry.usable(roles) if w.name not in exclude]
+        if not workers:
+            raise NoWorkerError(self._no_worker_message(roles))
+        hashes = self.block_hashes(token_ids, cache_salt)
+        matches = self.index.match(hashes, [w.name for w in workers]) if hashes else {}
+        candidates = [self._candidate(w, matches.get(w.name, 0)) for w in workers]
+        bs = self.hash_spec.block_size if self.hash_spec else 16
+        req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
+                           expected_output_tokens)
+        decision = self.policy.choose(candidates, req)
+        chosen = self.registry.get(decision.worker)
+        assert chosen is not None
+        predicted = hit_tokens(matches.get(chosen.name, 0), len(token_ids), bs)
+        self.index.add_provisional(chosen.name, hashes)
+        expects_event = len(hashes) * bs > predicted
+        ticket = self.registry.open_ticket(chosen.name, len(token_ids),
+                                           len(token_ids) - predicted, predicted,
+                                           expects_event)
+        self._count_decision(decision, chosen.name, len(token_ids), predicted, t0)
+        return Routed(chosen, decision, ticket, predicted, len(hashes))
+
+    def _candidate(self, w: WorkerState, cached_blocks: int) -> Candidate:
+        prefilling = w.prefilling()
+        return Candidate(
+            name=w.name, cached_blocks=cached_blocks, load_only=w.load_only,
+            in_flight=w.in_flight(), prefilling=len(prefilling),
+            queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
+            running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
+            capacity_blocks=w.description.capacity_blocks)
+
+    def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
+                        t0: float) -> None:
+        m = self.metrics
+        m.decisions.labels(self.policy.name, d.reason).inc()
+        m.prompt_tokens.labels(worker).inc(prompt_tokens)
+        m.predicted_hit.labels(worker).inc(predicted)
+        if prompt_tokens:
+            m.match_fraction.observe(predicted / prompt_tokens)
+        m.decision_seconds.observe(time.perf_counter() - t0)
+
+    def _no_worker_message(self, roles: tuple[str, ...]) -> str:
+        all_workers = self.registry.all()
+        if not all_workers:
+            return "no worker is registered"
+        down = [f"{w.name} ({w.down_reason})" for w in all_workers if not w.up]
+        text = f"no usable worker with role {'/'.join(roles)}"
+        return text + (f"; down: {', '.join(down)}" if down else "")
+
+    def first_token(self, ticket: Ticket) -> None:
+        self.registry.first_token(ticket)
+
+    def finish(self, ticket: Ticket, cached_tokens: int | None, ok: bool) -> None:
+        """Close the ticket; with a reported hit, verify the prediction."""
+        self.registry.close_ticket(ticket, ok)
+        self.metrics.requests.labels(ticket.worker, "ok" if ok else "error").inc()
+        if cached_tokens is None:
+            return
+        self.metrics.actual_hit.labels(ticket.worker).inc(cached_tokens)
+        w = self.registry.get(ticket.worker)
+        if w is not None and w.up:
+            bs = self.hash_spec.block_size if self.hash_spec else 16
+            w.verifier.record(ticket.predicted_tokens, cached_tokens, bs)
+
+    # --- health ---------------------------------------------------------------------------
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body): 200 ok/degraded with reasons; 503 when nothing is usable."""
+        workers = self.registry.all()
+        reasons = [a.message for w in workers if w.up for a in w.alarms.values()]
+        reasons += [f"worker {w.name} is down: {w.down_reason}" for w in workers if not w.up]
+        usable = [w for w in workers if w.up]
+        status = "ok" if not reasons else "degraded"
+        if not usable:
+            status = "unavailable"
+        body = {"status": status, "reasons": reasons,
+                "workers": {w.name: self.describe_worker(w) for w in workers}}
+        return (200 if usable else 503), body
+
+    def describe_worker(self, w: WorkerState) -> dict[str, Any]:
+        now = self.clock()
+        e = w.events
+        return {
+            "url": w.spec.url, "role": w.role, "up": w.up, "down_reason": w.down_reason,
+            "routing": "load-only" if w.load_only else "cache-aware",
+            "alarms": {k: a.message for k, a in w.alarms.items()},
+            "in_flight": w.in_flight(), "served": w.served, "failed": w.failed,
+            "index_blocks": self.index.worker_blocks(w.name),
+            "epoch": w.description.epoch,
+            "events": {
+                "batches": e.batches, "stored_blocks": e.stored_blocks,
+                "removed_blocks": e.removed_blocks, "cleared": e.cleared,
+                "refused_batches": e.refused, "verified_roots": e.verified_roots,
+                "last_event_age_s": None if e.last_event_at is None else now - e.last_event_at,
+                "last_heartbeat_age_s": None if e.last_heartbeat_at is None
+                else now - e.last_heartbeat_at,
+                "subscriber": w.subscriber_stats() if w.subscriber_stats else None,
+            },
+            "verification": {"predicted_tokens": w.verifier.predicted_tokens,
+                             "actual_tokens": w.verifier.actual_tokens,
+                             "window": list(w.verifier.samples)},
+            "load": {"running": w.load.running, "waiting": w.load.waiting,
+                     "kv_usage": w.load.kv_usage},
+        }
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for name in list(self._subs):
+                self._stop_feed(name)
+
+
+def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
+    """What identifies the prompt's prefix for rendezvous tie-breaks."""
+    if hashes:
+        return hashes[0]
+    digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

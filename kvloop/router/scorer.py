@@ -1,0 +1,247 @@
+"""Scoring and routing policies: pure functions of candidate snapshots, no I/O.
+
+Every candidate is scored with one cost model (Dynamo's is the reference): the work, in
+prompt tokens, that stands between this request and its first token on that worker.
+
+    cost = queued_prefill                      router-sent prompts not yet started there,
+                                               + requests waiting there that it did not send
+         + prompt_tokens - credited_hit        what this request must prefill there
+         + decode_token_cost * active_requests the decode batch each prefill step shares
+         + kv_shortage_weight * recompute      blocks it lacks, in tokens (KV usage)
+
+`credited_hit` is the predicted cached prefix, capped as vLLM caps a hit (the last prompt
+token is always recomputed), times `cache_credit`; it is 0 for a worker whose cache signal
+is not trusted (load-only fallback). The cheapest worker wins; ties go to the worker with
+fewer requests in flight, then to a rendezvous hash of the prompt's first block, so cold
+requests of one prefix land on one worker.
+
+Hot prefixes (bounded load): a worker is saturated when its in-flight requests would exceed
+`load_bound` x the fleet mean (counting this request). When the cheapest worker is
+saturated, the request goes to the cheapest unsaturated one instead: the hot prefix is
+replicated on purpose to one more worker (which then shares it through the same cost
+model), rather than piling onto its holder or giving up affinity fleet-wide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvloop.router.config import CostConfig
+
+# Decision reasons (a metric label each).
+COLD = "cold"                          # no worker holds any of the prefix
+PREFIX_HIT = "prefix_hit"              # the worker with the longest cached prefix
+LOAD_OVERRIDE = "load_override"        # a shorter/no match won on cost (holder busier)
+HOT_PREFIX_REPLICA = "hot_prefix_replica"  # holder saturated: prefix copied to another
+BOUNDED_LOAD = "bounded_load"          # cheapest worker saturated, no prefix involved
+LOAD_ONLY = "load_only"                # chosen worker's cache signal is distrusted
+ROUND_ROBIN = "round_robin"
+LEAST_LOADED = "least_loaded"
+RANDOM = "random"
+REASONS = (COLD, PREFIX_HIT, LOAD_OVERRIDE, HOT_PREFIX_REPLICA, BOUNDED_LOAD, LOAD_ONLY,
+           ROUND_ROBIN, LEAST_LOADED, RANDOM)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker as the scorer sees it at decision time.
+
+    `cached_blocks`: predicted consecutive cached prefix (blocks). `load_only`: the cache
+    signal of this worker is distrusted, so its prediction earns no credit.
+    `in_flight`: requests the router sent and that have not finished; `prefilling`: those
+    of them still before their first token, holding `queued_prefill_tokens` uncached
+    tokens. `running`/`waiting`/`kv_usage`: the worker's own last reported figures.
+    """
+
+    name: str
+    cached_blocks: int = 0
+    load_only: bool = False
+    in_flight: int = 0
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    capacity_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What the policy knows about the request being routed."""
+
+    prompt_tokens: int
+    block_size: int
+    prefix_key: int = 0
+    expected_output_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen worker, why, and the figures behind it (for metrics and logs)."""
+
+    worker: str
+    reason: str
+    cost: float = 0.0
+    credited_cached_tokens: int = 0
+    costs: dict[str, float] = field(default_factory=dict)
+
+
+def hit_tokens(cached_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens an engine can reuse from `cached_blocks`: never the prompt's last token."""
+    if prompt_tokens <= 0:
+        return 0
+    usable_blocks = (prompt_tokens - 1) // block_size
+    return min(cached_blocks, usable_blocks) * block_size
+
+
+def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
+    """The candidate's estimated work (tokens) before this request's first token."""
+    credited = 0.0 if c.load_only else cfg.cache_credit * hit_tokens(
+        c.cached_blocks, req.prompt_tokens, req.block_size)
+    own_prefill = req.prompt_tokens - credited
+    unknown_waiting = max(0, c.waiting - c.prefilling)
+    queued = c.queued_prefill_tokens + unknown_waiting * req.prompt_tokens
+    active = max(c.in_flight, c.running + c.waiting)
+    return (queued + own_prefill + cfg.decode_token_cost * active
+            + cfg.kv_shortage_weight * _recompute_tokens(c, req, credited))
+
+
+def _recompute_tokens(c: Candidate, req: RouteRequest, credited: float) -> float:
+    """Tokens some request will recompute if the worker lacks free blocks for this one."""
+    if not c.capacity_blocks:
+        return 0.0
+    bs = req.block_size
+    needed = -(-(req.prompt_tokens + req.expected_output_tokens - int(credited)) // bs)
+    free = c.capacity_blocks * (1.0 - min(max(c.kv_usage, 0.0), 1.0))
+    return max(0.0, needed - free) * bs
+
+
+def rendezvous(key: int, name: str) -> int:
+    """Highest-random-weight hash of (key, worker): a stable per-prefix preference order."""
+    digest = hashlib.blake2b(f"{key}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _pick(costs: dict[str, float], cands: dict[str, Candidate], key: int) -> str:
+    """Cheapest; ties: fewer in flight, then the prefix's rendezvous order."""
+    return min(costs, key=lambda n: (round(costs[n], 6), cands[n].in_flight,
+                                     -rendezvous(key, n)))
+
+
+def saturated(c: Candidate, candidates: list[Candidate], load_bound: float) -> bool:
+    """Bounded load: would one more request push `c` over `load_bound` x the mean?"""
+    total = sum(x.in_flight for x in candidates) + 1
+    cap = load_bound * total / len(candidates)
+    return c.in_flight + 1 > max(cap, 1.0)
+
+
+def kv_aware(candidates: list[Candidate], req: RouteRequest, cfg: CostConfig) -> Decision:
+    """The default policy: lowest estimated cost, with bounded-load hot-prefix replication."""
+    if not candidates:
+        raise ValueError("no candidate workers")
+    cands = {c.name: c for c in candidates}
+    costs = {c.name: estimate_cost(c, req, cfg) for c in candidates}
+    chosen = _pick(costs, cands, req.prefix_key)
+    reason = _reason(cands, chosen)
+    if len(candidates) > 1 and saturated(cands[chosen], candidates, cfg.load_bound):
+        free = {n: costs[n] for n, c in cands.items()
+                if not saturated(c, candidates, cfg.load_bound)}
+        if free:
+            holder_hit = cands[chosen].cached_blocks > 0 and not cands[chosen].load_only
+            chosen = _pick(free, cands, req.prefix_key)
+            reason = HOT_PREFIX_REPLICA if holder_hit else BOUNDED_LOAD
+    c = cands[chosen]
+    credited = 0 if c.load_only else hit_tokens(c.cached_blocks, req.prompt_tokens,
+                                                req.block_size)
+    return Decision(chosen, reason, costs[chosen], credited, costs)
+
+
+def _reason(cands: dict[str, Candidate], chosen: str) -> str:
+    c = cands[chosen]
+    if c.load_only:
+        return LOAD_ONLY
+    best = max((x.cached_blocks for x in cands.values() if not x.load_only), default=0)
+    if best == 0:
+        return COLD
+    return PREFIX_HIT if c.cached_blocks == best else LOAD_OVERRIDE
+
+
+class Policy(Protocol):
+    """Chooses one of `candidates` (never empty) for `req`."""
+
+    name: str
+
+    def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision: ...
+
+
+class KvAwarePolicy:
+    name = "kv-aware"
+
+    def __init__(self, cfg: CostConfig):
+        self.cfg = cfg
+
+    def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:
+        return kv_aware(candidates, req, self.cfg)
+
+
+class RoundRobinPolicy:
+    """Each request to the next worker in name order; ignores caches and load."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.name)
+        c = ordered[self._next % len(ordered)]
+        self._next += 1
+        return Decision(c.name, ROUND_ROBIN)
+
+
+class LeastLoadedPolicy:
+    """The cost model with no cache credit: load only; ties rotate round-robin."""
+
+    name = "least-loaded"
+
+    def __init__(self, cfg: CostConfig):
+        self.cfg = CostConfig(decode_token_cost=cfg.decode_token_cost, cache_credit=0.0,
+                              load_bound=cfg.load_bound,
+                              kv_shortage_weight=cfg.kv_shortage_weight)
+        self._turn = 0
+
+    def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:
+        costs = {c.name: estimate_cost(c, req, self.cfg) for c in candidates}
+        low = min(round(v, 6) for v in costs.values())
+        tied = sorted(n for n, v in costs.items() if round(v, 6) == low)
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return Decision(chosen, LEAST_LOADED, costs[chosen], 0, costs)
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, seed: int | None = None):
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:
+        ordered = sorted(candidates, key=lambda c: c.name)
+        return Decision(self._rng.choice(ordered).name, RANDOM)
+
+
+def make_policy(name: str, cfg: CostConfig, seed: int | None = None) -> Policy:
+    """The policy called `name` (kv-aware, round-robin, least-loaded, random)."""
+    if name == "kv-aware":
+        return KvAwarePolicy(cfg)
+    if name == "round-robin":
+        return RoundRobinPolicy()
+    if name == "least-loaded":
+        return LeastLoadedPolicy(cfg)
+    if name == "random":
+        return RandomPolicy(seed)
+    raise ValueError(f"unknown policy {name!r}; choose kv-aware, round-robin, "
+                     f"least-loaded or random")
