@@ -24,6 +24,9 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
+	# Headless Chromium opens the schedule page in tests (Debian package; no-op when present).
+	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo 'warning: chromium could not be installed; the HTML page test will be skipped'
 
 serve: install
 	$(VENV)/bin/kvloop serve --host $(HOST) --port $(PORT)

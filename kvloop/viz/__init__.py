@@ -1,0 +1,1 @@
+"""Pictures of a recorded schedule: `kvloop trace F --out schedule.png --html schedule.html`."""
