@@ -1,0 +1,308 @@
+"""Offline inference shaped like vLLM's: `LLM(model).generate(prompts, params)`.
+
+Everything runs in this process: the tokenizer (`kvloop.server.tokenizer`), the real
+scheduler, KV cache manager and block pool (`EngineCore`), and the model runner. `generate`
+adds every request, steps the engine until all finish (with a tqdm progress bar), and returns
+one `RequestOutput` per prompt, in prompt order.
+
+What the engine does not do and this module does: `n` > 1 (fanned out into n requests;
+seeded ones get seeds seed, seed+1...), stop strings (detokenized incrementally; a hit aborts
+the request and truncates its text), EOS filled from the tokenizer, text and logprob decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.core.engine import EngineCore
+from kvloop.core.request import SamplingParams
+from kvloop.core.runner import Runner
+from kvloop.server.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvloop.wire import EngineCoreOutput
+
+PromptType = str | dict[str, Any]
+Message = dict[str, Any]
+
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+OFFLINE_MAX_NUM_SEQS = 256
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Sequence:
+    """One engine request (one of a prompt's n samples) while it runs."""
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """An in-process engine for offline batch generation."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 dtype: str = "auto", device: str = "auto", seed: int = 0,
+                 max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
+                 check_invariants: bool = False):
+        from kvloop.model import load_runner
+
+        runner = load_runner(model, dtype=dtype, device=device, block_size=block_size,
+                             kv_cache_memory=kv_cache_memory,
+                             num_gpu_blocks_override=num_gpu_blocks_override,
+                             max_model_len=max_model_len, seed=seed)
+        tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
+        config = engine_config(runner.max_model_len, block_size=block_size,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               max_num_seqs=max_num_seqs,
+                               enable_prefix_caching=enable_prefix_caching,
+                               enable_chunked_prefill=enable_chunked_prefill,
+                               long_prefill_token_threshold=long_prefill_token_threshold,
+                               check_invariants=check_invariants)
+        self._init(runner, tok, config, runner.num_gpu_blocks)
+
+    @classmethod
+    def from_runner(cls, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
+                    num_gpu_blocks: int) -> LLM:
+        """An LLM over an existing runner (tests and benchmarks share one loaded model)."""
+        llm = cls.__new__(cls)
+        llm._init(runner, tokenizer, config, num_gpu_blocks)
+        return llm
+
+    def _init(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
+              num_gpu_blocks: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (text, or `{"prompt_token_ids": [...]}`)."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        encoded = [self._encode_prompt(p) for p in prompt_list]
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to one conversation (or a list of them) and generate."""
+        conversations = ([messages] if messages and isinstance(messages[0], dict)
+                         else list(messages))
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conv), add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                **(chat_template_kwargs or {}))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError("a prompt is a string or a dict with 'prompt_token_ids' or 'prompt', "
+                         f"got {prompt!r}")
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        seqs = self._add_requests(encoded, params)
+        live = {s.request_id: s for s in seqs}
+        try:
+            self._drive(live, len(seqs), use_tqdm)
+        finally:
+            if live:  # interrupted: leave the engine clean for the next call
+                self.engine.abort_requests(list(live))
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
+        return self._collect(encoded, seqs)
+
+    def _add_requests(self, encoded: list[tuple[str | None, list[int]]],
+                      params: list[SamplingParams]) -> list[_Sequence]:
+        seqs: list[_Sequence] = []
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params, strict=True)):
+            for j in range(sp.n):
+                sub = self._sample_params(sp, j)
+                rid = str(next(self._ids))
+                request = self.engine.make_request(rid, ids, sub)
+                detok = (IncrementalDetokenizer(self.tokenizer, ids, sub.skip_special_tokens)
+                         if sub.stop else None)
+                seqs.append(_Sequence(rid, i, j, ids, sub, detok,
+                                      logprobs=[] if sub.logprobs is not None else None))
+                self.engine.add_request(request)
+        return seqs
+
+    def _sample_params(self, sp: SamplingParams, index: int) -> SamplingParams:
+        changes: dict[str, Any] = {"n": 1}
+        if sp.eos_token_id is None and self.tokenizer.eos_token_id is not None:
+            changes["eos_token_id"] = self.tokenizer.eos_token_id
+        if sp.seed is not None and index:
+            changes["seed"] = sp.seed + index
+        return dataclasses.replace(sp, **changes)
+
+    def _drive(self, live: dict[str, _Sequence], total: int, use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm
+
+        with tqdm(total=total, desc="Processed prompts", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while self.engine.has_unfinished_requests():
+                result = self.engine.step()
+                for out in result.outputs:
+                    seq = live.get(out.request_id)
+                    if seq is None:
+                        continue
+                    if self._absorb(seq, out):
+                        del live[out.request_id]
+                        bar.update(1)
+
+    def _absorb(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
+        """Record one step's tokens; True once the sequence is finished."""
+        seq.token_ids.extend(out.new_token_ids)
+        seq.num_cached_tokens = out.num_cached_tokens
+        if out.new_logprobs is not None and seq.logprobs is not None:
+            for lp in out.new_logprobs:
+                seq.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank,
+                                                       lp.top_token_ids, lp.top_logprobs))
+                seq.cumulative_logprob += lp.logprob
+        if seq.detokenizer is not None and self._hit_stop_string(seq, out.new_token_ids):
+            self.engine.abort_requests([seq.request_id])
+            return True
+        if out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            return True
+        return False
+
+    def _hit_stop_string(self, seq: _Sequence, new_ids: list[int]) -> bool:
+        assert seq.detokenizer is not None
+        seq.detokenizer.push(new_ids)
+        text = seq.detokenizer.text
+        for stop in seq.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                end = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text, seq.finish_reason, seq.stop_reason = text[:end], "stop", stop
+                return True
+        return False
+
+    def _logprob_dict(self, token_id: int, logprob: float, rank: int,
+                      top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
+        entry = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id], False))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=False), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, r, self.tokenizer.decode([tid], False))
+        return entry
+
+    def _collect(self, encoded: list[tuple[str | None, list[int]]],
+                 seqs: list[_Sequence]) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
+        for i, (prompt, ids) in enumerate(encoded):
+            mine = [s for s in seqs if s.prompt_index == i]
+            outputs = [self._completion(s) for s in mine]
+            results.append(RequestOutput(
+                request_id=mine[0].request_id, prompt=prompt, prompt_token_ids=ids,
+                outputs=outputs, finished=all(o.finish_reason for o in outputs),
+                num_cached_tokens=mine[0].num_cached_tokens))
+        return results
+
+    def _completion(self, seq: _Sequence) -> CompletionOutput:
+        text = seq.text
+        if text is None:
+            text = self.tokenizer.decode(seq.token_ids, seq.params.skip_special_tokens)
+        return CompletionOutput(
+            index=seq.sample_index, text=text, token_ids=list(seq.token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=seq.logprobs, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def engine_config(max_model_len: int, *, block_size: int = 16,
+                  max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
+                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                  check_invariants: bool = False, num_gpu_blocks: int = 1024) -> EngineConfig:
+    """The offline engine's config; `max_num_seqs` defaults to min(256, token budget)."""
+    seqs = max_num_seqs or min(OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens)
+    return EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=seqs, max_model_len=max_model_len,
+                                  enable_chunked_prefill=enable_chunked_prefill,
+                                  long_prefill_token_threshold=long_prefill_token_threshold),
+        check_invariants=check_invariants, log_stats=False)
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                       count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,43 @@
+"""The model package: the only part of kvloop that imports torch.
+
+`load_runner(...)` reads a model (the embedded SmolLM2 GGUF by default, a `.gguf` file or a
+Hugging Face folder), builds the Llama-family model on the chosen device and dtype, sizes
+and allocates the paged KV cache, and returns a `ModelRunner` (the core's Runner protocol).
+The engine then builds `EngineCore(config, runner, num_gpu_blocks=runner.num_gpu_blocks)`.
+
+Importing this package does not import torch; `load_runner` does.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvloop.model.runner import ModelRunner
+
+__all__ = ["DEFAULT_KV_CACHE_MEMORY", "load_runner"]
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2 in bf16, 23k in fp32
+
+
+def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                block_size: int = 16, kv_cache_memory: int | None = None,
+                num_gpu_blocks_override: int | None = None, max_model_len: int | None = None,
+                seed: int = 0) -> ModelRunner:
+    """Load a model and return its runner.
+
+    - `model`: None (embedded SmolLM2-135M-Instruct), a `.gguf` path or an HF folder;
+    - `dtype`: "auto" (bf16 where the device supports it, else fp32 on CPU / fp16 on CUDA),
+      "float32", "bfloat16" or "float16";
+    - `device`: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1"...;
+    - `kv_cache_memory`: bytes for the KV cache (default `DEFAULT_KV_CACHE_MEMORY`);
+      `num_gpu_blocks_override` sets the number of blocks (null block included) instead;
+    - `max_model_len`: cap on the context length (default: the model's, capped by the KV
+      cache's capacity).
+    """
+    from kvloop.model.setup import build_runner
+
+    return build_runner(model, dtype=dtype, device=device, block_size=block_size,
+                        kv_cache_memory=kv_cache_memory,
+                        num_gpu_blocks_override=num_gpu_blocks_override,
+                        max_model_len=max_model_len, seed=seed)

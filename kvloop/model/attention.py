@@ -1,0 +1,120 @@
+"""Paged attention over a flattened batch: write K/V by `slot_mapping`, read by block table.
+
+The KV cache of one layer is one tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(K then V, token-major inside a block). Slot `s` is token `s % block_size` of block
+`s // block_size`; block 0 is the engine's null block (never holds live data, used as
+padding in block tables).
+
+A step's tokens are laid out decodes first, then prefill chunks (vLLM's order):
+
+    | d0 d1 ... d(D-1) | chunk 0 ......... | chunk 1 ... |
+      one query token    q_len tokens of one request each,
+      per request        after `context_len` computed ones
+
+- decodes (q_len == 1) attend in one batched call: their blocks are gathered into a padded
+  `[D, kv_heads, L, head_dim]` view and masked by `seq_lens`;
+- each prefill chunk attends with SDPA: `is_causal` when it has no computed context, else
+  an explicit lower-right causal mask over `context_len + q_len` keys gathered from the cache
+  (SDPA's `is_causal` is top-left aligned, wrong once a prefix is cached).
+
+Everything here is metadata built once per step by the runner (`AttentionMetadata`), shared by
+all layers; there is no module-global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of more than one query token."""
+
+    start: int                       # first token of the chunk in the flattened batch
+    end: int                         # one past its last token
+    context_len: int                 # tokens computed before this chunk (cached prefix)
+    block_ids: torch.Tensor | None   # [num_blocks] covering context + chunk; None if no context
+    mask: torch.Tensor | None        # [q_len, context_len + q_len] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, for every layer."""
+
+    slot_mapping: torch.Tensor                   # [num_tokens] int64: where each token's K/V goes
+    num_decodes: int = 0                         # the first num_decodes tokens are decodes
+    decode_block_table: torch.Tensor | None = None   # [D, max_blocks] int64, 0-padded
+    decode_mask: torch.Tensor | None = None      # [D, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values.  k, v: [T, kv_heads, head_dim]."""
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, already written
+    to `kv_cache`). Returns [T, heads * head_dim]."""
+    num_tokens, heads, head_dim = q.shape
+    out = torch.empty(num_tokens, heads * head_dim, dtype=q.dtype, device=q.device)
+    if meta.num_decodes:
+        out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
+    for chunk in meta.prefills:
+        out[chunk.start:chunk.end] = _chunk_attention(q, k, v, kv_cache, chunk, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """q: [D, heads, head_dim] -> [D, heads * head_dim]; one query per request."""
+    assert meta.decode_block_table is not None and meta.decode_mask is not None
+    num_reqs, heads, head_dim = q.shape
+    keys = _gather(kv_cache[0], meta.decode_block_table)      # [D, kv_heads, L, head_dim]
+    values = _gather(kv_cache[1], meta.decode_block_table)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale,
+        enable_gqa=True)                                       # [D, heads, 1, head_dim]
+    return out.reshape(num_reqs, heads * head_dim)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     kv_cache: torch.Tensor, chunk: PrefillChunk,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of one chunk over its context and itself -> [q_len, heads*head_dim]."""
+    query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
+    if chunk.context_len == 0:
+        keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, c, hd]
+        values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                             scale=scale, enable_gqa=True)
+    else:
+        assert chunk.block_ids is not None
+        total = chunk.context_len + (chunk.end - chunk.start)
+        keys = _gather(kv_cache[0], chunk.block_ids[None])[:, :, :total]
+        values = _gather(kv_cache[1], chunk.block_ids[None])[:, :, :total]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
+                                             scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, kv_heads, hd]; block_table: [B, nb]
+    -> [B, kv_heads, nb * block_size, hd] (a copy, token order preserved)."""
+    blocks = cache[block_table]                       # [B, nb, block_size, kv_heads, hd]
+    batch, nb, block_size, kv_heads, hd = blocks.shape
+    return blocks.view(batch, nb * block_size, kv_heads, hd).transpose(1, 2)
+
+
+def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i (at position kv_len - q_len + i) sees keys <= it."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows

@@ -1,0 +1,186 @@
+"""Sampler: logits of the sampling rows -> one token id each (+ optional logprobs).
+
+Order of operations (vLLM V1's):
+1. raw logprobs (log-softmax of the model's logits) for rows that asked for `logprobs`;
+2. min_tokens: EOS and `stop_token_ids` masked while fewer than `min_tokens` were generated;
+3. penalties: repetition (prompt and output tokens), presence and frequency (output tokens);
+4. greedy rows take the argmax; the others divide by temperature, apply min-p, top-k and
+   top-p, and sample with the exponential-race trick (argmax of p / Exp(1) noise).
+
+Seeds: a request with `seed` draws its noise from a generator seeded by (seed, number of
+tokens generated so far), so its output does not depend on the batch it runs in, nor on a
+preemption. Unseeded rows share the runner's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvloop.core.outputs import Logprobs
+from kvloop.core.request import SamplingParams
+
+_SEED_STRIDE = 1_000_003
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sampling request."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]      # generated so far (before this sample)
+
+    @property
+    def needs_penalties(self) -> bool:
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0)
+
+    @property
+    def masked_ids(self) -> list[int]:
+        """Token ids forbidden now by min_tokens (EOS and stop ids)."""
+        p = self.params
+        if len(self.output_token_ids) >= p.min_tokens:
+            return []
+        ids = list(p.stop_token_ids)
+        if p.eos_token_id is not None:
+            ids.append(p.eos_token_id)
+        return ids
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    """Stateless apart from the generator shared by unseeded rows."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: [S, vocab] fp32, one row per entry of `rows` (modified in place)."""
+        raw_logprobs = self._raw_logprobs(logits, rows)
+        self._apply_min_tokens(logits, rows)
+        self._apply_penalties(logits, rows)
+        tokens = self._sample(logits, rows)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _logprobs_entries(raw_logprobs, token_list, rows))
+
+    # --- 1-3: logit processing ------------------------------------------------------------
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]
+                      ) -> dict[int, torch.Tensor]:
+        idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not idx:
+            return {}
+        lp = torch.log_softmax(logits[idx], dim=-1)
+        return {i: lp[j] for j, i in enumerate(idx)}
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        for i, row in enumerate(rows):
+            ids = [t for t in row.masked_ids if 0 <= t < vocab]
+            if ids:
+                logits[i, ids] = float("-inf")
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, row in enumerate(rows):
+            if row.needs_penalties:
+                apply_penalties(logits[i], row)
+
+    # --- 4: choosing tokens ---------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_idx:
+            probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
+            noise = self._noise(probs, [rows[i] for i in random_idx])
+            tokens[random_idx] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    def _noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Exp(1) noise [R, vocab]: per-request generators for seeded rows."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, row in enumerate(rows):
+            seed = row.params.seed
+            if seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed((seed * _SEED_STRIDE + len(row.output_token_ids)) & _SEED_MASK)
+                noise[j].exponential_(generator=gen)
+        return noise.clamp_min_(1e-10)
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place on one row [vocab]: vLLM's repetition, presence and frequency penalties."""
+    p = row.params
+    vocab = logits.shape[0]
+    output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
+    counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
+    if output.numel():
+        counts.scatter_add_(0, output.clamp(0, vocab - 1), torch.ones_like(output, dtype=counts.dtype))
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        prompt = torch.tensor(list(row.prompt_token_ids), dtype=torch.long, device=logits.device)
+        seen[prompt.clamp(0, vocab - 1)] = True
+        penalized = torch.where(logits > 0, logits / p.repetition_penalty,
+                                logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    logits -= p.frequency_penalty * counts
+    logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[R, vocab] logits -> probabilities after temperature, min-p, top-k and top-p."""
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _top_k_top_p(logits, params)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype,
+                             device=probs.device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) what falls outside each row's top-k and top-p nucleus."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
+                      device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    before = probs.cumsum(dim=-1) - probs          # mass strictly above each token
+    drop = before >= top_p.unsqueeze(1)            # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _logprobs_entries(raw: dict[int, torch.Tensor], tokens: list[int],
+                      rows: Sequence[SamplingRow]) -> list[Logprobs | None]:
+    entries: list[Logprobs | None] = [None] * len(rows)
+    for i, lp in raw.items():
+        n = rows[i].params.logprobs or 0
+        token = tokens[i]
+        sampled = lp[token]
+        rank = int((lp > sampled).sum().item()) + 1
+        top_lp, top_ids = lp.topk(n) if n else (lp[:0], lp[:0].long())
+        entries[i] = Logprobs(sampled_logprob=float(sampled), sampled_rank=rank,
+                              top_token_ids=top_ids.tolist(), top_logprobs=top_lp.tolist())
+    return entries

