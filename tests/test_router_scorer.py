@@ -22,7 +22,7 @@ from kvloop.router.scorer import (
     saturated,
 )
 
-CFG = CostConfig(decode_token_cost=16.0)
+CFG = CostConfig(decode_token_cost=16.0, marginal_work_weight=0.0)
 REQ = RouteRequest(prompt_tokens=160, block_size=16, prefix_key=123, expected_output_tokens=0)
 
 
@@ -39,6 +39,19 @@ def test_cost_terms_add_up_in_tokens():
     # queued 100 + unknown waiting (2 - 1) * 160 + own (160 - 64) + 16 * max(3, 4)
     assert estimate_cost(c, REQ, CFG) == 100 + 160 + 96 + 64
     assert estimate_cost(Candidate("a", cached_blocks=4, load_only=True), REQ, CFG) == 160
+
+
+def test_marginal_work_keeps_a_sibling_with_its_prefilling_prefix():
+    cfg = CostConfig(decode_token_cost=16.0, marginal_work_weight=1.0)
+    req = RouteRequest(prompt_tokens=49, block_size=16)
+    # holder: the first sibling (49 uncached tokens) is still prefilling there
+    holder = Candidate("a", cached_blocks=3, in_flight=1, prefilling=1,
+                       queued_prefill_tokens=49)
+    assert estimate_cost(holder, req, cfg) == 49 + 2 * 1 + 16
+    assert estimate_cost(Candidate("b"), req, cfg) == 2 * 49
+    assert kv_aware([holder, Candidate("b")], req, cfg).worker == "a"
+    # without the marginal-work term the idle worker would look cheaper
+    assert kv_aware([holder, Candidate("b")], req, CFG).worker == "b"
 
 
 def test_kv_shortage_costs_the_tokens_to_recompute():
@@ -91,7 +104,7 @@ def test_hot_prefix_replicates_when_its_holder_is_saturated():
     others = [Candidate("b", in_flight=1), Candidate("c", in_flight=1),
               Candidate("d", in_flight=1)]
     # decode cost 0: affinity alone would pile every request onto the holder
-    cfg = CostConfig(decode_token_cost=0.0, load_bound=1.5)
+    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.5)
     d = kv_aware([holder, *others], REQ, cfg)
     assert d.reason == HOT_PREFIX_REPLICA and d.worker != "a"
     # the replica is the prefix's rendezvous choice among equally loaded peers
@@ -104,7 +117,7 @@ def test_hot_prefix_replicates_when_its_holder_is_saturated():
 
 
 def test_bounded_load_without_a_prefix():
-    cfg = CostConfig(decode_token_cost=0.0, load_bound=1.0)
+    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.0)
     # b looks costlier (5 requests waiting that the router did not send), but a already
     # holds every request this router sent: one more would exceed the bound
     cands = [Candidate("a", in_flight=3), Candidate("b", waiting=5)]

@@ -45,8 +45,13 @@ class IndexConfig:
 class CostConfig:
     """The cost model: every candidate's estimated work before its first token, in tokens.
 
-        cost = queued_prefill_tokens + (prompt_tokens - predicted_cached_tokens)
+        cost = queued_prefill_tokens
+             + (1 + marginal_work_weight) * (prompt_tokens - predicted_cached_tokens)
              + decode_token_cost * active_decodes + recompute_penalty(KV shortage)
+
+`marginal_work_weight` counts the request's own prefill a second time, as work it adds to
+the fleet that every later request pays for: without it, a sibling of a prompt still
+prefilling on one worker looks as cheap on an idle worker that must recompute it all.
 
     `load_bound` is the bounded-load factor for hot prefixes: a worker whose in-flight
     requests exceed `load_bound` times the fleet's mean (plus one) is saturated, and a hot
@@ -54,6 +59,7 @@ class CostConfig:
     """
 
     decode_token_cost: float = 16.0
+    marginal_work_weight: float = 1.0
     cache_credit: float = 1.0
     load_bound: float = 2.0
     kv_shortage_weight: float = 1.0
@@ -61,6 +67,8 @@ class CostConfig:
     def __post_init__(self) -> None:
         if self.decode_token_cost < 0:
             raise ValueError("decode_token_cost must be >= 0")
+        if self.marginal_work_weight < 0:
+            raise ValueError("marginal_work_weight must be >= 0")
         if not 0.0 <= self.cache_credit <= 1.0:
             raise ValueError(f"cache_credit must be in [0, 1], got {self.cache_credit}")
         if self.load_bound < 1.0:

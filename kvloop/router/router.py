@@ -308,10 +308,11 @@ class Router:
     def first_token(self, ticket: Ticket) -> None:
         self.registry.first_token(ticket)
 
-    def finish(self, ticket: Ticket, cached_tokens: int | None, ok: bool) -> None:
-        """Close the ticket; with a reported hit, verify the prediction."""
-        self.registry.close_ticket(ticket, ok)
-        self.metrics.requests.labels(ticket.worker, "ok" if ok else "error").inc()
+    def finish(self, ticket: Ticket, cached_tokens: int | None, outcome: str = "ok") -> None:
+        """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected);
+        with a reported hit, verify the prediction."""
+        self.registry.close_ticket(ticket, outcome == "ok")
+        self.metrics.requests.labels(ticket.worker, outcome).inc()
         if cached_tokens is None:
             return
         self.metrics.actual_hit.labels(ticket.worker).inc(cached_tokens)

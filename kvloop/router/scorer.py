@@ -5,7 +5,10 @@ prompt tokens, that stands between this request and its first token on that work
 
     cost = queued_prefill                      router-sent prompts not yet started there,
                                                + requests waiting there that it did not send
-         + prompt_tokens - credited_hit        what this request must prefill there
+         + (1 + w) * (prompt_tokens - credited_hit)
+                                               what this request must prefill there: once as
+                                               its own wait, w times as work it adds to the
+                                               fleet (w = marginal_work_weight)
          + decode_token_cost * active_requests the decode batch each prefill step shares
          + kv_shortage_weight * recompute      blocks it lacks, in tokens (KV usage)
 
@@ -24,6 +27,7 @@ model), rather than piling onto its holder or giving up affinity fleet-wide.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from dataclasses import dataclass, field
@@ -101,7 +105,7 @@ def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     """The candidate's estimated work (tokens) before this request's first token."""
     credited = 0.0 if c.load_only else cfg.cache_credit * hit_tokens(
         c.cached_blocks, req.prompt_tokens, req.block_size)
-    own_prefill = req.prompt_tokens - credited
+    own_prefill = (1.0 + cfg.marginal_work_weight) * (req.prompt_tokens - credited)
     unknown_waiting = max(0, c.waiting - c.prefilling)
     queued = c.queued_prefill_tokens + unknown_waiting * req.prompt_tokens
     active = max(c.in_flight, c.running + c.waiting)
@@ -208,9 +212,7 @@ class LeastLoadedPolicy:
     name = "least-loaded"
 
     def __init__(self, cfg: CostConfig):
-        self.cfg = CostConfig(decode_token_cost=cfg.decode_token_cost, cache_credit=0.0,
-                              load_bound=cfg.load_bound,
-                              kv_shortage_weight=cfg.kv_shortage_weight)
+        self.cfg = dataclasses.replace(cfg, cache_credit=0.0)
         self._turn = 0
 
     def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:

@@ -1,0 +1,466 @@
+"""The router's HTTP front: OpenAI-compatible, forwards each request to one worker.
+
+    POST /v1/completions, /v1/chat/completions   tokenize -> hash -> pick -> forward -> stream
+    GET  /v1/models                              the first usable worker's answer
+    GET  /health                                 ok | degraded (200, with reasons) | 503
+    GET  /metrics                                Prometheus text
+    GET  /workers, POST /workers, DELETE /workers    list, register, deregister at run time
+    GET  /router/index                           the index per worker (for checks and tests)
+
+Passthrough rules: the worker's status, content type and body reach the client untouched
+(errors included); SSE events are relayed as they arrive. To see
+`usage.prompt_tokens_details.cached_tokens` on a stream, the router asks for
+`stream_options.include_usage`, and strips that usage chunk again when the client did not
+ask for it. A client that disconnects closes the upstream connection, so the worker aborts
+the request. A worker that dies mid-stream ends the stream with an OpenAI-shaped error
+event naming the worker; a worker that refuses the connection is marked down and the
+request is routed again to another worker (nothing reached the first one).
+
+Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
+/metrics, worker identity from /kvloop/worker, liveness alarms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvloop.router.prompts import PromptError, PromptTokenizer
+from kvloop.router.registry import LoadSnapshot, WorkerDescription, WorkerSpec, WorkerState
+from kvloop.router.router import NoWorkerError, Routed, Router
+
+log = logging.getLogger("kvloop.router")
+
+WORKER_INFO_PATH = "/kvloop/worker"
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                "content-encoding", "date", "server"}
+_FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_TRANSPORT_ERRORS = (httpx.TransportError,)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    """vLLM's error shape."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(message: str, err_type: str, code: int) -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, code), status_code=code)
+
+
+class RouterApp:
+    """The ASGI app of one router plus its poller; `app` is what uvicorn serves."""
+
+    def __init__(self, router: Router, workers: list[WorkerSpec],
+                 prompts: PromptTokenizer | None = None,
+                 describe_every: int = 4):
+        self.router = router
+        self.initial_workers = workers
+        self.prompts = prompts or PromptTokenizer()
+        self.describe_every = describe_every
+        self.client: httpx.AsyncClient | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._polls = 0
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/workers", self.list_workers, methods=["GET"]),
+            Route("/workers", self.add_worker, methods=["POST"]),
+            Route("/workers", self.remove_worker, methods=["DELETE"]),
+            Route("/router/index", self.index_dump, methods=["GET"]),
+        ], lifespan=self._lifespan)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def start(self) -> None:
+        lv = self.router.config.liveness
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        for spec in self.initial_workers:
+            await self.register(spec)
+        self._poller = asyncio.create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
+        if self.client is not None:
+            await self.client.aclose()
+        self.router.shutdown()
+
+    # --- workers --------------------------------------------------------------------------
+    async def register(self, spec: WorkerSpec) -> dict[str, Any]:
+        """Probe `spec` and register it (down, and retried by the poller, if unreachable)."""
+        if self.router.registry.get(spec.name) is None:
+            self.router.registry.add(spec)
+        try:
+            desc = await self._describe(spec)
+        except (httpx.HTTPError, ValueError) as e:
+            reason = f"cannot reach {spec.url}{WORKER_INFO_PATH}: {e!r}"
+            log.warning("worker %s registered but unreachable: %s", spec.name, reason)
+            self.router.registry.get(spec.name).down_reason = reason  # type: ignore[union-attr]
+            return {"worker": spec.name, "up": False, "warnings": [reason]}
+        warnings = self.router.register(spec, desc)
+        for w in warnings:
+            log.warning("worker %s", w)
+        log.info("worker %s registered: role %s, model %r, %s blocks, events %s, epoch %s",
+                 spec.name, spec.role, desc.model, desc.capacity_blocks,
+                 spec.events_endpoint or desc.events_endpoint, desc.epoch)
+        return {"worker": spec.name, "up": True, "warnings": warnings}
+
+    async def _describe(self, spec: WorkerSpec) -> WorkerDescription:
+        assert self.client is not None
+        lv = self.router.config.liveness
+        r = await self.client.get(spec.url + WORKER_INFO_PATH,
+                                  timeout=lv.connect_timeout_s)
+        if r.status_code == 404:
+            return WorkerDescription()  # not a kvloop worker: no hashing facts, no events
+        r.raise_for_status()
+        return WorkerDescription.from_json(r.json())
+
+    async def _poll_loop(self) -> None:
+        interval = self.router.config.liveness.poll_interval_s
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # the poller must survive any single bad answer
+                log.exception("router poll failed")
+            await asyncio.sleep(interval)
+
+    async def poll_once(self) -> None:
+        """Load of live workers, identity (epoch) checks, re-probes, alarms."""
+        self._polls += 1
+        describe = self._polls % self.describe_every == 0
+        await asyncio.gather(*(self._poll_worker(w, describe)
+                               for w in self.router.registry.all()))
+        self.router.check_liveness()
+
+    async def _poll_worker(self, w: WorkerState, describe: bool) -> None:
+        if not w.up or describe:
+            try:
+                desc = await self._describe(w.spec)
+            except (httpx.HTTPError, ValueError) as e:
+                self.router.worker_down(w.name, f"{WORKER_INFO_PATH} failed: {e!r}")
+                return
+            if not w.up or desc.epoch != w.description.epoch:
+                if w.up:
+                    log.warning("worker %s restarted (epoch %s -> %s): re-indexing", w.name,
+                                w.description.epoch, desc.epoch)
+                else:
+                    log.warning("worker %s is back (epoch %s)", w.name, desc.epoch)
+                self.router.register(w.spec, desc)
+        await self._poll_load(w)
+
+    async def _poll_load(self, w: WorkerState) -> None:
+        assert self.client is not None
+        try:
+            r = await self.client.get(w.spec.url + "/metrics",
+                                      timeout=self.router.config.liveness.connect_timeout_s)
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            self.router.worker_down(w.name, f"/metrics failed: {e!r}")
+            return
+        self.router.registry.set_load(w.name, parse_load(r.text, self.router.clock()))
+
+    # --- OpenAI routes --------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self.forward(request, "/v1/completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self.forward(request, "/v1/chat/completions")
+
+    async def forward(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return error_response(f"invalid JSON body: {e}", "BadRequestError", 400)
+        try:
+            tokens = self.prompts.token_ids(path, body, self._fleet_model())
+        except PromptError as e:
+            return error_response(str(e), "BadRequestError", 400)
+        stream = bool(body.get("stream"))
+        strip_usage = False
+        if stream:
+            opts = body.get("stream_options") or {}
+            if not opts.get("include_usage"):
+                strip_usage = True
+                body = {**body, "stream_options": {**opts, "include_usage": True}}
+            raw = json.dumps(body).encode()
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        headers["accept-encoding"] = "identity"
+        return await self._send(path, raw, body, tokens or [], headers, stream, strip_usage)
+
+    def _fleet_model(self) -> str | None:
+        for w in self.router.registry.all():
+            if w.up and w.description.model:
+                return w.description.model
+        return None
+
+    async def _send(self, path: str, raw: bytes, body: dict[str, Any], tokens: list[int],
+                    headers: dict[str, str], stream: bool, strip_usage: bool) -> Response:
+        assert self.client is not None
+        tried: list[str] = []
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        while True:
+            try:
+                routed = self.router.route(tokens, exclude=tried,
+                                           cache_salt=body.get("cache_salt"),
+                                           expected_output_tokens=int(max_tokens))
+            except NoWorkerError as e:
+                return error_response(str(e), "ServiceUnavailableError", 503)
+            req = self.client.build_request("POST", routed.worker.spec.url + path,
+                                            content=raw, headers=headers)
+            try:
+                upstream = await self.client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self.router.finish(routed.ticket, None, "worker_error")
+                self.router.worker_down(routed.worker.name, f"connection failed: {e!r}")
+                tried.append(routed.worker.name)
+                continue
+            break
+        if stream and upstream.status_code == 200:
+            return StreamingResponse(self._relay(upstream, routed, strip_usage),
+                                     status_code=200, headers=_response_headers(upstream))
+        return await self._whole(upstream, routed)
+
+    async def _whole(self, upstream: httpx.Response, routed: Routed) -> Response:
+        """A non-streamed answer (or an error status): read it, account, pass it on."""
+        name = routed.worker.name
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as e:
+            self.router.finish(routed.ticket, None, "worker_error")
+            self.router.worker_down(name, f"failed mid-request: {e!r}")
+            return error_response(f"worker {name} failed while serving the request: {e!r}",
+                                  "BadGatewayError", 502)
+        finally:
+            await upstream.aclose()
+        cached = None
+        outcome = "ok" if upstream.status_code < 400 else (
+            "client_error" if upstream.status_code < 500 else "worker_error")
+        if upstream.status_code == 200:
+            cached = _cached_tokens(_json_or_none(content))
+        self.router.first_token(routed.ticket)
+        self.router.finish(routed.ticket, cached, outcome)
+        return Response(content, status_code=upstream.status_code,
+                        headers=_response_headers(upstream))
+
+    async def _relay(self, upstream: httpx.Response, routed: Routed,
+                     strip_usage: bool) -> AsyncIterator[bytes]:
+        """Relay SSE events as they arrive; note the first token and the reported hit."""
+        relay = _SseRelay(strip_usage)
+        outcome = "disconnected"
+        try:
+            async for chunk in upstream.aiter_raw():
+                out = relay.feed(chunk)
+                if relay.started:
+                    self.router.first_token(routed.ticket)
+                if out:
+                    yield out
+            tail = relay.flush()
+            if tail:
+                yield tail
+            outcome = "ok"
+        except httpx.TransportError as e:
+            outcome = "worker_error"
+            name = routed.worker.name
+            self.router.worker_down(name, f"failed mid-stream: {e!r}")
+            msg = f"worker {name} failed mid-stream: {e!r}"
+            yield _sse(error_body(msg, "BadGatewayError", 502)) + b"data: [DONE]\n\n"
+        finally:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+                self.router.finish(routed.ticket, relay.cached_tokens, outcome)
+
+    async def models(self, request: Request) -> Response:
+        assert self.client is not None
+        for w in self.router.registry.usable(("both", "decode", "prefill")):
+            try:
+                r = await self.client.get(w.spec.url + "/v1/models")
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            headers=_response_headers(r))
+        return error_response("no usable worker", "ServiceUnavailableError", 503)
+
+    # --- router routes --------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        status, body = self.router.health()
+        return JSONResponse(body, status_code=status)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.router.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def list_workers(self, request: Request) -> Response:
+        r = self.router
+        return JSONResponse({w.name: r.describe_worker(w) for w in r.registry.all()})
+
+    async def add_worker(self, request: Request) -> Response:
+        try:
+            spec = _spec_from_body(await request.json())
+        except (ValueError, TypeError) as e:
+            return error_response(f"bad worker registration: {e}", "BadRequestError", 400)
+        if self.router.registry.get(spec.name) is not None:
+            return error_response(f"worker {spec.name} is already registered",
+                                  "ConflictError", 409)
+        result = await self.register(spec)
+        return JSONResponse(result, status_code=201)
+
+    async def remove_worker(self, request: Request) -> Response:
+        try:
+            data = await request.json()
+            name = WorkerSpec(str(data["url"]).rstrip("/")).name
+        except (ValueError, TypeError, KeyError) as e:
+            return error_response(f"bad deregistration (need {{'url': ...}}): {e}",
+                                  "BadRequestError", 400)
+        if not self.router.deregister(name):
+            return error_response(f"worker {name} is not registered", "NotFoundError", 404)
+        return JSONResponse({"worker": name, "removed": True})
+
+    async def index_dump(self, request: Request) -> Response:
+        idx = self.router.index
+        return JSONResponse({"num_blocks": idx.num_blocks(),
+                             "workers": {n: sorted(idx.hashes_of(n)) for n in idx.workers()}})
+
+
+class _SseRelay:
+    """Splits an SSE byte stream into events; drops the injected usage chunk if asked."""
+
+    def __init__(self, strip_usage: bool):
+        self.strip_usage = strip_usage
+        self.buf = b""
+        self.started = False
+        self.cached_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        out: list[bytes] = []
+        while True:
+            end, sep = _event_end(self.buf)
+            if end < 0:
+                break
+            event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
+            if self._keep(event):
+                out.append(event)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self.buf = self.buf, b""
+        return rest if rest and self._keep(rest) else b""
+
+    def _keep(self, event: bytes) -> bool:
+        data = _event_data(event)
+        if data is None or data == b"[DONE]":
+            return True
+        if b'"usage"' not in data:
+            self.started = True
+            return True
+        payload = _json_or_none(data)
+        if not isinstance(payload, dict):
+            self.started = True
+            return True
+        cached = _cached_tokens(payload)
+        if cached is not None:
+            self.cached_tokens = cached
+        usage_only = payload.get("choices") == [] and payload.get("usage") is not None
+        if not usage_only:
+            self.started = True
+        return not (usage_only and self.strip_usage)
+
+
+def _event_end(buf: bytes) -> tuple[int, int]:
+    """Position and length of the first event separator in `buf`, or (-1, 0)."""
+    a = buf.find(b"\n\n")
+    b = buf.find(b"\r\n\r\n")
+    if b >= 0 and (a < 0 or b < a):
+        return b, 4
+    return (a, 2) if a >= 0 else (-1, 0)
+
+
+def _event_data(event: bytes) -> bytes | None:
+    lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _cached_tokens(payload: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a response body, if present."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
+
+
+def _response_headers(r: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _spec_from_body(data: Any) -> WorkerSpec:
+    if not isinstance(data, dict) or "url" not in data:
+        raise ValueError("need a JSON object with 'url' (and optional role, events, replay)")
+    return WorkerSpec(str(data["url"]).rstrip("/"), str(data.get("role", "both")),
+                      data.get("events"), data.get("replay"))
+
+
+_LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+               "vllm:kv_cache_usage_perc": "kv_usage"}
+
+
+def parse_load(text: str, now: float) -> LoadSnapshot:
+    """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines)."""
+    sums = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _LOAD_NAMES.get(name)
+        if key is None:
+            continue
+        try:
+            sums[key] += float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+    return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now)
