@@ -1,0 +1,657 @@
+"""KVEventSubscriber: one worker's KV events, in order and complete, across gaps and restarts.
+
+Owner: one subscriber thread (`kvloop-kv-sub`) owns the SUB and DEALER sockets, the sequence
+state and the stats, and calls the callbacks, in order, from that thread.
+
+What it guarantees to `on_batch`: for each worker, batches arrive in publisher order, each
+at most once. Whenever what came before can no longer be trusted (a new publisher epoch, a
+publisher restart, a snapshot), a *reset* comes first: a `WorkerBatch` with
+`source == "reset"` whose batch is `[AllBlocksCleared()]`, so a consumer that simply applies
+every batch's events is always right; `reason` tells why.
+
+How (see `protocol.py` for the frames):
+- Sequence numbers: the next batch must carry `expected`. A higher number is a gap: ask the
+  replay socket for the missing range; if the publisher no longer has it, ask for a snapshot
+  (kvloop publishers). A lower number is a duplicate if its payload equals what that number
+  carried before (a recent window of digests), otherwise a new publisher incarnation.
+- Epochs: a kvloop publisher names its process incarnation in heartbeats and in every reply
+  header. A new epoch means a restart: reset, then snapshot (or replay from 0).
+- Liveness: heartbeats on their own topic; when the publisher is silent for
+  `probe_interval_s`, an `info` request on the replay socket (kvloop publishers only) serves
+  as one, and also reveals batches lost at the tail of the stream.
+- A vLLM publisher answers only vLLM's replay request: the subscriber notices that its
+  `info` probes go unanswered and then uses vLLM's protocol alone (no snapshots, no epochs).
+- Malformed frames and payloads are counted in `stats.malformed` and dropped; exceptions
+  from callbacks are logged and counted; nothing stops the thread but `stop()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvloop.events import protocol as proto
+from kvloop.events.types import AllBlocksCleared, KVEvent, KVEventBatch
+
+logger = logging.getLogger(__name__)
+
+LIVE = "live"
+REPLAY = "replay"
+SNAPSHOT = "snapshot"
+RESET = "reset"
+_MAX_UNANSWERED_PROBES = 3
+
+
+@dataclass(frozen=True)
+class WorkerBatch:
+    """One delivery to `on_batch`: a batch of one worker, or a reset notice.
+
+    `seq` is the publisher's sequence number (for a snapshot: the number the live stream
+    continues at; None for a reset). `source` is "live", "replay", "snapshot" or "reset";
+    `reason` (resets only) is "join", "gap", "epoch" or "restart".
+    """
+
+    worker_id: str
+    batch: KVEventBatch
+    seq: int | None
+    epoch: str | None
+    source: str
+    reason: str | None = None
+
+    @property
+    def events(self) -> list[KVEvent]:
+        return self.batch.events
+
+    @property
+    def is_reset(self) -> bool:
+        return self.source == RESET
+
+
+@dataclass
+class SubscriberStats:
+    """Counters of one subscriber (a copy is returned by `KVEventSubscriber.stats`).
+
+    Times are wall-clock `time.time()` of receipt. `unrecovered_gaps` counts batches known to
+    be missing for good (no replay socket, or history gone and no snapshot): the view may then
+    lack blocks until the next reset.
+    """
+
+    events_received: int = 0
+    batches_received: int = 0
+    last_event_time: float | None = None
+    last_seq: int | None = None
+    heartbeats: int = 0
+    last_heartbeat_time: float | None = None
+    gaps: int = 0
+    unrecovered_gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    snapshots: int = 0
+    resets: int = 0
+    restarts: int = 0
+    epochs_seen: int = 0
+    current_epoch: str | None = None
+    duplicates: int = 0
+    malformed: int = 0
+    touches: int = 0
+    callback_errors: int = 0
+    kvloop_publisher: bool | None = None
+
+
+BatchCallback = Callable[[WorkerBatch], None]
+TouchCallback = Callable[[str, list[int | bytes]], None]
+InfoCallback = Callable[[str, proto.PublisherInfo], None]
+
+
+class KVEventSubscriber:
+    """Subscribes to one worker's KV events; see the module docstring."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 on_batch: BatchCallback | None = None, *, worker_id: str | None = None,
+                 on_touch: TouchCallback | None = None,
+                 on_heartbeat: InfoCallback | None = None,
+                 probe_interval_s: float = 1.0, request_timeout_s: float = 2.0,
+                 rcvhwm: int = 100_000, dedup_window: int = 4096):
+        if probe_interval_s <= 0 or request_timeout_s <= 0:
+            raise ValueError("probe_interval_s and request_timeout_s must be > 0")
+        if dedup_window < 1:
+            raise ValueError("dedup_window must be >= 1")
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.worker_id = worker_id or endpoint
+        self._topic = topic.encode("utf-8")
+        self._on_batch = on_batch
+        self._on_touch = on_touch
+        self._on_heartbeat = on_heartbeat
+        self._probe_interval = probe_interval_s
+        self._timeout_ms = max(1, int(request_timeout_s * 1000))
+        self._rcvhwm = rcvhwm
+        self._window_size = dedup_window
+        self._decoder = proto.BatchDecoder()
+        self._stats = SubscriberStats()
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Subscriber-thread state.
+        self._ctx: zmq.Context | None = None
+        self._sub: zmq.Socket | None = None
+        self._dealer: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._expected: int | None = None
+        self._window: OrderedDict[int, int] = OrderedDict()
+        self._resyncing = False
+        self._last_heard = 0.0
+        self._probe_sent: float | None = None
+        self._unanswered = 0
+        self._poll_tail: int | None = None
+        self._last_probe_time = 0.0
+        self._last_info: tuple[float, proto.PublisherInfo] | None = None
+
+    # --- public surface -------------------------------------------------------------------
+    @property
+    def stats(self) -> SubscriberStats:
+        """A copy of the counters (safe to read from any thread)."""
+        return dataclasses.replace(self._stats)
+
+    @property
+    def epoch(self) -> str | None:
+        return self._stats.current_epoch
+
+    def start(self) -> KVEventSubscriber:
+        """Connect and start the subscriber thread. Raises RuntimeError if called twice."""
+        if self._thread is not None:
+            raise RuntimeError("KVEventSubscriber.start() called twice")
+        self._ctx = zmq.Context()
+        self._open_sockets()
+        self._thread = threading.Thread(target=self._run, name="kvloop-kv-sub", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread and close the sockets. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._ctx is not None and (self._thread is None or not self._thread.is_alive()):
+            self._ctx.term()
+            self._ctx = None
+
+    def wait_for_seq(self, seq: int, timeout: float) -> bool:
+        """Block until the batch numbered `seq` (or later) was delivered; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                last = self._stats.last_seq
+                if last is not None and last >= seq:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+
+    def seconds_since_heard(self) -> float | None:
+        """Seconds since anything (batch, heartbeat, info reply) came from the publisher."""
+        return None if not self._last_heard else time.monotonic() - self._last_heard
+
+    # --- sockets --------------------------------------------------------------------------
+    def _open_sockets(self) -> None:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.setsockopt(zmq.SUBSCRIBE, proto.HEARTBEAT_TOPIC)
+        if self._on_touch is not None:
+            sub.setsockopt(zmq.SUBSCRIBE, proto.RECENCY_TOPIC)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._poller.register(sub, zmq.POLLIN)
+        if self.replay_endpoint is not None:
+            self._new_dealer()
+
+    def _new_dealer(self) -> None:
+        """(Re)create the replay client; a fresh socket never sees a stale reply."""
+        assert self._ctx is not None and self.replay_endpoint is not None
+        if self._dealer is not None:
+            self._poller.unregister(self._dealer)
+            self._dealer.close(linger=0)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        dealer.connect(self.replay_endpoint)
+        self._dealer = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+        self._probe_sent = None
+
+    def _close_sockets(self) -> None:
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+
+    # --- the subscriber thread ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._initial_sync()
+            while not self._stop.is_set():
+                self._poll_once(100)
+        except Exception:
+            logger.exception("KV events subscriber %s failed", self.worker_id)
+        finally:
+            self._close_sockets()
+
+    def _poll_once(self, timeout_ms: int) -> None:
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._sub in ready:
+            self._drain_sub(limit=1024)
+        if self._dealer is not None and self._dealer in ready:
+            self._drain_dealer()
+        self._on_timer(time.monotonic())
+
+    def _drain_sub(self, limit: int) -> None:
+        sub = self._sub
+        assert sub is not None
+        for _ in range(limit):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_message(frames)
+
+    def _drain_dealer(self) -> None:
+        """Replies that arrive outside a request: answers to liveness probes."""
+        while self._dealer is not None:
+            try:
+                msg = self._dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(msg) == 4 and msg[0] == b"" and msg[1] == proto.KVLOOP:
+                info = self._decode_info(msg[3])
+                if info is not None and msg[2] == proto.CMD_INFO:
+                    self._probe_sent = None
+                    self._on_info_reply(info)
+
+    def _on_timer(self, now: float) -> None:
+        if self._dealer is None or self._stats.kvloop_publisher is False:
+            return
+        if self._probe_sent is not None:
+            if now - self._probe_sent > self._timeout_ms / 1000:
+                self._probe_sent = None
+                self._unanswered += 1
+                if self._unanswered >= _MAX_UNANSWERED_PROBES and \
+                        self._stats.kvloop_publisher is None:
+                    self._stats.kvloop_publisher = False
+            return
+        backoff = self._probe_interval * (1 << min(self._unanswered, 4))
+        if now - max(self._last_heard, self._last_probe_time) >= backoff:
+            self._dealer.send_multipart((b"", proto.KVLOOP, proto.CMD_INFO))
+            self._probe_sent = self._last_probe_time = now
+
+    # --- live messages --------------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._stats.malformed += 1
+            return
+        topic, seq_frame, payload = frames
+        if topic == proto.HEARTBEAT_TOPIC:
+            self._on_heartbeat_message(payload)
+        elif topic == proto.RECENCY_TOPIC:
+            self._on_touches(payload)
+        elif topic.startswith(self._topic):
+            batch = self._decode_batch(payload)
+            if batch is not None:
+                self._last_heard = time.monotonic()
+                self._on_data(proto.seq_from_bytes(seq_frame), payload, batch, LIVE)
+
+    def _decode_batch(self, payload: bytes) -> KVEventBatch | None:
+        try:
+            return self._decoder.decode(payload)
+        except msgspec.DecodeError:
+            self._stats.malformed += 1
+            return None
+
+    def _decode_info(self, payload: bytes) -> proto.PublisherInfo | None:
+        try:
+            return proto.decode_info(payload)
+        except msgspec.DecodeError:
+            self._stats.malformed += 1
+            return None
+
+    def _on_data(self, seq: int, payload: bytes, batch: KVEventBatch, source: str) -> None:
+        """Sequence one data batch: deliver, recover a gap first, or drop a duplicate."""
+        digest = hash(payload)
+        exp = self._expected
+        if exp is None:
+            if seq == 0 or self._dealer is None or self._resyncing:
+                if seq > 0:
+                    self._stats.unrecovered_gaps += 1
+                self._accept(seq, digest, batch, source)
+                return
+            exp = self._expected = 0
+        if seq == exp:
+            self._accept(seq, digest, batch, source)
+        elif seq > exp:
+            self._stats.gaps += 1
+            if not self._resyncing and self._resync_from(exp):
+                self._recheck(seq, digest, batch, source)
+            else:
+                self._stats.unrecovered_gaps += 1
+                self._accept(seq, digest, batch, source)
+        else:
+            self._on_regression(seq, digest, batch, source)
+
+    def _recheck(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
+        """A batch seen again after a resync: deliver it if still new, never resync again."""
+        exp = self._expected
+        if exp is None or seq == exp:
+            self._accept(seq, digest, batch, source)
+        elif seq > exp:
+            self._stats.unrecovered_gaps += 1
+            self._accept(seq, digest, batch, source)
+        else:
+            self._stats.duplicates += 1
+
+    def _on_regression(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
+        """A number below `expected`: a duplicate, a stale batch, or a restarted publisher."""
+        known = self._window.get(seq)
+        if known == digest:
+            self._stats.duplicates += 1
+            return
+        if known is None:
+            info = self._current_info()
+            if info is not None and info.epoch == self._stats.current_epoch:
+                self._stats.duplicates += 1  # older than what we synced to: already applied
+                return
+            if info is not None:
+                self._restart(info.epoch, "epoch")
+            else:
+                self._restart(None, "restart")
+        else:  # same number, other content: another incarnation of the publisher
+            self._restart(None, "restart")
+        self._recheck(seq, digest, batch, source)
+
+    def _accept(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
+        window = self._window
+        window[seq] = digest
+        if len(window) > self._window_size:
+            window.popitem(last=False)
+        self._expected = seq + 1
+        self._deliver(batch, seq, source)
+
+    # --- delivery -------------------------------------------------------------------------
+    def _deliver(self, batch: KVEventBatch, seq: int | None, source: str,
+                 reason: str | None = None) -> None:
+        st = self._stats
+        if source == RESET:
+            st.resets += 1
+        else:
+            st.batches_received += 1
+            st.events_received += len(batch.events)
+            st.last_event_time = time.time()
+            if source != SNAPSHOT:
+                st.last_seq = seq
+        if self._on_batch is not None:
+            item = WorkerBatch(self.worker_id, batch, seq, st.current_epoch, source, reason)
+            try:
+                self._on_batch(item)
+            except Exception:
+                st.callback_errors += 1
+                logger.exception("KV events: on_batch callback failed for %s", self.worker_id)
+        with self._cv:
+            self._cv.notify_all()
+
+    def _deliver_reset(self, reason: str) -> None:
+        self._expected = None
+        self._window.clear()
+        self._deliver(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]), None, RESET,
+                      reason)
+
+    def _set_epoch(self, epoch: str) -> None:
+        if epoch != self._stats.current_epoch:
+            self._stats.epochs_seen += 1
+            self._stats.current_epoch = epoch
+
+    # --- heartbeats, info, touches --------------------------------------------------------
+    def _on_heartbeat_message(self, payload: bytes) -> None:
+        info = self._decode_info(payload)
+        if info is None:
+            return
+        st = self._stats
+        st.heartbeats += 1
+        st.last_heartbeat_time = time.time()
+        self._last_heard = time.monotonic()
+        if st.kvloop_publisher is None:
+            st.kvloop_publisher = True
+        self._notify_heartbeat(info)
+        if self._on_epoch_news(info):
+            return
+        exp = self._expected
+        if exp is None and self._dealer is not None:
+            exp = 0
+        if exp is not None and info.next_seq > exp:  # lost at the tail of the stream
+            self._gap_without_batch(exp)
+
+    def _on_info_reply(self, info: proto.PublisherInfo) -> None:
+        st = self._stats
+        st.heartbeats += 1
+        st.last_heartbeat_time = time.time()
+        st.kvloop_publisher = True
+        self._unanswered = 0
+        self._last_heard = time.monotonic()
+        self._last_info = (self._last_heard, info)
+        self._notify_heartbeat(info)
+        if self._on_epoch_news(info):
+            return
+        # The reply overtakes batches still in flight on the PUB socket, so only a number
+        # that the previous probe already promised proves a loss at the tail.
+        tail, self._poll_tail = self._poll_tail, info.next_seq
+        exp = self._expected
+        if tail is not None and exp is not None and exp < tail:
+            self._gap_without_batch(exp)
+
+    def _notify_heartbeat(self, info: proto.PublisherInfo) -> None:
+        if self._on_heartbeat is not None:
+            try:
+                self._on_heartbeat(self.worker_id, info)
+            except Exception:
+                self._stats.callback_errors += 1
+                logger.exception("KV events: on_heartbeat callback failed")
+
+    def _on_epoch_news(self, info: proto.PublisherInfo) -> bool:
+        """Handle a first or changed epoch; True when that resynchronized the view."""
+        current = self._stats.current_epoch
+        if current is not None and info.epoch != current:
+            self._restart(info.epoch, "epoch")
+            return True
+        if current is None:
+            self._set_epoch(info.epoch)
+            if self._expected is None and info.next_seq > 0 and self._dealer is not None:
+                self._full_sync("join")
+                return True
+            if self._expected is None and info.next_seq == 0:
+                self._expected = 0
+        return False
+
+    def _gap_without_batch(self, exp: int) -> None:
+        self._stats.gaps += 1
+        if self._resyncing or not self._resync_from(exp):
+            self._stats.unrecovered_gaps += 1
+
+    def _on_touches(self, payload: bytes) -> None:
+        try:
+            notice = proto.decode_touches(payload)
+        except msgspec.DecodeError:
+            self._stats.malformed += 1
+            return
+        epoch = self._stats.current_epoch
+        if epoch is not None and notice.epoch != epoch:
+            return  # from another incarnation: its hashes mean nothing for this view
+        self._stats.touches += len(notice.block_hashes)
+        if self._on_touch is not None:
+            try:
+                self._on_touch(self.worker_id, notice.block_hashes)
+            except Exception:
+                self._stats.callback_errors += 1
+                logger.exception("KV events: on_touch callback failed")
+
+    # --- resynchronization ----------------------------------------------------------------
+    def _initial_sync(self) -> None:
+        """Before live batches: learn the epoch and fetch the current state."""
+        if self._dealer is None:
+            return
+        reply = self._request((b"", proto.KVLOOP, proto.CMD_INFO), proto.CMD_INFO)
+        if reply is not None and reply[0] is not None:
+            self._on_info_reply(reply[0])
+            return
+        self._resyncing = True
+        try:
+            self._replay_vllm(0)
+        finally:
+            self._resyncing = False
+
+    def _resync_from(self, start: int) -> bool:
+        """Recover batches `start`...; True when the view is whole again."""
+        if self._dealer is None:
+            return False
+        self._resyncing = True
+        try:
+            if self._stats.kvloop_publisher:
+                return self._replay_kvloop(start)
+            return self._replay_vllm(start)
+        finally:
+            self._resyncing = False
+
+    def _replay_kvloop(self, start: int) -> bool:
+        reply = self._request((b"", proto.KVLOOP, proto.CMD_REPLAY, proto.seq_bytes(start)),
+                              proto.CMD_REPLAY)
+        if reply is None or reply[0] is None:
+            self._stats.replay_failures += 1
+            return False
+        info, items = reply[0], reply[1]
+        current = self._stats.current_epoch
+        if current is not None and info.epoch != current:
+            self._restart(info.epoch, "epoch")
+            return True
+        self._set_epoch(info.epoch)
+        if start < info.next_seq and (info.oldest_seq is None or start < info.oldest_seq):
+            return info.snapshot and self._full_sync("gap")
+        self._stats.replays += 1
+        self._apply_replayed(items)
+        return True
+
+    def _replay_vllm(self, start: int) -> bool:
+        reply = self._request((b"", proto.seq_bytes(start)), None)
+        if reply is None:
+            self._stats.replay_failures += 1
+            return False
+        items = reply[1]
+        self._stats.replays += 1
+        if items and items[0][0] > start:
+            self._stats.unrecovered_gaps += 1  # vLLM has no snapshot: that history is gone
+            self._expected = items[0][0]
+        self._apply_replayed(items)
+        return True
+
+    def _apply_replayed(self, items: list[tuple[int, bytes]]) -> None:
+        for seq, payload in items:
+            batch = self._decode_batch(payload)
+            if batch is not None:
+                self._on_data(seq, payload, batch, REPLAY)
+
+    def _full_sync(self, reason: str) -> bool:
+        """Replace the view with a snapshot; the live stream then continues at its number."""
+        reply = self._request((b"", proto.KVLOOP, proto.CMD_SNAPSHOT), proto.CMD_SNAPSHOT)
+        if reply is None or reply[0] is None:
+            self._stats.replay_failures += 1
+            return False
+        info, items = reply[0], reply[1]
+        self._set_epoch(info.epoch)
+        if not info.snapshot:
+            self._deliver_reset(reason)
+            return self._replay_kvloop(0)
+        batches = [b for b in (self._decode_batch(p) for _, p in items) if b is not None]
+        self._deliver_reset(reason)
+        for batch in batches:
+            self._deliver(batch, info.next_seq, SNAPSHOT)
+        self._expected = info.next_seq
+        self._stats.last_seq = info.next_seq - 1 if info.next_seq > 0 else None
+        self._stats.snapshots += 1
+        with self._cv:
+            self._cv.notify_all()
+        return True
+
+    def _restart(self, epoch: str | None, reason: str) -> None:
+        """The publisher is a new incarnation: forget this worker, then rebuild."""
+        self._stats.restarts += 1
+        self._expected = None
+        self._window.clear()
+        self._poll_tail = None
+        if epoch is not None:
+            self._set_epoch(epoch)
+        if self._stats.kvloop_publisher and self._dealer is not None:
+            was, self._resyncing = self._resyncing, True
+            try:
+                if self._full_sync(reason):
+                    return
+            finally:
+                self._resyncing = was
+        self._deliver_reset(reason)
+
+    def _current_info(self) -> proto.PublisherInfo | None:
+        """The publisher's info, at most 0.1 s old; None without a kvloop replay socket."""
+        if self._dealer is None or not self._stats.kvloop_publisher:
+            return None
+        now = time.monotonic()
+        if self._last_info is not None and now - self._last_info[0] < 0.1:
+            return self._last_info[1]
+        reply = self._request((b"", proto.KVLOOP, proto.CMD_INFO), proto.CMD_INFO)
+        if reply is None or reply[0] is None:
+            return None
+        self._last_info = (time.monotonic(), reply[0])
+        return reply[0]
+
+    def _request(self, frames: tuple[bytes, ...], cmd: bytes | None
+                 ) -> tuple[proto.PublisherInfo | None, list[tuple[int, bytes]]] | None:
+        """Send one replay-socket request and read its whole answer.
+
+        `cmd` None: vLLM's replay (no header). Returns (header, [(seq, payload)...]) or None
+        when the publisher stays silent for `request_timeout_s` (the socket is then replaced,
+        so a late answer can never be mistaken for the next one's).
+        """
+        dealer = self._dealer
+        assert dealer is not None
+        dealer.send_multipart(frames)
+        header: proto.PublisherInfo | None = None
+        items: list[tuple[int, bytes]] = []
+        while True:
+            if not dealer.poll(self._timeout_ms):
+                self._new_dealer()
+                return None
+            msg = dealer.recv_multipart()
+            if len(msg) == 4 and msg[0] == b"" and msg[1] == proto.KVLOOP:
+                info = self._decode_info(msg[3])
+                if info is not None and msg[2] == cmd and header is None:
+                    header = info
+                    if cmd == proto.CMD_INFO:
+                        return header, items
+                elif info is not None and msg[2] == proto.CMD_INFO:
+                    self._probe_sent = None  # a probe's late answer: still a sign of life
+                    self._last_heard = time.monotonic()
+            elif len(msg) == 4 and msg[0] == b"" and msg[2] == proto.END_SEQ:
+                if cmd is not None and header is None:
+                    self._new_dealer()
+                    return None
+                self._last_heard = time.monotonic()
+                return header, items
+            elif len(msg) == 4 and msg[0] == b"" and len(msg[2]) == 8:
+                items.append((proto.seq_from_bytes(msg[2]), msg[3]))
+            else:
+                self._stats.malformed += 1
