@@ -1,11 +1,16 @@
 """Messages between processes: msgspec Structs, defined here and nowhere else.
 
-Version: bump `WIRE_VERSION` on any incompatible change; the engine core's handshake checks it.
+Version: bump `WIRE_VERSION` on any incompatible change; the API server checks the engine
+core's handshake (`EngineReady.wire_version`) against its own.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+
+from kvloop.config import EngineConfig
 
 WIRE_VERSION = 1
 
@@ -52,13 +57,145 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[TopLogprobs] | None = None
+    error: str | None = None          # the engine refused or failed this request
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+
+
+# --- API server <-> engine core process -------------------------------------------------------
+# Client -> engine: multipart [engine_identity, request_type, msgpack payload] on a ROUTER
+# (the engine's DEALER sees [request_type, payload]). Engine -> client: one msgpack
+# `EngineCoreOutputs` frame per message on PUSH/PULL, or `ENGINE_CORE_DEAD`.
+
+class RequestType:
+    """First frame of a client -> engine message (vLLM's byte values)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class SamplingParamsMsg(msgspec.Struct, omit_defaults=True):
+    """`kvloop.core.request.SamplingParams` on the wire: same field names and defaults."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    eos_token_id: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool | None = None
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """ADD: one request, already tokenized (the API server owns the tokenizer)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParamsMsg
+    arrival_time: float = 0.0
+    lora_name: str | None = None
+    client_index: int = 0
+
+
+class UtilityRequest(msgspec.Struct, array_like=True):
+    """UTILITY: call a whitelisted engine method by name; answered by a `UtilityOutput`."""
+
+    call_id: int
+    method: str
+    args: list[bool | int | float | str | None] = msgspec.field(default_factory=list)
+
+
+class UtilityOutput(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: dict[str, bool | int | float | str | None] | bool | None = None
+    failure_message: str | None = None
+
+
+class EngineReady(msgspec.Struct, omit_defaults=True):
+    """Handshake: the engine's first message on its input socket, once the runner is loaded.
+
+    Carries what the API server cannot know before the engine starts (KV capacity, the
+    resolved hash seed, the bound KV-event addresses).
+    """
+
+    wire_version: int
+    pid: int
+    model_name: str
+    max_model_len: int
+    num_gpu_blocks: int          # including the null block, as vLLM counts
+    block_size: int
+    enable_prefix_caching: bool
+    hash_algo: str
+    hash_seed: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    vocab_size: int | None = None
+    epoch: int | str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str | None = None
+    kv_events_recency: bool = False
+    error: str | None = None     # set instead of the rest when start-up failed
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """Everything one engine step (or one utility call) sends to the API server.
+
+    `timestamp` is `time.monotonic()` at the end of the step (one clock per host, so the API
+    server compares it with its own arrival times). `scheduled` lists requests admitted for the
+    first time this step, `preempted` those preempted; `iteration_tokens` counts the tokens the
+    step computed.
+    """
+
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    engine_index: int = 0
+    scheduled: list[str] | None = None
+    preempted: list[str] | None = None
+    iteration_tokens: int = 0
+    utility_output: UtilityOutput | None = None
+
+
+class EngineStartConfig(msgspec.Struct, omit_defaults=True):
+    """What the API server tells a new engine core process: one JSON line on its stdin.
+
+    `runner_factory` is "module:function"; called with `runner_kwargs`, it returns a Runner
+    that may carry `num_gpu_blocks`, `max_model_len`, `vocab_size` and `model_name`, which
+    override the template values of `engine`. `kv_events` holds
+    `kvloop.events.publisher.KVEventsConfig` keyword arguments, or None for no KV events.
+    """
+
+    engine: EngineConfig
+    runner_factory: str
+    input_address: str
+    output_address: str
+    runner_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    trace_file: str | None = None
+    kv_events: dict[str, Any] | None = None
+    epoch: int | None = None
+    engine_index: int = 0
+    log_level: str = "INFO"

@@ -1,0 +1,423 @@
+"""The engine core process: socket I/O in threads, state in the busy loop.
+
+    input thread  : DEALER recv -> decode -> input queue      (aborts also go straight to
+                                                               `EngineCore.abort_requests`)
+    busy loop     : drain the input queue (add, abort, utility) -> `EngineCore.step()` ->
+                    output queue; publish KV events; append the step to the trace file
+    output thread : output queue -> encode -> PUSH send
+
+Start-up handshake: the process connects its DEALER and PUSH to the API server's ROUTER and
+PULL, builds the runner (by factory name, so this module never imports a model or a
+simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
+it). A failed start sends `EngineReady(error=...)` and exits 1.
+
+Process: `python -m kvloop.core.engine_proc`, started by the API server, which writes one
+`EngineStartConfig` JSON line on its stdin and keeps the pipe open.
+
+Shutdown: SIGTERM ends the loop cleanly (SIGINT is ignored: the API server owns Ctrl-C and
+stops this process itself). When stdin reaches EOF (the API server exited, died or closed the
+pipe) a watchdog thread sends SIGTERM to this process, so it never outlives the API server. An exception in the loop sends
+`ENGINE_CORE_DEAD` and exits 1.
+
+Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
+This is the only core module that imports zmq.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvloop.config import EngineConfig
+from kvloop.core.engine import EngineCore, StepResult
+from kvloop.core.hashing import resolve_seed
+from kvloop.core.request import SamplingParams
+from kvloop.core.trace import TraceWriter
+from kvloop.wire import (
+    ENGINE_CORE_DEAD,
+    WIRE_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    EngineStartConfig,
+    RequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+logger = logging.getLogger("kvloop.engine")
+
+ENGINE_IDENTITY = (0).to_bytes(2, "little")
+_POLL_MS = 100
+
+
+def resolve_factory(name: str) -> Callable[..., Any]:
+    """Import "module:function" and return the function."""
+    module, sep, attr = name.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"runner factory must look like 'module:function', got {name!r}")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
+def _engine_config_for(template: EngineConfig, runner: Any) -> EngineConfig:
+    """The template with the runner's facts: KV capacity, context length, resolved hash seed.
+
+    `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish.
+    """
+    cache, sched = template.cache, template.scheduler
+    num_blocks = getattr(runner, "num_gpu_blocks", None) or cache.num_gpu_blocks
+    max_len = getattr(runner, "max_model_len", None) or sched.max_model_len
+    capacity = (num_blocks - 1) * cache.block_size
+    if capacity < max_len:
+        logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
+                       "using %d", max_len, num_blocks - 1, cache.block_size, capacity, capacity)
+        max_len = capacity
+    seed = resolve_seed(cache.prefix_caching_hash_algo, cache.hash_seed)
+    return dataclasses.replace(
+        template,
+        cache=dataclasses.replace(cache, num_gpu_blocks=num_blocks, hash_seed=seed),
+        scheduler=dataclasses.replace(sched, max_model_len=max_len))
+
+
+class EngineCoreProc:
+    """One engine core behind ZMQ sockets. Built and run inside the engine process."""
+
+    def __init__(self, config: EngineStartConfig, ctx: zmq.Context):
+        self.config = config
+        self.input_queue: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | bytes | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._dealer = ctx.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, ENGINE_IDENTITY)
+        self._dealer.setsockopt(zmq.LINGER, 0)
+        self._dealer.connect(config.input_address)
+        self._push = ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 4000)
+        self._push.connect(config.output_address)
+        self._threads: list[threading.Thread] = []
+        self.engine: EngineCore | None = None
+        self.publisher: Any = None
+        self.trace: TraceWriter | None = None
+        self._last_stats_key: tuple[Any, ...] | None = None
+
+    # --- start-up -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build runner, engine, publisher and trace; send the handshake; start the threads."""
+        try:
+            ready = self._build()
+        except Exception as e:  # start-up failures of any kind go back to the API server
+            logger.exception("engine core start-up failed")
+            self._send_ready(EngineReady(WIRE_VERSION, os.getpid(), "", 0, 0, 0, False, "",
+                                         "", 0, 0, error=f"{type(e).__name__}: {e}"))
+            raise
+        self._send_ready(ready)
+        for target, name in ((self._input_loop, "engine-input"),
+                             (self._output_loop, "engine-output")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _send_ready(self, ready: EngineReady) -> None:
+        self._dealer.send(msgspec.msgpack.encode(ready))
+
+    def _build(self) -> EngineReady:
+        cfg = self.config
+        runner = resolve_factory(cfg.runner_factory)(**cfg.runner_kwargs)
+        econf = _engine_config_for(cfg.engine, runner)
+        if cfg.kv_events is not None:
+            econf = dataclasses.replace(
+                econf, cache=dataclasses.replace(econf.cache, enable_kv_cache_events=True))
+        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks)
+        ready = EngineReady(
+            wire_version=WIRE_VERSION, pid=os.getpid(),
+            model_name=str(getattr(runner, "model_name", "") or ""),
+            max_model_len=econf.scheduler.max_model_len,
+            num_gpu_blocks=econf.cache.num_gpu_blocks, block_size=econf.cache.block_size,
+            enable_prefix_caching=econf.cache.enable_prefix_caching,
+            hash_algo=econf.cache.prefix_caching_hash_algo, hash_seed=econf.cache.hash_seed or "",
+            max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
+            max_num_seqs=econf.scheduler.max_num_seqs,
+            vocab_size=getattr(runner, "vocab_size", None), epoch=cfg.epoch)
+        if cfg.kv_events is not None:
+            ready = self._start_publisher(ready, cfg.kv_events)
+        if cfg.trace_file:
+            self.trace = TraceWriter(cfg.trace_file)
+        return ready
+
+    def _start_publisher(self, ready: EngineReady, kwargs: dict[str, Any]) -> EngineReady:
+        try:
+            from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher
+        except ImportError as e:
+            raise RuntimeError(f"KV events were asked for but the publisher is not available "
+                               f"({e})") from e
+        ev_cfg = KVEventsConfig(**kwargs)
+        self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)
+        self.publisher.start()
+        assert self.engine is not None
+        if ev_cfg.recency:
+            self.engine.block_pool.track_touches = True
+        return dataclasses.replace(
+            ready, kv_events_endpoint=self.publisher.endpoint,
+            kv_events_replay_endpoint=self.publisher.replay_endpoint,
+            kv_events_topic=ev_cfg.topic, kv_events_recency=bool(ev_cfg.recency),
+            epoch=self.publisher.epoch)
+
+    # --- threads --------------------------------------------------------------------------
+    def _input_loop(self) -> None:
+        decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
+        decode_abort = msgspec.msgpack.Decoder(list[str])
+        decode_utility = msgspec.msgpack.Decoder(UtilityRequest)
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(_POLL_MS):
+                continue
+            frames = self._dealer.recv_multipart(copy=False)
+            if len(frames) != 2:
+                logger.warning("dropping a message of %d frames", len(frames))
+                continue
+            kind, payload = bytes(frames[0].buffer), frames[1].buffer
+            try:
+                if kind == RequestType.ADD:
+                    self.input_queue.put((kind, decode_add.decode(payload)))
+                elif kind == RequestType.ABORT:
+                    ids = decode_abort.decode(payload)
+                    if self.engine is not None:
+                        self.engine.abort_requests(ids)  # eager: applied mid-step
+                    self.input_queue.put((kind, ids))    # ordered: after a pending ADD
+                elif kind == RequestType.UTILITY:
+                    self.input_queue.put((kind, decode_utility.decode(payload)))
+                else:
+                    logger.warning("dropping a message of unknown type %r", kind)
+            except msgspec.DecodeError as e:
+                logger.warning("dropping an undecodable %r message: %s", kind, e)
+
+    def _output_loop(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            item = self.output_queue.get()
+            if item is None:
+                return
+            self._push.send(item if isinstance(item, bytes) else encoder.encode(item))
+
+    # --- the busy loop --------------------------------------------------------------------
+    def run_busy_loop(self) -> None:
+        """Drain inputs, step, send; until SIGTERM (SystemExit) or an error."""
+        assert self.engine is not None
+        while True:
+            self._process_input_queue(self.engine)
+            self._process_engine_step(self.engine)
+
+    def _process_input_queue(self, engine: EngineCore) -> None:
+        """Block while there is no work; then handle every pending message, in order."""
+        while not engine.has_work():
+            try:
+                self._handle(engine, *self.input_queue.get(timeout=1.0))
+                break
+            except queue.Empty:
+                continue
+        while True:
+            try:
+                self._handle(engine, *self.input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, engine: EngineCore, kind: bytes, msg: Any) -> None:
+        if kind == RequestType.ADD:
+            self._add(engine, msg)
+        elif kind == RequestType.ABORT:
+            engine.abort_requests(msg)
+        elif kind == RequestType.UTILITY:
+            self.output_queue.put(EngineCoreOutputs(
+                timestamp=time.monotonic(), utility_output=self._utility(engine, msg)))
+
+    def _add(self, engine: EngineCore, msg: EngineCoreRequest) -> None:
+        """Add a request; a request the engine refuses gets an output with `error`."""
+        try:
+            params = SamplingParams(**msgspec.structs.asdict(msg.sampling_params))
+            self._check_fits_cache(engine, len(msg.prompt_token_ids))
+            req = engine.make_request(msg.request_id, msg.prompt_token_ids, params,
+                                      lora_name=msg.lora_name, client_index=msg.client_index)
+            engine.add_request(req)
+        except (ValueError, TypeError) as e:
+            self.output_queue.put(EngineCoreOutputs(
+                timestamp=time.monotonic(),
+                outputs=[EngineCoreOutput(msg.request_id, [], finish_reason="error",
+                                          error=str(e))]))
+
+    @staticmethod
+    def _check_fits_cache(engine: EngineCore, num_prompt_tokens: int) -> None:
+        bs = engine.config.cache.block_size
+        need = (num_prompt_tokens + 1 + bs - 1) // bs
+        have = engine.num_gpu_blocks - 1
+        if need > have:
+            raise ValueError(f"the prompt needs {need} KV blocks; the KV cache has {have}")
+
+    def _utility(self, engine: EngineCore, req: UtilityRequest) -> UtilityOutput:
+        methods: dict[str, Callable[[], Any]] = {
+            "get_stats": lambda: engine_stats(engine),
+            "reset_prefix_cache": engine.reset_prefix_cache,
+            "check_invariants": lambda: _run_check(engine),
+        }
+        fn = methods.get(req.method)
+        if fn is None:
+            return UtilityOutput(req.call_id, failure_message=f"unknown method {req.method!r}")
+        try:
+            return UtilityOutput(req.call_id, result=fn())
+        except Exception as e:  # a failing utility call must not kill the engine
+            return UtilityOutput(req.call_id, failure_message=f"{type(e).__name__}: {e}")
+
+    def _process_engine_step(self, engine: EngineCore) -> None:
+        result = engine.step()
+        if result.executed:
+            self._publish_events(engine, result)
+            if self.trace is not None and result.record is not None:
+                self.trace.write(result.record)
+        outputs = self._make_outputs(result)
+        if outputs is not None:
+            self.output_queue.put(outputs)
+        if not result.executed and engine.has_unfinished_requests():
+            time.sleep(0.001)  # waiting requests that cannot be admitted yet: do not spin
+
+    def _publish_events(self, engine: EngineCore, result: StepResult) -> None:
+        if self.publisher is None:
+            return
+        if result.events is not None:
+            self.publisher.publish(result.events)
+        if engine.block_pool.track_touches:
+            touched = engine.block_pool.take_touched_hashes()
+            if touched:
+                self.publisher.publish_touches(touched)
+
+    def _make_outputs(self, result: StepResult) -> EngineCoreOutputs | None:
+        """The message of one step, or None when it would tell the API server nothing new."""
+        stats = result.stats
+        key = None
+        if stats is not None:
+            pcs = stats.prefix_cache_stats
+            key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
+                   stats.num_preemptions, pcs.requests, pcs.preempted_requests)
+        if not (result.executed or result.outputs or (key is not None
+                                                      and key != self._last_stats_key)):
+            return None
+        self._last_stats_key = key
+        out = result.scheduler_output
+        return EngineCoreOutputs(
+            outputs=result.outputs, scheduler_stats=stats, timestamp=time.monotonic(),
+            engine_index=self.config.engine_index,
+            scheduled=[a.request_id for a in result.admissions if not a.resumed] or None,
+            preempted=list(out.preempted_req_ids) or None if out else None,
+            iteration_tokens=out.total_num_scheduled_tokens if out else 0)
+
+    # --- shutdown -------------------------------------------------------------------------
+    def send_dead(self) -> None:
+        self.output_queue.put(ENGINE_CORE_DEAD)
+
+    def shutdown(self) -> None:
+        """Stop threads (flushing queued outputs), then publisher, trace and runner."""
+        self._stop.set()
+        self.output_queue.put(None)
+        for t in self._threads:
+            t.join(timeout=5.0)
+        if self.publisher is not None:
+            self.publisher.shutdown()
+        if self.trace is not None:
+            self.trace.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+        self._dealer.close()
+        self._push.close()
+
+
+def engine_stats(engine: EngineCore) -> dict[str, bool | int | float | str | None]:
+    """A snapshot of the engine's state for tests and operators (no counters are drained)."""
+    pool = engine.block_pool
+    sched = engine.scheduler
+    return {
+        "num_gpu_blocks": pool.num_gpu_blocks,
+        "num_total_blocks": pool.num_gpu_blocks - 1,
+        "num_free_blocks": pool.get_num_free_blocks(),
+        "num_cached_blocks": len(pool.cached_block_hash_to_block),
+        "kv_cache_usage": pool.get_usage(),
+        "num_running_reqs": len(sched.running),
+        "num_waiting_reqs": len(sched.waiting),
+        "num_requests": len(sched.requests),
+        "num_preemptions_total": sched.num_preemptions_total,
+        "step_index": sched.step_index,
+    }
+
+
+def _run_check(engine: EngineCore) -> bool:
+    engine.scheduler.check_invariants()
+    return True
+
+
+# --- process entry ----------------------------------------------------------------------------
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def _watch_stdin() -> None:
+    """SIGTERM ourselves when stdin closes: the API server holds its other end, so this
+    fires when it exits, dies, or closes the pipe to stop us."""
+
+    def wait() -> None:
+        while sys.stdin.buffer.read(65536):
+            pass
+        logger.info("API server closed the pipe; engine core exiting")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait, name="engine-parent-watchdog", daemon=True).start()
+
+
+def run_engine_core(config: EngineStartConfig) -> int:
+    """Run one engine core until SIGTERM or an error; returns the process exit code."""
+    ctx = zmq.Context()
+    proc = EngineCoreProc(config, ctx)
+    code = 0
+    try:
+        proc.start()
+        proc.run_busy_loop()
+    except SystemExit:
+        logger.info("engine core shutting down")
+    except Exception:
+        logger.error("engine core died:\n%s", traceback.format_exc())
+        proc.send_dead()
+        code = 1
+    finally:
+        proc.shutdown()
+        ctx.term()
+    return code
+
+
+def main() -> int:
+    """`python -m kvloop.core.engine_proc`: read one `EngineStartConfig` JSON line on stdin."""
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 2
+    config = msgspec.json.decode(line, type=EngineStartConfig)
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s")
+    _watch_stdin()
+    return run_engine_core(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""FastAPI routes of the API server: OpenAI endpoints, health, metrics, tokenizer, worker info.
+
+Every error, including request-validation errors, is answered with vLLM's shape
+`{"error": {"message", "type", "param", "code"}}`; validation errors are 400 (not FastAPI's
+422). An unexpected exception is logged and answered 500 in the same shape; bad input never
+gets there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+import kvloop
+from kvloop.server.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from kvloop.server.serving import (
+    APIError,
+    ServerContext,
+    create_chat_completion,
+    create_completion,
+)
+
+logger = logging.getLogger("kvloop.server")
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
+              "function-before", "list[int]", "list[str]", "list[list[int]]"}
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """Dotted location of a validation error, without pydantic's union-member tags."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return ".".join(parts)
+
+
+def _validation_response(exc: RequestValidationError) -> JSONResponse:
+    errors = list(exc.errors())
+    lines = [f"  {_clean_loc(tuple(e.get('loc', ())))}: {e.get('msg', '')}" for e in errors[:10]]
+    noun = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {noun}:\n" + "\n".join(lines)
+    param = _clean_loc(tuple(errors[0].get("loc", ()))) if errors else None
+    return JSONResponse(error_body(message, "Bad Request", 400, param), status_code=400)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_response(exc)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "InternalServerError",
+                                       500), status_code=500)
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    """The FastAPI application of one server (all state in `ctx`)."""
+    app = FastAPI(title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
+    _add_error_handlers(app)
+    _add_openai_routes(app, ctx)
+    _add_tokenizer_routes(app, ctx)
+    _add_operator_routes(app, ctx)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
+                 "root": ctx.config.model_path or name, "parent": None,
+                 "max_model_len": ctx.ready.max_model_len, "permission": []}
+                for name in ctx.config.served_model_names]
+        return {"object": "list", "data": data}
+
+
+def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = ctx.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=body.add_generation_prompt)
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise APIError(400, "either prompt or messages is required", param="prompt")
+        ids = list(ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        strs = [ctx.token_str(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+
+def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.client.dead:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvloop.__version__}
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        return {"server_load": ctx.client.num_in_flight}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/kvloop/worker")
+    async def worker() -> dict[str, Any]:
+        return worker_description(ctx)
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> dict[str, Any]:
+        return {"0": worker_description(ctx)["kv_events"]}
+
+    @app.get("/kvloop/stats")
+    async def stats() -> Any:
+        return await _utility(ctx, "get_stats")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Any:
+        return {"success": await _utility(ctx, "reset_prefix_cache")}
+
+
+async def _utility(ctx: ServerContext, method: str) -> Any:
+    try:
+        return await ctx.client.call_utility(method)
+    except Exception as e:
+        raise APIError(503, f"engine call {method} failed: {e}",
+                       "ServiceUnavailableError") from e
+
+
+def worker_description(ctx: ServerContext) -> dict[str, Any]:
+    """What a router reads when this worker registers."""
+    r = ctx.ready
+    events = None
+    if r.kv_events_endpoint is not None:
+        events = {"endpoint": r.kv_events_endpoint, "replay_endpoint": r.kv_events_replay_endpoint,
+                  "topic": r.kv_events_topic or "", "recency": r.kv_events_recency}
+    return {
+        "model": ctx.config.model_name,
+        "served_model_names": list(ctx.config.served_model_names),
+        "model_path": ctx.config.model_path,
+        "role": ctx.config.role,
+        "epoch": r.epoch,
+        "block_size": r.block_size,
+        "hash_algo": r.hash_algo,
+        "hash_seed": r.hash_seed,
+        "enable_prefix_caching": r.enable_prefix_caching,
+        "num_gpu_blocks": r.num_gpu_blocks,
+        "kv_capacity_blocks": r.num_gpu_blocks - 1,
+        "max_model_len": r.max_model_len,
+        "max_num_batched_tokens": r.max_num_batched_tokens,
+        "max_num_seqs": r.max_num_seqs,
+        "kv_events": events,
+        "api_pid": os.getpid(),
+        "engine_pid": r.pid,
+        "version": kvloop.__version__,
+    }

@@ -1,0 +1,208 @@
+"""`kvloop serve`: flags (vLLM's names where the concept is the same) -> configs -> server.
+
+The API server process never imports torch: the engine core process builds the runner from
+a factory name (`kvloop.model:load_runner` for a real model, `kvloop.sim.worker:make_sim_runner`
+for `--model sim`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import re
+import time
+from typing import Any
+
+from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.server.config import ROLES, ServeConfig
+from kvloop.wire import EngineStartConfig
+
+logger = logging.getLogger("kvloop.server")
+
+SIM = "sim"
+REAL_FACTORY = "kvloop.model:load_runner"
+SIM_FACTORY = "kvloop.sim.worker:make_sim_runner"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "123", "512MiB", "2G", "1.5GB" (powers of 1024 with or without the i)."""
+    m = _SIZE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)")
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * 1024 ** power)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server (API process + engine "
+                                            "core process)")
+    _add_model_args(p)
+    _add_engine_args(p)
+    _add_server_args(p)
+    _add_events_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face directory; 'sim' for the simulator "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients may use in 'model' (default: the model's name)")
+    g.add_argument("--dtype", default="auto", help="weights dtype: auto, float32, bfloat16")
+    g.add_argument("--device", default="auto", help="device of the model runner")
+    g.add_argument("--seed", type=int, default=0, help="runner random seed")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV cache size, e.g. 512MiB (default: the runner's rule)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="fix the KV capacity in blocks (including the null block, as vLLM)")
+    g.add_argument("--sim-speedup", type=float, default=1.0,
+                   help="--model sim: divide every modelled step time by this")
+    g.add_argument("--sim-latency-file", default=None,
+                   help="--model sim: latency coefficients JSON (default: the fitted file)")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget of one step (default 512 on CPU; see DESIGN.md)")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True)
+    g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256")
+    g.add_argument("--hash-seed", default=None,
+                   help="NONE_HASH seed (default: vLLM's rule: PYTHONHASHSEED, else fixed for "
+                        "sha256, random for xxhash)")
+    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs")
+    g.add_argument("--trace-file", default=None,
+                   help="append one JSON line per engine step to this file")
+    g.add_argument("--debug-check-invariants", action="store_true",
+                   help="check scheduler and block-pool invariants after every step")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed)")
+    g.add_argument("--role", choices=ROLES, default="both")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests not yet scheduled beyond which new ones get 503")
+    g.add_argument("--max-logprobs", type=int, default=20)
+    g.add_argument("--log-level", default="info")
+    g.add_argument("--engine-start-timeout", type=float, default=900.0)
+
+
+def _add_events_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV-cache events")
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="enable KV events on this ZMQ PUB endpoint, e.g. tcp://127.0.0.1:0")
+    g.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="ZMQ ROUTER endpoint serving replays of recent batches")
+    g.add_argument("--kv-events-topic", default="")
+    g.add_argument("--kv-events-recency", action="store_true",
+                   help="also publish the hashes of prefix-cache hits (recency topic)")
+
+
+# --- configs -------------------------------------------------------------------------------------
+def embedded_model_available() -> bool:
+    """The real model path exists in this checkout (tokenizer and model packages)."""
+    model = importlib.util.find_spec("kvloop.model")
+    return (model is not None and model.origin is not None
+            and importlib.util.find_spec("kvloop.server.tokenizer") is not None)
+
+
+def resolve_model(model: str | None) -> str:
+    """'sim', or the model to load; falls back to 'sim' while no model package exists."""
+    if model is None and not embedded_model_available():
+        logger.warning("the embedded model is not available in this checkout; serving "
+                       "--model sim instead")
+        return SIM
+    return model if model is not None else ""
+
+
+def load_tokenizer(model: str) -> Any:
+    if model == SIM:
+        from kvloop.sim.tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from kvloop.server.tokenizer import Tokenizer  # type: ignore[import-not-found]
+
+    return Tokenizer.from_model(model or None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    seqs = min(args.max_num_seqs, args.max_num_batched_tokens)
+    cache = CacheConfig(block_size=args.block_size,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+                        hash_seed=args.hash_seed)
+    sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_num_seqs=seqs, max_model_len=args.max_model_len or 8192,
+                            long_prefill_token_threshold=args.long_prefill_token_threshold,
+                            policy=args.scheduling_policy,
+                            max_waiting_requests=args.max_waiting_requests)
+    return EngineConfig(cache=cache, scheduler=sched,
+                        check_invariants=args.debug_check_invariants)
+
+
+def runner_spec(args: argparse.Namespace, model: str) -> tuple[str, dict[str, Any]]:
+    if model == SIM:
+        return SIM_FACTORY, {"num_gpu_blocks_override": args.num_gpu_blocks_override,
+                             "max_model_len": args.max_model_len,
+                             "latency_file": args.sim_latency_file,
+                             "speedup": args.sim_speedup, "seed": args.seed}
+    return REAL_FACTORY, {"model": model or None, "dtype": args.dtype, "device": args.device,
+                          "block_size": args.block_size,
+                          "kv_cache_memory": args.kv_cache_memory,
+                          "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                          "max_model_len": args.max_model_len, "seed": args.seed}
+
+
+def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.kv_events_endpoint is None:
+        return None
+    return {"endpoint": args.kv_events_endpoint,
+            "replay_endpoint": args.kv_events_replay_endpoint,
+            "topic": args.kv_events_topic, "recency": args.kv_events_recency}
+
+
+def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
+    """Flags -> (server config, engine start config, tokenizer). Raises ValueError."""
+    if args.sim_speedup <= 0:
+        raise ValueError("--sim-speedup must be > 0")
+    model = resolve_model(args.model)
+    tokenizer = load_tokenizer(model)
+    names = tuple(args.served_model_name or [SIM if model == SIM else
+                                             (tokenizer.model_name or model)])
+    factory, kwargs = runner_spec(args, model)
+    start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
+                              input_address="", output_address="", runner_kwargs=kwargs,
+                              trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
+                              epoch=time.time_ns(), log_level=args.log_level.upper())
+    serve = ServeConfig(served_model_names=names, model_path=(model or None), host=args.host,
+                        port=args.port, role=args.role,
+                        max_waiting_requests=args.max_waiting_requests,
+                        max_logprobs=args.max_logprobs,
+                        scheduling_policy=args.scheduling_policy, log_level=args.log_level,
+                        engine_start_timeout_s=args.engine_start_timeout)
+    return serve, start, tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s api[%(process)d] %(message)s")
+    try:
+        serve, start, tokenizer = build_configs(args)
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+    from kvloop.server.serve import run_server
+
+    return run_server(serve, start, tokenizer)

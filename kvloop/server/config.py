@@ -1,0 +1,48 @@
+"""The API server's own frozen configuration (the engine's is `kvloop.config.EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """HTTP side of `kvloop serve`.
+
+    `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
+    bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
+    with Retry-After (None: unbounded). `served_model_names` are the names clients may send
+    in `model`; the first is reported back.
+    """
+
+    served_model_names: tuple[str, ...]
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    role: str = "both"
+    max_waiting_requests: int | None = 1024
+    max_logprobs: int = 20
+    max_n: int = 128
+    retry_after_s: int = 1
+    scheduling_policy: str = "fcfs"
+    log_level: str = "info"
+    engine_start_timeout_s: float = 900.0
+    graceful_shutdown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if self.max_logprobs < 0:
+            raise ValueError("max_logprobs must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]

@@ -1,0 +1,97 @@
+"""Start and stop `kvloop serve` processes (for tests, benchmarks and fleets on one host).
+
+    with ServeProcess(["--model", "sim", "--sim-speedup", "50"], log_path) as srv:
+        httpx.get(srv.url + "/health")
+
+The server picks an ephemeral port; its "kvloop serving on URL" line is read from its log
+file (a file, not a pipe: a pipe nobody drains would block the server once full).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+_URL_LINE = re.compile(r"kvloop serving on (http://\S+)")
+
+
+class ServeProcess:
+    """One `kvloop serve` child process; `url` is known once `start()` returns."""
+
+    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None):
+        self.args = list(args)
+        self.log_path = Path(log_path)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 60.0) -> ServeProcess:
+        """Launch and wait for the URL line; raises RuntimeError with the log on failure."""
+        if "--port" not in self.args:
+            self.args += ["--port", "0"]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvloop", "serve", *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(self.env or {})})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = _URL_LINE.search(self.log())
+            if m:
+                self.url = m.group(1)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"kvloop serve did not start; log:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        """Exit code once the process ends; raises subprocess.TimeoutExpired."""
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ServeProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

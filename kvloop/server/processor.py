@@ -1,0 +1,186 @@
+"""Per-request output processing in the API server: detokenize, stop strings, logprobs.
+
+The engine knows nothing about text. For each engine request the API server keeps an
+`OutputState` that turns `EngineCoreOutput`s into text deltas, vLLM's way
+(specs/vllm-engine.md section 5.5):
+
+- tokens are detokenized one at a time, so the token that completes a stop string is known
+  and every token after it is dropped;
+- stop strings are searched only in the newly added text, once more than `min_tokens` tokens
+  exist; the one completing earliest wins, ties by list order; the text is cut before it (or
+  after it with `include_stop_str_in_output`); the request then finishes with reason "stop"
+  and `stop_reason` = the string, and the caller aborts it in the engine;
+- a stop *token* the engine stopped on (EOS, `stop_token_ids`) is not detokenized unless
+  `include_stop_str_in_output`;
+- while stop strings can still match, the last `max(len(stop)) - 1` characters are held back
+  from streaming until the request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvloop.wire import EngineCoreOutput
+
+
+class Detokenizer(Protocol):
+    text: str
+
+    def push(self, new_ids: Sequence[int]) -> str: ...
+
+
+def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int],
+                     skip_special_tokens: bool) -> Detokenizer:
+    """The incremental detokenizer of `tokenizer` (its own factory if it has one)."""
+    factory = getattr(tokenizer, "new_detokenizer", None)
+    if factory is not None:
+        return factory(prompt_ids, skip_special_tokens)  # type: ignore[no-any-return]
+    from kvloop.server.tokenizer import IncrementalDetokenizer
+
+    return IncrementalDetokenizer(tokenizer, list(prompt_ids),  # type: ignore[no-any-return]
+                                  skip_special_tokens=skip_special_tokens)
+
+
+def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
+                     include: bool) -> tuple[str, int] | None:
+    """The stop string completed by the last `new_char_count` characters of `text`.
+
+    Returns (stop string, truncate_to): the text is cut to `text[:truncate_to]`, or kept whole
+    when `truncate_to` is -1 (the stop string, included, ends the text). None if no match.
+    """
+    if not new_char_count or not stop:
+        return None
+    best: tuple[int, int, str] | None = None   # (end, start, stop string)
+    for s in stop:
+        start = text.find(s, max(len(text) - new_char_count - len(s) + 1, 0))
+        if start < 0:
+            continue
+        end = start + len(s)
+        if best is None or end < best[0]:
+            best = (end, start, s)
+    if best is None:
+        return None
+    end, start, s = best
+    if include:
+        return s, (-1 if end >= len(text) else end)
+    return s, start
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Delta:
+    """What one engine output added to a request, after stop-string handling."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    stopped_locally: bool = False    # a stop string ended it: abort it in the engine
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+
+class OutputState:
+    """Text, tokens and logprobs of one engine request so far. Owned by one HTTP handler."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], options: OutputOptions):
+        self.options = options
+        self.detok = make_detokenizer(tokenizer, prompt_ids, options.skip_special_tokens)
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._sent = 0
+        hold = max((len(s) for s in options.stop), default=0) - 1
+        self._holdback = hold if hold > 0 and not options.include_stop_str_in_output else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, out: EngineCoreOutput) -> Delta:
+        """Apply one engine output; return the delta to send (text held back as needed)."""
+        if self.finished:
+            return Delta()
+        if out.error is not None:
+            self.finish_reason = "error"
+            return Delta(finish_reason="error", error=out.error)
+        self.num_cached_tokens = out.num_cached_tokens
+        delta = Delta()
+        lps = out.new_logprobs or []
+        n = len(out.new_token_ids)
+        for j, tok in enumerate(out.new_token_ids):
+            delta.token_ids.append(tok)
+            self.token_ids.append(tok)
+            if j < len(lps):
+                lp = lps[j]
+                entry = TokenLogprob(tok, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs,
+                                                               strict=False)))
+                delta.logprobs.append(entry)
+                self.logprobs.append(entry)
+            if j == n - 1 and self._is_stop_token(out):
+                break
+            if self._append_text(self.detok.push([tok])):
+                delta.stopped_locally = True
+                break
+        if delta.stopped_locally:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        if self.finished:
+            self._flush_detokenizer(delta)
+        delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
+        delta.text = self._take_text()
+        return delta
+
+    def _is_stop_token(self, out: EngineCoreOutput) -> bool:
+        """The engine stopped on this last token (EOS or a stop token id): keep it out of the
+        text unless asked to include it."""
+        return (out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                and not self.options.include_stop_str_in_output)
+
+    def _append_text(self, new_text: str) -> bool:
+        """Add text; True if it completed a stop string (the text is then cut)."""
+        self.text += new_text
+        opts = self.options
+        if not opts.stop or len(self.token_ids) <= opts.min_tokens:
+            return False
+        hit = find_stop_string(self.text, len(new_text), opts.stop,
+                               opts.include_stop_str_in_output)
+        if hit is None:
+            return False
+        self.stop_reason = hit[0]
+        if hit[1] != -1:
+            self.text = self.text[:hit[1]]
+        return True
+
+    def _flush_detokenizer(self, delta: Delta) -> None:
+        flush = getattr(self.detok, "flush", None)
+        if flush is not None and not delta.stopped_locally:
+            self.text += flush()
+
+    def _take_text(self) -> str:
+        end = len(self.text) if self.finished else len(self.text) - self._holdback
+        if end <= self._sent:
+            return ""
+        chunk = self.text[self._sent:end]
+        self._sent = end
+        return chunk

@@ -1,0 +1,586 @@
+"""Completions and chat completions: request -> engine requests -> JSON or SSE.
+
+One HTTP request becomes `len(prompts) * n` engine requests ("children"). A `Generation`
+submits them (after admission control), merges their outputs from one queue, runs each
+through its `OutputState` (detokenizer, stop strings) and makes sure every child is either
+finished or aborted in the engine when the handler ends, however it ends (done, client gone,
+server stopping, engine dead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvloop import SamplingParams
+from kvloop.server.client import (
+    EngineClient,
+    EngineDeadError,
+    QueueItem,
+    ServerShuttingDown,
+)
+from kvloop.server.config import ServeConfig
+from kvloop.server.metrics import ServerMetrics
+from kvloop.server.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    error_body,
+)
+from kvloop.server.processor import Delta, OutputOptions, OutputState, TokenLogprob
+from kvloop.wire import EngineCoreRequest, EngineReady, SamplingParamsMsg
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+class APIError(Exception):
+    """An error answered with vLLM's JSON error shape."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError",
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.err_type, self.status, self.param),
+                            status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class StreamEnd:
+    """How a stream ended early (read by the stream's tail)."""
+
+    error: APIError | None = None
+    aborted: bool = False
+
+
+@dataclass
+class ServerContext:
+    """What every handler needs; built once the engine is ready."""
+
+    config: ServeConfig
+    client: EngineClient
+    tokenizer: Any
+    ready: EngineReady
+    metrics: ServerMetrics
+    created: int
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.ready.vocab_size or self.tokenizer.vocab_size)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.config.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
+                                f"{', '.join(self.config.served_model_names)}",
+                           "NotFoundError", "model")
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        v = self.vocab_size
+        bad = next((i for i in ids if not 0 <= i < v), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is out of vocabulary [0, {v})", param=param)
+
+    def token_str(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+# --- sampling parameters -----------------------------------------------------------------------
+_UNSUPPORTED = ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                "truncate_prompt_tokens")
+
+
+def _check_supported(req: SamplingRequest) -> None:
+    for name in _UNSUPPORTED:
+        if getattr(req, name):
+            raise APIError(400, f"{name} is not supported by kvloop", param=name)
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "structured output (response_format) is not supported by kvloop",
+                       param="response_format")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported by kvloop (use n)", param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "Stream options can only be defined when `stream=True`.",
+                       param="stream_options")
+
+
+def _param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() else None
+
+
+def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
+                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
+
+    `max_tokens` is clamped to the room left in the context (None: all of it).
+    """
+    max_len = ctx.ready.max_model_len
+    if prompt_len >= max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens. "
+                            f"However, your request has {prompt_len} input tokens; at least "
+                            f"one token must be generated. Please reduce the length of the "
+                            f"input.", param="prompt")
+    room = max_len - prompt_len
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    if logprobs is not None and logprobs > ctx.config.max_logprobs:
+        raise APIError(400, f"Requested sample logprobs of {logprobs}, which is greater than "
+                            f"max allowed: {ctx.config.max_logprobs}", param="logprobs")
+    seed = None if req.seed == -1 else req.seed
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise APIError(400, "seed must be in the int64 range", param="seed")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise APIError(400, "stop cannot contain an empty string.", param="stop")
+    if req.priority != 0 and ctx.config.scheduling_policy != "priority":
+        raise APIError(400, "priority is only supported with --scheduling-policy priority",
+                       param="priority")
+    ctx.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if 0.0 < temperature < 0.01:
+        temperature = 0.01
+    try:
+        params = SamplingParams(
+            n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+            repetition_penalty=(1.0 if req.repetition_penalty is None
+                                else req.repetition_penalty),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0, seed=seed, stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos, eos_token_id=ctx.tokenizer.eos_token_id,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            priority=req.priority, cache_salt=req.cache_salt or None)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from e
+    if req.n > ctx.config.max_n:
+        raise APIError(400, f"n must be at most {ctx.config.max_n}, got {req.n}.", param="n")
+    if params.greedy:
+        params = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
+    return params
+
+
+# --- generation --------------------------------------------------------------------------------
+@dataclass
+class Child:
+    """One engine request of an HTTP request: choice `index` of prompt `prompt_index`."""
+
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    state: OutputState
+
+
+def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
+                  params: list[SamplingParams]) -> list[Child]:
+    children = []
+    for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        opts = OutputOptions(sp.stop, sp.include_stop_str_in_output, sp.min_tokens,
+                             sp.skip_special_tokens)
+        for i in range(sp.n):
+            seed = None if sp.seed is None else sp.seed + i
+            child_sp = dataclasses.replace(sp, n=1, seed=seed)
+            children.append(Child(p * sp.n + i, p, f"{base_id}-{p}-{i}", ids, child_sp,
+                                  OutputState(ctx.tokenizer, ids, opts)))
+    return children
+
+
+class Generation:
+    """The children of one HTTP request, submitted together, streamed as one."""
+
+    def __init__(self, ctx: ServerContext, children: list[Child]):
+        self.ctx = ctx
+        self.children = children
+        self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self.end = StreamEnd()
+        self._pending = {c.request_id: c for c in children}
+
+    def submit(self) -> None:
+        """Admission control, then send every child. APIError(503) when over the limit."""
+        client, cfg = self.ctx.client, self.ctx.config
+        _raise_unavailable(client)
+        limit = cfg.max_waiting_requests
+        if limit is not None and client.num_unscheduled + len(self.children) > limit:
+            self.ctx.metrics.reject("max_waiting_requests")
+            raise APIError(503, f"Too many requests waiting ({client.num_unscheduled} of at "
+                                f"most {limit}); retry later.", "ServiceUnavailableError",
+                           headers={"Retry-After": str(cfg.retry_after_s)})
+        now = time.monotonic()
+        try:
+            for c in self.children:
+                client.add_request(EngineCoreRequest(
+                    c.request_id, c.prompt_ids,
+                    SamplingParamsMsg(**dataclasses.asdict(c.params)), arrival_time=now),
+                    self.queue)
+        except BaseException:
+            client.abort_requests(list(self._pending))
+            raise
+        per_prompt: dict[int, int] = {}
+        for c in self.children:
+            per_prompt[c.prompt_index] = per_prompt.get(c.prompt_index, 0) + 1
+        for n in per_prompt.values():
+            self.ctx.metrics.observe_n(n)
+
+    def disconnect(self) -> None:
+        self.queue.put_nowait((None, ClientDisconnected()))
+
+    async def deltas(self) -> AsyncIterator[tuple[Child, Delta]]:
+        """(child, delta) as outputs arrive, until every child has finished.
+
+        Raises ServerShuttingDown, EngineDeadError or ClientDisconnected; on any exit the
+        children still running are aborted in the engine.
+        """
+        client = self.ctx.client
+        try:
+            while self._pending:
+                rid, item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                child = self._pending.get(rid or "")
+                if child is None:
+                    continue
+                delta = child.state.process(item)
+                if child.state.finished:
+                    del self._pending[child.request_id]
+                    client.finish_request(child.request_id, child.state.finish_reason or "stop")
+                yield child, delta
+        finally:
+            client.abort_requests(list(self._pending))
+
+    async def stream_deltas(self) -> AsyncIterator[tuple[Child, Delta]]:
+        """`deltas()` for a stream: shutdown, engine death or a child's error end it quietly,
+        recorded in `self.end` for the stream's tail."""
+        try:
+            async with contextlib.aclosing(self.deltas()) as it:
+                async for c, d in it:
+                    if d.error is not None:
+                        self.end.error = APIError(400, d.error)
+                        return
+                    yield c, d
+        except ServerShuttingDown:
+            self.end.aborted = True
+        except EngineDeadError as e:
+            self.end.error = APIError(500, str(e), "InternalServerError")
+
+    def unfinished(self) -> list[Child]:
+        return [c for c in self.children if not c.state.finished]
+
+
+def _raise_unavailable(client: EngineClient) -> None:
+    try:
+        client.check_available()
+    except ServerShuttingDown as e:
+        raise APIError(503, str(e), "ServiceUnavailableError") from e
+    except EngineDeadError as e:
+        raise APIError(500, str(e), "InternalServerError") from e
+
+
+async def _watch_disconnect(request: Request, gen: Generation) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            gen.disconnect()
+            return
+
+
+async def collect(request: Request, gen: Generation) -> None:
+    """Run a non-streaming generation to the end (aborting it if the client goes away)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, gen))
+    try:
+        async with contextlib.aclosing(gen.deltas()) as it:
+            async for _, delta in it:
+                if delta.error is not None:
+                    raise APIError(400, delta.error)
+    except ServerShuttingDown as e:
+        raise APIError(503, str(e), "ServiceUnavailableError") from e
+    except EngineDeadError as e:
+        raise APIError(500, str(e), "InternalServerError") from e
+    finally:
+        watcher.cancel()
+
+
+# --- response pieces ---------------------------------------------------------------------------
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(children: list[Child], prompts: list[list[int]]) -> dict[str, Any]:
+    """OpenAI usage; cached tokens of each prompt are those of its first choice."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(c.state.token_ids) for c in children)
+    first = {}
+    for c in children:
+        first.setdefault(c.prompt_index, c)
+    cached = sum(c.state.num_cached_tokens for c in first.values())
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
+            "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
+                        prompt_ids: Sequence[int] = ()) -> dict[str, Any]:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+
+    Echoed prompt tokens come first, with null logprobs (prompt logprobs are not computed).
+    """
+    out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                                 "top_logprobs": []}
+    for tid in prompt_ids:
+        s = ctx.token_str(tid)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(None)
+        out["tokens"].append(s)
+        out["top_logprobs"].append(None)
+        offset += len(s)
+    for e in entries:
+        s = ctx.token_str(e.token_id)
+        top = {ctx.token_str(t): lp for t, lp in e.top}
+        top.setdefault(s, e.logprob)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(e.logprob)
+        out["tokens"].append(s)
+        out["top_logprobs"].append(top)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
+                  ) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        s = ctx.token_str(e.token_id)
+        top = [{"token": ctx.token_str(t), "logprob": lp,
+                "bytes": list(ctx.token_str(t).encode())} for t, lp in e.top[:num_top]]
+        content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
+                        "top_logprobs": top})
+    return {"content": content}
+
+
+# --- completions -------------------------------------------------------------------------------
+def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+    """Normalize `prompt` (text, texts, token ids, lists of token ids) to token id lists."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [ctx.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [ctx.tokenizer.encode(x, add_special_tokens=req.add_special_tokens)
+                   for x in p]  # type: ignore[union-attr]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    for ids in prompts:
+        ctx.check_token_ids(ids, "prompt")
+    return prompts
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest,
+                            request: Request) -> Response:
+    ctx.check_model(req.model)
+    _check_supported(req)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by kvloop", param="suffix")
+    prompts = completion_prompts(ctx, req)
+    params = [build_sampling_params(ctx, req, len(ids), req.max_tokens, req.logprobs)
+              for ids in prompts]
+    base = f"cmpl-{uuid.uuid4().hex}"
+    gen = Generation(ctx, make_children(ctx, base, prompts, params))
+    gen.submit()
+    echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+             for ids in prompts] if req.echo else None)
+    if req.stream:
+        return StreamingResponse(_stream_completion(ctx, req, gen, base, prompts, echo),
+                                 media_type="text/event-stream")
+    await collect(request, gen)
+    choices = [_completion_choice(ctx, req, c, echo) for c in gen.children]
+    return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
+                         "model": ctx.config.model_name, "choices": choices,
+                         "usage": usage(gen.children, prompts), "system_fingerprint": None})
+
+
+def _completion_choice(ctx: ServerContext, req: CompletionRequest, c: Child,
+                       echo: list[str] | None) -> dict[str, Any]:
+    prefix = echo[c.prompt_index] if echo else ""
+    lp = None
+    if req.logprobs is not None:
+        lp = completion_logprobs(ctx, c.state.logprobs, 0, c.prompt_ids if echo else ())
+    choice = {"index": c.index, "text": prefix + c.state.text, "logprobs": lp,
+              "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = c.prompt_ids
+        choice["token_ids"] = c.state.token_ids
+    return choice
+
+
+async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Generation,
+                             base: str, prompts: list[list[int]], echo: list[str] | None
+                             ) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    offsets: dict[int, int] = {}
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        body: dict[str, Any] = {"id": base, "object": "text_completion", "created": created,
+                                "model": ctx.config.model_name, "choices": [choice]}
+        if continuous:
+            body["usage"] = usage(gen.children, prompts)
+        return sse(body)
+
+    async for c, d in gen.stream_deltas():
+        first = c.index not in offsets
+        text = (echo[c.prompt_index] if echo and first else "") + d.text
+        if not (text or d.finish_reason or d.token_ids):
+            continue
+        lp = None
+        if req.logprobs is not None:
+            lp = completion_logprobs(ctx, d.logprobs, offsets.get(c.index, 0),
+                                     c.prompt_ids if echo and first else ())
+        offsets[c.index] = offsets.get(c.index, 0) + len(text)
+        choice = {"index": c.index, "text": text, "logprobs": lp,
+                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = d.token_ids
+            if first:
+                choice["prompt_token_ids"] = c.prompt_ids
+        yield chunk(choice)
+    async for b in _stream_tail(ctx, req, gen, base, created, prompts, "text_completion"):
+        yield b
+
+
+# --- chat --------------------------------------------------------------------------------------
+def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    add_gen = req.add_generation_prompt and not req.continue_final_message
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+    except Exception as e:  # a template error is the request's fault (bad roles, order...)
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+    ids = list(ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    if not ids:
+        raise APIError(400, "the chat prompt is empty", param="messages")
+    return ids
+
+
+def _chat_logprobs_arg(ctx: ServerContext, req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError(400, "when using `top_logprobs`, `logprobs` must be set to true.",
+                           param="top_logprobs")
+        if req.top_logprobs < 0:
+            raise APIError(400, "`top_logprobs` must be a non-negative value.",
+                           param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 request: Request) -> Response:
+    ctx.check_model(req.model)
+    _check_supported(req)
+    if req.tools:
+        raise APIError(400, "tool calling is not supported by kvloop", param="tools")
+    prompt = chat_prompt(ctx, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    params = build_sampling_params(ctx, req, len(prompt), max_tokens,
+                                   _chat_logprobs_arg(ctx, req))
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
+    gen.submit()
+    if req.stream:
+        return StreamingResponse(_stream_chat(ctx, req, gen, base, prompt),
+                                 media_type="text/event-stream")
+    await collect(request, gen)
+    choices = []
+    for c in gen.children:
+        lp = (chat_logprobs(ctx, c.state.logprobs, req.top_logprobs or 0)
+              if req.logprobs else None)
+        choice = {"index": c.index, "message": {"role": "assistant", "content": c.state.text},
+                  "logprobs": lp, "finish_reason": c.state.finish_reason,
+                  "stop_reason": c.state.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = c.state.token_ids
+        choices.append(choice)
+    body = {"id": base, "object": "chat.completion", "created": int(time.time()),
+            "model": ctx.config.model_name, "choices": choices,
+            "usage": usage(gen.children, [prompt]), "system_fingerprint": None}
+    if req.return_token_ids:
+        body["prompt_token_ids"] = prompt
+    return JSONResponse(body)
+
+
+async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Generation,
+                       base: str, prompt: list[int]) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        body: dict[str, Any] = {"id": base, "object": "chat.completion.chunk",
+                                "created": created, "model": ctx.config.model_name,
+                                "choices": [choice]}
+        if continuous:
+            body["usage"] = usage(gen.children, [prompt])
+        return sse(body)
+
+    for c in gen.children:
+        yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None})
+    async for c, d in gen.stream_deltas():
+        if not (d.text or d.finish_reason or d.token_ids):
+            continue
+        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        lp = chat_logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
+        choice = {"index": c.index, "delta": delta, "logprobs": lp,
+                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = d.token_ids
+        yield chunk(choice)
+    async for b in _stream_tail(ctx, req, gen, base, created, [prompt], "chat.completion.chunk"):
+        yield b
+
+
+# --- streaming common --------------------------------------------------------------------------
+async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation, base: str,
+                       created: int, prompts: list[list[int]], obj: str
+                       ) -> AsyncIterator[bytes]:
+    end = gen.end
+    if end.error is not None:
+        e = end.error
+        yield sse(error_body(e.message, e.err_type, e.status, e.param))
+    elif end.aborted:
+        for c in gen.unfinished():
+            empty: dict[str, Any] = {"content": ""} if obj.startswith("chat") else {}
+            choice: dict[str, Any] = ({"index": c.index, "delta": empty, "logprobs": None,
+                                       "finish_reason": "abort", "stop_reason": None}
+                                      if obj.startswith("chat") else
+                                      {"index": c.index, "text": "", "logprobs": None,
+                                       "finish_reason": "abort", "stop_reason": None})
+            yield sse({"id": base, "object": obj, "created": created,
+                       "model": ctx.config.model_name, "choices": [choice]})
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse({"id": base, "object": obj, "created": created,
+                   "model": ctx.config.model_name, "choices": [],
+                   "usage": usage(gen.children, prompts)})
+    yield SSE_DONE

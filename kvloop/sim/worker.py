@@ -1,0 +1,112 @@
+"""The runner behind `kvloop serve --model sim`: SimRunner with served-model manners.
+
+- Fake tokens are printable bytes of the byte-level tokenizer (`kvloop.sim.tokenizer`), so
+  generated text decodes cleanly.
+- They are a function of the request's *content*, not its id, so sampling behaves like a
+  model's: greedy (temperature 0) output depends on the prompt only, a seeded request on
+  (prompt, seed), an unseeded one on its id (different every time).
+- Logprobs are made up but well formed (sampled token first, descending values).
+- Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`.
+
+`make_sim_runner` is the factory the engine core process calls (by name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
+from kvloop.core.request import SamplingParams
+from kvloop.sim.latency import LatencyModel
+from kvloop.sim.runner import SimRunner
+from kvloop.sim.tokenizer import PRINTABLE_IDS, ByteTokenizer
+
+DEFAULT_SIM_BLOCKS = 4096
+DEFAULT_SIM_MAX_MODEL_LEN = 8192
+
+
+def _digest(*parts: object) -> int:
+    h = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class _Key:
+    """What a request's fake tokens depend on."""
+
+    content: str
+
+    @classmethod
+    def of(cls, request_id: str, prompt: Sequence[int], params: SamplingParams) -> _Key:
+        prompt_key = hashlib.blake2b(bytes(str(list(prompt)), "ascii"), digest_size=16).hexdigest()
+        if params.greedy:
+            return cls(f"greedy:{prompt_key}")
+        if params.seed is not None:
+            return cls(f"seed:{params.seed}:{prompt_key}")
+        return cls(f"id:{request_id}")
+
+
+class SimWorkerRunner:
+    """A `Runner`: SimRunner plus content-keyed tokens, logprobs and the vocabulary size."""
+
+    def __init__(self, latency: LatencyModel | None, num_gpu_blocks: int, max_model_len: int,
+                 seed: int = 0):
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_model_len = max_model_len
+        self.vocab_size = ByteTokenizer().vocab_size
+        self.model_name = "sim"
+        self._seed = seed
+        self._keys: dict[str, _Key] = {}
+        self._logprobs: dict[str, int] = {}
+        self._sim = SimRunner(token_source=self._token,
+                              step_time=latency.step_time if latency else None)
+
+    def _token(self, request_id: str, k: int) -> int:
+        key = self._keys[request_id]
+        return PRINTABLE_IDS[_digest(self._seed, key.content, k) % len(PRINTABLE_IDS)]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for rid in scheduler_output.finished_req_ids:
+            self._keys.pop(rid, None)
+            self._logprobs.pop(rid, None)
+        for d in scheduler_output.scheduled_new_reqs:
+            self._keys[d.req_id] = _Key.of(d.req_id, d.prompt_token_ids, d.sampling_params)
+            if d.sampling_params.logprobs is not None:
+                self._logprobs[d.req_id] = d.sampling_params.logprobs
+        out = self._sim.execute(scheduler_output)
+        if self._logprobs:
+            out.logprobs = [self._fake_logprobs(rid, toks)
+                            for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True)]
+        return out
+
+    def _fake_logprobs(self, request_id: str, tokens: list[int]) -> list[Logprobs] | None:
+        num_top = self._logprobs.get(request_id)
+        if num_top is None:
+            return None
+        return [fake_logprobs(tok, num_top) for tok in tokens]
+
+    def shutdown(self) -> None:
+        self._sim.shutdown()
+
+
+def fake_logprobs(token_id: int, num_top: int) -> Logprobs:
+    """Deterministic logprobs: the sampled token ranks first, then its printable neighbours."""
+    sampled = -0.05 - (_digest("lp", token_id) % 1000) / 1000.0
+    n = len(PRINTABLE_IDS)
+    start = PRINTABLE_IDS.index(token_id) if token_id in PRINTABLE_IDS else 0
+    top_ids = [PRINTABLE_IDS[(start + j) % n] for j in range(num_top)]
+    top_lps = [sampled - 0.5 * j for j in range(num_top)]
+    return Logprobs(sampled_logprob=sampled, sampled_rank=1, top_token_ids=top_ids,
+                    top_logprobs=top_lps)
+
+
+def make_sim_runner(num_gpu_blocks_override: int | None = None,
+                    max_model_len: int | None = None, latency_file: str | None = None,
+                    speedup: float = 1.0, seed: int = 0,
+                    model_latency: bool = True) -> SimWorkerRunner:
+    """The engine core's factory for `--model sim` (keyword arguments from the CLI)."""
+    latency = LatencyModel.from_file(latency_file, speedup) if model_latency else None
+    return SimWorkerRunner(latency, num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
+                           max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, seed)
