@@ -17,6 +17,7 @@ from kvloop.router.registry import (
     PREDICTIONS_MISS,
     SILENT,
     UNPREDICTED_HITS,
+    EventSource,
     WorkerDescription,
     WorkerSpec,
 )
@@ -33,8 +34,8 @@ class FakeClock:
 
 
 class FakeSub:
-    def __init__(self, endpoint: str, replay: str | None, feed: EventFeed):
-        self.endpoint, self.replay, self.feed = endpoint, replay, feed
+    def __init__(self, source: EventSource, feed: EventFeed):
+        self.source, self.feed = source, feed
         self.stopped = False
 
     def stop(self) -> None:
@@ -58,8 +59,8 @@ def make_router(**liveness) -> tuple[Router, FakeClock, dict[str, FakeSub]]:
     clock = FakeClock()
     subs: dict[str, FakeSub] = {}
 
-    def factory(endpoint, replay, feed):
-        subs[feed.worker] = FakeSub(endpoint, replay, feed)
+    def factory(source, feed):
+        subs[feed.worker] = FakeSub(source, feed)
         return subs[feed.worker]
 
     lv = LivenessConfig(**{"window_s": 5.0, "verify_window": 8, "verify_min_samples": 4,

@@ -96,6 +96,16 @@ def test_per_worker_capacity_evicts_least_recently_stored():
     idx.check_invariants()
 
 
+def test_touch_refreshes_recency():
+    idx = PrefixIndex(IndexConfig(capacity_slack=1.0), FakeClock())
+    idx.add_worker("a", capacity_blocks=2)  # cap 3
+    idx.store("a", [1, 2, 3])
+    assert idx.touch("a", [1, 99]) == 1
+    idx.store("a", [4])
+    assert idx.hashes_of("a") == {1, 3, 4}
+    assert idx.touch("nobody", [1]) == 0
+
+
 def test_fleet_bound_evicts_from_the_largest_worker():
     idx, _ = make(max_blocks=5)
     idx.store("a", [1, 2, 3])

@@ -71,6 +71,12 @@ class EventFeed:
     def on_heartbeat(self) -> None:
         self.on_signal(self.worker, True)
 
+    def on_touch(self, hashes: list[int | bytes]) -> None:
+        """Recency notice: these blocks were cache hits (refreshes their LRU position)."""
+        with self._lock:
+            if self.refusing is None:
+                self.index.touch(self.worker, hashes)
+
     def refuse(self, reason: str) -> None:
         """Stop indexing this worker's events and drop what it holds."""
         with self._lock:

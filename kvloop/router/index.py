@@ -150,6 +150,20 @@ class PrefixIndex:
         evicted += self._enforce_fleet_bound()
         return ApplyResult(added=added, evicted=evicted)
 
+    def touch(self, name: str, hashes: Iterable[int | bytes]) -> int:
+        """Recency: move held `hashes` to the young end of `name`'s LRU; returns how many."""
+        w = self._workers.get(name)
+        if w is None:
+            return 0
+        moved = 0
+        with w.lock:
+            for raw in hashes:
+                h = to_u64(raw)
+                if h in w.lru:
+                    w.lru.move_to_end(h)
+                    moved += 1
+        return moved
+
     def remove(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
         """BlockRemoved: one copy of each hash left `name`'s cache."""
         w = self._require(name)

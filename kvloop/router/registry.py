@@ -52,6 +52,15 @@ def likely_cause(kind: str) -> str:
 
 
 @dataclass(frozen=True)
+class EventSource:
+    """Where one worker's KV events come from."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """How a worker was named to the router: `URL[,role][,events=EP][,replay=EP]`."""
 
@@ -99,8 +108,10 @@ class WorkerDescription:
     capacity_blocks: int | None = None
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
+    topic: str = ""
     role: str | None = None
     epoch: str | None = None
+    model_path: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerDescription:
@@ -121,9 +132,19 @@ class WorkerDescription:
             or _first(d, "kv_events_endpoint", "events_endpoint", default=None),
             replay_endpoint=_first(ev, "replay_endpoint", default=None)
             or _first(d, "kv_events_replay_endpoint", "replay_endpoint", default=None),
+            topic=str(_first(ev, "topic", default="") or _first(d, "kv_events_topic",
+                                                                   default="")),
             role=_first(d, "role", default=None),
             epoch=_str(_first(d, "epoch", default=None)),
+            model_path=_first(d, "model_path", default=None),
         )
+
+    def event_source(self, spec: WorkerSpec) -> EventSource | None:
+        """The worker's advertised event endpoints, overridden by the spec's."""
+        endpoint = spec.events_endpoint or self.events_endpoint
+        if endpoint is None:
+            return None
+        return EventSource(endpoint, spec.replay_endpoint or self.replay_endpoint, self.topic)
 
     def hash_spec(self) -> HashSpec | None:
         if self.block_size is None or self.hash_algo is None or self.hash_seed is None:

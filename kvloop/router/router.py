@@ -33,6 +33,7 @@ from kvloop.router.registry import (
     CONFIG_MISMATCH,
     NO_EVENT_SOURCE,
     Alarm,
+    EventSource,
     Registry,
     Ticket,
     WorkerDescription,
@@ -56,7 +57,7 @@ class Subscription(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-SubscriberFactory = Callable[[str, str | None, EventFeed], Subscription]
+SubscriberFactory = Callable[[EventSource, EventFeed], Subscription]
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Router:
         self._subscriber_factory = subscriber_factory
         self._feeds: dict[str, EventFeed] = {}
         self._subs: dict[str, Subscription] = {}
-        self._epochs: dict[str, tuple[str | None, str | None, str | None]] = {}
+        self._epochs: dict[str, tuple[str | None, EventSource | None]] = {}
         self._lock = threading.RLock()
 
     @staticmethod
@@ -111,8 +112,7 @@ class Router:
                 self.hasher = self._make_hasher(offered)
                 log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
             self.index.add_worker(spec.name, desc.capacity_blocks)
-            identity = (desc.epoch, self._events_endpoint(spec, desc),
-                        self._replay_endpoint(spec, desc))
+            identity = (desc.epoch, desc.event_source(spec))
             renewed = self._epochs.get(spec.name) != identity
             self._epochs[spec.name] = identity
             if renewed:
@@ -141,12 +141,6 @@ class Router:
         log.warning("worker %s is down (%s): %d index entries dropped; new requests go "
                     "to other workers", name, reason, dropped)
 
-    def _events_endpoint(self, spec: WorkerSpec, desc: WorkerDescription) -> str | None:
-        return spec.events_endpoint or desc.events_endpoint
-
-    def _replay_endpoint(self, spec: WorkerSpec, desc: WorkerDescription) -> str | None:
-        return spec.replay_endpoint or desc.replay_endpoint
-
     def _restart_feed(self, w: WorkerState, spec: WorkerSpec,
                       desc: WorkerDescription) -> None:
         self._stop_feed(w.name)
@@ -155,11 +149,11 @@ class Router:
         feed = EventFeed(w.name, self.index, self.hasher, w.events, self._on_mismatch,
                          self.registry.note_signal)
         self._feeds[w.name] = feed
-        endpoint = self._events_endpoint(spec, desc)
-        if endpoint is None or self._subscriber_factory is None:
+        source = desc.event_source(spec)
+        if source is None or self._subscriber_factory is None:
             w.subscriber_stats = None
             return
-        sub = self._subscriber_factory(endpoint, self._replay_endpoint(spec, desc), feed)
+        sub = self._subscriber_factory(source, feed)
         self._subs[w.name] = sub
         w.subscriber_stats = sub.stats
 
@@ -190,7 +184,7 @@ class Router:
             warnings.append(f"{w.name}: {detail}")
         else:
             self._clear(w.name, CONFIG_MISMATCH)
-        if self._events_endpoint(spec, desc) is None:
+        if desc.event_source(spec) is None:
             self._raise(w.name, NO_EVENT_SOURCE, "it advertises no KV-event endpoint")
             warnings.append(f"{w.name}: no KV-event endpoint")
         else:

@@ -1,0 +1,142 @@
+"""`kvloop router` and `kvloop fleet`: flags -> frozen configs -> run.
+
+    kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
+    kvloop fleet --workers N [--model sim|PATH] [--port P] [--policy NAME] [--roles R,...]
+                 [-- WORKER FLAGS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvloop.router.config import (
+    POLICIES,
+    ROLES,
+    CostConfig,
+    HashSpec,
+    IndexConfig,
+    LivenessConfig,
+    RouterConfig,
+)
+from kvloop.router.registry import WorkerSpec
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    r = subparsers.add_parser("router", help="KV-cache-aware router in front of workers")
+    r.add_argument("--worker", action="append", default=[], metavar="URL[,ROLE][,events=EP]",
+                   help="a worker: URL, optional role (both|prefill|decode) and event "
+                        "endpoint overrides events=EP, replay=EP (repeat the flag)")
+    add_router_args(r)
+    r.set_defaults(func=run_router_cmd)
+
+    f = subparsers.add_parser("fleet", help="N workers and a router on this host")
+    f.add_argument("--workers", type=int, required=True, help="number of workers")
+    f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
+    f.add_argument("--roles", default="both",
+                   help="comma-separated roles, cycled over the workers (both|prefill|decode)")
+    f.add_argument("--worker-start-timeout", type=float, default=300.0)
+    add_router_args(f)
+    f.add_argument("worker_args", nargs=argparse.REMAINDER,
+                   help="after '--': flags passed to every `kvloop serve`")
+    f.set_defaults(func=run_fleet_cmd)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed)")
+    g.add_argument("--policy", choices=POLICIES, default="kv-aware")
+    g.add_argument("--log-level", default="warning")
+    g.add_argument("--random-seed", type=int, default=None, help="seed of --policy random")
+    h = p.add_argument_group("fleet hashing (default: learned from the first worker)")
+    h.add_argument("--block-size", type=int, default=None)
+    h.add_argument("--hash-algo", default=None)
+    h.add_argument("--hash-seed", default=None)
+    c = p.add_argument_group("cost model")
+    d = CostConfig()
+    c.add_argument("--decode-token-cost", type=float, default=d.decode_token_cost,
+                   help="prefill tokens one active request costs each candidate")
+    c.add_argument("--marginal-work-weight", type=float, default=d.marginal_work_weight)
+    c.add_argument("--load-bound", type=float, default=d.load_bound,
+                   help="bounded-load factor: a worker over this x the mean in-flight is "
+                        "saturated and its hot prefixes are replicated elsewhere")
+    i = p.add_argument_group("index")
+    di = IndexConfig()
+    i.add_argument("--index-max-blocks", type=int, default=di.max_blocks)
+    i.add_argument("--provisional-ttl", type=float, default=di.provisional_ttl_s,
+                   help="seconds a routing decision's provisional entries live unconfirmed")
+    lv = p.add_argument_group("liveness and self-verification")
+    dl = LivenessConfig()
+    lv.add_argument("--liveness-window", type=float, default=dl.window_s,
+                    help="seconds a worker serving traffic may stay silent (no KV event, "
+                         "no heartbeat) before an alarm")
+    lv.add_argument("--poll-interval", type=float, default=dl.poll_interval_s,
+                    help="seconds between reads of each worker's /metrics")
+    lv.add_argument("--verify-window", type=int, default=dl.verify_window)
+    lv.add_argument("--verify-min-samples", type=int, default=dl.verify_min_samples)
+    lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
+    lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """Validated, frozen config from the parsed flags (raises ValueError)."""
+    spec = None
+    if args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
+        from kvloop.core.hashing import resolve_seed
+
+        algo = args.hash_algo or "sha256"
+        spec = HashSpec(args.block_size or 16, algo, resolve_seed(algo, args.hash_seed))
+    return RouterConfig(
+        host=args.host, port=args.port, policy=args.policy, random_seed=args.random_seed,
+        hash_spec=spec,
+        index=IndexConfig(max_blocks=args.index_max_blocks,
+                          provisional_ttl_s=args.provisional_ttl),
+        cost=CostConfig(decode_token_cost=args.decode_token_cost,
+                        marginal_work_weight=args.marginal_work_weight,
+                        load_bound=args.load_bound),
+        liveness=LivenessConfig(window_s=args.liveness_window,
+                                poll_interval_s=args.poll_interval,
+                                verify_window=args.verify_window,
+                                verify_min_samples=args.verify_min_samples,
+                                verify_miss_ratio=args.verify_miss_ratio,
+                                request_timeout_s=args.request_timeout))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvloop.router").setLevel(min(logging.INFO,
+                                                    logging.getLevelName(level.upper())))
+
+
+def run_router_cmd(args: argparse.Namespace) -> int:
+    from kvloop.router.server import run_router
+
+    try:
+        cfg = router_config(args)
+        workers = [WorkerSpec.parse(w) for w in args.worker]
+    except ValueError as e:
+        raise SystemExit(f"kvloop router: {e}") from None
+    _setup_logging(args.log_level)
+    return run_router(cfg, workers, args.log_level)
+
+
+def run_fleet_cmd(args: argparse.Namespace) -> int:
+    from kvloop.router.fleet import FleetConfig, run_fleet
+
+    try:
+        roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+        extra = list(args.worker_args)
+        if extra and extra[0] == "--":
+            extra = extra[1:]
+        fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
+                            worker_args=tuple(extra),
+                            start_timeout_s=args.worker_start_timeout)
+        cfg = router_config(args)
+    except ValueError as e:
+        raise SystemExit(f"kvloop fleet: {e}") from None
+    if any(r not in ROLES for r in roles):
+        raise SystemExit(f"kvloop fleet: --roles must be chosen from {ROLES}")
+    _setup_logging(args.log_level)
+    return run_fleet(fleet, cfg, args.log_level)

@@ -1,0 +1,110 @@
+"""`kvloop router` at run time: bind, serve, announce, stop cleanly.
+
+    1. bind the HTTP socket (port 0 = ephemeral);
+    2. start uvicorn; its lifespan registers the initial workers and starts the poller;
+    3. print "kvloop router on http://HOST:PORT" once it accepts connections;
+    4. on SIGTERM/SIGINT: stop accepting, end the poller and every KV-event subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+
+from kvloop.router.config import RouterConfig
+from kvloop.router.proxy import RouterApp
+from kvloop.router.registry import WorkerSpec
+from kvloop.router.router import Router, SubscriberFactory
+
+log = logging.getLogger("kvloop.router")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(False)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Uvicorn(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]):
+        super().__init__(config)
+        self._on_ready = on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_ready()
+
+
+class RouterServer:
+    """One router process: a `Router`, its `RouterApp` and a uvicorn server on one socket."""
+
+    def __init__(self, config: RouterConfig, workers: list[WorkerSpec],
+                 subscriber_factory: SubscriberFactory | None = None,
+                 log_level: str = "warning"):
+        if subscriber_factory is None:
+            from kvloop.router.subscription import kv_event_subscription
+
+            subscriber_factory = kv_event_subscription
+        self.router = Router(config, subscriber_factory)
+        self.app = RouterApp(self.router, workers)
+        self.sock = bind(config.host, config.port)
+        self.url = url_of(self.sock)
+        self._log_level = log_level
+        self._server: _Uvicorn | None = None
+
+    async def serve(self, on_ready: Callable[[RouterServer], None] | None = None) -> None:
+        """Serve until `stop()` or a signal."""
+        cfg = uvicorn.Config(self.app.app, log_level=self._log_level, access_log=False,
+                             timeout_graceful_shutdown=5)
+        self._server = _Uvicorn(cfg, lambda: on_ready(self) if on_ready else None)
+        try:
+            await self._server.serve(sockets=[self.sock])
+        finally:
+            self.sock.close()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+def announce(server: RouterServer) -> None:
+    """Print where the router listens and what it knows about each worker."""
+    for w in server.router.registry.all():
+        d = w.description
+        state = "up" if w.up else f"DOWN ({w.down_reason})"
+        events = d.event_source(w.spec)
+        print(f"  worker {w.name}: {state}, role {w.role}, model {d.model or '?'}, "
+              f"{d.capacity_blocks or '?'} blocks, events "
+              f"{events.endpoint if events else 'none'}"
+              f"{' replay ' + events.replay_endpoint if events and events.replay_endpoint else ''}",
+              flush=True)
+    print(f"kvloop router on {server.url} (policy {server.router.config.policy})", flush=True)
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    """uvicorn re-raises the signal that stopped it; by then we are already stopping."""
+
+
+def run_router(config: RouterConfig, workers: list[WorkerSpec],
+               log_level: str = "warning") -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    server = RouterServer(config, workers, log_level=log_level)
+    signal.signal(signal.SIGTERM, _ignore_signal)
+    signal.signal(signal.SIGINT, _ignore_signal)
+    asyncio.run(server.serve(announce))
+    return 0

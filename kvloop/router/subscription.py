@@ -1,0 +1,66 @@
+"""Connects a worker's `EventFeed` to `kvloop.events.subscriber.KVEventSubscriber`.
+
+The subscriber delivers one worker's batches in publisher order (resyncing across gaps,
+epochs and restarts by replay or snapshot) on its own thread; this adapter hands them to the
+feed, reports heartbeats as liveness signals and recency notices as index touches, and
+exposes the subscriber's counters under the router's metric names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvloop.router.feed import EventFeed
+from kvloop.router.registry import EventSource
+
+# router metric name -> subscriber stat name
+_STAT_NAMES = {
+    "events_received": "events_received", "batches_received": "batches_received",
+    "heartbeats": "heartbeats", "gaps": "gaps", "unrecovered_gaps": "unrecovered_gaps",
+    "replays": "replays", "replay_failures": "replay_failures", "snapshots": "snapshots",
+    "resets": "resets", "restarts": "restarts", "epochs": "epochs_seen",
+    "duplicates": "duplicates", "malformed": "malformed", "callback_errors": "callback_errors",
+    "touches": "touches", "last_seq": "last_seq", "current_epoch": "current_epoch",
+    "kvloop_publisher": "kvloop_publisher",
+}
+
+
+class KVEventSubscription:
+    """A started subscriber feeding one `EventFeed`; `stop()` ends it."""
+
+    def __init__(self, source: EventSource, feed: EventFeed, probe_interval_s: float = 1.0):
+        from kvloop.events.subscriber import KVEventSubscriber
+
+        self.feed = feed
+        self.source = source
+        self._sub = KVEventSubscriber(
+            source.endpoint, source.replay_endpoint, source.topic, on_batch=self._on_batch,
+            worker_id=feed.worker,
+            on_heartbeat=self._on_heartbeat, on_touch=self._on_touch,
+            probe_interval_s=probe_interval_s)
+        self._sub.start()
+
+    def _on_batch(self, wb: Any) -> None:
+        if wb.is_reset:
+            self.feed.on_clear(f"subscriber reset: {wb.reason}")
+            return
+        self.feed.on_batch(wb.batch)
+
+    def _on_heartbeat(self, worker_id: str, info: Any) -> None:
+        self.feed.on_heartbeat()
+
+    def _on_touch(self, worker_id: str, hashes: list[int | bytes]) -> None:
+        self.feed.on_touch(hashes)
+
+    def stop(self) -> None:
+        self._sub.stop(timeout=2.0)
+
+    def stats(self) -> dict[str, Any]:
+        raw = dataclasses.asdict(self._sub.stats)
+        return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
+
+
+def kv_event_subscription(source: EventSource, feed: EventFeed) -> KVEventSubscription:
+    """The router's default `SubscriberFactory`."""
+    return KVEventSubscription(source, feed)
