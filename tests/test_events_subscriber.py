@@ -1,0 +1,236 @@
+"""Publisher -> subscriber with a real EngineCore: after joins, losses, restarts, duplicates,
+reordering and garbage, the subscriber's view equals the worker's actual block pool."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvloop.events.protocol import HEARTBEAT_TOPIC, RECENCY_TOPIC, seq_bytes
+from kvloop.events.publisher import KVEventsConfig
+from kvloop.events.subscriber import KVEventSubscriber
+
+from .test_events_helpers import (
+    Relay,
+    SimWorker,
+    ViewSubscriber,
+    free_port,
+    seq_of,
+    wait_until,
+)
+
+LOCAL = "tcp://127.0.0.1:0"
+
+
+def events_config(**kw) -> KVEventsConfig:
+    kw.setdefault("endpoint", LOCAL)
+    kw.setdefault("replay_endpoint", LOCAL)
+    kw.setdefault("topic", "kv")
+    kw.setdefault("heartbeat_interval_s", 0.05)
+    return KVEventsConfig(**kw)
+
+
+@pytest.fixture
+def cleanup():
+    items: list = []
+    yield items
+    for item in reversed(items):
+        (item.stop if hasattr(item, "stop") else
+         item.close if hasattr(item, "close") else item.shutdown)()
+
+
+def test_live_stream_from_the_start(cleanup):
+    worker = SimWorker(events_config())
+    cleanup.append(worker)
+    vs = ViewSubscriber(worker.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(12, min_batches=20)
+    vs.wait_equal(worker)
+    st = vs.sub.stats
+    assert len(worker.cached()) > 0
+    assert (st.gaps, st.replays, st.snapshots, st.malformed, st.duplicates) == (0, 0, 0, 0, 0)
+    assert st.last_seq == worker.publisher.next_seq - 1
+    assert st.current_epoch == worker.publisher.epoch and st.epochs_seen == 1
+    assert [d.seq for d in vs.deliveries] == list(range(worker.publisher.next_seq))
+    assert worker.engine.block_pool.cached_hashes()  # evictions happened too:
+    assert any(ev.__class__.__name__ == "BlockRemoved" for d in vs.deliveries
+               for ev in d.events)
+
+
+def test_late_join_gets_a_snapshot_then_the_live_stream(cleanup):
+    worker = SimWorker(events_config(), seed=1)
+    cleanup.append(worker)
+    worker.run(10, min_batches=15)
+    vs = ViewSubscriber(worker.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    vs.wait_equal(worker)
+    assert vs.sub.stats.snapshots == 1
+    assert vs.deliveries[0].is_reset and vs.deliveries[0].reason == "join"
+    snap = [d for d in vs.deliveries if d.source == "snapshot"]
+    assert snap and all(d.seq == worker.publisher.next_seq for d in snap)
+    worker.run(6, min_batches=5)
+    vs.wait_equal(worker)
+    assert vs.sub.stats.snapshots == 1 and vs.sub.stats.gaps == 0
+
+
+def test_missed_batches_within_the_buffer_are_replayed(cleanup):
+    worker = SimWorker(events_config(), seed=2)
+    cleanup.append(worker)
+    lost = set(range(3, 9))
+    relay = Relay(worker.endpoint, lambda f: [] if seq_of(f) in lost else [f])
+    cleanup.append(relay)
+    vs = ViewSubscriber(relay.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(10, min_batches=15)
+    vs.wait_equal(worker)
+    st = vs.sub.stats
+    assert st.gaps == 1 and st.replays == 1 and st.snapshots == 0
+    assert st.unrecovered_gaps == 0
+    replayed = [d.seq for d in vs.deliveries if d.source == "replay"]
+    assert replayed[:len(lost)] == sorted(lost)
+    assert [d.seq for d in vs.deliveries if not d.is_reset] == \
+        list(range(worker.publisher.next_seq))
+
+
+def test_missed_more_than_the_buffer_falls_back_to_a_snapshot(cleanup):
+    worker = SimWorker(events_config(buffer_steps=4), seed=3)
+    cleanup.append(worker)
+    lost = set(range(2, 12))
+    relay = Relay(worker.endpoint, lambda f: [] if seq_of(f) in lost else [f])
+    cleanup.append(relay)
+    vs = ViewSubscriber(relay.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(12, min_batches=20)
+    vs.wait_equal(worker)
+    st = vs.sub.stats
+    assert st.gaps >= 1 and st.snapshots == 1 and st.unrecovered_gaps == 0
+    reset = [d for d in vs.deliveries if d.is_reset]
+    assert [d.reason for d in reset] == ["gap"]
+
+
+def test_lost_tail_is_found_by_the_heartbeat(cleanup):
+    worker = SimWorker(events_config(), seed=4)
+    cleanup.append(worker)
+    drop = {"on": False}
+    relay = Relay(worker.endpoint,
+                  lambda f: [] if drop["on"] and seq_of(f) is not None else [f])
+    cleanup.append(relay)
+    vs = ViewSubscriber(relay.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(4, min_batches=4)
+    vs.wait_equal(worker)
+    drop["on"] = True  # the last batches never arrive live; only heartbeats do
+    worker.run(3, min_batches=2)
+    vs.wait_equal(worker)
+    assert vs.sub.stats.gaps == 1 and vs.sub.stats.replays == 1
+
+
+def test_publisher_restart_is_a_new_epoch(cleanup):
+    # Empty topic: heartbeats are off (a vLLM consumer of "" would get them), so the
+    # subscriber learns epochs from the replay socket (info probes and reply headers).
+    ports = (free_port(), free_port())
+    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
+                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    assert not cfg.heartbeats_enabled
+    first = SimWorker(cfg, seed=5)
+    vs = ViewSubscriber(first.endpoint, first.replay_endpoint, "")
+    cleanup.append(vs)
+    first.run(8, min_batches=10)
+    vs.wait_equal(first)
+    old_epoch = first.publisher.epoch
+    assert vs.sub.stats.current_epoch == old_epoch
+    first.shutdown()
+    second = SimWorker(cfg, seed=6)  # same addresses, fresh engine: empty cache, seq 0
+    cleanup.append(second)
+    assert second.publisher.epoch != old_epoch
+    wait_until(lambda: vs.sub.stats.current_epoch == second.publisher.epoch, 5, "new epoch")
+    assert vs.view.hashes() <= second.cached()
+    second.run(6, min_batches=8)
+    vs.wait_equal(second)
+    st = vs.sub.stats
+    assert st.epochs_seen == 2 and st.restarts >= 1
+    assert not (vs.view.hashes() & (first.cached() - second.cached()))
+
+
+def test_duplicates_reordering_and_garbage(cleanup):
+    worker = SimWorker(events_config(), seed=7)
+    cleanup.append(worker)
+    state: dict = {"held": None, "n": 0}
+
+    def mangle(frames):
+        seq = seq_of(frames)
+        if seq is None:
+            return [frames]
+        state["n"] += 1
+        out = []
+        if seq % 5 == 1:  # hold this one back: it arrives after its successor
+            state["held"] = frames
+            return []
+        out.append(frames)
+        if state["held"] is not None:
+            out.append(state["held"])
+            state["held"] = None
+        if seq % 3 == 0:
+            out.append(frames)  # duplicate
+        if seq % 4 == 2:
+            out += [[b"kv"], [b"kv", b"\x00" * 3, b"x"], [b"kv", seq_bytes(seq), b"\xc1junk"],
+                    [b"kv", seq_bytes(seq + 1000), b"\x93\x01"],
+                    [HEARTBEAT_TOPIC, seq_bytes(0), b"not msgpack \xc1"],
+                    [RECENCY_TOPIC, seq_bytes(0), b"\xff\xff"]]
+        return out
+
+    relay = Relay(worker.endpoint, mangle)
+    cleanup.append(relay)
+    vs = ViewSubscriber(relay.endpoint, worker.replay_endpoint, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(12, min_batches=25)
+    vs.wait_equal(worker)
+    st = vs.sub.stats
+    assert st.duplicates > 0 and st.malformed > 0 and st.gaps > 0
+    assert st.unrecovered_gaps == 0 and st.restarts == 0 and st.resets == 0
+    seqs = [d.seq for d in vs.deliveries]
+    assert seqs == list(range(worker.publisher.next_seq))  # in order, each once
+
+
+def test_without_a_replay_socket_the_live_stream_still_matches(cleanup):
+    worker = SimWorker(events_config(replay_endpoint=None), seed=8)
+    cleanup.append(worker)
+    vs = ViewSubscriber(worker.endpoint, None, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.heartbeats > 0, what="first heartbeat")
+    worker.run(8, min_batches=10)
+    vs.wait_equal(worker)
+    assert vs.sub.stats.current_epoch == worker.publisher.epoch
+
+
+def test_recency_touches_name_cached_blocks(cleanup):
+    worker = SimWorker(events_config(recency=True, recency_interval_s=0.05), seed=9,
+                       recency=True)
+    cleanup.append(worker)
+    touched: list = []
+    stored: set = set()
+
+    def on_batch(wb):
+        for ev in wb.events:
+            stored.update(getattr(ev, "block_hashes", []) if ev.__class__.__name__ ==
+                          "BlockStored" else [])
+
+    sub = KVEventSubscriber(worker.endpoint, worker.replay_endpoint, "kv", on_batch,
+                            on_touch=lambda w, hs: touched.append(list(hs)))
+    sub.start()
+    cleanup.append(sub)
+    wait_until(lambda: sub.stats.heartbeats > 0, what="first heartbeat")
+    t0 = time.monotonic()
+    worker.run(12, min_batches=15)
+    wait_until(lambda: touched, 3, "a recency notice")
+    elapsed = time.monotonic() - t0
+    flat = [h for notice in touched for h in notice]
+    assert all(len(set(n)) == len(n) for n in touched)  # deduplicated per notice
+    assert set(flat) <= stored  # hits are on blocks that were stored
+    assert worker.publisher.stats.touch_notices <= elapsed / 0.05 + 2  # rate-limited
