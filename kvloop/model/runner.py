@@ -89,16 +89,26 @@ class ModelRunner:
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        inputs, logits = self.forward(scheduler_output)
+        if inputs is None:
+            return RunnerOutput()
+        with torch.inference_mode():
+            sampled = self.sampler(logits, inputs.sampling_rows)
+        return self._make_output(inputs, sampled.token_ids, sampled.logprobs)
+
+    def forward(self, scheduler_output: SchedulerOutput
+                ) -> tuple[StepInputs | None, torch.Tensor]:
+        """Update request state, run the model: (inputs, logits [S, vocab] fp32), one row per
+        entry of `inputs.sampling_req_ids`. Used by `execute` and by tests."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return RunnerOutput()
+            return None, torch.empty(0, self.vocab_size)
         inputs = self._prepare_inputs(scheduler_output)
         with torch.inference_mode():
             logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
                                 inputs.meta, inputs.logits_indices)
-            sampled = self.sampler(logits, inputs.sampling_rows)
         self.num_steps += 1
-        return self._make_output(inputs, sampled.token_ids, sampled.logprobs)
+        return inputs, logits
 
     def shutdown(self) -> None:
         self.requests.clear()

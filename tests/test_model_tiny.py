@@ -1,0 +1,317 @@
+"""A tiny random-weight Llama on kvloop's runner against Hugging Face transformers.
+
+The runner gets hand-built SchedulerOutputs whose batches mix a first prefill chunk, a later
+chunk over cached context, a prefix hit sharing another request's block, a one-token prompt
+remainder and decode tokens, all in one forward pass; every sampled row's logits must match
+LlamaForCausalLM / Qwen2ForCausalLM run on each full sequence (fp32, max abs diff <= 1e-4).
+
+The builders at the top (tiny HF folder, tiny GGUF with a byte-level BPE vocabulary and a
+chat template) are reused by test_llm.py and test_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvloop.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from kvloop.core.request import SamplingParams
+from kvloop.model import load_runner
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "Ġ c", "Ġc at"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are tiny.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's reversible byte -> printable character table, in byte order."""
+    printable = (set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD))
+                 | set(range(0xAE, 0x100)))
+    chars, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shifted))
+            shifted += 1
+    return chars
+
+
+def tiny_vocab() -> list[str]:
+    return SPECIALS + byte_alphabet() + ["".join(m.split(" ")) for m in MERGES]
+
+
+TINY_VOCAB = len(tiny_vocab())
+
+
+def tiny_hf_config(arch: str = "llama", **overrides):
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    kwargs = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=2)
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    import transformers
+
+    torch.manual_seed(seed)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    model = cls(tiny_hf_config(arch, **overrides)).float().eval()
+    with torch.no_grad():  # larger than the 0.02 init, so differences would show
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def write_hf_folder(model, folder: Path) -> Path:
+    """config.json + model.safetensors (+ tokenizer files) of `model` under `folder`."""
+    model.save_pretrained(folder)
+    write_tokenizer_files(folder)
+    return folder
+
+
+def gguf_tokenizer_metadata() -> dict:
+    vocab = tiny_vocab()
+    types = [3] * len(SPECIALS) + [1] * (len(vocab) - len(SPECIALS))
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": vocab, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": MERGES, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.chat_template": CHAT_TEMPLATE}
+
+
+def write_tokenizer_files(folder: Path) -> None:
+    """tokenizer.json (the GGUF-derived BPE saved by `tokenizers`) + tokenizer_config.json."""
+    from kvloop.server.tokenizer import _backend_from_gguf
+
+    _backend_from_gguf(gguf_tokenizer_metadata()).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}))
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter layout for Q/K rows: per head, (2, half) -> (half, 2)."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def write_tiny_gguf(model, path: Path) -> Path:
+    """`model`'s weights (F32, Q/K permuted as llama.cpp does) + the tiny tokenizer."""
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    meta = gguf_tokenizer_metadata()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, tensor in _gguf_tensors(model):
+        w.add_tensor(name, tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_tensors(model):
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    yield "token_embd.weight", sd["model.embed_tokens.weight"]
+    yield "output_norm.weight", sd["model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        yield "output.weight", sd["lm_head.weight"]
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            if gg == "attn_q":
+                t = llama_cpp_permute(t, cfg.num_attention_heads)
+            elif gg == "attn_k":
+                t = llama_cpp_permute(t, cfg.num_key_value_heads)
+            yield f"blk.{i}.{gg}.weight", np.ascontiguousarray(t)
+
+
+# --- the mixed batch ------------------------------------------------------------------------
+BS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def _new(rid, prompt, blocks, computed, n, all_ids=None):
+    all_ids = list(all_ids or prompt)
+    return NewRequestData(rid, list(prompt), all_ids, GREEDY, list(blocks), computed,
+                          all_ids[computed:computed + n])
+
+
+def _cached(rid, seq, computed, n, new_blocks=()):
+    return CachedRequestData(rid, list(new_blocks), computed, list(seq[computed:computed + n]),
+                             0)
+
+
+def _step(new=(), cached=(), sampling=()):
+    reqs = [*new, *cached]
+    sched = {r.req_id: len(r.token_ids) for r in reqs}
+    return SchedulerOutput(scheduled_new_reqs=list(new), scheduled_cached_reqs=list(cached),
+                           num_scheduled_tokens=sched,
+                           total_num_scheduled_tokens=sum(sched.values()),
+                           sampling_req_ids=set(sampling))
+
+
+def mixed_batch_steps(rng: np.random.Generator):
+    """Three steps over requests A-D, with each sampled request's full sequence.
+
+    step 1: A prefill chunk 7/11 (no sample), B whole prompt (5)
+    step 2: A last 4 (context 7), B decode, C new with a prefix hit on A's first block
+            (context 4, 5 new), D new with context 4 and one new token (decode path)
+    step 3: A, B, C decodes
+    """
+    tok = lambda n: rng.integers(3, TINY_VOCAB, n).tolist()  # noqa: E731
+    a, b = tok(11), tok(5)
+    c = a[:4] + tok(5)
+    d = a[:4] + tok(1)
+    ba, bb, bc, bd = [7, 2, 9, 12], [3, 11], [7, 5, 14, 15], [7, 6]
+    b += tok(2)            # B's sampled tokens (fed back as decode inputs)
+    a += tok(1)
+    c += tok(1)
+    steps = [
+        (_step(new=[_new("A", a[:11], ba[:2], 0, 7), _new("B", b[:5], bb[:2], 0, 5)],
+               sampling={"B"}), {"B": b[:5]}),
+        (_step(new=[_new("C", c[:9], bc[:3], 4, 5), _new("D", d, bd, 4, 1)],
+               cached=[_cached("A", a, 7, 4, ba[2:3]), _cached("B", b, 5, 1)],
+               sampling={"A", "B", "C", "D"}),
+         {"A": a[:11], "B": b[:6], "C": c[:9], "D": d}),
+        (_step(cached=[_cached("A", a, 11, 1), _cached("B", b, 6, 1),
+                       _cached("C", c, 9, 1, bc[3:])], sampling={"A", "B", "C"}),
+         {"A": a[:12], "B": b[:7], "C": c[:10]}),
+    ]
+    return steps
+
+
+def assert_matches_hf(runner, hf_model, rng) -> float:
+    worst = 0.0
+    for so, expected in mixed_batch_steps(rng):
+        inputs, logits = runner.forward(so)
+        assert inputs is not None
+        assert sorted(inputs.sampling_req_ids) == sorted(expected)
+        for row, rid in enumerate(inputs.sampling_req_ids):
+            with torch.no_grad():
+                ref = hf_model(torch.tensor([expected[rid]])).logits[0, -1].float()
+            diff = (logits[row] - ref).abs().max().item()
+            worst = max(worst, diff)
+            assert diff <= 1e-4, f"request {rid}: max abs diff {diff}"
+    return worst
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16},
+               "rope_theta": 500000.0}),
+    ("qwen2", {}),
+], ids=["llama-gqa", "llama-tied-llama3rope", "qwen2-bias"])
+def test_logits_match_transformers(tmp_path, arch, overrides):
+    hf = tiny_hf_model(arch, **overrides)
+    if arch == "qwen2":  # its q/k/v biases start at zero: make them count
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.5)
+    folder = write_hf_folder(hf, tmp_path / "tiny")
+    runner = load_runner(str(folder), dtype="float32", device="cpu", block_size=BS,
+                         num_gpu_blocks_override=20)
+    assert runner.num_gpu_blocks == 20
+    assert runner.max_model_len == min(256, 19 * BS)
+    assert runner.vocab_size == TINY_VOCAB
+    assert runner.model_name == "tiny"
+    assert_matches_hf(runner, hf, np.random.default_rng(1))
+
+
+def test_gguf_unpermutes_qk_and_matches_transformers(tmp_path):
+    hf = tiny_hf_model("llama", seed=3)
+    path = write_tiny_gguf(hf, tmp_path / "tiny.gguf")
+    runner = load_runner(str(path), dtype="float32", device="cpu", block_size=BS,
+                         num_gpu_blocks_override=20)
+    assert runner.model_name == "tiny"
+    assert_matches_hf(runner, hf, np.random.default_rng(2))
+
+
+def test_execute_returns_greedy_tokens_in_batch_order(tmp_path):
+    hf = tiny_hf_model("llama", seed=5)
+    runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="float32",
+                         device="cpu", block_size=BS, num_gpu_blocks_override=20)
+    so, expected = mixed_batch_steps(np.random.default_rng(3))[0]
+    out = runner.execute(so)
+    assert sorted(out.req_ids) == ["A", "B"]
+    by_id = dict(zip(out.req_ids, out.sampled_token_ids, strict=True))
+    assert by_id["A"] == []   # partial prefill chunk: no sample
+    with torch.no_grad():
+        ref = hf(torch.tensor([expected["B"]])).logits[0, -1].argmax().item()
+    assert by_id["B"] == [ref]
+    assert out.logprobs is None
+
+
+def test_dequantized_q8_0_keeps_pytorch_orientation(tmp_path):
+    import gguf
+
+    from kvloop.model.gguf import GGUFFile
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 64)).astype(np.float32)    # [out, in]
+    writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("x.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = GGUFFile(str(tmp_path / "q.gguf"))
+    assert f.tensor_types() == {"x.weight": "Q8_0"}
+    assert f.tensor_shape("x.weight") == (8, 64)
+    (name, got), = list(f.tensors())
+    assert got.shape == (8, 64) and got.dtype == np.float32
+    assert np.abs(got - w).max() <= np.abs(w).max() / 127 * 0.51 + 1e-6
+
+
+def test_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file"):
+        load_runner(str(tmp_path / "nope"))
+
+
+def test_bad_dtype_and_device(tmp_path):
+    folder = write_hf_folder(tiny_hf_model(), tmp_path / "m")
+    with pytest.raises(ValueError, match="dtype must be"):
+        load_runner(str(folder), dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            load_runner(str(folder), device="cuda")
