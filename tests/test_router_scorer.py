@@ -61,6 +61,16 @@ def test_kv_shortage_costs_the_tokens_to_recompute():
     assert estimate_cost(Candidate("b", capacity_blocks=20), req, CFG) == 160
 
 
+def test_new_prefixes_go_where_they_evict_least():
+    req = RouteRequest(prompt_tokens=160, block_size=16, expected_output_tokens=16)
+    cfg = CostConfig(eviction_weight=0.5, marginal_work_weight=0.0)
+    full = Candidate("a", capacity_blocks=40, indexed_blocks=35)   # 11 new blocks: 6 out
+    roomy = Candidate("b", capacity_blocks=40, indexed_blocks=10)
+    assert estimate_cost(full, req, cfg) == 160 + 0.5 * 6 * 16
+    assert estimate_cost(roomy, req, cfg) == 160
+    assert kv_aware([full, roomy], req, cfg).worker == "b"
+
+
 def test_longest_prefix_wins_at_equal_load():
     d = kv_aware([Candidate("a", cached_blocks=2), Candidate("b", cached_blocks=6),
                   Candidate("c")], REQ, CFG)

@@ -48,10 +48,13 @@ class CostConfig:
         cost = queued_prefill_tokens
              + (1 + marginal_work_weight) * (prompt_tokens - predicted_cached_tokens)
              + decode_token_cost * active_decodes + recompute_penalty(KV shortage)
+             + eviction_weight * block_size * (cached blocks it would have to evict)
 
 `marginal_work_weight` counts the request's own prefill a second time, as work it adds to
 the fleet that every later request pays for: without it, a sibling of a prompt still
 prefilling on one worker looks as cheap on an idle worker that must recompute it all.
+`eviction_weight` is the share of an evicted cached block's tokens expected to be needed
+again: it steers new prefixes to workers with room, so prefixes spread by cache footprint.
 
     `load_bound` is the bounded-load factor for hot prefixes: a worker whose in-flight
     requests exceed `load_bound` times the fleet's mean (plus one) is saturated, and a hot
@@ -61,6 +64,7 @@ prefilling on one worker looks as cheap on an idle worker that must recompute it
     decode_token_cost: float = 16.0
     marginal_work_weight: float = 1.0
     cache_credit: float = 1.0
+    eviction_weight: float = 0.5
     load_bound: float = 2.0
     kv_shortage_weight: float = 1.0
 
@@ -71,6 +75,8 @@ prefilling on one worker looks as cheap on an idle worker that must recompute it
             raise ValueError("marginal_work_weight must be >= 0")
         if not 0.0 <= self.cache_credit <= 1.0:
             raise ValueError(f"cache_credit must be in [0, 1], got {self.cache_credit}")
+        if self.eviction_weight < 0:
+            raise ValueError("eviction_weight must be >= 0")
         if self.load_bound < 1.0:
             raise ValueError(f"load_bound must be >= 1, got {self.load_bound}")
         if self.kv_shortage_weight < 0:

@@ -279,7 +279,8 @@ class Router:
             in_flight=w.in_flight(), prefilling=len(prefilling),
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
-            capacity_blocks=w.description.capacity_blocks)
+            capacity_blocks=w.description.capacity_blocks,
+            indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name))
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
                         t0: float) -> None:

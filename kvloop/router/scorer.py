@@ -11,6 +11,8 @@ prompt tokens, that stands between this request and its first token on that work
                                                fleet (w = marginal_work_weight)
          + decode_token_cost * active_requests the decode batch each prefill step shares
          + kv_shortage_weight * recompute      blocks it lacks, in tokens (KV usage)
+         + eviction_weight * evicted           cached blocks (per the index) its new blocks
+                                               would push out, in tokens
 
 `credited_hit` is the predicted cached prefix, capped as vLLM caps a hit (the last prompt
 token is always recomputed), times `cache_credit`; it is 0 for a worker whose cache signal
@@ -58,6 +60,7 @@ class Candidate:
     `in_flight`: requests the router sent and that have not finished; `prefilling`: those
     of them still before their first token, holding `queued_prefill_tokens` uncached
     tokens. `running`/`waiting`/`kv_usage`: the worker's own last reported figures.
+    `indexed_blocks`: blocks the index says the worker has cached.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Candidate:
     waiting: int = 0
     kv_usage: float = 0.0
     capacity_blocks: int | None = None
+    indexed_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,17 +114,29 @@ def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     queued = c.queued_prefill_tokens + unknown_waiting * req.prompt_tokens
     active = max(c.in_flight, c.running + c.waiting)
     return (queued + own_prefill + cfg.decode_token_cost * active
-            + cfg.kv_shortage_weight * _recompute_tokens(c, req, credited))
+            + cfg.kv_shortage_weight * _recompute_tokens(c, req, credited)
+            + cfg.eviction_weight * _evicted_tokens(c, req, credited))
+
+
+def _new_blocks(req: RouteRequest, credited: float) -> int:
+    return -(-(req.prompt_tokens + req.expected_output_tokens - int(credited))
+             // req.block_size)
+
+
+def _evicted_tokens(c: Candidate, req: RouteRequest, credited: float) -> float:
+    """Tokens of cached blocks this request's new blocks would push out of the cache."""
+    if not c.capacity_blocks:
+        return 0.0
+    overflow = c.indexed_blocks + _new_blocks(req, credited) - c.capacity_blocks
+    return max(0, overflow) * req.block_size
 
 
 def _recompute_tokens(c: Candidate, req: RouteRequest, credited: float) -> float:
     """Tokens some request will recompute if the worker lacks free blocks for this one."""
     if not c.capacity_blocks:
         return 0.0
-    bs = req.block_size
-    needed = -(-(req.prompt_tokens + req.expected_output_tokens - int(credited)) // bs)
     free = c.capacity_blocks * (1.0 - min(max(c.kv_usage, 0.0), 1.0))
-    return max(0.0, needed - free) * bs
+    return max(0.0, _new_blocks(req, credited) - free) * req.block_size
 
 
 def rendezvous(key: int, name: str) -> int:
