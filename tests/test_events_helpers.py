@@ -33,10 +33,20 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "cond
         time.sleep(0.005)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A port p such that p .. p+span-1 are free on 127.0.0.1 right now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for k in range(1, span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + k))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port range")
 
 
 class SimWorker:
@@ -102,6 +112,12 @@ class SimWorker:
         """The block pool's actual content, as the event integers."""
         return {event_int(h) for h in self.engine.block_pool.cached_hashes()}
 
+    def physical(self) -> dict[int, int]:
+        """Event integer -> number of physical blocks holding it."""
+        pool = self.engine.block_pool
+        return {event_int(h): len(pool.cached_block_hash_to_block.blocks_of(h))
+                for h in pool.cached_hashes()}
+
     def shutdown(self) -> None:
         self.publisher.shutdown()
 
@@ -131,6 +147,8 @@ class ViewSubscriber:
             return seq_ok and self.view.hashes() == worker.cached()
 
         wait_until(done, timeout, "subscriber view == block pool")
+        view = self.view
+        assert {h: view.copies(h) for h in view.hashes()} == worker.physical()
 
     def stop(self) -> None:
         self.sub.stop()

@@ -111,9 +111,9 @@ class Tail:
 
 def run_tail(endpoint: str, replay_endpoint: str | None, topic: str, *, as_json: bool = False,
              count: int | None = None, timeout: float | None = None, heartbeats: bool = False,
-             recency: bool = False, out: TextIO = sys.stdout) -> int:
+             recency: bool = False, out: TextIO | None = None) -> int:
     """Subscribe and print until done; returns the exit status (0)."""
-    tail = Tail(out, as_json, count)
+    tail = Tail(out or sys.stdout, as_json, count)
     sub = KVEventSubscriber(endpoint, replay_endpoint, topic, tail.on_batch,
                             on_heartbeat=tail.on_heartbeat if heartbeats else None,
                             on_touch=tail.on_touch if recency else None)
