@@ -101,12 +101,17 @@ def test_degraded_worker_gets_no_cache_credit():
     assert d.worker == "a" and d.reason == LOAD_ONLY and d.credited_cached_tokens == 0
 
 
-def test_saturation_is_relative_to_the_fleet_mean():
+def test_saturation_is_relative_to_the_fleet_mean_above_a_floor():
+    cfg = CostConfig(load_bound=2.0, saturation_floor=1)
     cands = [Candidate("a", in_flight=4), Candidate("b"), Candidate("c"), Candidate("d")]
-    assert saturated(cands[0], cands, 2.0)          # 5 > 2 * 5 / 4
-    assert not saturated(cands[1], cands, 2.0)
+    assert saturated(cands[0], cands, cfg)          # 5 > 2 * 5 / 4
+    assert not saturated(cands[1], cands, cfg)
     idle = [Candidate("a"), Candidate("b")]
-    assert not saturated(idle[0], idle, 1.0)        # one request never saturates
+    assert not saturated(idle[0], idle, cfg)        # one request never saturates
+    floor = CostConfig(load_bound=2.0, saturation_floor=8)
+    assert not saturated(cands[0], cands, floor)    # 5 requests: under the floor
+    busy = [Candidate("a", in_flight=12), Candidate("b"), Candidate("c"), Candidate("d")]
+    assert saturated(busy[0], busy, floor)          # 13 > max(2 * 13 / 4, 8)
 
 
 def test_hot_prefix_replicates_when_its_holder_is_saturated():
@@ -114,7 +119,8 @@ def test_hot_prefix_replicates_when_its_holder_is_saturated():
     others = [Candidate("b", in_flight=1), Candidate("c", in_flight=1),
               Candidate("d", in_flight=1)]
     # decode cost 0: affinity alone would pile every request onto the holder
-    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.5)
+    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.5,
+                     saturation_floor=1)
     d = kv_aware([holder, *others], REQ, cfg)
     assert d.reason == HOT_PREFIX_REPLICA and d.worker != "a"
     # the replica is the prefix's rendezvous choice among equally loaded peers
@@ -127,7 +133,8 @@ def test_hot_prefix_replicates_when_its_holder_is_saturated():
 
 
 def test_bounded_load_without_a_prefix():
-    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.0)
+    cfg = CostConfig(decode_token_cost=0.0, marginal_work_weight=0.0, load_bound=1.0,
+                     saturation_floor=1)
     # b looks costlier (5 requests waiting that the router did not send), but a already
     # holds every request this router sent: one more would exceed the bound
     cands = [Candidate("a", in_flight=3), Candidate("b", waiting=5)]

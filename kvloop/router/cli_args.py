@@ -61,6 +61,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--load-bound", type=float, default=d.load_bound,
                    help="bounded-load factor: a worker over this x the mean in-flight is "
                         "saturated and its hot prefixes are replicated elsewhere")
+    c.add_argument("--saturation-floor", type=int, default=d.saturation_floor,
+                   help="fewest in-flight requests that can make a worker saturated")
+    c.add_argument("--eviction-weight", type=float, default=d.eviction_weight)
     i = p.add_argument_group("index")
     di = IndexConfig()
     i.add_argument("--index-max-blocks", type=int, default=di.max_blocks)
@@ -94,7 +97,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                           provisional_ttl_s=args.provisional_ttl),
         cost=CostConfig(decode_token_cost=args.decode_token_cost,
                         marginal_work_weight=args.marginal_work_weight,
-                        load_bound=args.load_bound),
+                        load_bound=args.load_bound,
+                        saturation_floor=args.saturation_floor,
+                        eviction_weight=args.eviction_weight),
         liveness=LivenessConfig(window_s=args.liveness_window,
                                 poll_interval_s=args.poll_interval,
                                 verify_window=args.verify_window,
@@ -108,6 +113,7 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvloop.router").setLevel(min(logging.INFO,
                                                     logging.getLevelName(level.upper())))
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def run_router_cmd(args: argparse.Namespace) -> int:

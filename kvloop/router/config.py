@@ -53,6 +53,9 @@ class CostConfig:
 `marginal_work_weight` counts the request's own prefill a second time, as work it adds to
 the fleet that every later request pays for: without it, a sibling of a prompt still
 prefilling on one worker looks as cheap on an idle worker that must recompute it all.
+`load_bound` is the bounded-load factor for hot prefixes (below); `saturation_floor` is the
+fewest in-flight requests that can make a worker saturated at all: a continuous-batching
+engine runs several requests per step, so a handful is never a hot spot.
 `eviction_weight` is the share of an evicted cached block's tokens expected to be needed
 again: it steers new prefixes to workers with room, so prefixes spread by cache footprint.
 
@@ -66,6 +69,7 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
     cache_credit: float = 1.0
     eviction_weight: float = 0.5
     load_bound: float = 2.0
+    saturation_floor: int = 8
     kv_shortage_weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -79,6 +83,8 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
             raise ValueError("eviction_weight must be >= 0")
         if self.load_bound < 1.0:
             raise ValueError(f"load_bound must be >= 1, got {self.load_bound}")
+        if self.saturation_floor < 1:
+            raise ValueError("saturation_floor must be >= 1")
         if self.kv_shortage_weight < 0:
             raise ValueError("kv_shortage_weight must be >= 0")
 

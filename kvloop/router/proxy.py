@@ -125,8 +125,6 @@ class RouterApp:
             self.router.registry.get(spec.name).down_reason = reason  # type: ignore[union-attr]
             return {"worker": spec.name, "up": False, "warnings": [reason]}
         warnings = self.router.register(spec, desc)
-        for w in warnings:
-            log.warning("worker %s", w)
         log.info("worker %s registered: role %s, model %r, %s blocks, events %s, epoch %s",
                  spec.name, spec.role, desc.model, desc.capacity_blocks,
                  spec.events_endpoint or desc.events_endpoint, desc.epoch)

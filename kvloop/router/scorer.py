@@ -21,7 +21,7 @@ fewer requests in flight, then to a rendezvous hash of the prompt's first block,
 requests of one prefix land on one worker.
 
 Hot prefixes (bounded load): a worker is saturated when its in-flight requests would exceed
-`load_bound` x the fleet mean (counting this request). When the cheapest worker is
+both `load_bound` x the fleet mean (counting this request) and `saturation_floor`. When the cheapest worker is
 saturated, the request goes to the cheapest unsaturated one instead: the hot prefix is
 replicated on purpose to one more worker (which then shares it through the same cost
 model), rather than piling onto its holder or giving up affinity fleet-wide.
@@ -151,11 +151,12 @@ def _pick(costs: dict[str, float], cands: dict[str, Candidate], key: int) -> str
                                      -rendezvous(key, n)))
 
 
-def saturated(c: Candidate, candidates: list[Candidate], load_bound: float) -> bool:
-    """Bounded load: would one more request push `c` over `load_bound` x the mean?"""
+def saturated(c: Candidate, candidates: list[Candidate], cfg: CostConfig) -> bool:
+    """Bounded load: would one more request push `c` over `load_bound` x the mean
+    (and over `saturation_floor`)?"""
     total = sum(x.in_flight for x in candidates) + 1
-    cap = load_bound * total / len(candidates)
-    return c.in_flight + 1 > max(cap, 1.0)
+    cap = cfg.load_bound * total / len(candidates)
+    return c.in_flight + 1 > max(cap, float(cfg.saturation_floor))
 
 
 def kv_aware(candidates: list[Candidate], req: RouteRequest, cfg: CostConfig) -> Decision:
@@ -166,9 +167,8 @@ def kv_aware(candidates: list[Candidate], req: RouteRequest, cfg: CostConfig) ->
     costs = {c.name: estimate_cost(c, req, cfg) for c in candidates}
     chosen = _pick(costs, cands, req.prefix_key)
     reason = _reason(cands, chosen)
-    if len(candidates) > 1 and saturated(cands[chosen], candidates, cfg.load_bound):
-        free = {n: costs[n] for n, c in cands.items()
-                if not saturated(c, candidates, cfg.load_bound)}
+    if len(candidates) > 1 and saturated(cands[chosen], candidates, cfg):
+        free = {n: costs[n] for n, c in cands.items() if not saturated(c, candidates, cfg)}
         if free:
             holder_hit = cands[chosen].cached_blocks > 0 and not cands[chosen].load_only
             chosen = _pick(free, cands, req.prefix_key)

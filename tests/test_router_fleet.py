@@ -1,0 +1,269 @@
+"""The router in front of real simulated workers (`kvloop serve --model sim`) on 127.0.0.1.
+
+One fleet of 4 workers serves this module; each worker caches only 3 of the workload's 8
+long prefixes (`--num-gpu-blocks-override`). Routers run in-process on ephemeral ports.
+The helpers here are shared with test_router_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
+from kvloop.router.fleet import Fleet, FleetConfig
+from kvloop.router.registry import WorkerSpec
+from kvloop.router.server import RouterServer
+
+SIM_ARGS = ("--sim-speedup", "40", "--max-num-batched-tokens", "1024")
+BS = 16
+
+
+# --- helpers --------------------------------------------------------------------------------
+def start_fleet(n: int, *extra: str, roles: tuple[str, ...] = ("both",)) -> Fleet:
+    fleet = Fleet(FleetConfig(n, "sim", roles, SIM_ARGS + extra, start_timeout_s=120,
+                              stop_timeout_s=10, echo_output=False))
+    fleet.start()
+    return fleet
+
+
+def router_config(policy: str = "kv-aware", **liveness: Any) -> RouterConfig:
+    lv = {"window_s": 30.0, "poll_interval_s": 0.2, **liveness}
+    return RouterConfig(policy=policy, liveness=LivenessConfig(**lv),
+                        index=IndexConfig(provisional_ttl_s=2.0))
+
+
+class RouterThread:
+    """A `RouterServer` on its own thread and event loop (uvicorn, real sockets)."""
+
+    def __init__(self, config: RouterConfig, workers: list[WorkerSpec]):
+        self.server = RouterServer(config, workers)
+        self.url = self.server.url
+        self.router = self.server.router
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(lambda s: self._ready.set()))
+
+    def __enter__(self) -> RouterThread:
+        self._thread.start()
+        assert self._ready.wait(30), "router did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+        self._thread.join(15)
+        assert not self._thread.is_alive(), "router did not stop"
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, step: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(step)
+
+
+def shared_prefix_prompts(num_prefixes: int, prefix_len: int, suffix_len: int, repeats: int,
+                          seed: int) -> list[tuple[int, list[int]]]:
+    """(prefix id, prompt) in a random order; every prompt has a unique suffix."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    out = [(g, prefixes[g] + [rng.randrange(256) for _ in range(suffix_len)])
+           for g in range(num_prefixes) for _ in range(repeats)]
+    rng.shuffle(out)
+    return out
+
+
+def best_hit_share(prompts: list[tuple[int, list[int]]], prefix_len: int) -> float:
+    """Every prefix computed once, every later use a full hit (vLLM's cap applies)."""
+    seen: set[int] = set()
+    hit = 0
+    for g, p in prompts:
+        if g in seen:
+            hit += min(prefix_len // BS, (len(p) - 1) // BS) * BS
+        seen.add(g)
+    return hit / sum(len(p) for _, p in prompts)
+
+
+async def _drive(url: str, prompts: list[list[int]], concurrency: int,
+                 max_tokens: int) -> list[dict[str, Any]]:
+    queue = list(enumerate(prompts))
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async def worker() -> None:
+            while queue:
+                i, p = queue.pop(0)
+                r = await client.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": max_tokens, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                results[i] = r.json()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def run_workload(url: str, prompts: list[list[int]], concurrency: int = 4,
+                 max_tokens: int = 2) -> float:
+    """Send every prompt through `url`; the share of prompt tokens served from cache."""
+    results = asyncio.run(_drive(url, prompts, concurrency, max_tokens))
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results)
+    return cached / sum(r["usage"]["prompt_tokens"] for r in results)
+
+
+def reset_caches(fleet: Fleet) -> None:
+    for w in fleet.workers:
+        r = httpx.post(f"{w.url}/reset_prefix_cache", timeout=10)
+        assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+# --- the fleet ------------------------------------------------------------------------------
+PREFIXES, PREFIX_LEN, SUFFIX_LEN, REPEATS = 8, 256, 16, 6
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    # 56 blocks = the null block + 55: room for 3 prefixes of 17 blocks, not 4
+    f = start_fleet(4, "--num-gpu-blocks-override", "56")
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def test_prefix_aware_routing_nears_the_best_hit_share_round_robin_thrashes(fleet):
+    workload = shared_prefix_prompts(PREFIXES, PREFIX_LEN, SUFFIX_LEN, REPEATS, seed=11)
+    prompts = [p for _, p in workload]
+    best = best_hit_share(workload, PREFIX_LEN)
+    reset_caches(fleet)
+    with RouterThread(router_config("kv-aware"), fleet.specs()) as rt:
+        kv_share = run_workload(rt.url, prompts)
+        text = httpx.get(rt.url + "/metrics").text
+        health = httpx.get(rt.url + "/health").json()
+    reset_caches(fleet)
+    with RouterThread(router_config("round-robin"), fleet.specs()) as rt:
+        rr_share = run_workload(rt.url, prompts)
+    print(f"hit share: best {best:.3f}, kv-aware {kv_share:.3f}, round-robin {rr_share:.3f}")
+    assert kv_share >= 0.9 * best
+    assert rr_share <= kv_share - 0.3
+    # the router predicted what the workers then reported, and saw nothing wrong
+    predicted = metric(text, "kvloop_router_predicted_hit_tokens_total")
+    actual = metric(text, "kvloop_router_actual_hit_tokens_total")
+    assert actual > 0 and abs(predicted - actual) <= 0.1 * actual
+    assert health["status"] == "ok", health["reasons"]
+    assert metric(text, "kvloop_router_decisions_total", reason="prefix_hit") >= \
+        (PREFIXES * (REPEATS - 1)) * 0.8
+
+
+def test_streaming_passthrough_usage_and_errors(fleet):
+    with RouterThread(router_config(), fleet.specs()) as rt:
+        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x")
+        prompt = [7] * 40
+        chunks = list(client.completions.create(model="sim", prompt=prompt, max_tokens=5,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        assert len(chunks) == 5 and all(c.usage is None for c in chunks)
+        chunks = list(client.completions.create(
+            model="sim", prompt=prompt, max_tokens=3, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 40
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+        # chat with a text prompt: tokenized by the router, so repeats are predicted hits
+        msgs = [{"role": "user", "content": "tell me a long story about routers " * 4}]
+        first = client.chat.completions.create(model="sim", messages=msgs, max_tokens=2)
+        again = client.chat.completions.create(model="sim", messages=msgs, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert first.usage.prompt_tokens == again.usage.prompt_tokens
+        # worker errors come back as the worker sent them
+        direct = httpx.post(fleet.workers[0].url + "/v1/completions",
+                            json={"prompt": prompt, "max_tokens": -1})
+        routed = httpx.post(rt.url + "/v1/completions",
+                            json={"prompt": prompt, "max_tokens": -1})
+        assert routed.status_code == direct.status_code == 400
+        assert routed.json()["error"]["message"] == direct.json()["error"]["message"]
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="sim", prompt=prompt, max_tokens=-1)
+        bad = httpx.post(rt.url + "/v1/completions", content=b"{not json")
+        assert bad.status_code == 400 and "invalid JSON" in bad.json()["error"]["message"]
+        bad = httpx.post(rt.url + "/v1/completions", json={"prompt": [1, -2]})
+        assert bad.status_code == 400
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric(text, "kvloop_router_requests_total", outcome="client_error") == 2
+
+
+def _finished(fleet: Fleet, reason: str) -> float:
+    return sum(metric(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
+                      finished_reason=reason) for w in fleet.workers)
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
+    aborted = _finished(fleet, "abort")
+    with RouterThread(router_config(), fleet.specs()) as rt:
+        # 850 tokens take about a second here; the client leaves after the first one
+        body = {"prompt": [3] * 20, "max_tokens": 850, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+            busy = [w for w in rt.router.registry.all() if w.in_flight()]
+            assert len(busy) == 1
+        wait_until(lambda: _finished(fleet, "abort") == aborted + 1, 5,
+                   "the worker to abort the request")
+        wait_until(lambda: busy[0].in_flight() == 0, 5, "the router to close the ticket")
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric(text, "kvloop_router_requests_total", outcome="disconnected") == 1
+
+
+def test_workers_register_and_deregister_at_run_time(fleet):
+    specs = fleet.specs()
+    with RouterThread(router_config(), specs[:1]) as rt:
+        r = httpx.post(rt.url + "/workers", json={"url": specs[1].url, "role": "both"})
+        assert r.status_code == 201 and r.json()["up"] is True, r.text
+        assert httpx.post(rt.url + "/workers", json={"url": specs[1].url}).status_code == 409
+        listed = httpx.get(rt.url + "/workers").json()
+        assert set(listed) == {specs[0].name, specs[1].name}
+        assert listed[specs[1].name]["routing"] == "cache-aware"
+        r = httpx.request("DELETE", rt.url + "/workers", json={"url": specs[0].url})
+        assert r.status_code == 200
+        assert set(httpx.get(rt.url + "/workers").json()) == {specs[1].name}
+        assert httpx.request("DELETE", rt.url + "/workers",
+                             json={"url": specs[0].url}).status_code == 404
+        assert httpx.post(rt.url + "/workers", json={"role": "both"}).status_code == 400
+        out = httpx.post(rt.url + "/v1/completions", json={"prompt": [1] * 20, "max_tokens": 1})
+        assert out.status_code == 200
+        httpx.request("DELETE", rt.url + "/workers", json={"url": specs[1].url})
+        empty = httpx.post(rt.url + "/v1/completions", json={"prompt": [1] * 20})
+        assert empty.status_code == 503 and "no worker" in empty.json()["error"]["message"]
+        assert httpx.get(rt.url + "/health").status_code == 503
+
+
+def test_index_dump_is_json(fleet):
+    with RouterThread(router_config(), fleet.specs()[:1]) as rt:
+        dump = httpx.get(rt.url + "/router/index").json()
+        assert set(dump) == {"num_blocks", "workers"}
+        json.dumps(dump)
