@@ -153,7 +153,7 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     max_num_batched_tokens: int
     max_num_seqs: int
     vocab_size: int | None = None
-    epoch: int | str | None = None
+    epoch: str | None = None
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str | None = None
@@ -196,6 +196,6 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     runner_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     trace_file: str | None = None
     kv_events: dict[str, Any] | None = None
-    epoch: int | None = None
+    epoch: str | None = None       # this worker incarnation's id (the KV-event epoch)
     engine_index: int = 0
     log_level: str = "INFO"

@@ -171,7 +171,7 @@ class EngineCoreProc:
         assert self.engine is not None
         if ev_cfg.recency:
             self.engine.block_pool.track_touches = True
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             ready, kv_events_endpoint=self.publisher.endpoint,
             kv_events_replay_endpoint=self.publisher.replay_endpoint,
             kv_events_topic=ev_cfg.topic, kv_events_recency=bool(ev_cfg.recency),

@@ -29,6 +29,7 @@ from kvloop.server.serving import (
     ServerContext,
     create_chat_completion,
     create_completion,
+    encode,
 )
 
 logger = logging.getLogger("kvloop.server")
@@ -102,13 +103,17 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.check_model(body.model)
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = ctx.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=body.add_generation_prompt)
+            try:
+                text = ctx.tokenizer.apply_chat_template(
+                    msgs, add_generation_prompt=body.add_generation_prompt)
+            except Exception as e:  # the request's fault (roles, order...)
+                raise APIError(400, f"cannot apply the chat template: {e}",
+                               param="messages") from e
         elif body.prompt is not None:
             text = body.prompt
         else:
             raise APIError(400, "either prompt or messages is required", param="prompt")
-        ids = list(ctx.tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+        ids = encode(ctx, text, body.add_special_tokens, "prompt")
         strs = [ctx.token_str(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}

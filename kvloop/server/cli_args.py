@@ -11,7 +11,7 @@ import argparse
 import importlib.util
 import logging
 import re
-import time
+import uuid
 from typing import Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
@@ -101,8 +101,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 
 def _add_events_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV-cache events")
+    g.add_argument("--enable-kv-cache-events", action="store_true",
+                   help="publish KV-cache events (on an ephemeral port unless "
+                        "--kv-events-endpoint says where)")
     g.add_argument("--kv-events-endpoint", default=None,
-                   help="enable KV events on this ZMQ PUB endpoint, e.g. tcp://127.0.0.1:0")
+                   help="ZMQ PUB endpoint of the KV events (implies --enable-kv-cache-events), "
+                        "e.g. tcp://127.0.0.1:0")
     g.add_argument("--kv-events-replay-endpoint", default=None,
                    help="ZMQ ROUTER endpoint serving replays of recent batches")
     g.add_argument("--kv-events-topic", default="")
@@ -166,7 +170,7 @@ def runner_spec(args: argparse.Namespace, model: str) -> tuple[str, dict[str, An
 
 
 def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
-    if args.kv_events_endpoint is None:
+    if args.kv_events_endpoint is None and not args.enable_kv_cache_events:
         return None
     return {"endpoint": args.kv_events_endpoint,
             "replay_endpoint": args.kv_events_replay_endpoint,
@@ -185,7 +189,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
                               input_address="", output_address="", runner_kwargs=kwargs,
                               trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
-                              epoch=time.time_ns(), log_level=args.log_level.upper())
+                              epoch=uuid.uuid4().hex, log_level=args.log_level.upper())
     serve = ServeConfig(served_model_names=names, model_path=(model or None), host=args.host,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,

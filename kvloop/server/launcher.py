@@ -18,6 +18,9 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+import httpx
 
 _URL_LINE = re.compile(r"kvloop serving on (http://\S+)")
 
@@ -89,9 +92,40 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
 
+    # --- looking inside a running server ------------------------------------------------------
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of Prometheus metric `name` whose labels include `labels`."""
+        return metric_value(httpx.get(self.url + "/metrics").text, name, **labels)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's block and queue counts (GET /kvloop/stats)."""
+        return httpx.get(self.url + "/kvloop/stats").json()  # type: ignore[no-any-return]
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Engine stats once no request is left and every block is back in the free pool
+        (or the last stats seen when `timeout_s` runs out)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = self.engine_stats()
+            if (s["num_requests"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+                    or time.monotonic() > deadline):
+                return s
+            time.sleep(0.05)
+
     def __enter__(self) -> ServeProcess:
         return self.start() if self.proc is None else self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` in a Prometheus text exposition whose labels include
+    `labels` (0.0 if none)."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -151,6 +152,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
         raise APIError(400, "priority is only supported with --scheduling-policy priority",
                        param="priority")
     ctx.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
+    _check_finite(req)
+    if not INT64_MIN <= req.priority <= INT64_MAX:
+        raise APIError(400, "priority must be in the int64 range", param="priority")
     temperature = 1.0 if req.temperature is None else req.temperature
     if 0.0 < temperature < 0.01:
         temperature = 0.01
@@ -158,12 +162,12 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
         params = SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+            top_k=_top_k(ctx, req.top_k), min_p=req.min_p or 0.0,
             repetition_penalty=(1.0 if req.repetition_penalty is None
                                 else req.repetition_penalty),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, seed=seed, stop=tuple(stop),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
+            stop_token_ids=_stop_token_ids(ctx, req),
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos, eos_token_id=ctx.tokenizer.eos_token_id,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
@@ -175,6 +179,41 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     if params.greedy:
         params = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
     return params
+
+
+_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
+def _check_finite(req: SamplingRequest) -> None:
+    for name in _FLOAT_PARAMS:
+        v = getattr(req, name)
+        if v is not None and not math.isfinite(v):
+            raise APIError(400, f"{name} must be a finite number, got {v}.", param=name)
+
+
+def _top_k(ctx: ServerContext, top_k: int | None) -> int:
+    """0 (disabled) for None, and for a k beyond the vocabulary (it keeps every token)."""
+    if top_k is None or top_k >= ctx.vocab_size:
+        return 0
+    return top_k
+
+
+def encode(ctx: ServerContext, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Tokenize user text; text the tokenizer cannot take (lone surrogates...) is a 400."""
+    try:
+        return list(ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except (UnicodeError, ValueError, TypeError) as e:
+        raise APIError(400, f"cannot tokenize the {param}: {e}", param=param) from e
+
+
+def _stop_token_ids(ctx: ServerContext, req: SamplingRequest) -> tuple[int, ...]:
+    """The request's stop token ids, plus the model's extra end-of-turn ids (as vLLM adds
+    the generation config's extra EOS ids) unless `ignore_eos`."""
+    ids = list(req.stop_token_ids or ())
+    if not req.ignore_eos:
+        ids += sorted(set(getattr(ctx.tokenizer, "stop_token_ids", ())) - set(ids))
+    return tuple(ids)
 
 
 # --- generation --------------------------------------------------------------------------------
@@ -314,6 +353,8 @@ async def collect(request: Request, gen: Generation) -> None:
         raise APIError(503, str(e), "ServiceUnavailableError") from e
     except EngineDeadError as e:
         raise APIError(500, str(e), "InternalServerError") from e
+    except ClientDisconnected as e:  # nobody will read it; nginx's "client closed request"
+        raise APIError(499, "client disconnected", "ClientDisconnected") from e
     finally:
         watcher.cancel()
 
@@ -382,9 +423,9 @@ def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[
     """Normalize `prompt` (text, texts, token ids, lists of token ids) to token id lists."""
     p = req.prompt
     if isinstance(p, str):
-        prompts = [ctx.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)]
+        prompts = [encode(ctx, p, req.add_special_tokens, "prompt")]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [ctx.tokenizer.encode(x, add_special_tokens=req.add_special_tokens)
+        prompts = [encode(ctx, x, req.add_special_tokens, "prompt")
                    for x in p]  # type: ignore[union-attr]
     elif p and all(isinstance(x, int) for x in p):
         prompts = [list(p)]  # type: ignore[arg-type]
@@ -478,7 +519,7 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
         text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
     except Exception as e:  # a template error is the request's fault (bad roles, order...)
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-    ids = list(ctx.tokenizer.encode(text, add_special_tokens=req.add_special_tokens))
+    ids = encode(ctx, text, req.add_special_tokens, "messages")
     if not ids:
         raise APIError(400, "the chat prompt is empty", param="messages")
     return ids

@@ -1,0 +1,226 @@
+"""Process life of `kvloop serve`: overload, SIGTERM/SIGINT with requests in flight, either
+process dying, a failed start, and the KV-event publisher of the engine process. Each test
+starts its own simulated server (they end them)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from kvloop.core.hashing import block_hashes, event_int
+from kvloop.events import protocol as proto
+from kvloop.events.types import BlockStored, KVEventBatch
+from kvloop.server.launcher import ServeProcess
+
+SLOW = ["--model", "sim", "--sim-speedup", "1"]   # ~22 ms per step: requests stay in flight
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def port_closed(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) != 0
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Any]:
+    procs: list[ServeProcess] = []
+
+    def start(*args: str) -> ServeProcess:
+        p = ServeProcess(list(args), tmp_path / f"serve{len(procs)}.log").start()
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def _stream_lines(url: str, body: dict[str, Any], out: list[str], started: threading.Event
+                  ) -> None:
+    """Read a whole SSE response into `out` (set `started` at the first data line)."""
+    with contextlib.suppress(httpx.HTTPError), \
+            httpx.stream("POST", url, json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line:
+                out.append(line)
+                started.set()
+
+
+def _sse_json(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+
+
+# --- admission control --------------------------------------------------------------------------
+def test_overload_gets_503_with_retry_after_and_no_leaks(serve: Any) -> None:
+    srv = serve(*SLOW, "--max-num-seqs", "2", "--max-waiting-requests", "2")
+    body = {"prompt": "hold the line", "max_tokens": 400, "stream": True}
+    with httpx.Client(timeout=30) as http, contextlib.ExitStack() as streams:
+        # requests count as waiting until the API server sees the step that scheduled them:
+        # send two, let them be scheduled, then two more that must wait behind them
+        for expected in ((2, 0), (2, 2)):
+            for _ in range(2):
+                r = streams.enter_context(http.stream("POST", srv.url + "/v1/completions",
+                                                      json=body))
+                assert r.status_code == 200
+            assert wait_until(lambda e=expected: (srv.engine_stats()["num_running_reqs"],
+                                                  srv.engine_stats()["num_waiting_reqs"]) == e)
+            time.sleep(0.1)
+        r = http.post(srv.url + "/v1/completions", json={"prompt": "one more"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
+        r = http.post(srv.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "x"}], "stream": True})
+        assert r.status_code == 503
+        assert srv.metric("vllm:admission_rejections_total",
+                      reason="max_waiting_requests") == 2
+        assert srv.engine_stats()["num_requests"] == 4      # nothing queued behind the limit
+    stats = srv.wait_idle()
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+# --- signals ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_with_requests_in_flight(serve: Any, sig: int) -> None:
+    srv = serve(*SLOW)
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    outs: list[list[str]] = [[], []]
+    started = [threading.Event(), threading.Event()]
+    bodies = [("/v1/completions", {"prompt": "a", "max_tokens": 500, "stream": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "b"}],
+                                        "max_tokens": 500, "stream": True})]
+    threads = [threading.Thread(target=_stream_lines, args=(srv.url + p, b, o, s))
+               for (p, b), o, s in zip(bodies, outs, started, strict=True)]
+    plain: list[httpx.Response] = []
+    threads.append(threading.Thread(target=lambda: plain.append(httpx.post(
+        srv.url + "/v1/completions", json={"prompt": "c", "max_tokens": 500}, timeout=30))))
+    for t in threads:
+        t.start()
+    assert all(s.wait(10) for s in started)
+    assert wait_until(lambda: srv.engine_stats()["num_running_reqs"] == 3)
+    srv.signal(sig)
+    assert srv.wait(20) == 0
+    for t in threads:
+        t.join(10)
+    for lines in outs:
+        chunks = _sse_json(lines)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert lines[-1] == "data: [DONE]"
+    assert plain[0].status_code == 503
+    assert plain[0].json()["error"]["type"] == "ServiceUnavailableError"
+    assert wait_until(lambda: not alive(engine_pid), 10)
+    assert port_closed(srv.url)
+    assert "Traceback" not in srv.log()
+
+
+def test_engine_death_stops_the_api_server(serve: Any) -> None:
+    srv = serve(*SLOW)
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    lines: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream_lines, args=(
+        srv.url + "/v1/completions", {"prompt": "x", "max_tokens": 500, "stream": True},
+        lines, started))
+    t.start()
+    assert started.wait(10)
+    subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+    assert srv.wait(20) == 1
+    t.join(10)
+    assert json.loads(lines[-2][6:])["error"]["code"] == 500 and lines[-1] == "data: [DONE]"
+    assert port_closed(srv.url)
+
+
+def test_api_server_death_stops_the_engine(serve: Any) -> None:
+    srv = serve(*SLOW)
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    srv.signal(signal.SIGKILL)
+    srv.wait(10)
+    assert wait_until(lambda: not alive(engine_pid), 15)
+
+
+def test_failed_engine_start_exits_1(tmp_path: Path) -> None:
+    srv = ServeProcess(["--model", "sim", "--sim-latency-file", str(tmp_path / "missing.json")],
+                       tmp_path / "serve.log")
+    with pytest.raises(RuntimeError, match="cannot read latency file"):
+        srv.start(timeout_s=60)
+    assert srv.proc is not None and srv.proc.returncode == 1
+
+
+# --- KV events from the engine process ----------------------------------------------------------
+def test_kv_events_published_with_actual_addresses(serve: Any) -> None:
+    srv = serve("--model", "sim", "--sim-speedup", "50", "--enable-kv-cache-events",
+                "--kv-events-replay-endpoint", "tcp://127.0.0.1:0", "--kv-events-topic", "kv",
+                "--kv-events-recency")
+    w = httpx.get(srv.url + "/kvloop/worker").json()
+    ev = w["kv_events"]
+    assert ev["topic"] == "kv" and ev["recency"] is True
+    assert not ev["endpoint"].endswith(":0") and not ev["replay_endpoint"].endswith(":0")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(ev["endpoint"])
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.setsockopt(zmq.SUBSCRIBE, proto.RECENCY_TOPIC)
+        time.sleep(0.3)   # slow joiner
+        prompt = "k" * 40
+        for _ in range(2):
+            httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        stored, touched = _collect_events(sub)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    expected = [event_int(h) for h in block_hashes(list(prompt.encode()), 16, "sha256")]
+    assert stored[:2] == expected            # the prompt's two full blocks, hashed as vLLM
+    assert set(expected) <= set(touched)     # the second request hit both
+
+
+def _collect_events(sub: zmq.Socket) -> tuple[list[int], list[int]]:
+    stored: list[int] = []
+    touched: list[int] = []
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (stored and touched):
+        if not poller.poll(100):
+            continue
+        topic, _, payload = sub.recv_multipart()
+        if topic == proto.RECENCY_TOPIC:
+            touched += msgspec.msgpack.decode(payload, type=proto.Touches).block_hashes
+        else:
+            stored += [h for e in dec.decode(payload).events if isinstance(e, BlockStored)
+                       for h in e.block_hashes]
+    return stored, touched

@@ -1,0 +1,366 @@
+"""The OpenAI API of a real `kvloop serve --model sim` process, through the official `openai`
+client (unchanged) and raw HTTP: completions and chat, streaming and not, n > 1, stop
+strings, logprobs, seeds, prefix caching and its metrics, bad inputs, the other endpoints,
+and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kvloop.server.launcher import ServeProcess
+
+BLOCKS = 256
+MAX_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    log = tmp_path_factory.mktemp("serve_sim") / "serve.log"
+    srv = ServeProcess(["--model", "sim", "--sim-speedup", "50", "--num-gpu-blocks-override",
+                        str(BLOCKS), "--max-model-len", str(MAX_LEN),
+                        "--debug-check-invariants", "--served-model-name", "sim", "alias"], log)
+    with srv.start():
+        yield srv
+    assert "Traceback" not in srv.log(), srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                         timeout=30)
+
+
+def metric(server: ServeProcess, name: str, **labels: str) -> float:
+    return server.metric(name, **labels)
+
+
+def engine_stats(server: ServeProcess) -> dict[str, Any]:
+    return server.engine_stats()
+
+
+def wait_idle(server: ServeProcess) -> dict[str, Any]:
+    return server.wait_idle()
+
+
+# --- completions ------------------------------------------------------------------------------
+def test_completion_text_prompt(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="sim", prompt="Hello, world", max_tokens=12)
+    (c,) = r.choices
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "sim"
+    assert len(c.text) == 12 and c.text.isprintable() and c.finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (12, 12, 24)
+
+
+def test_completion_prompt_forms(client: openai.OpenAI) -> None:
+    greedy = {"model": "alias", "max_tokens": 5, "temperature": 0}
+    by_text = client.completions.create(prompt="abc", **greedy).choices[0].text
+    by_ids = client.completions.create(prompt=[97, 98, 99], **greedy).choices[0].text
+    assert by_ids == by_text
+    r = client.completions.create(prompt=["abc", "xyz"], **greedy)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == by_text
+    r2 = client.completions.create(prompt=[[97, 98, 99], [120, 121, 122]], **greedy)
+    assert [c.text for c in r2.choices] == [c.text for c in r.choices]
+    assert r2.usage is not None and r2.usage.prompt_tokens == 6
+
+
+def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
+    kw = {"model": "sim", "prompt": "stream me", "max_tokens": 20, "temperature": 0}
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_echo_and_return_token_ids(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="sim", prompt="echo:", max_tokens=3, echo=True,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.text.startswith("echo:") and len(c.text) == 8
+    extra = c.model_extra or {}
+    assert extra["prompt_token_ids"] == list(b"echo:") and len(extra["token_ids"]) == 3
+
+
+def test_n_and_seed(client: openai.OpenAI) -> None:
+    kw = {"model": "sim", "prompt": "seeded", "max_tokens": 10, "temperature": 1.0, "n": 3}
+    a = client.completions.create(seed=1234, **kw)
+    b = client.completions.create(seed=1234, **kw)
+    c = client.completions.create(seed=99, **kw)
+    texts = [x.text for x in a.choices]
+    assert [x.index for x in a.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert [x.text for x in b.choices] == texts
+    assert [x.text for x in c.choices] != texts
+    assert a.usage is not None and a.usage.completion_tokens == 30
+    unseeded = [client.completions.create(model="sim", prompt="seeded", max_tokens=10)
+                .choices[0].text for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    kw = {"model": "sim", "prompt": "stops", "max_tokens": 40, "temperature": 0}
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[10:12]
+    cut = full.index(stop)
+    r = client.completions.create(stop=[stop, "\u2603"], **kw).choices[0]
+    assert (r.text, r.finish_reason) == (full[:cut], "stop")
+    assert (r.model_extra or {})["stop_reason"] == stop
+    inc = client.completions.create(stop=stop, extra_body={"include_stop_str_in_output": True},
+                                    **kw).choices[0]
+    assert inc.text == full[:cut + 2]
+    streamed = client.completions.create(stop=[stop], stream=True, **kw)
+    assert "".join(c.choices[0].text for c in streamed) == full[:cut]
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="sim", prompt="lp", max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.top_logprobs is not None and all(len(t) >= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [0, 1, 2, 3]
+    chat = client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
+        top_logprobs=3)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+# --- chat -------------------------------------------------------------------------------------
+def test_chat_stream_and_not(client: openai.OpenAI) -> None:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="sim", messages=msgs,  # type: ignore[arg-type]
+                                       max_completion_tokens=15, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and text and len(text) == 15
+    chunks = list(client.chat.completions.create(
+        model="sim", messages=msgs, max_tokens=15, temperature=0,  # type: ignore[arg-type]
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 15
+
+
+def test_chat_n_streaming(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(
+        model="sim", messages=[{"role": "user", "content": "two"}], max_tokens=6, n=2,
+        temperature=1.0, stream=True))
+    texts: dict[int, str] = {0: "", 1: ""}
+    finished = set()
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1} and all(len(t) == 6 for t in texts.values())
+
+
+# --- prefix caching ---------------------------------------------------------------------------
+def test_cached_tokens_and_prefix_cache_metrics(server: ServeProcess,
+                                                client: openai.OpenAI) -> None:
+    wait_idle(server)
+    prefix = "The shared prefix of two prompts, long enough for several blocks. " * 2
+    hits0 = metric(server, "vllm:prefix_cache_hits_total", model_name="sim")
+    queries0 = metric(server, "vllm:prefix_cache_queries_total")
+    first = client.completions.create(model="sim", prompt=prefix + "first", max_tokens=2)
+    assert first.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model="sim", prompt=prefix + "second", max_tokens=2)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (len(prefix) // 16) * 16 and cached > 0
+    assert metric(server, "vllm:prefix_cache_hits_total") - hits0 == cached
+    assert metric(server, "vllm:prefix_cache_queries_total") - queries0 == \
+        first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert metric(server, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") >= \
+        cached
+
+
+# --- bad input --------------------------------------------------------------------------------
+def _post(server: ServeProcess, path: str, body: object) -> httpx.Response:
+    """POST JSON as Python writes it (NaN and Infinity included, as some clients send)."""
+    return httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=30,
+                      headers={"content-type": "application/json"})
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": 123}, 400, "body.prompt"),
+    ({"prompt": "x", "max_tokens": "many"}, 400, "body.max_tokens"),
+    ({"prompt": "x", "temperature": [1]}, 400, "body.temperature"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": 2.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "stop": ["ok", ""]}, 400, "stop"),
+    ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
+    ({"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
+    ({"prompt": "x", "priority": 1}, 400, "priority"),
+    ({"prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [1, 2, 999999]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": "y" * MAX_LEN}, 400, "prompt"),
+    ({"prompt": "x", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+    ({"prompt": "x", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
+    ({"prompt": "lone \ud800 surrogate"}, 400, "prompt"),
+    ({"prompt": "x", "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
+def test_bad_completion_inputs(server: ServeProcess, body: dict[str, object], status: int,
+                               param: str) -> None:
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["param"] == param and err["message"]
+
+
+def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
+                                              client: openai.OpenAI) -> None:
+    done: list[openai.types.Completion] = []
+    running = threading.Thread(target=lambda: done.append(client.completions.create(
+        model="sim", prompt="meanwhile", max_tokens=300)))
+    running.start()
+    for body, status, _ in BAD_COMPLETIONS:
+        assert _post(server, "/v1/completions", body).status_code == status
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
+    for body in ({"messages": []}, {"messages": [{"content": "no role"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                 {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                 {"messages": "hi"}):
+        assert _post(server, "/v1/chat/completions", body).status_code == 400, body
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
+                                                                   "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="sim", prompt="x", temperature=3)
+    running.join(30)
+    assert len(done[0].choices[0].text) == 300 and done[0].choices[0].finish_reason == "length"
+    assert httpx.get(server.url + "/health").status_code == 200
+    huge_k = client.completions.create(model="sim", prompt="x", max_tokens=3,
+                                       extra_body={"top_k": 2 ** 70})
+    assert len(huge_k.choices[0].text) == 3
+
+
+def test_max_tokens_is_clamped_to_the_context(client: openai.OpenAI) -> None:
+    prompt = "z" * (MAX_LEN - 4)
+    r = client.completions.create(model="sim", prompt=prompt, max_tokens=100)
+    assert len(r.choices[0].text) == 4 and r.choices[0].finish_reason == "length"
+
+
+# --- other endpoints --------------------------------------------------------------------------
+def test_models_health_version_load(server: ServeProcess, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["sim", "alias"]
+    assert (models.data[0].model_extra or {})["max_model_len"] == MAX_LEN
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert "version" in httpx.get(server.url + "/version").json()
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+
+
+def test_tokenize_detokenize(server: ServeProcess) -> None:
+    t = _post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
+    assert t["tokens"] == list("héllo".encode()) and t["count"] == 6
+    assert t["max_model_len"] == MAX_LEN and len(t["token_strs"]) == 6
+    assert _post(server, "/detokenize", {"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
+    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "a"}]}).json()
+    assert chat["count"] == len("<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n")
+    assert _post(server, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
+
+
+def test_worker_description(server: ServeProcess) -> None:
+    w = httpx.get(server.url + "/kvloop/worker").json()
+    assert w["model"] == "sim" and w["role"] == "both" and w["block_size"] == 16
+    assert (w["hash_algo"], w["hash_seed"]) == ("sha256", "vllm-none-hash")
+    assert w["num_gpu_blocks"] == BLOCKS and w["kv_capacity_blocks"] == BLOCKS - 1
+    assert w["kv_events"] is None and isinstance(w["epoch"], str) and len(w["epoch"]) == 32
+    assert w["engine_pid"] != w["api_pid"] == server.pid
+
+
+def test_metric_names_types_and_labels(server: ServeProcess, client: openai.OpenAI) -> None:
+    client.completions.create(model="sim", prompt="metrics", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    expected = {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
+        "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:iteration_tokens_total": "histogram", "vllm:cache_config_info": "gauge",
+    }
+    for name, kind in expected.items():
+        exposed = name + "_total" if kind == "counter" else name   # prometheus_client's text
+        assert types.get(exposed) == kind, name
+    assert metric(server, "vllm:request_success_total", finished_reason="length") >= 1
+    assert metric(server, "vllm:time_to_first_token_seconds_count", model_name="sim",
+                  engine="0") >= 1
+    assert metric(server, "vllm:inter_token_latency_seconds_count") >= 3
+    assert 'le="0.001"' in text and 'le="2560.0"' in text      # TTFT buckets
+    assert metric(server, "vllm:num_requests_running") == 0
+
+
+# --- disconnect -------------------------------------------------------------------------------
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServeProcess) -> None:
+    wait_idle(server)
+    aborts0 = metric(server, "vllm:request_success_total", finished_reason="abort")
+    body = {"model": "sim", "prompt": "a long one", "max_tokens": MAX_LEN - 20,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]
+        assert all(line.startswith("data: {") or line == "" for line in got)
+        assert engine_stats(server)["num_running_reqs"] == 1
+    stats = wait_idle(server)
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert metric(server, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1
+    assert httpx.post(server.url + "/v1/completions",
+                      json={"prompt": "after", "max_tokens": 2}).status_code == 200
+
+
+def test_non_streaming_disconnect_aborts(server: ServeProcess) -> None:
+    wait_idle(server)
+    aborts0 = metric(server, "vllm:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions",
+                   json={"prompt": "slow", "max_tokens": MAX_LEN - 10}, timeout=0.3)
+    stats = wait_idle(server)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert metric(server, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1
+
+
+def test_reset_prefix_cache(server: ServeProcess) -> None:
+    wait_idle(server)
+    assert _post(server, "/reset_prefix_cache", {}).json() == {"success": True}
+    assert engine_stats(server)["num_cached_blocks"] == 0
+
+
+def test_log_has_no_errors(server: ServeProcess, tmp_path: Path) -> None:
+    assert "ERROR" not in server.log() and "Traceback" not in server.log()

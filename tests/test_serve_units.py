@@ -1,0 +1,203 @@
+"""Unit tests of the API server's pieces that need no process: stop strings, output
+processing, error shapes, metrics buckets, wire structs, CLI parsing."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import socket
+
+import msgspec
+import pytest
+
+from kvloop.core.request import SamplingParams
+from kvloop.server import cli_args
+from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
+from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
+from kvloop.server.serve import _bind, _url
+from kvloop.sim.tokenizer import ByteTokenizer
+from kvloop.wire import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineStartConfig,
+    PrefixCacheStats,
+    SamplingParamsMsg,
+    SchedulerStats,
+    TopLogprobs,
+)
+
+# --- stop strings: vLLM's vectors (specs/vllm-engine.md section 5.5) -------------------------
+
+
+@pytest.mark.parametrize("stops", [["a", "is"], ["is", "a"]])
+def test_stop_string_earliest_completion_wins(stops: list[str]) -> None:
+    text = " The user is a"
+    assert find_stop_string(text, len(" is a"), stops, False) == ("is", 10)
+    assert find_stop_string(text, len(" is a"), stops, True) == ("is", 12)
+
+
+def test_stop_string_ties_and_overlaps() -> None:
+    assert find_stop_string("abc", 3, ["abc", "b"], False) == ("b", 1)
+    assert find_stop_string("ab", 2, ["ab", "b"], False) == ("ab", 0)
+    assert find_stop_string("ab", 2, ["b", "ab"], False) == ("b", 1)
+
+
+def test_stop_string_at_end_and_no_match() -> None:
+    assert find_stop_string("hello world.", 1, ["."], False) == (".", 11)
+    assert find_stop_string("hello world.", 1, ["."], True) == (".", -1)
+    assert find_stop_string("hello world.", 0, ["."], False) is None
+    assert find_stop_string("hello world.", 1, [], False) is None
+    # only the new characters (and a stop string overlapping them) are searched
+    assert find_stop_string("a.b", 1, ["."], False) is None
+
+
+# --- output processing ----------------------------------------------------------------------
+TOK = ByteTokenizer()
+
+
+def _out(text: str, finish: str | None = None, stop_reason: int | str | None = None,
+         extra: list[int] | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput("r", list(text.encode()) + (extra or []), finish, stop_reason)
+
+
+def _state(**kw: object) -> OutputState:
+    return OutputState(TOK, [1, 2], OutputOptions(**kw))  # type: ignore[arg-type]
+
+
+def test_output_state_stop_string_cuts_and_drops_later_tokens() -> None:
+    st = _state(stop=("lo w",))
+    d1 = st.process(_out("hel"))
+    assert d1.text == "" and d1.finish_reason is None  # 3 chars held back
+    d2 = st.process(_out("lo world"))
+    assert d2.stopped_locally and d2.finish_reason == "stop" and d2.stop_reason == "lo w"
+    assert d1.text + d2.text == "hel" and st.text == "hel"
+    assert d2.token_ids == list(b"lo w")   # the token completing the stop string is the last
+    assert st.process(_out("more")).text == ""          # finished: ignores later outputs
+
+
+def test_output_state_include_stop_str_and_min_tokens() -> None:
+    st = _state(stop=("b",), include_stop_str_in_output=True)
+    assert st.process(_out("aabxx")).text == "aab"
+    st = _state(stop=("b",), min_tokens=3)
+    d = st.process(_out("abab"))
+    assert d.text == "aba" and d.stop_reason == "b"   # the first "b" is within min_tokens
+
+
+def test_output_state_holdback_is_released_at_finish() -> None:
+    st = _state(stop=("xyz",))
+    parts = [st.process(_out(c)).text for c in "abcd"]
+    assert parts == ["", "", "a", "b"]
+    d = st.process(_out("e", finish="length"))
+    assert d.text == "cde" and d.finish_reason == "length"
+    assert "".join(parts) + d.text == "abcde"
+
+
+def test_output_state_stop_token_is_not_detokenized() -> None:
+    st = _state()
+    d = st.process(_out("hi", finish="stop", stop_reason=None, extra=[ord("!")]))
+    assert d.text == "hi" and d.token_ids == list(b"hi!") and d.stop_reason is None
+    st = _state(include_stop_str_in_output=True)
+    assert st.process(_out("hi", finish="stop", stop_reason=33, extra=[33])).text == "hi!"
+
+
+def test_output_state_error_and_logprobs() -> None:
+    st = _state()
+    lp = [TopLogprobs(ord("a"), -0.5, 1, [ord("a"), ord("b")], [-0.5, -1.0])]
+    d = st.process(EngineCoreOutput("r", [ord("a")], new_logprobs=lp))
+    assert d.logprobs[0].logprob == -0.5 and d.logprobs[0].top == [(97, -0.5), (98, -1.0)]
+    d = _state().process(EngineCoreOutput("r", [], "error", error="no room"))
+    assert d.finish_reason == "error" and d.error == "no room"
+
+
+# --- sim tokenizer ----------------------------------------------------------------------------
+def test_byte_tokenizer_roundtrip_and_specials() -> None:
+    ids = TOK.encode("héllo")
+    assert ids == list("héllo".encode()) and TOK.decode(ids) == "héllo"
+    assert TOK.decode([TOK.eos_token_id, 104]) == "h"
+    assert TOK.decode([TOK.eos_token_id, 104], skip_special_tokens=False) == "<|endoftext|>h"
+    det = TOK.new_detokenizer([], True)
+    e = "é".encode()
+    assert det.push([e[0]]) == "" and det.push([e[1]]) == "é"   # split UTF-8 held back
+    assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" == \
+        TOK.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError):
+        TOK.special_text(5)
+
+
+# --- wire -------------------------------------------------------------------------------------
+def test_sampling_params_msg_mirrors_sampling_params() -> None:
+    sp_fields = [(f.name, f.default) for f in dataclasses.fields(SamplingParams)]
+    msg_fields = [(n, d) for n, d in zip(SamplingParamsMsg.__struct_fields__,
+                                         SamplingParamsMsg.__struct_defaults__, strict=True)]
+    assert [n for n, _ in sp_fields] == [n for n, _ in msg_fields]
+    sp = SamplingParams(n=2, temperature=0.5, stop=("x", "y"), stop_token_ids=(3,), seed=7)
+    msg = msgspec.msgpack.decode(msgspec.msgpack.encode(
+        SamplingParamsMsg(**dataclasses.asdict(sp))), type=SamplingParamsMsg)
+    assert SamplingParams(**msgspec.structs.asdict(msg)) == sp
+
+
+def test_engine_outputs_roundtrip() -> None:
+    outs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput("a", [1, 2], "stop", 7, 16)],
+        scheduler_stats=SchedulerStats(num_running_reqs=1,
+                                       prefix_cache_stats=PrefixCacheStats(queries=32, hits=16)),
+        timestamp=1.5, scheduled=["a"], iteration_tokens=9)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(outs), type=EngineCoreOutputs) == outs
+
+
+# --- metrics ----------------------------------------------------------------------------------
+def test_request_token_buckets() -> None:
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(4) == [1, 2]
+
+
+def test_metrics_from_scheduler_stats() -> None:
+    m = ServerMetrics("m", 1000)
+    m.observe_scheduler_stats(SchedulerStats(
+        num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25, num_preemptions=1,
+        prefix_cache_stats=PrefixCacheStats(queries=64, hits=32, preempted_queries=99,
+                                            preempted_hits=99)))
+    text = m.render().decode()
+    lab = '{engine="0",model_name="m"}'
+    for line in (f"vllm:num_requests_running{lab} 3.0", f"vllm:num_requests_waiting{lab} 2.0",
+                 f"vllm:kv_cache_usage_perc{lab} 0.25", f"vllm:num_preemptions_total{lab} 1.0",
+                 f"vllm:prefix_cache_queries_total{lab} 64.0",
+                 f"vllm:prefix_cache_hits_total{lab} 32.0"):
+        assert line in text, line
+
+
+# --- CLI --------------------------------------------------------------------------------------
+def test_parse_size() -> None:
+    assert cli_args.parse_size("512MiB") == 512 << 20
+    assert cli_args.parse_size("2G") == 2 << 30
+    assert cli_args.parse_size("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli_args.parse_size("lots")
+
+
+def test_build_configs_sim() -> None:
+    from kvloop.cli import build_parser
+
+    args = build_parser().parse_args([
+        "serve", "--model", "sim", "--max-num-batched-tokens", "64", "--max-num-seqs", "200",
+        "--num-gpu-blocks-override", "32", "--served-model-name", "a", "b",
+        "--enable-kv-cache-events", "--kv-events-topic", "t"])
+    serve, start, tok = cli_args.build_configs(args)
+    assert serve.served_model_names == ("a", "b") and isinstance(tok, ByteTokenizer)
+    assert start.engine.scheduler.max_num_seqs == 64     # clamped to the token budget
+    assert start.runner_factory == cli_args.SIM_FACTORY
+    assert start.runner_kwargs["num_gpu_blocks_override"] == 32
+    assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
+                               "recency": False}
+    back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
+    assert back == start
+
+
+def test_bind_ephemeral_port() -> None:
+    sock = _bind("127.0.0.1", 0)
+    try:
+        host, port = sock.getsockname()
+        assert port > 0 and _url(sock) == f"http://127.0.0.1:{port}"
+        assert sock.family == socket.AF_INET
+    finally:
+        sock.close()
