@@ -296,3 +296,22 @@ def test_cli_rejects_bad_arguments(capsys) -> None:
     assert "http" in capsys.readouterr().err
     assert cli_main(["bench", "--url", "http://127.0.0.1:1", "--workload", "trace"]) == 2
     assert "--workload-file" in capsys.readouterr().err
+
+
+def test_figures_median_table_and_distinct_case_seeds() -> None:
+    from kvloop.bench.figures import cases, median_table
+
+    def summary(out_tps: float, cache: float | None) -> dict:
+        return {"output_throughput": out_tps, "total_token_throughput": 3 * out_tps,
+                "ttft_ms": {"p50": 10.0, "p99": 20.0}, "tpot_ms": {"p50": 5.0},
+                "cache_share": cache, "failed": 0, "client_cpu_share": 0.01}
+    runs = [{"case": "c", "server": "kv", "summary": summary(v, 0.5)} for v in (10, 30, 20)]
+    runs += [{"case": "c", "server": "hf", "summary": summary(v, None)} for v in (5, 4, 100)]
+    table = median_table(runs, ("kv", "hf"))
+    assert table.splitlines()[2:] == [
+        "| c | kv | 3 | 20 | 60 | 10 | 20 | 5 | 50 | 0 | 1 |",     # medians of 3 runs
+        "| c | hf | 3 | 5 | 15 | 10 | 20 | 5 | - | 0 | 1 |",
+        "| c | ratio kv/hf | | 4 | 4 | 1 | 1 | 1 | - | - | 1 |"]
+    prompts = [c.workload.sessions[0].turns[0].new_token_ids
+               for rep in (0, 1) for c in cases(0.25, rep)]
+    assert len(set(prompts)) == len(prompts)  # no case or repetition reuses another's prompts

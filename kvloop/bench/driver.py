@@ -81,6 +81,7 @@ class BenchRun:
     concurrency: int | None
     results: list[RequestResult] = field(default_factory=list)
     duration_s: float = 0.0
+    started_at: float = 0.0     # wall clock (time.time()) of the measured phase
     client_cpu_s: float = 0.0
     stand_in_answers: int = 0
 
@@ -194,6 +195,7 @@ async def run_bench(workload: Workload, cfg: BenchConfig) -> BenchRun:
             await _Driver(cfg, pool, model).closed_loop(warm.sessions, cfg.concurrency or 1)
         bar = _progress(workload.num_requests, label, cfg.progress)
         driver = _Driver(cfg, pool, model, (lambda _r: bar.update(1)) if bar else None)
+        run.started_at = time.time()
         cpu0, t0 = time.process_time(), time.perf_counter()
         if open_loop:
             await driver.open_loop(workload.sessions, cfg.concurrency)

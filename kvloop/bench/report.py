@@ -66,7 +66,7 @@ def summarize(run: BenchRun) -> dict[str, Any]:
         "mode": run.mode, "concurrency": run.concurrency,
         "completed": len(ok), "failed": len(failed),
         "errors": sorted({r.error or "" for r in failed})[:MAX_ERRORS_LISTED],
-        "duration_s": run.duration_s,
+        "duration_s": run.duration_s, "started_at": run.started_at,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "cached_tokens": cached if with_cache else None,
         "cache_share": (cached / prompt_tokens) if with_cache and prompt_tokens else None,

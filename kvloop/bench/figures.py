@@ -1,0 +1,240 @@
+"""The closing figures: kvloop against an anchor, same workloads, same sitting, medians.
+
+    python -m kvloop.bench.figures --reps 3 --out-dir out/figures
+
+Starts `kvloop serve` (the embedded model unless `--serve-args` says otherwise) with a trace
+file, and the transformers anchor (`python -m kvloop.bench.hf_server`) unless `--anchor-url`
+points at a running server (llama-server, vLLM...). Then, `--reps` times, for every case it
+runs the workload against kvloop and right after against the anchor. It writes every run's
+summary (`runs.jsonl`), a markdown table of medians (`figures.md`), and the schedule picture
+of kvloop's first run of the case named by `--picture` (`schedule.png`, `schedule.html`).
+A benchmark script, not a test: it prints figures and checks nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvloop.bench import workloads as w
+from kvloop.bench.driver import BenchConfig, run_bench
+from kvloop.bench.report import format_compare, summarize
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    workload: w.Workload
+    concurrency: int
+
+
+def cases(scale: float = 1.0, seed: int = 0,
+          token_range: tuple[int, int] = w.DEFAULT_TOKEN_RANGE) -> list[Case]:
+    """BENCHMARKS.md's workloads; `scale` multiplies the request counts.
+
+    Every case draws its prompts from its own seed (`seed` + its index), so no case and no
+    repetition (pass a different `seed`) finds another's prompts in the prefix cache.
+    """
+    def n(k: int) -> int:
+        return max(1, round(k * scale))
+    tr, s = token_range, 10 * seed
+    return [
+        Case("random 256/128 c=1", w.random_workload(n(8), 256, 128, s, token_range=tr), 1),
+        Case("random 256/128 c=8", w.random_workload(n(32), 256, 128, s + 1, token_range=tr),
+             8),
+        Case("random 256/128 c=32", w.random_workload(n(64), 256, 128, s + 2, token_range=tr),
+             32),
+        Case("shared-prefix 8x1024+64, 64 out, c=16",
+             w.shared_prefix_workload(8, 1024, 64, 64, n(64), s + 3, token_range=tr), 16),
+    ]
+
+
+class _Process:
+    """A server child process whose log announces its URL."""
+
+    def __init__(self, cmd: list[str], log_path: Path, pattern: str):
+        self.cmd = cmd
+        self.log_path = log_path
+        self.pattern = re.compile(pattern)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 900.0) -> _Process:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self.pattern.search(self.log_path.read_text(errors="replace"))
+            if m:
+                self.url = m.group(1)
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.cmd[:4]} did not start; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+KEYS = {  # figure -> how to read it from a summary
+    "output tok/s": lambda s: s["output_throughput"],
+    "total tok/s": lambda s: s["total_token_throughput"],
+    "TTFT p50 ms": lambda s: (s["ttft_ms"] or {}).get("p50"),
+    "TTFT p99 ms": lambda s: (s["ttft_ms"] or {}).get("p99"),
+    "TPOT p50 ms": lambda s: (s["tpot_ms"] or {}).get("p50"),
+    "cache %": lambda s: None if s["cache_share"] is None else 100 * s["cache_share"],
+    "failed": lambda s: s["failed"],
+    "client CPU %": lambda s: 100 * s["client_cpu_share"],
+}
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def median_table(runs: list[dict[str, Any]], labels: tuple[str, str]) -> str:
+    """Markdown: one row per case and server, medians over repetitions, and the ratio row."""
+    head = "| workload | server | reps | " + " | ".join(KEYS) + " |"
+    lines = [head, "|" + "---|" * (len(KEYS) + 3)]
+    for case in dict.fromkeys(r["case"] for r in runs):
+        meds = {}
+        for label in labels:
+            mine = [r["summary"] for r in runs if r["case"] == case and r["server"] == label]
+            meds[label] = {k: _median([f(s) for s in mine]) for k, f in KEYS.items()}
+            cells = " | ".join(_fmt(meds[label][k]) for k in KEYS)
+            lines.append(f"| {case} | {label} | {len(mine)} | {cells} |")
+        a, b = (meds[label] for label in labels)
+        ratio = " | ".join(_fmt(_ratio(a[k], b[k])) for k in KEYS)
+        lines.append(f"| {case} | ratio {labels[0]}/{labels[1]} | | {ratio} |")
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _extract_steps(trace: Path, t0: float, t1: float, out: Path) -> int:
+    """Copy the step records stamped within [t0, t1] (wall clock) to `out`."""
+    n = 0
+    with open(trace, encoding="utf-8") as src, open(out, "w", encoding="utf-8") as dst:
+        for line in src:
+            if line.strip() and t0 <= json.loads(line)["time"] <= t1:
+                dst.write(line)
+                n += 1
+    return n
+
+
+async def _run_case(case: Case, url: str, label: str,
+                    args: argparse.Namespace) -> dict[str, Any]:
+    cfg = BenchConfig(url, concurrency=case.concurrency, warmup=args.warmup, label=label,
+                      progress=sys.stderr.isatty(), token_range=tuple(args.token_range))
+    return summarize(await run_bench(case.workload, cfg))
+
+
+def _picture(trace: Path, window: tuple[float, float], out_dir: Path, title: str) -> None:
+    from kvloop.viz.html import render_html
+    from kvloop.viz.png import render_png
+    from kvloop.viz.schedule import format_summary, load_schedule
+
+    steps = out_dir / "schedule_steps.jsonl"
+    if _extract_steps(trace, *window, steps) == 0:
+        print("no step records in the picture's window", file=sys.stderr)
+        return
+    data = load_schedule(str(steps))
+    render_png(data, str(out_dir / "schedule.png"), title)
+    render_html(data, str(out_dir / "schedule.html"), title)
+    print(format_summary(data))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvloop.bench.figures",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    ap.add_argument("--only", nargs="*", help="run only cases whose name starts with these")
+    ap.add_argument("--out-dir", default="out/figures")
+    ap.add_argument("--serve-args", default="", help="extra `kvloop serve` arguments")
+    ap.add_argument("--anchor-url", help="a running anchor server (default: start hf_server)")
+    ap.add_argument("--anchor-label", default="hf-transformers")
+    ap.add_argument("--anchor-args", default="--dtype bf16", help="hf_server arguments")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--picture", default="random 256/128 c=8")
+    ap.add_argument("--token-range", type=int, nargs=2, default=list(w.DEFAULT_TOKEN_RANGE))
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    def todo(rep: int) -> list[Case]:
+        return [c for c in cases(args.scale, rep, tuple(args.token_range))
+                if not args.only or any(c.name.startswith(p) for p in args.only)]
+
+    trace = out / "kvloop_steps.jsonl"
+    if trace.exists():
+        trace.unlink()
+    py = sys.executable
+    kv = _Process([py, "-m", "kvloop", "serve", "--port", "0", "--trace-file", str(trace),
+                   *shlex.split(args.serve_args)], out / "kvloop_serve.log",
+                  r"kvloop serving on (http://\S+)")
+    anchor = None if args.anchor_url else _Process(
+        [py, "-m", "kvloop.bench.hf_server", "--port", "0", *shlex.split(args.anchor_args)],
+        out / "anchor.log", r"hf anchor serving on (http://\S+)")
+    labels = ("kvloop", args.anchor_label)
+    runs: list[dict[str, Any]] = []
+    window = None
+    try:
+        kv.start()
+        anchor_url = args.anchor_url or anchor.start().url  # type: ignore[union-attr]
+        print(f"kvloop {kv.url}; anchor {anchor_url}", flush=True)
+        for rep in range(args.reps):
+            for case in todo(rep):
+                a = asyncio.run(_run_case(case, kv.url, labels[0], args))
+                if case.name == args.picture and window is None:
+                    window = (a["started_at"], a["started_at"] + a["duration_s"])
+                b = asyncio.run(_run_case(case, anchor_url, labels[1], args))
+                print(f"\n== rep {rep + 1}/{args.reps}: {case.name}\n{format_compare(a, b)}",
+                      flush=True)
+                for label, s in zip(labels, (a, b), strict=True):
+                    runs.append({"rep": rep, "case": case.name, "server": label, "summary": s})
+                with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
+                    for r in runs[-2:]:
+                        f.write(json.dumps(r) + "\n")
+    finally:
+        kv.stop()
+        if anchor is not None:
+            anchor.stop()
+    table = median_table(runs, labels)
+    (out / "figures.md").write_text(table + "\n")
+    print("\n" + table)
+    if window is not None:
+        _picture(trace, window, out, f"kvloop, {args.picture} (embedded SmolLM2, 2 CPU cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
