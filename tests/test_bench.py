@@ -134,7 +134,8 @@ def test_summary_throughput_and_cache_share() -> None:
     a = _result(0.0, [0.1, 0.2], 2, prompt_tokens=100, cached_tokens=64)
     b = _result(0.0, [0.3, 0.5], 2, prompt_tokens=60, cached_tokens=0)
     bad = RequestResult(0, 1, 10, 2, error="HTTP 400: nope")
-    run = BenchRun("x", "http://h:1", "m", "random", {}, "closed", 2, [a, b, bad], 2.0, 0.5)
+    run = BenchRun("x", "http://h:1", "m", "random", {}, "closed", 2, [a, b, bad],
+                   duration_s=2.0, client_cpu_s=0.5)
     s = summarize(run)
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, ["HTTP 400: nope"])
     assert s["cache_share"] == pytest.approx(64 / 160)
