@@ -1,0 +1,81 @@
+"""`kvloop fleet` as a user runs it: one command, every address printed, one signal stops all."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvloop.router.fleet import FleetConfig
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_fleet_starts_workers_and_router_and_one_signal_stops_everything(sig):
+    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
+           "--roles", "both", "--", "--sim-speedup", "40", "--num-gpu-blocks-override", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "kvloop router on" in line:
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert found.wait(90), "no router line:\n" + "\n".join(lines[-30:])
+        url = re.search(r"kvloop router on (http://\S+)", "\n".join(lines)).group(1)
+        worker_lines = [ln for ln in lines if ln.startswith("  worker ")]
+        assert len(worker_lines) == 2 and all(": up, role both" in ln for ln in worker_lines)
+        assert all("events tcp://127.0.0.1:" in ln for ln in worker_lines)
+        workers = httpx.get(url + "/workers").json()
+        assert len(workers) == 2
+        pids = []
+        for w in workers.values():
+            info = httpx.get(w["url"] + "/kvloop/worker").json()
+            pids += [info["api_pid"], info["engine_pid"]]
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "a worker process outlived the fleet"
+        assert "kvloop fleet: stopped" in lines[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_fleet_config_builds_worker_command_lines():
+    cfg = FleetConfig(3, "sim", ("prefill", "decode"), ("--sim-speedup", "5"))
+    argv = cfg.argv(2)
+    assert argv[argv.index("--role") + 1] == "prefill"
+    assert argv[-2:] == ["--sim-speedup", "5"]          # user flags come last: they win
+    assert "tcp://127.0.0.1:0" in argv and argv[argv.index("--port") + 1] == "0"
+    for bad in (dict(num_workers=0), dict(num_workers=1, roles=("sideways",))):
+        try:
+            FleetConfig(**bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")
