@@ -234,3 +234,46 @@ def test_recency_touches_name_cached_blocks(cleanup):
     assert all(len(set(n)) == len(n) for n in touched)  # deduplicated per notice
     assert set(flat) <= stored  # hits are on blocks that were stored
     assert worker.publisher.stats.touch_notices <= elapsed / 0.05 + 2  # rate-limited
+
+
+def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup):
+    # The new process's first batches are lost, and the first one that arrives carries
+    # exactly the number the subscriber expects: only the epoch can tell.
+    ports = (free_port(), free_port())
+    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
+                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    state = {"drop_below": 0}
+    relay = Relay(cfg.endpoint, lambda f: [] if (seq_of(f) or 0) < state["drop_below"]
+                  else [f])
+    cleanup.append(relay)
+    first = SimWorker(cfg, seed=10)
+    vs = ViewSubscriber(relay.endpoint, first.replay_endpoint, "")
+    cleanup.append(vs)
+    first.run(4, min_batches=6)
+    vs.wait_equal(first)
+    k = first.publisher.next_seq
+    first.shutdown()
+    state["drop_below"] = k
+    second = SimWorker(cfg, seed=11)
+    cleanup.append(second)
+    second.run(8, min_batches=k + 4)
+    vs.wait_equal(second)
+    resets = [d.reason for d in vs.deliveries if d.is_reset]
+    assert "epoch" in resets and vs.sub.stats.current_epoch == second.publisher.epoch
+
+
+def test_subscriber_started_before_its_publisher(cleanup):
+    ports = (free_port(), free_port())
+    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
+                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    vs = ViewSubscriber(cfg.endpoint, cfg.replay_endpoint, "", request_timeout_s=0.2,
+                        probe_interval_s=0.05)
+    cleanup.append(vs)
+    time.sleep(1.0)  # several probes go unanswered: nobody is there yet
+    assert vs.sub.stats.kvloop_publisher is None
+    worker = SimWorker(cfg, seed=12)
+    cleanup.append(worker)
+    worker.run(6, min_batches=8)
+    vs.wait_equal(worker)
+    wait_until(lambda: vs.sub.stats.current_epoch == worker.publisher.epoch, 5, "epoch")
+    assert vs.sub.stats.kvloop_publisher is True

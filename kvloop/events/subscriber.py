@@ -16,9 +16,9 @@ How (see `protocol.py` for the frames):
   carried before (a recent window of digests), otherwise a new publisher incarnation.
 - Epochs: a kvloop publisher names its process incarnation in heartbeats and in every reply
   header. A new epoch means a restart: reset, then snapshot (or replay from 0).
-- Liveness: heartbeats on their own topic; when the publisher is silent for
-  `probe_interval_s`, an `info` request on the replay socket (kvloop publishers only) serves
-  as one, and also reveals batches lost at the tail of the stream.
+- Liveness: heartbeats on their own topic; when none came for `probe_interval_s`, an
+  `info` request on the replay socket (kvloop publishers) serves as one, checks the epoch
+  even while batches flow, and reveals batches lost at the tail of the stream.
 - A vLLM publisher answers only vLLM's replay request: the subscriber notices that its
   `info` probes go unanswered and then uses vLLM's protocol alone (no snapshots, no epochs).
 - Malformed frames and payloads are counted in `stats.malformed` and dropped; exceptions
@@ -154,6 +154,9 @@ class KVEventSubscriber:
         self._unanswered = 0
         self._poll_tail: int | None = None
         self._last_probe_time = 0.0
+        self._last_info_time = 0.0
+        self._last_data_time = 0.0
+        self._ignored = 0
         self._last_info: tuple[float, proto.PublisherInfo] | None = None
 
     # --- public surface -------------------------------------------------------------------
@@ -280,18 +283,28 @@ class KVEventSubscriber:
                     self._on_info_reply(info)
 
     def _on_timer(self, now: float) -> None:
-        if self._dealer is None or self._stats.kvloop_publisher is False:
+        """Liveness and epoch probes on the replay socket, when no heartbeat comes.
+
+        An unanswered probe counts against the publisher being kvloop's only if batches
+        arrived meanwhile (a silent publisher may just be down); after a few, it is taken
+        for a vLLM publisher and probing stops. Probes back off while unanswered.
+        """
+        st = self._stats
+        if self._dealer is None or st.kvloop_publisher is False:
             return
         if self._probe_sent is not None:
             if now - self._probe_sent > self._timeout_ms / 1000:
+                if self._last_data_time > self._probe_sent:
+                    self._ignored += 1
                 self._probe_sent = None
                 self._unanswered += 1
-                if self._unanswered >= _MAX_UNANSWERED_PROBES and \
-                        self._stats.kvloop_publisher is None:
-                    self._stats.kvloop_publisher = False
+                if self._ignored >= _MAX_UNANSWERED_PROBES and st.kvloop_publisher is None:
+                    st.kvloop_publisher = False
             return
+        # Probe whenever no heartbeat came for an interval, even while batches flow: only
+        # the epoch tells a restarted publisher that happens to continue the numbering.
         backoff = self._probe_interval * (1 << min(self._unanswered, 4))
-        if now - max(self._last_heard, self._last_probe_time) >= backoff:
+        if now - max(self._last_info_time, self._last_probe_time) >= backoff:
             self._dealer.send_multipart((b"", proto.KVLOOP, proto.CMD_INFO))
             self._probe_sent = self._last_probe_time = now
 
@@ -308,7 +321,7 @@ class KVEventSubscriber:
         elif topic.startswith(self._topic):
             batch = self._decode_batch(payload)
             if batch is not None:
-                self._last_heard = time.monotonic()
+                self._last_heard = self._last_data_time = time.monotonic()
                 self._on_data(proto.seq_from_bytes(seq_frame), payload, batch, LIVE)
 
     def _decode_batch(self, payload: bytes) -> KVEventBatch | None:
@@ -427,9 +440,8 @@ class KVEventSubscriber:
         st = self._stats
         st.heartbeats += 1
         st.last_heartbeat_time = time.time()
-        self._last_heard = time.monotonic()
-        if st.kvloop_publisher is None:
-            st.kvloop_publisher = True
+        self._last_heard = self._last_info_time = time.monotonic()
+        st.kvloop_publisher = True
         self._notify_heartbeat(info)
         if self._on_epoch_news(info):
             return
@@ -444,8 +456,8 @@ class KVEventSubscriber:
         st.heartbeats += 1
         st.last_heartbeat_time = time.time()
         st.kvloop_publisher = True
-        self._unanswered = 0
-        self._last_heard = time.monotonic()
+        self._unanswered = self._ignored = 0
+        self._last_heard = self._last_info_time = time.monotonic()
         self._last_info = (self._last_heard, info)
         self._notify_heartbeat(info)
         if self._on_epoch_news(info):

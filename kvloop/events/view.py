@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import msgspec
+
 from kvloop.events.types import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,23 +31,18 @@ from kvloop.events.types import (
     KVEventBatch,
 )
 
-# The event fields shared by every block of one BlockStored, kept once per event.
-_Meta = tuple[int, int | None, str | None, str | None, int | None, str | None, int | None,
-              str | None, str | None, str | None]
+
+class _Block(msgspec.Struct, gc=False):
+    """What a snapshot needs of one kept block (not GC-tracked: there may be millions)."""
+
+    parent: ExternalBlockHash | None
+    token_ids: tuple[int, ...]
+    extra_keys: Any
+    meta: tuple[Any, ...]
 
 
-class _BlockInfo:
-    __slots__ = ("parent", "token_ids", "extra_keys", "meta")
-
-    def __init__(self, parent: ExternalBlockHash | None, token_ids: tuple[int, ...],
-                 extra_keys: Any, meta: _Meta):
-        self.parent = parent
-        self.token_ids = token_ids
-        self.extra_keys = extra_keys
-        self.meta = meta
-
-
-def _meta_of(ev: BlockStored) -> _Meta:
+def _meta(ev: BlockStored) -> tuple[Any, ...]:
+    """The fields shared by every block of one event (a chain is cut where they differ)."""
     return (ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.group_idx,
             ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality,
             ev.ownership, ev.session_id)
@@ -57,7 +54,7 @@ class CacheView:
     def __init__(self, keep_blocks: bool = False):
         self.keep_blocks = keep_blocks
         self._copies: dict[ExternalBlockHash, int] = {}
-        self._info: dict[ExternalBlockHash, _BlockInfo] = {}
+        self._info: dict[ExternalBlockHash, _Block] = {}
         self.unknown_removes = 0
 
     # --- queries --------------------------------------------------------------------------
@@ -105,7 +102,7 @@ class CacheView:
             for h in ev.block_hashes:
                 copies[h] = copies.get(h, 0) + 1
             return
-        meta = _meta_of(ev)
+        info, meta = self._info, _meta(ev)
         bs, toks, extra = ev.block_size, ev.token_ids, ev.extra_keys
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
@@ -113,7 +110,7 @@ class CacheView:
             copies[h] = n + 1
             if n == 0:
                 ek = extra[i] if extra is not None and i < len(extra) else None
-                self._info[h] = _BlockInfo(parent, tuple(toks[i * bs:(i + 1) * bs]), ek, meta)
+                info[h] = _Block(parent, tuple(toks[i * bs:(i + 1) * bs]), ek, meta)
             parent = h
 
     def _remove(self, hashes: Iterable[ExternalBlockHash]) -> None:
@@ -161,11 +158,13 @@ class CacheView:
 
     def _chain_events(self, order: list[ExternalBlockHash],
                       limit: int) -> Iterator[BlockStored]:
+        """Consecutive blocks that chain, with equal event fields, become one event."""
+        info = self._info
         run: list[ExternalBlockHash] = []
         for h in order:
-            b = self._info[h]
+            b = info[h]
             if run and (len(run) >= limit or b.parent != run[-1]
-                        or b.meta != self._info[run[-1]].meta):
+                        or b.meta != info[run[-1]].meta):
                 yield self._event_of(run)
                 run = []
             run.append(h)
@@ -173,15 +172,16 @@ class CacheView:
             yield self._event_of(run)
 
     def _event_of(self, run: list[ExternalBlockHash]) -> BlockStored:
-        first = self._info[run[0]]
+        info = self._info
+        first = info[run[0]]
         (bs, lora_id, medium, lora_name, group_idx, kind, window, locality, ownership,
          session_id) = first.meta
         tokens: list[int] = []
         for h in run:
-            tokens.extend(self._info[h].token_ids)
+            tokens.extend(info[h].token_ids)
         return BlockStored(
             block_hashes=list(run), parent_block_hash=first.parent, token_ids=tokens,
             block_size=bs, lora_id=lora_id, medium=medium, lora_name=lora_name,
-            extra_keys=[self._info[h].extra_keys for h in run], group_idx=group_idx,
+            extra_keys=[info[h].extra_keys for h in run], group_idx=group_idx,
             kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window, locality=locality,
             ownership=ownership, session_id=session_id)
