@@ -128,8 +128,7 @@ def _draw_time(ax: Any, data: ScheduleData) -> None:
         kv.set_ylim(0, 105)
 
 
-def _figure_height(num_rows: int) -> float:
-    return min(3.0 + 0.14 * num_rows, 24.0) + 3.4
+HEADER_IN = 0.95  # inches above the panels: title, summary, legend
 
 
 def render_png(data: ScheduleData, path: str, title: str = "", dpi: int = 110) -> RenderInfo:
@@ -140,18 +139,23 @@ def render_png(data: ScheduleData, path: str, title: str = "", dpi: int = 110) -
     import matplotlib.pyplot as plt
 
     grid_h = min(3.0 + 0.14 * len(data.request_ids), 24.0)
+    fig_h = grid_h + 3.4 + HEADER_IN
     fig, (ax, ax_tok, ax_time) = plt.subplots(
-        3, 1, sharex=True, figsize=(14, _figure_height(len(data.request_ids))),
+        3, 1, sharex=True, figsize=(14, fig_h),
         gridspec_kw={"height_ratios": [grid_h, 1.9, 1.3]})
     try:
         collections = _draw_grid(ax, data)
-        ax.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=7,
-                  frameon=False)
         _draw_tokens(ax_tok, data)
         _draw_time(ax_time, data)
         summary = textwrap.fill(format_summary(data), 150)
-        fig.suptitle(f"{title}\n{summary}" if title else summary, fontsize=9)
-        fig.tight_layout()
+        fig.suptitle(f"{title}\n{summary}" if title else summary, fontsize=9,
+                     y=1 - 0.08 / fig_h, va="top")
+        handles, labels = ax.get_legend_handles_labels()
+        top = 1 - HEADER_IN / fig_h
+        fig.legend(handles, labels, loc="lower right", ncol=len(labels), fontsize=7,
+                   frameon=False, bbox_to_anchor=(0.94, top))
+        fig.subplots_adjust(left=0.07, right=0.94, top=top, bottom=0.55 / fig_h,
+                            hspace=0.25 * 8 / fig_h)
         fig.savefig(path, dpi=dpi)
         return _read_back(fig, ax, collections, len(data.columns))
     finally:
