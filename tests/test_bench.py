@@ -316,3 +316,73 @@ def test_figures_median_table_and_distinct_case_seeds() -> None:
     prompts = [c.workload.sessions[0].turns[0].new_token_ids
                for rep in (0, 1) for c in cases(0.25, rep)]
     assert len(set(prompts)) == len(prompts)  # no case or repetition reuses another's prompts
+
+
+def _raw_server_run(response: bytes, n_requests: int = 2) -> list[RequestResult]:
+    """Stream `response` verbatim to each request, over one kept-alive connection."""
+    import asyncio
+
+    from kvloop.bench.client import Connection, Endpoint, stream_completion
+
+    async def main() -> list[RequestResult]:
+        connections = 0
+
+        async def handle(reader, writer) -> None:
+            nonlocal connections
+            connections += 1
+            while await reader.readline():
+                length = 0
+                while (h := await reader.readline()) not in (b"\r\n", b""):
+                    if h.lower().startswith(b"content-length:"):
+                        length = int(h.split(b":")[1])
+                await reader.readexactly(length)
+                writer.write(response)
+                await writer.drain()
+                if b"Connection: close" in response:
+                    break
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = Connection(Endpoint.parse(f"http://127.0.0.1:{port}"))
+        results = []
+        for i in range(n_requests):
+            results.append(await stream_completion(conn, b"{}", RequestResult(0, i, 1, 3)))
+        await conn.close()
+        server.close()
+        results[0].session_id = connections  # smuggle the connection count out
+        return results
+
+    return asyncio.run(main())
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def test_client_reassembles_events_across_odd_chunking_and_keeps_alive() -> None:
+    events = (b'data: {"choices":[{"text":"a","token_ids":[1]}]}\r\n\r\n'
+              b'data: {"choices":[{"text":"b","token_ids":[2,3]}]}\n\n'
+              b': keep-alive comment\n\n'
+              b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":3}}\n\n'
+              b"data: [DONE]\n\n")
+    pieces = [events[:7], events[7:60], events[60:61], events[61:]]  # splits mid-event
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    results = _raw_server_run(head + b"".join(_chunk(p) for p in pieces) + b"0\r\n\r\n")
+    assert results[0].session_id == 1  # both requests on one connection
+    for r in results:
+        assert r.ok and r.output_token_ids == [1, 2, 3] and r.output_tokens == 3
+        assert len(r.chunk_times) == 2
+
+
+def test_client_reads_close_delimited_streams_and_sized_errors() -> None:
+    body = b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n'
+    closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body
+    results = _raw_server_run(closing)
+    assert all(r.ok and r.output_tokens == 1 for r in results)
+    assert results[0].session_id == 2  # reconnected after the server closed
+    err = b'{"error":{"message":"nope"}}'
+    sized = b"HTTP/1.1 503 Busy\r\nContent-Length: %d\r\n\r\n%s" % (len(err), err)
+    assert [r.error for r in _raw_server_run(sized)] == ["HTTP 503: nope"] * 2
+    cut = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body[:20]
+    assert _raw_server_run(cut, 1)[0].error == "the stream ended without [DONE]"

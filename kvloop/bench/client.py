@@ -201,7 +201,8 @@ class Response:
         return b"".join([p async for p in self.iter_bytes()])
 
     async def iter_lines(self) -> AsyncIterator[bytes]:
-        """Body lines without their line ends (SSE framing)."""
+        """Complete body lines without their line ends (SSE framing: an unterminated last
+        line is incomplete and dropped)."""
         pending = b""
         async for piece in self.iter_bytes():
             pending += piece
@@ -210,8 +211,6 @@ class Response:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 yield line.rstrip(b"\r")
-        if pending:
-            yield pending.rstrip(b"\r")
 
 
 class ConnectionPool:
