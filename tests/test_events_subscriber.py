@@ -277,3 +277,23 @@ def test_subscriber_started_before_its_publisher(cleanup):
     vs.wait_equal(worker)
     wait_until(lambda: vs.sub.stats.current_epoch == worker.publisher.epoch, 5, "epoch")
     assert vs.sub.stats.kvloop_publisher is True
+
+
+def test_restart_without_a_replay_socket_is_found_by_heartbeats(cleanup):
+    port = free_port()
+    cfg = events_config(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=None)
+    first = SimWorker(cfg, seed=13)
+    vs = ViewSubscriber(first.endpoint, None, "kv")
+    cleanup.append(vs)
+    wait_until(lambda: vs.sub.stats.current_epoch == first.publisher.epoch, what="epoch")
+    first.run(5, min_batches=6)
+    vs.wait_equal(first)
+    first.shutdown()
+    second = SimWorker(cfg, seed=14)
+    cleanup.append(second)
+    wait_until(lambda: vs.sub.stats.current_epoch == second.publisher.epoch, what="new epoch")
+    assert len(vs.view) == 0  # the old incarnation's blocks are forgotten
+    second.run(5, min_batches=6)
+    vs.wait_equal(second)
+    st = vs.sub.stats
+    assert st.epochs_seen == 2 and [d.reason for d in vs.deliveries if d.is_reset] == ["epoch"]

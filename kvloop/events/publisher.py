@@ -173,6 +173,8 @@ class ZmqEventPublisher:
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
         self._wake_r = self._wake_w = -1
+        self._wake_lock = threading.Lock()
+        self._failed_addr = ""
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
         self.stats = PublisherStats()
@@ -182,6 +184,7 @@ class ZmqEventPublisher:
         keep = config.snapshot and config.replay_endpoint is not None
         self._mirror: CacheView | None = CacheView(keep_blocks=True) if keep else None
         self._touch_seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
 
     # --- public surface -------------------------------------------------------------------
     @property
@@ -266,15 +269,17 @@ class ZmqEventPublisher:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("KV events: publisher thread did not stop in %.1fs", timeout)
-        if self._ctx is not None:
-            if self._thread is not None and self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
+            if self._ctx is not None:
                 self._ctx.destroy(linger=0)
-            else:
-                self._ctx.term()
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+            return  # the stuck thread may still read its pipe: leave it open
+        if self._ctx is not None:
+            self._ctx.term()
+        with self._wake_lock:  # never write to a closed (or reused) descriptor
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     def mirror_hashes(self) -> set[int | bytes] | None:
         """The mirror's hashes (for tests; only meaningful when the thread is idle)."""
@@ -292,8 +297,6 @@ class ZmqEventPublisher:
             recency=cfg.recency)
 
     # --- sockets --------------------------------------------------------------------------
-    _failed_addr = ""
-
     def _open_sockets(self) -> None:
         cfg, ctx = self.config, self._ctx
         assert ctx is not None
@@ -326,11 +329,12 @@ class ZmqEventPublisher:
                 sock.close(linger=linger)
 
     def _wake(self) -> None:
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"\0")
-            except (BlockingIOError, OSError):
-                pass
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"\0")
+                except OSError:  # the pipe is full: the thread is awake anyway
+                    pass
 
     # --- the publisher thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -393,7 +397,7 @@ class ZmqEventPublisher:
     def _send_batch(self, batch: KVEventBatch) -> None:
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.config.data_parallel_rank
-        payload = msgspec.msgpack.encode(batch)
+        payload = self._encoder.encode(batch)
         seq = self._next_seq
         assert self._pub is not None
         self._pub.send_multipart((self._topic, proto.seq_bytes(seq), payload), copy=False)

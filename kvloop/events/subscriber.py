@@ -615,6 +615,8 @@ class KVEventSubscriber:
                     return
             finally:
                 self._resyncing = was
+        if epoch is None:  # the new epoch is not known yet: the next heartbeat adopts it
+            self._stats.current_epoch = None
         self._deliver_reset(reason)
 
     def _current_info(self) -> proto.PublisherInfo | None:
