@@ -225,7 +225,7 @@ def assert_matches_hf(runner, hf_model, rng) -> float:
         for row, rid in enumerate(inputs.sampling_req_ids):
             with torch.no_grad():
                 ref = hf_model(torch.tensor([expected[rid]])).logits[0, -1].float()
-            diff = (logits[row] - ref).abs().max().item()
+            diff = (logits[row].cpu() - ref).abs().max().item()
             worst = max(worst, diff)
             assert diff <= 1e-4, f"request {rid}: max abs diff {diff}"
     return worst
