@@ -55,8 +55,10 @@ def format_batch(wb: WorkerBatch) -> str:
     if wb.is_reset:
         return f"-- reset ({wb.reason}): forget every block of {wb.worker_id} [epoch {epoch}]"
     ts = dt.datetime.fromtimestamp(wb.batch.ts).isoformat(timespec="milliseconds")
-    head = (f"seq={wb.seq} {wb.source} epoch={epoch} ts={ts} "
-            f"dp={wb.batch.data_parallel_rank} events={len(wb.events)}")
+    where = (f"snapshot through seq={wb.seq - 1}" if wb.source == "snapshot" and wb.seq
+             else f"seq={wb.seq} {wb.source}")
+    head = (f"{where} epoch={epoch} ts={ts} dp={wb.batch.data_parallel_rank} "
+            f"events={len(wb.events)}")
     return "\n".join([head] + [format_event(ev) for ev in wb.events])
 
 

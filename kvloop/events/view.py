@@ -127,18 +127,29 @@ class CacheView:
 
     # --- snapshots ------------------------------------------------------------------------
     def _parent_first_order(self) -> list[ExternalBlockHash]:
-        """Every hash once, each after its parent when the parent is in the view."""
-        info, done = self._info, set()
+        """Every hash once, depth first from the roots: each after its parent (when the
+        parent is in the view), the blocks of a chain one after another."""
+        info = self._info
+        children: dict[ExternalBlockHash, list[ExternalBlockHash]] = {}
+        roots: list[ExternalBlockHash] = []
+        for h, b in info.items():
+            if b.parent is not None and b.parent in info and b.parent != h:
+                children.setdefault(b.parent, []).append(h)
+            else:
+                roots.append(h)
         order: list[ExternalBlockHash] = []
-        for start in info:
-            path: list[ExternalBlockHash] = []
-            h: ExternalBlockHash | None = start
-            while h is not None and h in info and h not in done and h not in path:
-                path.append(h)
-                h = info[h].parent
-            for x in reversed(path):
-                done.add(x)
-                order.append(x)
+        done: set[ExternalBlockHash] = set()
+        for root in roots:
+            stack = [root]
+            while stack:
+                h = stack.pop()
+                if h in done:
+                    continue
+                done.add(h)
+                order.append(h)
+                stack.extend(reversed(children.get(h, ())))  # first child continues the run
+        if len(order) < len(info):  # a parent cycle (impossible for real hashes)
+            order.extend(h for h in info if h not in done)
         return order
 
     def snapshot_events(self, max_blocks_per_event: int = 1024) -> list[BlockStored]:
