@@ -90,7 +90,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
+        data: list[dict[str, Any]] = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
                  "root": ctx.config.model_path or name, "parent": None,
                  "max_model_len": ctx.ready.max_model_len, "permission": []}
                 for name in ctx.config.served_model_names]

@@ -109,8 +109,8 @@ class EngineClient:
         self._pull.bind("tcp://127.0.0.1:*")
         cfg = msgspec.structs.replace(
             self._start_config,
-            input_address=self._router.getsockopt(zmq.LAST_ENDPOINT).decode(),
-            output_address=self._pull.getsockopt(zmq.LAST_ENDPOINT).decode())
+            input_address=self._router.getsockopt_string(zmq.LAST_ENDPOINT),
+            output_address=self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
         self._proc = subprocess.Popen([sys.executable, "-m", "kvloop.core.engine_proc"],
                                       stdin=subprocess.PIPE)
         assert self._proc.stdin is not None

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,7 +282,7 @@ class Generation:
     def disconnect(self) -> None:
         self.queue.put_nowait((None, ClientDisconnected()))
 
-    async def deltas(self) -> AsyncIterator[tuple[Child, Delta]]:
+    async def deltas(self) -> AsyncGenerator[tuple[Child, Delta], None]:
         """(child, delta) as outputs arrive, until every child has finished.
 
         Raises ServerShuttingDown, EngineDeadError or ClientDisconnected; on any exit the
@@ -305,7 +305,7 @@ class Generation:
         finally:
             client.abort_requests(list(self._pending))
 
-    async def stream_deltas(self) -> AsyncIterator[tuple[Child, Delta]]:
+    async def stream_deltas(self) -> AsyncGenerator[tuple[Child, Delta], None]:
         """`deltas()` for a stream: shutdown, engine death or a child's error end it quietly,
         recorded in `self.end` for the stream's tail."""
         try:
@@ -371,7 +371,7 @@ def usage(children: list[Child], prompts: list[list[int]]) -> dict[str, Any]:
     """OpenAI usage; cached tokens of each prompt are those of its first choice."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(c.state.token_ids) for c in children)
-    first = {}
+    first: dict[int, Child] = {}
     for c in children:
         first.setdefault(c.prompt_index, c)
     cached = sum(c.state.num_cached_tokens for c in first.values())
@@ -422,15 +422,17 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
 def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
     """Normalize `prompt` (text, texts, token ids, lists of token ids) to token id lists."""
     p = req.prompt
+    prompts: list[list[int]] = []
     if isinstance(p, str):
         prompts = [encode(ctx, p, req.add_special_tokens, "prompt")]
-    elif p and all(isinstance(x, str) for x in p):
-        prompts = [encode(ctx, x, req.add_special_tokens, "prompt")
-                   for x in p]  # type: ignore[union-attr]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]  # type: ignore[arg-type]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [[x for x in p if isinstance(x, int)]] if p else []
     else:
-        prompts = [list(x) for x in p]  # type: ignore[union-attr]
+        for x in p:
+            if isinstance(x, str):
+                prompts.append(encode(ctx, x, req.add_special_tokens, "prompt"))
+            elif isinstance(x, list):
+                prompts.append(list(x))
     if not prompts or any(len(x) == 0 for x in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
     for ids in prompts:
