@@ -573,10 +573,15 @@ class KVEventSubscriber:
         return True
 
     def _apply_replayed(self, items: list[tuple[int, bytes]]) -> None:
-        for seq, payload in items:
-            batch = self._decode_batch(payload)
-            if batch is not None:
-                self._on_data(seq, payload, batch, REPLAY)
+        """Sequence replayed batches like live ones, but never start another resync."""
+        was, self._resyncing = self._resyncing, True
+        try:
+            for seq, payload in items:
+                batch = self._decode_batch(payload)
+                if batch is not None:
+                    self._on_data(seq, payload, batch, REPLAY)
+        finally:
+            self._resyncing = was
 
     def _full_sync(self, reason: str) -> bool:
         """Replace the view with a snapshot; the live stream then continues at its number."""
