@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,17 @@ def test_models_health_version_load(server: ServeProcess, client: openai.OpenAI)
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}
 
 
+def test_small_responses_are_not_delayed(server: ServeProcess) -> None:
+    """Without TCP_NODELAY each response body waited ~40 ms for a delayed ACK."""
+    with httpx.Client() as http:
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            http.post(server.url + "/detokenize", json={"tokens": [65]})
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.03, times
+
+
 def test_tokenize_detokenize(server: ServeProcess) -> None:
     t = _post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
     assert t["tokens"] == list("héllo".encode()) and t["count"] == 6
@@ -343,6 +356,19 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServeProcess) -> 
     assert metric(server, "vllm:request_success_total", finished_reason="abort") == aborts0 + 1
     assert httpx.post(server.url + "/v1/completions",
                       json={"prompt": "after", "max_tokens": 2}).status_code == 200
+
+
+def test_immediate_disconnects_leave_nothing_behind(server: ServeProcess) -> None:
+    body = {"model": "sim", "prompt": "gone", "max_tokens": MAX_LEN - 10, "stream": True}
+    for path, b in (("/v1/completions", body),
+                    ("/v1/chat/completions", {**body, "messages": [{"role": "user",
+                                                                    "content": "x"}]})):
+        for _ in range(3):
+            with httpx.stream("POST", server.url + path, json=b, timeout=30) as r:
+                assert r.status_code == 200
+    stats = wait_idle(server)
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
 
 
 def test_non_streaming_disconnect_aborts(server: ServeProcess) -> None:

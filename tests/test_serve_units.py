@@ -199,5 +199,6 @@ def test_bind_ephemeral_port() -> None:
         host, port = sock.getsockname()
         assert port > 0 and _url(sock) == f"http://127.0.0.1:{port}"
         assert sock.family == socket.AF_INET
+        assert sock.proto == socket.IPPROTO_TCP   # else asyncio skips TCP_NODELAY
     finally:
         sock.close()

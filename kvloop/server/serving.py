@@ -323,6 +323,25 @@ class Generation:
     def unfinished(self) -> list[Child]:
         return [c for c in self.children if not c.state.finished]
 
+    def abort_unfinished(self) -> None:
+        """Abort in the engine whatever is still running (idempotent)."""
+        self.ctx.client.abort_requests(list(self._pending))
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that aborts its generation's unfinished requests however it ends,
+    even when the client leaves before the body iterator ever starts."""
+
+    def __init__(self, body: AsyncIterator[bytes], gen: Generation):
+        super().__init__(body, media_type="text/event-stream")
+        self._gen = gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._gen.abort_unfinished()
+
 
 def _raise_unavailable(client: EngineClient) -> None:
     try:
@@ -455,8 +474,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
              for ids in prompts] if req.echo else None)
     if req.stream:
-        return StreamingResponse(_stream_completion(ctx, req, gen, base, prompts, echo),
-                                 media_type="text/event-stream")
+        return GenerationStream(_stream_completion(ctx, req, gen, base, prompts, echo), gen)
     await collect(request, gen)
     choices = [_completion_choice(ctx, req, c, echo) for c in gen.children]
     return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
@@ -553,8 +571,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
     gen.submit()
     if req.stream:
-        return StreamingResponse(_stream_chat(ctx, req, gen, base, prompt),
-                                 media_type="text/event-stream")
+        return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
     await collect(request, gen)
     choices = []
     for c in gen.children:
