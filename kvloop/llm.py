@@ -7,7 +7,8 @@ one `RequestOutput` per prompt, in prompt order.
 
 What the engine does not do and this module does: `n` > 1 (fanned out into n requests;
 seeded ones get seeds seed, seed+1...), stop strings (detokenized incrementally; a hit aborts
-the request and truncates its text), EOS filled from the tokenizer, text and logprob decoding.
+the request and truncates its text), EOS filled from the tokenizer (and the model's other EOS
+ids, from generation_config.json, added to `stop_token_ids`), text and logprob decoding.
 """
 
 from __future__ import annotations
@@ -199,6 +200,9 @@ class LLM:
             changes["eos_token_id"] = self.tokenizer.eos_token_id
         if sp.seed is not None and index:
             changes["seed"] = sp.seed + index
+        extra_stops = self.tokenizer.stop_token_ids - set(sp.stop_token_ids)
+        if extra_stops and not sp.ignore_eos:   # other EOS ids (generation_config.json)
+            changes["stop_token_ids"] = (*sp.stop_token_ids, *sorted(extra_stops))
         return dataclasses.replace(sp, **changes)
 
     def _drive(self, live: dict[str, _Sequence], total: int, use_tqdm: bool) -> None:

@@ -158,3 +158,16 @@ def test_eos_is_filled_from_the_tokenizer(eos_llm):
     (c,) = eos_llm.generate("the cat", SamplingParams(temperature=0.0, max_tokens=5,
                                                       ignore_eos=True), use_tqdm=False)[0].outputs
     assert (c.token_ids, c.finish_reason) == ([0] * 5, "length")
+
+
+def test_other_eos_ids_become_stop_tokens(eos_llm):
+    from kvloop.server.tokenizer import Tokenizer
+
+    base = eos_llm.get_tokenizer()
+    tok = Tokenizer(base._tok, model_name="zero", chat_template=None, bos_token_id=None,
+                    eos_token_id=0, extra_eos_ids=[0, 1])
+    assert tok.stop_token_ids == {1}
+    llm = LLM.from_runner(eos_llm.runner, tok, eos_llm.config, eos_llm.runner.num_gpu_blocks)
+    (c,) = llm.generate("the cat", SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2),
+                        use_tqdm=False)[0].outputs
+    assert c.token_ids == [2, 2, 0]      # 0 (EOS) and 1 (other EOS id) masked twice

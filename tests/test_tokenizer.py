@@ -127,6 +127,20 @@ def test_gguf_and_hf_folder_tokenizers_agree(tiny_files):
         "<|im_start|>assistant\n")
 
 
+def test_hf_folder_eos_from_generation_config(tiny_files, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "gen"
+    shutil.copytree(tiny_files[1], folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = Tokenizer.from_model(str(folder))
+    assert tok.eos_token_id == 2 and tok.stop_token_ids == {0}
+
+
 def test_chat_template_errors(tiny_files):
     tok = Tokenizer.from_model(str(tiny_files[0]))
     with pytest.raises(ValueError, match="role"):

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
               kv_cache_memory=args.kv_cache_memory)
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner = llm.runner
+    runner: Any = llm.runner
     prompts = PromptMaker(runner.vocab_size, args.seed)
     setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),
              "threads": torch.get_num_threads(), "blocks": runner.num_gpu_blocks}

@@ -74,6 +74,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """RoPE tables for positions [0, max_positions): cos, sin [max_positions, D/2] (fp32)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
                  freq_factors: torch.Tensor | None = None):
         super().__init__()

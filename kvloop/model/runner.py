@@ -132,9 +132,11 @@ class ModelRunner:
 
     def _scheduled(self, so: SchedulerOutput) -> list[_Scheduled]:
         """Requests of this step, decodes (one token) first, then chunks."""
-        items = [_Scheduled(self.requests[d.req_id], d.num_computed_tokens, d.token_ids,
-                            d.req_id in so.sampling_req_ids)
-                 for d in [*so.scheduled_cached_reqs, *so.scheduled_new_reqs]]
+        parts = [(d.req_id, d.num_computed_tokens, d.token_ids)
+                 for d in so.scheduled_cached_reqs]
+        parts += [(d.req_id, d.num_computed_tokens, d.token_ids) for d in so.scheduled_new_reqs]
+        items = [_Scheduled(self.requests[rid], computed, tokens, rid in so.sampling_req_ids)
+                 for rid, computed, tokens in parts]
         for item in items:
             if len(item.token_ids) != so.num_scheduled_tokens[item.state.req_id]:
                 raise ValueError(f"request {item.state.req_id}: token_ids and "
