@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -156,7 +156,7 @@ def test_engine_death_stops_the_api_server(serve: Any) -> None:
         lines, started))
     t.start()
     assert started.wait(10)
-    subprocess.run(["kill", "-9", str(engine_pid)], check=True)
+    os.kill(engine_pid, signal.SIGKILL)
     assert srv.wait(20) == 1
     t.join(10)
     assert json.loads(lines[-2][6:])["error"]["code"] == 500 and lines[-1] == "data: [DONE]"
