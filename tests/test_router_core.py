@@ -241,6 +241,18 @@ def test_predictions_that_keep_missing_raise_an_alarm():
     assert not r.registry.get("w:1").alarms
 
 
+def test_serving_pool_prefers_both_then_decode_then_prefill():
+    r, _, _ = make_router()
+    r.register(WorkerSpec("http://p:1", role="prefill"), desc(role="prefill"))
+    assert r.route(PROMPT_A).worker.name == "p:1"
+    r.register(WorkerSpec("http://d:1", role="decode"), desc(role="decode"))
+    assert {r.route([i] + PROMPT_A).worker.name for i in range(4)} == {"d:1"}
+    r.register(WorkerSpec("http://b:1", role="both"), desc(role="both"))
+    assert {r.route([i] + PROMPT_B).worker.name for i in range(4)} == {"b:1"}
+    r.worker_down("b:1", "gone")
+    assert r.route(PROMPT_B).worker.name == "d:1"
+
+
 def test_worker_down_drops_entries_and_no_worker_is_a_clear_error():
     r, _, subs = make_router()
     r.register(WorkerSpec("http://w:1"), desc())
@@ -275,3 +287,46 @@ def test_parse_load_sums_engines():
             'vllm:num_requests_waiting{engine="0"} 4.0\nvllm:kv_cache_usage_perc 0.25\n')
     load = parse_load(text, 3.0)
     assert (load.running, load.waiting, load.kv_usage, load.at) == (3, 4, 0.25, 3.0)
+
+
+def test_a_stopped_feed_never_clears_its_successor():
+    r, _, subs = make_router()
+    r.register(WorkerSpec("http://w:1"), desc(epoch="e1"))
+    old = subs["w:1"].feed
+    r.register(WorkerSpec("http://w:1"), desc(epoch="e2"))      # restarted: a new feed
+    assert old is not subs["w:1"].feed and old.refusing == "stopped"
+    subs["w:1"].feed.on_batch(stored(PROMPT_A))
+    old.on_clear("late reset from the old subscriber")
+    old.on_batch(stored(PROMPT_B))
+    assert r.index.match(r.block_hashes(PROMPT_A)) == {"w:1": 4}
+    assert r.index.match(r.block_hashes(PROMPT_B)) == {}
+
+
+def test_fleet_hashing_learned_late_revives_earlier_feeds():
+    r, _, subs = make_router()
+    r.register(WorkerSpec("http://w:1"), WorkerDescription(events_endpoint="tcp://x:1",
+                                                          role="both", epoch="e"))
+    assert subs["w:1"].feed.refusing is not None          # nothing to hash with yet
+    r.register(WorkerSpec("http://w:2"), desc())
+    subs["w:1"].feed.on_batch(stored(PROMPT_A))
+    assert r.index.match(r.block_hashes(PROMPT_A)) == {"w:1": 4}
+
+
+def test_prompt_tokenizer_mirrors_the_server():
+    from kvloop.router.prompts import PromptError, PromptTokenizer
+    from kvloop.sim.tokenizer import ByteTokenizer
+
+    pt, tok = PromptTokenizer(), ByteTokenizer()
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
+                                                        {"type": "text", "text": "c"}]}]}
+    expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "abc"}]))
+    assert pt.token_ids("/v1/chat/completions", parts, "sim") == expected
+    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "sim") == [104, 105]
+    assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "sim") == [1, 2]
+    assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "sim") == [104, 101, 121]
+    with pytest.raises(PromptError):
+        pt.token_ids("/v1/completions", {"prompt": 5}, "sim")
+    with pytest.raises(PromptError):
+        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "sim")
+    # an unknown model: no local tokenizer, routed by load (and said so once)
+    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "/no/such/model") is None

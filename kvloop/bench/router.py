@@ -1,21 +1,32 @@
-"""Routing decision latency with a large index: `python -m kvloop.bench.router`.
+"""Router benchmarks: `python -m kvloop.bench.router latency|fleet`.
 
-Builds a router (no HTTP, no sockets) with W simulated workers and an index of B
+latency: routing decision latency with a large index. Builds a router (no HTTP, no sockets) with W simulated workers and an index of B
 (block, worker) entries, then times `Router.route()` end to end (hash the prompt's full
 blocks with sha256 + the fleet seed, match the index, score every worker with the cost
 model, add provisional entries, open the ticket) and its parts. Queried prompts share
 prefixes that several workers hold at different depths, so matches walk deep chains.
 
 Prints p50/p99 per prompt length and phase, per run, and the median over runs.
+
+fleet: `kvloop bench` through `kvloop router` in front of N simulated workers, for each
+policy and workload: throughput, TTFT p50/p99 and the cache-hit share. Each run starts from
+empty worker caches and a fresh router process; the table shows the median of the runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import re
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from typing import Any
 
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
@@ -90,12 +101,31 @@ def _rss_mb() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=16)
-    ap.add_argument("--blocks", type=int, default=1_000_000)
-    ap.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
-    ap.add_argument("--decisions", type=int, default=2000)
-    ap.add_argument("--runs", type=int, default=3)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    lat = sub.add_parser("latency", help="decision latency with a large index")
+    lat.add_argument("--workers", type=int, default=16)
+    lat.add_argument("--blocks", type=int, default=1_000_000)
+    lat.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
+    lat.add_argument("--decisions", type=int, default=2000)
+    lat.add_argument("--runs", type=int, default=3)
+    fl = sub.add_parser("fleet", help="kvloop bench through the router, per policy")
+    fl.add_argument("--workers", type=int, default=8)
+    fl.add_argument("--policies", default="kv-aware,round-robin,least-loaded")
+    fl.add_argument("--workloads", default="shared-prefix,multi-turn")
+    fl.add_argument("--runs", type=int, default=3)
+    fl.add_argument("--concurrency", type=int, default=32)
+    fl.add_argument("--sim-speedup", type=float, default=4.0)
+    fl.add_argument("--gpu-blocks", type=int, default=400,
+                    help="KV blocks per worker (--num-gpu-blocks-override)")
+    fl.add_argument("--worker-args", default="", help="more `kvloop serve` flags")
+    fl.add_argument("--json-out", help="write every run's figures here")
     args = ap.parse_args(argv)
+    if args.mode == "fleet":
+        return run_fleet_bench(args)
+    return run_latency(args)
+
+
+def run_latency(args: argparse.Namespace) -> int:
     rss0 = _rss_mb()
     t0 = time.perf_counter()
     router, prefixes = build_router(args.workers, args.blocks)
@@ -118,6 +148,123 @@ def _report(length: int, runs: list[dict[str, list[float]]]) -> None:
                             zip(p50s, p99s, strict=True))
         print(f"prompt {length:5d} tokens  {phase:6s} p50 {statistics.median(p50s) * 1e6:7.0f} "
               f"us  p99 {statistics.median(p99s) * 1e6:7.0f} us   (runs p50/p99: {per_run})")
+
+
+# --- fleet: kvloop bench through kvloop router ---------------------------------------------
+WORKLOAD_ARGS = {
+    # 16 prefixes of 1024 tokens; a worker's cache holds about 4 of them (400 blocks)
+    "shared-prefix": ["--workload", "shared-prefix", "--num-groups", "16",
+                      "--prefix-len", "1024", "--suffix-len", "64", "--output-len", "32",
+                      "--num-requests", "256"],
+    # 64 conversations of 4 turns: 512 tokens, then 64 per turn, 32 tokens per answer
+    "multi-turn": ["--workload", "multi-turn", "--num-requests", "64", "--num-turns", "4",
+                   "--input-len", "512", "--turn-len", "64", "--output-len", "32"],
+}
+
+
+def _start_router(policy: str, workers: list[str]) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvloop", "router", "--port", "0", "--policy", policy,
+           "--poll-interval", "0.5"]
+    for url in workers:
+        cmd += ["--worker", url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout
+    assert out is not None
+    for line in out:
+        m = re.search(r"kvloop router on (http://\S+)", line)
+        if m:
+            threading.Thread(target=_drain, args=(out,), daemon=True).start()
+            return proc, m.group(1)
+    raise RuntimeError(f"router exited with code {proc.wait()} before serving")
+
+
+def _drain(stream: Any) -> None:
+    for _ in stream:
+        pass
+
+
+def _fresh_caches(workers: list[str]) -> None:
+    """Empty every worker's prefix cache; one tiny request makes the engine publish the
+    AllBlocksCleared (engines flush KV events only inside a step)."""
+    import httpx
+
+    for url in workers:
+        r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+        if r.status_code != 200 or not r.json().get("success"):
+            raise RuntimeError(f"cannot reset the prefix cache of {url}: {r.text}")
+        httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30)
+
+
+def _bench_once(router_url: str, workload: str, concurrency: int, seed: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, "-m", "kvloop", "bench", "--url", router_url,
+               *WORKLOAD_ARGS[workload], "--concurrency", str(concurrency),
+               "--token-range", "1", "256", "--seed", str(seed), "--no-progress",
+               "--json-out", out.name]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"kvloop bench failed:\n{done.stdout}\n{done.stderr}")
+        data = json.load(open(out.name, encoding="utf-8"))
+    return data["runs"][0] if "runs" in data else data
+
+
+def run_fleet_bench(args: argparse.Namespace) -> int:
+    from kvloop.router.fleet import Fleet, FleetConfig
+
+    worker_args = ("--sim-speedup", str(args.sim_speedup),
+                   "--num-gpu-blocks-override", str(args.gpu_blocks),
+                   *args.worker_args.split())
+    fleet = Fleet(FleetConfig(args.workers, "sim", ("both",), worker_args, echo_output=False))
+    results: list[dict] = []
+    try:
+        urls = [s.url for s in fleet.start()]
+        print(f"{args.workers} simulated workers: {' '.join(worker_args)}", flush=True)
+        for workload in args.workloads.split(","):
+            for run in range(args.runs):
+                for policy in args.policies.split(","):
+                    results.append(_one_run(urls, policy, workload, args.concurrency, run))
+    finally:
+        fleet.stop()
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+    _fleet_table(results)
+    return 0
+
+
+def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int) -> dict:
+    _fresh_caches(urls)
+    proc, router_url = _start_router(policy, urls)
+    try:
+        s = _bench_once(router_url, workload, concurrency, seed=run)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    row = {"policy": policy, "workload": workload, "run": run,
+           "failed": s["failed"], "req_s": s["request_throughput"],
+           "out_tok_s": s["output_throughput"], "total_tok_s": s["total_token_throughput"],
+           "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+           "cache_share": s["cache_share"]}
+    print(f"  {workload:13s} {policy:12s} run {run}: {row['req_s']:.2f} req/s, "
+          f"TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms, "
+          f"cache {100 * (row['cache_share'] or 0):.1f}%, failed {row['failed']}", flush=True)
+    return row
+
+
+def _fleet_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':13s} {'policy':12s} {'req/s':>7s} {'tok/s':>8s} {'TTFT p50':>9s} "
+          f"{'TTFT p99':>9s} {'cache %':>8s}   (medians of {len({r['run'] for r in rows})} runs)")
+    keys = sorted({(r["workload"], r["policy"]) for r in rows},
+                  key=lambda k: (k[0], ["kv-aware", "least-loaded", "round-robin",
+                                        "random"].index(k[1])))
+    for workload, policy in keys:
+        rs = [r for r in rows if r["workload"] == workload and r["policy"] == policy]
+
+        def med(key: str, rs: list[dict] = rs) -> float:
+            return statistics.median(r[key] or 0.0 for r in rs)
+        print(f"{workload:13s} {policy:12s} {med('req_s'):7.2f} {med('total_tok_s'):8.0f} "
+              f"{med('ttft_p50_ms'):7.0f}ms {med('ttft_p99_ms'):7.0f}ms "
+              f"{100 * med('cache_share'):7.1f}%")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,8 @@ class EventFeed:
     def on_clear(self, reason: str) -> None:
         """The subscriber says the worker's cache state is gone (epoch change, snapshot)."""
         with self._lock:
+            if self.refusing is not None:
+                return  # a stopped or refused feed holds nothing; never clear a successor's
             dropped = self.index.clear_worker(self.worker)
             self.counters.cleared += 1
             by = self.counters.clears_by_reason

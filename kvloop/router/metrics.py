@@ -82,7 +82,7 @@ class _StateCollector(Collector):
         now = self.clock()
         rows: dict[str, list[tuple[list[str], float]]] = {
             "worker_up": [], "worker_in_flight": [], "worker_index_blocks": [],
-            "worker_degraded": [], "worker_last_event_age_seconds": [], "worker_epoch": [],
+            "worker_degraded": [], "worker_last_event_age_seconds": [],
         }
         alarms: list[tuple[list[str], float]] = []
         for w in workers:
@@ -94,7 +94,6 @@ class _StateCollector(Collector):
             last = w.events.last_event_at
             age = now - (last if last is not None else w.subscribed_at)
             rows["worker_last_event_age_seconds"].append(([n], age))
-            rows["worker_epoch"].append(([n], _epoch_number(w)))
             alarms += [([n, a], float(a in w.alarms)) for a in ALARMS]
         helps = {
             "worker_up": "1 if the worker answers",
@@ -103,7 +102,6 @@ class _StateCollector(Collector):
             "worker_degraded": "1 while routing to the worker is load-only (an alarm is set)",
             "worker_last_event_age_seconds":
                 "Seconds since the worker's last KV event (since subscribing if none)",
-            "worker_epoch": "Changes of the worker's KV-event epoch seen by the router",
         }
         for name, samples in rows.items():
             yield _gauge(name, helps[name], samples, ["worker"])
@@ -129,11 +127,6 @@ def _gauge(name: str, help_text: str, samples: list[tuple[list[str], float]],
     for values, v in samples:
         fam.add_metric(values, float(v))
     return fam
-
-
-def _epoch_number(w: WorkerState) -> float:
-    stats = w.subscriber_stats() if w.subscriber_stats is not None else {}
-    return float(stats.get("epochs", 0) or 0)
 
 
 def _event_stats(w: WorkerState) -> dict[str, float]:

@@ -62,12 +62,14 @@ class PromptTokenizer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")
+        plain = [_plain(m) for m in messages]
         tok = self._tokenizer(model)
         if tok is None:
             return None
+        add_gen = (body.get("add_generation_prompt", True)
+                   and not body.get("continue_final_message", False))
         try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=body.get("add_generation_prompt", True))
+            text = tok.apply_chat_template(plain, add_generation_prompt=add_gen)
         except Exception as e:  # a template error is the worker's to report, not ours
             log.debug("chat template failed locally (%s); routing by load", e)
             return None
@@ -90,6 +92,16 @@ class PromptTokenizer:
                 return None
             self._tokenizers[key] = tok
             return tok
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A chat message as the worker renders it: its role and its text (parts joined)."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise PromptError(f"each message needs a 'role', got {message!r}")
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {"role": message["role"], "content": content or ""}
 
 
 def _load(model: str | None) -> Any:

@@ -43,6 +43,7 @@ from kvloop.router.router import NoWorkerError, Routed, Router
 log = logging.getLogger("kvloop.router")
 
 WORKER_INFO_PATH = "/kvloop/worker"
+MAX_POLL_FAILURES = 3
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -71,6 +72,7 @@ class RouterApp:
         self.client: httpx.AsyncClient | None = None
         self._poller: asyncio.Task[None] | None = None
         self._polls = 0
+        self._poll_failures: dict[str, int] = {}
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -122,7 +124,7 @@ class RouterApp:
         except (httpx.HTTPError, ValueError) as e:
             reason = f"cannot reach {spec.url}{WORKER_INFO_PATH}: {e!r}"
             log.warning("worker %s registered but unreachable: %s", spec.name, reason)
-            self.router.registry.get(spec.name).down_reason = reason  # type: ignore[union-attr]
+            self.router.registry.note_unreachable(spec.name, reason)
             return {"worker": spec.name, "up": False, "warnings": [reason]}
         warnings = self.router.register(spec, desc)
         log.info("worker %s registered: role %s, model %r, %s blocks, events %s, epoch %s",
@@ -174,14 +176,20 @@ class RouterApp:
         await self._poll_load(w)
 
     async def _poll_load(self, w: WorkerState) -> None:
+        """Read the worker's load. Refused connections mark it down at once; slow or bad
+        answers only after `MAX_POLL_FAILURES` in a row (a busy worker is not a dead one)."""
         assert self.client is not None
         try:
             r = await self.client.get(w.spec.url + "/metrics",
                                       timeout=self.router.config.liveness.connect_timeout_s)
             r.raise_for_status()
         except httpx.HTTPError as e:
-            self.router.worker_down(w.name, f"/metrics failed: {e!r}")
+            failures = self._poll_failures.get(w.name, 0) + 1
+            self._poll_failures[w.name] = failures
+            if isinstance(e, httpx.ConnectError) or failures >= MAX_POLL_FAILURES:
+                self.router.worker_down(w.name, f"/metrics failed: {e!r}")
             return
+        self._poll_failures.pop(w.name, None)
         self.router.registry.set_load(w.name, parse_load(r.text, self.router.clock()))
 
     # --- OpenAI routes --------------------------------------------------------------------
@@ -216,9 +224,10 @@ class RouterApp:
         return await self._send(path, raw, body, tokens or [], headers, stream, strip_usage)
 
     def _fleet_model(self) -> str | None:
+        """The model whose tokenizer the workers use (its path when they report one)."""
         for w in self.router.registry.all():
-            if w.up and w.description.model:
-                return w.description.model
+            if w.up and (w.description.model_path or w.description.model):
+                return w.description.model_path or w.description.model
         return None
 
     async def _send(self, path: str, raw: bytes, body: dict[str, Any], tokens: list[int],

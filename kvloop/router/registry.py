@@ -328,7 +328,8 @@ class Registry:
         with self._lock:
             return list(self._workers.values())
 
-    def usable(self, roles: tuple[str, ...] = ("both",)) -> list[WorkerState]:
+    def usable(self, roles: tuple[str, ...] = ("both", "prefill", "decode")
+               ) -> list[WorkerState]:
         """Workers that are up and serve one of `roles`."""
         return [w for w in self.all() if w.up and w.role in roles]
 
@@ -339,6 +340,13 @@ class Registry:
             w.description = description
             w.up = True
             w.down_reason = ""
+
+    def note_unreachable(self, name: str, reason: str) -> None:
+        """A registered worker that has never answered (stays down, with the reason)."""
+        with self._lock:
+            w = self._workers.get(name)
+            if w is not None and not w.up:
+                w.down_reason = reason
 
     def mark_down(self, name: str, reason: str) -> bool:
         """Returns True if the worker was up (so the caller clears its index entries)."""

@@ -44,6 +44,8 @@ from kvloop.router.scorer import Candidate, Decision, RouteRequest, hit_tokens, 
 
 log = logging.getLogger("kvloop.router")
 
+SERVING_ORDER = (("both",), ("decode",), ("prefill",))
+
 
 class NoWorkerError(RuntimeError):
     """No usable worker for the request (the HTTP front answers 503)."""
@@ -111,6 +113,7 @@ class Router:
                 self.hash_spec = offered
                 self.hasher = self._make_hasher(offered)
                 log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
+                self._rehash_feeds()
             self.index.add_worker(spec.name, desc.capacity_blocks)
             identity = (desc.epoch, desc.event_source(spec))
             renewed = self._epochs.get(spec.name) != identity
@@ -119,6 +122,13 @@ class Router:
                 self._restart_feed(w, spec, desc)
             self.registry.mark_up(spec.name, desc)
             return self._check_worker(w, spec, desc)
+
+    def _rehash_feeds(self) -> None:
+        """Workers registered before the fleet's hashing was known get a working feed."""
+        for w in self.registry.all():
+            feed = self._feeds.get(w.name)
+            if w.up and feed is not None and feed.hasher is None:
+                self._restart_feed(w, w.spec, w.description)
 
     def deregister(self, name: str) -> bool:
         with self._lock:
@@ -157,16 +167,20 @@ class Router:
         self._subs[w.name] = sub
         w.subscriber_stats = sub.stats
 
-    def _stop_feed(self, name: str) -> None:
+    def _stop_feed(self, name: str, wait: bool = False) -> None:
+        """End `name`'s subscription. Its feed refuses everything from now on, so the
+        subscriber thread may finish in the background (never blocking the event loop)."""
         sub = self._subs.pop(name, None)
         feed = self._feeds.pop(name, None)
         if feed is not None:
             feed.refusing = "stopped"
-        if sub is not None:
-            try:
-                sub.stop()
-            except Exception:  # a dead socket must not block deregistration
-                log.exception("stopping the KV-event subscription of %s failed", name)
+        if sub is None:
+            return
+        if wait:
+            _stop_quietly(name, sub)
+        else:
+            threading.Thread(target=_stop_quietly, args=(name, sub), daemon=True,
+                             name=f"kvloop-router-unsub-{name}").start()
 
     def feed(self, name: str) -> EventFeed | None:
         return self._feeds.get(name)
@@ -246,14 +260,26 @@ class Router:
             extra = [block_extra_keys(i, cache_salt=cache_salt) for i in range(n)]
         return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
 
-    def route(self, token_ids: Sequence[int], roles: tuple[str, ...] = ("both",),
-              exclude: Sequence[str] = (), cache_salt: str | None = None,
-              expected_output_tokens: int = 16) -> Routed:
+    def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
+        """Who serves a request end to end: `both` workers; if none is up, `decode`
+        workers (they prefill locally); `prefill` workers only when nothing else is up.
+
+        (Prefill on one worker and decode on another needs a KV transfer the engine does
+        not have; until it does, one worker serves each request.)
+        """
+        for roles in SERVING_ORDER:
+            pool = [w for w in self.registry.usable(roles) if w.name not in exclude]
+            if pool:
+                return pool
+        return []
+
+    def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
+              cache_salt: str | None = None, expected_output_tokens: int = 16) -> Routed:
         """Pick a worker for a prompt and open its ticket. Raises NoWorkerError."""
         t0 = time.perf_counter()
-        workers = [w for w in self.registry.usable(roles) if w.name not in exclude]
+        workers = self.serving_pool(exclude)
         if not workers:
-            raise NoWorkerError(self._no_worker_message(roles))
+            raise NoWorkerError(self._no_worker_message())
         hashes = self.block_hashes(token_ids, cache_salt)
         matches = self.index.match(hashes, [w.name for w in workers]) if hashes else {}
         candidates = [self._candidate(w, matches.get(w.name, 0)) for w in workers]
@@ -292,12 +318,12 @@ class Router:
             m.match_fraction.observe(predicted / prompt_tokens)
         m.decision_seconds.observe(time.perf_counter() - t0)
 
-    def _no_worker_message(self, roles: tuple[str, ...]) -> str:
+    def _no_worker_message(self) -> str:
         all_workers = self.registry.all()
         if not all_workers:
             return "no worker is registered"
         down = [f"{w.name} ({w.down_reason})" for w in all_workers if not w.up]
-        text = f"no usable worker with role {'/'.join(roles)}"
+        text = "no usable worker"
         return text + (f"; down: {', '.join(down)}" if down else "")
 
     def first_token(self, ticket: Ticket) -> None:
@@ -359,7 +385,14 @@ class Router:
     def shutdown(self) -> None:
         with self._lock:
             for name in list(self._subs):
-                self._stop_feed(name)
+                self._stop_feed(name, wait=True)
+
+
+def _stop_quietly(name: str, sub: Subscription) -> None:
+    try:
+        sub.stop()
+    except Exception:  # a dead socket must not break deregistration
+        log.exception("stopping the KV-event subscription of %s failed", name)
 
 
 def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
