@@ -39,9 +39,13 @@ class Case:
     concurrency: int
 
 
+FULL_COUNTS = (8, 32, 64, 64)
+
+
 def cases(scale: float = 1.0, seed: int = 0,
-          token_range: tuple[int, int] = w.DEFAULT_TOKEN_RANGE) -> list[Case]:
-    """BENCHMARKS.md's workloads; `scale` multiplies the request counts.
+          token_range: tuple[int, int] = w.DEFAULT_TOKEN_RANGE,
+          counts: tuple[int, int, int, int] = FULL_COUNTS) -> list[Case]:
+    """BENCHMARKS.md's workloads with `counts` requests each, times `scale`.
 
     Every case draws its prompts from its own seed (`seed` + its index), so no case and no
     repetition (pass a different `seed`) finds another's prompts in the prefix cache.
@@ -49,14 +53,15 @@ def cases(scale: float = 1.0, seed: int = 0,
     def n(k: int) -> int:
         return max(1, round(k * scale))
     tr, s = token_range, 10 * seed
+    n1, n8, n32, nsp = counts
     return [
-        Case("random 256/128 c=1", w.random_workload(n(8), 256, 128, s, token_range=tr), 1),
-        Case("random 256/128 c=8", w.random_workload(n(32), 256, 128, s + 1, token_range=tr),
+        Case("random 256/128 c=1", w.random_workload(n(n1), 256, 128, s, token_range=tr), 1),
+        Case("random 256/128 c=8", w.random_workload(n(n8), 256, 128, s + 1, token_range=tr),
              8),
-        Case("random 256/128 c=32", w.random_workload(n(64), 256, 128, s + 2, token_range=tr),
-             32),
+        Case("random 256/128 c=32",
+             w.random_workload(n(n32), 256, 128, s + 2, token_range=tr), 32),
         Case("shared-prefix 8x1024+64, 64 out, c=16",
-             w.shared_prefix_workload(8, 1024, 64, 64, n(64), s + 3, token_range=tr), 16),
+             w.shared_prefix_workload(8, 1024, 64, 64, n(nsp), s + 3, token_range=tr), 16),
     ]
 
 
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
+    ap.add_argument("--counts", type=int, nargs=4, default=list(FULL_COUNTS),
+                    metavar=("C1", "C8", "C32", "SHARED"), help="requests of each case")
     ap.add_argument("--only", nargs="*", help="run only cases whose name starts with these")
     ap.add_argument("--out-dir", default="out/figures")
     ap.add_argument("--serve-args", default="", help="extra `kvloop serve` arguments")
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     def todo(rep: int) -> list[Case]:
-        return [c for c in cases(args.scale, rep, tuple(args.token_range))
+        return [c for c in cases(args.scale, rep, tuple(args.token_range), tuple(args.counts))
                 if not args.only or any(c.name.startswith(p) for p in args.only)]
 
     trace = out / "kvloop_steps.jsonl"
@@ -218,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                 b = asyncio.run(_run_case(case, anchor_url, labels[1], args))
                 print(f"\n== rep {rep + 1}/{args.reps}: {case.name}\n{format_compare(a, b)}",
                       flush=True)
+                load = os.getloadavg()[0]
                 for label, s in zip(labels, (a, b), strict=True):
-                    runs.append({"rep": rep, "case": case.name, "server": label, "summary": s})
+                    runs.append({"rep": rep, "case": case.name, "server": label,
+                                 "load_avg_1m": load, "summary": s})
                 with open(out / "runs.jsonl", "a", encoding="utf-8") as f:
                     for r in runs[-2:]:
                         f.write(json.dumps(r) + "\n")
