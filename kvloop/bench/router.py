@@ -16,6 +16,7 @@ empty worker caches and a fresh router process; the table shows the median of th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import re
@@ -95,6 +96,19 @@ def time_phases(router: Router, prompts: list[list[int]], n: int,
     return out
 
 
+def _noise_floor(n: int, reps: int = 300) -> tuple[float, float]:
+    """p50/p99 of a fixed CPU task about as long as one decision: what the machine (other
+    processes taking the CPU) adds to any p99 measured here."""
+    data = bytes(1024)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            hashlib.sha256(data).digest()
+        times.append(time.perf_counter() - t0)
+    return _percentiles(times)
+
+
 def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -133,6 +147,9 @@ def run_latency(args: argparse.Namespace) -> int:
           f"hashes, {args.workers} workers; built in {time.perf_counter() - t0:.1f}s; "
           f"max RSS +{_rss_mb() - rss0:.0f} MB")
     rng = random.Random(1)
+    noise = _noise_floor(args.decisions)
+    print(f"noise floor (a fixed CPU task, same sitting): p50 {noise[0] * 1e6:.0f} us "
+          f"p99 {noise[1] * 1e6:.0f} us")
     for length in (int(x) for x in args.lengths.split(",")):
         prompts = [p[:length - 32] + [rng.randrange(32000) for _ in range(32)]
                    for p in prefixes]

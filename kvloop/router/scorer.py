@@ -147,8 +147,9 @@ def rendezvous(key: int, name: str) -> int:
 
 def _pick(costs: dict[str, float], cands: dict[str, Candidate], key: int) -> str:
     """Cheapest; ties: fewer in flight, then the prefix's rendezvous order."""
-    return min(costs, key=lambda n: (round(costs[n], 6), cands[n].in_flight,
-                                     -rendezvous(key, n)))
+    best = min((round(c, 6), cands[n].in_flight) for n, c in costs.items())
+    tied = [n for n, c in costs.items() if (round(c, 6), cands[n].in_flight) == best]
+    return tied[0] if len(tied) == 1 else max(tied, key=lambda n: rendezvous(key, n))
 
 
 def saturated(c: Candidate, candidates: list[Candidate], cfg: CostConfig) -> bool:
