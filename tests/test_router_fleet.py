@@ -125,9 +125,12 @@ def run_workload(url: str, prompts: list[list[int]], concurrency: int = 4,
 
 
 def reset_caches(fleet: Fleet) -> None:
+    """Empty every worker's cache. An engine publishes the AllBlocksCleared only inside a
+    step, so one tiny request per worker flushes it before a new router subscribes."""
     for w in fleet.workers:
         r = httpx.post(f"{w.url}/reset_prefix_cache", timeout=10)
         assert r.status_code == 200 and r.json()["success"], r.text
+        httpx.post(f"{w.url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -214,6 +217,28 @@ def test_streaming_passthrough_usage_and_errors(fleet):
         assert bad.status_code == 400
         text = httpx.get(rt.url + "/metrics").text
         assert metric(text, "kvloop_router_requests_total", outcome="client_error") == 2
+
+
+def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
+    rng = random.Random(3)
+    prefix = [rng.randrange(256) for _ in range(PREFIX_LEN)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(SUFFIX_LEN)] for _ in range(96)]
+    reset_caches(fleet)
+    with RouterThread(router_config(), fleet.specs()) as rt:
+        share = run_workload(rt.url, prompts, concurrency=24, max_tokens=8)
+        text = httpx.get(rt.url + "/metrics").text
+        first_block = rt.router.block_hashes(prefix)[0]
+        holders = [n for n, hs in httpx.get(rt.url + "/router/index").json()["workers"].items()
+                   if first_block in hs]
+    moved = sum(metric(text, "kvloop_router_decisions_total", reason=r)
+                for r in ("hot_prefix_replica", "load_override", "bounded_load"))
+    print(f"hot prefix: {moved:.0f} decisions moved it, {len(holders)} holders, "
+          f"hit share {share:.3f}")
+    # its holder got busy, so the prefix was copied on purpose to a few more workers (never
+    # once per request), and nearly every request still reused it
+    assert 2 <= len(holders) and 1 <= moved <= 0.1 * len(prompts)
+    assert share >= 0.8 * (len(prompts) - len(holders)) * PREFIX_LEN / (
+        len(prompts) * (PREFIX_LEN + SUFFIX_LEN))
 
 
 def _finished(fleet: Fleet, reason: str) -> float:

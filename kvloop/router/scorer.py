@@ -5,6 +5,7 @@ prompt tokens, that stands between this request and its first token on that work
 
     cost = queued_prefill                      router-sent prompts not yet started there,
                                                + requests waiting there that it did not send
+                                               (worker-reported load beyond its in-flight)
          + (1 + w) * (prompt_tokens - credited_hit)
                                                what this request must prefill there: once as
                                                its own wait, w times as work it adds to the
@@ -110,9 +111,11 @@ def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     credited = 0.0 if c.load_only else cfg.cache_credit * hit_tokens(
         c.cached_blocks, req.prompt_tokens, req.block_size)
     own_prefill = (1.0 + cfg.marginal_work_weight) * (req.prompt_tokens - credited)
-    unknown_waiting = max(0, c.waiting - c.prefilling)
-    queued = c.queued_prefill_tokens + unknown_waiting * req.prompt_tokens
-    active = max(c.in_flight, c.running + c.waiting)
+    # The router's own in-flight requests are exact; the worker's figures (polled, so a
+    # little stale) only add what the router cannot explain: another router's requests.
+    external = max(0, c.running + c.waiting - c.in_flight)
+    queued = c.queued_prefill_tokens + min(c.waiting, external) * req.prompt_tokens
+    active = c.in_flight + external
     return (queued + own_prefill + cfg.decode_token_cost * active
             + cfg.kv_shortage_weight * _recompute_tokens(c, req, credited)
             + cfg.eviction_weight * _evicted_tokens(c, req, credited))
