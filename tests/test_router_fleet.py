@@ -292,3 +292,32 @@ def test_index_dump_is_json(fleet):
         dump = httpx.get(rt.url + "/router/index").json()
         assert set(dump) == {"num_blocks", "workers"}
         json.dumps(dump)
+
+
+def test_kvloop_router_command_serves_and_stops_on_sigterm(fleet):
+    import signal
+    import subprocess
+    import sys
+
+    spec = fleet.specs()[0]
+    cmd = [sys.executable, "-m", "kvloop", "router", "--port", "0",
+           "--worker", f"{spec.url},both", "--liveness-window", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            m = re.search(r"kvloop router on (http://\S+) \(policy kv-aware\)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None, "the router did not announce itself"
+        r = httpx.post(url + "/v1/completions", json={"prompt": [2] * 30, "max_tokens": 2})
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    bad = subprocess.run([sys.executable, "-m", "kvloop", "router", "--worker", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "worker URL must look like" in bad.stderr
