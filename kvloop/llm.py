@@ -93,13 +93,13 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
-                 check_invariants: bool = False):
+                 num_threads: int | None = None, check_invariants: bool = False):
         from kvloop.model import load_runner
 
         runner = load_runner(model, dtype=dtype, device=device, block_size=block_size,
                              kv_cache_memory=kv_cache_memory,
                              num_gpu_blocks_override=num_gpu_blocks_override,
-                             max_model_len=max_model_len, seed=seed)
+                             max_model_len=max_model_len, seed=seed, num_threads=num_threads)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
         config = engine_config(runner.max_model_len, block_size=block_size,
                                max_num_batched_tokens=max_num_batched_tokens,

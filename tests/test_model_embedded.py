@@ -63,11 +63,11 @@ class Run:
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=POOL_BLOCKS)
     threads = torch.get_num_threads()
     # one thread: on a shared 2-core machine two OpenMP threads spin against other
     # processes and a step can take 40x longer
-    torch.set_num_threads(1)
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=POOL_BLOCKS, num_threads=1)
+    assert torch.get_num_threads() == 1
     yield llm
     torch.set_num_threads(threads)
     llm.shutdown()

@@ -200,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+              kv_cache_memory=args.kv_cache_memory, num_threads=args.threads)
     runner: Any = llm.runner
     prompts = PromptMaker(runner.vocab_size, args.seed)
     setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),

@@ -23,7 +23,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2 in bf16, 23k 
 def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                 block_size: int = 16, kv_cache_memory: int | None = None,
                 num_gpu_blocks_override: int | None = None, max_model_len: int | None = None,
-                seed: int = 0) -> ModelRunner:
+                seed: int = 0, num_threads: int | None = None) -> ModelRunner:
     """Load a model and return its runner.
 
     - `model`: None (embedded SmolLM2-135M-Instruct), a `.gguf` path or an HF folder;
@@ -33,11 +33,13 @@ def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = 
     - `kv_cache_memory`: bytes for the KV cache (default `DEFAULT_KV_CACHE_MEMORY`);
       `num_gpu_blocks_override` sets the number of blocks (null block included) instead;
     - `max_model_len`: cap on the context length (default: the model's, capped by the KV
-      cache's capacity).
+      cache's capacity);
+    - `num_threads`: torch intra-op threads on CPU (default: the cores this process may use;
+      on a shared machine 1 avoids OpenMP threads spinning against other processes).
     """
     from kvloop.model.setup import build_runner
 
     return build_runner(model, dtype=dtype, device=device, block_size=block_size,
                         kv_cache_memory=kv_cache_memory,
                         num_gpu_blocks_override=num_gpu_blocks_override,
-                        max_model_len=max_model_len, seed=seed)
+                        max_model_len=max_model_len, seed=seed, num_threads=num_threads)

@@ -27,13 +27,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float3
 
 def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
                  kv_cache_memory: int | None, num_gpu_blocks_override: int | None,
-                 max_model_len: int | None, seed: int) -> ModelRunner:
+                 max_model_len: int | None, seed: int,
+                 num_threads: int | None = None) -> ModelRunner:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     if dev.type == "cpu":
-        set_cpu_threads()
+        set_cpu_threads(num_threads)
     loaded = load_model(model)
     config = loaded.config
     num_blocks = num_kv_blocks(config, block_size, torch_dtype, kv_cache_memory,
@@ -83,11 +84,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def set_cpu_threads() -> None:
-    """torch intra-op threads = the cores this process may run on."""
+def set_cpu_threads(num_threads: int | None = None) -> None:
+    """torch intra-op threads = `num_threads`, by default the cores this process may use."""
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores and torch.get_num_threads() != cores:
-        torch.set_num_threads(cores)
+    threads = num_threads or cores
+    if threads and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
