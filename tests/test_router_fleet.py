@@ -247,7 +247,7 @@ def _finished(fleet: Fleet, reason: str) -> float:
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
-    aborted = _finished(fleet, "abort")
+    aborted, completed = _finished(fleet, "abort"), _finished(fleet, "length")
     with RouterThread(router_config(), fleet.specs()) as rt:
         # 850 tokens take about a second here; the client leaves after the first one
         body = {"prompt": [3] * 20, "max_tokens": 850, "ignore_eos": True, "stream": True}
@@ -256,12 +256,15 @@ def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
                 if line.startswith("data: {"):
                     break
             busy = [w for w in rt.router.registry.all() if w.in_flight()]
-            assert len(busy) == 1
-        wait_until(lambda: _finished(fleet, "abort") == aborted + 1, 5,
-                   "the worker to abort the request")
+            assert len(busy) == 1, [(w.name, w.in_flight()) for w in rt.router.registry.all()]
+        wait_until(lambda: _finished(fleet, "abort") + _finished(fleet, "length")
+                   > aborted + completed, 10, "the request to end on the worker")
+        assert _finished(fleet, "abort") == aborted + 1, "it ran to the end: not aborted"
         wait_until(lambda: busy[0].in_flight() == 0, 5, "the router to close the ticket")
         text = httpx.get(rt.url + "/metrics").text
-        assert metric(text, "kvloop_router_requests_total", outcome="disconnected") == 1
+        outcomes = {o: metric(text, "kvloop_router_requests_total", outcome=o)
+                    for o in ("ok", "disconnected", "worker_error")}
+        assert outcomes["disconnected"] == 1, outcomes
 
 
 def test_workers_register_and_deregister_at_run_time(fleet):
