@@ -62,7 +62,7 @@ def test_random_operations_keep_invariants(config, operations):
             engine.abort_requests([f"r{op[1]}"])
         else:
             engine.scheduler.reset_prefix_cache()
-            _apply(stored, engine._take_event_batch())
+            _apply(stored, engine.take_event_batch())
         engine.scheduler.check_invariants()
         # the KV-event stream describes exactly the cached blocks
         assert stored == _actual(engine)

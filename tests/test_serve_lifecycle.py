@@ -224,3 +224,28 @@ def _collect_events(sub: zmq.Socket) -> tuple[list[int], list[int]]:
             stored += [h for e in dec.decode(payload).events if isinstance(e, BlockStored)
                        for h in e.block_hashes]
     return stored, touched
+
+
+def test_reset_on_an_idle_worker_publishes_all_blocks_cleared_at_once(serve: Any) -> None:
+    srv = serve("--model", "sim", "--sim-speedup", "50", "--enable-kv-cache-events",
+                "--kv-events-topic", "kv")
+    ev = httpx.get(srv.url + "/kvloop/worker").json()["kv_events"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(ev["endpoint"])
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        time.sleep(0.3)  # slow joiner
+        httpx.post(srv.url + "/v1/completions", json={"prompt": "r" * 40, "max_tokens": 1})
+        assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 200
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        kinds: list[str] = []
+        deadline = time.monotonic() + 5
+        while "AllBlocksCleared" not in kinds and time.monotonic() < deadline:
+            if sub.poll(100):
+                kinds += [type(e).__name__ for e in dec.decode(sub.recv_multipart()[2]).events]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    # no request follows the reset: the event must not wait for the next engine step
+    assert kinds[0] == "BlockStored" and kinds[-1] == "AllBlocksCleared"

@@ -115,7 +115,7 @@ class EngineCore:
         result = self.runner.execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
-        events = self._take_event_batch()
+        events = self.take_event_batch()
         stats = self.scheduler.make_stats() if self.config.log_stats else None
         if self.config.check_invariants:
             self.scheduler.check_invariants()
@@ -125,13 +125,16 @@ class EngineCore:
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
 
-    def _take_event_batch(self) -> KVEventBatch | None:
+    def take_event_batch(self) -> KVEventBatch | None:
+        """The KV events queued since the last step (None when there are none)."""
         events: list[KVEvent] = self.kv_cache_manager.take_events()
         if not events:
             return None
         return KVEventBatch(ts=time.time(), events=events)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (fails while blocks are in use). The `AllBlocksCleared`
+        event is queued; callers that publish events take it with `take_event_batch()`."""
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:

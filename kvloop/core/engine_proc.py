@@ -271,7 +271,7 @@ class EngineCoreProc:
     def _utility(self, engine: EngineCore, req: UtilityRequest) -> UtilityOutput:
         methods: dict[str, Callable[[], Any]] = {
             "get_stats": lambda: engine_stats(engine),
-            "reset_prefix_cache": engine.reset_prefix_cache,
+            "reset_prefix_cache": lambda: self._reset_prefix_cache(engine),
             "check_invariants": lambda: _run_check(engine),
         }
         fn = methods.get(req.method)
@@ -282,10 +282,18 @@ class EngineCoreProc:
         except Exception as e:  # a failing utility call must not kill the engine
             return UtilityOutput(req.call_id, failure_message=f"{type(e).__name__}: {e}")
 
+    def _reset_prefix_cache(self, engine: EngineCore) -> bool:
+        """Reset, and publish `AllBlocksCleared` now: an idle engine may not step for long."""
+        ok = engine.reset_prefix_cache()
+        batch = engine.take_event_batch()
+        if batch is not None and self.publisher is not None:
+            self.publisher.publish(batch)
+        return ok
+
     def _process_engine_step(self, engine: EngineCore) -> None:
         result = engine.step()
+        self._publish_events(engine, result)
         if result.executed:
-            self._publish_events(engine, result)
             if self.trace is not None and result.record is not None:
                 self.trace.write(result.record)
         outputs = self._make_outputs(result)
