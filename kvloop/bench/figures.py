@@ -177,6 +177,28 @@ def _picture(trace: Path, window: tuple[float, float], out_dir: Path, title: str
     print(format_summary(data))
 
 
+def median_run(runs: list[dict[str, Any]], case: str, server: str) -> dict[str, Any] | None:
+    """The run of `case` on `server` with the median output throughput."""
+    mine = sorted((r for r in runs if r["case"] == case and r["server"] == server),
+                  key=lambda r: r["summary"]["output_throughput"])
+    return mine[(len(mine) - 1) // 2] if mine else None
+
+
+def draw_picture(out: Path, case: str, server: str = "kvloop") -> None:
+    """The schedule picture of the median run of `case`, from `runs.jsonl` and the trace."""
+    with open(out / "runs.jsonl", encoding="utf-8") as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    run = median_run(runs, case, server)
+    if run is None:
+        print(f"no {server} run of {case!r} in {out / 'runs.jsonl'}", file=sys.stderr)
+        return
+    s = run["summary"]
+    title = (f"kvloop, {case}, repetition {run['rep'] + 1} (median output tok/s; embedded "
+             f"SmolLM2-135M, 2 CPU cores)")
+    _picture(out / "kvloop_steps.jsonl", (s["started_at"], s["started_at"] + s["duration_s"]),
+             out, title)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvloop.bench.figures",
                                  description=__doc__.split("\n\n")[0])
@@ -192,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchor-args", default="--dtype bf16", help="hf_server arguments")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--picture", default="random 256/128 c=8")
+    ap.add_argument("--picture-only", action="store_true",
+                    help="only redraw the picture from the files of an earlier run")
     ap.add_argument("--token-range", type=int, nargs=2, default=list(w.DEFAULT_TOKEN_RANGE))
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.picture_only:
+        draw_picture(out, args.picture)
+        return 0
     def todo(rep: int) -> list[Case]:
         return [c for c in cases(args.scale, rep, tuple(args.token_range), tuple(args.counts))
                 if not args.only or any(c.name.startswith(p) for p in args.only)]
@@ -212,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
         out / "anchor.log", r"hf anchor serving on (http://\S+)")
     labels = ("kvloop", args.anchor_label)
     runs: list[dict[str, Any]] = []
-    window = None
     try:
         kv.start()
         anchor_url = args.anchor_url or anchor.start().url  # type: ignore[union-attr]
@@ -220,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             for case in todo(rep):
                 a = asyncio.run(_run_case(case, kv.url, labels[0], args))
-                if case.name == args.picture and window is None:
-                    window = (a["started_at"], a["started_at"] + a["duration_s"])
                 b = asyncio.run(_run_case(case, anchor_url, labels[1], args))
                 print(f"\n== rep {rep + 1}/{args.reps}: {case.name}\n{format_compare(a, b)}",
                       flush=True)
@@ -239,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     table = median_table(runs, labels)
     (out / "figures.md").write_text(table + "\n")
     print("\n" + table)
-    if window is not None:
-        _picture(trace, window, out, f"kvloop, {args.picture} (embedded SmolLM2, 2 CPU cores)")
+    draw_picture(out, args.picture)
     return 0
 
 
