@@ -35,7 +35,8 @@ lint: install-test
 	$(VENV)/bin/ruff check kvloop tests
 
 typecheck: install-test
-	$(VENV)/bin/mypy kvloop/core kvloop/events kvloop/sim kvloop/config.py kvloop/wire.py
+	$(VENV)/bin/mypy kvloop/core kvloop/events kvloop/sim kvloop/server kvloop/router kvloop/bench kvloop/viz \
+		kvloop/config.py kvloop/wire.py kvloop/cli.py
 
 test: install-test lint typecheck
 	$(VENV)/bin/pytest

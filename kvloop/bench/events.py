@@ -43,11 +43,11 @@ def make_batches(n: int, seed: int = 0) -> list[KVEventBatch]:
     """n batches of one 16-block BlockStored each, chains of 4 batches (64 blocks)."""
     rng = random.Random(seed)
     out = []
-    parent: int | None = None
+    parent: int | bytes | None = None
     for i in range(n):
         if i % 4 == 0:
             parent = None
-        hashes = [rng.getrandbits(64) for _ in range(BLOCKS_PER_BATCH)]
+        hashes: list[int | bytes] = [rng.getrandbits(64) for _ in range(BLOCKS_PER_BATCH)]
         tokens = [rng.randrange(32000) for _ in range(BLOCKS_PER_BATCH * BLOCK_SIZE)]
         ev = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
                          block_size=BLOCK_SIZE, lora_id=None, medium="GPU", lora_name=None,
@@ -177,6 +177,7 @@ def bench_snapshot(num_blocks: int) -> dict[str, float]:
         wait_for(lambda: pub.stats.published == len(batches), 120)
         view = CacheView()
         t0 = time.perf_counter()
+        assert pub.endpoint is not None
         sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint, "kv",
                                 lambda wb: view.apply(wb.batch)).start()
         wait_for(lambda: sub.stats.snapshots == 1, 60)
