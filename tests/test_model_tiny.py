@@ -315,3 +315,19 @@ def test_bad_dtype_and_device(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             load_runner(str(folder), device="cuda")
+
+
+def test_bfloat16_runner_stays_close_to_fp32_transformers(tmp_path):
+    """The bf16 path (packed oneDNN linears on CPU) on the same mixed batch."""
+    hf = tiny_hf_model("llama", seed=7)
+    runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="bfloat16",
+                         device="cpu", block_size=BS, num_gpu_blocks_override=20)
+    assert runner.kv_caches[0].dtype == torch.bfloat16
+    for so, expected in mixed_batch_steps(np.random.default_rng(4)):
+        inputs, logits = runner.forward(so)
+        assert inputs is not None and logits.dtype == torch.float32
+        for row, rid in enumerate(inputs.sampling_req_ids):
+            with torch.no_grad():
+                ref = hf(torch.tensor([expected[rid]])).logits[0, -1]
+            scale = ref.abs().max().item()
+            assert (logits[row] - ref).abs().max().item() <= 0.03 * scale, rid

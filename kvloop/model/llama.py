@@ -54,7 +54,8 @@ _PACK_BATCH_HINT = 64
 def _can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class RMSNorm(nn.Module):
