@@ -331,3 +331,26 @@ def test_bfloat16_runner_stays_close_to_fp32_transformers(tmp_path):
                 ref = hf(torch.tensor([expected[rid]])).logits[0, -1]
             scale = ref.abs().max().item()
             assert (logits[row] - ref).abs().max().item() <= 0.03 * scale, rid
+
+
+def test_hf_config_parsing():
+    from kvloop.model.loader import hf_config
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=32768)
+    llama = hf_config({**base, "architectures": ["LlamaForCausalLM"], "rope_theta": 5e5,
+                       "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert (llama.architecture, llama.num_key_value_heads, llama.head_dim) == ("llama", 4, 2)
+    assert llama.rope_theta == 5e5 and llama.rope_scaling.rope_type == "llama3"
+    v5 = hf_config({**base, "model_type": "llama",
+                    "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}})
+    assert v5.rope_theta == 1e5 and v5.rope_scaling.rope_type == "default"
+    mistral = hf_config({**base, "model_type": "mistral", "sliding_window": 4096})
+    assert mistral.max_position_embeddings == 4096          # no sliding window: capped
+    qwen = hf_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
+                      "use_sliding_window": False})
+    assert qwen.attention_bias and qwen.max_position_embeddings == 32768
+    with pytest.raises(ValueError, match="unsupported model"):
+        hf_config({**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="unsupported rope scaling"):
+        hf_config({**base, "model_type": "llama", "rope_scaling": {"type": "yarn"}})

@@ -256,9 +256,19 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rope_scaling=_hf_rope_scaling(scaling),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=_hf_context_length(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)))
+
+
+def _hf_context_length(cfg: dict[str, Any]) -> int:
+    """max_position_embeddings, capped by a sliding window (not implemented: past the window
+    full attention would differ from the model's)."""
+    length = int(cfg.get("max_position_embeddings", 4096))
+    window = cfg.get("sliding_window")
+    if window and cfg.get("use_sliding_window", True):
+        length = min(length, int(window))
+    return length
 
 
 def _hf_architecture(cfg: dict[str, Any]) -> str:
