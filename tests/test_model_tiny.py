@@ -354,3 +354,29 @@ def test_hf_config_parsing():
         hf_config({**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported rope scaling"):
         hf_config({**base, "model_type": "llama", "rope_scaling": {"type": "yarn"}})
+
+
+def test_kv_sizing_dtype_and_context():
+    from kvloop.model.loader import ModelConfig
+    from kvloop.model.setup import (
+        cpu_has_native_bf16,
+        num_kv_blocks,
+        resolve_dtype,
+        resolve_max_model_len,
+    )
+
+    smol = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, max_position_embeddings=8192)
+    assert smol.kv_bytes_per_token == 11520                 # elements: 2 * 30 * 3 * 64
+    assert num_kv_blocks(smol, 16, torch.bfloat16, 1 << 30, None) == (1 << 30) // (23040 * 16)
+    assert num_kv_blocks(smol, 16, torch.float32, 1 << 30, None) == (1 << 30) // (46080 * 16)
+    assert num_kv_blocks(smol, 16, torch.float32, 1, 7) == 7
+    with pytest.raises(ValueError, match="at least 2"):
+        num_kv_blocks(smol, 16, torch.float32, 1000, None)
+    assert resolve_max_model_len(smol, 16, 2912, None) == 8192
+    assert resolve_max_model_len(smol, 16, 11, None) == 160     # capped by the pool
+    assert resolve_max_model_len(smol, 16, 2912, 512) == 512
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        resolve_max_model_len(smol, 16, 2912, 10000)
+    auto = resolve_dtype("auto", torch.device("cpu"))
+    assert auto == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
