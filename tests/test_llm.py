@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = write_tiny_gguf(tiny_hf_model(seed=11), tmp_path_factory.mktemp("llm") / "t.gguf")
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4,
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_threads=1,
               num_gpu_blocks_override=64, check_invariants=True)
     yield llm
     llm.shutdown()
@@ -34,7 +34,8 @@ def eos_llm(tmp_path_factory):
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["eos_token"] = "<|endoftext|>"
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
-    llm = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=32)
+    llm = LLM(str(folder), dtype="float32", device="cpu", num_gpu_blocks_override=32,
+              num_threads=1)
     yield llm
     llm.shutdown()
 

@@ -248,7 +248,7 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.5)
     folder = write_hf_folder(hf, tmp_path / "tiny")
-    runner = load_runner(str(folder), dtype="float32", device="cpu", block_size=BS,
+    runner = load_runner(str(folder), dtype="float32", device="cpu", block_size=BS, num_threads=1,
                          num_gpu_blocks_override=20)
     assert runner.num_gpu_blocks == 20
     assert runner.max_model_len == min(256, 19 * BS)
@@ -260,7 +260,7 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
 def test_gguf_unpermutes_qk_and_matches_transformers(tmp_path):
     hf = tiny_hf_model("llama", seed=3)
     path = write_tiny_gguf(hf, tmp_path / "tiny.gguf")
-    runner = load_runner(str(path), dtype="float32", device="cpu", block_size=BS,
+    runner = load_runner(str(path), dtype="float32", device="cpu", block_size=BS, num_threads=1,
                          num_gpu_blocks_override=20)
     assert runner.model_name == "tiny"
     assert_matches_hf(runner, hf, np.random.default_rng(2))
@@ -269,7 +269,7 @@ def test_gguf_unpermutes_qk_and_matches_transformers(tmp_path):
 def test_execute_returns_greedy_tokens_in_batch_order(tmp_path):
     hf = tiny_hf_model("llama", seed=5)
     runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="float32",
-                         device="cpu", block_size=BS, num_gpu_blocks_override=20)
+                         device="cpu", block_size=BS, num_threads=1, num_gpu_blocks_override=20)
     so, expected = mixed_batch_steps(np.random.default_rng(3))[0]
     out = runner.execute(so)
     assert sorted(out.req_ids) == ["A", "B"]
@@ -321,7 +321,7 @@ def test_bfloat16_runner_stays_close_to_fp32_transformers(tmp_path):
     """The bf16 path (packed oneDNN linears on CPU) on the same mixed batch."""
     hf = tiny_hf_model("llama", seed=7)
     runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="bfloat16",
-                         device="cpu", block_size=BS, num_gpu_blocks_override=20)
+                         device="cpu", block_size=BS, num_threads=1, num_gpu_blocks_override=20)
     assert runner.kv_caches[0].dtype == torch.bfloat16
     for so, expected in mixed_batch_steps(np.random.default_rng(4)):
         inputs, logits = runner.forward(so)

@@ -9,8 +9,10 @@ Prints, for each side, in one run (medians over `--repeats` runs of each figure)
   `--output-len` (128) out, output tokens per second of wall time;
 then the kvloop / transformers ratio of each. transformers runs `LlamaForCausalLM` built from
 kvloop's own dequantized weights, in the same dtype, with `generate()` (greedy, EOS ignored;
-its throughput figure is one padded batch of all requests). Prompts are random token ids,
-fresh for every run, so no prefix cache hit flatters kvloop.
+its throughput figure is one batch of all requests, all the same length). Both models stay
+loaded and the runs alternate (kvloop, HF, kvloop, HF...), so drifting load on a shared
+machine hits both sides alike. Prompts are random token ids, fresh for every run, so no
+prefix-cache hit flatters kvloop.
 """
 
 from __future__ import annotations
@@ -67,7 +69,9 @@ class PromptMaker:
 
 
 # --- kvloop ---------------------------------------------------------------------------------
-def kvloop_figures(args: argparse.Namespace, llm: Any, prompts: PromptMaker) -> Figures:
+def kvloop_measures(args: argparse.Namespace, llm: Any,
+                    prompts: PromptMaker) -> dict[str, Callable[[], float]]:
+    """One callable per figure; each call is one fresh measurement."""
     from kvloop import SamplingParams
 
     def prefill() -> float:
@@ -88,8 +92,7 @@ def kvloop_figures(args: argparse.Namespace, llm: Any, prompts: PromptMaker) -> 
         return args.num_requests * args.output_len / (time.perf_counter() - t0)
 
     _kvloop_decode_rate(llm, prompts(16), 4)  # warm-up
-    return Figures(median_of(args.repeats, prefill), median_of(args.repeats, decode),
-                   median_of(args.repeats, throughput))
+    return {"prefill": prefill, "decode": decode, "throughput": throughput}
 
 
 def _kvloop_decode_rate(llm: Any, prompt: list[int], tokens: int) -> float:
@@ -137,13 +140,15 @@ def build_hf_model(model: str | None, dtype: Any) -> Any:
     return hf.to(dtype).eval().requires_grad_(False)
 
 
-def hf_figures(args: argparse.Namespace, hf: Any, prompts: PromptMaker) -> Figures:
+def hf_measures(args: argparse.Namespace, hf: Any,
+                prompts: PromptMaker) -> dict[str, Callable[[], float]]:
     import torch
 
     def generate(batch: list[list[int]], new_tokens: int) -> None:
         ids = torch.tensor(batch)
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
     def prefill() -> float:
         t0 = time.perf_counter()
@@ -164,10 +169,21 @@ def hf_figures(args: argparse.Namespace, hf: Any, prompts: PromptMaker) -> Figur
         generate([prompts(args.input_len) for _ in range(args.num_requests)], args.output_len)
         return args.num_requests * args.output_len / (time.perf_counter() - t0)
 
-    with torch.inference_mode():
-        generate([prompts(16)], 4)  # warm-up
-        return Figures(median_of(args.repeats, prefill), median_of(args.repeats, decode),
-                       median_of(args.repeats, throughput))
+    generate([prompts(16)], 4)  # warm-up
+    return {"prefill": prefill, "decode": decode, "throughput": throughput}
+
+
+def measure(args: argparse.Namespace, sides: list[dict[str, Callable[[], float]]]
+            ) -> list[Figures]:
+    """Medians of `repeats` runs per figure; the sides alternate run by run, so a change in
+    the machine's load hits both alike."""
+    results: list[dict[str, list[float]]] = [{} for _ in sides]
+    for key in ("prefill", "decode", "throughput"):
+        for _ in range(args.repeats):
+            for side, out in zip(sides, results, strict=True):
+                out.setdefault(key, []).append(side[key]())
+    return [Figures(*(statistics.median(r[k]) for k in ("prefill", "decode", "throughput")))
+            for r in results]
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -205,16 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = PromptMaker(runner.vocab_size, args.seed)
     setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),
              "threads": torch.get_num_threads(), "blocks": runner.num_gpu_blocks}
-    ours = kvloop_figures(args, llm, prompts)
-    print(report(args, setup, ours, None), flush=True)
-    theirs = None
+    sides = [kvloop_measures(args, llm, prompts)]
     if not args.skip_hf:
-        llm.shutdown()
-        del llm
-        hf = build_hf_model(args.model, runner.dtype)
-        theirs = hf_figures(args, hf, prompts)
-        print()
-        print(report(args, setup, ours, theirs))
+        sides.append(hf_measures(args, build_hf_model(args.model, runner.dtype), prompts))
+    figures = measure(args, sides)
+    print(report(args, setup, figures[0], figures[1] if len(figures) > 1 else None))
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=logits.device)
     counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device)
     if output.numel():
-        counts.scatter_add_(0, output.clamp(0, vocab - 1), torch.ones_like(output, dtype=counts.dtype))
+        ones = torch.ones_like(output, dtype=counts.dtype)
+        counts.scatter_add_(0, output.clamp(0, vocab - 1), ones)
     if p.repetition_penalty != 1.0:
         seen = counts > 0
         prompt = torch.tensor(list(row.prompt_token_ids), dtype=torch.long, device=logits.device)
