@@ -177,26 +177,68 @@ def _picture(trace: Path, window: tuple[float, float], out_dir: Path, title: str
     print(format_summary(data))
 
 
-def median_run(runs: list[dict[str, Any]], case: str, server: str) -> dict[str, Any] | None:
-    """The run of `case` on `server` with the median output throughput."""
+def pick_run(runs: list[dict[str, Any]], case: str, server: str,
+             which: str = "median") -> dict[str, Any] | None:
+    """The run of `case` on `server` with the median (or the highest) output throughput."""
     mine = sorted((r for r in runs if r["case"] == case and r["server"] == server),
                   key=lambda r: r["summary"]["output_throughput"])
-    return mine[(len(mine) - 1) // 2] if mine else None
+    if not mine:
+        return None
+    return mine[-1] if which == "fastest" else mine[(len(mine) - 1) // 2]
 
 
-def draw_picture(out: Path, case: str, server: str = "kvloop") -> None:
-    """The schedule picture of the median run of `case`, from `runs.jsonl` and the trace."""
+def read_runs(out: Path) -> list[dict[str, Any]]:
     with open(out / "runs.jsonl", encoding="utf-8") as f:
-        runs = [json.loads(line) for line in f if line.strip()]
-    run = median_run(runs, case, server)
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def draw_picture(out: Path, case: str, which: str = "median", server: str = "kvloop") -> None:
+    """The schedule picture of one run of `case`, from `runs.jsonl` and the trace file."""
+    run = pick_run(read_runs(out), case, server, which)
     if run is None:
         print(f"no {server} run of {case!r} in {out / 'runs.jsonl'}", file=sys.stderr)
         return
     s = run["summary"]
-    title = (f"kvloop, {case}, repetition {run['rep'] + 1} (median output tok/s; embedded "
-             f"SmolLM2-135M, 2 CPU cores)")
+    title = (f"kvloop, {case}, repetition {run['rep'] + 1} ({which} output tok/s of the "
+             f"repetitions; embedded SmolLM2-135M, 2 CPU cores)")
     _picture(out / "kvloop_steps.jsonl", (s["started_at"], s["started_at"] + s["duration_s"]),
              out, title)
+
+
+def per_run_table(runs: list[dict[str, Any]], labels: tuple[str, str]) -> str:
+    """Markdown: every repetition of every case, with the machine's load average."""
+    lines = [f"| workload | rep | load (1 min) | {labels[0]} output tok/s | "
+             f"{labels[1]} output tok/s | ratio | {labels[0]} TPOT p50 ms | "
+             f"{labels[1]} TPOT p50 ms |", "|---|---|---|---|---|---|---|---|"]
+    pairs: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        pairs.setdefault((r["case"], r["rep"]), {})[r["server"]] = r
+    for (case, rep), by in pairs.items():
+        a, b = (by[label]["summary"] for label in labels)
+        tpot = [(s["tpot_ms"] or {}).get("p50") for s in (a, b)]
+        lines.append(f"| {case} | {rep + 1} | {by[labels[0]]['load_avg_1m']:.1f} | "
+                     f"{_fmt(a['output_throughput'])} | {_fmt(b['output_throughput'])} | "
+                     f"{_fmt(_ratio(a['output_throughput'], b['output_throughput']))} | "
+                     f"{_fmt(tpot[0])} | {_fmt(tpot[1])} |")
+    return "\n".join(lines)
+
+
+def merge(dirs: list[Path], out: Path, labels: tuple[str, str], quiet_load: float) -> None:
+    """Pool the runs of several output folders (repetitions renumbered) and write tables."""
+    runs: list[dict[str, Any]] = []
+    for d in dirs:
+        offset = 1 + max((r["rep"] for r in runs), default=-1)
+        runs += [{**r, "rep": r["rep"] + offset} for r in read_runs(d)]
+    order = {c: i for i, c in enumerate(dict.fromkeys(r["case"] for r in runs))}
+    runs.sort(key=lambda r: (order[r["case"]], r["rep"]))
+    quiet = [r for r in runs if r["load_avg_1m"] <= quiet_load]
+    text = (f"All {1 + max(r['rep'] for r in runs)} repetitions, medians:\n\n"
+            f"{median_table(runs, labels)}\n\nRepetitions run while the machine's 1-minute "
+            f"load average was <= {quiet_load:g}, medians:\n\n{median_table(quiet, labels)}"
+            f"\n\nEvery repetition:\n\n{per_run_table(runs, labels)}\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "figures.md").write_text(text)
+    print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,12 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--picture", default="random 256/128 c=8")
     ap.add_argument("--picture-only", action="store_true",
                     help="only redraw the picture from the files of an earlier run")
+    ap.add_argument("--picture-run", choices=("median", "fastest"), default="median",
+                    help="which repetition of --picture to draw")
+    ap.add_argument("--merge", nargs="+", metavar="DIR",
+                    help="only pool the runs.jsonl of earlier --out-dir folders into tables")
+    ap.add_argument("--quiet-load", type=float, default=2.5,
+                    help="--merge: also tabulate runs with a load average at most this")
     ap.add_argument("--token-range", type=int, nargs=2, default=list(w.DEFAULT_TOKEN_RANGE))
     args = ap.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merge([Path(d) for d in args.merge], out, ("kvloop", args.anchor_label),
+              args.quiet_load)
+        return 0
     if args.picture_only:
-        draw_picture(out, args.picture)
+        draw_picture(out, args.picture, args.picture_run)
         return 0
     def todo(rep: int) -> list[Case]:
         return [c for c in cases(args.scale, rep, tuple(args.token_range), tuple(args.counts))
@@ -263,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     table = median_table(runs, labels)
     (out / "figures.md").write_text(table + "\n")
     print("\n" + table)
-    draw_picture(out, args.picture)
+    draw_picture(out, args.picture, args.picture_run)
     return 0
 
 
