@@ -73,9 +73,27 @@ def test_fleet_config_builds_worker_command_lines():
     assert argv[argv.index("--role") + 1] == "prefill"
     assert argv[-2:] == ["--sim-speedup", "5"]          # user flags come last: they win
     assert "tcp://127.0.0.1:0" in argv and argv[argv.index("--port") + 1] == "0"
+    assert "--num-threads" not in argv                  # simulated workers use no torch
     for bad in (dict(num_workers=0), dict(num_workers=1, roles=("sideways",))):
         try:
             FleetConfig(**bad)
         except ValueError:
             continue
         raise AssertionError(f"{bad} accepted")
+
+
+def test_fleet_splits_cores_between_real_workers(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    for workers, threads in ((1, "5"), (2, "2"), (8, "1")):
+        argv = FleetConfig(workers, "model.gguf").argv(0)
+        assert argv[argv.index("--num-threads") + 1] == threads
+    # the user's flag comes after ours, so argparse keeps theirs
+    argv = FleetConfig(2, "model.gguf", worker_args=("--num-threads", "3")).argv(0)
+    assert argv[-2:] == ["--num-threads", "3"]
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-threads", type=int)
+    assert ap.parse_known_args(argv)[0].num_threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "--num-threads" not in FleetConfig(2, "model.gguf").argv(0)

@@ -193,6 +193,18 @@ def test_build_configs_sim() -> None:
     assert back == start
 
 
+def test_num_threads_reaches_the_real_runner() -> None:
+    from kvloop.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--num-threads", "1"])
+    factory, kwargs = cli_args.runner_spec(args, "/models/x.gguf")
+    assert factory == cli_args.REAL_FACTORY and kwargs["num_threads"] == 1
+    assert build_parser().parse_args(["serve"]).num_threads is None
+    bad = build_parser().parse_args(["serve", "--model", "sim", "--num-threads", "0"])
+    with pytest.raises(ValueError, match="--num-threads"):
+        cli_args.build_configs(bad)
+
+
 def test_bind_ephemeral_port() -> None:
     sock = _bind("127.0.0.1", 0)
     try:

@@ -85,9 +85,12 @@ def cpu_has_native_bf16() -> bool:
 
 
 def set_cpu_threads(num_threads: int | None = None) -> None:
-    """torch intra-op threads = `num_threads`, by default the cores this process may use."""
+    """torch intra-op threads = `num_threads`; by default OMP_NUM_THREADS when the user set
+    it (torch already read it), else the cores this process may use."""
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
+        return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = num_threads or cores
     if threads and torch.get_num_threads() != threads:

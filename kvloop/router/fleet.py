@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -64,12 +65,23 @@ class FleetConfig:
     def role_of(self, i: int) -> str:
         return self.roles[i % len(self.roles)]
 
+    def threads_per_worker(self) -> int | None:
+        """Real models share this host's cores: each worker gets its slice (at least 1),
+        unless the user set OMP_NUM_THREADS. Torch threads beyond a worker's share wait on
+        each other's descheduled threads (measured: 4x slower steps; docs/serving.md)."""
+        if self.model == "sim" or os.environ.get("OMP_NUM_THREADS"):
+            return None
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else (os.cpu_count() or 1)
+        return max(1, cores // self.num_workers)
+
     def argv(self, i: int) -> list[str]:
         h = self.host
+        threads = self.threads_per_worker()
         return [sys.executable, "-c", _BOOTSTRAP, "serve", "--model", self.model,
                 "--host", h, "--port", "0", "--kv-events-endpoint", f"tcp://{h}:0",
                 "--kv-events-replay-endpoint", f"tcp://{h}:0", "--role", self.role_of(i),
-                *self.worker_args]
+                *(["--num-threads", str(threads)] if threads else []), *self.worker_args]
 
 
 class WorkerProcess:

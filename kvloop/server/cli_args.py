@@ -55,6 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="weights dtype: auto, float32, bfloat16")
     g.add_argument("--device", default="auto", help="device of the model runner")
     g.add_argument("--seed", type=int, default=0, help="runner random seed")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads of the engine core on CPU (default: OMP_NUM_THREADS if "
+                        "set, else the cores it may use)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -166,7 +169,8 @@ def runner_spec(args: argparse.Namespace, model: str) -> tuple[str, dict[str, An
                           "block_size": args.block_size,
                           "kv_cache_memory": args.kv_cache_memory,
                           "num_gpu_blocks_override": args.num_gpu_blocks_override,
-                          "max_model_len": args.max_model_len, "seed": args.seed}
+                          "max_model_len": args.max_model_len, "seed": args.seed,
+                          "num_threads": args.num_threads}
 
 
 def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -181,6 +185,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     """Flags -> (server config, engine start config, tokenizer). Raises ValueError."""
     if args.sim_speedup <= 0:
         raise ValueError("--sim-speedup must be > 0")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError("--num-threads must be >= 1")
     model = resolve_model(args.model)
     tokenizer = load_tokenizer(model)
     names = tuple(args.served_model_name or [SIM if model == SIM else
