@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloop
 from kvloop.server.openai import (
@@ -61,6 +63,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # unknown paths, wrong methods, bodies that are not UTF-8: the same error object
+        code = exc.status_code
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = "Error"
+        return JSONResponse(error_body(str(exc.detail), phrase, code), status_code=code,
+                            headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -1,0 +1,218 @@
+"""Random requests against a real `kvloop serve --model sim`: whatever the body, the server
+answers below 500 (an OpenAI error object for every 4xx), streams end with [DONE], and
+afterwards no request, block or traceback is left behind.
+
+The bodies mix every parameter the server reads, with valid values, edge values (0, huge
+ints, non-finite and denormal floats, empty strings) and values of the wrong JSON type.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvloop.server.launcher import ServeProcess
+
+BLOCKS = 64
+MAX_LEN = 96
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+junk = st.one_of(st.none(), st.booleans(), st.text(max_size=4),
+                 st.lists(st.integers(-2, 2), max_size=2),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+ints = st.one_of(st.integers(-3, 24), st.sampled_from([2 ** 31, 2 ** 63, 10 ** 30, -2 ** 63]))
+nums = st.one_of(st.floats(-3, 3), st.sampled_from(
+    [0.0, 1e-320, 2.0000001, 1e308, float("inf"), float("-inf"), float("nan")]))
+token_ids = st.lists(st.one_of(st.integers(-2, 300), st.sampled_from([2 ** 40])), max_size=24)
+texts = st.text(max_size=30)
+prompts = st.one_of(texts, token_ids, st.lists(texts, max_size=3),
+                    st.lists(token_ids, max_size=3), junk)
+stops = st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=5), junk)
+COMMON: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.one_of(st.sampled_from(["sim", "alias", "nope", ""]), junk),
+    "max_tokens": st.one_of(ints, junk), "max_completion_tokens": ints,
+    "temperature": st.one_of(nums, junk), "top_p": nums, "top_k": ints, "min_p": nums,
+    "n": st.one_of(st.integers(-1, 4), st.sampled_from([10 ** 6]), junk),
+    "stop": stops, "stop_token_ids": st.one_of(token_ids, junk),
+    "seed": st.one_of(ints, junk), "stream": st.one_of(st.booleans(), junk),
+    "stream_options": st.one_of(st.fixed_dictionaries(
+        {}, optional={"include_usage": st.one_of(st.booleans(), junk)}), junk),
+    "presence_penalty": nums, "frequency_penalty": nums, "repetition_penalty": nums,
+    "ignore_eos": st.one_of(st.booleans(), junk), "min_tokens": ints,
+    "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+    "return_token_ids": st.booleans(), "cache_salt": st.one_of(texts, junk),
+    "priority": ints, "user": st.one_of(texts, junk), "logit_bias": junk,
+    "best_of": st.one_of(st.integers(-1, 3), junk),
+}
+COMPLETION = {**COMMON, "prompt": prompts, "echo": st.one_of(st.booleans(), junk),
+              "logprobs": st.one_of(ints, junk)}
+messages = st.one_of(
+    st.lists(st.fixed_dictionaries(
+        {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), junk)},
+        optional={"content": st.one_of(texts, st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "image_url"]), "text": texts}), max_size=2),
+            junk),
+            "name": texts}), max_size=3),
+    junk)
+CHAT = {**COMMON, "messages": messages, "logprobs": st.one_of(st.booleans(), junk),
+        "top_logprobs": st.one_of(ints, junk), "add_generation_prompt": st.booleans()}
+
+
+# Mostly valid bodies, so that the fuzzing also reaches the engine: every field from its
+# valid range, then at most one field swapped for a wrong one.
+VALID_COMMON: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.sampled_from(["sim", "alias"]), "max_tokens": st.integers(1, 24),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 20),
+    "min_p": st.floats(0, 1), "n": st.integers(1, 3),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
+    "seed": st.integers(0, 2 ** 31), "stream": st.booleans(),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "ignore_eos": st.booleans(),
+    "min_tokens": st.integers(0, 4), "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(), "return_token_ids": st.booleans(),
+    "cache_salt": st.text(min_size=1, max_size=6), "user": texts,
+}
+VALID_COMPLETION = {**VALID_COMMON, "echo": st.booleans(), "logprobs": st.integers(0, 5),
+                    "prompt": st.one_of(st.text(min_size=1, max_size=40),
+                                        st.lists(st.integers(0, 255), min_size=1, max_size=40),
+                                        st.lists(st.text(min_size=1, max_size=8), min_size=1,
+                                                 max_size=3))}
+VALID_CHAT = {**VALID_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
+              "messages": st.lists(st.fixed_dictionaries(
+                  {"role": st.sampled_from(["system", "user", "assistant"]),
+                   "content": st.text(max_size=30)}), min_size=1, max_size=3)}
+
+
+@st.composite
+def nearly_valid(draw: st.DrawFn, valid: dict[str, st.SearchStrategy[Any]],
+                 wild: dict[str, st.SearchStrategy[Any]], required: str) -> dict[str, Any]:
+    body = draw(st.fixed_dictionaries({required: valid[required]}, optional={
+        k: v for k, v in valid.items() if k != required}))
+    if body.get("stream") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    if draw(st.booleans()):
+        key = draw(st.sampled_from(sorted(wild)))
+        body[key] = draw(wild[key])
+    return body
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    log = tmp_path_factory.mktemp("serve_fuzz") / "serve.log"
+    srv = ServeProcess(["--model", "sim", "--sim-speedup", "2000", "--num-gpu-blocks-override",
+                        str(BLOCKS), "--max-model-len", str(MAX_LEN),
+                        "--debug-check-invariants", "--served-model-name", "sim", "alias"], log)
+    with srv.start():
+        yield srv
+    assert "Traceback" not in srv.log(), srv.log()
+
+
+@pytest.fixture(scope="module")
+def http(server: ServeProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def _check(r: httpx.Response, body: Any, path: str = "/v1/completions") -> None:
+    """Below 500; an OpenAI error object on 4xx; a complete answer or stream on 200."""
+    assert r.status_code < 500, (body, r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == ERROR_KEYS and err["code"] == r.status_code and err["message"], err
+        return
+    assert r.status_code == 200, (body, r.status_code)
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", (body, r.text[-300:])
+        for e in events[:-1]:
+            chunk = json.loads(e)
+            assert "error" not in chunk or chunk["error"]["code"] < 500, (body, chunk)
+    elif path.startswith("/v1/"):
+        out = r.json()
+        assert out["choices"] and out["usage"]["completion_tokens"] >= 0, (body, out)
+    elif path == "/tokenize":
+        assert isinstance(r.json()["tokens"], list), (body, r.text)
+    else:
+        assert isinstance(r.json()["prompt"], str), (body, r.text)
+
+
+def _send(http: httpx.Client, path: str, body: Any) -> None:
+    raw = json.dumps(body, allow_nan=True)   # NaN/Infinity are not JSON: the server says 400
+    _check(http.post(path, content=raw, headers={"content-type": "application/json"}), body,
+           path)
+
+
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({}, optional=COMPLETION))
+def test_random_completions_never_5xx(http: httpx.Client, body: dict[str, Any]) -> None:
+    _send(http, "/v1/completions", body)
+
+
+@FUZZ
+@given(body=st.fixed_dictionaries({}, optional=CHAT))
+def test_random_chats_never_5xx(http: httpx.Client, body: dict[str, Any]) -> None:
+    _send(http, "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(body=nearly_valid(VALID_COMPLETION, COMPLETION, "prompt"))
+def test_nearly_valid_completions(http: httpx.Client, body: dict[str, Any]) -> None:
+    _send(http, "/v1/completions", body)
+
+
+@FUZZ
+@given(body=nearly_valid(VALID_CHAT, CHAT, "messages"))
+def test_nearly_valid_chats(http: httpx.Client, body: dict[str, Any]) -> None:
+    _send(http, "/v1/chat/completions", body)
+
+
+@FUZZ
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize",
+                             "/detokenize"]),
+       body=st.one_of(junk, st.floats(), st.fixed_dictionaries({}, optional={
+           "prompt": prompts, "tokens": st.one_of(token_ids, junk), "messages": messages,
+           "model": junk, "add_special_tokens": junk})))
+def test_odd_bodies_and_other_endpoints_never_5xx(http: httpx.Client, path: str,
+                                                  body: Any) -> None:
+    _send(http, path, body)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=40))
+def test_raw_bytes_never_5xx(http: httpx.Client, raw: bytes) -> None:
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    _check(r, raw)
+
+
+def test_routing_errors_use_the_error_object(http: httpx.Client) -> None:
+    for r, code in ((http.get("/no/such/path"), 404), (http.get("/v1/completions"), 405),
+                    (http.post("/v1/completions", content=b"\x80",
+                               headers={"content-type": "application/json"}), 400)):
+        assert r.status_code == code
+        err = r.json()["error"]
+        assert set(err) == ERROR_KEYS and err["code"] == code and err["message"], err
+    assert http.get("/v1/completions").headers["allow"] == "POST"
+
+
+def test_nothing_is_left_behind(server: ServeProcess, http: httpx.Client) -> None:
+    """Runs after the fuzzers (file order): every request ended, every block is free."""
+    stats = server.wait_idle()
+    assert stats["num_requests"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+    assert http.get("/health").status_code == 200
+    ok = http.post("/v1/completions", json={"model": "sim", "prompt": "still fine",
+                                            "max_tokens": 4})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) == 4
+    assert "Traceback" not in server.log() and "ERROR" not in server.log()
