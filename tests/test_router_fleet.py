@@ -283,6 +283,10 @@ def test_workers_register_and_deregister_at_run_time(fleet):
         assert httpx.request("DELETE", rt.url + "/workers",
                              json={"url": specs[0].url}).status_code == 404
         assert httpx.post(rt.url + "/workers", json={"role": "both"}).status_code == 400
+        for r, code in ((httpx.get(rt.url + "/no/such/path"), 404),
+                        (httpx.get(rt.url + "/v1/completions"), 405),
+                        (httpx.post(rt.url + "/v1/completions", content=b"\x80"), 400)):
+            assert r.status_code == code and r.json()["error"]["code"] == code, r.text
         out = httpx.post(rt.url + "/v1/completions", json={"prompt": [1] * 20, "max_tokens": 1})
         assert out.status_code == 200
         httpx.request("DELETE", rt.url + "/workers", json={"url": specs[1].url})

@@ -27,11 +27,13 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from typing import Any
 
 import anyio
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -59,6 +61,17 @@ def error_response(message: str, err_type: str, code: int) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, code), status_code=code)
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Unknown paths and wrong methods answer with the same error object as the workers."""
+    assert isinstance(exc, HTTPException)
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = "Error"
+    return JSONResponse(error_body(str(exc.detail), phrase, exc.status_code),
+                        status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
 class RouterApp:
     """The ASGI app of one router plus its poller; `app` is what uvicorn serves."""
 
@@ -83,7 +96,7 @@ class RouterApp:
             Route("/workers", self.add_worker, methods=["POST"]),
             Route("/workers", self.remove_worker, methods=["DELETE"]),
             Route("/router/index", self.index_dump, methods=["GET"]),
-        ], lifespan=self._lifespan)
+        ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error})
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
