@@ -8,7 +8,9 @@ ints, non-finite and denormal floats, empty strings) and values of the wrong JSO
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -204,6 +206,45 @@ def test_routing_errors_use_the_error_object(http: httpx.Client) -> None:
         err = r.json()["error"]
         assert set(err) == ERROR_KEYS and err["code"] == code and err["message"], err
     assert http.get("/v1/completions").headers["allow"] == "POST"
+
+
+def test_concurrent_streams_with_random_disconnects(server: ServeProcess) -> None:
+    """60 requests at once (more than the 64-block pool can hold, so some wait and some are
+    preempted), a third of the clients leave at a random point; the rest finish whole."""
+    rng = random.Random(7)
+
+    async def one(c: httpx.AsyncClient, i: int) -> tuple[str, int, int]:
+        want = rng.randrange(1, 40)
+        body = {"model": "sim", "prompt": [rng.randrange(256) for _ in range(rng.randrange(
+            1, 60))], "max_tokens": want, "ignore_eos": True, "return_token_ids": True,
+            "stream": rng.random() < 0.7}
+        leave_after = rng.randrange(0, 6) if i % 3 == 0 else None
+        if not body["stream"]:
+            try:
+                r = await c.post("/v1/completions", json=body,
+                                 timeout=0.05 if leave_after is not None else 30)
+            except httpx.TimeoutException:
+                return "left", 0, want
+            return "done", r.json()["usage"]["completion_tokens"], want
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    seen += len(json.loads(line[6:])["choices"][0]["token_ids"])
+                    if leave_after is not None and seen > leave_after:
+                        return "left", seen, want
+            return "done", seen, want
+
+    async def main() -> list[tuple[str, int, int]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(60)))
+
+    results = asyncio.run(main())
+    done = [(got, want) for kind, got, want in results if kind == "done"]
+    assert len(done) >= 35 and all(got == want for got, want in done), results
+    stats = server.wait_idle()
+    assert stats["num_requests"] == 0, stats
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
 
 
 def test_nothing_is_left_behind(server: ServeProcess, http: httpx.Client) -> None:
