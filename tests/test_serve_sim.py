@@ -340,6 +340,34 @@ def test_metric_names_types_and_labels(server: ServeProcess, client: openai.Open
     assert metric(server, "vllm:num_requests_running") == 0
 
 
+# Every series the example Grafana dashboard of vLLM's docs (examples/observability/
+# prometheus_grafana, 2026-09) queries, each filtered by model_name.
+GRAFANA_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_sum",
+    "vllm:request_time_per_output_token_seconds_count", "vllm:num_requests_running",
+    "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum",
+)
+
+
+def test_vllm_grafana_dashboard_series_exist(server: ServeProcess,
+                                             client: openai.OpenAI) -> None:
+    client.completions.create(model="sim", prompt="dashboard", max_tokens=3)
+    text = httpx.get(server.url + "/metrics").text
+    for name in GRAFANA_SERIES:
+        assert re.search(rf'^{re.escape(name)}\{{[^}}]*model_name="sim"', text, re.M), name
+    assert re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"', text, re.M)
+
+
 # --- disconnect -------------------------------------------------------------------------------
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServeProcess) -> None:
     wait_idle(server)
