@@ -111,7 +111,7 @@ def test_killed_worker_fails_its_stream_clearly_and_is_reindexed_after_restart(f
     with RouterThread(router_config(), specs) as rt:
         _send(rt.url, _cold_prompts(6, seed=3))
         client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(model="sim", prompt=[9] * 40, max_tokens=4000,
+        stream = client.completions.create(model="sim", prompt=[9] * 40, max_tokens=850,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
         victim = next(w for w in rt.router.registry.all() if w.in_flight())

@@ -249,13 +249,14 @@ def _finished(fleet: Fleet, reason: str) -> float:
 def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
     aborted, completed = _finished(fleet, "abort"), _finished(fleet, "length")
     with RouterThread(router_config(), fleet.specs()) as rt:
-        # 4000 tokens take seconds here (the stream must outlive the first read even when
-        # this process is starved); the client leaves after the first one
-        body = {"prompt": [3] * 20, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        # 850 tokens take about a second here; the client leaves after the first one. The
+        # line iterator is kept: a dropped one is closed at once, and closing it closes the
+        # connection (the disconnect would race the check below)
+        body = {"prompt": [3] * 20, "max_tokens": 850, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    break
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
             busy = [w for w in rt.router.registry.all() if w.in_flight()]
             assert len(busy) == 1, [(w.name, w.in_flight()) for w in rt.router.registry.all()]
         wait_until(lambda: _finished(fleet, "abort") + _finished(fleet, "length")
