@@ -337,6 +337,7 @@ def test_metric_names_types_and_labels(server: ServeProcess, client: openai.Open
                   engine="0") >= 1
     assert metric(server, "vllm:inter_token_latency_seconds_count") >= 3
     assert 'le="0.001"' in text and 'le="2560.0"' in text      # TTFT buckets
+    assert "_created" not in text                 # like vLLM's multiprocess collector
     assert metric(server, "vllm:num_requests_running") == 0
 
 

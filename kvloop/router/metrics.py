@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -20,6 +26,9 @@ from kvloop.router.registry import ALARMS
 if TYPE_CHECKING:
     from kvloop.router.index import PrefixIndex
     from kvloop.router.registry import Registry, WorkerState
+
+# no `_created` series, as on the workers (kvloop/server/metrics.py)
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 P = "kvloop_router_"
 FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from kvloop.wire import SchedulerStats
+
+# vLLM serves its metrics through prometheus_client's multiprocess collector, which has no
+# `_created` series; a process-wide switch, so the router's exposition matches too.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
