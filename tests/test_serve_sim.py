@@ -20,19 +20,19 @@ import pytest
 
 from kvloop.server.launcher import ServeProcess
 
+from .conftest import serving
+
 BLOCKS = 256
 MAX_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    log = tmp_path_factory.mktemp("serve_sim") / "serve.log"
-    srv = ServeProcess(["--model", "sim", "--sim-speedup", "50", "--num-gpu-blocks-override",
-                        str(BLOCKS), "--max-model-len", str(MAX_LEN),
-                        "--debug-check-invariants", "--served-model-name", "sim", "alias"], log)
-    with srv.start():
+    with serving(tmp_path_factory, "serve_sim", [
+            "--model", "sim", "--sim-speedup", "50", "--num-gpu-blocks-override", str(BLOCKS),
+            "--max-model-len", str(MAX_LEN), "--debug-check-invariants",
+            "--served-model-name", "sim", "alias"]) as srv:
         yield srv
-    assert "Traceback" not in srv.log(), srv.log()
 
 
 @pytest.fixture(scope="module")
