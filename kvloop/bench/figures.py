@@ -17,12 +17,9 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,7 @@ from typing import Any
 from kvloop.bench import workloads as w
 from kvloop.bench.driver import BenchConfig, run_bench
 from kvloop.bench.report import format_compare, summarize
+from kvloop.server.launcher import ServeProcess, UrlProcess
 
 
 @dataclass(frozen=True)
@@ -63,41 +61,6 @@ def cases(scale: float = 1.0, seed: int = 0,
         Case("shared-prefix 8x1024+64, 64 out, c=16",
              w.shared_prefix_workload(8, 1024, 64, 64, n(nsp), s + 3, token_range=tr), 16),
     ]
-
-
-class _Process:
-    """A server child process whose log announces its URL."""
-
-    def __init__(self, cmd: list[str], log_path: Path, pattern: str):
-        self.cmd = cmd
-        self.log_path = log_path
-        self.pattern = re.compile(pattern)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = ""
-
-    def start(self, timeout_s: float = 900.0) -> _Process:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            m = self.pattern.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.cmd[:4]} did not start; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 KEYS = {  # figure -> how to read it from a summary
@@ -283,17 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     if trace.exists():
         trace.unlink()
     py = sys.executable
-    kv = _Process([py, "-m", "kvloop", "serve", "--port", "0", "--trace-file", str(trace),
-                   *shlex.split(args.serve_args)], out / "kvloop_serve.log",
-                  r"kvloop serving on (http://\S+)")
-    anchor = None if args.anchor_url else _Process(
+    kv = ServeProcess(["--trace-file", str(trace), *shlex.split(args.serve_args)],
+                      out / "kvloop_serve.log")
+    anchor = None if args.anchor_url else UrlProcess(
         [py, "-m", "kvloop.bench.hf_server", "--port", "0", *shlex.split(args.anchor_args)],
         out / "anchor.log", r"hf anchor serving on (http://\S+)")
     labels = ("kvloop", args.anchor_label)
     runs: list[dict[str, Any]] = []
     try:
-        kv.start()
-        anchor_url = args.anchor_url or anchor.start().url  # type: ignore[union-attr]
+        kv.start(timeout_s=900)
+        anchor_url = args.anchor_url or anchor.start(timeout_s=900).url  # type: ignore[union-attr]
         print(f"kvloop {kv.url}; anchor {anchor_url}", flush=True)
         for rep in range(args.reps):
             for case in todo(rep):
@@ -309,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                     for r in runs[-2:]:
                         f.write(json.dumps(r) + "\n")
     finally:
-        kv.stop()
+        kv.stop(timeout_s=30)
         if anchor is not None:
-            anchor.stop()
+            anchor.stop(timeout_s=30)
     table = median_table(runs, labels)
     (out / "figures.md").write_text(table + "\n")
     print("\n" + table)

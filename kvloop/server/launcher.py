@@ -12,40 +12,41 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
-_URL_LINE = re.compile(r"kvloop serving on (http://\S+)")
+SERVE_URL_LINE = r"kvloop serving on (http://\S+)"
 
 
-class ServeProcess:
-    """One `kvloop serve` child process; `url` is known once `start()` returns."""
+class UrlProcess:
+    """A server child process whose log announces its URL (matched by `url_pattern`, group 1);
+    `url` is known once `start()` returns."""
 
-    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None):
-        self.args = list(args)
+    def __init__(self, cmd: list[str], log_path: str | Path, url_pattern: str,
+                 env: dict[str, str] | None = None):
+        self.cmd = list(cmd)
         self.log_path = Path(log_path)
+        self.url_pattern = re.compile(url_pattern)
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
-    def start(self, timeout_s: float = 60.0) -> ServeProcess:
+    def start(self, timeout_s: float = 60.0) -> Self:
         """Launch and wait for the URL line; raises RuntimeError with the log on failure."""
-        if "--port" not in self.args:
-            self.args += ["--port", "0"]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvloop", "serve", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            m = _URL_LINE.search(self.log())
+            m = self.url_pattern.search(self.log())
             if m:
                 self.url = m.group(1)
                 return self
@@ -53,7 +54,7 @@ class ServeProcess:
                 break
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"kvloop serve did not start; log:\n{self.log()}")
+        raise RuntimeError(f"{shlex.join(self.cmd[:4])} did not start; log:\n{self.log()}")
 
     def log(self) -> str:
         try:
@@ -92,6 +93,22 @@ class ServeProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def __enter__(self) -> Self:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class ServeProcess(UrlProcess):
+    """One `kvloop serve ARGS` child process (on an ephemeral port unless ARGS name one)."""
+
+    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None):
+        port = [] if "--port" in args else ["--port", "0"]
+        super().__init__([sys.executable, "-m", "kvloop", "serve", *args, *port], log_path,
+                         SERVE_URL_LINE, env)
+
     # --- looking inside a running server ------------------------------------------------------
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of Prometheus metric `name` whose labels include `labels`."""
@@ -111,13 +128,6 @@ class ServeProcess:
                     or time.monotonic() > deadline):
                 return s
             time.sleep(0.05)
-
-    def __enter__(self) -> ServeProcess:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
