@@ -27,7 +27,6 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -41,6 +40,7 @@ from starlette.routing import Route
 from kvloop.router.prompts import PromptError, PromptTokenizer
 from kvloop.router.registry import LoadSnapshot, WorkerDescription, WorkerSpec, WorkerState
 from kvloop.router.router import NoWorkerError, Routed, Router
+from kvloop.server.openai import error_body, http_error_body
 
 log = logging.getLogger("kvloop.router")
 
@@ -52,11 +52,6 @@ _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 
 
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
-    """vLLM's error shape."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
 def error_response(message: str, err_type: str, code: int) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, code), status_code=code)
 
@@ -64,11 +59,7 @@ def error_response(message: str, err_type: str, code: int) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Unknown paths and wrong methods answer with the same error object as the workers."""
     assert isinstance(exc, HTTPException)
-    try:
-        phrase = HTTPStatus(exc.status_code).phrase
-    except ValueError:
-        phrase = "Error"
-    return JSONResponse(error_body(str(exc.detail), phrase, exc.status_code),
+    return JSONResponse(http_error_body(exc.status_code, exc.detail),
                         status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 

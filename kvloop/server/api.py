@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +24,7 @@ from kvloop.server.openai import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    http_error_body,
 )
 from kvloop.server.serving import (
     APIError,
@@ -66,14 +66,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # unknown paths, wrong methods, bodies that are not UTF-8: the same error object
-        code = exc.status_code
-        try:
-            phrase = HTTPStatus(code).phrase
-        except ValueError:
-            phrase = "Error"
-        return JSONResponse(error_body(str(exc.detail), phrase, code), status_code=code,
-                            headers=dict(exc.headers or {}))
+        return JSONResponse(http_error_body(exc.status_code, exc.detail),
+                            status_code=exc.status_code, headers=dict(exc.headers or {}))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

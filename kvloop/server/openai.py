@@ -7,6 +7,7 @@ See specs/vllm-engine.md section 8 for the parameters and their meaning.
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -116,3 +117,13 @@ def error_body(message: str, err_type: str, code: int, param: str | None = None
                ) -> dict[str, Any]:
     """vLLM's error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def http_error_body(status_code: int, detail: object) -> dict[str, Any]:
+    """The error object of an HTTP-level failure (unknown path, wrong method, a body that is
+    not UTF-8), typed by the status's phrase, as vLLM's HTTPException handler does."""
+    try:
+        phrase = HTTPStatus(status_code).phrase
+    except ValueError:
+        phrase = "Error"
+    return error_body(str(detail), phrase, status_code)
