@@ -31,6 +31,13 @@ def events_config(**kw) -> KVEventsConfig:
     return KVEventsConfig(**kw)
 
 
+def restartable_config() -> KVEventsConfig:
+    """Fixed free ports (a restarted publisher binds the same addresses), empty topic (so
+    heartbeats are off and epochs come from the replay socket)."""
+    return events_config(endpoint=f"tcp://127.0.0.1:{free_port()}",
+                         replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="")
+
+
 @pytest.fixture
 def cleanup():
     items: list = []
@@ -133,9 +140,7 @@ def test_lost_tail_is_found_by_the_heartbeat(cleanup):
 def test_publisher_restart_is_a_new_epoch(cleanup):
     # Empty topic: heartbeats are off (a vLLM consumer of "" would get them), so the
     # subscriber learns epochs from the replay socket (info probes and reply headers).
-    ports = (free_port(), free_port())
-    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
-                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    cfg = restartable_config()
     assert not cfg.heartbeats_enabled
     first = SimWorker(cfg, seed=5)
     vs = ViewSubscriber(first.endpoint, first.replay_endpoint, "")
@@ -240,9 +245,7 @@ def test_recency_touches_name_cached_blocks(cleanup):
 def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup):
     # The new process's first batches are lost, and the first one that arrives carries
     # exactly the number the subscriber expects: only the epoch can tell.
-    ports = (free_port(), free_port())
-    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
-                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    cfg = restartable_config()
     state = {"drop_below": 0}
     relay = Relay(cfg.endpoint, lambda f: [] if (seq_of(f) or 0) < state["drop_below"]
                   else [f])
@@ -264,9 +267,7 @@ def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup):
 
 
 def test_subscriber_started_before_its_publisher(cleanup):
-    ports = (free_port(), free_port())
-    cfg = events_config(endpoint=f"tcp://127.0.0.1:{ports[0]}",
-                        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic="")
+    cfg = restartable_config()
     vs = ViewSubscriber(cfg.endpoint, cfg.replay_endpoint, "", request_timeout_s=0.2,
                         probe_interval_s=0.05)
     cleanup.append(vs)
