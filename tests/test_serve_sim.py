@@ -248,7 +248,7 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
         assert _post(server, "/v1/completions", body).status_code == status
     r = httpx.post(server.url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     for body in ({"messages": []}, {"messages": [{"content": "no role"}]},
                  {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                  {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

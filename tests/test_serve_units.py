@@ -214,3 +214,14 @@ def test_bind_ephemeral_port() -> None:
         assert sock.proto == socket.IPPROTO_TCP   # else asyncio skips TCP_NODELAY
     finally:
         sock.close()
+
+
+def test_one_error_type_per_status() -> None:
+    from kvloop.server.openai import error_body, error_type
+
+    assert [error_type(c) for c in (400, 401, 404, 405, 413, 500, 502, 503)] == [
+        "BadRequestError", "UnauthorizedError", "NotFoundError", "MethodNotAllowedError",
+        "RequestEntityTooLargeError", "InternalServerError", "BadGatewayError",
+        "ServiceUnavailableError"]
+    assert error_body("m", 400, "prompt") == {
+        "error": {"message": "m", "type": "BadRequestError", "param": "prompt", "code": 400}}

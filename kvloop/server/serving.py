@@ -47,14 +47,14 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 class APIError(Exception):
     """An error answered with vLLM's JSON error shape."""
 
-    def __init__(self, status: int, message: str, err_type: str = "BadRequestError",
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.status, self.message, self.param = status, message, param
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.err_type, self.status, self.param),
+        return JSONResponse(error_body(self.message, self.status, self.param),
                             status_code=self.status, headers=self.headers)
 
 
@@ -89,7 +89,7 @@ class ServerContext:
         if name is not None and name not in self.config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
                                 f"{', '.join(self.config.served_model_names)}",
-                           "NotFoundError", "model")
+                           param="model")
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         v = self.vocab_size
@@ -318,7 +318,7 @@ class Generation:
         except ServerShuttingDown:
             self.end.aborted = True
         except EngineDeadError as e:
-            self.end.error = APIError(500, str(e), "InternalServerError")
+            self.end.error = APIError(500, str(e))
 
     def unfinished(self) -> list[Child]:
         return [c for c in self.children if not c.state.finished]
@@ -347,9 +347,9 @@ def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
     except ServerShuttingDown as e:
-        raise APIError(503, str(e), "ServiceUnavailableError") from e
+        raise APIError(503, str(e)) from e
     except EngineDeadError as e:
-        raise APIError(500, str(e), "InternalServerError") from e
+        raise APIError(500, str(e)) from e
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:
@@ -369,11 +369,11 @@ async def collect(request: Request, gen: Generation) -> None:
                 if delta.error is not None:
                     raise APIError(400, delta.error)
     except ServerShuttingDown as e:
-        raise APIError(503, str(e), "ServiceUnavailableError") from e
+        raise APIError(503, str(e)) from e
     except EngineDeadError as e:
-        raise APIError(500, str(e), "InternalServerError") from e
+        raise APIError(500, str(e)) from e
     except ClientDisconnected as e:  # nobody will read it; nginx's "client closed request"
-        raise APIError(499, "client disconnected", "ClientDisconnected") from e
+        raise APIError(499, "client disconnected") from e
     finally:
         watcher.cancel()
 
@@ -628,7 +628,7 @@ async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation
     end = gen.end
     if end.error is not None:
         e = end.error
-        yield sse(error_body(e.message, e.err_type, e.status, e.param))
+        yield sse(error_body(e.message, e.status, e.param))
     elif end.aborted:
         for c in gen.unfinished():
             empty: dict[str, Any] = {"content": ""} if obj.startswith("chat") else {}
