@@ -106,6 +106,19 @@ def test_stop_strings_truncate_and_abort(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As the API server and vLLM: a stop string completed within the first `min_tokens`
+    tokens does not stop the request (the offline API used to stop at once)."""
+    prompt, full = _ascii_prompt(llm)
+    stop = full.text[0]
+    early = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=[stop],
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (early.text, len(early.token_ids), early.stop_reason) == ("", 1, stop)
+    late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=[stop],
+                                               min_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert late.token_ids == full.token_ids and late.finish_reason == "length"
+
+
 def test_logprobs(llm):
     c = llm.generate("the cat", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3,
                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]

@@ -38,7 +38,14 @@ from kvloop.server.openai import (
     SamplingRequest,
     error_body,
 )
-from kvloop.server.processor import Delta, OutputOptions, OutputState, TokenLogprob
+from kvloop.server.processor import (
+    Delta,
+    OutputOptions,
+    OutputState,
+    TokenLogprob,
+    fan_out,
+    model_stops,
+)
 from kvloop.wire import EngineCoreRequest, EngineReady, SamplingParamsMsg
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -167,9 +174,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
                                 else req.repetition_penalty),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, seed=seed, stop=tuple(stop),
-            stop_token_ids=_stop_token_ids(ctx, req),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=req.include_stop_str_in_output,
-            ignore_eos=req.ignore_eos, eos_token_id=ctx.tokenizer.eos_token_id,
+            ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             priority=req.priority, cache_salt=req.cache_salt or None)
     except ValueError as e:
@@ -178,7 +185,7 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
         raise APIError(400, f"n must be at most {ctx.config.max_n}, got {req.n}.", param="n")
     if params.greedy:
         params = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
-    return params
+    return model_stops(params, ctx.tokenizer)
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -207,15 +214,6 @@ def encode(ctx: ServerContext, text: str, add_special_tokens: bool, param: str) 
         raise APIError(400, f"cannot tokenize the {param}: {e}", param=param) from e
 
 
-def _stop_token_ids(ctx: ServerContext, req: SamplingRequest) -> tuple[int, ...]:
-    """The request's stop token ids, plus the model's extra end-of-turn ids (as vLLM adds
-    the generation config's extra EOS ids) unless `ignore_eos`."""
-    ids = list(req.stop_token_ids or ())
-    if not req.ignore_eos:
-        ids += sorted(set(getattr(ctx.tokenizer, "stop_token_ids", ())) - set(ids))
-    return tuple(ids)
-
-
 # --- generation --------------------------------------------------------------------------------
 @dataclass
 class Child:
@@ -233,13 +231,9 @@ def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
                   params: list[SamplingParams]) -> list[Child]:
     children = []
     for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-        opts = OutputOptions(sp.stop, sp.include_stop_str_in_output, sp.min_tokens,
-                             sp.skip_special_tokens)
-        for i in range(sp.n):
-            seed = None if sp.seed is None else sp.seed + i
-            child_sp = dataclasses.replace(sp, n=1, seed=seed)
+        for i, child_sp in enumerate(fan_out(sp)):
             children.append(Child(p * sp.n + i, p, f"{base_id}-{p}-{i}", ids, child_sp,
-                                  OutputState(ctx.tokenizer, ids, opts)))
+                                  OutputState(ctx.tokenizer, ids, OutputOptions.of(sp))))
     return children
 
 
