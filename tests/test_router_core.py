@@ -104,6 +104,19 @@ def test_description_layouts():
     assert flat.hash_spec() is not None and flat.hash_spec().seed == "0"
 
 
+def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path_factory):
+    """/kvloop/worker says num_gpu_blocks (null block included, as vLLM) and
+    kv_capacity_blocks (usable); the router must read the latter (it read one block high)."""
+    import httpx
+
+    from tests.conftest import serving
+
+    with serving(tmp_path_factory, "capacity", ["--model", "sim",
+                                                "--num-gpu-blocks-override", "64"]) as srv:
+        info = httpx.get(srv.url + "/kvloop/worker", timeout=10).json()
+    assert WorkerDescription.from_json(info).capacity_blocks == 63
+
+
 def test_events_feed_the_index_and_routing_follows_them():
     r, clock, subs = make_router()
     r.register(WorkerSpec("http://w:1"), desc())
