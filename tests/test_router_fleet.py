@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -330,3 +331,15 @@ def test_kvloop_router_command_serves_and_stops_on_sigterm(fleet):
     bad = subprocess.run([sys.executable, "-m", "kvloop", "router", "--worker", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "worker URL must look like" in bad.stderr
+
+
+def test_small_router_responses_are_not_delayed(fleet):
+    """The router binds its socket as the API server does (TCP, so asyncio sets TCP_NODELAY);
+    it used not to, and every small response waited ~40 ms for a delayed ACK."""
+    with RouterThread(router_config(), fleet.specs()[:1]) as rt, httpx.Client() as http:
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            assert http.get(rt.url + "/no-such-path").status_code == 404
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.03, times

@@ -14,7 +14,7 @@ from kvloop.core.request import SamplingParams
 from kvloop.server import cli_args
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
-from kvloop.server.serve import _bind, _url
+from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     EngineCoreOutput,
@@ -206,10 +206,10 @@ def test_num_threads_reaches_the_real_runner() -> None:
 
 
 def test_bind_ephemeral_port() -> None:
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_tcp("127.0.0.1", 0)
     try:
         host, port = sock.getsockname()
-        assert port > 0 and _url(sock) == f"http://127.0.0.1:{port}"
+        assert port > 0 and http_url(sock) == f"http://127.0.0.1:{port}"
         assert sock.family == socket.AF_INET
         assert sock.proto == socket.IPPROTO_TCP   # else asyncio skips TCP_NODELAY
     finally:

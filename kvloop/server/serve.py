@@ -29,6 +29,7 @@ from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
+from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.wire import EngineReady, EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -52,22 +53,6 @@ class _Uvicorn(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(f"kvloop serving on {self._url}", flush=True)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then (without it
-    # every response body waits ~40 ms for the client's delayed ACK)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(False)
-    return sock
-
-
-def _url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _cache_info(ready: EngineReady) -> dict[str, str]:
@@ -100,10 +85,10 @@ async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> 
     client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len, start.engine_index,
                                    _cache_info(ready))
     ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
-    sock = _bind(cfg.host, cfg.port)
+    sock = bind_tcp(cfg.host, cfg.port)
     uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.log_level, access_log=False,
                             timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
-    server = _Uvicorn(uv_cfg, client, _url(sock), asyncio.get_running_loop())
+    server = _Uvicorn(uv_cfg, client, http_url(sock), asyncio.get_running_loop())
     signal.signal(signal.SIGTERM, _ignore_signal)
     signal.signal(signal.SIGINT, _ignore_signal)
     try:
