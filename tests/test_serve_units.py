@@ -44,7 +44,7 @@ def test_stop_string_ties_and_overlaps() -> None:
 
 def test_stop_string_at_end_and_no_match() -> None:
     assert find_stop_string("hello world.", 1, ["."], False) == (".", 11)
-    assert find_stop_string("hello world.", 1, ["."], True) == (".", -1)
+    assert find_stop_string("hello world.", 1, ["."], True) == (".", None)
     assert find_stop_string("hello world.", 0, ["."], False) is None
     assert find_stop_string("hello world.", 1, [], False) is None
     # only the new characters (and a stop string overlapping them) are searched

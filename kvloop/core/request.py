@@ -155,7 +155,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float = 0.0,
                  hasher: BlockHasher | None = None, lora_name: str | None = None,
-                 client_index: int = 0, data: Any = None):
+                 client_index: int = 0):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -173,11 +173,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.num_cached_tokens = -1  # prefix hit at the first admission; -1 until then
+        self.num_cached_tokens: int | None = None  # prefix hit at the first admission
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.data = data  # opaque per-request payload for the runner (e.g. logits processors)
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

@@ -371,10 +371,8 @@ class _SseRelay:
     def feed(self, chunk: bytes) -> bytes:
         self.buf += chunk
         out: list[bytes] = []
-        while True:
-            end, sep = _event_end(self.buf)
-            if end < 0:
-                break
+        while (found := _event_end(self.buf)) is not None:
+            end, sep = found
             event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
             if self._keep(event):
                 out.append(event)
@@ -404,13 +402,13 @@ class _SseRelay:
         return not (usage_only and self.strip_usage)
 
 
-def _event_end(buf: bytes) -> tuple[int, int]:
-    """Position and length of the first event separator in `buf`, or (-1, 0)."""
+def _event_end(buf: bytes) -> tuple[int, int] | None:
+    """Position and length of the first event separator in `buf`, or None."""
     a = buf.find(b"\n\n")
     b = buf.find(b"\r\n\r\n")
     if b >= 0 and (a < 0 or b < a):
         return b, 4
-    return (a, 2) if a >= 0 else (-1, 0)
+    return (a, 2) if a >= 0 else None
 
 
 def _event_data(event: bytes) -> bytes | None:

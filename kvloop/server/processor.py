@@ -69,11 +69,11 @@ def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int],
 
 
 def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
-                     include: bool) -> tuple[str, int] | None:
+                     include: bool) -> tuple[str, int | None] | None:
     """The stop string completed by the last `new_char_count` characters of `text`.
 
     Returns (stop string, truncate_to): the text is cut to `text[:truncate_to]`, or kept whole
-    when `truncate_to` is -1 (the stop string, included, ends the text). None if no match.
+    when `truncate_to` is None (the stop string, included, ends the text). None if no match.
     """
     if not new_char_count or not stop:
         return None
@@ -89,7 +89,7 @@ def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
         return None
     end, start, s = best
     if include:
-        return s, (-1 if end >= len(text) else end)
+        return s, (None if end >= len(text) else end)
     return s, start
 
 
@@ -199,7 +199,7 @@ class OutputState:
         if hit is None:
             return False
         self.stop_reason = hit[0]
-        if hit[1] != -1:
+        if hit[1] is not None:
             self.text = self.text[:hit[1]]
         return True
 
