@@ -333,13 +333,28 @@ def test_prompt_tokenizer_mirrors_the_server():
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
                                                         {"type": "text", "text": "c"}]}]}
     expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "abc"}]))
-    assert pt.token_ids("/v1/chat/completions", parts, "sim") == expected
-    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "sim") == [104, 105]
-    assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "sim") == [1, 2]
-    assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "sim") == [104, 101, 121]
+    assert pt.token_ids("/v1/chat/completions", parts, "bytes") == expected
+    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "bytes") == [104, 105]
+    assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "bytes") == [1, 2]
+    assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "bytes") == [104, 101, 121]
     with pytest.raises(PromptError):
-        pt.token_ids("/v1/completions", {"prompt": 5}, "sim")
+        pt.token_ids("/v1/completions", {"prompt": 5}, "bytes")
     with pytest.raises(PromptError):
-        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "sim")
+        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "bytes")
     # an unknown model: no local tokenizer, routed by load (and said so once)
     assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "/no/such/model") is None
+
+
+def test_prompt_tokenizer_of_simulated_workers():
+    """A `--model sim` worker reports the embedded GGUF as its model path; one that reports
+    only its name `sim` speaks the embedded model's vocabulary too."""
+    from kvloop.router.prompts import PromptTokenizer
+    from kvloop.server.tokenizer import Tokenizer, find_model_path
+
+    pt, smol = PromptTokenizer(), Tokenizer.from_model(None)
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = smol.encode(smol.apply_chat_template(msgs), add_special_tokens=False)
+    for model in ("sim", find_model_path(None)):
+        assert pt.token_ids("/v1/chat/completions", {"messages": msgs}, model) == chat
+        assert pt.token_ids("/v1/completions", {"prompt": "hello there"}, model) == \
+            smol.encode("hello there")

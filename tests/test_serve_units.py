@@ -12,9 +12,12 @@ import pytest
 
 from kvloop.core.request import SamplingParams
 from kvloop.server import cli_args
+from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
+from kvloop.server.sim_model import SIM_TEXT, load_sim_model
 from kvloop.server.sockets import bind_tcp, http_url
+from kvloop.server.tokenizer import find_model_path
 from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     EngineCoreOutput,
@@ -183,14 +186,39 @@ def test_build_configs_sim() -> None:
         "--num-gpu-blocks-override", "32", "--served-model-name", "a", "b",
         "--enable-kv-cache-events", "--kv-events-topic", "t"])
     serve, start, tok = cli_args.build_configs(args)
-    assert serve.served_model_names == ("a", "b") and isinstance(tok, ByteTokenizer)
+    assert serve.served_model_names == ("a", "b") and tok.vocab_size == 49152  # SmolLM2's
+    assert serve.model_path == find_model_path(None)
     assert start.engine.scheduler.max_num_seqs == 64     # clamped to the token budget
     assert start.runner_factory == cli_args.SIM_FACTORY
-    assert start.runner_kwargs["num_gpu_blocks_override"] == 32
+    kw = start.runner_kwargs
+    assert kw["num_gpu_blocks_override"] == 32
+    # the engine gets the vocabulary's facts, not the model file
+    assert (kw["vocab_size"], kw["max_model_len"]) == (49152, 8192)
+    assert kw["text_token_ids"] == list(load_sim_model(None).text_token_ids)
     assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
                                "recency": False}
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
+
+
+def test_build_configs_sim_vocabularies() -> None:
+    from kvloop.cli import build_parser
+
+    def configs(*flags: str) -> tuple[ServeConfig, EngineStartConfig, object]:
+        return cli_args.build_configs(build_parser().parse_args(["serve", *flags]))
+
+    serve, start, tok = configs("--model", "sim", "--sim-model", "bytes",
+                                "--max-model-len", "100")
+    assert isinstance(tok, ByteTokenizer) and serve.model_path == "bytes"
+    assert (start.runner_kwargs["vocab_size"], start.runner_kwargs["max_model_len"]) == \
+        (259, 100)
+    assert start.runner_kwargs["text_token_ids"] == sorted(set(SIM_TEXT.encode()))
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        configs("--model", "sim", "--max-model-len", "8193")
+    with pytest.raises(ValueError, match="--sim-model needs --model sim"):
+        configs("--model", "x.gguf", "--sim-model", "bytes")
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file"):
+        configs("--model", "sim", "--sim-model", "/no/such/model")
 
 
 def test_num_threads_reaches_the_real_runner() -> None:

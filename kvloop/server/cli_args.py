@@ -12,11 +12,15 @@ import importlib.util
 import logging
 import re
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.server.config import ROLES, ServeConfig
+from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
+
+if TYPE_CHECKING:
+    from kvloop.server.sim_model import SimModel
 
 logger = logging.getLogger("kvloop.server")
 
@@ -64,6 +68,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size, e.g. 512MiB (default: the runner's rule)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="fix the KV capacity in blocks (including the null block, as vLLM)")
+    g.add_argument("--sim-model", default=None,
+                   help="--model sim: the model whose tokenizer, vocabulary, chat template and "
+                        "context length the simulator presents: a GGUF file or Hugging Face "
+                        f"directory, or '{BYTE_VOCAB}' for a byte-level tokenizer (259 ids) "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--sim-speedup", type=float, default=1.0,
                    help="--model sim: divide every modelled step time by this")
     g.add_argument("--sim-latency-file", default=None,
@@ -135,10 +144,7 @@ def resolve_model(model: str | None) -> str:
 
 
 def load_tokenizer(model: str) -> Any:
-    if model == SIM:
-        from kvloop.sim.tokenizer import ByteTokenizer
-
-        return ByteTokenizer()
+    """A real model's tokenizer ('' for the embedded model)."""
     from kvloop.server.tokenizer import Tokenizer  # type: ignore[import-not-found]
 
     return Tokenizer.from_model(model or None)
@@ -159,10 +165,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         check_invariants=args.debug_check_invariants)
 
 
-def runner_spec(args: argparse.Namespace, model: str) -> tuple[str, dict[str, Any]]:
-    if model == SIM:
+def runner_spec(args: argparse.Namespace, model: str,
+                sim: SimModel | None = None) -> tuple[str, dict[str, Any]]:
+    """The engine's runner factory and its keyword arguments (the simulator's when `sim`)."""
+    if sim is not None:
         return SIM_FACTORY, {"num_gpu_blocks_override": args.num_gpu_blocks_override,
-                             "max_model_len": args.max_model_len,
+                             "max_model_len": sim.max_model_len(args.max_model_len),
+                             "vocab_size": sim.vocab_size,
+                             "text_token_ids": list(sim.text_token_ids),
                              "latency_file": args.sim_latency_file,
                              "speedup": args.sim_speedup, "seed": args.seed}
     return REAL_FACTORY, {"model": model or None, "dtype": args.dtype, "device": args.device,
@@ -182,21 +192,28 @@ def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
-    """Flags -> (server config, engine start config, tokenizer). Raises ValueError."""
+    """Flags -> (server config, engine start config, tokenizer). Raises ValueError, or
+    FileNotFoundError for a model that is not there."""
     if args.sim_speedup <= 0:
         raise ValueError("--sim-speedup must be > 0")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError("--num-threads must be >= 1")
     model = resolve_model(args.model)
-    tokenizer = load_tokenizer(model)
+    if args.sim_model is not None and model != SIM:
+        raise ValueError("--sim-model needs --model sim")
+    from kvloop.server.sim_model import load_sim_model
+
+    sim = load_sim_model(args.sim_model) if model == SIM else None
+    tokenizer = sim.tokenizer if sim is not None else load_tokenizer(model)
     names = tuple(args.served_model_name or [SIM if model == SIM else
                                              (tokenizer.model_name or model)])
-    factory, kwargs = runner_spec(args, model)
+    factory, kwargs = runner_spec(args, model, sim)
     start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
                               input_address="", output_address="", runner_kwargs=kwargs,
                               trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper())
-    serve = ServeConfig(served_model_names=names, model_path=(model or None), host=args.host,
+    model_path = sim.source if sim is not None else (model or None)
+    serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
@@ -210,7 +227,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s api[%(process)d] %(message)s")
     try:
         serve, start, tokenizer = build_configs(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad flags; a model that is not there
         logger.error("%s", e)
         return 2
     from kvloop.server.serve import run_server
