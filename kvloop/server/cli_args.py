@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
-from kvloop.server.config import ROLES, ServeConfig
+from kvloop.server.config import ROLES, ServeConfig, log_stats_interval
 from kvloop.wire import EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     _add_server_args(p)
     _add_events_args(p)
+    _add_logging_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -115,6 +116,21 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-topic", default="")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags; what they log: kvloop/server/logs.py."""
+    g = p.add_argument_group("logging")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                   default=True, help="log one line per request received (the default)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log requests")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="log at most N prompt characters and N prompt token ids (default: "
+                        "all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, queue, KV cache; every "
+                        "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -201,7 +217,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
                         scheduling_policy=args.scheduling_policy, log_level=args.log_level,
-                        engine_start_timeout_s=args.engine_start_timeout)
+                        engine_start_timeout_s=args.engine_start_timeout,
+                        log_requests=args.log_requests, max_log_len=args.max_log_len,
+                        log_stats=not args.disable_log_stats,
+                        log_stats_interval_s=log_stats_interval())
     return serve, start, tokenizer
 
 

@@ -32,6 +32,7 @@ from kvloop.server.client import (
     ServerShuttingDown,
 )
 from kvloop.server.config import ServeConfig
+from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.openai import (
     ChatCompletionRequest,
@@ -231,6 +232,13 @@ class Child:
     prompt_ids: list[int]
     params: SamplingParams
     state: OutputState
+
+
+def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+    """One "Received request" line per prompt, with the id its children's ids start with."""
+    for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        log_request(ctx.config, ctx.tokenizer, f"{base_id}-{p}", ids, sp)
 
 
 def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
@@ -496,6 +504,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     base = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, prompts, params))
     gen.submit()
+    log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
              for ids in prompts] if req.echo else None)
     if req.stream:
@@ -595,6 +604,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     base = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
     gen.submit()
+    log_received(ctx, base, [prompt], [params])
     if req.stream:
         return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
     await collect(request, gen)
