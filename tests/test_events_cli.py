@@ -11,12 +11,14 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvloop.cli import build_parser, main
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.events.publisher import KVEventsConfig
 
+from .conftest import serving
 from .test_events_helpers import SimWorker, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +165,7 @@ def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
             args = ["--topic", "other"]
             feeder.start()
         rc = main(["events", "tail", "--endpoint", worker.endpoint, *args, "--idle-warn",
-                   "1.5", "--exit-on-idle"])
+                   "2.5", "--exit-on-idle"])   # > the 1 s between heartbeats
     finally:
         stop.set()
         if feeder.is_alive():
@@ -173,7 +175,7 @@ def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
     (warning,) = _warnings(err)
     topic = "'kv'" if case == "idle worker" else "'other'"
     assert rc == 1 and warning == (
-        f"kvloop events tail: no KV event batch from {worker.endpoint} in 1.5 s; the "
+        f"kvloop events tail: no KV event batch from {worker.endpoint} in 2.5 s; the "
         f"publisher is there (heartbeats or replay replies, epoch {worker.publisher.epoch[:8]})"
         f" but sent no batch on topic {topic}: the worker is idle (events flow only while its "
         f"KV cache changes), or it publishes on another topic (its --kv-events-topic). "
@@ -188,3 +190,16 @@ def test_idle_flags_are_checked():
     for bad in (["--idle-warn", "-1"], ["--idle-warn", "0", "--exit-on-idle"]):
         with pytest.raises(SystemExit, match="--idle-warn"):
             main(["events", "tail", "--endpoint", "tcp://127.0.0.1:1", *bad])
+
+
+def test_tail_against_kvloop_serve_with_heartbeats(tmp_path_factory, capsys):
+    """`kvloop serve --kv-events-heartbeat` on vLLM's empty topic: an idle worker is heard."""
+    with serving(tmp_path_factory, "tail_serve", [
+            "--model", "sim", "--enable-kv-cache-events", "--kv-events-heartbeat"]) as srv:
+        endpoint = httpx.get(srv.url + "/kvloop/worker").json()["kv_events"]["endpoint"]
+        rc = main(["events", "tail", "--endpoint", endpoint, "--heartbeats", "--idle-warn",
+                   "2.5", "--exit-on-idle"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and out.splitlines()[0].startswith("   heartbeat epoch=")
+    (warning,) = _warnings(err)
+    assert "the publisher is there (heartbeats or replay replies, epoch " in warning

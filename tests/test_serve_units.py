@@ -188,7 +188,7 @@ def test_build_configs_sim() -> None:
     assert start.runner_factory == cli_args.SIM_FACTORY
     assert start.runner_kwargs["num_gpu_blocks_override"] == 32
     assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
-                               "recency": False}
+                               "recency": False, "heartbeat": None}
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
 

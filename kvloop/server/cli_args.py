@@ -116,6 +116,9 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-topic", default="")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
+    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
+                   default=None, help="heartbeats on their own topic (default: on when "
+                                      "--kv-events-topic is not empty)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +128,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="log one line per request received (the default)")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help="do not log requests")
-    g.add_argument("--max-log-len", type=int, default=None,
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="log at most N prompt characters and N prompt token ids (default: "
                         "all)")
     g.add_argument("--disable-log-stats", action="store_true",
@@ -194,7 +197,8 @@ def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {"endpoint": args.kv_events_endpoint,
             "replay_endpoint": args.kv_events_replay_endpoint,
-            "topic": args.kv_events_topic, "recency": args.kv_events_recency}
+            "topic": args.kv_events_topic, "recency": args.kv_events_recency,
+            "heartbeat": args.kv_events_heartbeat}
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
