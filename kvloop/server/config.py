@@ -31,7 +31,7 @@ class ServeConfig:
 
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
-    with Retry-After (None: unbounded). `served_model_names` are the names clients may send
+    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded). `served_model_names` are the names clients may send
     in `model`; the first is reported back. `log_requests`: one INFO line per request
     received, its prompt cut to `max_log_len` characters and ids (None: whole);
     `log_stats`: a stats line every `log_stats_interval_s` while busy (kvloop/server/logs.py).
