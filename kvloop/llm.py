@@ -10,6 +10,11 @@ What the engine does not do is done by the API server's output processing
 (seeded ones get seeds seed, seed+1...), EOS and the model's other end-of-turn ids, stop
 strings (detokenized incrementally, not before `min_tokens`; a hit aborts the request and
 truncates its text), text and logprobs; this module only shapes vLLM's `RequestOutput`.
+
+A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
+the server's message, before any request is added. `max_tokens` beyond the context is not an
+error here (the server answers 400 for it only when the client set it; SamplingParams always
+carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("length").
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
-from kvloop.core.request import SamplingParams
+from kvloop.core.request import SamplingParams, check_context_length
 from kvloop.core.runner import Runner
 from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.server.tokenizer import Tokenizer
@@ -173,6 +178,10 @@ class LLM:
 
     def _add_requests(self, encoded: list[tuple[str | None, list[int]]],
                       params: list[SamplingParams]) -> list[_Sequence]:
+        """Every prompt is checked before any is added, so a bad one leaves nothing behind."""
+        max_len = self.engine.config.scheduler.max_model_len
+        for _, ids in encoded:
+            check_context_length(max_len, len(ids))
         seqs: list[_Sequence] = []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params, strict=True)):
             for j, sub in enumerate(fan_out(model_stops(sp, self.tokenizer))):

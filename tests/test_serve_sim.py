@@ -302,9 +302,14 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
     assert words(huge_k.choices[0].text, 3)
 
 
-def test_max_tokens_is_clamped_to_the_context(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="sim", prompt=[1000] * (MAX_LEN - 4), max_tokens=100)
+def test_default_max_tokens_is_clamped_to_the_context(client: openai.OpenAI) -> None:
+    """Unasked, max_tokens (16) is cut to the room left; asked, too many is a 400
+    (test_serve_limits.py)."""
+    prompt = [1000] * (MAX_LEN - 4)
+    r = client.completions.create(model="sim", prompt=prompt)
     assert words(r.choices[0].text, 4) and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="is too large: 100"):
+        client.completions.create(model="sim", prompt=prompt, max_tokens=100)
 
 
 # --- other endpoints --------------------------------------------------------------------------
@@ -428,7 +433,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServeProcess) -> 
 
 
 def test_immediate_disconnects_leave_nothing_behind(server: ServeProcess) -> None:
-    body = {"model": "sim", "prompt": "gone", "max_tokens": MAX_LEN - 10, "stream": True}
+    body = {"model": "sim", "prompt": "gone", "max_tokens": MAX_LEN - 100, "stream": True}
     for path, b in (("/v1/completions", body),
                     ("/v1/chat/completions", {**body, "messages": [{"role": "user",
                                                                     "content": "x"}]})):

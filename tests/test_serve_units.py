@@ -196,7 +196,7 @@ def test_build_configs_sim() -> None:
     assert (kw["vocab_size"], kw["max_model_len"]) == (49152, 8192)
     assert kw["text_token_ids"] == list(load_sim_model(None).text_token_ids)
     assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
-                               "recency": False}
+                               "recency": False, "heartbeat": None}
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
 

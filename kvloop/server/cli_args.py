@@ -15,7 +15,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
-from kvloop.server.config import ROLES, ServeConfig
+from kvloop.server.config import ROLES, ServeConfig, log_stats_interval
 from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
 
@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     _add_server_args(p)
     _add_events_args(p)
+    _add_logging_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -124,6 +125,24 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-topic", default="")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
+    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
+                   default=None, help="heartbeats on their own topic (default: on when "
+                                      "--kv-events-topic is not empty)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags; what they log: kvloop/server/logs.py."""
+    g = p.add_argument_group("logging")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                   default=True, help="log one line per request received (the default)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log requests")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="log at most N prompt characters and N prompt token ids (default: "
+                        "all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, queue, KV cache; every "
+                        "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -188,7 +207,8 @@ def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {"endpoint": args.kv_events_endpoint,
             "replay_endpoint": args.kv_events_replay_endpoint,
-            "topic": args.kv_events_topic, "recency": args.kv_events_recency}
+            "topic": args.kv_events_topic, "recency": args.kv_events_recency,
+            "heartbeat": args.kv_events_heartbeat}
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
@@ -218,7 +238,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
                         scheduling_policy=args.scheduling_policy, log_level=args.log_level,
-                        engine_start_timeout_s=args.engine_start_timeout)
+                        engine_start_timeout_s=args.engine_start_timeout,
+                        log_requests=args.log_requests, max_log_len=args.max_log_len,
+                        log_stats=not args.disable_log_stats,
+                        log_stats_interval_s=log_stats_interval())
     return serve, start, tokenizer
 
 

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
+
+
+def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds between stats lines, read as vLLM reads `VLLM_LOG_STATS_INTERVAL`: a float;
+    unset or <= 0 means 10. ValueError for text that is not a number."""
+    text = (os.environ if environ is None else environ).get(LOG_STATS_INTERVAL_ENV)
+    if text is None:
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{LOG_STATS_INTERVAL_ENV} must be a number of seconds, "
+                         f"got {text!r}") from None
+    return value if value > 0 else DEFAULT_LOG_STATS_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -13,8 +31,10 @@ class ServeConfig:
 
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
-    with Retry-After (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back.
+    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded). `served_model_names` are the names clients may send
+    in `model`; the first is reported back. `log_requests`: one INFO line per request
+    received, its prompt cut to `max_log_len` characters and ids (None: whole);
+    `log_stats`: a stats line every `log_stats_interval_s` while busy (kvloop/server/logs.py).
     """
 
     served_model_names: tuple[str, ...]
@@ -30,6 +50,10 @@ class ServeConfig:
     log_level: str = "info"
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
+    log_requests: bool = True
+    max_log_len: int | None = None
+    log_stats: bool = True
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -42,6 +66,10 @@ class ServeConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError("max_log_len must be >= 0")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError("log_stats_interval_s must be > 0")
 
     @property
     def model_name(self) -> str:

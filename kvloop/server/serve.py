@@ -2,7 +2,8 @@
 
     1. start the engine core process and wait for its handshake (model loaded, KV sized);
     2. bind the HTTP socket (port 0 = ephemeral), start uvicorn, print
-       "kvloop serving on http://HOST:PORT" once it accepts connections;
+       "kvloop serving on http://HOST:PORT" once it accepts connections; the stats line
+       (kvloop/server/logs.py) runs from then on;
     3. on SIGTERM/SIGINT: refuse new requests, end in-flight ones (streams get
        finish_reason "abort", others 503), stop uvicorn, then stop the engine process;
     4. if the engine process dies, fail in-flight requests, stop uvicorn and exit 1.
@@ -27,6 +28,7 @@ import uvicorn
 from kvloop.server.api import build_app
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
+from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
 from kvloop.server.sockets import bind_tcp, http_url
@@ -91,9 +93,14 @@ async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> 
     server = _Uvicorn(uv_cfg, client, http_url(sock), asyncio.get_running_loop())
     signal.signal(signal.SIGTERM, _ignore_signal)
     signal.signal(signal.SIGINT, _ignore_signal)
+    stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
+                                            start.engine_index).run(), name="stat-logger")
+             if cfg.log_stats else None)
     try:
         await server.serve(sockets=[sock])
     finally:
+        if stats is not None:
+            stats.cancel()
         await client.shutdown(cfg.graceful_shutdown_s)
         sock.close()
     return exit_code

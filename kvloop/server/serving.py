@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvloop import SamplingParams
+from kvloop.core.request import ContextLengthError, check_context_length
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
@@ -31,6 +32,7 @@ from kvloop.server.client import (
     ServerShuttingDown,
 )
 from kvloop.server.config import ServeConfig
+from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.openai import (
     ChatCompletionRequest,
@@ -133,19 +135,22 @@ def _param_of(message: str) -> str | None:
 
 
 def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
-                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                          max_tokens: int | None, logprobs: int | None,
+                          default_max_tokens: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
 
-    `max_tokens` is clamped to the room left in the context (None: all of it).
+    `max_tokens` is what the client asked for (None: nothing): a number the context cannot
+    hold after the prompt is a 400, as in vLLM. Unasked, it is `default_max_tokens` clamped
+    to the room left in the context (None: all of that room).
     """
     max_len = ctx.ready.max_model_len
-    if prompt_len >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. "
-                            f"However, your request has {prompt_len} input tokens; at least "
-                            f"one token must be generated. Please reduce the length of the "
-                            f"input.", param="prompt")
-    room = max_len - prompt_len
-    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    try:
+        check_context_length(max_len, prompt_len, max_tokens)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=e.param) from e
+    if max_tokens is None:
+        room = max_len - prompt_len
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if logprobs is not None and logprobs > ctx.config.max_logprobs:
         raise APIError(400, f"Requested sample logprobs of {logprobs}, which is greater than "
                             f"max allowed: {ctx.config.max_logprobs}", param="logprobs")
@@ -227,6 +232,13 @@ class Child:
     state: OutputState
 
 
+def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+    """One "Received request" line per prompt, with the id its children's ids start with."""
+    for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        log_request(ctx.config, ctx.tokenizer, f"{base_id}-{p}", ids, sp)
+
+
 def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
                   params: list[SamplingParams]) -> list[Child]:
     children = []
@@ -248,10 +260,13 @@ class Generation:
         self._pending = {c.request_id: c for c in children}
 
     def submit(self) -> None:
-        """Admission control, then send every child. APIError(503) when over the limit."""
+        """Admission control, then send every child: APIError(400) for more children than
+        the limit admits at all, APIError(503) with Retry-After while the queue is full."""
         client, cfg = self.ctx.client, self.ctx.config
-        _raise_unavailable(client)
         limit = cfg.max_waiting_requests
+        if limit is not None and len(self.children) > limit:
+            raise self._never_admitted(limit)
+        _raise_unavailable(client)
         if limit is not None and client.num_unscheduled + len(self.children) > limit:
             self.ctx.metrics.reject("max_waiting_requests")
             raise APIError(503, f"Too many requests waiting ({client.num_unscheduled} of at "
@@ -272,6 +287,15 @@ class Generation:
             per_prompt[c.prompt_index] = per_prompt.get(c.prompt_index, 0) + 1
         for n in per_prompt.values():
             self.ctx.metrics.observe_n(n)
+
+    def _never_admitted(self, limit: int) -> APIError:
+        num_prompts = len({c.prompt_index for c in self.children})
+        n = len(self.children) // num_prompts
+        return APIError(400, f"This request needs {len(self.children)} sequences (n={n} for "
+                             f"each of {num_prompts} prompt(s)), more than the "
+                             f"{limit} that --max-waiting-requests lets wait at once; it can "
+                             f"never be admitted. Reduce n or the number of prompts.",
+                        param="n" if n > 1 else "prompt")
 
     def disconnect(self) -> None:
         self.queue.put_nowait((None, ClientDisconnected()))
@@ -453,6 +477,14 @@ def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[
     return prompts
 
 
+def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(what the client asked for, the default otherwise): the completions default of 16
+    applies only when the body has no max_tokens; an explicit null asks for nothing."""
+    if "max_tokens" in req.model_fields_set:
+        return req.max_tokens, None
+    return None, req.max_tokens
+
+
 async def create_completion(ctx: ServerContext, req: CompletionRequest,
                             request: Request) -> Response:
     ctx.check_model(req.model)
@@ -460,11 +492,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     if req.suffix:
         raise APIError(400, "suffix is not supported by kvloop", param="suffix")
     prompts = completion_prompts(ctx, req)
-    params = [build_sampling_params(ctx, req, len(ids), req.max_tokens, req.logprobs)
+    asked, default = completion_max_tokens(req)
+    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
               for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, prompts, params))
     gen.submit()
+    log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
              for ids in prompts] if req.echo else None)
     if req.stream:
@@ -564,6 +598,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     base = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
     gen.submit()
+    log_received(ctx, base, [prompt], [params])
     if req.stream:
         return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
     await collect(request, gen)
