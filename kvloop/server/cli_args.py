@@ -15,7 +15,9 @@ import uuid
 from typing import Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import ROLES, ServeConfig
+from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.wire import EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -42,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     _add_server_args(p)
     _add_events_args(p)
+    _add_security_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -115,6 +118,12 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-topic", default="")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys and HTTP limits")
+    add_auth_args(g)
+    add_limit_args(g)
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -201,7 +210,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
                         scheduling_policy=args.scheduling_policy, log_level=args.log_level,
-                        engine_start_timeout_s=args.engine_start_timeout)
+                        engine_start_timeout_s=args.engine_start_timeout,
+                        auth=auth_config(args), http_limits=http_limits(args))
     return serve, start, tokenizer
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvloop.server.auth import AuthConfig
+from kvloop.server.http_limits import HttpLimits
 
 ROLES = ("both", "prefill", "decode")
 
@@ -14,7 +17,8 @@ class ServeConfig:
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back.
+    in `model`; the first is reported back. `auth`: API keys; `http_limits`: body size and
+    read timeouts of the HTTP front.
     """
 
     served_model_names: tuple[str, ...]
@@ -30,6 +34,8 @@ class ServeConfig:
     log_level: str = "info"
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
