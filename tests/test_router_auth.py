@@ -24,7 +24,7 @@ from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
 from kvloop.server.launcher import ServeProcess
 
-from .test_router_fleet import SIM_ARGS, RouterThread, router_config, wait_until
+from .test_router_fleet import ADMIN, SIM_ARGS, RouterThread, router_config, wait_until
 from .test_serve_auth import (
     _connect,
     _head,
@@ -136,6 +136,19 @@ def test_a_worker_that_refuses_the_routers_key_is_not_registered(fleet: Fleet) -
         assert "refused the router's (--worker-api-key)" in err["message"]
         health = httpx.get(rt.url + "/health").json()  # the initial worker: up, with a warning
         assert health["workers"][specs[0].name]["up"] is True
+
+
+def test_a_router_without_keys_passes_the_clients_key_through(fleet: Fleet) -> None:
+    specs = fleet.specs()
+    with RouterThread(router_config(), specs[:1]) as rt:   # no API key, no worker key
+        body = {"prompt": [9] * 20, "max_tokens": 1}
+        assert_error(httpx.post(rt.url + "/v1/completions", json=body), 401,
+                     "UnauthorizedError")   # the worker's answer, passed on
+        ok = httpx.post(rt.url + "/v1/completions", json=body, headers=bearer(WORKER_KEY))
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(rt.url + "/workers", json={"url": specs[1].url}, headers=ADMIN)
+        assert r.status_code == 201, r.text
+        assert any("only clients sending the worker's key" in w for w in r.json()["warnings"])
 
 
 def test_the_router_front_limits_bodies_and_times_out_half_sent_requests(fleet: Fleet) -> None:

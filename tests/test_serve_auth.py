@@ -133,8 +133,10 @@ def test_reset_prefix_cache_needs_the_admin_key(server: ServeProcess) -> None:
 
 def test_flags_and_the_environment_variable_give_the_keys() -> None:
     parse = build_parser().parse_args
-    args = parse(["serve", "--api-key", "a", "--api-key", "b", "c", "--admin-api-key", "z"])
-    assert auth_config(args, {"VLLM_API_KEY": "e"}) == AuthConfig(("a", "b", "c"), "z")
+    args = parse(["serve", "--api-key", "a", "--api-key", "b", "--admin-api-key", "z"])
+    assert auth_config(args, {"VLLM_API_KEY": "e"}) == AuthConfig(("a", "b"), "z")
+    router = parse(["router", "--api-key", "r", "--worker-api-key", "w"])
+    assert (auth_config(router, {}), router.worker_api_key) == (AuthConfig(("r",)), "w")
     assert auth_config(parse(["serve"]), {"VLLM_API_KEY": "e"}) == AuthConfig(("e",))
     assert auth_config(parse(["serve"]), {}) == AuthConfig()
     for bad in ("", " lead", "in side"):

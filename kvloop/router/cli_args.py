@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import replace
 
 from kvloop.router.config import (
     POLICIES,
@@ -90,14 +89,16 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("API keys and HTTP limits (the router's front)")
     add_auth_args(g)
     g.add_argument("--worker-api-key", default=None, metavar="KEY",
-                   help="the key the router sends to every worker (`kvloop fleet`: the first "
-                        "--api-key, also given to its workers); without it a client's "
-                        "Authorization header is passed through")
+                   help="the key the router sends to every worker (default: its first API "
+                        "key; `kvloop fleet` starts its workers with it); with no key at all "
+                        "a client's Authorization header is passed through")
     add_limit_args(g)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    """Validated, frozen config from the parsed flags (raises ValueError)."""
+    """Validated, frozen config from the parsed flags (raises ValueError). The key sent to
+    workers is --worker-api-key, else the router's first API key."""
+    auth = auth_config(args)
     spec = None
     if args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
         from kvloop.core.hashing import resolve_seed
@@ -120,16 +121,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                 verify_min_samples=args.verify_min_samples,
                                 verify_miss_ratio=args.verify_miss_ratio,
                                 request_timeout_s=args.request_timeout),
-        auth=auth_config(args), worker_api_key=args.worker_api_key,
+        auth=auth, worker_api_key=args.worker_api_key or next(iter(auth.api_keys), None),
         http_limits=http_limits(args))
-
-
-def fleet_router_config(cfg: RouterConfig) -> RouterConfig:
-    """A fleet's router talks to its own workers with its first API key, unless
-    --worker-api-key names another (the fleet starts its workers with that key)."""
-    if cfg.worker_api_key is None and cfg.auth.api_keys:
-        return replace(cfg, worker_api_key=cfg.auth.api_keys[0])
-    return cfg
 
 
 def _setup_logging(level: str) -> None:
@@ -160,7 +153,7 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         extra = list(args.worker_args)
         if extra and extra[0] == "--":
             extra = extra[1:]
-        cfg = fleet_router_config(router_config(args))
+        cfg = router_config(args)
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
                             start_timeout_s=args.worker_start_timeout,

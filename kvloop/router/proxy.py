@@ -151,7 +151,7 @@ class RouterApp:
             log.warning("worker %s registered but unreachable: %s", spec.name, reason)
             self.router.registry.note_unreachable(spec.name, reason)
             return {"worker": spec.name, "up": False, "warnings": [reason]}
-        key_warnings = _key_warnings(spec, desc)
+        key_warnings = _key_problems(spec, desc, bool(self.worker_headers))
         for w in key_warnings:
             log.warning("%s", w)
         warnings = self.router.register(spec, desc) + key_warnings
@@ -377,7 +377,10 @@ class RouterApp:
             return error_response(f"worker {spec.name} not registered: {reason}", code)
         if self.router.registry.get(spec.name) is not None:  # registered while we probed
             return error_response(f"worker {spec.name} is already registered", 409)
-        warnings = self.router.register(spec, desc)
+        key_problems = _key_problems(spec, desc, bool(self.worker_headers))
+        for w in key_problems:
+            log.warning("%s", w)
+        warnings = self.router.register(spec, desc) + key_problems
         log.info("worker %s registered at run time: role %s, model %r, epoch %s", spec.name,
                  spec.role, desc.model, desc.epoch)
         return JSONResponse({"worker": spec.name, "up": True, "warnings": warnings},
@@ -388,9 +391,9 @@ class RouterApp:
         if desc.hash_spec() is None:
             return 422, (f"{spec.url}{WORKER_INFO_PATH} gave no hashing facts (block_size, "
                          "hash_algo, hash_seed): not a kvloop worker?")
-        key_problem = _key_warnings(spec, desc)
-        if key_problem:
-            return 422, key_problem[0]
+        key_problems = _key_problems(spec, desc, bool(self.worker_headers))
+        if key_problems and self.worker_headers:  # without a key, clients' keys may do
+            return 422, key_problems[0]
         mismatches = self.router.hashing_mismatches(desc)
         if mismatches:
             return 409, "; ".join(mismatches)
@@ -499,11 +502,15 @@ def _response_headers(r: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
-def _key_warnings(spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
-    if desc.api_key_required and not desc.api_key_accepted:
+def _key_problems(spec: WorkerSpec, desc: WorkerDescription, has_key: bool) -> list[str]:
+    """Why requests forwarded to the worker would get 401 (empty: they would not)."""
+    if not desc.api_key_required or desc.api_key_accepted:
+        return []
+    if has_key:
         return [f"{spec.name} requires an API key and refused the router's "
                 "(--worker-api-key): requests forwarded to it would get 401"]
-    return []
+    return [f"{spec.name} requires an API key and the router has none for it "
+            "(--worker-api-key): only clients sending the worker's key get through"]
 
 
 def _spec_from_body(data: Any) -> WorkerSpec:

@@ -127,7 +127,7 @@ class RouteRules:
 # --- flags ---------------------------------------------------------------------------------------
 def add_auth_args(g: argparse._ArgumentGroup) -> None:
     """--api-key and --admin-api-key (the same flags on `kvloop serve`, `router` and `fleet`)."""
-    g.add_argument("--api-key", action="extend", nargs="+", default=None, metavar="KEY",
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health, "
                         "/ping, /load, /version and /metrics (repeatable: any of the keys; "
                         f"default: ${API_KEY_ENV})")
