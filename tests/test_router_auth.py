@@ -184,7 +184,9 @@ def test_fleet_api_key_reaches_router_and_workers(tmp_path: Path) -> None:
     threading.Thread(target=read, daemon=True).start()
     try:
         assert found.wait(90), "".join(lines[-30:])
-        url = re.search(r"kvloop router on (http://\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
+        m = re.search(r"kvloop router on (http://\S+)", "".join(lines))
+        assert m is not None
+        url = m.group(1)
         key = bearer("fleet-key")
         r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 20, "max_tokens": 1},
                        headers=key)
