@@ -15,7 +15,9 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import ROLES, ServeConfig, log_stats_interval
+from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
 
@@ -47,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_server_args(p)
     _add_events_args(p)
     _add_logging_args(p)
+    _add_security_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -145,6 +148,12 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                         "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
 
 
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys and HTTP limits")
+    add_auth_args(g)
+    add_limit_args(g)
+
+
 # --- configs -------------------------------------------------------------------------------------
 def embedded_model_available() -> bool:
     """The real model path exists in this checkout (tokenizer and model packages)."""
@@ -241,7 +250,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         engine_start_timeout_s=args.engine_start_timeout,
                         log_requests=args.log_requests, max_log_len=args.max_log_len,
                         log_stats=not args.disable_log_stats,
-                        log_stats_interval_s=log_stats_interval())
+                        log_stats_interval_s=log_stats_interval(),
+                        auth=auth_config(args), http_limits=http_limits(args))
     return serve, start, tokenizer
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvloop.server.auth import AuthConfig
+from kvloop.server.http_limits import HttpLimits
 
 ROLES = ("both", "prefill", "decode")
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
@@ -31,10 +34,12 @@ class ServeConfig:
 
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
-    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back. `log_requests`: one INFO line per request
-    received, its prompt cut to `max_log_len` characters and ids (None: whole);
-    `log_stats`: a stats line every `log_stats_interval_s` while busy (kvloop/server/logs.py).
+    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
+    `served_model_names` are the names clients may send in `model`; the first is reported
+    back. `log_requests`: one INFO line per request received, its prompt cut to `max_log_len`
+    characters and ids (None: whole); `log_stats`: a stats line every `log_stats_interval_s`
+    while busy (kvloop/server/logs.py). `auth`: API keys; `http_limits`: body size and read
+    timeouts of the HTTP front.
     """
 
     served_model_names: tuple[str, ...]
@@ -54,6 +59,8 @@ class ServeConfig:
     max_log_len: int | None = None
     log_stats: bool = True
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

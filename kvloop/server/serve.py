@@ -28,6 +28,7 @@ import uvicorn
 from kvloop.server.api import build_app
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
+from kvloop.server.guard import http_protocol
 from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
@@ -89,6 +90,7 @@ async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> 
     ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
     sock = bind_tcp(cfg.host, cfg.port)
     uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.log_level, access_log=False,
+                            http=http_protocol(cfg.http_limits),
                             timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
     server = _Uvicorn(uv_cfg, client, http_url(sock), asyncio.get_running_loop())
     signal.signal(signal.SIGTERM, _ignore_signal)
