@@ -4,6 +4,10 @@ Every error, including request-validation errors, is answered with vLLM's shape
 `{"error": {"message", "type", "param", "code"}}`; validation errors are 400 (not FastAPI's
 422). An unexpected exception is logged and answered 500 in the same shape; bad input never
 gets there.
+
+The published schema (`/openapi.json`) says what each route really answers: its body types
+(the TypedDicts of `openai.py`, event by event for a stream), its status codes and content
+types (`_answers`). `tests/test_serve_schema.py` holds a live server to it with schemathesis.
 """
 
 from __future__ import annotations
@@ -12,17 +16,33 @@ import logging
 import os
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloop
 from kvloop.server.openai import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    EngineStats,
+    ErrorResponse,
+    KVEventsInfo,
+    LoadResponse,
+    ModelCard,
+    ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    WorkerInfo,
     error_body,
     http_error_body,
 )
@@ -76,9 +96,75 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
+# --- the published schema ----------------------------------------------------------------------
+_REF = "#/components/schemas/{model}"
+_ERRORS = {
+    400: "Invalid request: the body fails validation, or a value is out of range or not "
+         "supported.",
+    401: "Missing or wrong API key (only on a server started with one).",
+    404: "No such model (the body's `model`, or the id in the path).",
+    413: "Request body over the server's limit.",
+    500: "The engine died.",
+    503: "Shutting down, the engine did not answer, or too many requests waiting (then with "
+         "Retry-After).",
+}
+_GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse)
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "string"}}}
+
+
+def _event_stream(event: type) -> dict[str, Any]:
+    """The `text/event-stream` content of a stream of `event`s: each event's data is one JSON
+    `event`, or the error object that ends a failed stream, or the final `[DONE]`."""
+    chunk = {"anyOf": [{"$ref": _REF.format(model=event.__name__)},
+                       {"$ref": _REF.format(model=ErrorResponse.__name__)}]}
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": chunk}]}
+    return {"itemSchema": {"type": "object", "required": ["data"],
+                           "properties": {"data": data}}}
+
+
+def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any]:
+    """Route arguments that publish what a route answers: 200 with a JSON body of type `ok`
+    (None: the response class's own content), or an event stream of `stream`s when the
+    request asks for one; each status of `errors` with the error object."""
+    ok_response: dict[str, Any] = {} if ok is None else {"model": ok}
+    if stream is not None:
+        ok_response["content"] = {"text/event-stream": _event_stream(stream)}
+    responses: dict[int | str, dict[str, Any]] = {200: ok_response}
+    for code in errors:
+        responses[code] = {"model": ErrorResponse, "description": _ERRORS[code]}
+        if code == 503:
+            responses[code]["headers"] = _RETRY_AFTER
+    return {"response_model": None, "responses": responses}
+
+
+class KvloopAPI(FastAPI):
+    """FastAPI whose `/openapi.json` matches the server: no 422 answers (a validation error is
+    a 400, which each route declares) and the event types of streams among the components."""
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()  # cached by FastAPI; the edits below are idempotent
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for event in _STREAMED:
+            event_schema = TypeAdapter(event).json_schema(ref_template=_REF,
+                                                          mode="serialization")
+            for name, definition in event_schema.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components.setdefault(event.__name__, event_schema)
+        return schema
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
-    app = FastAPI(title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
+    app = KvloopAPI(title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
@@ -87,26 +173,39 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_answers(CompletionResponse, *_GENERATION_ERRORS,
+                                            stream=CompletionStreamResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_answers(ChatCompletionResponse, *_GENERATION_ERRORS,
+                                                 stream=ChatCompletionStreamResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        data: list[dict[str, Any]] = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
-                 "root": ctx.config.model_path or name, "parent": None,
-                 "max_model_len": ctx.ready.max_model_len, "permission": []}
-                for name in ctx.config.served_model_names]
-        return {"object": "list", "data": data}
+    @app.get("/v1/models", **_answers(ModelList, 401))
+    async def models() -> ModelList:
+        return {"object": "list",
+                "data": [model_card(ctx, name) for name in ctx.config.served_model_names]}
+
+    served = list(ctx.config.served_model_names)
+
+    @app.get("/v1/models/{model_id:path}", **_answers(ModelCard, 401, 404))
+    async def model(model_id: str = Path(examples=served)) -> ModelCard:
+        ctx.check_model(model_id)
+        return model_card(ctx, model_id)
+
+
+def model_card(ctx: ServerContext, name: str) -> ModelCard:
+    """One served model name in vLLM's shape of a model object."""
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
+            "root": ctx.config.model_path or name, "parent": None,
+            "max_model_len": ctx.ready.max_model_len, "permission": []}
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", **_answers(TokenizeResponse, 400, 404, 413))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -125,51 +224,58 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    @app.post("/detokenize", **_answers(DetokenizeResponse, 400, 404, 413))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
 
+_HEALTH: dict[str, Any] = {
+    "response_class": Response, "response_model": None,
+    "responses": {200: {"description": "The engine is alive (empty body)."},
+                  503: {"description": "The engine died (empty body)."}}}
+
+
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.get("/health")
+    @app.get("/health", **_HEALTH)
     async def health() -> Response:
         if ctx.client.dead:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", **_HEALTH)
+    @app.post("/ping", **_HEALTH)
     async def ping() -> Response:
         return await health()
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
+    @app.get("/version", **_answers(VersionResponse))
+    async def version() -> VersionResponse:
         return {"version": kvloop.__version__}
 
-    @app.get("/load")
-    async def load() -> dict[str, int]:
+    @app.get("/load", **_answers(LoadResponse))
+    async def load() -> LoadResponse:
         return {"server_load": ctx.client.num_in_flight}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **_answers(None))
     async def metrics() -> Response:
         return Response(ctx.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/kvloop/worker")
-    async def worker() -> dict[str, Any]:
+    @app.get("/kvloop/worker", **_answers(WorkerInfo))
+    async def worker() -> WorkerInfo:
         return worker_description(ctx)
 
-    @app.get("/kv_event_sources")
-    async def kv_event_sources() -> dict[str, Any]:
+    @app.get("/kv_event_sources", **_answers(dict[str, KVEventsInfo | None]))
+    async def kv_event_sources() -> dict[str, KVEventsInfo | None]:
         return {"0": worker_description(ctx)["kv_events"]}
 
-    @app.get("/kvloop/stats")
-    async def stats() -> Any:
+    @app.get("/kvloop/stats", **_answers(EngineStats, 503))
+    async def stats() -> EngineStats:
         return await _utility(ctx, "get_stats")
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Any:
+    @app.post("/reset_prefix_cache", **_answers(ResetPrefixCacheResponse, 503))
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
         return {"success": await _utility(ctx, "reset_prefix_cache")}
 
 
@@ -180,10 +286,10 @@ async def _utility(ctx: ServerContext, method: str) -> Any:
         raise APIError(503, f"engine call {method} failed: {e}") from e
 
 
-def worker_description(ctx: ServerContext) -> dict[str, Any]:
+def worker_description(ctx: ServerContext) -> WorkerInfo:
     """What a router reads when this worker registers."""
     r = ctx.ready
-    events = None
+    events: KVEventsInfo | None = None
     if r.kv_events_endpoint is not None:
         events = {"endpoint": r.kv_events_endpoint, "replay_endpoint": r.kv_events_replay_endpoint,
                   "topic": r.kv_events_topic or "", "recency": r.kv_events_recency}
