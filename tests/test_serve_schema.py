@@ -4,17 +4,21 @@ invalid bodies, for every operation) is answered below 500, with a status code, 
 type and a body (each event of a stream too) that the schema documents for that operation;
 afterwards no request, block or traceback is left behind.
 
-schemathesis runs as its own CLI in a subprocess (its pytest plugin depends on pytest
-internals), bounded: a fixed seed, `MAX_EXAMPLES` random cases per operation plus the
+schemathesis runs as its own CLI in a subprocess (its pytest integration fails on pytest 9.2:
+it sets a private attribute of the test item), bounded: a fixed seed, `MAX_EXAMPLES` random cases per operation plus the
 deterministic example and coverage cases, no shrinking, one worker, and a short context
 (`MAX_LEN`) with a fast simulated step, so that a huge `max_tokens` costs a few cheap tokens.
 Its HAR file (every request and answer) shows what the run reached.
 
-Checks left out, and why: `positive_data_acceptance` (the request schema gives types, not
-value ranges: `n >= 1`, `top_p` in (0, 1], `logprobs <= --max-logprobs`, unsupported fields
-such as `logit_bias`... are checked by the server with vLLM's messages, so schema-valid bodies
-may get a 400) and `negative_data_rejection` (pydantic's lax mode accepts `"1"` for an
-integer, as vLLM's server does).
+Checks run: no 5xx; status codes, content types, bodies and headers as documented; a method
+a path does not serve gets 405 with an `Allow` naming every method it does serve. Left out,
+and why: `positive_data_acceptance` (the request schema gives types and shapes, not value
+ranges: `n >= 1`, `top_p` in (0, 1], `logprobs <= --max-logprobs`, `stream_options` only with
+`stream`, unsupported fields such as `logit_bias`... are checked by the server with vLLM's
+messages, so a schema-valid body may get a 400), `negative_data_rejection` (pydantic's lax
+mode takes `0` for `false` and `"1"` for 1, as vLLM's server does), and the checks about
+authentication and resources (`ignored_auth`, `use_after_free`...: no API key on this server,
+nothing is created or deleted).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ MAX_LEN = 128
 MAX_EXAMPLES = 30
 SEED = 11
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
-          "response_schema_conformance")
+          "response_schema_conformance", "response_headers_conformance", "unsupported_method",
+          "allow_header_conformance")
 OPERATIONS = 16  # the routes of kvloop/server/api.py, /ping counted twice (GET and POST)
 
 

@@ -280,6 +280,9 @@ def test_models_health_version_load(server: ServeProcess, client: openai.OpenAI)
     assert (models.data[0].model_extra or {})["max_model_len"] == MAX_LEN
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200
+    wrong = httpx.put(server.url + "/ping")  # one route per method: Allow names both
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
     assert "version" in httpx.get(server.url + "/version").json()
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}
 

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 import kvloop
 from kvloop.server.openai import (
@@ -75,6 +76,16 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(message, 400, param), status_code=400)
 
 
+def _allowed_methods(request: Request) -> str:
+    """The `Allow` of a 405: every method the path is served with (`/ping` has one route per
+    method, and Starlette's 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -86,8 +97,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request)
         return JSONResponse(http_error_body(exc.status_code, exc.detail),
-                            status_code=exc.status_code, headers=dict(exc.headers or {}))
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

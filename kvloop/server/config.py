@@ -14,7 +14,7 @@ class ServeConfig:
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back.
+    in `model`; an answer names the one sent, or the first when the request named none.
     """
 
     served_model_names: tuple[str, ...]
