@@ -5,9 +5,10 @@ type and a body (each event of a stream too) that the schema documents for that 
 afterwards no request, block or traceback is left behind.
 
 schemathesis runs as its own CLI in a subprocess (its pytest integration fails on pytest 9.2:
-it sets a private attribute of the test item), bounded: a fixed seed, `MAX_EXAMPLES` random cases per operation plus the
-deterministic example and coverage cases, no shrinking, one worker, and a short context
-(`MAX_LEN`) with a fast simulated step, so that a huge `max_tokens` costs a few cheap tokens.
+it reads a private attribute of the test item), bounded: a fixed seed, `MAX_EXAMPLES` random
+cases per operation plus the deterministic example and coverage cases, no shrinking, one
+worker, and a short context (`MAX_LEN`) with a fast simulated step, so that a huge
+`max_tokens` costs a few cheap tokens.
 Its HAR file (every request and answer) shows what the run reached.
 
 Checks run: no 5xx; status codes, content types, bodies and headers as documented; a method
@@ -45,7 +46,6 @@ SEED = 11
 CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_schema_conformance", "response_headers_conformance", "unsupported_method",
           "allow_header_conformance")
-OPERATIONS = 16  # the routes of kvloop/server/api.py, /ping counted twice (GET and POST)
 
 
 @dataclass
@@ -103,8 +103,9 @@ def test_every_answer_is_the_documented_one(run: Run) -> None:
     assert run.returncode == 0, run.output[-8000:]
     assert cases["with_failures"] == cases["errored"] == 0, run.output[-8000:]
     assert run.report["failures"] == run.report["errors"] == [], run.output[-8000:]
-    assert run.report["operations"]["tested"] == OPERATIONS, run.report["operations"]
-    assert cases["generated"] >= 40 * OPERATIONS, cases
+    operations = run.report["operations"]
+    assert operations["tested"] == operations["total"] >= 16, operations
+    assert cases["generated"] >= 40 * operations["total"], cases
 
 
 def test_the_run_reached_successes_errors_and_streams(run: Run) -> None:

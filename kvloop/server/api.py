@@ -143,7 +143,9 @@ def _event_stream(event: type) -> dict[str, Any]:
 def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any]:
     """Route arguments that publish what a route answers: 200 with a JSON body of type `ok`
     (None: the response class's own content), or an event stream of `stream`s when the
-    request asks for one; each status of `errors` with the error object."""
+    request asks for one (a type of `_STREAMED`); each status of `errors` with the error
+    object."""
+    assert stream is None or stream in _STREAMED, stream
     ok_response: dict[str, Any] = {} if ok is None else {"model": ok}
     if stream is not None:
         ok_response["content"] = {"text/event-stream": _event_stream(stream)}
@@ -200,17 +202,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/models", **_answers(ModelList, 401))
     async def models() -> ModelList:
         return {"object": "list",
-                "data": [model_card(ctx, name) for name in ctx.config.served_model_names]}
+                "data": [_model_card(ctx, name) for name in ctx.config.served_model_names]}
 
     served = list(ctx.config.served_model_names)
 
     @app.get("/v1/models/{model_id:path}", **_answers(ModelCard, 401, 404))
     async def model(model_id: str = Path(examples=served)) -> ModelCard:
         ctx.check_model(model_id)
-        return model_card(ctx, model_id)
+        return _model_card(ctx, model_id)
 
 
-def model_card(ctx: ServerContext, name: str) -> ModelCard:
+def _model_card(ctx: ServerContext, name: str) -> ModelCard:
     """One served model name in vLLM's shape of a model object."""
     return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
             "root": ctx.config.model_path or name, "parent": None,

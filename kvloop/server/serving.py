@@ -449,7 +449,8 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
     for e in entries:
         s = ctx.token_str(e.token_id)
         top: list[TopLogprob] = [{"token": ctx.token_str(t), "logprob": lp,
-                "bytes": list(ctx.token_str(t).encode())} for t, lp in e.top[:num_top]]
+                                  "bytes": list(ctx.token_str(t).encode())}
+                                 for t, lp in e.top[:num_top]]
         content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
                         "top_logprobs": top})
     return {"content": content}
@@ -508,8 +509,9 @@ def _completion_choice(ctx: ServerContext, req: CompletionRequest, c: Child,
     lp = None
     if req.logprobs is not None:
         lp = completion_logprobs(ctx, c.state.logprobs, 0, c.prompt_ids if echo else ())
-    choice: CompletionChoice = {"index": c.index, "text": prefix + c.state.text, "logprobs": lp,
-              "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
+    choice: CompletionChoice = {
+        "index": c.index, "text": prefix + c.state.text, "logprobs": lp,
+        "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
     if req.return_token_ids:
         choice["prompt_token_ids"] = c.prompt_ids
         choice["token_ids"] = c.state.token_ids
@@ -543,7 +545,8 @@ async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Ge
                                      c.prompt_ids if echo and first else ())
         offsets[c.index] = offsets.get(c.index, 0) + len(text)
         choice: CompletionChoice = {"index": c.index, "text": text, "logprobs": lp,
-                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
             if first:
@@ -599,9 +602,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     for c in gen.children:
         lp = (chat_logprobs(ctx, c.state.logprobs, req.top_logprobs or 0)
               if req.logprobs else None)
-        choice: ChatChoice = {"index": c.index, "message": {"role": "assistant", "content": c.state.text},
-                  "logprobs": lp, "finish_reason": c.state.finish_reason,
-                  "stop_reason": c.state.stop_reason}
+        choice: ChatChoice = {
+            "index": c.index, "message": {"role": "assistant", "content": c.state.text},
+            "logprobs": lp, "finish_reason": c.state.finish_reason,
+            "stop_reason": c.state.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = c.state.token_ids
         choices.append(choice)
@@ -637,7 +641,8 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
         delta: ChatDelta = {"content": d.text} if d.text else {}
         lp = chat_logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
         choice: ChatStreamChoice = {"index": c.index, "delta": delta, "logprobs": lp,
-                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
         yield chunk(choice)
