@@ -239,6 +239,19 @@ def test_streaming_passthrough_usage_and_errors(fleet):
         assert metric(text, "kvloop_router_requests_total", outcome="client_error") == 2
 
 
+def test_models_and_a_model_by_id_come_from_a_worker(fleet):
+    with RouterThread(router_config(), fleet.specs()) as rt:
+        listed = httpx.get(rt.url + "/v1/models")
+        assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["sim"]
+        one = httpx.get(rt.url + "/v1/models/sim")
+        assert one.status_code == 200 and one.json()["id"] == "sim"
+        assert one.json().keys() == listed.json()["data"][0].keys()
+        for unknown in ("nope", "org/nope"):
+            r = httpx.get(f"{rt.url}/v1/models/{unknown}")
+            assert r.status_code == 404 and r.json()["error"]["message"].startswith(
+                f"The model `{unknown}` does not exist"), r.text
+
+
 def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
     rng = random.Random(3)
     prefix = random_ids(rng, PREFIX_LEN)

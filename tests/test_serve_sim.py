@@ -322,8 +322,51 @@ def test_models_health_version_load(server: ServeProcess, client: openai.OpenAI)
     assert (models.data[0].model_extra or {})["max_model_len"] == MAX_LEN
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.post(server.url + "/ping").status_code == 200
+    wrong = httpx.put(server.url + "/ping")  # one route per method: Allow names both
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
     assert "version" in httpx.get(server.url + "/version").json()
     assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+
+
+def test_model_by_id(server: ServeProcess, client: openai.OpenAI) -> None:
+    listed = httpx.get(server.url + "/v1/models").json()["data"]
+    for card in listed:
+        r = httpx.get(server.url + "/v1/models/" + card["id"])
+        assert r.status_code == 200 and r.json() == card
+    alias = client.models.retrieve("alias")
+    assert (alias.id, alias.object, alias.owned_by) == ("alias", "model", "kvloop")
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    for unknown in ("nope", "org/nope"):  # a served name may hold a slash: it is one id
+        r = httpx.get(f"{server.url}/v1/models/{unknown}")
+        assert r.status_code == 404 and r.json() == {"error": {
+            "message": f"The model `{unknown}` does not exist. Valid aliases: sim, alias",
+            "type": "NotFoundError", "param": "model", "code": 404}}
+
+
+def _events(server: ServeProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of a streamed answer (`[DONE]` checked and left out)."""
+    r = _post(server, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and data[-1] == "[DONE]", r.text
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize(("sent", "named"), [("alias", "alias"), ("sim", "sim"), (None, "sim")])
+def test_answers_name_the_model_the_client_sent(server: ServeProcess, sent: str | None,
+                                                named: str) -> None:
+    """vLLM's rule: the `model` of every answer and chunk is the alias the request named,
+    or the first served name when it named none."""
+    base: dict[str, Any] = {"max_tokens": 3} if sent is None else {"max_tokens": 3,
+                                                                    "model": sent}
+    for path, body in (("/v1/completions", {**base, "prompt": "x"}),
+                       ("/v1/chat/completions",
+                        {**base, "messages": [{"role": "user", "content": "x"}]})):
+        r = _post(server, path, body)
+        assert r.status_code == 200 and r.json()["model"] == named, r.text
+        events = _events(server, path, body)
+        assert len(events) >= 3 and {e["model"] for e in events} == {named}, events
 
 
 def test_small_responses_are_not_delayed(server: ServeProcess) -> None:

@@ -1,7 +1,7 @@
 """The router's HTTP front: OpenAI-compatible, forwards each request to one worker.
 
     POST /v1/completions, /v1/chat/completions   tokenize -> hash -> pick -> forward -> stream
-    GET  /v1/models                              the first usable worker's answer
+    GET  /v1/models, /v1/models/{id}             the first usable worker's answer
     GET  /health                                 ok | degraded (200, with reasons) | 503
     GET  /metrics                                Prometheus text
     GET  /workers, POST /workers, DELETE /workers    list, register, deregister at run time
@@ -35,6 +35,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -96,6 +97,7 @@ class RouterApp:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/workers", self.list_workers, methods=["GET"]),
@@ -335,10 +337,18 @@ class RouterApp:
                 self.router.finish(routed.ticket, relay.cached_tokens, outcome)
 
     async def models(self, request: Request) -> Response:
+        return await self._ask_any_worker("/v1/models")
+
+    async def model(self, request: Request) -> Response:
+        return await self._ask_any_worker(
+            "/v1/models/" + quote(request.path_params["model_id"], safe=""))
+
+    async def _ask_any_worker(self, path: str) -> Response:
+        """GET `path` from the first usable worker that answers; its answer as it is."""
         assert self.client is not None
         for w in self.router.registry.usable(("both", "decode", "prefill")):
             try:
-                r = await self.client.get(w.spec.url + "/v1/models")
+                r = await self.client.get(w.spec.url + path)
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,

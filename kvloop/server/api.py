@@ -9,27 +9,48 @@ Every error, including request-validation errors, is answered with vLLM's shape
 `{"error": {"message", "type", "param", "code"}}`; validation errors are 400 (not FastAPI's
 422). An unexpected exception is logged and answered 500 in the same shape; bad input never
 gets there.
+
+The published schema (`/openapi.json`) says what each route really answers: its body types
+(the TypedDicts of `openai.py`, event by event for a stream), its status codes and content
+types (`_answers`). `tests/test_serve_schema.py` holds a live server to it with schemathesis.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 import kvloop
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.server.guard import install
 from kvloop.server.openai import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    EngineStats,
+    ErrorResponse,
+    KVEventsInfo,
+    LoadResponse,
+    ModelCard,
+    ModelList,
+    ResetPrefixCacheResponse,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    WorkerInfo,
     error_body,
     http_error_body,
 )
@@ -66,6 +87,16 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(message, 400, param), status_code=400)
 
 
+def _allowed_methods(request: Request) -> str:
+    """The `Allow` of a 405: every method the path is served with (`/ping` has one route per
+    method, and Starlette's 405 names only the first route's)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -77,8 +108,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(request)
         return JSONResponse(http_error_body(exc.status_code, exc.detail),
-                            status_code=exc.status_code, headers=dict(exc.headers or {}))
+                            status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -87,9 +121,95 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
+# --- the published schema ----------------------------------------------------------------------
+_REF = "#/components/schemas/{model}"
+_ERRORS = {
+    400: "Invalid request: the body fails validation, or a value is out of range or not "
+         "supported.",
+    401: "Missing or wrong API key (only on a server started with one; the admin routes need "
+         "the admin key).",
+    403: "An admin route without --admin-api-key, or called with an API key, not the admin "
+         "key.",
+    404: "No such model (the body's `model`, or the id in the path).",
+    413: "Request body over the server's limit.",
+    500: "The engine died.",
+    503: "Shutting down, the engine did not answer, or too many requests waiting (then with "
+         "Retry-After).",
+}
+_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse)
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "string"}}}
+
+
+def _event_stream(event: type) -> dict[str, Any]:
+    """The `text/event-stream` content of a stream of `event`s: each event's data is one JSON
+    `event`, or the error object that ends a failed stream, or the final `[DONE]`."""
+    chunk = {"anyOf": [{"$ref": _REF.format(model=event.__name__)},
+                       {"$ref": _REF.format(model=ErrorResponse.__name__)}]}
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": chunk}]}
+    return {"itemSchema": {"type": "object", "required": ["data"],
+                           "properties": {"data": data}}}
+
+
+def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any]:
+    """Route arguments that publish what a route answers: 200 with a JSON body of type `ok`
+    (None: the response class's own content), or an event stream of `stream`s when the
+    request asks for one (a type of `_STREAMED`); each status of `errors` with the error
+    object."""
+    assert stream is None or stream in _STREAMED, stream
+    ok_response: dict[str, Any] = {} if ok is None else {"model": ok}
+    if stream is not None:
+        ok_response["content"] = {"text/event-stream": _event_stream(stream)}
+    responses: dict[int | str, dict[str, Any]] = {200: ok_response}
+    for code in errors:
+        responses[code] = {"model": ErrorResponse, "description": _ERRORS[code]}
+        if code == 503:
+            responses[code]["headers"] = _RETRY_AFTER
+    return {"response_model": None, "responses": responses}
+
+
+def _error_answer(code: int) -> dict[str, Any]:
+    return {"description": _ERRORS[code], "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}}
+
+
+class KvloopAPI(FastAPI):
+    """FastAPI whose `/openapi.json` matches the server: no 422 answers (a validation error is
+    a 400, which each route declares), the key checks of `rules` (401 on every route that is
+    not public, 401 and 403 on the admin routes) and the event types of streams among the
+    components."""
+
+    def __init__(self, rules: RouteRules, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.rules = rules
+
+    def openapi(self) -> dict[str, Any]:
+        schema = super().openapi()  # cached by FastAPI; the edits below are idempotent
+        for path, operations in schema.get("paths", {}).items():
+            for method, operation in operations.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                guarded = [401, 403] if (method.upper(), path) in self.rules.admin else [401]
+                for code in guarded if not self.rules.is_public(path) else []:
+                    responses.setdefault(str(code), _error_answer(code))
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for event in _STREAMED:
+            event_schema = TypeAdapter(event).json_schema(ref_template=_REF,
+                                                          mode="serialization")
+            for name, definition in event_schema.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components.setdefault(event.__name__, event_schema)
+        return schema
+
+
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
-    app = FastAPI(title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
+    app = KvloopAPI(SERVER_RULES, title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)
@@ -99,27 +219,42 @@ def build_app(ctx: ServerContext) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_answers(CompletionResponse, *_GENERATION_ERRORS,
+                                            stream=CompletionStreamResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_answers(ChatCompletionResponse, *_GENERATION_ERRORS,
+                                                 stream=ChatCompletionStreamResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        path = ctx.config.model_path if sees_private(ctx, request) else None
-        data: list[dict[str, Any]] = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
-                 "root": path or name, "parent": None,
-                 "max_model_len": ctx.ready.max_model_len, "permission": []}
-                for name in ctx.config.served_model_names]
-        return {"object": "list", "data": data}
+    @app.get("/v1/models", **_answers(ModelList))
+    async def models(request: Request) -> ModelList:
+        private = sees_private(ctx, request)
+        return {"object": "list", "data": [_model_card(ctx, name, private)
+                                           for name in ctx.config.served_model_names]}
+
+    served = list(ctx.config.served_model_names)
+
+    @app.get("/v1/models/{model_id:path}", **_answers(ModelCard, 404))
+    async def model(request: Request, model_id: str = Path(examples=served)) -> ModelCard:
+        ctx.check_model(model_id)
+        return _model_card(ctx, model_id, sees_private(ctx, request))
+
+
+def _model_card(ctx: ServerContext, name: str, private: bool) -> ModelCard:
+    """One served model name in vLLM's shape of a model object; `root` is the model's path
+    only for a caller who may see file paths."""
+    path = ctx.config.model_path if private else None
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
+            "root": path or name, "parent": None,
+            "max_model_len": ctx.ready.max_model_len, "permission": []}
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    @app.post("/tokenize", **_answers(TokenizeResponse, 400, 404, 413))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -138,55 +273,62 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    @app.post("/detokenize", **_answers(DetokenizeResponse, 400, 404, 413))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
 
+_HEALTH: dict[str, Any] = {
+    "response_class": Response, "response_model": None,
+    "responses": {200: {"description": "The engine is alive (empty body)."},
+                  503: {"description": "The engine died (empty body)."}}}
+
+
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.get("/health")
+    @app.get("/health", **_HEALTH)
     async def health() -> Response:
         if ctx.client.dead:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", **_HEALTH)
+    @app.post("/ping", **_HEALTH)
     async def ping() -> Response:
         return await health()
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
+    @app.get("/version", **_answers(VersionResponse))
+    async def version() -> VersionResponse:
         return {"version": kvloop.__version__}
 
-    @app.get("/load")
-    async def load() -> dict[str, int]:
+    @app.get("/load", **_answers(LoadResponse))
+    async def load() -> LoadResponse:
         return {"server_load": ctx.client.num_in_flight}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **_answers(None))
     async def metrics() -> Response:
         return Response(ctx.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get(WORKER_INFO_PATH)
-    async def worker(request: Request) -> dict[str, Any]:
+    @app.get(WORKER_INFO_PATH, **_answers(WorkerInfo))
+    async def worker(request: Request) -> WorkerInfo:
         info = worker_description(ctx, private=sees_private(ctx, request))
         accepted = ctx.config.auth.identify(request.headers.get("authorization"))
         info["api_key_required"] = bool(ctx.config.auth.api_keys)
         info["api_key_accepted"] = accepted in (Caller.API, Caller.ADMIN)
         return info
 
-    @app.get("/kv_event_sources")
-    async def kv_event_sources(request: Request) -> dict[str, Any]:
+    @app.get("/kv_event_sources", **_answers(dict[str, KVEventsInfo | None]))
+    async def kv_event_sources(request: Request) -> dict[str, KVEventsInfo | None]:
         return {"0": worker_description(ctx, private=sees_private(ctx, request))["kv_events"]}
 
-    @app.get("/kvloop/stats")
-    async def stats() -> Any:
+    @app.get("/kvloop/stats", **_answers(EngineStats, 503))
+    async def stats() -> EngineStats:
         return await _utility(ctx, "get_stats")
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Any:
+    @app.post("/reset_prefix_cache", **_answers(ResetPrefixCacheResponse, 503))
+    async def reset_prefix_cache() -> ResetPrefixCacheResponse:
         return {"success": await _utility(ctx, "reset_prefix_cache")}
 
 
@@ -207,16 +349,16 @@ def _endpoint(address: str | None, private: bool) -> str | None:
     return address if private or not (address or "").startswith("ipc://") else None
 
 
-def worker_description(ctx: ServerContext, private: bool = True) -> dict[str, Any]:
+def worker_description(ctx: ServerContext, private: bool = True) -> WorkerInfo:
     """What a router reads when this worker registers; without `private`, no process ids
     and no file paths (`PRIVATE_FIELDS`, ipc:// event endpoints)."""
     r = ctx.ready
-    events = None
+    events: KVEventsInfo | None = None
     if r.kv_events_endpoint is not None:
         events = {"endpoint": _endpoint(r.kv_events_endpoint, private),
                   "replay_endpoint": _endpoint(r.kv_events_replay_endpoint, private),
                   "topic": r.kv_events_topic or "", "recency": r.kv_events_recency}
-    info = {
+    info: WorkerInfo = {
         "model": ctx.config.model_name,
         "served_model_names": list(ctx.config.served_model_names),
         "model_path": ctx.config.model_path,
@@ -236,4 +378,6 @@ def worker_description(ctx: ServerContext, private: bool = True) -> dict[str, An
         "engine_pid": r.pid,
         "version": kvloop.__version__,
     }
-    return info if private else {k: v for k, v in info.items() if k not in PRIVATE_FIELDS}
+    if private:
+        return info
+    return cast(WorkerInfo, {k: v for k, v in info.items() if k not in PRIVATE_FIELDS})

@@ -35,11 +35,11 @@ class ServeConfig:
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
-    `served_model_names` are the names clients may send in `model`; the first is reported
-    back. `log_requests`: one INFO line per request received, its prompt cut to `max_log_len`
-    characters and ids (None: whole); `log_stats`: a stats line every `log_stats_interval_s`
-    while busy (kvloop/server/logs.py). `auth`: API keys; `http_limits`: body size and read
-    timeouts of the HTTP front.
+    `served_model_names` are the names clients may send in `model`; an answer names the one
+    sent, or the first when the request named none. `log_requests`: one INFO line per request
+    received, its prompt cut to `max_log_len` characters and ids (None: whole); `log_stats`: a
+    stats line every `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API
+    keys; `http_limits`: body size and read timeouts of the HTTP front.
     """
 
     served_model_names: tuple[str, ...]

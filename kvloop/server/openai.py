@@ -1,20 +1,39 @@
-"""Pydantic schemas of the OpenAI-compatible API (requests), vLLM's fields and defaults.
+"""Schemas of the OpenAI-compatible API: pydantic models of the requests (vLLM's fields and
+defaults) and TypedDicts of the responses.
 
-Unknown fields are ignored (as vLLM does). Responses are plain dicts built in `serving.py`:
-they are written once per token when streaming, and a dict costs less than a model there.
+Unknown request fields are ignored (as vLLM does). Responses are plain dicts built in
+`serving.py` and `api.py`: they are written once per token when streaming, and a dict costs
+less than a model there. The TypedDicts below type those dicts (mypy checks every key and
+value) and are what the published OpenAPI schema (`/openapi.json`) says of each body;
+`NotRequired` keys are sent only when asked for (`return_token_ids`, usage chunks).
 See specs/vllm-engine.md section 8 for the parameters and their meaning.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only on 3.12+
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _documented(**keywords: Any) -> Any:
+    """JSON-schema keywords for the published schema only: the handlers enforce them (with
+    vLLM's messages and `param`), pydantic does not."""
+    return Field(json_schema_extra=keywords)
+
+
+TokenId = Annotated[int, _documented(minimum=0)]
+TokenIds = Annotated[list[TokenId], _documented(minItems=1)]
+Text = Annotated[str, _documented(minLength=1)]
+# A prompt: one text, texts, token ids, or lists of token ids; never empty.
+Prompt = Text | Annotated[list[Text], _documented(minItems=1)] | TokenIds | Annotated[
+    list[TokenIds], _documented(minItems=1)]
 
 
 class StreamOptions(OpenAIModel):
@@ -45,7 +64,7 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -60,7 +79,12 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Hello, my name is", "max_tokens": 8},
+        {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True,
+         "stream_options": {"include_usage": True}}]})
+
+    prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
@@ -87,6 +111,11 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+        {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4, "stream": True,
+         "stream_options": {"include_usage": True}}]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -100,6 +129,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
+    """Text (`prompt`) or a chat (`messages`, which wins when both are given)."""
+
+    model_config = ConfigDict(json_schema_extra={
+        "anyOf": [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                  {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
+        "examples": [{"prompt": "Hello"}, {"messages": [{"role": "user", "content": "Hi"}]}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -109,8 +145,237 @@ class TokenizeRequest(OpenAIModel):
 
 
 class DetokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"tokens": [72, 105]}]})
+
     model: str | None = None
+    tokens: list[TokenId]
+
+
+# --- responses ---------------------------------------------------------------------------------
+class ErrorInfo(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(TypedDict):
+    """Every error answer, and the event that ends a stream that failed."""
+
+    error: ErrorInfo
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(TypedDict):
+    """Legacy completions logprobs, one entry per token (echoed prompt tokens have null
+    logprobs)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
+class CompletionChoice(TypedDict):
+    """A choice of a completion, and of a completion chunk (`text` is then the new text)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    prompt_token_ids: NotRequired[list[int]]
+    token_ids: NotRequired[list[int]]
+
+
+class CompletionResponse(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None
+
+
+class CompletionStreamResponse(TypedDict):
+    """One `data:` event of a completion stream; the usage-only chunk has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: NotRequired[Usage]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: NotRequired[list[int]]
+
+
+class ChatCompletionResponse(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None
+    prompt_token_ids: NotRequired[list[int]]
+
+
+class ChatDelta(TypedDict):
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str]
+
+
+class ChatStreamChoice(TypedDict):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    token_ids: NotRequired[list[int]]
+
+
+class ChatCompletionStreamResponse(TypedDict):
+    """One `data:` event of a chat stream; the usage-only chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: NotRequired[Usage]
+
+
+class ModelCard(TypedDict):
+    """One served model name, as `/v1/models` lists it and `/v1/models/{id}` answers."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+    permission: list[dict[str, Any]]
+
+
+class ModelList(TypedDict):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(TypedDict):
+    count: int
+    max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(TypedDict):
+    prompt: str
+
+
+# --- responses of the operator endpoints ---------------------------------------------------------
+class VersionResponse(TypedDict):
+    version: str
+
+
+class LoadResponse(TypedDict):
+    server_load: int
+
+
+class KVEventsInfo(TypedDict):
+    """Where a worker publishes its KV-cache events (`--kv-events-*` flags); an ipc://
+    endpoint (a file path) is None for a caller who may not see paths."""
+
+    endpoint: str | None
+    replay_endpoint: str | None
+    topic: str
+    recency: bool
+
+
+class WorkerInfo(TypedDict):
+    """`GET /kvloop/worker`: what a router reads when this worker registers."""
+
+    model: str
+    served_model_names: list[str]
+    model_path: NotRequired[str | None]
+    role: str
+    epoch: str | None
+    block_size: int
+    hash_algo: str
+    hash_seed: str
+    enable_prefix_caching: bool
+    num_gpu_blocks: int
+    kv_capacity_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_events: KVEventsInfo | None
+    api_pid: NotRequired[int]               # private facts: shown only to a caller with a
+    engine_pid: NotRequired[int]            # key, or on this host when no key is configured
+    version: str
+    api_key_required: NotRequired[bool]
+    api_key_accepted: NotRequired[bool]
+
+
+class EngineStats(TypedDict):
+    """`GET /kvloop/stats`: the engine's blocks and queues (`engine_proc.engine_stats`)."""
+
+    num_gpu_blocks: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache_usage: float
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_requests: int
+    num_preemptions_total: int
+    step_index: int
+
+
+class ResetPrefixCacheResponse(TypedDict):
+    success: bool
 
 
 _TYPE_OVERRIDES = {499: "ClientDisconnectedError"}
@@ -130,13 +395,13 @@ def error_type(status_code: int) -> str:
     return name if name.endswith("Error") else name + "Error"
 
 
-def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, code: int, param: str | None = None) -> ErrorResponse:
     """vLLM's error shape: {"error": {"message", "type", "param", "code"}}, typed by status."""
     return {"error": {"message": message, "type": error_type(code), "param": param,
                       "code": code}}
 
 
-def http_error_body(status_code: int, detail: object) -> dict[str, Any]:
+def http_error_body(status_code: int, detail: object) -> ErrorResponse:
     """The error object of an HTTP-level failure (unknown path, wrong method, a body that is
     not UTF-8)."""
     return error_body(str(detail), status_code)

@@ -35,9 +35,22 @@ from kvloop.server.config import ServeConfig
 from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.openai import (
+    ChatChoice,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
     SamplingRequest,
+    TopLogprob,
+    Usage,
     error_body,
 )
 from kvloop.server.processor import (
@@ -93,6 +106,11 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         return int(self.ready.vocab_size or self.tokenizer.vocab_size)
+
+    def served_name(self, requested: str | None) -> str:
+        """The model an answer names: the one the client sent (an alias of
+        `--served-model-name`, checked by `check_model`), else the first served name."""
+        return self.config.model_name if requested is None else requested
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.config.served_model_names:
@@ -404,7 +422,7 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(children: list[Child], prompts: list[list[int]]) -> dict[str, Any]:
+def usage(children: list[Child], prompts: list[list[int]]) -> Usage:
     """OpenAI usage; cached tokens of each prompt are those of its first choice."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(c.state.token_ids) for c in children)
@@ -417,13 +435,13 @@ def usage(children: list[Child], prompts: list[list[int]]) -> dict[str, Any]:
 
 
 def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
-                        prompt_ids: Sequence[int] = ()) -> dict[str, Any]:
+                        prompt_ids: Sequence[int] = ()) -> CompletionLogprobs:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
 
     Echoed prompt tokens come first, with null logprobs (prompt logprobs are not computed).
     """
-    out: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
-                                 "top_logprobs": []}
+    out: CompletionLogprobs = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                               "top_logprobs": []}
     for tid in prompt_ids:
         s = ctx.token_str(tid)
         out["text_offset"].append(offset)
@@ -444,12 +462,13 @@ def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset:
 
 
 def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
-                  ) -> dict[str, Any]:
-    content = []
+                  ) -> ChatLogprobs:
+    content: list[ChatTokenLogprob] = []
     for e in entries:
         s = ctx.token_str(e.token_id)
-        top = [{"token": ctx.token_str(t), "logprob": lp,
-                "bytes": list(ctx.token_str(t).encode())} for t, lp in e.top[:num_top]]
+        top: list[TopLogprob] = [{"token": ctx.token_str(t), "logprob": lp,
+                                  "bytes": list(ctx.token_str(t).encode())}
+                                 for t, lp in e.top[:num_top]]
         content.append({"token": s, "logprob": e.logprob, "bytes": list(s.encode()),
                         "top_logprobs": top})
     return {"content": content}
@@ -505,19 +524,22 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         return GenerationStream(_stream_completion(ctx, req, gen, base, prompts, echo), gen)
     await collect(request, gen)
     choices = [_completion_choice(ctx, req, c, echo) for c in gen.children]
-    return JSONResponse({"id": base, "object": "text_completion", "created": int(time.time()),
-                         "model": ctx.config.model_name, "choices": choices,
-                         "usage": usage(gen.children, prompts), "system_fingerprint": None})
+    body: CompletionResponse = {
+        "id": base, "object": "text_completion", "created": int(time.time()),
+        "model": ctx.served_name(req.model), "choices": choices,
+        "usage": usage(gen.children, prompts), "system_fingerprint": None}
+    return JSONResponse(body)
 
 
 def _completion_choice(ctx: ServerContext, req: CompletionRequest, c: Child,
-                       echo: list[str] | None) -> dict[str, Any]:
+                       echo: list[str] | None) -> CompletionChoice:
     prefix = echo[c.prompt_index] if echo else ""
     lp = None
     if req.logprobs is not None:
         lp = completion_logprobs(ctx, c.state.logprobs, 0, c.prompt_ids if echo else ())
-    choice = {"index": c.index, "text": prefix + c.state.text, "logprobs": lp,
-              "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
+    choice: CompletionChoice = {
+        "index": c.index, "text": prefix + c.state.text, "logprobs": lp,
+        "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
     if req.return_token_ids:
         choice["prompt_token_ids"] = c.prompt_ids
         choice["token_ids"] = c.state.token_ids
@@ -531,9 +553,11 @@ async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Ge
     offsets: dict[int, int] = {}
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        body: dict[str, Any] = {"id": base, "object": "text_completion", "created": created,
-                                "model": ctx.config.model_name, "choices": [choice]}
+    def chunk(choice: CompletionChoice) -> bytes:
+        body: CompletionStreamResponse = {"id": base, "object": "text_completion",
+                                          "created": created,
+                                          "model": ctx.served_name(req.model),
+                                          "choices": [choice]}
         if continuous:
             body["usage"] = usage(gen.children, prompts)
         return sse(body)
@@ -548,8 +572,9 @@ async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Ge
             lp = completion_logprobs(ctx, d.logprobs, offsets.get(c.index, 0),
                                      c.prompt_ids if echo and first else ())
         offsets[c.index] = offsets.get(c.index, 0) + len(text)
-        choice = {"index": c.index, "text": text, "logprobs": lp,
-                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        choice: CompletionChoice = {"index": c.index, "text": text, "logprobs": lp,
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
             if first:
@@ -602,19 +627,21 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.stream:
         return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
     await collect(request, gen)
-    choices = []
+    choices: list[ChatChoice] = []
     for c in gen.children:
         lp = (chat_logprobs(ctx, c.state.logprobs, req.top_logprobs or 0)
               if req.logprobs else None)
-        choice = {"index": c.index, "message": {"role": "assistant", "content": c.state.text},
-                  "logprobs": lp, "finish_reason": c.state.finish_reason,
-                  "stop_reason": c.state.stop_reason}
+        choice: ChatChoice = {
+            "index": c.index, "message": {"role": "assistant", "content": c.state.text},
+            "logprobs": lp, "finish_reason": c.state.finish_reason,
+            "stop_reason": c.state.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = c.state.token_ids
         choices.append(choice)
-    body = {"id": base, "object": "chat.completion", "created": int(time.time()),
-            "model": ctx.config.model_name, "choices": choices,
-            "usage": usage(gen.children, [prompt]), "system_fingerprint": None}
+    body: ChatCompletionResponse = {
+        "id": base, "object": "chat.completion", "created": int(time.time()),
+        "model": ctx.served_name(req.model), "choices": choices,
+        "usage": usage(gen.children, [prompt]), "system_fingerprint": None}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     return JSONResponse(body)
@@ -625,24 +652,26 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
     created = int(time.time())
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
 
-    def chunk(choice: dict[str, Any]) -> bytes:
-        body: dict[str, Any] = {"id": base, "object": "chat.completion.chunk",
-                                "created": created, "model": ctx.config.model_name,
-                                "choices": [choice]}
+    def chunk(choice: ChatStreamChoice) -> bytes:
+        body: ChatCompletionStreamResponse = {"id": base, "object": "chat.completion.chunk",
+                                              "created": created,
+                                              "model": ctx.served_name(req.model),
+                                              "choices": [choice]}
         if continuous:
             body["usage"] = usage(gen.children, [prompt])
         return sse(body)
 
     for c in gen.children:
         yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None})
+                     "logprobs": None, "finish_reason": None, "stop_reason": None})
     async for c, d in gen.stream_deltas():
         if not (d.text or d.finish_reason or d.token_ids):
             continue
-        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        delta: ChatDelta = {"content": d.text} if d.text else {}
         lp = chat_logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        choice = {"index": c.index, "delta": delta, "logprobs": lp,
-                  "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        choice: ChatStreamChoice = {"index": c.index, "delta": delta, "logprobs": lp,
+                                    "finish_reason": d.finish_reason,
+                                    "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
         yield chunk(choice)
@@ -667,9 +696,9 @@ async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation
                                       {"index": c.index, "text": "", "logprobs": None,
                                        "finish_reason": "abort", "stop_reason": None})
             yield sse({"id": base, "object": obj, "created": created,
-                       "model": ctx.config.model_name, "choices": [choice]})
+                       "model": ctx.served_name(req.model), "choices": [choice]})
     if req.stream_options and req.stream_options.include_usage:
         yield sse({"id": base, "object": obj, "created": created,
-                   "model": ctx.config.model_name, "choices": [],
+                   "model": ctx.served_name(req.model), "choices": [],
                    "usage": usage(gen.children, prompts)})
     yield SSE_DONE
