@@ -135,7 +135,7 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if ctx.client.dead:
+        if ctx.client.dead or ctx.client.shutting_down:   # dead, draining or stopping
             return Response(status_code=503)
         return Response(status_code=200)
 

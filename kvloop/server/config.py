@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_PORT = 8000   # `kvloop serve` and `kvloop router` listen here unless told (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -14,7 +16,9 @@ class ServeConfig:
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back.
+    in `model`; the first is reported back. `log_requests` and `max_log_len` are vLLM's
+    `--enable-log-requests` and `--max-log-len` (None: unlimited). `shutdown_timeout_s` is
+    how long a SIGTERM lets requests in flight finish (0: they end at once).
     """
 
     served_model_names: tuple[str, ...]
@@ -28,8 +32,12 @@ class ServeConfig:
     retry_after_s: int = 1
     scheduling_policy: str = "fcfs"
     log_level: str = "info"
+    uvicorn_log_level: str = "info"
+    log_requests: bool = False
+    max_log_len: int | None = None
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
+    shutdown_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -42,6 +50,13 @@ class ServeConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got "
+                             f"{self.uvicorn_log_level!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 
     @property
     def model_name(self) -> str:
