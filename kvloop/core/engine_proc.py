@@ -11,17 +11,20 @@ PULL, builds the runner (by factory name, so this module never imports a model o
 simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
 it). A failed start sends `EngineReady(error=...)` and exits 1.
 
-Process: `python -m kvloop.core.engine_proc`, started by the API server, which writes one
-`EngineStartConfig` JSON line on its stdin and keeps the pipe open.
+Process: `python -m kvloop.core.engine_proc`, started by the API server in a session of its
+own, which writes one `EngineStartConfig` JSON line on its stdin and keeps the pipe open.
 
-Shutdown: the busy loop ends when the API server closes the pipe (stdin reaches EOF: it
-stopped us, exited or died, so this process never outlives it), or when a SIGTERM came and
-`shutdown_timeout_s` has passed since (0: at once; meanwhile the API server drains its
-requests and then closes the pipe; a second SIGTERM stops at once). SIGINT is ignored: the API
-server owns Ctrl-C and stops this process itself. A SIGTERM or EOF while the runner is still
-being built interrupts the build. Every thread is joined before the process exits, so none
-is left holding a stdio lock at interpreter shutdown. An exception in the loop sends
-`ENGINE_CORE_DEAD` and exits 1.
+Shutdown: the busy loop ends
+- when the API server closes the pipe (stdin reaches EOF: it stopped us, exited or died, so
+  this process never outlives it);
+- on SIGTERM (from an operator, or a kill of the whole cgroup as systemd does: signals to the
+  API server's process group do not reach this session) once `shutdown_timeout_s` has passed
+  (0: at once; meanwhile the API server drains its requests, then closes the pipe); a second
+  SIGTERM stops at once.
+SIGINT is ignored (the API server owns Ctrl-C). A SIGTERM or EOF while the runner is being
+built interrupts the build (exit 0). Every thread is joined before the process exits, so none
+holds a stdio lock at interpreter shutdown. An exception in the loop sends `ENGINE_CORE_DEAD`
+and exits 1.
 
 Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
 This is the only core module that imports zmq.
@@ -249,10 +252,21 @@ class EngineCoreProc:
             if select.select([fd], [], [], _IDLE_WAIT_S)[0] and not os.read(fd, 65536):
                 logger.info("API server closed the pipe; engine core exiting")
                 self._parent_gone.set()
-                os.kill(os.getpid(), signal.SIGTERM)  # interrupts a runner still being built
+                # to the main thread itself, so a blocking call there is interrupted: this
+                # stops a runner still being built
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
                 return
 
     # --- signals --------------------------------------------------------------------------
+    def interrupt_start(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM handler while the runner is being built: stop building."""
+        self._stop_deadline = time.monotonic()
+        raise SystemExit(0)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._parent_gone.is_set() or self._stop_deadline is not None
+
     def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM handler once the busy loop runs: stop after `shutdown_timeout_s` (a second
         SIGTERM: now). Only records a deadline; the loop acts on it."""
@@ -431,7 +445,7 @@ def _run_check(engine: EngineCore) -> bool:
 
 # --- process entry ----------------------------------------------------------------------------
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM handler until the busy loop runs: interrupt start-up."""
+    """SIGTERM handler until the engine core process object exists."""
     raise SystemExit(0)
 
 
@@ -442,6 +456,7 @@ def run_engine_core(config: EngineStartConfig) -> int:
     proc = EngineCoreProc(config, ctx)
     code = 1
     try:
+        signal.signal(signal.SIGTERM, proc.interrupt_start)
         proc.watch_parent()
         code = _run(proc)
     except SystemExit:  # SIGTERM or EOF during start-up
@@ -459,8 +474,8 @@ def run_engine_core(config: EngineStartConfig) -> int:
 
 
 def _run(proc: EngineCoreProc) -> int:
-    if not proc.start():
-        return 1
+    if not proc.start():  # a stop may surface as another exception from inside a library
+        return 0 if proc.stop_requested else 1
     signal.signal(signal.SIGTERM, proc.on_sigterm)
     proc.run_busy_loop()
     return 0

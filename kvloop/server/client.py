@@ -5,8 +5,11 @@
     PULL   (bind) <--------- EngineCoreOutputs -- PUSH
 
 Life cycle: `start()` binds both sockets on ephemeral loopback ports, starts
-`python -m kvloop.core.engine_proc`, writes its `EngineStartConfig` on the child's stdin (kept
-open: closing it stops the engine) and waits for the `EngineReady` handshake. From then on an
+`python -m kvloop.core.engine_proc` in its own session (a signal to our process group, as
+Ctrl-C or `kill -- -PGID` send, reaches only the API server, which then stops the engine: one
+owner of its life, whether it is still loading the model or serving), writes its
+`EngineStartConfig` on the child's stdin (kept open: closing it stops the engine) and waits
+for the `EngineReady` handshake. From then on an
 output task routes each `EngineCoreOutput` to the asyncio queue of its HTTP handler and feeds
 the metrics; a waiter thread notices the engine process exiting and fails every request.
 Stopping: `begin_drain()` refuses new requests and lets those in flight go on;
@@ -116,7 +119,7 @@ class EngineClient:
             input_address=self._router.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
         self._proc = subprocess.Popen([sys.executable, "-m", "kvloop.core.engine_proc"],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, start_new_session=True)
         assert self._proc.stdin is not None
         self._stdin = self._proc.stdin
         self._stdin.write(msgspec.json.encode(cfg) + b"\n")

@@ -65,14 +65,16 @@ class _Signals:
     def on_signal(self, sig: int) -> None:
         self.stop_requested.set()
         server = self.server
-        if server is None:
-            return  # still starting: `_serve` sees `stop_requested`
+        if server is None or server.should_exit:
+            return  # still starting (`_serve` sees `stop_requested`), or already stopping
         if sig == signal.SIGTERM and self._timeout_s > 0 and self._drain is None:
             logger.info("SIGTERM: draining %d requests for up to %g s (new ones get 503)",
                         self._client.num_in_flight, self._timeout_s)
             self._client.begin_drain()
             self._drain = asyncio.ensure_future(self._drain_then_stop(server))
             return
+        if self._drain is not None:
+            self._drain.cancel()
         self._stop(server)
 
     async def _drain_then_stop(self, server: _Uvicorn) -> None:
@@ -80,9 +82,9 @@ class _Signals:
         self._stop(server)
 
     def _stop(self, server: _Uvicorn) -> None:
+        """End in-flight requests, then let uvicorn stop (they end at once, so it never needs
+        uvicorn's force exit, which would skip the app's shutdown)."""
         self._client.begin_shutdown()
-        if server.should_exit:
-            server.force_exit = True  # a signal while stopping: stop waiting for connections
         server.should_exit = True
 
 
