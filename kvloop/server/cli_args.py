@@ -11,8 +11,10 @@ import argparse
 import importlib.util
 import logging
 import re
+import signal
 import uuid
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from kvloop.config import (
@@ -345,7 +347,13 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     return serve, start, tokenizer
 
 
+def _exit_0(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while the tokenizer loads: just exit
+        signal.signal(sig, _exit_0)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s api[%(process)d] %(message)s")
     try:
