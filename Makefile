@@ -35,8 +35,7 @@ lint: install-test
 	$(VENV)/bin/ruff check kvloop tests
 
 typecheck: install-test
-	$(VENV)/bin/mypy kvloop/core kvloop/events kvloop/sim kvloop/server kvloop/router kvloop/bench kvloop/viz \
-		kvloop/config.py kvloop/wire.py kvloop/cli.py
+	$(VENV)/bin/mypy kvloop
 
 test: install-test lint typecheck
 	$(VENV)/bin/pytest

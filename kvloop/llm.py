@@ -5,26 +5,31 @@ scheduler, KV cache manager and block pool (`EngineCore`), and the model runner.
 adds every request, steps the engine until all finish (with a tqdm progress bar), and returns
 one `RequestOutput` per prompt, in prompt order.
 
-What the engine does not do and this module does: `n` > 1 (fanned out into n requests;
-seeded ones get seeds seed, seed+1...), stop strings (detokenized incrementally; a hit aborts
-the request and truncates its text), EOS filled from the tokenizer (and the model's other EOS
-ids, from generation_config.json, added to `stop_token_ids`), text and logprob decoding.
+What the engine does not do is done by the API server's output processing
+(`kvloop.server.processor`), the same code for both: `n` > 1 fanned out into n requests
+(seeded ones get seeds seed, seed+1...), EOS and the model's other end-of-turn ids, stop
+strings (detokenized incrementally, not before `min_tokens`; a hit aborts the request and
+truncates its text), text and logprobs; this module only shapes vLLM's `RequestOutput`.
+
+A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
+the server's message, before any request is added. `max_tokens` beyond the context is not an
+error here (the server answers 400 for it only when the client set it; SamplingParams always
+carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("length").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
-from kvloop.core.request import SamplingParams
+from kvloop.core.request import SamplingParams, check_context_length
 from kvloop.core.runner import Runner
-from kvloop.server.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvloop.wire import EngineCoreOutput
+from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
+from kvloop.server.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 Message = dict[str, Any]
@@ -71,16 +76,8 @@ class _Sequence:
     request_id: str
     prompt_index: int
     sample_index: int
-    prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text: str | None = None
-    num_cached_tokens: int = 0
+    state: OutputState
 
 
 class LLM:
@@ -181,29 +178,18 @@ class LLM:
 
     def _add_requests(self, encoded: list[tuple[str | None, list[int]]],
                       params: list[SamplingParams]) -> list[_Sequence]:
+        """Every prompt is checked before any is added, so a bad one leaves nothing behind."""
+        max_len = self.engine.config.scheduler.max_model_len
+        for _, ids in encoded:
+            check_context_length(max_len, len(ids))
         seqs: list[_Sequence] = []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params, strict=True)):
-            for j in range(sp.n):
-                sub = self._sample_params(sp, j)
+            for j, sub in enumerate(fan_out(model_stops(sp, self.tokenizer))):
                 rid = str(next(self._ids))
-                request = self.engine.make_request(rid, ids, sub)
-                detok = (IncrementalDetokenizer(self.tokenizer, ids, sub.skip_special_tokens)
-                         if sub.stop else None)
-                seqs.append(_Sequence(rid, i, j, ids, sub, detok,
-                                      logprobs=[] if sub.logprobs is not None else None))
-                self.engine.add_request(request)
+                state = OutputState(self.tokenizer, ids, OutputOptions.of(sub))
+                seqs.append(_Sequence(rid, i, j, sub, state))
+                self.engine.add_request(self.engine.make_request(rid, ids, sub))
         return seqs
-
-    def _sample_params(self, sp: SamplingParams, index: int) -> SamplingParams:
-        changes: dict[str, Any] = {"n": 1}
-        if sp.eos_token_id is None and self.tokenizer.eos_token_id is not None:
-            changes["eos_token_id"] = self.tokenizer.eos_token_id
-        if sp.seed is not None and index:
-            changes["seed"] = sp.seed + index
-        extra_stops = self.tokenizer.stop_token_ids - set(sp.stop_token_ids)
-        if extra_stops and not sp.ignore_eos:   # other EOS ids (generation_config.json)
-            changes["stop_token_ids"] = (*sp.stop_token_ids, *sorted(extra_stops))
-        return dataclasses.replace(sp, **changes)
 
     def _drive(self, live: dict[str, _Sequence], total: int, use_tqdm: bool) -> None:
         from tqdm.auto import tqdm
@@ -216,46 +202,20 @@ class LLM:
                     seq = live.get(out.request_id)
                     if seq is None:
                         continue
-                    if self._absorb(seq, out):
+                    if seq.state.process(out).stopped_locally:
+                        self.engine.abort_requests([seq.request_id])
+                    if seq.state.finished:
                         del live[out.request_id]
                         bar.update(1)
 
-    def _absorb(self, seq: _Sequence, out: EngineCoreOutput) -> bool:
-        """Record one step's tokens; True once the sequence is finished."""
-        seq.token_ids.extend(out.new_token_ids)
-        seq.num_cached_tokens = out.num_cached_tokens
-        if out.new_logprobs is not None and seq.logprobs is not None:
-            for lp in out.new_logprobs:
-                seq.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank,
-                                                       lp.top_token_ids, lp.top_logprobs))
-                seq.cumulative_logprob += lp.logprob
-        if seq.detokenizer is not None and self._hit_stop_string(seq, out.new_token_ids):
-            self.engine.abort_requests([seq.request_id])
-            return True
-        if out.finish_reason is not None:
-            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-            return True
-        return False
-
-    def _hit_stop_string(self, seq: _Sequence, new_ids: list[int]) -> bool:
-        assert seq.detokenizer is not None
-        seq.detokenizer.push(new_ids)
-        text = seq.detokenizer.text
-        for stop in seq.params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                end = at + len(stop) if seq.params.include_stop_str_in_output else at
-                seq.text, seq.finish_reason, seq.stop_reason = text[:end], "stop", stop
-                return True
-        return False
-
-    def _logprob_dict(self, token_id: int, logprob: float, rank: int,
-                      top_ids: list[int], top_lps: list[float]) -> dict[int, Logprob]:
-        entry = {token_id: Logprob(logprob, rank, self.tokenizer.decode([token_id], False))}
-        for r, (tid, lp) in enumerate(zip(top_ids, top_lps, strict=False), start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(lp, r, self.tokenizer.decode([tid], False))
-        return entry
+    def _logprob_dict(self, entry: TokenLogprob) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        lps = {entry.token_id: Logprob(entry.logprob, entry.rank,
+                                       decode([entry.token_id], False))}
+        for r, (tid, lp) in enumerate(entry.top, start=1):
+            if tid not in lps:
+                lps[tid] = Logprob(lp, r, decode([tid], False))
+        return lps
 
     def _collect(self, encoded: list[tuple[str | None, list[int]]],
                  seqs: list[_Sequence]) -> list[RequestOutput]:
@@ -266,18 +226,17 @@ class LLM:
             results.append(RequestOutput(
                 request_id=mine[0].request_id, prompt=prompt, prompt_token_ids=ids,
                 outputs=outputs, finished=all(o.finish_reason for o in outputs),
-                num_cached_tokens=mine[0].num_cached_tokens))
+                num_cached_tokens=mine[0].state.num_cached_tokens))
         return results
 
     def _completion(self, seq: _Sequence) -> CompletionOutput:
-        text = seq.text
-        if text is None:
-            text = self.tokenizer.decode(seq.token_ids, seq.params.skip_special_tokens)
+        st = seq.state
+        wanted = seq.params.logprobs is not None
         return CompletionOutput(
-            index=seq.sample_index, text=text, token_ids=list(seq.token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=seq.logprobs, finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason)
+            index=seq.sample_index, text=st.text, token_ids=list(st.token_ids),
+            cumulative_logprob=sum(e.logprob for e in st.logprobs) if wanted else None,
+            logprobs=[self._logprob_dict(e) for e in st.logprobs] if wanted else None,
+            finish_reason=st.finish_reason, stop_reason=st.stop_reason)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -1,4 +1,5 @@
-"""`kvloop bench` and `kvloop trace` against a real `kvloop serve --model sim` process."""
+"""`kvloop bench` and `kvloop trace` against a real `kvloop serve --model sim` process, with
+the benchmark's default token ids (the simulator speaks SmolLM2's vocabulary)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ from kvloop.server.launcher import ServeProcess
 from kvloop.viz.png import render_png
 from kvloop.viz.schedule import load_schedule
 
-SIM_VOCAB = (3, 259)  # the simulator's byte tokenizer
-
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:
@@ -31,9 +30,8 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
 def test_shared_prefix_cache_share_from_a_real_server(sim) -> None:
     srv, trace = sim
     wl = w.shared_prefix_workload(num_groups=2, prefix_len=64, suffix_len=16, output_len=4,
-                                  num_requests=6, seed=0, token_range=SIM_VOCAB)
-    run = run_bench_sync(wl, BenchConfig(srv.url, concurrency=1, progress=False,
-                                         token_range=SIM_VOCAB))
+                                  num_requests=6, seed=0)
+    run = run_bench_sync(wl, BenchConfig(srv.url, concurrency=1, progress=False))
     s = summarize(run)
     assert (s["completed"], s["failed"]) == (6, 0), s["errors"]
     # 2 first requests miss; 4 reuse their group's 64-token prefix (4 full blocks)
@@ -53,9 +51,8 @@ def test_shared_prefix_cache_share_from_a_real_server(sim) -> None:
 def test_multi_turn_resends_real_answers_to_a_real_server(sim) -> None:
     srv, _ = sim
     wl = w.multi_turn_workload(num_conversations=2, num_turns=2, first_len=40, turn_len=8,
-                               output_len=24, seed=1, token_range=SIM_VOCAB)
-    run = run_bench_sync(wl, BenchConfig(srv.url, concurrency=2, progress=False,
-                                         token_range=SIM_VOCAB))
+                               output_len=24, seed=1)
+    run = run_bench_sync(wl, BenchConfig(srv.url, concurrency=2, progress=False))
     assert all(r.ok for r in run.results) and run.stand_in_answers == 0
     second = [r for r in run.results if r.turn == 1]
     # 40 prompt + 23 computed answer tokens -> 3 full blocks of the conversation are cached

@@ -3,9 +3,13 @@ our own that exercise other configurations (checked for invariants and self-cons
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -16,18 +20,42 @@ from .conftest import CONFORMANCE
 TRACES = sorted((CONFORMANCE / "traces").glob("*.json"))
 
 
+COMPARE_OPTS = argparse.Namespace(no_events=False, no_free_blocks=False, ignore_order=False,
+                                  first=False)
+
+
+@pytest.fixture(scope="module")
+def comparer() -> ModuleType:
+    """The shipped step-log comparer, loaded once and called in-process."""
+    spec = importlib.util.spec_from_file_location("compare_steplogs",
+                                                  CONFORMANCE / "compare_steplogs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _differences(comparer: ModuleType, expected: Path, trace: Path) -> list[str]:
+    actual = json.loads(dump_steplog(replay(json.loads(trace.read_text()))))
+    return list(comparer.compare(json.loads(expected.read_text()), actual, COMPARE_OPTS))
+
+
 @pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.stem)
-def test_replay_matches_vllm(trace, tmp_path, monkeypatch):
+def test_replay_matches_vllm(trace, comparer, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    out = tmp_path / trace.name
+    assert _differences(comparer, CONFORMANCE / "expected" / trace.name, trace) == []
+
+
+def test_replay_cli_and_comparer_cli(tmp_path):
+    """`kvloop replay` writes the step log the comparer's own command line calls equal."""
+    trace, out = TRACES[0], tmp_path / TRACES[0].name
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONHASHSEED"}
     subprocess.run([sys.executable, "-m", "kvloop", "replay", str(trace), "--out", str(out)],
-                   check=True, env={k: v for k, v in __import__("os").environ.items()
-                                    if k != "PYTHONHASHSEED"})
+                   check=True, env=env)
     res = subprocess.run([sys.executable, str(CONFORMANCE / "compare_steplogs.py"),
                           str(CONFORMANCE / "expected" / trace.name), str(out)],
                          capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout
-    assert res.stdout.strip().endswith("equal")
+    assert res.returncode == 0 and res.stdout.strip().endswith("equal"), res.stdout
 
 
 def _trace(config, requests):
@@ -70,13 +98,8 @@ ORACLE = sorted((CONFORMANCE / "oracle" / "traces").glob("*.json"))
 
 
 @pytest.mark.parametrize("trace", ORACLE, ids=lambda p: p.stem)
-def test_random_traces_match_vllm(trace, tmp_path, monkeypatch):
+def test_random_traces_match_vllm(trace, comparer, monkeypatch):
     """Random traces (policies, pools, budgets, thresholds, watermark, chunking off, small
     max_model_len, EOS and stop ids) whose expected logs came from vLLM 0.33's scheduler."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    out = tmp_path / trace.name
-    out.write_text(dump_steplog(replay(json.loads(trace.read_text()))))
-    res = subprocess.run([sys.executable, str(CONFORMANCE / "compare_steplogs.py"),
-                          str(CONFORMANCE / "oracle" / "expected" / trace.name), str(out)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout
+    assert _differences(comparer, CONFORMANCE / "oracle" / "expected" / trace.name, trace) == []

@@ -14,6 +14,12 @@ import httpx
 import pytest
 
 from kvloop.router.fleet import FleetConfig
+from tests.test_router_fleet import (
+    TOKEN_RANGE,
+    best_hit_share,
+    run_workload,
+    shared_prefix_prompts,
+)
 
 
 def _alive(pid: int) -> bool:
@@ -54,6 +60,12 @@ def test_fleet_starts_workers_and_router_and_one_signal_stops_everything(sig):
             pids += [info["api_pid"], info["engine_pid"]]
         r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # a shared-prefix workload of SmolLM2 token ids: one client, so after each prefix's
+        # first prompt every repeat is routed to its prefix and hits it whole
+        workload = shared_prefix_prompts(2, 64, 16, 3, seed=4)
+        assert all(TOKEN_RANGE[0] <= t < TOKEN_RANGE[1] for _, p in workload for t in p)
+        share = run_workload(url, [p for _, p in workload], concurrency=1)
+        assert share == best_hit_share(workload, 64) == 4 * 64 / (6 * 80)
         assert httpx.get(url + "/health").json()["status"] == "ok"
         proc.send_signal(sig)
         assert proc.wait(30) == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
+from kvloop.core.request import ContextLengthError
 from kvloop.llm import CompletionOutput, RequestOutput
 from tests.test_model_tiny import tiny_hf_model, write_hf_folder, write_tiny_gguf
 
@@ -106,6 +107,19 @@ def test_stop_strings_truncate_and_abort(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """As the API server and vLLM: a stop string completed within the first `min_tokens`
+    tokens does not stop the request (the offline API used to stop at once)."""
+    prompt, full = _ascii_prompt(llm)
+    stop = full.text[0]
+    early = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=[stop],
+                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (early.text, len(early.token_ids), early.stop_reason) == ("", 1, stop)
+    late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=[stop],
+                                               min_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert late.token_ids == full.token_ids and late.finish_reason == "length"
+
+
 def test_logprobs(llm):
     c = llm.generate("the cat", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3,
                                                ignore_eos=True), use_tqdm=False)[0].outputs[0]
@@ -141,10 +155,16 @@ def test_progress_bar(llm, capsys):
 
 
 def test_prompt_longer_than_the_context_is_rejected(llm):
-    too_long = list(range(3, 3 + llm.runner.max_model_len))
-    with pytest.raises(ValueError, match="maximum context length"):
-        llm.generate({"prompt_token_ids": too_long}, GREEDY)
+    """The server's check and message; a good prompt before the bad one is not left behind."""
+    max_len = llm.runner.max_model_len
+    too_long = list(range(3, 3 + max_len))
+    with pytest.raises(ContextLengthError) as e:
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": too_long}], GREEDY)
+    assert str(e.value) == (f"This model's maximum context length is {max_len} tokens. "
+                            f"However, your request has {max_len} input tokens. Please reduce "
+                            f"the length of the input messages.")
     assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_pool.get_num_free_blocks() == llm.engine.num_gpu_blocks - 1
 
 
 def test_eos_is_filled_from_the_tokenizer(eos_llm):

@@ -104,6 +104,19 @@ def test_description_layouts():
     assert flat.hash_spec() is not None and flat.hash_spec().seed == "0"
 
 
+def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path_factory):
+    """/kvloop/worker says num_gpu_blocks (null block included, as vLLM) and
+    kv_capacity_blocks (usable); the router must read the latter (it read one block high)."""
+    import httpx
+
+    from tests.conftest import serving
+
+    with serving(tmp_path_factory, "capacity", ["--model", "sim",
+                                                "--num-gpu-blocks-override", "64"]) as srv:
+        info = httpx.get(srv.url + "/kvloop/worker", timeout=10).json()
+    assert WorkerDescription.from_json(info).capacity_blocks == 63
+
+
 def test_events_feed_the_index_and_routing_follows_them():
     r, clock, subs = make_router()
     r.register(WorkerSpec("http://w:1"), desc())
@@ -320,13 +333,28 @@ def test_prompt_tokenizer_mirrors_the_server():
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
                                                         {"type": "text", "text": "c"}]}]}
     expected = tok.encode(tok.apply_chat_template([{"role": "user", "content": "abc"}]))
-    assert pt.token_ids("/v1/chat/completions", parts, "sim") == expected
-    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "sim") == [104, 105]
-    assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "sim") == [1, 2]
-    assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "sim") == [104, 101, 121]
+    assert pt.token_ids("/v1/chat/completions", parts, "bytes") == expected
+    assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "bytes") == [104, 105]
+    assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "bytes") == [1, 2]
+    assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "bytes") == [104, 101, 121]
     with pytest.raises(PromptError):
-        pt.token_ids("/v1/completions", {"prompt": 5}, "sim")
+        pt.token_ids("/v1/completions", {"prompt": 5}, "bytes")
     with pytest.raises(PromptError):
-        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "sim")
+        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "bytes")
     # an unknown model: no local tokenizer, routed by load (and said so once)
     assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "/no/such/model") is None
+
+
+def test_prompt_tokenizer_of_simulated_workers():
+    """A `--model sim` worker reports the embedded GGUF as its model path; one that reports
+    only its name `sim` speaks the embedded model's vocabulary too."""
+    from kvloop.router.prompts import PromptTokenizer
+    from kvloop.server.tokenizer import Tokenizer, find_model_path
+
+    pt, smol = PromptTokenizer(), Tokenizer.from_model(None)
+    msgs = [{"role": "user", "content": "hello there"}]
+    chat = smol.encode(smol.apply_chat_template(msgs), add_special_tokens=False)
+    for model in ("sim", find_model_path(None)):
+        assert pt.token_ids("/v1/chat/completions", {"messages": msgs}, model) == chat
+        assert pt.token_ids("/v1/completions", {"prompt": "hello there"}, model) == \
+            smol.encode("hello there")

@@ -28,6 +28,7 @@ from tests.test_router_fleet import (
     RouterThread,
     _drive,
     metric,
+    random_ids,
     router_config,
     shared_prefix_prompts,
     wait_until,
@@ -51,7 +52,7 @@ def fleet() -> Iterator[Fleet]:
 
 def _cold_prompts(n: int, seed: int, length: int = 96) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(length)] for _ in range(n)]
+    return [random_ids(rng, length) for _ in range(n)]
 
 
 def _send(url: str, prompts: list[list[int]], concurrency: int = 3) -> None:

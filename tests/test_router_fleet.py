@@ -2,7 +2,9 @@
 
 One fleet of 4 workers serves this module; each worker caches only 3 of the workload's 8
 long prefixes (`--num-gpu-blocks-override`). Routers run in-process on ephemeral ports.
-The helpers here are shared with test_router_faults.py.
+The workers speak the embedded SmolLM2's vocabulary; workloads are token ids drawn from
+`TOKEN_RANGE`, as a benchmark for a real model sends them. The helpers here are shared with
+test_router_faults.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +30,11 @@ from kvloop.router.server import RouterServer
 
 SIM_ARGS = ("--sim-speedup", "40", "--max-num-batched-tokens", "1024")
 BS = 16
+TOKEN_RANGE = (1000, 40000)   # ids of SmolLM2's vocabulary (49,152)
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -82,8 +90,8 @@ def shared_prefix_prompts(num_prefixes: int, prefix_len: int, suffix_len: int, r
                           seed: int) -> list[tuple[int, list[int]]]:
     """(prefix id, prompt) in a random order; every prompt has a unique suffix."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(256) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    out = [(g, prefixes[g] + [rng.randrange(256) for _ in range(suffix_len)])
+    prefixes = [random_ids(rng, prefix_len) for _ in range(num_prefixes)]
+    out = [(g, prefixes[g] + random_ids(rng, suffix_len))
            for g in range(num_prefixes) for _ in range(repeats)]
     rng.shuffle(out)
     return out
@@ -196,12 +204,19 @@ def test_streaming_passthrough_usage_and_errors(fleet):
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
         assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == 40
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
-        # chat with a text prompt: tokenized by the router, so repeats are predicted hits
+        # chat with a text prompt: tokenized by the router with the workers' tokenizer
+        # (SmolLM2's, template included), so a repeat is a hit predicted to the token
         msgs = [{"role": "user", "content": "tell me a long story about routers " * 4}]
         first = client.chat.completions.create(model="sim", messages=msgs, max_tokens=2)
+        before = httpx.get(rt.url + "/metrics").text
         again = client.chat.completions.create(model="sim", messages=msgs, max_tokens=2)
-        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        after = httpx.get(rt.url + "/metrics").text
+        hit = again.usage.prompt_tokens_details.cached_tokens
         assert first.usage.prompt_tokens == again.usage.prompt_tokens
+        assert hit == (again.usage.prompt_tokens - 1) // BS * BS > 0
+        for name in ("predicted", "actual"):
+            series = f"kvloop_router_{name}_hit_tokens_total"
+            assert metric(after, series) - metric(before, series) == hit, name
         # worker errors come back as the worker sent them
         direct = httpx.post(fleet.workers[0].url + "/v1/completions",
                             json={"prompt": prompt, "max_tokens": -1})
@@ -221,8 +236,8 @@ def test_streaming_passthrough_usage_and_errors(fleet):
 
 def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
     rng = random.Random(3)
-    prefix = [rng.randrange(256) for _ in range(PREFIX_LEN)]
-    prompts = [prefix + [rng.randrange(256) for _ in range(SUFFIX_LEN)] for _ in range(96)]
+    prefix = random_ids(rng, PREFIX_LEN)
+    prompts = [prefix + random_ids(rng, SUFFIX_LEN) for _ in range(96)]
     reset_caches(fleet)
     with RouterThread(router_config(), fleet.specs()) as rt:
         share = run_workload(rt.url, prompts, concurrency=24, max_tokens=8)
@@ -330,3 +345,15 @@ def test_kvloop_router_command_serves_and_stops_on_sigterm(fleet):
     bad = subprocess.run([sys.executable, "-m", "kvloop", "router", "--worker", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "worker URL must look like" in bad.stderr
+
+
+def test_small_router_responses_are_not_delayed(fleet):
+    """The router binds its socket as the API server does (TCP, so asyncio sets TCP_NODELAY);
+    it used not to, and every small response waited ~40 ms for a delayed ACK."""
+    with RouterThread(router_config(), fleet.specs()[:1]) as rt, httpx.Client() as http:
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            assert http.get(rt.url + "/no-such-path").status_code == 404
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.03, times

@@ -329,14 +329,14 @@ def test_kv_events_published_with_actual_addresses(serve: Any) -> None:
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         sub.setsockopt(zmq.SUBSCRIBE, proto.RECENCY_TOPIC)
         time.sleep(0.3)   # slow joiner
-        prompt = "k" * 40
+        prompt = list(range(1000, 1040))   # 40 ids of SmolLM2's vocabulary: 2 full blocks
         for _ in range(2):
             httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         stored, touched = _collect_events(sub)
     finally:
         sub.close(linger=0)
         ctx.term()
-    expected = [event_int(h) for h in block_hashes(list(prompt.encode()), 16, "sha256")]
+    expected = [event_int(h) for h in block_hashes(prompt, 16, "sha256")]
     assert stored[:2] == expected            # the prompt's two full blocks, hashed as vLLM
     assert set(expected) <= set(touched)     # the second request hit both
 
@@ -370,7 +370,8 @@ def test_reset_on_an_idle_worker_publishes_all_blocks_cleared_at_once(serve: Any
         sub.connect(ev["endpoint"])
         sub.setsockopt(zmq.SUBSCRIBE, b"kv")
         time.sleep(0.3)  # slow joiner
-        httpx.post(srv.url + "/v1/completions", json={"prompt": "r" * 40, "max_tokens": 1})
+        httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(2000, 2040)),
+                                                      "max_tokens": 1})
         assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 200
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         kinds: list[str] = []

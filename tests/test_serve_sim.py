@@ -1,7 +1,10 @@
 """The OpenAI API of a real `kvloop serve --model sim` process, through the official `openai`
 client (unchanged) and raw HTTP: completions and chat, streaming and not, n > 1, stop
 strings, logprobs, seeds, prefix caching and its metrics, bad inputs, the other endpoints,
-and a client that disconnects mid-stream."""
+and a client that disconnects mid-stream.
+
+The simulator speaks the embedded SmolLM2's vocabulary: token counts and ids are checked
+against that tokenizer (`SMOL`), and every generated token is one space-prefixed word."""
 
 from __future__ import annotations
 
@@ -19,11 +22,20 @@ import openai
 import pytest
 
 from kvloop.server.launcher import ServeProcess
+from kvloop.server.tokenizer import Tokenizer, find_model_path
 
 from .conftest import serving
 
 BLOCKS = 256
 MAX_LEN = 1024
+VOCAB = 49152                      # SmolLM2's
+SMOL = Tokenizer.from_model(None)  # the reference: what a real SmolLM2 server tokenizes
+WORDS = re.compile(r"( [a-z]+)+")  # what the simulator generates
+
+
+def words(text: str | None, n: int) -> bool:
+    """`text` is `n` generated tokens: `n` space-prefixed lowercase words."""
+    return text is not None and WORDS.fullmatch(text) is not None and len(text.split()) == n
 
 
 @pytest.fixture(scope="module")
@@ -55,25 +67,41 @@ def wait_idle(server: ServeProcess) -> dict[str, Any]:
 
 # --- completions ------------------------------------------------------------------------------
 def test_completion_text_prompt(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="sim", prompt="Hello, world", max_tokens=12)
+    r = client.completions.create(model="sim", prompt="Hello, world", max_tokens=12,
+                                  extra_body={"return_token_ids": True})
     (c,) = r.choices
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "sim"
-    assert len(c.text) == 12 and c.text.isprintable() and c.finish_reason == "length"
+    assert words(c.text, 12) and c.finish_reason == "length"
+    extra = c.model_extra or {}
+    assert extra["prompt_token_ids"] == SMOL.encode("Hello, world") == [19556, 28, 905]
+    assert SMOL.decode(extra["token_ids"]) == c.text
     assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
-        (12, 12, 24)
+        (3, 12, 15)
+
+
+def test_any_token_id_of_the_vocabulary_is_accepted(client: openai.OpenAI) -> None:
+    prompt = [0, 1, 2, 17, 1000, 40000, VOCAB - 1]    # specials, EOS and the last id too
+    r = client.completions.create(model="sim", prompt=prompt, max_tokens=5,
+                                  extra_body={"return_token_ids": True})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and words(c.text, 5)
+    assert r.usage is not None and r.usage.prompt_tokens == len(prompt)
+    with pytest.raises(openai.BadRequestError, match=f"Token id {VOCAB} is out of vocabulary"):
+        client.completions.create(model="sim", prompt=[5, VOCAB], max_tokens=1)
 
 
 def test_completion_prompt_forms(client: openai.OpenAI) -> None:
     greedy = {"model": "alias", "max_tokens": 5, "temperature": 0}
     by_text = client.completions.create(prompt="abc", **greedy).choices[0].text
-    by_ids = client.completions.create(prompt=[97, 98, 99], **greedy).choices[0].text
+    by_ids = client.completions.create(prompt=SMOL.encode("abc"), **greedy).choices[0].text
     assert by_ids == by_text
     r = client.completions.create(prompt=["abc", "xyz"], **greedy)
     assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == by_text
-    r2 = client.completions.create(prompt=[[97, 98, 99], [120, 121, 122]], **greedy)
+    r2 = client.completions.create(prompt=[SMOL.encode("abc"), SMOL.encode("xyz")], **greedy)
     assert [c.text for c in r2.choices] == [c.text for c in r.choices]
-    assert r2.usage is not None and r2.usage.prompt_tokens == 6
+    assert r2.usage is not None
+    assert r2.usage.prompt_tokens == len(SMOL.encode("abc") + SMOL.encode("xyz")) == 2
 
 
 def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
@@ -91,9 +119,9 @@ def test_echo_and_return_token_ids(client: openai.OpenAI) -> None:
     r = client.completions.create(model="sim", prompt="echo:", max_tokens=3, echo=True,
                                   extra_body={"return_token_ids": True})
     c = r.choices[0]
-    assert c.text.startswith("echo:") and len(c.text) == 8
     extra = c.model_extra or {}
-    assert extra["prompt_token_ids"] == list(b"echo:") and len(extra["token_ids"]) == 3
+    assert extra["prompt_token_ids"] == SMOL.encode("echo:") and len(extra["token_ids"]) == 3
+    assert c.text == "echo:" + SMOL.decode(extra["token_ids"]) and words(c.text[5:], 3)
 
 
 def test_n_and_seed(client: openai.OpenAI) -> None:
@@ -132,7 +160,8 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
     assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == 4
     assert lp.top_logprobs is not None and all(len(t) >= 2 for t in lp.top_logprobs)
-    assert lp.text_offset == [0, 1, 2, 3]
+    assert all(words(t, 1) for t in lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     chat = client.chat.completions.create(
         model="sim", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
         top_logprobs=3)
@@ -148,7 +177,10 @@ def test_chat_stream_and_not(client: openai.OpenAI) -> None:
                                        max_completion_tokens=15, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     text = r.choices[0].message.content
-    assert r.choices[0].message.role == "assistant" and text and len(text) == 15
+    assert r.choices[0].message.role == "assistant" and words(text, 15)
+    rendered = SMOL.apply_chat_template(msgs)   # SmolLM2's template, system turn given
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(SMOL.encode(rendered, add_special_tokens=False))
     chunks = list(client.chat.completions.create(
         model="sim", messages=msgs, max_tokens=15, temperature=0,  # type: ignore[arg-type]
         stream=True, stream_options={"include_usage": True}))
@@ -168,7 +200,7 @@ def test_chat_n_streaming(client: openai.OpenAI) -> None:
             texts[c.index] += c.delta.content or ""
             if c.finish_reason:
                 finished.add(c.index)
-    assert finished == {0, 1} and all(len(t) == 6 for t in texts.values())
+    assert finished == {0, 1} and all(words(t, 6) for t in texts.values())
 
 
 # --- prefix caching ---------------------------------------------------------------------------
@@ -185,7 +217,9 @@ def test_cached_tokens_and_prefix_cache_metrics(server: ServeProcess,
     second = client.completions.create(model="sim", prompt=prefix + "second", max_tokens=2)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == (len(prefix) // 16) * 16 and cached > 0
+    a, b = SMOL.encode(prefix + "first"), SMOL.encode(prefix + "second")
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert cached == (common // 16) * 16 and cached > 0
     assert metric(server, "vllm:prefix_cache_hits_total") - hits0 == cached
     assert metric(server, "vllm:prefix_cache_queries_total") - queries0 == \
         first.usage.prompt_tokens + second.usage.prompt_tokens
@@ -218,8 +252,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, 2, 999999]}, 400, "prompt"),
+    ({"prompt": [0, VOCAB]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
-    ({"prompt": "y" * MAX_LEN}, 400, "prompt"),
+    ({"prompt": [1000] * MAX_LEN}, 400, "prompt"),
     ({"prompt": "x", "repetition_penalty": float("inf")}, 400, "repetition_penalty"),
     ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
     ({"prompt": "x", "stop_token_ids": [10 ** 9]}, 400, "stop_token_ids"),
@@ -248,7 +283,7 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
         assert _post(server, "/v1/completions", body).status_code == status
     r = httpx.post(server.url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
+    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     for body in ({"messages": []}, {"messages": [{"content": "no role"}]},
                  {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                  {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -260,17 +295,21 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="sim", prompt="x", temperature=3)
     running.join(30)
-    assert len(done[0].choices[0].text) == 300 and done[0].choices[0].finish_reason == "length"
+    assert words(done[0].choices[0].text, 300) and done[0].choices[0].finish_reason == "length"
     assert httpx.get(server.url + "/health").status_code == 200
     huge_k = client.completions.create(model="sim", prompt="x", max_tokens=3,
                                        extra_body={"top_k": 2 ** 70})
-    assert len(huge_k.choices[0].text) == 3
+    assert words(huge_k.choices[0].text, 3)
 
 
-def test_max_tokens_is_clamped_to_the_context(client: openai.OpenAI) -> None:
-    prompt = "z" * (MAX_LEN - 4)
-    r = client.completions.create(model="sim", prompt=prompt, max_tokens=100)
-    assert len(r.choices[0].text) == 4 and r.choices[0].finish_reason == "length"
+def test_default_max_tokens_is_clamped_to_the_context(client: openai.OpenAI) -> None:
+    """Unasked, max_tokens (16) is cut to the room left; asked, too many is a 400
+    (test_serve_limits.py)."""
+    prompt = [1000] * (MAX_LEN - 4)
+    r = client.completions.create(model="sim", prompt=prompt)
+    assert words(r.choices[0].text, 4) and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="is too large: 100"):
+        client.completions.create(model="sim", prompt=prompt, max_tokens=100)
 
 
 # --- other endpoints --------------------------------------------------------------------------
@@ -297,17 +336,23 @@ def test_small_responses_are_not_delayed(server: ServeProcess) -> None:
 
 def test_tokenize_detokenize(server: ServeProcess) -> None:
     t = _post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
-    assert t["tokens"] == list("héllo".encode()) and t["count"] == 6
-    assert t["max_model_len"] == MAX_LEN and len(t["token_strs"]) == 6
+    assert t["tokens"] == SMOL.encode("héllo") and t["count"] == 3
+    assert t["max_model_len"] == MAX_LEN and len(t["token_strs"]) == 3
     assert _post(server, "/detokenize", {"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
-    chat = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "a"}]}).json()
-    assert chat["count"] == len("<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\n")
-    assert _post(server, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
+    msgs = [{"role": "user", "content": "a"}]
+    chat = _post(server, "/tokenize", {"messages": msgs}).json()
+    # SmolLM2's template, its default system prompt included
+    assert chat["tokens"] == SMOL.encode(SMOL.apply_chat_template(msgs))
+    assert SMOL.decode(chat["tokens"], skip_special_tokens=False).startswith(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert _post(server, "/detokenize", {"tokens": [VOCAB - 1]}).status_code == 200
+    assert _post(server, "/detokenize", {"tokens": [VOCAB]}).status_code == 400
 
 
 def test_worker_description(server: ServeProcess) -> None:
     w = httpx.get(server.url + "/kvloop/worker").json()
     assert w["model"] == "sim" and w["role"] == "both" and w["block_size"] == 16
+    assert w["model_path"] == find_model_path(None) and w["max_model_len"] == MAX_LEN
     assert (w["hash_algo"], w["hash_seed"]) == ("sha256", "vllm-none-hash")
     assert w["num_gpu_blocks"] == BLOCKS and w["kv_capacity_blocks"] == BLOCKS - 1
     assert w["kv_events"] is None and isinstance(w["epoch"], str) and len(w["epoch"]) == 32
@@ -388,7 +433,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: ServeProcess) -> 
 
 
 def test_immediate_disconnects_leave_nothing_behind(server: ServeProcess) -> None:
-    body = {"model": "sim", "prompt": "gone", "max_tokens": MAX_LEN - 10, "stream": True}
+    body = {"model": "sim", "prompt": "gone", "max_tokens": MAX_LEN - 100, "stream": True}
     for path, b in (("/v1/completions", body),
                     ("/v1/chat/completions", {**body, "messages": [{"role": "user",
                                                                     "content": "x"}]})):

@@ -12,9 +12,12 @@ import pytest
 
 from kvloop.core.request import SamplingParams
 from kvloop.server import cli_args
+from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
-from kvloop.server.serve import _bind, _url
+from kvloop.server.sim_model import SIM_TEXT, load_sim_model
+from kvloop.server.sockets import bind_tcp, http_url
+from kvloop.server.tokenizer import find_model_path
 from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     EngineCoreOutput,
@@ -44,7 +47,7 @@ def test_stop_string_ties_and_overlaps() -> None:
 
 def test_stop_string_at_end_and_no_match() -> None:
     assert find_stop_string("hello world.", 1, ["."], False) == (".", 11)
-    assert find_stop_string("hello world.", 1, ["."], True) == (".", -1)
+    assert find_stop_string("hello world.", 1, ["."], True) == (".", None)
     assert find_stop_string("hello world.", 0, ["."], False) is None
     assert find_stop_string("hello world.", 1, [], False) is None
     # only the new characters (and a stop string overlapping them) are searched
@@ -183,14 +186,39 @@ def test_build_configs_sim() -> None:
         "--num-gpu-blocks-override", "32", "--served-model-name", "a", "b",
         "--enable-kv-cache-events", "--kv-events-topic", "t"])
     serve, start, tok = cli_args.build_configs(args)
-    assert serve.served_model_names == ("a", "b") and isinstance(tok, ByteTokenizer)
+    assert serve.served_model_names == ("a", "b") and tok.vocab_size == 49152  # SmolLM2's
+    assert serve.model_path == find_model_path(None)
     assert start.engine.scheduler.max_num_seqs == 64     # clamped to the token budget
     assert start.runner_factory == cli_args.SIM_FACTORY
-    assert start.runner_kwargs["num_gpu_blocks_override"] == 32
+    kw = start.runner_kwargs
+    assert kw["num_gpu_blocks_override"] == 32
+    # the engine gets the vocabulary's facts, not the model file
+    assert (kw["vocab_size"], kw["max_model_len"]) == (49152, 8192)
+    assert kw["text_token_ids"] == list(load_sim_model(None).text_token_ids)
     assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
-                               "recency": False}
+                               "recency": False, "heartbeat": None}
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
+
+
+def test_build_configs_sim_vocabularies() -> None:
+    from kvloop.cli import build_parser
+
+    def configs(*flags: str) -> tuple[ServeConfig, EngineStartConfig, object]:
+        return cli_args.build_configs(build_parser().parse_args(["serve", *flags]))
+
+    serve, start, tok = configs("--model", "sim", "--sim-model", "bytes",
+                                "--max-model-len", "100")
+    assert isinstance(tok, ByteTokenizer) and serve.model_path == "bytes"
+    assert (start.runner_kwargs["vocab_size"], start.runner_kwargs["max_model_len"]) == \
+        (259, 100)
+    assert start.runner_kwargs["text_token_ids"] == sorted(set(SIM_TEXT.encode()))
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        configs("--model", "sim", "--max-model-len", "8193")
+    with pytest.raises(ValueError, match="--sim-model needs --model sim"):
+        configs("--model", "x.gguf", "--sim-model", "bytes")
+    with pytest.raises(FileNotFoundError, match="neither a .gguf file"):
+        configs("--model", "sim", "--sim-model", "/no/such/model")
 
 
 def test_num_threads_reaches_the_real_runner() -> None:
@@ -206,11 +234,22 @@ def test_num_threads_reaches_the_real_runner() -> None:
 
 
 def test_bind_ephemeral_port() -> None:
-    sock = _bind("127.0.0.1", 0)
+    sock = bind_tcp("127.0.0.1", 0)
     try:
         host, port = sock.getsockname()
-        assert port > 0 and _url(sock) == f"http://127.0.0.1:{port}"
+        assert port > 0 and http_url(sock) == f"http://127.0.0.1:{port}"
         assert sock.family == socket.AF_INET
         assert sock.proto == socket.IPPROTO_TCP   # else asyncio skips TCP_NODELAY
     finally:
         sock.close()
+
+
+def test_one_error_type_per_status() -> None:
+    from kvloop.server.openai import error_body, error_type
+
+    assert [error_type(c) for c in (400, 401, 404, 405, 413, 500, 502, 503)] == [
+        "BadRequestError", "UnauthorizedError", "NotFoundError", "MethodNotAllowedError",
+        "RequestEntityTooLargeError", "InternalServerError", "BadGatewayError",
+        "ServiceUnavailableError"]
+    assert error_body("m", 400, "prompt") == {
+        "error": {"message": "m", "type": "BadRequestError", "param": "prompt", "code": 400}}

@@ -111,7 +111,7 @@ def _serve_and_trace(tmp_path: Path, speedup: float) -> list[dict[str, object]]:
             "--max-num-seqs", "4"]
     with ServeProcess(args, tmp_path / f"serve{speedup}.log").start() as srv:
         r = httpx.post(srv.url + "/v1/completions",
-                       json={"prompt": "p" * 40, "max_tokens": 3}, timeout=60)
+                       json={"prompt": list(range(3000, 3040)), "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
     return [json.loads(line) for line in trace.read_text().splitlines()]
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvloop.server import tokenizer as tokmod
+from kvloop.server.gguf_metadata import read_gguf_metadata
 from kvloop.server.tokenizer import IncrementalDetokenizer, Tokenizer, find_model_path
 from tests.test_model_tiny import (
     CHAT_TEMPLATE,
@@ -171,6 +172,45 @@ def test_sentencepiece_gguf_vocab():
     ids = tok.encode("é", add_special_tokens=False)
     assert ids == [3, 9 + 0xC3, 9 + 0xA9]                         # byte fallback
     assert tok.decode(tok.encode("ab a é")) == "ab a é"
+
+
+@pytest.mark.parametrize("order", ["LITTLE", "BIG"])
+def test_gguf_metadata_reads_what_the_gguf_package_reads(tmp_path, order):
+    import gguf
+
+    path = str(tmp_path / f"{order}.gguf")
+    w = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian[order])
+    for add, key, value in [
+            (w.add_uint8, "t.u8", 200), (w.add_int8, "t.i8", -100),
+            (w.add_uint16, "t.u16", 60000), (w.add_int16, "t.i16", -30000),
+            (w.add_uint32, "t.u32", 4_000_000_000), (w.add_int32, "t.i32", -2_000_000_000),
+            (w.add_uint64, "t.u64", 2 ** 63 + 5), (w.add_int64, "t.i64", -2 ** 62),
+            (w.add_float32, "t.f32", 0.1), (w.add_float64, "t.f64", 1e-300),
+            (w.add_bool, "t.bool", True), (w.add_string, "t.str", "héllo 😀"),
+            (w.add_array, "t.strs", ["x", "", "Ġthe"]), (w.add_array, "t.ints", [1, -2, 3]),
+            (w.add_array, "t.floats", [0.5, 1.25]), (w.add_array, "t.empty", [])]:
+        add(key, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    ref = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()
+           if not k.startswith("GGUF.")}
+    ref = {k: v.item() if hasattr(v, "item") else v for k, v in ref.items()}
+    got = read_gguf_metadata(path)
+    assert got == ref and got["t.u64"] == 2 ** 63 + 5 and got["t.str"] == "héllo 😀"
+    assert got["general.architecture"] == "llama"
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_metadata(str(tmp_path / "not.gguf"))
+
+
+def test_gguf_tokenizer_fields_match_the_gguf_package(tiny_files):
+    import gguf
+
+    ref = {k: f.contents() for k, f in gguf.GGUFReader(str(tiny_files[0])).fields.items()
+           if k.startswith("tokenizer.")}
+    got = read_gguf_metadata(str(tiny_files[0]))
+    assert {k: v for k, v in got.items() if k.startswith("tokenizer.")} == ref
 
 
 def test_missing_embedded_package_names_the_pip_command(monkeypatch):

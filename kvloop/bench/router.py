@@ -216,7 +216,7 @@ def _bench_once(router_url: str, workload: str, concurrency: int, seed: int) -> 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "kvloop", "bench", "--url", router_url,
                *WORKLOAD_ARGS[workload], "--concurrency", str(concurrency),
-               "--token-range", "1", "256", "--seed", str(seed), "--no-progress",
+               "--seed", str(seed), "--no-progress",
                "--json-out", out.name]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:

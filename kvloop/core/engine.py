@@ -23,7 +23,7 @@ from kvloop.core.block_pool import BlockPool
 from kvloop.core.hashing import BlockHasher
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.outputs import SchedulerOutput
-from kvloop.core.request import Request, RequestStatus, SamplingParams
+from kvloop.core.request import Request, RequestStatus, SamplingParams, check_context_length
 from kvloop.core.runner import Runner
 from kvloop.core.scheduler import Admission, Scheduler
 from kvloop.core.trace import StepRecord, make_step_record
@@ -70,12 +70,10 @@ class EngineCore:
                      lora_name: str | None = None, client_index: int = 0) -> Request:
         """Build a Request hashed with this engine's block hasher.
 
-        Raises ValueError for a prompt that cannot fit `max_model_len`.
+        Raises ContextLengthError (a ValueError) for a prompt that leaves no room in
+        `max_model_len` for an output token.
         """
-        max_len = self.config.scheduler.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the maximum context "
-                             f"length is {max_len} and at least one token must be generated")
+        check_context_length(self.config.scheduler.max_model_len, len(prompt_token_ids))
         if arrival_time is None:
             self._arrivals += 1
             arrival_time = time.monotonic() + self._arrivals * 1e-9

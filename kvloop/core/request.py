@@ -54,6 +54,33 @@ def finish_reason(status: RequestStatus) -> str | None:
     return _FINISH_REASONS.get(status)
 
 
+class ContextLengthError(ValueError):
+    """A request that can never fit the model's context; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_context_length(max_model_len: int, prompt_len: int,
+                         max_tokens: int | None = None) -> None:
+    """Raise ContextLengthError unless the request can fit the context, with vLLM's words
+    (its serving layer's input validation): the prompt must leave room for at least one
+    output token, and `max_tokens`, when the caller asked for a number, must fit in that room
+    (prompt + max_tokens <= max_model_len). `max_tokens` None: nothing asked, no check."""
+    if prompt_len >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {prompt_len} input tokens. Please reduce the length of the input "
+            f"messages.", "prompt")
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+            f"model's maximum context length is {max_model_len} tokens and your request has "
+            f"{prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len}).",
+            "max_tokens")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What to generate and when to stop; vLLM's names and defaults.
@@ -155,7 +182,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float = 0.0,
                  hasher: BlockHasher | None = None, lora_name: str | None = None,
-                 client_index: int = 0, data: Any = None):
+                 client_index: int = 0):
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -173,11 +200,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.num_cached_tokens = -1  # prefix hit at the first admission; -1 until then
+        self.num_cached_tokens: int | None = None  # prefix hit at the first admission
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self.data = data  # opaque per-request payload for the runner (e.g. logits processors)
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

@@ -5,7 +5,8 @@ and the waiting/running queues. Blocks are seen only through the KV cache manage
 
 There is no prefill or decode phase. Each request has `num_computed_tokens` chasing
 `num_tokens_with_spec`; each step has a token budget; running requests go first, waiting
-ones get what is left: `min(gap, budget)`. Chunked prefill, prefix hits (admission with
+ones get what is left: `num_new_tokens = min(gap, budget)`, as vLLM names it, where the gap
+is `num_tokens_with_spec - num_computed_tokens`. Chunked prefill, prefix hits (admission with
 `num_computed_tokens > 0`) and speculative decoding (gap = 1 + k) all fall out of that.
 Preemption (recompute) frees the blocks, resets the counter to 0 and puts the request back
 at the front of the waiting queue. vLLM 0.33's rules are followed exactly
@@ -130,7 +131,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.last_admissions: list[Admission] = []
-        self.last_preempted: list[str] = []
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         self.step_index = 0
@@ -210,32 +210,32 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            n = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < plan.threshold < n:
-                n = plan.threshold
-            n = min(n, plan.token_budget,
-                    self.max_model_len - request.num_computed_tokens - 1)
-            if n <= 0:
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < plan.threshold < num_new_tokens:
+                num_new_tokens = plan.threshold
+            num_new_tokens = min(num_new_tokens, plan.token_budget,
+                                 self.max_model_len - request.num_computed_tokens - 1)
+            if num_new_tokens <= 0:
                 req_index += 1
                 continue
-            blocks = self._allocate_or_preempt(request, n, req_index, plan)
+            blocks = self._allocate_or_preempt(request, num_new_tokens, req_index, plan)
             if blocks is None:
                 if self.config.policy == "priority":
                     continue  # the request preempted itself; the next one slid into its place
                 break
             new_ids, req_index = blocks
             plan.running.append(request)
-            plan.num_scheduled[request.request_id] = n
+            plan.num_scheduled[request.request_id] = num_new_tokens
             plan.new_blocks[request.request_id] = new_ids
-            plan.token_budget -= n
+            plan.token_budget -= num_new_tokens
             req_index += 1
             if request.spec_token_ids:
-                k = n + request.num_computed_tokens - request.num_tokens
+                k = num_new_tokens + request.num_computed_tokens - request.num_tokens
                 if k > 0:
                     plan.spec[request.request_id] = request.spec_token_ids[:k]
                 request.spec_token_ids = []
 
-    def _allocate_or_preempt(self, request: Request, n: int, req_index: int,
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, req_index: int,
                              plan: StepPlan) -> tuple[list[int], int] | None:
         """Allocate slots for a running request, preempting victims until it fits.
 
@@ -243,8 +243,8 @@ class Scheduler:
         preempted.
         """
         while True:
-            new_blocks = self.kv.allocate_slots(request, n,
-                                                num_lookahead_tokens=self.config.num_lookahead_tokens)
+            new_blocks = self.kv.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.config.num_lookahead_tokens)
             if new_blocks is not None:
                 return [b.block_id for b in new_blocks], req_index
             victim = self._pick_victim()
@@ -293,14 +293,14 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + num_hit
-            n = request.num_tokens - num_computed
-            if 0 < plan.threshold < n:
-                n = plan.threshold
-            if not cfg.enable_chunked_prefill and n > plan.token_budget:
+            num_new_tokens = request.num_tokens - num_computed
+            if 0 < plan.threshold < num_new_tokens:
+                num_new_tokens = plan.threshold
+            if not cfg.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
-            n = min(n, plan.token_budget)
+            num_new_tokens = min(num_new_tokens, plan.token_budget)
             new_blocks = self.kv.allocate_slots(
-                request, n, num_hit, hits, self.config.num_lookahead_tokens,
+                request, num_new_tokens, num_hit, hits, self.config.num_lookahead_tokens,
                 full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                 has_scheduled_reqs=bool(self.running))
             if new_blocks is None:
@@ -308,20 +308,20 @@ class Scheduler:
             if self.log_stats:
                 self.kv.record_prefix_cache_stats(request, num_hit)
             self.waiting.pop()
-            self._admit(request, n, num_computed, num_hit, plan)
+            self._admit(request, num_new_tokens, num_computed, num_hit, plan)
             plan.new_blocks[request.request_id] = [b.block_id for b in new_blocks]
 
-    def _admit(self, request: Request, n: int, num_computed: int, num_hit: int,
+    def _admit(self, request: Request, num_new_tokens: int, num_computed: int, num_hit: int,
                plan: StepPlan) -> None:
         resumed = request.status == RequestStatus.PREEMPTED
         self.running.append(request)
         (plan.resumed if resumed else plan.new).append(request)
         plan.admitted.append(Admission(request.request_id, resumed, num_hit, request.num_tokens))
-        plan.num_scheduled[request.request_id] = n
-        plan.token_budget -= n
+        plan.num_scheduled[request.request_id] = num_new_tokens
+        plan.token_budget -= num_new_tokens
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
 
     def _build_output(self, plan: StepPlan) -> SchedulerOutput:
@@ -356,7 +356,6 @@ class Scheduler:
                 out.sampling_req_ids.add(req.request_id)
         self.finished_req_ids = set()
         self.last_admissions = plan.admitted
-        self.last_preempted = out.preempted_req_ids
         self.step_index += 1
         return out
 
@@ -387,7 +386,7 @@ class Scheduler:
             kept, is_stopped = self._append_and_check(request, generated)
             logprobs = self._logprobs(runner_output, i, len(kept))
             out = EngineCoreOutput(request_id=rid, new_token_ids=kept,
-                                   num_cached_tokens=max(request.num_cached_tokens, 0),
+                                   num_cached_tokens=request.num_cached_tokens or 0,
                                    new_logprobs=logprobs)
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)

@@ -30,6 +30,11 @@ def register(subparsers: Any) -> None:
     t.add_argument("--json", action="store_true", help="one JSON object per line")
     t.add_argument("--heartbeats", action="store_true", help="print heartbeats too")
     t.add_argument("--recency", action="store_true", help="print recency (touch) notices too")
+    t.add_argument("--idle-warn", type=float, default=10.0, metavar="S",
+                   help="warn on stderr (endpoint, likely causes) when no batch came for S "
+                        "seconds, then keep waiting; 0 = never (default 10)")
+    t.add_argument("--exit-on-idle", action="store_true",
+                   help="exit with status 1 after the --idle-warn warning")
     t.set_defaults(func=_cmd_tail)
 
 
@@ -38,9 +43,14 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
     if args.count is not None and args.count < 1:
         raise SystemExit("--count must be >= 1")
+    if args.idle_warn < 0:
+        raise SystemExit("--idle-warn must be >= 0")
+    if args.exit_on_idle and not args.idle_warn:
+        raise SystemExit("--exit-on-idle needs --idle-warn > 0")
     return run_tail(args.endpoint, args.replay_endpoint, args.topic, as_json=args.json,
                     count=args.count, timeout=args.timeout, heartbeats=args.heartbeats,
-                    recency=args.recency)
+                    recency=args.recency, idle_warn=args.idle_warn or None,
+                    exit_on_idle=args.exit_on_idle)
 
 
 def add_publisher_args(parser: argparse.ArgumentParser) -> None:

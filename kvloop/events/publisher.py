@@ -172,7 +172,7 @@ class ZmqEventPublisher:
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
-        self._wake_r = self._wake_w = -1
+        self._pipe: tuple[int, int] | None = None    # (read, write) ends of the wake-up pipe
         self._wake_lock = threading.Lock()
         self._failed_addr = ""
         self._endpoint: str | None = None
@@ -220,9 +220,9 @@ class ZmqEventPublisher:
             self._close_sockets(linger=0)
             self._ctx.term()
             raise OSError(f"KV events: cannot open {self._failed_addr}: {e}") from e
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._pipe = os.pipe()
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
         self._started = True
         self._thread = threading.Thread(target=self._run, name="kvloop-kv-events", daemon=True)
         self._thread.start()
@@ -276,10 +276,9 @@ class ZmqEventPublisher:
         if self._ctx is not None:
             self._ctx.term()
         with self._wake_lock:  # never write to a closed (or reused) descriptor
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+            for fd in self._pipe or ():
+                os.close(fd)
+            self._pipe = None
 
     def mirror_hashes(self) -> set[int | bytes] | None:
         """The mirror's hashes (for tests; only meaningful when the thread is idle)."""
@@ -330,9 +329,9 @@ class ZmqEventPublisher:
 
     def _wake(self) -> None:
         with self._wake_lock:
-            if self._wake_w >= 0:
+            if self._pipe is not None:
                 try:
-                    os.write(self._wake_w, b"\0")
+                    os.write(self._pipe[1], b"\0")
                 except OSError:  # the pipe is full: the thread is awake anyway
                     pass
 
@@ -340,7 +339,8 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         cfg = self.config
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        assert self._pipe is not None
+        poller.register(self._pipe[0], zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
         now = time.monotonic()
@@ -374,8 +374,9 @@ class ZmqEventPublisher:
                 return
             ms = 1000 if timeout_s == float("inf") else max(0, int(timeout_s * 1000) + 1)
             poller.poll(ms)
+            assert self._pipe is not None    # closed only after this thread stopped
             try:
-                os.read(self._wake_r, 4096)
+                os.read(self._pipe[0], 4096)
             except BlockingIOError:
                 pass
         finally:

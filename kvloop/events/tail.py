@@ -3,6 +3,12 @@
 Works against a kvloop worker or a vLLM one (the subscriber speaks both). Stops after
 `--count` batches, after `--timeout` seconds, or on SIGINT/SIGTERM, then prints the
 subscriber's counters on stderr.
+
+A ZMQ SUB socket cannot tell "nobody publishes there" from "nothing happens": when no batch
+arrived for `--idle-warn` seconds (default 10; 0: never), one line on stderr says so, names
+the endpoint and the likely causes, and says whether the publisher answered at all (a
+heartbeat, or a reply on the replay endpoint); then the tail keeps waiting (the warning comes
+again after the next batch and silence), or with `--exit-on-idle` stops with exit status 1.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Tail:
         self.as_json = as_json
         self.count = count
         self.batches = 0
+        self.last_batch_time = time.monotonic()   # of the last data batch, or the start
         self.done = threading.Event()
         self._lock = threading.Lock()
 
@@ -89,6 +96,7 @@ class Tail:
             print(text, file=self.out, flush=True)
             if not wb.is_reset:
                 self.batches += 1
+                self.last_batch_time = time.monotonic()
                 if self.count is not None and self.batches >= self.count:
                     self.done.set()
 
@@ -111,10 +119,35 @@ class Tail:
                       file=self.out, flush=True)
 
 
+def idle_message(sub: KVEventSubscriber, seconds: float, exiting: bool) -> str:
+    """The `--idle-warn` line: what was (not) heard from the publisher, and why that may be."""
+    head = f"kvloop events tail: no KV event batch from {sub.endpoint} in {seconds:g} s"
+    topic = f"topic {sub.topic!r}" if sub.topic else "every topic"
+    if sub.seconds_since_heard() is not None:
+        epoch = sub.epoch
+        body = ("; the publisher is there (heartbeats or replay replies"
+                + (f", epoch {epoch[:8]}" if epoch else "") + f") but sent no batch on "
+                f"{topic}: the worker is idle (events flow only while its KV cache "
+                f"changes), or it publishes on another topic (its --kv-events-topic)")
+    else:
+        where = (f" nor on the replay endpoint {sub.replay_endpoint}" if sub.replay_endpoint
+                 else " (no --replay-endpoint given to tell a missing worker from an idle "
+                      "one)")
+        body = (f"; nothing answered there{where}. Likely causes: a wrong endpoint or port "
+                f"(a kvloop worker lists its own under kv_events in GET /kvloop/worker); a "
+                f"worker started without --enable-kv-cache-events or --kv-events-endpoint; a "
+                f"topic mismatch (this tail subscribes to {topic}, the worker publishes on "
+                f"its --kv-events-topic); or an idle worker without heartbeats "
+                f"(--kv-events-heartbeat)")
+    return head + body + (". Exiting (--exit-on-idle)." if exiting else ". Still waiting.")
+
+
 def run_tail(endpoint: str, replay_endpoint: str | None, topic: str, *, as_json: bool = False,
              count: int | None = None, timeout: float | None = None, heartbeats: bool = False,
-             recency: bool = False, out: TextIO | None = None) -> int:
-    """Subscribe and print until done; returns the exit status (0)."""
+             recency: bool = False, idle_warn: float | None = None, exit_on_idle: bool = False,
+             out: TextIO | None = None) -> int:
+    """Subscribe and print until done; returns the exit status: 0, or 1 when
+    `exit_on_idle` stopped it after `idle_warn` seconds without a batch."""
     tail = Tail(out or sys.stdout, as_json, count)
     sub = KVEventSubscriber(endpoint, replay_endpoint, topic, tail.on_batch,
                             on_heartbeat=tail.on_heartbeat if heartbeats else None,
@@ -122,16 +155,31 @@ def run_tail(endpoint: str, replay_endpoint: str | None, topic: str, *, as_json:
     restore = _install_signal_handlers(tail.done)
     sub.start()
     try:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not tail.done.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            tail.done.wait(0.2 if left is None else min(0.2, left))
+        rc = _wait(tail, sub, timeout, idle_warn, exit_on_idle)
     finally:
         sub.stop()
         restore()
     print(json.dumps({"stats": asdict(sub.stats)}), file=sys.stderr, flush=True)
+    return rc
+
+
+def _wait(tail: Tail, sub: KVEventSubscriber, timeout: float | None, idle_warn: float | None,
+          exit_on_idle: bool) -> int:
+    """Until done or the timeout; warn once per silent spell of `idle_warn` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    warned_for: float | None = None   # the last_batch_time the warning was about
+    while not tail.done.is_set():
+        now = time.monotonic()
+        left = None if deadline is None else deadline - now
+        if left is not None and left <= 0:
+            break
+        since = tail.last_batch_time
+        if idle_warn and warned_for != since and now - since >= idle_warn:
+            print(idle_message(sub, idle_warn, exit_on_idle), file=sys.stderr, flush=True)
+            if exit_on_idle:
+                return 1
+            warned_for = since
+        tail.done.wait(0.1 if left is None else min(0.1, left))
     return 0
 
 

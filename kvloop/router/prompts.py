@@ -2,8 +2,10 @@
 equal the engine's.
 
 Token-id prompts are taken as they are. Text prompts and chat messages use the worker's
-tokenizer, found by the model name the worker reports: `sim` is the simulator's byte-level
-tokenizer, anything else goes through `kvloop.server.tokenizer.Tokenizer.from_model`. The
+tokenizer, found by the model path (else the model name) the worker reports: `bytes` is the
+simulator's byte-level tokenizer (`--sim-model bytes`); the embedded model's name, `sim` (a
+simulator wears the embedded model's vocabulary unless told otherwise) or nothing is the
+embedded model's; a path goes through `kvloop.server.tokenizer.Tokenizer.from_model`. The
 rules follow vLLM's OpenAI server: completions add special tokens unless
 `add_special_tokens` is false; chat renders the template (with the generation prompt) and
 adds no special tokens of its own.
@@ -19,7 +21,7 @@ from typing import Any
 
 log = logging.getLogger("kvloop.router")
 
-SIM_MODELS = ("sim",)
+EMBEDDED_ALIASES = ("", "sim")   # names whose tokenizer is the embedded model's
 
 
 class PromptError(ValueError):
@@ -105,10 +107,11 @@ def _plain(message: Any) -> dict[str, Any]:
 
 
 def _load(model: str | None) -> Any:
-    if model in SIM_MODELS:
-        from kvloop.sim.tokenizer import ByteTokenizer
+    from kvloop.sim.tokenizer import BYTE_VOCAB, ByteTokenizer
 
-        return ByteTokenizer(model)
+    if model == BYTE_VOCAB:
+        return ByteTokenizer()
     from kvloop.server.tokenizer import EMBEDDED_NAME, Tokenizer
 
-    return Tokenizer.from_model(None if model in (None, "", EMBEDDED_NAME) else model)
+    embedded = model is None or model in EMBEDDED_ALIASES or model == EMBEDDED_NAME
+    return Tokenizer.from_model(None if embedded else model)

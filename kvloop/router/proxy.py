@@ -52,8 +52,8 @@ _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 
 
-def error_response(message: str, err_type: str, code: int) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, code), status_code=code)
+def error_response(message: str, code: int) -> JSONResponse:
+    return JSONResponse(error_body(message, code), status_code=code)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -210,11 +210,11 @@ class RouterApp:
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
-            return error_response(f"invalid JSON body: {e}", "BadRequestError", 400)
+            return error_response(f"invalid JSON body: {e}", 400)
         try:
             tokens = self.prompts.token_ids(path, body, self._fleet_model())
         except PromptError as e:
-            return error_response(str(e), "BadRequestError", 400)
+            return error_response(str(e), 400)
         stream = bool(body.get("stream"))
         strip_usage = False
         if stream:
@@ -245,7 +245,7 @@ class RouterApp:
                                            cache_salt=body.get("cache_salt"),
                                            expected_output_tokens=int(max_tokens))
             except NoWorkerError as e:
-                return error_response(str(e), "ServiceUnavailableError", 503)
+                return error_response(str(e), 503)
             req = self.client.build_request("POST", routed.worker.spec.url + path,
                                             content=raw, headers=headers)
             try:
@@ -269,8 +269,7 @@ class RouterApp:
         except httpx.TransportError as e:
             self.router.finish(routed.ticket, None, "worker_error")
             self.router.worker_down(name, f"failed mid-request: {e!r}")
-            return error_response(f"worker {name} failed while serving the request: {e!r}",
-                                  "BadGatewayError", 502)
+            return error_response(f"worker {name} failed while serving the request: {e!r}", 502)
         finally:
             await upstream.aclose()
         cached = None
@@ -304,7 +303,7 @@ class RouterApp:
             name = routed.worker.name
             self.router.worker_down(name, f"failed mid-stream: {e!r}")
             msg = f"worker {name} failed mid-stream: {e!r}"
-            yield _sse(error_body(msg, "BadGatewayError", 502)) + b"data: [DONE]\n\n"
+            yield _sse(error_body(msg, 502)) + b"data: [DONE]\n\n"
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -319,7 +318,7 @@ class RouterApp:
                 continue
             return Response(r.content, status_code=r.status_code,
                             headers=_response_headers(r))
-        return error_response("no usable worker", "ServiceUnavailableError", 503)
+        return error_response("no usable worker", 503)
 
     # --- router routes --------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -338,10 +337,9 @@ class RouterApp:
         try:
             spec = _spec_from_body(await request.json())
         except (ValueError, TypeError) as e:
-            return error_response(f"bad worker registration: {e}", "BadRequestError", 400)
+            return error_response(f"bad worker registration: {e}", 400)
         if self.router.registry.get(spec.name) is not None:
-            return error_response(f"worker {spec.name} is already registered",
-                                  "ConflictError", 409)
+            return error_response(f"worker {spec.name} is already registered", 409)
         result = await self.register(spec)
         return JSONResponse(result, status_code=201)
 
@@ -350,10 +348,9 @@ class RouterApp:
             data = await request.json()
             name = WorkerSpec(str(data["url"]).rstrip("/")).name
         except (ValueError, TypeError, KeyError) as e:
-            return error_response(f"bad deregistration (need {{'url': ...}}): {e}",
-                                  "BadRequestError", 400)
+            return error_response(f"bad deregistration (need {{'url': ...}}): {e}", 400)
         if not self.router.deregister(name):
-            return error_response(f"worker {name} is not registered", "NotFoundError", 404)
+            return error_response(f"worker {name} is not registered", 404)
         return JSONResponse({"worker": name, "removed": True})
 
     async def index_dump(self, request: Request) -> Response:
@@ -374,10 +371,8 @@ class _SseRelay:
     def feed(self, chunk: bytes) -> bytes:
         self.buf += chunk
         out: list[bytes] = []
-        while True:
-            end, sep = _event_end(self.buf)
-            if end < 0:
-                break
+        while (found := _event_end(self.buf)) is not None:
+            end, sep = found
             event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
             if self._keep(event):
                 out.append(event)
@@ -407,13 +402,13 @@ class _SseRelay:
         return not (usage_only and self.strip_usage)
 
 
-def _event_end(buf: bytes) -> tuple[int, int]:
-    """Position and length of the first event separator in `buf`, or (-1, 0)."""
+def _event_end(buf: bytes) -> tuple[int, int] | None:
+    """Position and length of the first event separator in `buf`, or None."""
     a = buf.find(b"\n\n")
     b = buf.find(b"\r\n\r\n")
     if b >= 0 and (a < 0 or b < a):
         return b, 4
-    return (a, 2) if a >= 0 else (-1, 0)
+    return (a, 2) if a >= 0 else None
 
 
 def _event_data(event: bytes) -> bytes | None:

@@ -126,8 +126,8 @@ class WorkerDescription:
                       default=None),
             hash_seed=_str(_first(h, "seed", default=None)
                            or _first(d, "hash_seed", default=None)),
-            capacity_blocks=_int(_first(d, "num_gpu_blocks", "kv_capacity_blocks",
-                                        "capacity_blocks", "num_blocks", default=None)),
+            capacity_blocks=_int(_first(d, "kv_capacity_blocks", "capacity_blocks",
+                                        default=None)),
             events_endpoint=_first(ev, "endpoint", default=None)
             or _first(d, "kv_events_endpoint", "events_endpoint", default=None),
             replay_endpoint=_first(ev, "replay_endpoint", default=None)

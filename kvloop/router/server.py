@@ -21,22 +21,9 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.router import Router, SubscriberFactory
+from kvloop.server.sockets import bind_tcp, http_url
 
 log = logging.getLogger("kvloop.router")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(False)
-    return sock
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Uvicorn(uvicorn.Server):
@@ -62,8 +49,8 @@ class RouterServer:
             subscriber_factory = kv_event_subscription
         self.router = Router(config, subscriber_factory)
         self.app = RouterApp(self.router, workers)
-        self.sock = bind(config.host, config.port)
-        self.url = url_of(self.sock)
+        self.sock = bind_tcp(config.host, config.port)
+        self.url = http_url(self.sock)
         self._log_level = log_level
         self._server: _Uvicorn | None = None
 

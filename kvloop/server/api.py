@@ -52,7 +52,7 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     noun = "error" if len(errors) == 1 else "errors"
     message = f"{len(errors)} validation {noun}:\n" + "\n".join(lines)
     param = _clean_loc(tuple(errors[0].get("loc", ()))) if errors else None
-    return JSONResponse(error_body(message, "Bad Request", 400, param), status_code=400)
+    return JSONResponse(error_body(message, 400, param), status_code=400)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -72,8 +72,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error serving %s", request.url.path)
-        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", "InternalServerError",
-                                       500), status_code=500)
+        return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", 500),
+                            status_code=500)
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
@@ -177,8 +177,7 @@ async def _utility(ctx: ServerContext, method: str) -> Any:
     try:
         return await ctx.client.call_utility(method)
     except Exception as e:
-        raise APIError(503, f"engine call {method} failed: {e}",
-                       "ServiceUnavailableError") from e
+        raise APIError(503, f"engine call {method} failed: {e}") from e
 
 
 def worker_description(ctx: ServerContext) -> dict[str, Any]:

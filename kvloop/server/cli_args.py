@@ -15,7 +15,7 @@ import signal
 import uuid
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvloop.config import (
     DEVICES,
@@ -30,8 +30,18 @@ from kvloop.config import (
     check_device,
     check_dtype,
 )
-from kvloop.server.config import DEFAULT_PORT, ROLES, UVICORN_LOG_LEVELS, ServeConfig
+from kvloop.server.config import (
+    DEFAULT_PORT,
+    ROLES,
+    UVICORN_LOG_LEVELS,
+    ServeConfig,
+    log_stats_interval,
+)
+from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
+
+if TYPE_CHECKING:
+    from kvloop.server.sim_model import SimModel
 
 logger = logging.getLogger("kvloop.server")
 
@@ -78,6 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_engine_args(p)
     _add_server_args(p)
     _add_events_args(p)
+    _add_logging_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -114,6 +125,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="fix the KV capacity in blocks, the null block included, as vLLM "
                         "(default: from the KV cache size)")
+    g.add_argument("--sim-model", default=None,
+                   help="--model sim: the model whose tokenizer, vocabulary, chat template and "
+                        "context length the simulator presents: a GGUF file or Hugging Face "
+                        f"directory, or '{BYTE_VOCAB}' for a byte-level tokenizer (259 ids) "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--sim-speedup", type=float, default=1.0,
                    help="--model sim: divide every modelled step time by this")
     g.add_argument("--sim-latency-file", default=None,
@@ -167,15 +183,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "traceback to start-up errors")
     g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS,
                    default="info", help="uvicorn's log level")
-    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
-                   default=False, help="log each request, as vLLM")
-    g.add_argument("--disable-log-requests", dest="enable_log_requests",
-                   action="store_false", default=False,
-                   help="deprecated in vLLM (requests are not logged by default): same as "
-                        "--no-enable-log-requests")
-    g.add_argument("--max-log-len", type=int, default=None,
-                   help="most prompt characters or token ids a request's log line shows "
-                        "(default: all)")
     g.add_argument("--shutdown-timeout", type=float, default=0.0,
                    help="seconds a SIGTERM lets requests in flight finish while new ones, and "
                         "/health, get 503; 0 ends them at once, as vLLM")
@@ -197,6 +204,26 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
                    help="topic of the event messages (default: empty)")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
+    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
+                   default=None, help="heartbeats on their own topic (default: on when "
+                                      "--kv-events-topic is not empty)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's logging flags; what they log: kvloop/server/logs.py."""
+    g = p.add_argument_group("logging")
+    g.add_argument("--enable-log-requests", dest="log_requests",
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per request received (default: off, as in vLLM)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   default=False, help="deprecated in vLLM, where requests are not logged by "
+                                       "default: same as --no-enable-log-requests")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="log at most N prompt characters and N prompt token ids (default: "
+                        "all)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (throughput, queue, KV cache; every "
+                        "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -225,11 +252,8 @@ def model_arg(args: argparse.Namespace) -> str | None:
 
 
 def load_tokenizer(model: str) -> Any:
-    """The model's tokenizer; ValueError (naming the fix) when the model cannot be found."""
-    if model == SIM:
-        from kvloop.sim.tokenizer import ByteTokenizer
-
-        return ByteTokenizer()
+    """A real model's tokenizer ('' for the embedded model); ValueError (naming the fix)
+    when the model cannot be found."""
     from kvloop.server.tokenizer import Tokenizer  # type: ignore[import-not-found]
 
     try:
@@ -297,12 +321,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         check_invariants=args.debug_check_invariants)
 
 
-def runner_spec(args: argparse.Namespace, model: str) -> tuple[str, dict[str, Any]]:
-    if model == SIM:
+def runner_spec(args: argparse.Namespace, model: str,
+                sim: SimModel | None = None) -> tuple[str, dict[str, Any]]:
+    """The engine's runner factory and its keyword arguments (the simulator's when `sim`)."""
+    if sim is not None:
         if args.gpu_memory_utilization is not None:
             logger.warning("%s", GPU_MEMORY_UTILIZATION_IGNORED)  # the simulator has no GPU
         return SIM_FACTORY, {"num_gpu_blocks_override": args.num_gpu_blocks_override,
-                             "max_model_len": args.max_model_len,
+                             "max_model_len": sim.max_model_len(args.max_model_len),
+                             "vocab_size": sim.vocab_size,
+                             "text_token_ids": list(sim.text_token_ids),
                              "latency_file": args.sim_latency_file,
                              "speedup": args.sim_speedup, "seed": args.seed}
     return REAL_FACTORY, {"model": model or None, "dtype": args.dtype, "device": args.device,
@@ -319,31 +347,41 @@ def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     return {"endpoint": args.kv_events_endpoint,
             "replay_endpoint": args.kv_events_replay_endpoint,
-            "topic": args.kv_events_topic, "recency": args.kv_events_recency}
+            "topic": args.kv_events_topic, "recency": args.kv_events_recency,
+            "heartbeat": args.kv_events_heartbeat}
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
-    """Flags -> (server config, engine start config, tokenizer). Raises ValueError."""
+    """Flags -> (server config, engine start config, tokenizer). Raises ValueError, or
+    FileNotFoundError for a --sim-model that is not there."""
     check_flags(args)
     model = resolve_model(model_arg(args))
-    tokenizer = load_tokenizer(model)
+    if args.sim_model is not None and model != SIM:
+        raise ValueError("--sim-model needs --model sim")
+    from kvloop.server.sim_model import load_sim_model
+
+    sim = load_sim_model(args.sim_model) if model == SIM else None
+    tokenizer = sim.tokenizer if sim is not None else load_tokenizer(model)
     names = tuple(args.served_model_name or [SIM if model == SIM else
                                              (tokenizer.model_name or model)])
-    factory, kwargs = runner_spec(args, model)
+    factory, kwargs = runner_spec(args, model, sim)
     start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
                               input_address="", output_address="", runner_kwargs=kwargs,
                               trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout)
-    serve = ServeConfig(served_model_names=names, model_path=(model or None), host=args.host,
+    model_path = sim.source if sim is not None else (model or None)
+    serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
                         scheduling_policy=args.scheduling_policy, log_level=args.log_level,
                         uvicorn_log_level=args.uvicorn_log_level,
-                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                         engine_start_timeout_s=args.engine_start_timeout,
-                        shutdown_timeout_s=args.shutdown_timeout)
+                        shutdown_timeout_s=args.shutdown_timeout,
+                        log_requests=args.log_requests, max_log_len=args.max_log_len,
+                        log_stats=not args.disable_log_stats,
+                        log_stats_interval_s=log_stats_interval())
     return serve, start, tokenizer
 
 

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 ROLES = ("both", "prefill", "decode")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_PORT = 8000   # `kvloop serve` and `kvloop router` listen here unless told (vLLM's)
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
+
+
+def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds between stats lines, read as vLLM reads `VLLM_LOG_STATS_INTERVAL`: a float;
+    unset or <= 0 means 10. ValueError for text that is not a number."""
+    text = (os.environ if environ is None else environ).get(LOG_STATS_INTERVAL_ENV)
+    if text is None:
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{LOG_STATS_INTERVAL_ENV} must be a number of seconds, "
+                         f"got {text!r}") from None
+    return value if value > 0 else DEFAULT_LOG_STATS_INTERVAL_S
 
 
 @dataclass(frozen=True)
@@ -15,10 +33,12 @@ class ServeConfig:
 
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
-    with Retry-After (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back. `log_requests` and `max_log_len` are vLLM's
-    `--enable-log-requests` and `--max-log-len` (None: unlimited). `shutdown_timeout_s` is
-    how long a SIGTERM lets requests in flight finish (0: they end at once).
+    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded). `served_model_names` are the names clients may send
+    in `model`; the first is reported back. `log_requests` (vLLM's `--enable-log-requests`,
+    off by default as in vLLM): one INFO line per request received, its prompt cut to
+    `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
+    `log_stats_interval_s` while busy (kvloop/server/logs.py). `shutdown_timeout_s` is how
+    long a SIGTERM lets requests in flight finish (0: they end at once).
     """
 
     served_model_names: tuple[str, ...]
@@ -38,6 +58,8 @@ class ServeConfig:
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
     shutdown_timeout_s: float = 0.0
+    log_stats: bool = True
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -57,6 +79,8 @@ class ServeConfig:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError("log_stats_interval_s must be > 0")
 
     @property
     def model_name(self) -> str:

@@ -251,6 +251,12 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         self.rejections.labels(model_name=self._model_name, reason=reason).inc()
 
+    def value(self, sample: str) -> float:
+        """The current value of one sample of this server's labels (a counter's `..._total`,
+        a gauge); 0.0 while it has none."""
+        v = self.registry.get_sample_value(sample, self._labels)
+        return 0.0 if v is None else v
+
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)

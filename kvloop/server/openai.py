@@ -113,17 +113,30 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
-def error_body(message: str, err_type: str, code: int, param: str | None = None
-               ) -> dict[str, Any]:
-    """vLLM's error shape: {"error": {"message", "type", "param", "code"}}."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+_TYPE_OVERRIDES = {499: "ClientDisconnectedError"}
+
+
+def error_type(status_code: int) -> str:
+    """The error `type` of a status, one name per status (vLLM's: 400 BadRequestError,
+    404 NotFoundError, 500 InternalServerError, 503 ServiceUnavailableError): the status's
+    phrase in CamelCase, with "Error" appended unless it already ends so."""
+    if status_code in _TYPE_OVERRIDES:
+        return _TYPE_OVERRIDES[status_code]
+    try:
+        phrase = HTTPStatus(status_code).phrase
+    except ValueError:
+        return "Error"
+    name = "".join(w[:1].upper() + w[1:] for w in phrase.replace("-", " ").split())
+    return name if name.endswith("Error") else name + "Error"
+
+
+def error_body(message: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error shape: {"error": {"message", "type", "param", "code"}}, typed by status."""
+    return {"error": {"message": message, "type": error_type(code), "param": param,
+                      "code": code}}
 
 
 def http_error_body(status_code: int, detail: object) -> dict[str, Any]:
     """The error object of an HTTP-level failure (unknown path, wrong method, a body that is
-    not UTF-8), typed by the status's phrase, as vLLM's HTTPException handler does."""
-    try:
-        phrase = HTTPStatus(status_code).phrase
-    except ValueError:
-        phrase = "Error"
-    return error_body(str(detail), phrase, status_code)
+    not UTF-8)."""
+    return error_body(str(detail), status_code)

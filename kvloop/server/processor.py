@@ -14,15 +14,40 @@ The engine knows nothing about text. For each engine request the API server keep
   `include_stop_str_in_output`;
 - while stop strings can still match, the last `max(len(stop)) - 1` characters are held back
   from streaming until the request finishes.
+
+The API server and the offline `LLM` both use this module: `model_stops` fills a request's
+EOS and the model's extra end-of-turn ids, `fan_out` turns a request with `n` samples into `n`
+engine requests, and `OutputState` follows each of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvloop.core.request import SamplingParams
 from kvloop.wire import EngineCoreOutput
+
+
+def model_stops(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """`params` with the tokenizer's EOS id (unless one is set) and, unless `ignore_eos`, the
+    model's other end-of-turn ids (generation_config.json) appended to `stop_token_ids`, as
+    vLLM adds them."""
+    changes: dict[str, Any] = {}
+    if params.eos_token_id is None and tokenizer.eos_token_id is not None:
+        changes["eos_token_id"] = tokenizer.eos_token_id
+    extra = set(getattr(tokenizer, "stop_token_ids", ())) - set(params.stop_token_ids)
+    if extra and not params.ignore_eos:
+        changes["stop_token_ids"] = (*params.stop_token_ids, *sorted(extra))
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The `n` engine requests of one request: n = 1 each; seeded ones get seed, seed + 1..."""
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                else params.seed + i) for i in range(params.n)]
 
 
 class Detokenizer(Protocol):
@@ -44,11 +69,11 @@ def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int],
 
 
 def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
-                     include: bool) -> tuple[str, int] | None:
+                     include: bool) -> tuple[str, int | None] | None:
     """The stop string completed by the last `new_char_count` characters of `text`.
 
     Returns (stop string, truncate_to): the text is cut to `text[:truncate_to]`, or kept whole
-    when `truncate_to` is -1 (the stop string, included, ends the text). None if no match.
+    when `truncate_to` is None (the stop string, included, ends the text). None if no match.
     """
     if not new_char_count or not stop:
         return None
@@ -64,7 +89,7 @@ def find_stop_string(text: str, new_char_count: int, stop: Sequence[str],
         return None
     end, start, s = best
     if include:
-        return s, (-1 if end >= len(text) else end)
+        return s, (None if end >= len(text) else end)
     return s, start
 
 
@@ -73,6 +98,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass
@@ -94,6 +120,11 @@ class OutputOptions:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> OutputOptions:
+        return cls(params.stop, params.include_stop_str_in_output, params.min_tokens,
+                   params.skip_special_tokens)
 
 
 class OutputState:
@@ -133,7 +164,7 @@ class OutputState:
             if j < len(lps):
                 lp = lps[j]
                 entry = TokenLogprob(tok, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs,
-                                                               strict=False)))
+                                                               strict=False)), lp.rank)
                 delta.logprobs.append(entry)
                 self.logprobs.append(entry)
             if j == n - 1 and self._is_stop_token(out):
@@ -168,7 +199,7 @@ class OutputState:
         if hit is None:
             return False
         self.stop_reason = hit[0]
-        if hit[1] != -1:
+        if hit[1] is not None:
             self.text = self.text[:hit[1]]
         return True
 

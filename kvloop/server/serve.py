@@ -4,7 +4,7 @@
        loads (exit 2);
     2. start the engine core process and wait for its handshake (model loaded, KV sized);
     3. start uvicorn on the socket, print "kvloop serving on http://HOST:PORT" once it
-       accepts connections;
+       accepts connections; the stats line (kvloop/server/logs.py) runs from then on;
     4. on SIGTERM with `--shutdown-timeout S` > 0: drain (new requests and /health get 503,
        requests in flight go on for up to S seconds); then, or at once on SIGINT, on SIGTERM
        without a timeout or on a second signal: end in-flight requests (streams get
@@ -34,8 +34,10 @@ import uvicorn
 from kvloop.server.api import build_app
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
+from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
+from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.wire import EngineReady, EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -105,22 +107,6 @@ class _Uvicorn(uvicorn.Server):
             print(f"kvloop serving on {self._url}", flush=True)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then (without it
-    # every response body waits ~40 ms for the client's delayed ACK)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(False)
-    return sock
-
-
-def _url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _cache_info(ready: EngineReady) -> dict[str, str]:
     return {"block_size": str(ready.block_size), "num_gpu_blocks": str(ready.num_gpu_blocks),
             "enable_prefix_caching": str(ready.enable_prefix_caching),
@@ -151,7 +137,7 @@ async def _first(work: Any, stop: asyncio.Event) -> tuple[bool, Any]:
 
 async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> int:
     try:
-        sock = _bind(cfg.host, cfg.port)
+        sock = bind_tcp(cfg.host, cfg.port)
     except OSError as e:
         logger.error("%s", bind_error(cfg.host, cfg.port, e))
         return 2
@@ -192,10 +178,17 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
         uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.uvicorn_log_level,
                                 access_log=False,
                                 timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
-        server = _Uvicorn(uv_cfg, signals, _url(sock))
+        server = _Uvicorn(uv_cfg, signals, http_url(sock))
         signals.server = server
         if not signals.stop_requested.is_set():  # none came between start-up and now
-            await server.serve(sockets=[sock])
+            stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
+                                                    start.engine_index).run(),
+                                         name="stat-logger") if cfg.log_stats else None)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                if stats is not None:
+                    stats.cancel()
     finally:
         await client.shutdown(cfg.graceful_shutdown_s)
     return exit_code

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvloop import SamplingParams
+from kvloop.core.request import ContextLengthError, check_context_length
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
@@ -31,6 +32,7 @@ from kvloop.server.client import (
     ServerShuttingDown,
 )
 from kvloop.server.config import ServeConfig
+from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.openai import (
     ChatCompletionRequest,
@@ -38,7 +40,14 @@ from kvloop.server.openai import (
     SamplingRequest,
     error_body,
 )
-from kvloop.server.processor import Delta, OutputOptions, OutputState, TokenLogprob
+from kvloop.server.processor import (
+    Delta,
+    OutputOptions,
+    OutputState,
+    TokenLogprob,
+    fan_out,
+    model_stops,
+)
 from kvloop.wire import EngineCoreRequest, EngineReady, SamplingParamsMsg
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -47,14 +56,14 @@ INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 class APIError(Exception):
     """An error answered with vLLM's JSON error shape."""
 
-    def __init__(self, status: int, message: str, err_type: str = "BadRequestError",
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+        self.status, self.message, self.param = status, message, param
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.err_type, self.status, self.param),
+        return JSONResponse(error_body(self.message, self.status, self.param),
                             status_code=self.status, headers=self.headers)
 
 
@@ -89,7 +98,7 @@ class ServerContext:
         if name is not None and name not in self.config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
                                 f"{', '.join(self.config.served_model_names)}",
-                           "NotFoundError", "model")
+                           param="model")
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         v = self.vocab_size
@@ -126,19 +135,22 @@ def _param_of(message: str) -> str | None:
 
 
 def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
-                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                          max_tokens: int | None, logprobs: int | None,
+                          default_max_tokens: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
 
-    `max_tokens` is clamped to the room left in the context (None: all of it).
+    `max_tokens` is what the client asked for (None: nothing): a number the context cannot
+    hold after the prompt is a 400, as in vLLM. Unasked, it is `default_max_tokens` clamped
+    to the room left in the context (None: all of that room).
     """
     max_len = ctx.ready.max_model_len
-    if prompt_len >= max_len:
-        raise APIError(400, f"This model's maximum context length is {max_len} tokens. "
-                            f"However, your request has {prompt_len} input tokens; at least "
-                            f"one token must be generated. Please reduce the length of the "
-                            f"input.", param="prompt")
-    room = max_len - prompt_len
-    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    try:
+        check_context_length(max_len, prompt_len, max_tokens)
+    except ContextLengthError as e:
+        raise APIError(400, str(e), param=e.param) from e
+    if max_tokens is None:
+        room = max_len - prompt_len
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if logprobs is not None and logprobs > ctx.config.max_logprobs:
         raise APIError(400, f"Requested sample logprobs of {logprobs}, which is greater than "
                             f"max allowed: {ctx.config.max_logprobs}", param="logprobs")
@@ -167,9 +179,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
                                 else req.repetition_penalty),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, seed=seed, stop=tuple(stop),
-            stop_token_ids=_stop_token_ids(ctx, req),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
             include_stop_str_in_output=req.include_stop_str_in_output,
-            ignore_eos=req.ignore_eos, eos_token_id=ctx.tokenizer.eos_token_id,
+            ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             priority=req.priority, cache_salt=req.cache_salt or None)
     except ValueError as e:
@@ -178,7 +190,7 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
         raise APIError(400, f"n must be at most {ctx.config.max_n}, got {req.n}.", param="n")
     if params.greedy:
         params = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
-    return params
+    return model_stops(params, ctx.tokenizer)
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -207,15 +219,6 @@ def encode(ctx: ServerContext, text: str, add_special_tokens: bool, param: str) 
         raise APIError(400, f"cannot tokenize the {param}: {e}", param=param) from e
 
 
-def _stop_token_ids(ctx: ServerContext, req: SamplingRequest) -> tuple[int, ...]:
-    """The request's stop token ids, plus the model's extra end-of-turn ids (as vLLM adds
-    the generation config's extra EOS ids) unless `ignore_eos`."""
-    ids = list(req.stop_token_ids or ())
-    if not req.ignore_eos:
-        ids += sorted(set(getattr(ctx.tokenizer, "stop_token_ids", ())) - set(ids))
-    return tuple(ids)
-
-
 # --- generation --------------------------------------------------------------------------------
 @dataclass
 class Child:
@@ -229,17 +232,20 @@ class Child:
     state: OutputState
 
 
+def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+    """One "Received request" line per prompt, with the id its children's ids start with."""
+    for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
+        log_request(ctx.config, ctx.tokenizer, f"{base_id}-{p}", ids, sp)
+
+
 def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
                   params: list[SamplingParams]) -> list[Child]:
     children = []
     for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
-        opts = OutputOptions(sp.stop, sp.include_stop_str_in_output, sp.min_tokens,
-                             sp.skip_special_tokens)
-        for i in range(sp.n):
-            seed = None if sp.seed is None else sp.seed + i
-            child_sp = dataclasses.replace(sp, n=1, seed=seed)
+        for i, child_sp in enumerate(fan_out(sp)):
             children.append(Child(p * sp.n + i, p, f"{base_id}-{p}-{i}", ids, child_sp,
-                                  OutputState(ctx.tokenizer, ids, opts)))
+                                  OutputState(ctx.tokenizer, ids, OutputOptions.of(sp))))
     return children
 
 
@@ -254,10 +260,13 @@ class Generation:
         self._pending = {c.request_id: c for c in children}
 
     def submit(self) -> None:
-        """Admission control, then send every child. APIError(503) when over the limit."""
+        """Admission control, then send every child: APIError(400) for more children than
+        the limit admits at all, APIError(503) with Retry-After while the queue is full."""
         client, cfg = self.ctx.client, self.ctx.config
-        _raise_unavailable(client)
         limit = cfg.max_waiting_requests
+        if limit is not None and len(self.children) > limit:
+            raise self._never_admitted(limit)
+        _raise_unavailable(client)
         if limit is not None and client.num_unscheduled + len(self.children) > limit:
             self.ctx.metrics.reject("max_waiting_requests")
             raise APIError(503, f"Too many requests waiting ({client.num_unscheduled} of at "
@@ -278,6 +287,15 @@ class Generation:
             per_prompt[c.prompt_index] = per_prompt.get(c.prompt_index, 0) + 1
         for n in per_prompt.values():
             self.ctx.metrics.observe_n(n)
+
+    def _never_admitted(self, limit: int) -> APIError:
+        num_prompts = len({c.prompt_index for c in self.children})
+        n = len(self.children) // num_prompts
+        return APIError(400, f"This request needs {len(self.children)} sequences (n={n} for "
+                             f"each of {num_prompts} prompt(s)), more than the "
+                             f"{limit} that --max-waiting-requests lets wait at once; it can "
+                             f"never be admitted. Reduce n or the number of prompts.",
+                        param="n" if n > 1 else "prompt")
 
     def disconnect(self) -> None:
         self.queue.put_nowait((None, ClientDisconnected()))
@@ -318,7 +336,7 @@ class Generation:
         except ServerShuttingDown:
             self.end.aborted = True
         except EngineDeadError as e:
-            self.end.error = APIError(500, str(e), "InternalServerError")
+            self.end.error = APIError(500, str(e))
 
     def unfinished(self) -> list[Child]:
         return [c for c in self.children if not c.state.finished]
@@ -347,9 +365,9 @@ def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
     except ServerShuttingDown as e:
-        raise APIError(503, str(e), "ServiceUnavailableError") from e
+        raise APIError(503, str(e)) from e
     except EngineDeadError as e:
-        raise APIError(500, str(e), "InternalServerError") from e
+        raise APIError(500, str(e)) from e
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:
@@ -369,11 +387,11 @@ async def collect(request: Request, gen: Generation) -> None:
                 if delta.error is not None:
                     raise APIError(400, delta.error)
     except ServerShuttingDown as e:
-        raise APIError(503, str(e), "ServiceUnavailableError") from e
+        raise APIError(503, str(e)) from e
     except EngineDeadError as e:
-        raise APIError(500, str(e), "InternalServerError") from e
+        raise APIError(500, str(e)) from e
     except ClientDisconnected as e:  # nobody will read it; nginx's "client closed request"
-        raise APIError(499, "client disconnected", "ClientDisconnected") from e
+        raise APIError(499, "client disconnected") from e
     finally:
         watcher.cancel()
 
@@ -459,6 +477,14 @@ def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[
     return prompts
 
 
+def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
+    """(what the client asked for, the default otherwise): the completions default of 16
+    applies only when the body has no max_tokens; an explicit null asks for nothing."""
+    if "max_tokens" in req.model_fields_set:
+        return req.max_tokens, None
+    return None, req.max_tokens
+
+
 async def create_completion(ctx: ServerContext, req: CompletionRequest,
                             request: Request) -> Response:
     ctx.check_model(req.model)
@@ -466,11 +492,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     if req.suffix:
         raise APIError(400, "suffix is not supported by kvloop", param="suffix")
     prompts = completion_prompts(ctx, req)
-    params = [build_sampling_params(ctx, req, len(ids), req.max_tokens, req.logprobs)
+    asked, default = completion_max_tokens(req)
+    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
               for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, prompts, params))
     gen.submit()
+    log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
              for ids in prompts] if req.echo else None)
     if req.stream:
@@ -570,6 +598,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     base = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
     gen.submit()
+    log_received(ctx, base, [prompt], [params])
     if req.stream:
         return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
     await collect(request, gen)
@@ -628,7 +657,7 @@ async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation
     end = gen.end
     if end.error is not None:
         e = end.error
-        yield sse(error_body(e.message, e.err_type, e.status, e.param))
+        yield sse(error_body(e.message, e.status, e.param))
     elif end.aborted:
         for c in gen.unfinished():
             empty: dict[str, Any] = {"content": ""} if obj.startswith("chat") else {}

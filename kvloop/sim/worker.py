@@ -1,7 +1,9 @@
 """The runner behind `kvloop serve --model sim`: SimRunner with served-model manners.
 
-- Fake tokens are printable bytes of the byte-level tokenizer (`kvloop.sim.tokenizer`), so
-  generated text decodes cleanly.
+- Fake tokens are drawn from `text_token_ids`: ids of ordinary words in the vocabulary the
+  worker speaks, chosen by the API process (`kvloop.server.sim_model`), so generated text
+  decodes to words and never to EOS. Without them, the byte vocabulary
+  (`kvloop.sim.tokenizer`): printable bytes of 259 ids.
 - They are a function of the request's *content*, not its id, so sampling behaves like a
   model's: greedy (temperature 0) output depends on the prompt only, a seeded request on
   (prompt, seed), an unseeded one on its id (different every time).
@@ -21,10 +23,10 @@ from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.latency import LatencyModel
 from kvloop.sim.runner import SimRunner
-from kvloop.sim.tokenizer import PRINTABLE_IDS, ByteTokenizer
+from kvloop.sim.tokenizer import PRINTABLE_IDS, VOCAB_SIZE
 
 DEFAULT_SIM_BLOCKS = 4096
-DEFAULT_SIM_MAX_MODEL_LEN = 8192
+DEFAULT_SIM_MAX_MODEL_LEN = 8192  # without a model to say otherwise (the byte vocabulary)
 
 
 def _digest(*parts: object) -> int:
@@ -52,11 +54,16 @@ class SimWorkerRunner:
     """A `Runner`: SimRunner plus content-keyed tokens, logprobs and the vocabulary size."""
 
     def __init__(self, latency: LatencyModel | None, num_gpu_blocks: int, max_model_len: int,
-                 seed: int = 0):
+                 seed: int = 0, *, vocab_size: int | None = None,
+                 text_token_ids: Sequence[int] = PRINTABLE_IDS):
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
-        self.vocab_size = ByteTokenizer().vocab_size
+        self.vocab_size = vocab_size or VOCAB_SIZE
         self.model_name = "sim"
+        self.text_token_ids = tuple(text_token_ids)
+        if not self.text_token_ids or not all(0 <= t < self.vocab_size
+                                              for t in self.text_token_ids):
+            raise ValueError("text_token_ids must be non-empty ids of the vocabulary")
         self._seed = seed
         self._keys: dict[str, _Key] = {}
         self._logprobs: dict[str, int] = {}
@@ -65,7 +72,8 @@ class SimWorkerRunner:
 
     def _token(self, request_id: str, k: int) -> int:
         key = self._keys[request_id]
-        return PRINTABLE_IDS[_digest(self._seed, key.content, k) % len(PRINTABLE_IDS)]
+        ids = self.text_token_ids
+        return ids[_digest(self._seed, key.content, k) % len(ids)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         for rid in scheduler_output.finished_req_ids:
@@ -85,18 +93,18 @@ class SimWorkerRunner:
         num_top = self._logprobs.get(request_id)
         if num_top is None:
             return None
-        return [fake_logprobs(tok, num_top) for tok in tokens]
+        return [fake_logprobs(tok, num_top, self.text_token_ids) for tok in tokens]
 
     def shutdown(self) -> None:
         self._sim.shutdown()
 
 
-def fake_logprobs(token_id: int, num_top: int) -> Logprobs:
-    """Deterministic logprobs: the sampled token ranks first, then its printable neighbours."""
+def fake_logprobs(token_id: int, num_top: int, text_ids: Sequence[int]) -> Logprobs:
+    """Deterministic logprobs: the sampled token ranks first, then the `text_ids` after it."""
     sampled = -0.05 - (_digest("lp", token_id) % 1000) / 1000.0
-    n = len(PRINTABLE_IDS)
-    start = PRINTABLE_IDS.index(token_id) if token_id in PRINTABLE_IDS else 0
-    top_ids = [PRINTABLE_IDS[(start + j) % n] for j in range(num_top)]
+    n = len(text_ids)
+    start = text_ids.index(token_id) if token_id in text_ids else 0
+    top_ids = [text_ids[(start + j) % n] for j in range(num_top)]
     top_lps = [sampled - 0.5 * j for j in range(num_top)]
     return Logprobs(sampled_logprob=sampled, sampled_rank=1, top_token_ids=top_ids,
                     top_logprobs=top_lps)
@@ -104,9 +112,12 @@ def fake_logprobs(token_id: int, num_top: int) -> Logprobs:
 
 def make_sim_runner(num_gpu_blocks_override: int | None = None,
                     max_model_len: int | None = None, latency_file: str | None = None,
-                    speedup: float = 1.0, seed: int = 0,
-                    model_latency: bool = True) -> SimWorkerRunner:
-    """The engine core's factory for `--model sim` (keyword arguments from the CLI)."""
+                    speedup: float = 1.0, seed: int = 0, model_latency: bool = True,
+                    vocab_size: int | None = None,
+                    text_token_ids: Sequence[int] | None = None) -> SimWorkerRunner:
+    """The engine core's factory for `--model sim` (keyword arguments from the CLI; the
+    vocabulary's facts come from `kvloop.server.sim_model`, the byte vocabulary's if None)."""
     latency = LatencyModel.from_file(latency_file, speedup) if model_latency else None
     return SimWorkerRunner(latency, num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
-                           max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, seed)
+                           max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, seed,
+                           vocab_size=vocab_size, text_token_ids=text_token_ids or PRINTABLE_IDS)

@@ -1,0 +1,98 @@
+"""Every `--flag` that docs/*.md and README.md name exists in a real kvloop parser: a `kvloop`
+subcommand's (kvloop.cli.build_parser(), walked through every subparser) or that of a
+`python -m kvloop.X` tool the docs name. `--kv-events-*` (a trailing `-*`) names a family:
+some flag must start with it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from kvloop.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+TOOL = re.compile(r"python -m (kvloop(?:\.\w+)+)")
+
+
+def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """The long options of `parser` and of all its subparsers, recursively."""
+    flags: set[str] = set()
+    for action in parser._actions:
+        flags.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= parser_flags(sub)
+    return flags
+
+
+class _Built(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        super().__init__("parser built")
+        self.parser = parser
+
+
+def tool_parser(module: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The parser that `python -m module` builds: its main() is stopped at parse_args."""
+    def stop(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        raise _Built(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", stop)
+        with pytest.raises(_Built) as built:
+            importlib.import_module(module).main([])
+    return built.value.parser
+
+
+def _has_parser(module: str) -> bool:
+    spec = importlib.util.find_spec(module)
+    return (spec is not None and spec.origin is not None
+            and "ArgumentParser(" in Path(spec.origin).read_text())
+
+
+def _docs_text() -> dict[Path, str]:
+    return {p: p.read_text() for p in DOCS}
+
+
+def known_flags(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    flags = parser_flags(build_parser())
+    tools = {m for text in _docs_text().values() for m in TOOL.findall(text)}
+    for module in sorted(tools):
+        if _has_parser(module):
+            flags |= parser_flags(tool_parser(module, monkeypatch))
+    return flags
+
+
+def _documented(flag: str, line: str, end: int, known: set[str]) -> bool:
+    if flag.endswith("-") and line[end:end + 1] == "*":
+        return any(k.startswith(flag) for k in known)
+    return flag in known
+
+
+def test_every_documented_flag_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    known = known_flags(monkeypatch)
+    missing = []
+    for path, text in _docs_text().items():
+        for number, line in enumerate(text.splitlines(), 1):
+            for m in FLAG.finditer(line):
+                if not _documented(m.group(), line, m.end(), known):
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {m.group()}")
+    assert not missing, "flags named in the docs that no kvloop parser has:\n" + \
+        "\n".join(missing)
+
+
+def test_the_check_sees_every_kind_of_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk reaches nested subcommands, negated booleans and the docs' tools."""
+    known = known_flags(monkeypatch)
+    assert {"--kv-events-heartbeat", "--no-kv-events-heartbeat", "--idle-warn",
+            "--disable-log-requests", "--max-log-len", "--disable-log-stats"} <= known
+    assert {"--reps", "--anchor-url", "--decisions"} <= known     # bench.figures, bench.router
+    assert "--no-such-flag" not in known
+    assert _documented("--kv-events-", "--kv-events-* flags", len("--kv-events-"), known)
+    assert not _documented("--kv-eventz-", "--kv-eventz-*", len("--kv-eventz-"), known)
