@@ -223,7 +223,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                         "all)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, queue, KV cache; every "
-                        "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
+                        "$VLLM_LOG_STATS_INTERVAL s, 10 unless set, while busy)")
 
 
 # --- configs -------------------------------------------------------------------------------------
