@@ -27,6 +27,10 @@ FORBIDDEN = {
 }
 # zmq is allowed in the core only in the engine process module
 ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
+# the router may use only these parts of the server package (error shapes, the tokenizer,
+# the listening socket, and the keys, limits and timeouts every HTTP front shares)
+ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.tokenizer", "kvloop.server.sockets",
+                    "kvloop.server.auth", "kvloop.server.http_limits", "kvloop.server.guard")
 # the model package may use only the runner contract of the core
 MODEL_CORE_OK = ("kvloop.core.outputs", "kvloop.core.runner", "kvloop.core.request",
                  "kvloop.core.trace", "kvloop.core.hashing")
@@ -78,6 +82,10 @@ def test_layering():
             bad += [f"{mod} imports {i}" for i in imports
                     if _matches(i, "kvloop.core") and not any(
                         _matches(i, ok) or i == "kvloop.core" for ok in MODEL_CORE_OK)]
+        if _matches(mod, "kvloop.router"):
+            bad += [f"{mod} imports {i}" for i in imports
+                    if _matches(i, "kvloop.server") and not any(
+                        _matches(i, ok) for ok in ROUTER_SERVER_OK)]
         if mod != "kvloop.__main__":
             bad += [f"{mod} imports {i}" for i in imports if _matches(i, "kvloop.cli")
                     and mod != "kvloop.cli"]

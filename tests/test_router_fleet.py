@@ -27,8 +27,12 @@ from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.server import RouterServer
+from kvloop.server.auth import AuthConfig
 
-SIM_ARGS = ("--sim-speedup", "40", "--max-num-batched-tokens", "1024")
+ADMIN_KEY = "fleet-admin"   # workers' and routers' --admin-api-key in these tests
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+SIM_ARGS = ("--sim-speedup", "40", "--max-num-batched-tokens", "1024",
+            "--admin-api-key", ADMIN_KEY)
 BS = 16
 TOKEN_RANGE = (1000, 40000)   # ids of SmolLM2's vocabulary (49,152)
 
@@ -48,7 +52,8 @@ def start_fleet(n: int, *extra: str, roles: tuple[str, ...] = ("both",)) -> Flee
 def router_config(policy: str = "kv-aware", **liveness: Any) -> RouterConfig:
     lv = {"window_s": 30.0, "poll_interval_s": 0.2, **liveness}
     return RouterConfig(policy=policy, liveness=LivenessConfig(**lv),
-                        index=IndexConfig(provisional_ttl_s=2.0))
+                        index=IndexConfig(provisional_ttl_s=2.0),
+                        auth=AuthConfig(admin_api_key=ADMIN_KEY))
 
 
 class RouterThread:
@@ -136,7 +141,7 @@ def reset_caches(fleet: Fleet) -> None:
     """Empty every worker's cache. An engine publishes the AllBlocksCleared only inside a
     step, so one tiny request per worker flushes it before a new router subscribes."""
     for w in fleet.workers:
-        r = httpx.post(f"{w.url}/reset_prefix_cache", timeout=10)
+        r = httpx.post(f"{w.url}/reset_prefix_cache", headers=ADMIN, timeout=10)
         assert r.status_code == 200 and r.json()["success"], r.text
         httpx.post(f"{w.url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
 
@@ -287,25 +292,29 @@ def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
 def test_workers_register_and_deregister_at_run_time(fleet):
     specs = fleet.specs()
     with RouterThread(router_config(), specs[:1]) as rt:
-        r = httpx.post(rt.url + "/workers", json={"url": specs[1].url, "role": "both"})
+        r = httpx.post(rt.url + "/workers", json={"url": specs[1].url, "role": "both"},
+                       headers=ADMIN)
         assert r.status_code == 201 and r.json()["up"] is True, r.text
-        assert httpx.post(rt.url + "/workers", json={"url": specs[1].url}).status_code == 409
+        assert httpx.post(rt.url + "/workers", json={"url": specs[1].url},
+                          headers=ADMIN).status_code == 409
         listed = httpx.get(rt.url + "/workers").json()
         assert set(listed) == {specs[0].name, specs[1].name}
         assert listed[specs[1].name]["routing"] == "cache-aware"
-        r = httpx.request("DELETE", rt.url + "/workers", json={"url": specs[0].url})
+        r = httpx.request("DELETE", rt.url + "/workers", json={"url": specs[0].url},
+                          headers=ADMIN)
         assert r.status_code == 200
         assert set(httpx.get(rt.url + "/workers").json()) == {specs[1].name}
-        assert httpx.request("DELETE", rt.url + "/workers",
-                             json={"url": specs[0].url}).status_code == 404
-        assert httpx.post(rt.url + "/workers", json={"role": "both"}).status_code == 400
+        assert httpx.request("DELETE", rt.url + "/workers", json={"url": specs[0].url},
+                             headers=ADMIN).status_code == 404
+        assert httpx.post(rt.url + "/workers", json={"role": "both"},
+                          headers=ADMIN).status_code == 400
         for r, code in ((httpx.get(rt.url + "/no/such/path"), 404),
                         (httpx.get(rt.url + "/v1/completions"), 405),
                         (httpx.post(rt.url + "/v1/completions", content=b"\x80"), 400)):
             assert r.status_code == code and r.json()["error"]["code"] == code, r.text
         out = httpx.post(rt.url + "/v1/completions", json={"prompt": [1] * 20, "max_tokens": 1})
         assert out.status_code == 200
-        httpx.request("DELETE", rt.url + "/workers", json={"url": specs[1].url})
+        httpx.request("DELETE", rt.url + "/workers", json={"url": specs[1].url}, headers=ADMIN)
         empty = httpx.post(rt.url + "/v1/completions", json={"prompt": [1] * 20})
         assert empty.status_code == 503 and "no worker" in empty.json()["error"]["message"]
         assert httpx.get(rt.url + "/health").status_code == 503

@@ -362,7 +362,7 @@ def _collect_events(sub: zmq.Socket) -> tuple[list[int], list[int]]:
 
 def test_reset_on_an_idle_worker_publishes_all_blocks_cleared_at_once(serve: Any) -> None:
     srv = serve("--model", "sim", "--sim-speedup", "50", "--enable-kv-cache-events",
-                "--kv-events-topic", "kv")
+                "--kv-events-topic", "kv", "--admin-api-key", "adm")
     ev = httpx.get(srv.url + "/kvloop/worker").json()["kv_events"]
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -372,7 +372,8 @@ def test_reset_on_an_idle_worker_publishes_all_blocks_cleared_at_once(serve: Any
         time.sleep(0.3)  # slow joiner
         httpx.post(srv.url + "/v1/completions", json={"prompt": list(range(2000, 2040)),
                                                       "max_tokens": 1})
-        assert httpx.post(srv.url + "/reset_prefix_cache").status_code == 200
+        assert httpx.post(srv.url + "/reset_prefix_cache",
+                          headers={"Authorization": "Bearer adm"}).status_code == 200
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         kinds: list[str] = []
         deadline = time.monotonic() + 5

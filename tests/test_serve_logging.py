@@ -171,7 +171,7 @@ def test_log_stats_interval_reads_vllms_variable(tmp_path: Path) -> None:
     assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "-3"}) == 10.0
     with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL must be a number"):
         log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "often"})
-    bad = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim"],
+    bad = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim", "--port", "0"],
                          env={**os.environ, "VLLM_LOG_STATS_INTERVAL": "often"},
                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          check=False)

@@ -38,12 +38,15 @@ def words(text: str | None, n: int) -> bool:
     return text is not None and WORDS.fullmatch(text) is not None and len(text.split()) == n
 
 
+ADMIN_KEY = "serve-sim-admin"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     with serving(tmp_path_factory, "serve_sim", [
             "--model", "sim", "--sim-speedup", "50", "--num-gpu-blocks-override", str(BLOCKS),
             "--max-model-len", str(MAX_LEN), "--debug-check-invariants",
-            "--served-model-name", "sim", "alias"]) as srv:
+            "--served-model-name", "sim", "alias", "--admin-api-key", ADMIN_KEY]) as srv:
         yield srv
 
 
@@ -458,7 +461,8 @@ def test_non_streaming_disconnect_aborts(server: ServeProcess) -> None:
 
 def test_reset_prefix_cache(server: ServeProcess) -> None:
     wait_idle(server)
-    assert _post(server, "/reset_prefix_cache", {}).json() == {"success": True}
+    assert httpx.post(server.url + "/reset_prefix_cache",
+                      headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json() == {"success": True}
     assert engine_stats(server)["num_cached_blocks"] == 0
 
 

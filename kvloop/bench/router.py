@@ -21,6 +21,7 @@ import json
 import random
 import re
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
@@ -200,13 +201,14 @@ def _drain(stream: Any) -> None:
         pass
 
 
-def _fresh_caches(workers: list[str]) -> None:
+def _fresh_caches(workers: list[str], admin_key: str) -> None:
     """Empty every worker's prefix cache; one tiny request makes the engine publish the
     AllBlocksCleared (engines flush KV events only inside a step)."""
     import httpx
 
     for url in workers:
-        r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+        r = httpx.post(url + "/reset_prefix_cache", timeout=30,
+                       headers={"Authorization": f"Bearer {admin_key}"})
         if r.status_code != 200 or not r.json().get("success"):
             raise RuntimeError(f"cannot reset the prefix cache of {url}: {r.text}")
         httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30)
@@ -231,7 +233,9 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     worker_args = ("--sim-speedup", str(args.sim_speedup),
                    "--num-gpu-blocks-override", str(args.gpu_blocks),
                    *args.worker_args.split())
-    fleet = Fleet(FleetConfig(args.workers, "sim", ("both",), worker_args, echo_output=False))
+    admin_key = secrets.token_urlsafe(16)   # the workers' admin key, for cache resets
+    fleet = Fleet(FleetConfig(args.workers, "sim", ("both",),
+                              (*worker_args, "--admin-api-key", admin_key), echo_output=False))
     results: list[dict] = []
     try:
         urls = [s.url for s in fleet.start()]
@@ -239,7 +243,8 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
         for workload in args.workloads.split(","):
             for run in range(args.runs):
                 for policy in args.policies.split(","):
-                    results.append(_one_run(urls, policy, workload, args.concurrency, run))
+                    results.append(_one_run(urls, policy, workload, args.concurrency, run,
+                                            admin_key))
     finally:
         fleet.stop()
     if args.json_out:
@@ -249,8 +254,9 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int) -> dict:
-    _fresh_caches(urls)
+def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int,
+             admin_key: str) -> dict:
+    _fresh_caches(urls, admin_key)
     proc, router_url = _start_router(policy, urls)
     try:
         s = _bench_once(router_url, workload, concurrency, seed=run)

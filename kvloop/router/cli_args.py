@@ -2,7 +2,7 @@
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
     kvloop fleet --workers N [--model sim|PATH] [--port P] [--policy NAME] [--roles R,...]
-                 [-- WORKER FLAGS]
+                 [--api-key KEY] [-- WORKER FLAGS]
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from kvloop.router.config import (
     RouterConfig,
 )
 from kvloop.router.registry import WorkerSpec
+from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import DEFAULT_PORT
+from kvloop.server.http_limits import add_limit_args, http_limits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -82,10 +84,23 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-min-samples", type=int, default=dl.verify_min_samples)
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
+    _add_security_args(p)
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys and HTTP limits (the router's front)")
+    add_auth_args(g)
+    g.add_argument("--worker-api-key", default=None, metavar="KEY",
+                   help="the key the router sends to every worker (default: its first API "
+                        "key; `kvloop fleet` starts its workers with it); with no key at all "
+                        "a client's Authorization header is passed through")
+    add_limit_args(g)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    """Validated, frozen config from the parsed flags (raises ValueError)."""
+    """Validated, frozen config from the parsed flags (raises ValueError). The key sent to
+    workers is --worker-api-key, else the router's first API key."""
+    auth = auth_config(args)
     spec = None
     if args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
         from kvloop.core.hashing import resolve_seed
@@ -107,7 +122,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                 verify_window=args.verify_window,
                                 verify_min_samples=args.verify_min_samples,
                                 verify_miss_ratio=args.verify_miss_ratio,
-                                request_timeout_s=args.request_timeout))
+                                request_timeout_s=args.request_timeout),
+        auth=auth, worker_api_key=args.worker_api_key or next(iter(auth.api_keys), None),
+        http_limits=http_limits(args))
 
 
 def _setup_logging(level: str) -> None:
@@ -138,10 +155,11 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         extra = list(args.worker_args)
         if extra and extra[0] == "--":
             extra = extra[1:]
+        cfg = router_config(args)
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
-                            start_timeout_s=args.worker_start_timeout)
-        cfg = router_config(args)
+                            start_timeout_s=args.worker_start_timeout,
+                            worker_api_key=cfg.worker_api_key)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):

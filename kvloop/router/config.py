@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvloop.server.auth import AuthConfig, check_key
+from kvloop.server.http_limits import HttpLimits
+
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
 ROLES = ("both", "prefill", "decode")
 
@@ -140,7 +143,13 @@ class HashSpec:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything the router needs. `port` 0 binds an ephemeral port."""
+    """Everything the router needs. `port` 0 binds an ephemeral port.
+
+    `auth`: the keys clients (and admins) present to the router; `worker_api_key`: the key
+    the router presents to every worker (polls and forwarded requests; without it a client's
+    Authorization header is passed through); `http_limits`: body size and read timeouts of
+    the router's HTTP front.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -150,8 +159,13 @@ class RouterConfig:
     liveness: LivenessConfig = field(default_factory=LivenessConfig)
     hash_spec: HashSpec | None = None
     random_seed: int | None = None
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    worker_api_key: str | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
+        if self.worker_api_key is not None:
+            check_key(self.worker_api_key)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.port < 65536:

@@ -29,6 +29,7 @@ from types import FrameType
 
 from kvloop.router.config import ROLES, RouterConfig
 from kvloop.router.registry import WorkerSpec
+from kvloop.server.auth import API_KEY_ENV
 
 log = logging.getLogger("kvloop.router")
 
@@ -45,7 +46,9 @@ _BOOTSTRAP = ("import ctypes, runpy, signal, sys\n"
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The workers of a fleet. `roles` are cycled over the workers."""
+    """The workers of a fleet. `roles` are cycled over the workers. With `worker_api_key`,
+    every worker requires that key: it is handed to them as $VLLM_API_KEY (not on their
+    command lines), and the router presents it (its `worker_api_key`)."""
 
     num_workers: int
     model: str = "sim"
@@ -55,6 +58,7 @@ class FleetConfig:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 10.0
     echo_output: bool = True
+    worker_api_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -75,6 +79,12 @@ class FleetConfig:
             else (os.cpu_count() or 1)
         return max(1, cores // self.num_workers)
 
+    def env(self) -> dict[str, str] | None:
+        """The workers' environment (None: this process's)."""
+        if self.worker_api_key is None:
+            return None
+        return {**os.environ, API_KEY_ENV: self.worker_api_key}
+
     def argv(self, i: int) -> list[str]:
         h = self.host
         threads = self.threads_per_worker()
@@ -87,11 +97,13 @@ class FleetConfig:
 class WorkerProcess:
     """One `kvloop serve` child: started, watched for its URL, stopped."""
 
-    def __init__(self, index: int, argv: list[str], role: str, echo: bool = True):
+    def __init__(self, index: int, argv: list[str], role: str, echo: bool = True,
+                 env: dict[str, str] | None = None):
         self.index = index
         self.argv = argv
         self.role = role
         self.echo = echo
+        self.env = env
         self.url: str | None = None
         self.proc: subprocess.Popen[str] | None = None
         self.tail: deque[str] = deque(maxlen=40)
@@ -100,7 +112,8 @@ class WorkerProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=self.env)
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"kvloop-fleet-w{self.index}")
         self._reader.start()
@@ -154,7 +167,8 @@ class Fleet:
 
     def __init__(self, config: FleetConfig):
         self.config = config
-        self.workers = [WorkerProcess(i, config.argv(i), config.role_of(i), config.echo_output)
+        self.workers = [WorkerProcess(i, config.argv(i), config.role_of(i), config.echo_output,
+                                      config.env())
                         for i in range(config.num_workers)]
 
     def start(self) -> list[WorkerSpec]:

@@ -7,6 +7,13 @@
     GET  /workers, POST /workers, DELETE /workers    list, register, deregister at run time
     GET  /router/index                           the index per worker (for checks and tests)
 
+Keys (`kvloop.server.auth`, checked by the same middleware as the API server's): with
+--api-key every route but /health and /metrics needs one; POST and DELETE /workers need the
+--admin-api-key. The router presents --worker-api-key to every worker, on polls and forwarded
+requests (the client's Authorization header is then not passed on). A worker registered at
+run time is probed first and refused (4xx, with the reason) unless it answers /kvloop/worker
+with the fleet's hashing (block size, algorithm, seed) and accepts the router's key.
+
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
 `usage.prompt_tokens_details.cached_tokens` on a stream, the router asks for
@@ -33,18 +40,21 @@ import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.router.prompts import PromptError, PromptTokenizer
 from kvloop.router.registry import LoadSnapshot, WorkerDescription, WorkerSpec, WorkerState
 from kvloop.router.router import NoWorkerError, Routed, Router
+from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
+from kvloop.server.guard import install
 from kvloop.server.openai import error_body, http_error_body
 
 log = logging.getLogger("kvloop.router")
 
-WORKER_INFO_PATH = "/kvloop/worker"
+ROUTER_RULES = RouteRules(public=PUBLIC_PATHS,
+                          admin=frozenset({("POST", "/workers"), ("DELETE", "/workers")}))
 MAX_POLL_FAILURES = 3
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
                 "content-encoding", "date", "server"}
@@ -61,6 +71,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return JSONResponse(http_error_body(exc.status_code, exc.detail),
                         status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left (or timed out) while sending its body: nobody reads an answer."""
+    return Response(status_code=499)
 
 
 class RouterApp:
@@ -87,7 +102,12 @@ class RouterApp:
             Route("/workers", self.add_worker, methods=["POST"]),
             Route("/workers", self.remove_worker, methods=["DELETE"]),
             Route("/router/index", self.index_dump, methods=["GET"]),
-        ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error})
+        ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error,
+                                                        ClientDisconnect: _client_gone})
+        cfg = router.config
+        install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
+        self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
+                               if cfg.worker_api_key else {})
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -102,7 +122,8 @@ class RouterApp:
         lv = self.router.config.liveness
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            headers=self.worker_headers)
         for spec in self.initial_workers:
             await self.register(spec)
         self._poller = asyncio.create_task(self._poll_loop())
@@ -130,7 +151,10 @@ class RouterApp:
             log.warning("worker %s registered but unreachable: %s", spec.name, reason)
             self.router.registry.note_unreachable(spec.name, reason)
             return {"worker": spec.name, "up": False, "warnings": [reason]}
-        warnings = self.router.register(spec, desc)
+        key_warnings = _key_problems(spec, desc, bool(self.worker_headers))
+        for w in key_warnings:
+            log.warning("%s", w)
+        warnings = self.router.register(spec, desc) + key_warnings
         log.info("worker %s registered: role %s, model %r, %s blocks, events %s, epoch %s",
                  spec.name, spec.role, desc.model, desc.capacity_blocks,
                  spec.events_endpoint or desc.events_endpoint, desc.epoch)
@@ -224,6 +248,7 @@ class RouterApp:
                 body = {**body, "stream_options": {**opts, "include_usage": True}}
             raw = json.dumps(body).encode()
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        headers.update(self.worker_headers)   # the router's key to the worker, if it has one
         headers["accept-encoding"] = "identity"
         return await self._send(path, raw, body, tokens or [], headers, stream, strip_usage)
 
@@ -334,14 +359,45 @@ class RouterApp:
         return JSONResponse({w.name: r.describe_worker(w) for w in r.registry.all()})
 
     async def add_worker(self, request: Request) -> Response:
+        """Register a worker at run time, only once it answered as a usable kvloop worker."""
         try:
             spec = _spec_from_body(await request.json())
         except (ValueError, TypeError) as e:
             return error_response(f"bad worker registration: {e}", 400)
         if self.router.registry.get(spec.name) is not None:
             return error_response(f"worker {spec.name} is already registered", 409)
-        result = await self.register(spec)
-        return JSONResponse(result, status_code=201)
+        try:
+            desc = await self._describe(spec)
+        except (httpx.HTTPError, ValueError) as e:
+            return error_response(f"worker {spec.name} not registered: GET {spec.url}"
+                                  f"{WORKER_INFO_PATH} failed: {e!r}", 422)
+        refusal = self._refusal(spec, desc)
+        if refusal is not None:
+            code, reason = refusal
+            return error_response(f"worker {spec.name} not registered: {reason}", code)
+        if self.router.registry.get(spec.name) is not None:  # registered while we probed
+            return error_response(f"worker {spec.name} is already registered", 409)
+        key_problems = _key_problems(spec, desc, bool(self.worker_headers))
+        for w in key_problems:
+            log.warning("%s", w)
+        warnings = self.router.register(spec, desc) + key_problems
+        log.info("worker %s registered at run time: role %s, model %r, epoch %s", spec.name,
+                 spec.role, desc.model, desc.epoch)
+        return JSONResponse({"worker": spec.name, "up": True, "warnings": warnings},
+                            status_code=201)
+
+    def _refusal(self, spec: WorkerSpec, desc: WorkerDescription) -> tuple[int, str] | None:
+        """(status, reason) when a worker answering `desc` must not join, else None."""
+        if desc.hash_spec() is None:
+            return 422, (f"{spec.url}{WORKER_INFO_PATH} gave no hashing facts (block_size, "
+                         "hash_algo, hash_seed): not a kvloop worker?")
+        key_problems = _key_problems(spec, desc, bool(self.worker_headers))
+        if key_problems and self.worker_headers:  # without a key, clients' keys may do
+            return 422, key_problems[0]
+        mismatches = self.router.hashing_mismatches(desc)
+        if mismatches:
+            return 409, "; ".join(mismatches)
+        return None
 
     async def remove_worker(self, request: Request) -> Response:
         try:
@@ -442,6 +498,17 @@ def _cached_tokens(payload: Any) -> int | None:
 
 def _response_headers(r: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _key_problems(spec: WorkerSpec, desc: WorkerDescription, has_key: bool) -> list[str]:
+    """Why requests forwarded to the worker would get 401 (empty: they would not)."""
+    if not desc.api_key_required or desc.api_key_accepted:
+        return []
+    if has_key:
+        return [f"{spec.name} requires an API key and refused the router's "
+                "(--worker-api-key): requests forwarded to it would get 401"]
+    return [f"{spec.name} requires an API key and the router has none for it "
+            "(--worker-api-key): only clients sending the worker's key get through"]
 
 
 def _spec_from_body(data: Any) -> WorkerSpec:

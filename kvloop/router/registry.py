@@ -112,6 +112,8 @@ class WorkerDescription:
     role: str | None = None
     epoch: str | None = None
     model_path: str | None = None
+    api_key_required: bool = False
+    api_key_accepted: bool = False
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerDescription:
@@ -137,6 +139,8 @@ class WorkerDescription:
             role=_first(d, "role", default=None),
             epoch=_str(_first(d, "epoch", default=None)),
             model_path=_first(d, "model_path", default=None),
+            api_key_required=bool(d.get("api_key_required", False)),
+            api_key_accepted=bool(d.get("api_key_accepted", False)),
         )
 
     def event_source(self, spec: WorkerSpec) -> EventSource | None:

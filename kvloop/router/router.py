@@ -205,7 +205,9 @@ class Router:
             self._clear(w.name, NO_EVENT_SOURCE)
         return warnings
 
-    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
+    def hashing_mismatches(self, desc: WorkerDescription) -> list[str]:
+        """How `desc`'s block size, hash algorithm and seed differ from the fleet's (none
+        while the fleet's hashing is not known yet)."""
         fleet = self.hash_spec
         out: list[str] = []
         if fleet is not None:
@@ -214,6 +216,10 @@ class Router:
                                         ("hash seed", desc.hash_seed, fleet.seed)):
                 if theirs is not None and theirs != ours:
                     out.append(f"{field} {theirs!r} differs from the fleet's {ours!r}")
+        return out
+
+    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
+        out = self.hashing_mismatches(desc)
         if desc.role is not None and desc.role != spec.role:
             out.append(f"it serves role {desc.role!r} but was registered as {spec.role!r}")
         return out

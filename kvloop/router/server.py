@@ -21,6 +21,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.router import Router, SubscriberFactory
+from kvloop.server.guard import http_protocol
 from kvloop.server.sockets import bind_tcp, http_url
 
 log = logging.getLogger("kvloop.router")
@@ -57,6 +58,7 @@ class RouterServer:
     async def serve(self, on_ready: Callable[[RouterServer], None] | None = None) -> None:
         """Serve until `stop()` or a signal."""
         cfg = uvicorn.Config(self.app.app, log_level=self._log_level, access_log=False,
+                             http=http_protocol(self.router.config.http_limits),
                              timeout_graceful_shutdown=5)
         self._server = _Uvicorn(cfg, lambda: on_ready(self) if on_ready else None)
         try:

@@ -1,5 +1,10 @@
 """FastAPI routes of the API server: OpenAI endpoints, health, metrics, tokenizer, worker info.
 
+With --api-key every route needs a key except the public ones (`SERVER_RULES`); the admin
+route (POST /reset_prefix_cache) needs --admin-api-key (`kvloop.server.auth`). /kvloop/worker
+is public for routers, but process ids and file paths appear in it (and in /v1/models'
+`root`) only for a caller `AuthConfig.sees_private` admits.
+
 Every error, including request-validation errors, is answered with vLLM's shape
 `{"error": {"message", "type", "param", "code"}}`; validation errors are 400 (not FastAPI's
 422). An unexpected exception is logged and answered 500 in the same shape; bad input never
@@ -18,6 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvloop
+from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.server.guard import install
 from kvloop.server.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,6 +42,10 @@ from kvloop.server.serving import (
 )
 
 logger = logging.getLogger("kvloop.server")
+
+SERVER_RULES = RouteRules(public=(*PUBLIC_PATHS, WORKER_INFO_PATH),
+                          admin=frozenset({("POST", "/reset_prefix_cache")}))
+PRIVATE_FIELDS = ("model_path", "api_pid", "engine_pid")
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
               "function-before", "list[int]", "list[str]", "list[list[int]]"}
@@ -80,6 +91,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
     app = FastAPI(title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
+    install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     _add_operator_routes(app, ctx)
@@ -96,9 +108,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await create_chat_completion(ctx, body, request)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        path = ctx.config.model_path if sees_private(ctx, request) else None
         data: list[dict[str, Any]] = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
-                 "root": ctx.config.model_path or name, "parent": None,
+                 "root": path or name, "parent": None,
                  "max_model_len": ctx.ready.max_model_len, "permission": []}
                 for name in ctx.config.served_model_names]
         return {"object": "list", "data": data}
@@ -156,13 +169,17 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
         return Response(ctx.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/kvloop/worker")
-    async def worker() -> dict[str, Any]:
-        return worker_description(ctx)
+    @app.get(WORKER_INFO_PATH)
+    async def worker(request: Request) -> dict[str, Any]:
+        info = worker_description(ctx, private=sees_private(ctx, request))
+        accepted = ctx.config.auth.identify(request.headers.get("authorization"))
+        info["api_key_required"] = bool(ctx.config.auth.api_keys)
+        info["api_key_accepted"] = accepted in (Caller.API, Caller.ADMIN)
+        return info
 
     @app.get("/kv_event_sources")
-    async def kv_event_sources() -> dict[str, Any]:
-        return {"0": worker_description(ctx)["kv_events"]}
+    async def kv_event_sources(request: Request) -> dict[str, Any]:
+        return {"0": worker_description(ctx, private=sees_private(ctx, request))["kv_events"]}
 
     @app.get("/kvloop/stats")
     async def stats() -> Any:
@@ -180,14 +197,26 @@ async def _utility(ctx: ServerContext, method: str) -> Any:
         raise APIError(503, f"engine call {method} failed: {e}") from e
 
 
-def worker_description(ctx: ServerContext) -> dict[str, Any]:
-    """What a router reads when this worker registers."""
+def sees_private(ctx: ServerContext, request: Request) -> bool:
+    return ctx.config.auth.sees_private(request.headers.get("authorization"),
+                                        request.client.host if request.client else None)
+
+
+def _endpoint(address: str | None, private: bool) -> str | None:
+    """An event endpoint; an ipc:// one names a file, shown only with private facts."""
+    return address if private or not (address or "").startswith("ipc://") else None
+
+
+def worker_description(ctx: ServerContext, private: bool = True) -> dict[str, Any]:
+    """What a router reads when this worker registers; without `private`, no process ids
+    and no file paths (`PRIVATE_FIELDS`, ipc:// event endpoints)."""
     r = ctx.ready
     events = None
     if r.kv_events_endpoint is not None:
-        events = {"endpoint": r.kv_events_endpoint, "replay_endpoint": r.kv_events_replay_endpoint,
+        events = {"endpoint": _endpoint(r.kv_events_endpoint, private),
+                  "replay_endpoint": _endpoint(r.kv_events_replay_endpoint, private),
                   "topic": r.kv_events_topic or "", "recency": r.kv_events_recency}
-    return {
+    info = {
         "model": ctx.config.model_name,
         "served_model_names": list(ctx.config.served_model_names),
         "model_path": ctx.config.model_path,
@@ -207,3 +236,4 @@ def worker_description(ctx: ServerContext) -> dict[str, Any]:
         "engine_pid": r.pid,
         "version": kvloop.__version__,
     }
+    return info if private else {k: v for k, v in info.items() if k not in PRIVATE_FIELDS}

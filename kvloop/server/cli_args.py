@@ -30,6 +30,7 @@ from kvloop.config import (
     check_device,
     check_dtype,
 )
+from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import (
     DEFAULT_PORT,
     ROLES,
@@ -37,6 +38,7 @@ from kvloop.server.config import (
     ServeConfig,
     log_stats_interval,
 )
+from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
 
@@ -89,6 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_server_args(p)
     _add_events_args(p)
     _add_logging_args(p)
+    _add_security_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -224,6 +227,12 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, queue, KV cache; every "
                         "$VLLM_LOG_STATS_INTERVAL s, 10 unless set, while busy)")
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys and HTTP limits")
+    add_auth_args(g)
+    add_limit_args(g)
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -381,7 +390,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         shutdown_timeout_s=args.shutdown_timeout,
                         log_requests=args.log_requests, max_log_len=args.max_log_len,
                         log_stats=not args.disable_log_stats,
-                        log_stats_interval_s=log_stats_interval())
+                        log_stats_interval_s=log_stats_interval(),
+                        auth=auth_config(args), http_limits=http_limits(args))
     return serve, start, tokenizer
 
 

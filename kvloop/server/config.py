@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvloop.server.auth import AuthConfig
+from kvloop.server.http_limits import HttpLimits
 
 ROLES = ("both", "prefill", "decode")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -33,12 +36,14 @@ class ServeConfig:
 
     `port` 0 binds an ephemeral port (the actual URL is printed). `max_waiting_requests`
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
-    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded). `served_model_names` are the names clients may send
-    in `model`; the first is reported back. `log_requests` (vLLM's `--enable-log-requests`,
-    off by default as in vLLM): one INFO line per request received, its prompt cut to
-    `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
-    `log_stats_interval_s` while busy (kvloop/server/logs.py). `shutdown_timeout_s` is how
-    long a SIGTERM lets requests in flight finish (0: they end at once).
+    with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
+    `served_model_names` are the names clients may send in `model`; the first is reported
+    back. `log_requests` (vLLM's `--enable-log-requests`, off by default as in vLLM): one INFO
+    line per request received, its prompt cut to `max_log_len` characters and ids (None:
+    whole); `log_stats`: a stats line every `log_stats_interval_s` while busy
+    (kvloop/server/logs.py). `auth`: API keys; `http_limits`: body size and read timeouts of
+    the HTTP front. `shutdown_timeout_s`: how long a SIGTERM lets requests in flight finish
+    (0: they end at once).
     """
 
     served_model_names: tuple[str, ...]
@@ -60,6 +65,8 @@ class ServeConfig:
     shutdown_timeout_s: float = 0.0
     log_stats: bool = True
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -34,6 +34,7 @@ import uvicorn
 from kvloop.server.api import build_app
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
+from kvloop.server.guard import http_protocol
 from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
@@ -176,7 +177,7 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
                                        start.engine_index, _cache_info(ready))
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
         uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.uvicorn_log_level,
-                                access_log=False,
+                                access_log=False, http=http_protocol(cfg.http_limits),
                                 timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
         server = _Uvicorn(uv_cfg, signals, http_url(sock))
         signals.server = server
