@@ -21,8 +21,8 @@ from kvloop.router.config import (
 )
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import add_auth_args, auth_config
-from kvloop.server.config import DEFAULT_PORT
 from kvloop.server.http_limits import add_limit_args, http_limits
+from kvloop.server.sockets import DEFAULT_PORT
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

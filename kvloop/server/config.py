@@ -11,7 +11,6 @@ from kvloop.server.http_limits import HttpLimits
 
 ROLES = ("both", "prefill", "decode")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-DEFAULT_PORT = 8000   # `kvloop serve` and `kvloop router` listen here unless told (vLLM's)
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
 
