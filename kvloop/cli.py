@@ -11,6 +11,8 @@ import json
 import sys
 from collections.abc import Callable
 
+import kvloop
+
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     from kvloop.sim.replay import dump_steplog, replay
@@ -53,13 +55,19 @@ def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvloop` parser; each subcommand's parser is its namespace's `command_parser`."""
     ap = argparse.ArgumentParser(prog="kvloop", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=kvloop.__version__)
     sub = ap.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS + _optional_subcommands():
         add(sub)
+    for parser in sub.choices.values():
+        parser.set_defaults(command_parser=parser)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not kvloop's (argparse would print the latter)
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)

@@ -12,6 +12,31 @@ from dataclasses import dataclass, field
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 POLICIES = ("fcfs", "priority")
 
+# The model runner's dtypes (alias -> torch name) and devices; torch-free, so the API server
+# checks `--dtype` and `--device` (for `--model sim` too) before an engine starts.
+DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "fp16": "float16", "half": "float16"}
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+GPU_MEMORY_UTILIZATION = 0.92   # vLLM's default fraction of a CUDA device's memory
+GPU_MEMORY_UTILIZATION_IGNORED = ("--gpu-memory-utilization is ignored without a CUDA device "
+                                  "(as vLLM's CPU backend ignores it); size the KV cache with "
+                                  "--kv-cache-memory")
+
+
+def check_device(device: str) -> None:
+    """ValueError unless `device` is one of `DEVICES` (N a device index)."""
+    kind, _, index = device.partition(":")
+    if device in DEVICES[:3] or (kind == "cuda" and index.isdigit()):
+        return
+    raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype != "auto" and dtype not in DTYPE_ALIASES:
+        raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPE_ALIASES)}, "
+                         f"got {dtype!r}")
+
 
 @dataclass(frozen=True)
 class CacheConfig:

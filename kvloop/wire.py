@@ -187,6 +187,8 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     that may carry `num_gpu_blocks`, `max_model_len`, `vocab_size` and `model_name`, which
     override the template values of `engine`. `kv_events` holds
     `kvloop.events.publisher.KVEventsConfig` keyword arguments, or None for no KV events.
+    `shutdown_timeout_s` is how long a SIGTERM lets the engine go on serving (the API server
+    drains its requests meanwhile and then closes the pipe); 0 stops it at once.
     """
 
     engine: EngineConfig
@@ -199,3 +201,4 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     epoch: str | None = None       # this worker incarnation's id (the KV-event epoch)
     engine_index: int = 0
     log_level: str = "INFO"
+    shutdown_timeout_s: float = 0.0

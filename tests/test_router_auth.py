@@ -168,8 +168,8 @@ def test_the_router_front_limits_bodies_and_times_out_half_sent_requests(fleet: 
 def test_fleet_api_key_reaches_router_and_workers(tmp_path: Path) -> None:
     """`kvloop fleet --api-key K`: clients and the workers' own API both need K; the key is
     not on any worker's command line."""
-    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "1", "--api-key", "fleet-key",
-           "--", "--sim-speedup", "40"]
+    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "1", "--port", "0",
+           "--api-key", "fleet-key", "--", "--sim-speedup", "40"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"})
     lines: list[str] = []

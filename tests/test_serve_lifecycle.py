@@ -1,6 +1,7 @@
-"""Process life of `kvloop serve`: overload, SIGTERM/SIGINT with requests in flight, either
-process dying, a failed start, and the KV-event publisher of the engine process. Each test
-starts its own simulated server (they end them)."""
+"""Process life of `kvloop serve`: overload, SIGTERM/SIGINT with requests in flight (to the
+API server, or to the process group as Ctrl-C, systemd or `timeout` send them), draining with
+`--shutdown-timeout`, signals during start-up, either process dying, a failed start, and the
+KV-event publisher of the engine process. Each test starts its own server (they end them)."""
 
 from __future__ import annotations
 
@@ -52,12 +53,23 @@ def port_closed(url: str) -> bool:
         return s.connect_ex((host, int(port))) != 0
 
 
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid`."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+    return kids
+
+
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Any]:
     procs: list[ServeProcess] = []
 
-    def start(*args: str) -> ServeProcess:
-        p = ServeProcess(list(args), tmp_path / f"serve{len(procs)}.log").start()
+    def start(*args: str, new_session: bool = False) -> ServeProcess:
+        p = ServeProcess(list(args), tmp_path / f"serve{len(procs)}.log",
+                         new_session=new_session).start()
         procs.append(p)
         return p
 
@@ -144,6 +156,128 @@ def test_signal_with_requests_in_flight(serve: Any, sig: int) -> None:
     assert wait_until(lambda: not alive(engine_pid), 10)
     assert port_closed(srv.url)
     assert "Traceback" not in srv.log()
+
+
+def _start_stream(url: str, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """A streaming completion in flight (its first chunk arrived) in a thread."""
+    lines: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=_stream_lines, args=(
+        url + "/v1/completions", {"prompt": "s", "max_tokens": max_tokens, "stream": True},
+        lines, started))
+    t.start()
+    assert started.wait(10)
+    return t, lines
+
+
+def assert_clean_exit(srv: ServeProcess) -> None:
+    """Both processes exited 0 (the API server logs the engine's exit code) and quietly."""
+    log = srv.log()
+    assert "engine core process exited with code 0" in log, log
+    assert "Fatal Python error" not in log and "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_process_group_signal_stops_both_processes_cleanly(serve: Any, sig: int) -> None:
+    """As Ctrl-C, `timeout` or `kill -- -PGID` send it (the engine, in its own session, is
+    then stopped by the API server)."""
+    srv = serve("sim", "--sim-speedup", "1", new_session=True)
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    t, lines = _start_stream(srv.url, 500)
+    srv.signal_group(sig)
+    assert srv.wait(20) == 0
+    t.join(10)
+    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert lines[-1] == "data: [DONE]"
+    assert not alive(engine_pid) and port_closed(srv.url)
+    assert_clean_exit(srv)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_both_processes_stops_them_cleanly(serve: Any, sig: int) -> None:
+    """As systemd's kill of the whole cgroup: the engine gets the signal too, with its stdin
+    watchdog waiting (this once ended in `Fatal Python error: _enter_buffered_busy`)."""
+    srv = serve("sim", "--sim-speedup", "1")
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    t, lines = _start_stream(srv.url, 500)
+    os.kill(engine_pid, sig)
+    srv.signal(sig)
+    assert srv.wait(20) == 0
+    t.join(10)
+    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert not alive(engine_pid) and port_closed(srv.url)
+    assert_clean_exit(srv)
+
+
+def test_sigterm_to_the_engine_alone_stops_both_cleanly(serve: Any) -> None:
+    srv = serve("sim", "--sim-speedup", "1")
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    t, lines = _start_stream(srv.url, 500)
+    os.kill(engine_pid, signal.SIGTERM)
+    assert srv.wait(20) == 0
+    t.join(10)
+    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert "the engine core process stopped" in srv.log()
+    assert_clean_exit(srv)
+
+
+@pytest.mark.parametrize("to_engine", [False, True], ids=["api", "api+engine"])
+def test_sigterm_drains_with_a_shutdown_timeout(serve: Any, to_engine: bool) -> None:
+    """Draining: /health and new requests get 503 while the stream in flight goes on to its
+    end; then both processes exit 0, long before the timeout. An engine that gets the SIGTERM
+    too (a cgroup kill) goes on serving until the API server stops it."""
+    srv = serve("sim", "--sim-speedup", "1", "--shutdown-timeout", "60")
+    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+    t, lines = _start_stream(srv.url, 100)   # >= 100 steps of ~22 ms
+    start = time.monotonic()
+    if to_engine:
+        os.kill(engine_pid, signal.SIGTERM)
+    srv.signal(signal.SIGTERM)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "new", "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert t.is_alive()                      # the stream is still going
+    assert srv.wait(30) == 0 and time.monotonic() - start < 30
+    t.join(10)
+    chunks = _sse_json(lines)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) == 100
+    assert lines[-1] == "data: [DONE]"
+    assert "SIGTERM: draining 1 requests for up to 60 s" in srv.log()
+    assert_clean_exit(srv)
+
+
+def test_second_sigterm_ends_the_drain_at_once(serve: Any) -> None:
+    srv = serve("sim", "--sim-speedup", "1", "--shutdown-timeout", "60")
+    t, lines = _start_stream(srv.url, 2000)
+    srv.signal(signal.SIGTERM)
+    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    srv.signal(signal.SIGTERM)
+    assert srv.wait(20) == 0
+    t.join(10)
+    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert_clean_exit(srv)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_while_the_engine_starts_exits_0(tmp_path: Path, sig: int) -> None:
+    """The engine blocks at start-up opening its latency file, a FIFO nobody writes: a
+    process-group signal then stops both processes, exit 0."""
+    fifo = tmp_path / "latency.fifo"
+    os.mkfifo(fifo)
+    srv = ServeProcess(["sim", "--sim-latency-file", str(fifo)], tmp_path / "serve.log",
+                       new_session=True)
+
+    def signal_once_the_engine_runs() -> None:
+        assert wait_until(lambda: srv.proc is not None and children(srv.pid), 30)
+        srv.signal_group(sig)
+
+    threading.Thread(target=signal_once_the_engine_runs, daemon=True).start()
+    with pytest.raises(RuntimeError, match="did not start"):
+        srv.start(timeout_s=60)
+    assert srv.proc is not None and srv.proc.returncode == 0
+    assert "stopped before the engine core was ready" in srv.log()
+    assert_clean_exit(srv)
 
 
 def test_engine_death_stops_the_api_server(serve: Any) -> None:

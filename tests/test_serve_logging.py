@@ -1,5 +1,5 @@
-"""What `kvloop serve` logs, as vLLM: one "Received request" line per prompt (cut by
---max-log-len, off with --disable-log-requests) and, every $VLLM_LOG_STATS_INTERVAL seconds
+"""What `kvloop serve` logs, as vLLM: one "Received request" line per prompt (on unless
+--disable-log-requests; cut by --max-log-len) and, every $VLLM_LOG_STATS_INTERVAL seconds
 while busy, the stats line (off with --disable-log-stats). Read from the server's real log."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ SIM = ["--model", "sim", "--sim-model", "bytes", "--sim-speedup", "5", "--max-mo
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    with serving(tmp_path_factory, "serve_logging", [*SIM, "--max-log-len", "5"],
+    with serving(tmp_path_factory, "serve_logging", [*SIM, "--enable-log-requests",
+                                                     "--max-log-len", "5"],
                  env=FAST_STATS) as srv:
         yield srv
 
@@ -98,8 +99,8 @@ def test_refused_requests_are_not_logged(server: ServeProcess) -> None:
 def test_without_max_log_len_the_whole_prompt(caplog: pytest.LogCaptureFixture) -> None:
     tok = ByteTokenizer()
     with caplog.at_level(logging.INFO, logger="kvloop.server"):
-        log_request(ServeConfig(("sim",)), tok, "cmpl-1-0", tok.encode("a 'quoted' prompt"),
-                    "P")
+        log_request(ServeConfig(("sim",), log_requests=True), tok, "cmpl-1-0",
+                    tok.encode("a 'quoted' prompt"), "P")
         log_request(ServeConfig(("sim",), log_requests=False), tok, "cmpl-2-0", [97], "P")
     ids = list(b"a 'quoted' prompt")
     assert caplog.messages == [f"Received request cmpl-1-0: prompt: \"a 'quoted' prompt\", "
@@ -157,7 +158,8 @@ def test_flags_reach_the_config() -> None:
     cfg = serve_config()
     assert (cfg.log_requests, cfg.max_log_len, cfg.log_stats) == (True, None, True)
     assert serve_config("--enable-log-requests").log_requests is True
-    cfg = serve_config("--disable-log-requests", "--max-log-len", "9", "--disable-log-stats")
+    cfg = serve_config("--enable-log-requests", "--disable-log-requests", "--max-log-len", "9",
+                       "--disable-log-stats")
     assert (cfg.log_requests, cfg.max_log_len, cfg.log_stats) == (False, 9, False)
     with pytest.raises(ValueError, match="max_log_len"):
         serve_config("--max-log-len", "-1")
@@ -170,7 +172,7 @@ def test_log_stats_interval_reads_vllms_variable(tmp_path: Path) -> None:
     assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "-3"}) == 10.0
     with pytest.raises(ValueError, match="VLLM_LOG_STATS_INTERVAL must be a number"):
         log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "often"})
-    bad = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim"],
+    bad = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim", "--port", "0"],
                          env={**os.environ, "VLLM_LOG_STATS_INTERVAL": "often"},
                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
                          check=False)

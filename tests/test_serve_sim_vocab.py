@@ -149,7 +149,8 @@ def test_sim_model_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
     (["--max-model-len", "9000"], "--max-model-len 9000 exceeds the context length"),
 ])
 def test_bad_sim_flags_exit_with_a_clear_error(flags: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim", *flags],
+    done = subprocess.run([sys.executable, "-m", "kvloop", "serve", "--model", "sim", *flags,
+                           "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     out = done.stdout + done.stderr
     assert done.returncode == 2 and message in out and "Traceback" not in out, out

@@ -11,13 +11,20 @@ PULL, builds the runner (by factory name, so this module never imports a model o
 simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
 it). A failed start sends `EngineReady(error=...)` and exits 1.
 
-Process: `python -m kvloop.core.engine_proc`, started by the API server, which writes one
-`EngineStartConfig` JSON line on its stdin and keeps the pipe open.
+Process: `python -m kvloop.core.engine_proc`, started by the API server in a session of its
+own, which writes one `EngineStartConfig` JSON line on its stdin and keeps the pipe open.
 
-Shutdown: SIGTERM ends the loop cleanly (SIGINT is ignored: the API server owns Ctrl-C and
-stops this process itself). When stdin reaches EOF (the API server exited, died or closed the
-pipe) a watchdog thread sends SIGTERM to this process, so it never outlives the API server. An exception in the loop sends
-`ENGINE_CORE_DEAD` and exits 1.
+Shutdown: the busy loop ends
+- when the API server closes the pipe (stdin reaches EOF: it stopped us, exited or died, so
+  this process never outlives it);
+- on SIGTERM (from an operator, or a kill of the whole cgroup as systemd does: signals to the
+  API server's process group do not reach this session) once `shutdown_timeout_s` has passed
+  (0: at once; meanwhile the API server drains its requests, then closes the pipe); a second
+  SIGTERM stops at once.
+SIGINT is ignored (the API server owns Ctrl-C). A SIGTERM or EOF while the runner is being
+built interrupts the build (exit 0). Every thread is joined before the process exits, so none
+holds a stdio lock at interpreter shutdown. An exception in the loop sends `ENGINE_CORE_DEAD`
+and exits 1.
 
 Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
 This is the only core module that imports zmq.
@@ -30,6 +37,7 @@ import importlib
 import logging
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -64,6 +72,7 @@ logger = logging.getLogger("kvloop.engine")
 
 ENGINE_IDENTITY = (0).to_bytes(2, "little")
 _POLL_MS = 100
+_IDLE_WAIT_S = 0.1   # an idle busy loop looks at its stop conditions this often
 
 
 def resolve_factory(name: str) -> Callable[..., Any]:
@@ -77,7 +86,8 @@ def resolve_factory(name: str) -> Callable[..., Any]:
 def _engine_config_for(template: EngineConfig, runner: Any) -> EngineConfig:
     """The template with the runner's facts: KV capacity, context length, resolved hash seed.
 
-    `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish.
+    `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish,
+    and without chunked prefill to the step budget, so every prompt fits in one step.
     """
     cache, sched = template.cache, template.scheduler
     num_blocks = getattr(runner, "num_gpu_blocks", None) or cache.num_gpu_blocks
@@ -87,6 +97,12 @@ def _engine_config_for(template: EngineConfig, runner: Any) -> EngineConfig:
         logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
                        "using %d", max_len, num_blocks - 1, cache.block_size, capacity, capacity)
         max_len = capacity
+    budget = sched.max_num_batched_tokens
+    if not sched.enable_chunked_prefill and budget < max_len:
+        logger.warning("max_model_len %d exceeds max_num_batched_tokens %d without chunked "
+                       "prefill (a prompt must fit in one step); using %d", max_len, budget,
+                       budget)
+        max_len = budget
     seed = resolve_seed(cache.prefix_caching_hash_algo, cache.hash_seed)
     return dataclasses.replace(
         template,
@@ -110,27 +126,38 @@ class EngineCoreProc:
         self._push.setsockopt(zmq.LINGER, 4000)
         self._push.connect(config.output_address)
         self._threads: list[threading.Thread] = []
+        self._parent_gone = threading.Event()
+        self._stop_deadline: float | None = None   # set by SIGTERM (monotonic seconds)
         self.engine: EngineCore | None = None
         self.publisher: Any = None
         self.trace: TraceWriter | None = None
         self._last_stats_key: tuple[Any, ...] | None = None
 
     # --- start-up -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Build runner, engine, publisher and trace; send the handshake; start the threads."""
+    def start(self) -> bool:
+        """Build runner, engine, publisher and trace; send the handshake; start the threads.
+        False if the build failed (the handshake carries the error; the API server logs it)."""
         try:
             ready = self._build()
         except Exception as e:  # start-up failures of any kind go back to the API server
-            logger.exception("engine core start-up failed")
+            logger.debug("engine core start-up failed", exc_info=True)
             self._send_ready(EngineReady(WIRE_VERSION, os.getpid(), "", 0, 0, 0, False, "",
                                          "", 0, 0, error=f"{type(e).__name__}: {e}"))
-            raise
+            return False
         self._send_ready(ready)
-        for target, name in ((self._input_loop, "engine-input"),
-                             (self._output_loop, "engine-output")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._start_thread(self._input_loop, "engine-input")
+        self._start_thread(self._output_loop, "engine-output")
+        return True
+
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        """A thread that `shutdown()` joins (daemon only so a stuck one cannot block exit)."""
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def watch_parent(self) -> None:
+        """Start the thread that notices the API server closing our stdin (see `_watch_stdin`)."""
+        self._start_thread(self._watch_stdin, "engine-parent-watchdog")
 
     def _send_ready(self, ready: EngineReady) -> None:
         self._dealer.send(msgspec.msgpack.encode(ready))
@@ -215,19 +242,59 @@ class EngineCoreProc:
                 return
             self._push.send(item if isinstance(item, bytes) else encoder.encode(item))
 
+    def _watch_stdin(self) -> None:
+        """Wait for EOF on stdin: the API server holds its other end, so EOF means it exited,
+        died, or closed the pipe to stop us. Reads the raw fd (never `sys.stdin`'s buffer,
+        whose lock a blocked reader would hold at interpreter shutdown) and polls, so
+        `shutdown()` can join it."""
+        fd = sys.stdin.fileno()
+        while not self._stop.is_set():
+            if select.select([fd], [], [], _IDLE_WAIT_S)[0] and not os.read(fd, 65536):
+                logger.info("API server closed the pipe; engine core exiting")
+                self._parent_gone.set()
+                # to the main thread itself, so a blocking call there is interrupted: this
+                # stops a runner still being built
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+                return
+
+    # --- signals --------------------------------------------------------------------------
+    def interrupt_start(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM handler while the runner is being built: stop building."""
+        self._stop_deadline = time.monotonic()
+        raise SystemExit(0)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._parent_gone.is_set() or self._stop_deadline is not None
+
+    def on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM handler once the busy loop runs: stop after `shutdown_timeout_s` (a second
+        SIGTERM: now). Only records a deadline; the loop acts on it."""
+        now = time.monotonic()
+        first = self._stop_deadline is None
+        self._stop_deadline = now + self.config.shutdown_timeout_s if first else now
+
+    def _should_stop(self) -> bool:
+        if self._parent_gone.is_set():
+            return True
+        return self._stop_deadline is not None and time.monotonic() >= self._stop_deadline
+
     # --- the busy loop --------------------------------------------------------------------
     def run_busy_loop(self) -> None:
-        """Drain inputs, step, send; until SIGTERM (SystemExit) or an error."""
+        """Drain inputs, step, send; until `_should_stop()` or an error."""
         assert self.engine is not None
         while True:
             self._process_input_queue(self.engine)
+            if self._should_stop():
+                return
             self._process_engine_step(self.engine)
 
     def _process_input_queue(self, engine: EngineCore) -> None:
-        """Block while there is no work; then handle every pending message, in order."""
-        while not engine.has_work():
+        """Wait while there is no work (and no reason to stop); then handle every pending
+        message, in order."""
+        while not engine.has_work() and not self._should_stop():
             try:
-                self._handle(engine, *self.input_queue.get(timeout=1.0))
+                self._handle(engine, *self.input_queue.get(timeout=_IDLE_WAIT_S))
                 break
             except queue.Empty:
                 continue
@@ -337,7 +404,8 @@ class EngineCoreProc:
         self.output_queue.put(ENGINE_CORE_DEAD)
 
     def shutdown(self) -> None:
-        """Stop threads (flushing queued outputs), then publisher, trace and runner."""
+        """Stop and join every thread (flushing queued outputs), then publisher, trace and
+        runner."""
         self._stop.set()
         self.output_queue.put(None)
         for t in self._threads:
@@ -377,40 +445,40 @@ def _run_check(engine: EngineCore) -> bool:
 
 # --- process entry ----------------------------------------------------------------------------
 def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM handler until the engine core process object exists."""
     raise SystemExit(0)
 
 
-def _watch_stdin() -> None:
-    """SIGTERM ourselves when stdin closes: the API server holds its other end, so this
-    fires when it exits, dies, or closes the pipe to stop us."""
-
-    def wait() -> None:
-        while sys.stdin.buffer.read(65536):
-            pass
-        logger.info("API server closed the pipe; engine core exiting")
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=wait, name="engine-parent-watchdog", daemon=True).start()
-
-
 def run_engine_core(config: EngineStartConfig) -> int:
-    """Run one engine core until SIGTERM or an error; returns the process exit code."""
+    """Run one engine core until it is stopped (see the module docstring) or fails; returns
+    the process exit code. Runs in the main thread (it installs the SIGTERM handler)."""
     ctx = zmq.Context()
     proc = EngineCoreProc(config, ctx)
-    code = 0
+    code = 1
     try:
-        proc.start()
-        proc.run_busy_loop()
-    except SystemExit:
-        logger.info("engine core shutting down")
+        signal.signal(signal.SIGTERM, proc.interrupt_start)
+        proc.watch_parent()
+        code = _run(proc)
+    except SystemExit:  # SIGTERM or EOF during start-up
+        code = 0
     except Exception:
         logger.error("engine core died:\n%s", traceback.format_exc())
         proc.send_dead()
         code = 1
     finally:
+        if code == 0:
+            logger.info("engine core shutting down")
         proc.shutdown()
         ctx.term()
     return code
+
+
+def _run(proc: EngineCoreProc) -> int:
+    if not proc.start():  # a stop may surface as another exception from inside a library
+        return 0 if proc.stop_requested else 1
+    signal.signal(signal.SIGTERM, proc.on_sigterm)
+    proc.run_busy_loop()
+    return 0
 
 
 def main() -> int:
@@ -423,7 +491,6 @@ def main() -> int:
     config = msgspec.json.decode(line, type=EngineStartConfig)
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s")
-    _watch_stdin()
     return run_engine_core(config)
 
 

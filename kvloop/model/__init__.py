@@ -44,15 +44,18 @@ def default_openmp_spin() -> bool:
 def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                 block_size: int = 16, kv_cache_memory: int | None = None,
                 num_gpu_blocks_override: int | None = None, max_model_len: int | None = None,
-                seed: int = 0, num_threads: int | None = None) -> ModelRunner:
+                seed: int = 0, num_threads: int | None = None,
+                gpu_memory_utilization: float | None = None) -> ModelRunner:
     """Load a model and return its runner.
 
     - `model`: None (embedded SmolLM2-135M-Instruct), a `.gguf` path or an HF folder;
     - `dtype`: "auto" (bf16 where the device supports it, else fp32 on CPU / fp16 on CUDA),
       "float32", "bfloat16" or "float16";
     - `device`: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1"...;
-    - `kv_cache_memory`: bytes for the KV cache (default `DEFAULT_KV_CACHE_MEMORY`);
-      `num_gpu_blocks_override` sets the number of blocks (null block included) instead;
+    - `kv_cache_memory`: bytes for the KV cache (default: on CUDA, `gpu_memory_utilization`
+      of the device's memory minus weights and activations, as vLLM; elsewhere
+      `DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` sets the number of blocks (null
+      block included) instead;
     - `max_model_len`: cap on the context length (default: the model's, capped by the KV
       cache's capacity);
     - `num_threads`: torch intra-op threads on CPU (default: the cores this process may use;
@@ -66,4 +69,5 @@ def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = 
     return build_runner(model, dtype=dtype, device=device, block_size=block_size,
                         kv_cache_memory=kv_cache_memory,
                         num_gpu_blocks_override=num_gpu_blocks_override,
-                        max_model_len=max_model_len, seed=seed, num_threads=num_threads)
+                        max_model_len=max_model_len, seed=seed, num_threads=num_threads,
+                        gpu_memory_utilization=gpu_memory_utilization)

@@ -3,7 +3,8 @@
 Scope: choices made once at start-up. `--dtype auto` picks bf16 where the CPU has native bf16
 dot products (AVX512_BF16 or AMX on x86, BF16 on Arm) and fp32 elsewhere; on CUDA bf16 when
 supported, else fp16. The number of KV blocks comes from a memory budget (or an override) and
-includes the null block 0.
+includes the null block 0: `--kv-cache-memory`, else on CUDA vLLM's `--gpu-memory-utilization`
+rule (`kv_cache_bytes`), else `DEFAULT_KV_CACHE_MEMORY`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import os
 
 import torch
 
+from kvloop.config import (
+    DTYPE_ALIASES,
+    GPU_MEMORY_UTILIZATION,
+    GPU_MEMORY_UTILIZATION_IGNORED,
+    check_device,
+    check_dtype,
+)
 from kvloop.model import DEFAULT_KV_CACHE_MEMORY
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
@@ -20,15 +28,18 @@ from kvloop.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
+                                   for alias, name in DTYPE_ALIASES.items()}
+# What a step's activations may take on CUDA beside weights and KV cache (vLLM measures it
+# with a profiling run; kvloop reserves this much instead).
+CUDA_ACTIVATION_RESERVE = 1 << 30
 
 
 def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
                  kv_cache_memory: int | None, num_gpu_blocks_override: int | None,
                  max_model_len: int | None, seed: int,
-                 num_threads: int | None = None) -> ModelRunner:
+                 num_threads: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> ModelRunner:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     dev = resolve_device(device)
@@ -37,6 +48,10 @@ def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
         set_cpu_threads(num_threads)
     loaded = load_model(model)
     config = loaded.config
+    if num_gpu_blocks_override is None:
+        weight_bytes = sum(t.numel() for t in loaded.weights.values()) * _elem_size(torch_dtype)
+        kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, gpu_memory_utilization,
+                                         weight_bytes)
     num_blocks = num_kv_blocks(config, block_size, torch_dtype, kv_cache_memory,
                                num_gpu_blocks_override)
     max_len = resolve_max_model_len(config, block_size, num_blocks, max_model_len)
@@ -51,6 +66,7 @@ def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
 
 
 def resolve_device(device: str) -> torch.device:
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -60,9 +76,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    check_dtype(dtype)
     if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -97,6 +112,45 @@ def set_cpu_threads(num_threads: int | None = None) -> None:
         torch.set_num_threads(threads)
 
 
+def _elem_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kv_cache_bytes(device: torch.device, kv_cache_memory: int | None,
+                   gpu_memory_utilization: float | None, weight_bytes: int) -> int:
+    """The KV cache budget: `kv_cache_memory` if given; on CUDA `cuda_kv_budget` of the
+    device's memory (`gpu_memory_utilization`, default vLLM's); else the default budget
+    (`gpu_memory_utilization` is then ignored, with a warning, as vLLM's CPU backend does)."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    if device.type != "cuda":
+        if gpu_memory_utilization is not None:
+            logger.warning("%s", GPU_MEMORY_UTILIZATION_IGNORED)
+        return DEFAULT_KV_CACHE_MEMORY
+    free, total = torch.cuda.mem_get_info(device)
+    return cuda_kv_budget(total, free, gpu_memory_utilization or GPU_MEMORY_UTILIZATION,
+                          weight_bytes)
+
+
+def cuda_kv_budget(total: int, free: int, utilization: float, weight_bytes: int,
+                   reserve: int = CUDA_ACTIVATION_RESERVE) -> int:
+    """vLLM's rule: `utilization` x the device's memory holds this engine's weights,
+    activations (`reserve`, where vLLM profiles) and KV cache; the device must have that much
+    free at start-up. ValueError (naming the flag) when it does not, or nothing is left."""
+    gib = 1 << 30
+    requested = int(total * utilization)
+    if free < requested:
+        raise ValueError(f"the CUDA device has {free / gib:.1f} GiB free of {total / gib:.1f} "
+                         f"GiB, less than --gpu-memory-utilization {utilization} asks for "
+                         f"({requested / gib:.1f} GiB); lower it or free the device")
+    budget = requested - weight_bytes - reserve
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {utilization} ({requested / gib:.1f} GiB) "
+                         f"leaves no room for the KV cache beside {weight_bytes / gib:.1f} GiB "
+                         f"of weights and {reserve / gib:.1f} GiB for activations; raise it")
+    return budget
+
+
 def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
                   kv_cache_memory: int | None, override: int | None) -> int:
     """Blocks in the pool, the null block included."""
@@ -105,7 +159,7 @@ def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
             raise ValueError(f"num_gpu_blocks_override must be >= 2, got {override}")
         return override
     memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = _elem_size(dtype)
     block_bytes = config.kv_bytes_per_token * elem * block_size
     blocks = memory // block_bytes
     if blocks < 2:

@@ -22,6 +22,7 @@ from kvloop.router.config import (
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.http_limits import add_limit_args, http_limits
+from kvloop.server.sockets import DEFAULT_PORT
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_router_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("router")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--policy", choices=POLICIES, default="kv-aware")
     g.add_argument("--log-level", default="warning")
     g.add_argument("--random-seed", type=int, default=None, help="seed of --policy random")

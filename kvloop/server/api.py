@@ -289,7 +289,7 @@ _HEALTH: dict[str, Any] = {
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health", **_HEALTH)
     async def health() -> Response:
-        if ctx.client.dead:
+        if ctx.client.dead or ctx.client.shutting_down:   # dead, draining or stopping
             return Response(status_code=503)
         return Response(status_code=200)
 

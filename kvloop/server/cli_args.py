@@ -11,13 +11,29 @@ import argparse
 import importlib.util
 import logging
 import re
+import signal
 import uuid
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from kvloop.config import HASH_ALGOS, POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import (
+    DEVICES,
+    DTYPE_ALIASES,
+    GPU_MEMORY_UTILIZATION,
+    GPU_MEMORY_UTILIZATION_IGNORED,
+    HASH_ALGOS,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    check_device,
+    check_dtype,
+)
 from kvloop.server.auth import add_auth_args, auth_config
-from kvloop.server.config import ROLES, ServeConfig, log_stats_interval
+from kvloop.server.config import ROLES, UVICORN_LOG_LEVELS, ServeConfig, log_stats_interval
 from kvloop.server.http_limits import add_limit_args, http_limits
+from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.sim.tokenizer import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
 
@@ -30,6 +46,10 @@ SIM = "sim"
 REAL_FACTORY = "kvloop.model:load_runner"
 SIM_FACTORY = "kvloop.sim.worker:make_sim_runner"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512   # CPU steps: docs/serving.md
+FALLBACK_MAX_MODEL_LEN = 8192          # until the engine knows the model's
 
 
 def parse_size(text: str) -> int:
@@ -41,9 +61,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** power)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in `--help`: argparse's "(default: X)" unless the help already
+    says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="OpenAI-compatible server (API process + engine "
-                                            "core process)")
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server (API process + engine core process)",
+        description="OpenAI-compatible server: an API server process and an engine core "
+                    "process (docs/serving.md). Flags keep vLLM's names and meanings where "
+                    "kvloop has the concept.", formatter_class=HelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as in `vllm serve MODEL`: same as --model (default: "
+                        "--model's)")
     _add_model_args(p)
     _add_engine_args(p)
     _add_server_args(p)
@@ -56,22 +93,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face directory; 'sim' for the simulator "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+                   help="a local GGUF file or Hugging Face folder (kvloop downloads nothing), "
+                        "or 'sim' for the simulator (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: the model's name)")
-    g.add_argument("--dtype", default="auto", help="weights dtype: auto, float32, bfloat16")
-    g.add_argument("--device", default="auto", help="device of the model runner")
+    g.add_argument("--dtype", default="auto",
+                   help=f"weights dtype: auto (bf16 where the device computes in it, else fp32 "
+                        f"on CPU, fp16 on CUDA) or one of {', '.join(DTYPE_ALIASES)}")
+    g.add_argument("--device", default="auto",
+                   help=f"device of the model runner: {', '.join(DEVICES)} (auto: CUDA when "
+                        f"torch sees one, else CPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="must be 1: kvloop runs a model on one device")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help=f"fraction of the CUDA device's memory for weights, activations and "
+                        f"KV cache, as vLLM (default: {GPU_MEMORY_UTILIZATION} on CUDA; "
+                        f"ignored with a warning elsewhere, where --kv-cache-memory sizes the "
+                        f"KV cache)")
     g.add_argument("--seed", type=int, default=0, help="runner random seed")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (default: OMP_NUM_THREADS if "
                         "set, else the cores it may use)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
+                   help="context length (default: the model's, capped by the KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                   help="KV cache size, e.g. 512MiB (default: the runner's rule)")
+                   help="KV cache size, e.g. 512MiB (default: from --gpu-memory-utilization "
+                        "on CUDA, else 1GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="fix the KV capacity in blocks (including the null block, as vLLM)")
+                   help="fix the KV capacity in blocks, the null block included, as vLLM "
+                        "(default: from the KV cache size)")
     g.add_argument("--sim-model", default=None,
                    help="--model sim: the model whose tokenizer, vocabulary, chat template and "
                         "context length the simulator presents: a GGUF file or Hugging Face "
@@ -80,39 +131,61 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-speedup", type=float, default=1.0,
                    help="--model sim: divide every modelled step time by this")
     g.add_argument("--sim-latency-file", default=None,
-                   help="--model sim: latency coefficients JSON (default: the fitted file)")
+                   help="--model sim: latency coefficients JSON (default: "
+                        "kvloop/sim/latency_smollm2_cpu.json)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one step (default 512 on CPU; see DESIGN.md)")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
+                        f"this CPU engine's choice, see docs/serving.md; without chunked "
+                        f"prefill at least the context length, as vLLM)")
+    g.add_argument("--max-num-seqs", type=int, default=128,
+                   help="requests in one step (at most the token budget)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="split long prompts across steps; without it a prompt waits until it "
+                        "fits in one step's budget")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="cap on one request's prompt tokens per step (0: none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True)
-    g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256")
+                   default=True, help="reuse the KV blocks of common prompt prefixes")
+    g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+                   help="block hash function")
     g.add_argument("--hash-seed", default=None,
                    help="NONE_HASH seed (default: vLLM's rule: PYTHONHASHSEED, else fixed for "
                         "sha256, random for xxhash)")
-    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs")
+    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="order of waiting requests")
     g.add_argument("--trace-file", default=None,
-                   help="append one JSON line per engine step to this file")
+                   help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
                    help="check scheduler and block-pool invariants after every step")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=0, help="0 = an ephemeral port (printed)")
-    g.add_argument("--role", choices=ROLES, default="both")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="port to listen on; 0 picks a free one (the URL is printed)")
+    g.add_argument("--role", choices=ROLES, default="both",
+                   help="what a router may send here")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests not yet scheduled beyond which new ones get 503")
-    g.add_argument("--max-logprobs", type=int, default=20)
-    g.add_argument("--log-level", default="info")
-    g.add_argument("--engine-start-timeout", type=float, default=900.0)
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for")
+    g.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info",
+                   help="kvloop's log level (API and engine processes); debug adds the "
+                        "traceback to start-up errors")
+    g.add_argument("--uvicorn-log-level", type=str.lower, choices=UVICORN_LOG_LEVELS,
+                   default="info", help="uvicorn's log level")
+    g.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="seconds a SIGTERM lets requests in flight finish while new ones, and "
+                        "/health, get 503; 0 ends them at once, as vLLM")
+    g.add_argument("--engine-start-timeout", type=float, default=900.0,
+                   help="seconds the engine core may take to load the model")
 
 
 def _add_events_args(p: argparse.ArgumentParser) -> None:
@@ -122,10 +195,11 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
                         "--kv-events-endpoint says where)")
     g.add_argument("--kv-events-endpoint", default=None,
                    help="ZMQ PUB endpoint of the KV events (implies --enable-kv-cache-events), "
-                        "e.g. tcp://127.0.0.1:0")
+                        "e.g. tcp://127.0.0.1:0 (default: an ephemeral loopback port)")
     g.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="ZMQ ROUTER endpoint serving replays of recent batches")
-    g.add_argument("--kv-events-topic", default="")
+                   help="ZMQ ROUTER endpoint serving replays of recent batches (default: none)")
+    g.add_argument("--kv-events-topic", default="",
+                   help="topic of the event messages (default: empty)")
     g.add_argument("--kv-events-recency", action="store_true",
                    help="also publish the hashes of prefix-cache hits (recency topic)")
     g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
@@ -136,16 +210,18 @@ def _add_events_args(p: argparse.ArgumentParser) -> None:
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags; what they log: kvloop/server/logs.py."""
     g = p.add_argument_group("logging")
-    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
-                   default=True, help="log one line per request received (the default)")
+    g.add_argument("--enable-log-requests", dest="log_requests",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per request received (default: on; current vLLM "
+                        "defaults to off)")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                   help="do not log requests")
+                   default=True, help="no request lines: same as --no-enable-log-requests")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="log at most N prompt characters and N prompt token ids (default: "
                         "all)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line (throughput, queue, KV cache; every "
-                        "$VLLM_LOG_STATS_INTERVAL s, default 10, while busy)")
+                        "$VLLM_LOG_STATS_INTERVAL s, 10 unless set, while busy)")
 
 
 def _add_security_args(p: argparse.ArgumentParser) -> None:
@@ -171,23 +247,79 @@ def resolve_model(model: str | None) -> str:
     return model if model is not None else ""
 
 
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given)."""
+    tag, flag = args.model_tag, args.model
+    if tag is not None and flag is not None and tag != flag:
+        raise ValueError(f"two models given: {tag!r} and --model {flag!r}; pass one")
+    return tag if tag is not None else flag
+
+
 def load_tokenizer(model: str) -> Any:
-    """A real model's tokenizer ('' for the embedded model)."""
+    """A real model's tokenizer ('' for the embedded model); ValueError (naming the fix)
+    when the model cannot be found."""
     from kvloop.server.tokenizer import Tokenizer  # type: ignore[import-not-found]
 
-    return Tokenizer.from_model(model or None)
+    try:
+        return Tokenizer.from_model(model or None)
+    except FileNotFoundError as e:
+        raise ValueError(hub_id_hint(model) or str(e)) from e
+
+
+def hub_id_hint(model: str) -> str | None:
+    """What to do instead, when `model` is no local path but looks like a hub id (org/name)."""
+    if not _HUB_ID.match(model) or Path(model).expanduser().exists():
+        return None
+    return (f"{model!r} is not a local path; it looks like a Hugging Face hub id, and kvloop "
+            f"downloads nothing: pass a local .gguf file or Hugging Face folder (config.json, "
+            f"tokenizer.json, *.safetensors), e.g. one fetched with `huggingface-cli download "
+            f"{model} --local-dir DIR`")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ValueError for flag values no runner can use, real or simulated (before any starts)."""
+    check_dtype(args.dtype)
+    check_device(args.device)
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: kvloop runs a "
+                         f"model on one device; pass 1 (or run several workers behind "
+                         f"`kvloop router`)")
+    util = args.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+    if args.sim_speedup <= 0:
+        raise ValueError("--sim-speedup must be > 0")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError("--num-threads must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
+        raise ValueError(f"--num-gpu-blocks-override must be >= 2 (one is the null block), "
+                         f"got {args.num_gpu_blocks_override}")
+
+
+def max_num_batched_tokens(args: argparse.Namespace) -> int:
+    """The step budget: the flag; else ours, raised without chunked prefill to the context
+    length (a prompt must then fit in one step; vLLM's rule)."""
+    if args.max_num_batched_tokens is not None:
+        return int(args.max_num_batched_tokens)
+    if args.enable_chunked_prefill:
+        return DEFAULT_MAX_NUM_BATCHED_TOKENS
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or FALLBACK_MAX_MODEL_LEN)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    seqs = min(args.max_num_seqs, args.max_num_batched_tokens)
+    budget = max_num_batched_tokens(args)
+    seqs = min(args.max_num_seqs, budget)
     cache = CacheConfig(block_size=args.block_size,
                         enable_prefix_caching=args.enable_prefix_caching,
                         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
                         hash_seed=args.hash_seed)
-    sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=seqs, max_model_len=args.max_model_len or 8192,
+    sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
+                            max_model_len=args.max_model_len or FALLBACK_MAX_MODEL_LEN,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
+                            enable_chunked_prefill=args.enable_chunked_prefill,
                             max_waiting_requests=args.max_waiting_requests)
     return EngineConfig(cache=cache, scheduler=sched,
                         check_invariants=args.debug_check_invariants)
@@ -197,6 +329,8 @@ def runner_spec(args: argparse.Namespace, model: str,
                 sim: SimModel | None = None) -> tuple[str, dict[str, Any]]:
     """The engine's runner factory and its keyword arguments (the simulator's when `sim`)."""
     if sim is not None:
+        if args.gpu_memory_utilization is not None:
+            logger.warning("%s", GPU_MEMORY_UTILIZATION_IGNORED)  # the simulator has no GPU
         return SIM_FACTORY, {"num_gpu_blocks_override": args.num_gpu_blocks_override,
                              "max_model_len": sim.max_model_len(args.max_model_len),
                              "vocab_size": sim.vocab_size,
@@ -208,7 +342,8 @@ def runner_spec(args: argparse.Namespace, model: str,
                           "kv_cache_memory": args.kv_cache_memory,
                           "num_gpu_blocks_override": args.num_gpu_blocks_override,
                           "max_model_len": args.max_model_len, "seed": args.seed,
-                          "num_threads": args.num_threads}
+                          "num_threads": args.num_threads,
+                          "gpu_memory_utilization": args.gpu_memory_utilization}
 
 
 def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -222,12 +357,9 @@ def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
     """Flags -> (server config, engine start config, tokenizer). Raises ValueError, or
-    FileNotFoundError for a model that is not there."""
-    if args.sim_speedup <= 0:
-        raise ValueError("--sim-speedup must be > 0")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise ValueError("--num-threads must be >= 1")
-    model = resolve_model(args.model)
+    FileNotFoundError for a --sim-model that is not there."""
+    check_flags(args)
+    model = resolve_model(model_arg(args))
     if args.sim_model is not None and model != SIM:
         raise ValueError("--sim-model needs --model sim")
     from kvloop.server.sim_model import load_sim_model
@@ -240,14 +372,17 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
                               input_address="", output_address="", runner_kwargs=kwargs,
                               trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
-                              epoch=uuid.uuid4().hex, log_level=args.log_level.upper())
+                              epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
+                              shutdown_timeout_s=args.shutdown_timeout)
     model_path = sim.source if sim is not None else (model or None)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
                         scheduling_policy=args.scheduling_policy, log_level=args.log_level,
+                        uvicorn_log_level=args.uvicorn_log_level,
                         engine_start_timeout_s=args.engine_start_timeout,
+                        shutdown_timeout_s=args.shutdown_timeout,
                         log_requests=args.log_requests, max_log_len=args.max_log_len,
                         log_stats=not args.disable_log_stats,
                         log_stats_interval_s=log_stats_interval(),
@@ -255,13 +390,19 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     return serve, start, tokenizer
 
 
+def _exit_0(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while the tokenizer loads: just exit
+        signal.signal(sig, _exit_0)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s api[%(process)d] %(message)s")
     try:
         serve, start, tokenizer = build_configs(args)
-    except (ValueError, FileNotFoundError) as e:  # bad flags; a model that is not there
-        logger.error("%s", e)
+    except (ValueError, OSError) as e:  # one line naming the fix; the traceback on debug
+        logger.error("%s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 2
     from kvloop.server.serve import run_server
 

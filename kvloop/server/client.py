@@ -5,10 +5,15 @@
     PULL   (bind) <--------- EngineCoreOutputs -- PUSH
 
 Life cycle: `start()` binds both sockets on ephemeral loopback ports, starts
-`python -m kvloop.core.engine_proc`, writes its `EngineStartConfig` on the child's stdin (kept
-open: closing it stops the engine) and waits for the `EngineReady` handshake. From then on an
+`python -m kvloop.core.engine_proc` in its own session (a signal to our process group, as
+Ctrl-C or `kill -- -PGID` send, reaches only the API server, which then stops the engine: one
+owner of its life, whether it is still loading the model or serving), writes its
+`EngineStartConfig` on the child's stdin (kept open: closing it stops the engine) and waits
+for the `EngineReady` handshake. From then on an
 output task routes each `EngineCoreOutput` to the asyncio queue of its HTTP handler and feeds
 the metrics; a waiter thread notices the engine process exiting and fails every request.
+Stopping: `begin_drain()` refuses new requests and lets those in flight go on;
+`begin_shutdown()` also ends those in flight; `shutdown()` then stops the engine process.
 
 Owner: the client alone tracks which engine requests are in flight (`_requests`), how many
 were never scheduled (admission control), and their timings for the metrics.
@@ -99,7 +104,9 @@ class EngineClient:
         self.metrics: ServerMetrics | None = None
         self.ready: EngineReady | None = None
         self.dead = False
-        self.shutting_down = False
+        self.shutting_down = False   # new requests are refused (draining or stopping)
+        self._ending = False         # in-flight requests were told to end
+        self._stopping = False       # shutdown() is stopping the engine process
 
     # --- start-up -------------------------------------------------------------------------
     async def start(self, timeout_s: float = 600.0) -> EngineReady:
@@ -112,7 +119,7 @@ class EngineClient:
             input_address=self._router.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
         self._proc = subprocess.Popen([sys.executable, "-m", "kvloop.core.engine_proc"],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, start_new_session=True)
         assert self._proc.stdin is not None
         self._stdin = self._proc.stdin
         self._stdin.write(msgspec.json.encode(cfg) + b"\n")
@@ -294,7 +301,7 @@ class EngineClient:
             self._loop.call_soon_threadsafe(self._on_process_exit, code)
 
     def _on_process_exit(self, code: int) -> None:
-        if self.shutting_down:
+        if self._stopping:
             return
         if code == 0:
             logger.info("the engine core process stopped")
@@ -318,16 +325,28 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(error)
 
+    def begin_drain(self) -> None:
+        """Refuse new requests; those in flight go on (until `begin_shutdown`)."""
+        self.shutting_down = True
+
+    async def wait_drained(self, timeout_s: float) -> None:
+        """Until no request is in flight, or `timeout_s` has passed."""
+        deadline = time.monotonic() + timeout_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the in-flight ones (each handler aborts its own)."""
-        if self.shutting_down:
-            return
         self.shutting_down = True
+        if self._ending:
+            return
+        self._ending = True
         self._fail_all(ServerShuttingDown("the server is shutting down"))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine core process (close its stdin, then SIGTERM, then SIGKILL)."""
         self.begin_shutdown()
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         proc = self._proc
@@ -337,6 +356,7 @@ class EngineClient:
                     self._stdin.close()
             await asyncio.get_running_loop().run_in_executor(None, _stop_process, proc,
                                                              timeout_s)
+            logger.info("engine core process exited with code %s", proc.returncode)
         self._router.close()
         self._pull.close()
         self._ctx.term()

@@ -10,6 +10,7 @@ from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
 
 ROLES = ("both", "prefill", "decode")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
 
@@ -36,10 +37,12 @@ class ServeConfig:
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
     `served_model_names` are the names clients may send in `model`; an answer names the one
-    sent, or the first when the request named none. `log_requests`: one INFO line per request
-    received, its prompt cut to `max_log_len` characters and ids (None: whole); `log_stats`: a
-    stats line every `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API
-    keys; `http_limits`: body size and read timeouts of the HTTP front.
+    sent, or the first when the request named none. `log_requests` (on unless
+    `--disable-log-requests`): one INFO line per request received, its prompt cut to
+    `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
+    `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
+    `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
+    long a SIGTERM lets requests in flight finish (0: they end at once).
     """
 
     served_model_names: tuple[str, ...]
@@ -53,10 +56,12 @@ class ServeConfig:
     retry_after_s: int = 1
     scheduling_policy: str = "fcfs"
     log_level: str = "info"
-    engine_start_timeout_s: float = 900.0
-    graceful_shutdown_s: float = 10.0
+    uvicorn_log_level: str = "info"
     log_requests: bool = True
     max_log_len: int | None = None
+    engine_start_timeout_s: float = 900.0
+    graceful_shutdown_s: float = 10.0
+    shutdown_timeout_s: float = 0.0
     log_stats: bool = True
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -73,8 +78,13 @@ class ServeConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.max_logprobs < 0:
             raise ValueError("max_logprobs must be >= 0")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {UVICORN_LOG_LEVELS}, got "
+                             f"{self.uvicorn_log_level!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
-            raise ValueError("max_log_len must be >= 0")
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.log_stats_interval_s <= 0:
             raise ValueError("log_stats_interval_s must be > 0")
 

@@ -3,8 +3,8 @@
     with ServeProcess(["--model", "sim", "--sim-speedup", "50"], log_path) as srv:
         httpx.get(srv.url + "/health")
 
-The server picks an ephemeral port; its "kvloop serving on URL" line is read from its log
-file (a file, not a pipe: a pipe nobody drains would block the server once full).
+The server gets `--port 0` (an ephemeral port) unless the arguments name one; its
+"kvloop serving on URL" line is read from its log file (a file, not a pipe: a pipe nobody drains would block the server once full).
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ SERVE_URL_LINE = r"kvloop serving on (http://\S+)"
 
 class UrlProcess:
     """A server child process whose log announces its URL (matched by `url_pattern`, group 1);
-    `url` is known once `start()` returns."""
+    `url` is known once `start()` returns. `new_session`: in its own session and process group
+    (with its children), so `signal_group` reaches them all, as a terminal's Ctrl-C would."""
 
     def __init__(self, cmd: list[str], log_path: str | Path, url_pattern: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, new_session: bool = False):
         self.cmd = list(cmd)
         self.log_path = Path(log_path)
         self.url_pattern = re.compile(url_pattern)
         self.env = env
+        self.new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
@@ -43,7 +45,8 @@ class UrlProcess:
         """Launch and wait for the URL line; raises RuntimeError with the log on failure."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(self.env or {})})
+                                         env={**os.environ, **(self.env or {})},
+                                         start_new_session=self.new_session)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.url_pattern.search(self.log())
@@ -71,6 +74,12 @@ class UrlProcess:
         assert self.proc is not None
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
+
+    def signal_group(self, sig: int) -> None:
+        """`sig` to the whole process group (needs `new_session`)."""
+        assert self.proc is not None and self.new_session
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout_s: float) -> int:
         """Exit code once the process ends; raises subprocess.TimeoutExpired."""
@@ -102,12 +111,14 @@ class UrlProcess:
 
 
 class ServeProcess(UrlProcess):
-    """One `kvloop serve ARGS` child process (on an ephemeral port unless ARGS name one)."""
+    """One `kvloop serve ARGS` child process (on an ephemeral port unless ARGS name one:
+    `kvloop serve` alone listens on 8000)."""
 
-    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None,
+                 new_session: bool = False):
         port = [] if "--port" in args else ["--port", "0"]
         super().__init__([sys.executable, "-m", "kvloop", "serve", *args, *port], log_path,
-                         SERVE_URL_LINE, env)
+                         SERVE_URL_LINE, env, new_session)
 
     # --- looking inside a running server ------------------------------------------------------
     def metric(self, name: str, **labels: str) -> float:

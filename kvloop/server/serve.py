@@ -1,20 +1,26 @@
-"""`kvloop serve` at run time: engine core process first, then HTTP, then a clean stop.
+"""`kvloop serve` at run time: port first, engine core process next, then HTTP, then a clean stop.
 
-    1. start the engine core process and wait for its handshake (model loaded, KV sized);
-    2. bind the HTTP socket (port 0 = ephemeral), start uvicorn, print
-       "kvloop serving on http://HOST:PORT" once it accepts connections; the stats line
-       (kvloop/server/logs.py) runs from then on;
-    3. on SIGTERM/SIGINT: refuse new requests, end in-flight ones (streams get
+    1. bind the HTTP socket (port 0 = ephemeral), so a port in use fails before the model
+       loads (exit 2);
+    2. start the engine core process and wait for its handshake (model loaded, KV sized);
+    3. start uvicorn on the socket, print "kvloop serving on http://HOST:PORT" once it
+       accepts connections; the stats line (kvloop/server/logs.py) runs from then on;
+    4. on SIGTERM with `--shutdown-timeout S` > 0: drain (new requests and /health get 503,
+       requests in flight go on for up to S seconds); then, or at once on SIGINT, on SIGTERM
+       without a timeout or on a second signal: end in-flight requests (streams get
        finish_reason "abort", others 503), stop uvicorn, then stop the engine process;
-    4. if the engine process dies, fail in-flight requests, stop uvicorn and exit 1.
+    5. if the engine process dies, fail in-flight requests, stop uvicorn and exit 1.
 
+A signal during step 2 stops the engine process and exits 0.
 Exit code: 0 after a signal (to this process or to both, as a process-group signal does),
-1 if the engine failed to start or died.
+1 if the engine failed to start or died, 2 if the port cannot be bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -38,19 +44,63 @@ from kvloop.wire import EngineReady, EngineStartConfig
 logger = logging.getLogger("kvloop.server")
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn that ends in-flight requests on a signal and announces its URL."""
+class _Signals:
+    """What SIGINT and SIGTERM do, from start-up to exit (steps 2 and 4 of the module
+    docstring). The handler only hands the signal to the event loop; `on_signal` acts there."""
 
-    def __init__(self, config: uvicorn.Config, client: EngineClient, url: str,
+    def __init__(self, client: EngineClient, shutdown_timeout_s: float,
                  loop: asyncio.AbstractEventLoop):
-        super().__init__(config)
+        self.stop_requested = asyncio.Event()
+        self.server: _Uvicorn | None = None   # set once uvicorn is about to serve
         self._client = client
-        self._url = url
+        self._timeout_s = shutdown_timeout_s
         self._loop = loop
+        self._drain: asyncio.Task[None] | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handler)
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: we are exiting anyway
+            self._loop.call_soon_threadsafe(self.on_signal, signum)
+
+    def on_signal(self, sig: int) -> None:
+        self.stop_requested.set()
+        server = self.server
+        if server is None or server.should_exit:
+            return  # still starting (`_serve` sees `stop_requested`), or already stopping
+        if sig == signal.SIGTERM and self._timeout_s > 0 and self._drain is None:
+            logger.info("SIGTERM: draining %d requests for up to %g s (new ones get 503)",
+                        self._client.num_in_flight, self._timeout_s)
+            self._client.begin_drain()
+            self._drain = asyncio.ensure_future(self._drain_then_stop(server))
+            return
+        if self._drain is not None:
+            self._drain.cancel()
+        self._stop(server)
+
+    async def _drain_then_stop(self, server: _Uvicorn) -> None:
+        await self._client.wait_drained(self._timeout_s)
+        self._stop(server)
+
+    def _stop(self, server: _Uvicorn) -> None:
+        """End in-flight requests, then let uvicorn stop (they end at once, so it never needs
+        uvicorn's force exit, which would skip the app's shutdown)."""
+        self._client.begin_shutdown()
+        server.should_exit = True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn whose signals go to `_Signals` and that announces its URL."""
+
+    def __init__(self, config: uvicorn.Config, signals: _Signals, url: str):
+        super().__init__(config)
+        self._signals = signals
+        self._url = url
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._loop.call_soon_threadsafe(self._client.begin_shutdown)
-        super().handle_exit(sig, frame)
+        self._signals.handler(sig, frame)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -64,11 +114,42 @@ def _cache_info(ready: EngineReady) -> dict[str, str]:
             "prefix_caching_hash_algo": ready.hash_algo}
 
 
-def _ignore_signal(signum: int, frame: FrameType | None) -> None:
-    """uvicorn re-raises the signal that stopped it; by then we are already stopping."""
+def bind_error(host: str, port: int, e: OSError) -> str:
+    """One line saying why `host:port` cannot be bound and what to pass instead."""
+    if e.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {host}:{port}: the port is in use; pass another --port "
+                f"(--port 0 picks a free one)")
+    return f"cannot listen on {host}:{port}: {e.strerror or e}; check --host and --port"
+
+
+async def _first(work: Any, stop: asyncio.Event) -> tuple[bool, Any]:
+    """(True, result of `work`), or (False, None) if `stop` is set first (`work` cancelled)."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None
 
 
 async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> int:
+    try:
+        sock = bind_tcp(cfg.host, cfg.port)
+    except OSError as e:
+        logger.error("%s", bind_error(cfg.host, cfg.port, e))
+        return 2
+    try:
+        return await _serve_on(sock, cfg, start, tokenizer)
+    finally:
+        sock.close()
+
+
+async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartConfig,
+                    tokenizer: Any) -> int:
     exit_code = 0
     server: _Uvicorn | None = None
 
@@ -79,32 +160,38 @@ async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> 
             server.should_exit = True
 
     client = EngineClient(start, on_engine_exit)
+    signals = _Signals(client, cfg.shutdown_timeout_s, asyncio.get_running_loop())
+    signals.install()
     try:
-        ready = await client.start(cfg.engine_start_timeout_s)
+        started, ready = await _first(client.start(cfg.engine_start_timeout_s),
+                                      signals.stop_requested)
     except EngineStartError as e:
         logger.error("%s", e)
         await client.shutdown()
         return 1
-    client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len, start.engine_index,
-                                   _cache_info(ready))
-    ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
-    sock = bind_tcp(cfg.host, cfg.port)
-    uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.log_level, access_log=False,
-                            http=http_protocol(cfg.http_limits),
-                            timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
-    server = _Uvicorn(uv_cfg, client, http_url(sock), asyncio.get_running_loop())
-    signal.signal(signal.SIGTERM, _ignore_signal)
-    signal.signal(signal.SIGINT, _ignore_signal)
-    stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
-                                            start.engine_index).run(), name="stat-logger")
-             if cfg.log_stats else None)
     try:
-        await server.serve(sockets=[sock])
+        if not started:
+            logger.info("stopped before the engine core was ready")
+            return 0
+        client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
+                                       start.engine_index, _cache_info(ready))
+        ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
+        uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.uvicorn_log_level,
+                                access_log=False, http=http_protocol(cfg.http_limits),
+                                timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
+        server = _Uvicorn(uv_cfg, signals, http_url(sock))
+        signals.server = server
+        if not signals.stop_requested.is_set():  # none came between start-up and now
+            stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
+                                                    start.engine_index).run(),
+                                         name="stat-logger") if cfg.log_stats else None)
+            try:
+                await server.serve(sockets=[sock])
+            finally:
+                if stats is not None:
+                    stats.cancel()
     finally:
-        if stats is not None:
-            stats.cancel()
         await client.shutdown(cfg.graceful_shutdown_s)
-        sock.close()
     return exit_code
 
 

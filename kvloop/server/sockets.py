@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 
+DEFAULT_PORT = 8000   # `kvloop serve` and `kvloop router` listen here unless told (vLLM's)
+
 
 def bind_tcp(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket on host:port (port 0 = ephemeral), not inherited by
