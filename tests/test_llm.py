@@ -116,7 +116,8 @@ def test_stop_strings_wait_for_min_tokens(llm):
                                                 ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert (early.text, len(early.token_ids), early.stop_reason) == ("", 1, stop)
     late = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, stop=[stop],
-                                               min_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+                                               min_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
     assert late.token_ids == full.token_ids and late.finish_reason == "length"
 
 

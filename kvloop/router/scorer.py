@@ -22,10 +22,10 @@ fewer requests in flight, then to a rendezvous hash of the prompt's first block,
 requests of one prefix land on one worker.
 
 Hot prefixes (bounded load): a worker is saturated when its in-flight requests would exceed
-both `load_bound` x the fleet mean (counting this request) and `saturation_floor`. When the cheapest worker is
-saturated, the request goes to the cheapest unsaturated one instead: the hot prefix is
-replicated on purpose to one more worker (which then shares it through the same cost
-model), rather than piling onto its holder or giving up affinity fleet-wide.
+both `load_bound` x the fleet mean (counting this request) and `saturation_floor`. When the
+cheapest worker is saturated, the request goes to the cheapest unsaturated one instead: the
+hot prefix is replicated on purpose to one more worker (which then shares it through the same
+cost model), rather than piling onto its holder or giving up affinity fleet-wide.
 """
 
 from __future__ import annotations

@@ -209,7 +209,8 @@ class KvloopAPI(FastAPI):
 
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
-    app = KvloopAPI(SERVER_RULES, title="kvloop", version=kvloop.__version__, docs_url=None, redoc_url=None)
+    app = KvloopAPI(SERVER_RULES, title="kvloop", version=kvloop.__version__, docs_url=None,
+                    redoc_url=None)
     _add_error_handlers(app)
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)

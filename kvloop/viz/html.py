@@ -104,7 +104,8 @@ _SCRIPT = r"""
 (function () {
   const D = JSON.parse(document.getElementById("kvloop-schedule").textContent);
   const NROWS = D.request_ids.length, NCOLS = D.columns.length;
-  const LABEL_W = 110, GRID_ROW_PX = Math.max(6, Math.min(18, Math.floor(600 / Math.max(NROWS, 1))));
+  const LABEL_W = 110;
+  const GRID_ROW_PX = Math.max(6, Math.min(18, Math.floor(600 / Math.max(NROWS, 1))));
   const byCol = [], cellAt = new Map(), marks = new Map();
   let maxTokens = 1;
   for (let i = 0; i < NCOLS; i++) byCol.push([]);
@@ -120,7 +121,8 @@ _SCRIPT = r"""
     });
   }
   addMark(D.admissions, function (m) {
-    return m[2] ? "admitted, prefix-cache hit " + m[2] + " tokens" : "admitted (no prefix-cache hit)";
+    return m[2] ? "admitted, prefix-cache hit " + m[2] + " tokens"
+                : "admitted (no prefix-cache hit)";
   });
   addMark(D.preemptions, function () { return "PREEMPTED (blocks freed, will recompute)"; });
   addMark(D.finishes, function (m) { return "finished: " + m[2]; });
@@ -138,7 +140,9 @@ _SCRIPT = r"""
   function setup(cv) {
     const dpr = window.devicePixelRatio || 1, w = cv.clientWidth || 800;
     const h = cv.getAttribute("height") * 1;
-    if (cv.width !== Math.round(w * dpr)) { cv.width = Math.round(w * dpr); cv.height = Math.round(h * dpr); }
+    if (cv.width !== Math.round(w * dpr)) {
+      cv.width = Math.round(w * dpr); cv.height = Math.round(h * dpr);
+    }
     cv.style.height = h + "px";
     const ctx = cv.getContext("2d");
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
@@ -185,7 +189,8 @@ _SCRIPT = r"""
       if (!m[2]) return;
       const x = xOf(m[0], s.w), y = yOf(m[1] + 0.5), r = Math.max(3, Math.min(6, rowH / 3));
       if (x < LABEL_W || x > s.w) return;
-      ctx.beginPath(); ctx.moveTo(x - r, y - r); ctx.lineTo(x + r * 0.6, y); ctx.lineTo(x - r, y + r);
+      ctx.beginPath(); ctx.moveTo(x - r, y - r); ctx.lineTo(x + r * 0.6, y);
+      ctx.lineTo(x - r, y + r);
       ctx.closePath(); ctx.fill();
     });
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, LABEL_W - 2, h);
@@ -200,7 +205,8 @@ _SCRIPT = r"""
   function axis(ctx, w, y) {
     ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.textAlign = "center";
     ctx.textBaseline = "top";
-    const span = view.x1 - view.x0, step = Math.pow(10, Math.floor(Math.log10(Math.max(span / 8, 1))));
+    const span = view.x1 - view.x0;
+    const step = Math.pow(10, Math.floor(Math.log10(Math.max(span / 8, 1))));
     const tick = step * ((span / step > 40) ? 5 : (span / step > 16 ? 2 : 1));
     for (let c = Math.ceil(view.x0 / tick) * tick; c < view.x1; c += tick) {
       ctx.fillText(String(c), xOf(c + 0.5, w), y + 4);
@@ -210,7 +216,8 @@ _SCRIPT = r"""
     const s = setup(cv), ctx = s.ctx, h = s.h - 4, vc = visibleCols();
     let top = 1;
     for (let col = vc[0]; col < vc[1]; col++) {
-      top = Math.max(top, values[col].reduce(function (a, b) { return a + b; }, 0), line ? line[col] : 0);
+      const sum = values[col].reduce(function (a, b) { return a + b; }, 0);
+      top = Math.max(top, sum, line ? line[col] : 0);
     }
     for (let col = vc[0]; col < vc[1]; col++) {
       const xa = xOf(col, s.w), xb = xOf(col + 1, s.w);
@@ -276,7 +283,8 @@ _SCRIPT = r"""
     ev.preventDefault();
     const r = cv.getBoundingClientRect(), f = ev.deltaY < 0 ? 0.8 : 1.25;
     if (ev.shiftKey && cv === grid) {
-      const at = view.y0 + (ev.clientY - r.top) / (cv.getAttribute("height") - 20) * (view.y1 - view.y0);
+      const frac = (ev.clientY - r.top) / (cv.getAttribute("height") - 20);
+      const at = view.y0 + frac * (view.y1 - view.y0);
       view.y0 = at - (at - view.y0) * f; view.y1 = at + (view.y1 - at) * f;
     } else {
       const at = colAt(ev.clientX - r.left, cv.clientWidth || 800);
@@ -289,10 +297,12 @@ _SCRIPT = r"""
     cv.addEventListener("wheel", function (ev) { zoom(cv, ev); }, { passive: false });
     cv.addEventListener("mousemove", function (ev) {
       if (drag) {
-        const w = cv.clientWidth || 800, dx = (ev.clientX - drag.x) / (w - LABEL_W) * (drag.v.x1 - drag.v.x0);
+        const w = cv.clientWidth || 800;
+        const dx = (ev.clientX - drag.x) / (w - LABEL_W) * (drag.v.x1 - drag.v.x0);
         view.x0 = drag.v.x0 - dx; view.x1 = drag.v.x1 - dx;
         if (cv === grid) {
-          const dy = (ev.clientY - drag.y) / (cv.getAttribute("height") - 20) * (drag.v.y1 - drag.v.y0);
+          const hy = cv.getAttribute("height") - 20;
+          const dy = (ev.clientY - drag.y) / hy * (drag.v.y1 - drag.v.y0);
           view.y0 = drag.v.y0 - dy; view.y1 = drag.v.y1 - dy;
         }
         clampView(); draw();
@@ -342,8 +352,9 @@ _SCRIPT = r"""
       body.dataset.selftestHover = tip.textContent;
     }
     const before = view.x1 - view.x0, r = grid.getBoundingClientRect();
-    grid.dispatchEvent(new WheelEvent("wheel", { deltaY: -100, clientX: r.left + (grid.clientWidth + LABEL_W) / 2,
-                                               clientY: r.top + 5, bubbles: true, cancelable: true }));
+    grid.dispatchEvent(new WheelEvent("wheel", {
+      deltaY: -100, clientX: r.left + (grid.clientWidth + LABEL_W) / 2, clientY: r.top + 5,
+      bubbles: true, cancelable: true }));
     body.dataset.selftestZoom = (view.x1 - view.x0 < before || before <= 1) ? "ok" : "no-zoom";
     reset();
   }
