@@ -30,7 +30,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 def _add_replay(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="run a scheduler conformance trace, write its step log")
-    p.add_argument("trace", help="trace JSON (shared/specs/conformance format)")
+    p.add_argument("trace", help="trace JSON (format: tests/data/conformance/README.md)")
     p.add_argument("--out", help="step log path (default: stdout)")
     p.set_defaults(func=_cmd_replay)
 

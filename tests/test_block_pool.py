@@ -1,6 +1,6 @@
 """Exact block-pool and KV-cache-manager behaviour: block ids, free-queue order, events.
 
-Scenarios follow vLLM's tests (shared/specs/vllm-engine.md section 10, items 22-35).
+Scenarios follow vLLM's tests (docs/vllm-facts.md#conformance-scenarios).
 """
 
 from __future__ import annotations

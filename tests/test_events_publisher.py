@@ -1,4 +1,5 @@
-"""ZmqEventPublisher: vLLM's publisher scenarios (spec §4.4) and kvloop's extensions."""
+"""ZmqEventPublisher: vLLM's publisher scenarios (docs/vllm-facts.md#kv-events) and kvloop's
+extensions."""
 
 from __future__ import annotations
 

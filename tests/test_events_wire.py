@@ -149,7 +149,8 @@ def test_our_frames_equal_vllms_recorded_frames(vllm_like_publisher):
         ctx.destroy(linger=0)
 
 
-# A consumer written from the spec alone: its own trimmed structs, as vLLM's example does.
+# A consumer written from docs/vllm-facts.md#kv-events alone: its own trimmed structs, as
+# vLLM's example does.
 class _Ev(msgspec.Struct, tag=True):
     pass
 

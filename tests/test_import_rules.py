@@ -1,4 +1,5 @@
-"""The layering of DESIGN.md, enforced by walking every module's imports (AST, not runtime)."""
+"""The import rules of docs/architecture.md, enforced by walking every module's imports (AST,
+not runtime)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler behaviour against vLLM's scenarios (shared/specs/vllm-engine.md section 10)."""
+"""Scheduler behaviour against vLLM's scenarios (docs/vllm-facts.md#conformance-scenarios)."""
 
 from __future__ import annotations
 

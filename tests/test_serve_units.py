@@ -29,7 +29,7 @@ from kvloop.wire import (
     TopLogprobs,
 )
 
-# --- stop strings: vLLM's vectors (specs/vllm-engine.md section 5.5) -------------------------
+# --- stop strings: vLLM's vectors (docs/vllm-facts.md#stop-strings) -------------------------
 
 
 @pytest.mark.parametrize("stops", [["a", "is"], ["is", "a"]])

@@ -43,7 +43,8 @@ FULL_COUNTS = (8, 32, 64, 64)
 def cases(scale: float = 1.0, seed: int = 0,
           token_range: tuple[int, int] = w.DEFAULT_TOKEN_RANGE,
           counts: tuple[int, int, int, int] = FULL_COUNTS) -> list[Case]:
-    """BENCHMARKS.md's workloads with `counts` requests each, times `scale`.
+    """The workloads of docs/benchmarking.md#workloads-and-targets, `counts` requests each,
+    times `scale`.
 
     Every case draws its prompts from its own seed (`seed` + its index), so no case and no
     repetition (pass a different `seed`) finds another's prompts in the prefix cache.

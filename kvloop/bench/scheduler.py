@@ -4,7 +4,8 @@
 
 Decode steady state (every request computes one token per step, blocks fill and get hashed
 every 16 steps), prefix caching on, sha256 hashing: the per-step Python cost the engine pays
-on top of the forward pass. Target (BENCHMARKS.md): under 2 ms on the 2-core machine.
+on top of the forward pass. Target (docs/benchmarking.md#workloads-and-targets): under
+2 ms on the 2-core machine.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    """Single full-attention group, vLLM's rules (see specs/vllm-engine.md section 2)."""
+    """Single full-attention group, vLLM's rules (see docs/vllm-facts.md#kv-cache)."""
 
     def __init__(self, block_pool: BlockPool, block_size: int, max_model_len: int,
                  enable_caching: bool = True, watermark: float = 0.0):

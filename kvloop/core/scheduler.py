@@ -10,7 +10,7 @@ is `num_tokens_with_spec - num_computed_tokens`. Chunked prefill, prefix hits (a
 `num_computed_tokens > 0`) and speculative decoding (gap = 1 + k) all fall out of that.
 Preemption (recompute) frees the blocks, resets the counter to 0 and puts the request back
 at the front of the waiting queue. vLLM 0.33's rules are followed exactly
-(specs/vllm-engine.md section 1).
+(docs/vllm-facts.md#scheduler).
 """
 
 from __future__ import annotations

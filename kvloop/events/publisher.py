@@ -9,7 +9,7 @@ Threads and ownership:
   snapshot requests are served from this thread between publishes, so a snapshot is exact at
   a sequence number and never touches the engine loop.
 
-vLLM compatibility (spec: vllm-engine.md §4.3-4.4): frames, sequence numbers, replay protocol
+vLLM compatibility (docs/vllm-facts.md#kv-events): frames, sequence numbers, replay protocol
 and end marker, buffer and HWM defaults, `data_parallel_rank` filled in, tcp port + rank for
 DP ranks. One deliberate difference: an endpoint is *bound* unless it starts with ">" (CZMQ's
 "connect" prefix); vLLM connects whenever the host is a literal address.

@@ -1,6 +1,6 @@
 """Every Prometheus metric of the API server, with vLLM's names, types, labels and buckets.
 
-A vLLM Grafana dashboard works unchanged (specs/vllm-engine.md section 7). Each server owns
+A vLLM Grafana dashboard works unchanged (docs/vllm-facts.md#metrics). Each server owns
 its own `CollectorRegistry` (no global registry), so several servers can live in one process.
 
 Sources: scheduler gauges and prefix-cache counters come from the engine's `SchedulerStats`

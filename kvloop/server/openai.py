@@ -6,7 +6,7 @@ Unknown request fields are ignored (as vLLM does). Responses are plain dicts bui
 less than a model there. The TypedDicts below type those dicts (mypy checks every key and
 value) and are what the published OpenAPI schema (`/openapi.json`) says of each body;
 `NotRequired` keys are sent only when asked for (`return_token_ids`, usage chunks).
-See specs/vllm-engine.md section 8 for the parameters and their meaning.
+See docs/vllm-facts.md#openai-server for the parameters and their meaning.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The engine knows nothing about text. For each engine request the API server keeps an
 `OutputState` that turns `EngineCoreOutput`s into text deltas, vLLM's way
-(specs/vllm-engine.md section 5.5):
+(docs/vllm-facts.md#stop-strings):
 
 - tokens are detokenized one at a time, so the token that completes a stop string is known
   and every token after it is dropped;

@@ -1,7 +1,7 @@
 """`kvloop replay`: drive the real scheduler from a conformance trace and write a step log.
 
 Input and output formats and the step semantics are those of
-`shared/specs/conformance/README.md` (step log format "vllm-sched-steplog/1"), so the log
+`tests/data/conformance/README.md` (step log format "vllm-sched-steplog/1"), so the log
 compares step by step with one produced by vLLM's own scheduler.
 """
 
