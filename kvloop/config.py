@@ -38,6 +38,99 @@ def check_dtype(dtype: str) -> None:
                          f"got {dtype!r}")
 
 
+# The runner factories, "module:function": the engine process imports the one a
+# `RunnerConfig` names, so it never imports a model or a simulator it does not run.
+REAL_RUNNER_FACTORY = "kvloop.model:load_runner"
+SIM_RUNNER_FACTORY = "kvloop.sim.worker:make_sim_runner"
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """What only the simulator (`--model sim`) has: its latency model and the vocabulary it
+    presents, whose facts the API process read from `--sim-model` (None and (): the byte
+    vocabulary's, `kvloop.sim.tokenizer`). `latency_file` None is
+    kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time."""
+
+    latency_file: str | None = None
+    speedup: float = 1.0
+    model_latency: bool = True
+    vocab_size: int | None = None
+    text_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.speedup > 0:
+            raise ValueError(f"--sim-speedup must be > 0, got {self.speedup}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How to build the engine's runner: the model runner's settings (vLLM's names), plus
+    `sim` for the simulator.
+
+    One config for both runners, not two: the simulator runs with the settings a model would
+    get (KV capacity `num_gpu_blocks_override`, context length `max_model_len`, `seed`), so
+    they are written once, and the rest is validated whichever runner serves; `sim` holds the
+    few settings only the simulator has, and its presence picks the `factory`. Built once,
+    from `kvloop serve`'s flags or `LLM`'s keyword arguments, and handed down whole:
+    `kvloop.wire.EngineStartConfig.runner` carries it to the engine process (msgspec decodes
+    it by these annotations, types checked and `__post_init__` run, as it does `EngineConfig`
+    beside it), which calls `factory` with it. What building finds out (KV blocks, context
+    length, vocabulary size, model name) comes back on the runner
+    (`kvloop.core.runner.LoadedRunner`), never written in here.
+
+    - `model`: None (the embedded SmolLM2-135M-Instruct), a `.gguf` path or a Hugging Face
+      folder (the simulator opens no model file: the API process reads `--sim-model`);
+    - `dtype`: "auto" (bf16 where the device computes in it, else fp32 on CPU, fp16 on CUDA)
+      or one of `DTYPE_ALIASES`; `device`: one of `DEVICES`;
+    - `block_size`: tokens per KV block, the engine's `CacheConfig.block_size` (whoever
+      builds both fills them from one value; `EngineStartConfig` checks they agree);
+    - `kv_cache_memory`: bytes for the KV cache (default: on CUDA `gpu_memory_utilization` of
+      the device's memory, default `GPU_MEMORY_UTILIZATION`, minus weights and activations;
+      elsewhere `kvloop.model.DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` fixes the
+      number of blocks (null block included) instead;
+    - `max_model_len`: cap on the context length (default: the model's, capped by the KV
+      cache);
+    - `num_threads`: torch intra-op threads on CPU (default: OMP_NUM_THREADS if set, else
+      the cores the process may use).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    num_threads: int | None = None
+    gpu_memory_utilization: float | None = None
+    sim: SimSettings | None = None
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        check_device(self.device)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        blocks = self.num_gpu_blocks_override
+        if blocks is not None and blocks < 2:
+            raise ValueError(f"--num-gpu-blocks-override must be >= 2 (one is the null "
+                             f"block), got {blocks}")
+
+    @property
+    def factory(self) -> str:
+        """The "module:function" that builds this runner from this config."""
+        return REAL_RUNNER_FACTORY if self.sim is None else SIM_RUNNER_FACTORY
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache and its prefix cache.
@@ -81,7 +174,6 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True
     num_lookahead_tokens: int = 0
-    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams, check_context_length
 from kvloop.core.runner import Runner
@@ -90,15 +90,20 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
-                 num_threads: int | None = None, check_invariants: bool = False):
+                 num_threads: int | None = None, gpu_memory_utilization: float | None = None,
+                 check_invariants: bool = False):
+        """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
+        each does) become one RunnerConfig, the engine's one EngineConfig."""
         from kvloop.model import load_runner
 
-        runner = load_runner(model, dtype=dtype, device=device, block_size=block_size,
-                             kv_cache_memory=kv_cache_memory,
-                             num_gpu_blocks_override=num_gpu_blocks_override,
-                             max_model_len=max_model_len, seed=seed, num_threads=num_threads)
+        rc = RunnerConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            kv_cache_memory=kv_cache_memory, num_gpu_blocks_override=num_gpu_blocks_override,
+            max_model_len=max_model_len, seed=seed, num_threads=num_threads,
+            gpu_memory_utilization=gpu_memory_utilization)
+        runner = load_runner(rc)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
-        config = engine_config(runner.max_model_len, block_size=block_size,
+        config = engine_config(runner.max_model_len, block_size=rc.block_size,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_num_seqs=max_num_seqs,
                                enable_prefix_caching=enable_prefix_caching,

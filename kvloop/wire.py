@@ -1,4 +1,5 @@
-"""Messages between processes: msgspec Structs, defined here and nowhere else.
+"""Messages between processes: msgspec Structs, defined here and nowhere else (except
+`SamplingParams`, which the engine core owns in `kvloop.core.request` and requests carry as is).
 
 Version: bump `WIRE_VERSION` on any incompatible change; the API server checks the engine
 core's handshake (`EngineReady.wire_version`) against its own.
@@ -10,9 +11,10 @@ from typing import Any
 
 import msgspec
 
-from kvloop.config import EngineConfig
+from kvloop.config import EngineConfig, RunnerConfig
+from kvloop.core.request import SamplingParams
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 
 class PrefixCacheStats(msgspec.Struct, omit_defaults=True):
@@ -82,39 +84,12 @@ class RequestType:
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 
-class SamplingParamsMsg(msgspec.Struct, omit_defaults=True):
-    """`kvloop.core.request.SamplingParams` on the wire: same field names and defaults."""
-
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    eos_token_id: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
-    skip_reading_prefix_cache: bool | None = None
-
-
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """ADD: one request, already tokenized (the API server owns the tokenizer)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParamsMsg
+    sampling_params: SamplingParams
     arrival_time: float = 0.0
     lora_name: str | None = None
     client_index: int = 0
@@ -183,22 +158,27 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
 class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     """What the API server tells a new engine core process: one JSON line on its stdin.
 
-    `runner_factory` is "module:function"; called with `runner_kwargs`, it returns a Runner
-    that may carry `num_gpu_blocks`, `max_model_len`, `vocab_size` and `model_name`, which
-    override the template values of `engine`. `kv_events` holds
+    The engine process builds its runner by calling `runner.factory` ("module:function")
+    with `runner`; the runner's facts (`kvloop.core.runner.LoadedRunner`: KV blocks, context
+    length, vocabulary size, model name) override the template values of `engine`; the two
+    configs must agree on the block size. `kv_events` holds
     `kvloop.events.publisher.KVEventsConfig` keyword arguments, or None for no KV events.
     `shutdown_timeout_s` is how long a SIGTERM lets the engine go on serving (the API server
     drains its requests meanwhile and then closes the pipe); 0 stops it at once.
     """
 
     engine: EngineConfig
-    runner_factory: str
+    runner: RunnerConfig
     input_address: str
     output_address: str
-    runner_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     trace_file: str | None = None
     kv_events: dict[str, Any] | None = None
     epoch: str | None = None       # this worker incarnation's id (the KV-event epoch)
     engine_index: int = 0
     log_level: str = "INFO"
     shutdown_timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.runner.block_size != self.engine.cache.block_size:
+            raise ValueError(f"the runner's block_size ({self.runner.block_size}) differs "
+                             f"from the engine's ({self.engine.cache.block_size})")

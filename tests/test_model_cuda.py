@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
+from kvloop.config import RunnerConfig
 from kvloop.model import load_runner
 from tests.test_model_tiny import BS, assert_matches_hf, tiny_hf_model, write_hf_folder
 
@@ -20,8 +21,8 @@ def folder(tmp_path_factory):
 
 def test_auto_device_is_cuda_and_logits_match_transformers(folder):
     hf = tiny_hf_model(seed=21)
-    runner = load_runner(str(folder), dtype="float32", device="auto", block_size=BS,
-                         num_gpu_blocks_override=20)
+    runner = load_runner(RunnerConfig(model=str(folder), dtype="float32", device="auto",
+                                      block_size=BS, num_gpu_blocks_override=20))
     assert runner.device.type == "cuda"
     assert runner.kv_caches[0].is_cuda and runner.model.embed_tokens.is_cuda
     assert_matches_hf(runner, hf, np.random.default_rng(1))

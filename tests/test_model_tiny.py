@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvloop.config import RunnerConfig
 from kvloop.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from kvloop.core.request import SamplingParams
+from kvloop.core.runner import LoadedRunner
 from kvloop.model import load_runner
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -248,8 +250,9 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
                 if name.endswith("bias"):
                     p.normal_(0.0, 0.5)
     folder = write_hf_folder(hf, tmp_path / "tiny")
-    runner = load_runner(str(folder), dtype="float32", device="cpu", block_size=BS, num_threads=1,
-                         num_gpu_blocks_override=20)
+    runner = load_runner(RunnerConfig(model=str(folder), dtype="float32", device="cpu",
+                                      block_size=BS, num_threads=1, num_gpu_blocks_override=20))
+    assert isinstance(runner, LoadedRunner)      # the facts the engine process reads
     assert runner.num_gpu_blocks == 20
     assert runner.max_model_len == min(256, 19 * BS)
     assert runner.vocab_size == TINY_VOCAB
@@ -260,16 +263,17 @@ def test_logits_match_transformers(tmp_path, arch, overrides):
 def test_gguf_unpermutes_qk_and_matches_transformers(tmp_path):
     hf = tiny_hf_model("llama", seed=3)
     path = write_tiny_gguf(hf, tmp_path / "tiny.gguf")
-    runner = load_runner(str(path), dtype="float32", device="cpu", block_size=BS, num_threads=1,
-                         num_gpu_blocks_override=20)
+    runner = load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                      block_size=BS, num_threads=1, num_gpu_blocks_override=20))
     assert runner.model_name == "tiny"
     assert_matches_hf(runner, hf, np.random.default_rng(2))
 
 
 def test_execute_returns_greedy_tokens_in_batch_order(tmp_path):
     hf = tiny_hf_model("llama", seed=5)
-    runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="float32",
-                         device="cpu", block_size=BS, num_threads=1, num_gpu_blocks_override=20)
+    runner = load_runner(RunnerConfig(model=str(write_hf_folder(hf, tmp_path / "m")),
+                                      dtype="float32", device="cpu", block_size=BS,
+                                      num_threads=1, num_gpu_blocks_override=20))
     so, expected = mixed_batch_steps(np.random.default_rng(3))[0]
     out = runner.execute(so)
     assert sorted(out.req_ids) == ["A", "B"]
@@ -305,23 +309,24 @@ def test_dequantized_q8_0_keeps_pytorch_orientation(tmp_path):
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a .gguf file"):
-        load_runner(str(tmp_path / "nope"))
+        load_runner(RunnerConfig(model=str(tmp_path / "nope")))
 
 
 def test_bad_dtype_and_device(tmp_path):
     folder = write_hf_folder(tiny_hf_model(), tmp_path / "m")
     with pytest.raises(ValueError, match="dtype must be"):
-        load_runner(str(folder), dtype="int8")
+        load_runner(RunnerConfig(model=str(folder), dtype="int8"))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
-            load_runner(str(folder), device="cuda")
+            load_runner(RunnerConfig(model=str(folder), device="cuda"))
 
 
 def test_bfloat16_runner_stays_close_to_fp32_transformers(tmp_path):
     """The bf16 path (packed oneDNN linears on CPU) on the same mixed batch."""
     hf = tiny_hf_model("llama", seed=7)
-    runner = load_runner(str(write_hf_folder(hf, tmp_path / "m")), dtype="bfloat16",
-                         device="cpu", block_size=BS, num_threads=1, num_gpu_blocks_override=20)
+    runner = load_runner(RunnerConfig(model=str(write_hf_folder(hf, tmp_path / "m")),
+                                      dtype="bfloat16", device="cpu", block_size=BS,
+                                      num_threads=1, num_gpu_blocks_override=20))
     assert runner.kv_caches[0].dtype == torch.bfloat16
     for so, expected in mixed_batch_steps(np.random.default_rng(4)):
         inputs, logits = runner.forward(so)

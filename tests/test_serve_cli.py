@@ -17,6 +17,7 @@ import pytest
 
 import kvloop
 from kvloop.cli import build_parser, main
+from kvloop.config import SIM_RUNNER_FACTORY
 from kvloop.server import cli_args
 from kvloop.server.launcher import ServeProcess
 
@@ -80,7 +81,7 @@ def test_unknown_flag_prints_serves_usage(capsys: pytest.CaptureFixture[str]) ->
 # --- the model argument -------------------------------------------------------------------------
 def test_positional_model_as_vllm_serve() -> None:
     serve, start, _ = cli_args.build_configs(serve_args("sim"))
-    assert start.runner_factory == cli_args.SIM_FACTORY and serve.served_model_names == ("sim",)
+    assert start.runner.factory == SIM_RUNNER_FACTORY and serve.served_model_names == ("sim",)
     assert cli_args.model_arg(serve_args("sim", "--model", "sim")) == "sim"
     assert cli_args.model_arg(serve_args("--model", "m.gguf")) == "m.gguf"
     assert cli_args.model_arg(serve_args()) is None
@@ -186,10 +187,9 @@ def test_server_flags_reach_the_server_config() -> None:
 
 def test_gpu_memory_utilization_reaches_the_real_runner_and_warns_for_sim(
         caplog: pytest.LogCaptureFixture) -> None:
-    _, kwargs = cli_args.runner_spec(serve_args("--gpu-memory-utilization", "0.5"), "m.gguf")
-    assert kwargs["gpu_memory_utilization"] == 0.5
-    _, kwargs = cli_args.runner_spec(serve_args(), "m.gguf")
-    assert kwargs["gpu_memory_utilization"] is None
+    runner = cli_args.runner_config(serve_args("--gpu-memory-utilization", "0.5"), "m.gguf")
+    assert runner.gpu_memory_utilization == 0.5
+    assert cli_args.runner_config(serve_args(), "m.gguf").gpu_memory_utilization is None
     with caplog.at_level(logging.WARNING, logger="kvloop.server"):
         cli_args.build_configs(serve_args("sim", "--gpu-memory-utilization", "0.5"))
     assert [r.getMessage() for r in caplog.records] == [

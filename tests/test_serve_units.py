@@ -4,12 +4,12 @@ processing, error shapes, metrics buckets, wire structs, CLI parsing."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import socket
 
 import msgspec
 import pytest
 
+from kvloop.config import REAL_RUNNER_FACTORY, SIM_RUNNER_FACTORY
 from kvloop.core.request import SamplingParams
 from kvloop.server import cli_args
 from kvloop.server.config import ServeConfig
@@ -22,9 +22,9 @@ from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineStartConfig,
     PrefixCacheStats,
-    SamplingParamsMsg,
     SchedulerStats,
     TopLogprobs,
 )
@@ -128,15 +128,43 @@ def test_byte_tokenizer_roundtrip_and_specials() -> None:
 
 
 # --- wire -------------------------------------------------------------------------------------
-def test_sampling_params_msg_mirrors_sampling_params() -> None:
-    sp_fields = [(f.name, f.default) for f in dataclasses.fields(SamplingParams)]
-    msg_fields = [(n, d) for n, d in zip(SamplingParamsMsg.__struct_fields__,
-                                         SamplingParamsMsg.__struct_defaults__, strict=True)]
-    assert [n for n, _ in sp_fields] == [n for n, _ in msg_fields]
-    sp = SamplingParams(n=2, temperature=0.5, stop=("x", "y"), stop_token_ids=(3,), seed=7)
-    msg = msgspec.msgpack.decode(msgspec.msgpack.encode(
-        SamplingParamsMsg(**dataclasses.asdict(sp))), type=SamplingParamsMsg)
-    assert SamplingParams(**msgspec.structs.asdict(msg)) == sp
+def test_sampling_params_are_validated_on_construction() -> None:
+    sp = SamplingParams(stop="x", stop_token_ids=[3, 4], temperature=0)
+    assert sp.stop == ("x",) and sp.stop_token_ids == (3, 4) and sp.greedy
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")    # vLLM's list, kept as a tuple
+    with pytest.raises(ValueError, match=r"^temperature must be in \[0, 2\], got 3\.$"):
+        SamplingParams(temperature=3)
+    with pytest.raises(ValueError, match="min_tokens must be less than or equal to max_tokens=2"):
+        msgspec.structs.replace(SamplingParams(max_tokens=2), min_tokens=3)
+    with pytest.raises(AttributeError, match="immutable"):
+        sp.n = 2  # type: ignore[misc]
+
+
+def test_sampling_params_cross_the_wire_as_they_are() -> None:
+    sp = SamplingParams(n=2, temperature=0.5, stop=("x", "y"), stop_token_ids=(3,), seed=7,
+                        eos_token_id=2, cache_salt="s")
+    req = EngineCoreRequest("r", [1, 2], sp, arrival_time=1.5)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=EngineCoreRequest)
+    assert back == req and back.sampling_params.effective_eos == 2
+    # only what differs from the defaults travels
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(SamplingParams(max_tokens=3))) == \
+        {"max_tokens": 3}
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"temperature": 5.0}, r"^temperature must be in \[0, 2\], got 5\.0\. - at `\$\[2\]`$"),
+    ({"max_tokens": 2, "min_tokens": 3}, "min_tokens must be less than or equal to max_tokens"),
+    ({"n": 0}, "n must be at least 1, got 0"),
+    ({"n": "2"}, r"Expected `int`, got `str` - at `\$\[2\]\.n`"),
+    ({"stop": "x"}, r"Expected `array`, got `str` - at `\$\[2\]\.stop`"),
+])
+def test_sampling_params_are_validated_on_decode(params: dict[str, object], message: str
+                                                 ) -> None:
+    decode = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+    with pytest.raises(msgspec.ValidationError, match=message):
+        decode(msgspec.msgpack.encode(["r", [1, 2], params]))
+    assert decode(msgspec.msgpack.encode(["r", [1, 2], {"stop": ["x"]}])).sampling_params == \
+        SamplingParams(stop=("x",))
 
 
 def test_engine_outputs_roundtrip() -> None:
@@ -189,12 +217,12 @@ def test_build_configs_sim() -> None:
     assert serve.served_model_names == ("a", "b") and tok.vocab_size == 49152  # SmolLM2's
     assert serve.model_path == find_model_path(None)
     assert start.engine.scheduler.max_num_seqs == 64     # clamped to the token budget
-    assert start.runner_factory == cli_args.SIM_FACTORY
-    kw = start.runner_kwargs
-    assert kw["num_gpu_blocks_override"] == 32
+    runner = start.runner
+    assert runner.factory == SIM_RUNNER_FACTORY and runner.sim is not None
+    assert runner.num_gpu_blocks_override == 32 and runner.model is None
     # the engine gets the vocabulary's facts, not the model file
-    assert (kw["vocab_size"], kw["max_model_len"]) == (49152, 8192)
-    assert kw["text_token_ids"] == list(load_sim_model(None).text_token_ids)
+    assert (runner.sim.vocab_size, runner.max_model_len) == (49152, 8192)
+    assert runner.sim.text_token_ids == load_sim_model(None).text_token_ids
     assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
                                "recency": False, "heartbeat": None}
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
@@ -210,9 +238,9 @@ def test_build_configs_sim_vocabularies() -> None:
     serve, start, tok = configs("--model", "sim", "--sim-model", "bytes",
                                 "--max-model-len", "100")
     assert isinstance(tok, ByteTokenizer) and serve.model_path == "bytes"
-    assert (start.runner_kwargs["vocab_size"], start.runner_kwargs["max_model_len"]) == \
-        (259, 100)
-    assert start.runner_kwargs["text_token_ids"] == sorted(set(SIM_TEXT.encode()))
+    sim = start.runner.sim
+    assert sim is not None and (sim.vocab_size, start.runner.max_model_len) == (259, 100)
+    assert list(sim.text_token_ids) == sorted(set(SIM_TEXT.encode()))
     with pytest.raises(ValueError, match="exceeds the context length"):
         configs("--model", "sim", "--max-model-len", "8193")
     with pytest.raises(ValueError, match="--sim-model needs --model sim"):
@@ -225,8 +253,8 @@ def test_num_threads_reaches_the_real_runner() -> None:
     from kvloop.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--num-threads", "1"])
-    factory, kwargs = cli_args.runner_spec(args, "/models/x.gguf")
-    assert factory == cli_args.REAL_FACTORY and kwargs["num_threads"] == 1
+    runner = cli_args.runner_config(args, "/models/x.gguf")
+    assert runner.factory == REAL_RUNNER_FACTORY and runner.num_threads == 1
     assert build_parser().parse_args(["serve"]).num_threads is None
     bad = build_parser().parse_args(["serve", "--model", "sim", "--num-threads", "0"])
     with pytest.raises(ValueError, match="--num-threads"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig, SimSettings
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
 from kvloop.server.launcher import ServeProcess
@@ -24,6 +24,7 @@ from kvloop.sim.runner import SimRunner
 from kvloop.sim.tokenizer import PRINTABLE_IDS
 from kvloop.sim.worker import SimWorkerRunner, make_sim_runner
 
+NO_LATENCY = RunnerConfig(sim=SimSettings(model_latency=False))
 COEFFS = {"base_s": 0.2, "per_token_s": 0.001, "per_seq_s": 0.01, "per_ctx_token_s": 0.0001}
 
 
@@ -81,7 +82,7 @@ def _outputs(runner: SimWorkerRunner, prompt: list[int], params: SamplingParams,
 
 
 def test_sim_tokens_depend_on_content_not_id() -> None:
-    r = make_sim_runner(model_latency=False)
+    r = make_sim_runner(NO_LATENCY)
     greedy = SamplingParams(max_tokens=8, temperature=0)
     a = _outputs(r, [1, 2, 3], greedy, "x")
     assert a == _outputs(r, [1, 2, 3], greedy, "y") != _outputs(r, [1, 2, 4], greedy, "z")
@@ -93,7 +94,7 @@ def test_sim_tokens_depend_on_content_not_id() -> None:
 
 
 def test_sim_logprobs() -> None:
-    eng = _engine(make_sim_runner(model_latency=False))
+    eng = _engine(make_sim_runner(NO_LATENCY))
     eng.add_request(eng.make_request("r", [5, 6], SamplingParams(max_tokens=2, logprobs=3)))
     out = eng.step().outputs[0]
     (lp,) = out.new_logprobs or []

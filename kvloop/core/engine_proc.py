@@ -1,7 +1,10 @@
 """The engine core process: socket I/O in threads, state in the busy loop.
 
     input thread  : DEALER recv -> decode -> input queue      (aborts also go straight to
-                                                               `EngineCore.abort_requests`)
+                                                               `EngineCore.abort_requests`;
+                                                               an ADD that fails to decode
+                                                               or validate is answered with
+                                                               an error output)
     busy loop     : drain the input queue (add, abort, utility) -> `EngineCore.step()` ->
                     output queue; publish KV events; append the step to the trace file
     output thread : output queue -> encode -> PUSH send
@@ -53,7 +56,7 @@ import zmq
 from kvloop.config import EngineConfig
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
-from kvloop.core.request import SamplingParams
+from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
@@ -83,15 +86,14 @@ def resolve_factory(name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
 
 
-def _engine_config_for(template: EngineConfig, runner: Any) -> EngineConfig:
+def _engine_config_for(template: EngineConfig, runner: LoadedRunner) -> EngineConfig:
     """The template with the runner's facts: KV capacity, context length, resolved hash seed.
 
     `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish,
     and without chunked prefill to the step budget, so every prompt fits in one step.
     """
     cache, sched = template.cache, template.scheduler
-    num_blocks = getattr(runner, "num_gpu_blocks", None) or cache.num_gpu_blocks
-    max_len = getattr(runner, "max_model_len", None) or sched.max_model_len
+    num_blocks, max_len = runner.num_gpu_blocks, runner.max_model_len
     capacity = (num_blocks - 1) * cache.block_size
     if capacity < max_len:
         logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
@@ -164,7 +166,7 @@ class EngineCoreProc:
 
     def _build(self) -> EngineReady:
         cfg = self.config
-        runner = resolve_factory(cfg.runner_factory)(**cfg.runner_kwargs)
+        runner: LoadedRunner = resolve_factory(cfg.runner.factory)(cfg.runner)
         econf = _engine_config_for(cfg.engine, runner)
         if cfg.kv_events is not None:
             econf = dataclasses.replace(
@@ -172,14 +174,14 @@ class EngineCoreProc:
         self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks)
         ready = EngineReady(
             wire_version=WIRE_VERSION, pid=os.getpid(),
-            model_name=str(getattr(runner, "model_name", "") or ""),
+            model_name=runner.model_name,
             max_model_len=econf.scheduler.max_model_len,
             num_gpu_blocks=econf.cache.num_gpu_blocks, block_size=econf.cache.block_size,
             enable_prefix_caching=econf.cache.enable_prefix_caching,
             hash_algo=econf.cache.prefix_caching_hash_algo, hash_seed=econf.cache.hash_seed or "",
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
-            vocab_size=getattr(runner, "vocab_size", None), epoch=cfg.epoch)
+            vocab_size=runner.vocab_size, epoch=cfg.epoch)
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
@@ -232,7 +234,26 @@ class EngineCoreProc:
                 else:
                     logger.warning("dropping a message of unknown type %r", kind)
             except msgspec.DecodeError as e:
-                logger.warning("dropping an undecodable %r message: %s", kind, e)
+                self._refuse_undecodable(kind, payload, e)
+
+    def _refuse_undecodable(self, kind: bytes, payload: memoryview,
+                            error: msgspec.DecodeError) -> None:
+        """A message that does not decode, or whose sampling params break a rule
+        (`SamplingParams.__post_init__` runs on decode): an ADD whose request id can still be
+        read is answered with an error output, so its sender is not left waiting; anything
+        else is dropped with a warning. The engine goes on either way."""
+        request_id = _request_id_of(payload) if kind == RequestType.ADD else None
+        if request_id is None:
+            logger.warning("dropping an undecodable %r message: %s", kind, error)
+            return
+        logger.warning("refusing request %s: %s", request_id, error)
+        self._refuse(request_id, f"invalid request: {error}")
+
+    def _refuse(self, request_id: str, message: str) -> None:
+        """Finish a request the engine will not run with `finish_reason="error"`."""
+        self.output_queue.put(EngineCoreOutputs(
+            timestamp=time.monotonic(),
+            outputs=[EngineCoreOutput(request_id, [], finish_reason="error", error=message)]))
 
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -316,16 +337,12 @@ class EngineCoreProc:
     def _add(self, engine: EngineCore, msg: EngineCoreRequest) -> None:
         """Add a request; a request the engine refuses gets an output with `error`."""
         try:
-            params = SamplingParams(**msgspec.structs.asdict(msg.sampling_params))
             self._check_fits_cache(engine, len(msg.prompt_token_ids))
-            req = engine.make_request(msg.request_id, msg.prompt_token_ids, params,
+            req = engine.make_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                       lora_name=msg.lora_name, client_index=msg.client_index)
             engine.add_request(req)
         except (ValueError, TypeError) as e:
-            self.output_queue.put(EngineCoreOutputs(
-                timestamp=time.monotonic(),
-                outputs=[EngineCoreOutput(msg.request_id, [], finish_reason="error",
-                                          error=str(e))]))
+            self._refuse(msg.request_id, str(e))
 
     @staticmethod
     def _check_fits_cache(engine: EngineCore, num_prompt_tokens: int) -> None:
@@ -418,6 +435,18 @@ class EngineCoreProc:
             self.engine.shutdown()
         self._dealer.close()
         self._push.close()
+
+
+def _request_id_of(payload: memoryview) -> str | None:
+    """The request id of an ADD payload that did not decode as an `EngineCoreRequest`
+    (an array whose first item is the id), or None when not even that can be read."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        return raw[0]
+    return None
 
 
 def engine_stats(engine: EngineCore) -> dict[str, bool | int | float | str | None]:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 
@@ -81,9 +82,15 @@ def check_context_length(max_model_len: int, prompt_len: int,
             "max_tokens")
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What to generate and when to stop; vLLM's names and defaults.
+
+    One type for the offline API (`from kvloop import SamplingParams`, keyword arguments as
+    vLLM's), the API server, the wire (`kvloop.wire.EngineCoreRequest` carries it as is) and
+    the engine. A frozen msgspec Struct, as vLLM's own is a Struct: `__post_init__` runs on
+    construction, on `msgspec.structs.replace` and on decode, so the engine process validates
+    what it receives (a bad value is a `msgspec.ValidationError` naming the rule) and nobody
+    converts field by field. Change with `msgspec.structs.replace`.
 
     `eos_token_id` is filled from the tokenizer by whoever builds the request; with
     `ignore_eos` it is not checked (it is still masked while `min_tokens` is not reached).
@@ -115,11 +122,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+            msgspec.structs.force_setattr(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
+            msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+            msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.max_tokens is not None and self.max_tokens < 1:

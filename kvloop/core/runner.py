@@ -3,11 +3,16 @@
 The model runner (`kvloop.model.runner`), the simulator (`kvloop.sim.runner`) and test
 doubles implement it. A runner owns its KV tensors and whatever per-request state it caches;
 it learns about requests only through `SchedulerOutput` (new, cached, finished, preempted).
+
+A runner factory (`kvloop.model.load_runner`, `kvloop.sim.worker.make_sim_runner`, called
+with a `kvloop.config.RunnerConfig`) returns a `LoadedRunner`: a Runner that also carries
+the facts found while building it, which the engine and the API server take from it rather
+than from any config.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 
@@ -20,3 +25,14 @@ class Runner(Protocol):
     def shutdown(self) -> None:
         """Release resources (threads, memory)."""
         ...
+
+
+@runtime_checkable
+class LoadedRunner(Runner, Protocol):
+    """What a runner factory returns: a Runner and the facts of what it built (`isinstance`
+    checks that they are there)."""
+
+    num_gpu_blocks: int   # KV blocks allocated, the null block 0 included (vLLM's count)
+    max_model_len: int    # the longest sequence it serves (the engine clamps it to the KV cache)
+    vocab_size: int       # token ids it accepts: 0 .. vocab_size - 1
+    model_name: str       # what it loaded ("sim" for the simulator)

@@ -1,8 +1,9 @@
 """The model package: the only part of kvloop that imports torch.
 
-`load_runner(...)` reads a model (the embedded SmolLM2 GGUF by default, a `.gguf` file or a
-Hugging Face folder), builds the Llama-family model on the chosen device and dtype, sizes
-and allocates the paged KV cache, and returns a `ModelRunner` (the core's Runner protocol).
+`load_runner(RunnerConfig(...))` reads a model (the embedded SmolLM2 GGUF by default, a
+`.gguf` file or a Hugging Face folder), builds the Llama-family model on the chosen device
+and dtype, sizes and allocates the paged KV cache, and returns a `ModelRunner` (the core's
+`LoadedRunner` protocol).
 The engine then builds `EngineCore(config, runner, num_gpu_blocks=runner.num_gpu_blocks)`.
 
 Importing this package does not import torch; `load_runner` does.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import TYPE_CHECKING
+
+from kvloop.config import RunnerConfig
 
 if TYPE_CHECKING:
     from kvloop.model.runner import ModelRunner
@@ -41,33 +44,14 @@ def default_openmp_spin() -> bool:
     return True
 
 
-def load_runner(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                block_size: int = 16, kv_cache_memory: int | None = None,
-                num_gpu_blocks_override: int | None = None, max_model_len: int | None = None,
-                seed: int = 0, num_threads: int | None = None,
-                gpu_memory_utilization: float | None = None) -> ModelRunner:
-    """Load a model and return its runner.
-
-    - `model`: None (embedded SmolLM2-135M-Instruct), a `.gguf` path or an HF folder;
-    - `dtype`: "auto" (bf16 where the device supports it, else fp32 on CPU / fp16 on CUDA),
-      "float32", "bfloat16" or "float16";
-    - `device`: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:1"...;
-    - `kv_cache_memory`: bytes for the KV cache (default: on CUDA, `gpu_memory_utilization`
-      of the device's memory minus weights and activations, as vLLM; elsewhere
-      `DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` sets the number of blocks (null
-      block included) instead;
-    - `max_model_len`: cap on the context length (default: the model's, capped by the KV
-      cache's capacity);
-    - `num_threads`: torch intra-op threads on CPU (default: the cores this process may use;
-      on a shared machine 1 avoids OpenMP threads spinning against other processes).
+def load_runner(config: RunnerConfig | None = None) -> ModelRunner:
+    """Load the model `config` names (default: `RunnerConfig()`, the embedded model on the
+    best device) and return its runner; `kvloop.config.RunnerConfig` says what each setting
+    does. The engine process calls it by name (`RunnerConfig.factory`).
 
     Loading torch here first bounds OpenMP's spin-waiting (`default_openmp_spin`).
     """
     default_openmp_spin()
     from kvloop.model.setup import build_runner
 
-    return build_runner(model, dtype=dtype, device=device, block_size=block_size,
-                        kv_cache_memory=kv_cache_memory,
-                        num_gpu_blocks_override=num_gpu_blocks_override,
-                        max_model_len=max_model_len, seed=seed, num_threads=num_threads,
-                        gpu_memory_utilization=gpu_memory_utilization)
+    return build_runner(config if config is not None else RunnerConfig())

@@ -1,4 +1,4 @@
-"""Turning `load_runner`'s arguments into a ready ModelRunner: device, dtype, KV cache size.
+"""Turning a `RunnerConfig` into a ready ModelRunner: device, dtype, KV cache size.
 
 Scope: choices made once at start-up. `--dtype auto` picks bf16 where the CPU has native bf16
 dot products (AVX512_BF16 or AMX on x86, BF16 on Arm) and fp32 elsewhere; on CUDA bf16 when
@@ -18,6 +18,7 @@ from kvloop.config import (
     DTYPE_ALIASES,
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
+    RunnerConfig,
     check_device,
     check_dtype,
 )
@@ -35,34 +36,29 @@ DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
 CUDA_ACTIVATION_RESERVE = 1 << 30
 
 
-def build_runner(model: str | None, *, dtype: str, device: str, block_size: int,
-                 kv_cache_memory: int | None, num_gpu_blocks_override: int | None,
-                 max_model_len: int | None, seed: int,
-                 num_threads: int | None = None,
-                 gpu_memory_utilization: float | None = None) -> ModelRunner:
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+def build_runner(rc: RunnerConfig) -> ModelRunner:
+    dev = resolve_device(rc.device)
+    torch_dtype = resolve_dtype(rc.dtype, dev)
     if dev.type == "cpu":
-        set_cpu_threads(num_threads)
-    loaded = load_model(model)
+        set_cpu_threads(rc.num_threads)
+    loaded = load_model(rc.model)
     config = loaded.config
-    if num_gpu_blocks_override is None:
+    kv_cache_memory = rc.kv_cache_memory
+    if rc.num_gpu_blocks_override is None:
         weight_bytes = sum(t.numel() for t in loaded.weights.values()) * _elem_size(torch_dtype)
-        kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, gpu_memory_utilization,
+        kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, rc.gpu_memory_utilization,
                                          weight_bytes)
-    num_blocks = num_kv_blocks(config, block_size, torch_dtype, kv_cache_memory,
-                               num_gpu_blocks_override)
-    max_len = resolve_max_model_len(config, block_size, num_blocks, max_model_len)
-    torch.manual_seed(seed)
+    num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
+                               rc.num_gpu_blocks_override)
+    max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
+    torch.manual_seed(rc.seed)
     net = LlamaModel(config, loaded.weights, torch_dtype, dev, max_positions=max_len + 1)
     del loaded.weights
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
-                loaded.name, config.architecture, torch_dtype, dev, num_blocks, block_size,
+                loaded.name, config.architecture, torch_dtype, dev, num_blocks, rc.block_size,
                 max_len)
-    return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=block_size,
-                       max_model_len=max_len, device=dev, model_name=loaded.name, seed=seed)
+    return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
+                       max_model_len=max_len, device=dev, model_name=loaded.name, seed=rc.seed)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,14 +1,14 @@
 """`kvloop serve`: flags (vLLM's names where the concept is the same) -> configs -> server.
 
-The API server process never imports torch: the engine core process builds the runner from
-a factory name (`kvloop.model:load_runner` for a real model, `kvloop.sim.worker:make_sim_runner`
-for `--model sim`).
+The API server process never imports torch: the runner flags become one `RunnerConfig`, and
+the engine core process builds the runner with the factory it names (`RunnerConfig.factory`:
+the model's, or the simulator's for `--model sim`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import logging
 import re
 import signal
@@ -26,9 +26,9 @@ from kvloop.config import (
     POLICIES,
     CacheConfig,
     EngineConfig,
+    RunnerConfig,
     SchedulerConfig,
-    check_device,
-    check_dtype,
+    SimSettings,
 )
 from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import ROLES, UVICORN_LOG_LEVELS, ServeConfig, log_stats_interval
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvloop.server")
 
 SIM = "sim"
-REAL_FACTORY = "kvloop.model:load_runner"
-SIM_FACTORY = "kvloop.sim.worker:make_sim_runner"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -231,22 +229,6 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 # --- configs -------------------------------------------------------------------------------------
-def embedded_model_available() -> bool:
-    """The real model path exists in this checkout (tokenizer and model packages)."""
-    model = importlib.util.find_spec("kvloop.model")
-    return (model is not None and model.origin is not None
-            and importlib.util.find_spec("kvloop.server.tokenizer") is not None)
-
-
-def resolve_model(model: str | None) -> str:
-    """'sim', or the model to load; falls back to 'sim' while no model package exists."""
-    if model is None and not embedded_model_available():
-        logger.warning("the embedded model is not available in this checkout; serving "
-                       "--model sim instead")
-        return SIM
-    return model if model is not None else ""
-
-
 def model_arg(args: argparse.Namespace) -> str | None:
     """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given)."""
     tag, flag = args.model_tag, args.model
@@ -277,25 +259,11 @@ def hub_id_hint(model: str) -> str | None:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """ValueError for flag values no runner can use, real or simulated (before any starts)."""
-    check_dtype(args.dtype)
-    check_device(args.device)
+    """ValueError for flag values kvloop has no use for (the runner's own: `RunnerConfig`)."""
     if args.tensor_parallel_size != 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: kvloop runs a "
                          f"model on one device; pass 1 (or run several workers behind "
                          f"`kvloop router`)")
-    util = args.gpu_memory_utilization
-    if util is not None and not 0 < util <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
-    if args.sim_speedup <= 0:
-        raise ValueError("--sim-speedup must be > 0")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise ValueError("--num-threads must be >= 1")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ValueError(f"--max-model-len must be >= 1, got {args.max_model_len}")
-    if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 2:
-        raise ValueError(f"--num-gpu-blocks-override must be >= 2 (one is the null block), "
-                         f"got {args.num_gpu_blocks_override}")
 
 
 def max_num_batched_tokens(args: argparse.Namespace) -> int:
@@ -319,31 +287,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             max_model_len=args.max_model_len or FALLBACK_MAX_MODEL_LEN,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
-                            enable_chunked_prefill=args.enable_chunked_prefill,
-                            max_waiting_requests=args.max_waiting_requests)
+                            enable_chunked_prefill=args.enable_chunked_prefill)
     return EngineConfig(cache=cache, scheduler=sched,
                         check_invariants=args.debug_check_invariants)
 
 
-def runner_spec(args: argparse.Namespace, model: str,
-                sim: SimModel | None = None) -> tuple[str, dict[str, Any]]:
-    """The engine's runner factory and its keyword arguments (the simulator's when `sim`)."""
-    if sim is not None:
-        if args.gpu_memory_utilization is not None:
-            logger.warning("%s", GPU_MEMORY_UTILIZATION_IGNORED)  # the simulator has no GPU
-        return SIM_FACTORY, {"num_gpu_blocks_override": args.num_gpu_blocks_override,
-                             "max_model_len": sim.max_model_len(args.max_model_len),
-                             "vocab_size": sim.vocab_size,
-                             "text_token_ids": list(sim.text_token_ids),
-                             "latency_file": args.sim_latency_file,
-                             "speedup": args.sim_speedup, "seed": args.seed}
-    return REAL_FACTORY, {"model": model or None, "dtype": args.dtype, "device": args.device,
-                          "block_size": args.block_size,
-                          "kv_cache_memory": args.kv_cache_memory,
-                          "num_gpu_blocks_override": args.num_gpu_blocks_override,
-                          "max_model_len": args.max_model_len, "seed": args.seed,
-                          "num_threads": args.num_threads,
-                          "gpu_memory_utilization": args.gpu_memory_utilization}
+def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
+    """The runner flags for `model` ('' the embedded one): ValueError, naming the flag, for a
+    value no runner can use, real or simulated (checked before any model is read)."""
+    return RunnerConfig(model=model or None, dtype=args.dtype, device=args.device,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        num_gpu_blocks_override=args.num_gpu_blocks_override,
+                        max_model_len=args.max_model_len, seed=args.seed,
+                        num_threads=args.num_threads,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,
+                      sim: SimModel) -> RunnerConfig:
+    """`runner` for the simulator presenting `sim`: its context length and vocabulary's
+    facts, the latency flags."""
+    if args.gpu_memory_utilization is not None:
+        logger.warning("%s", GPU_MEMORY_UTILIZATION_IGNORED)  # the simulator has no GPU
+    return dataclasses.replace(
+        runner, model=None, max_model_len=sim.max_model_len(args.max_model_len),
+        sim=SimSettings(latency_file=args.sim_latency_file, speedup=args.sim_speedup,
+                        vocab_size=sim.vocab_size, text_token_ids=sim.text_token_ids))
 
 
 def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -359,7 +328,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     """Flags -> (server config, engine start config, tokenizer). Raises ValueError, or
     FileNotFoundError for a --sim-model that is not there."""
     check_flags(args)
-    model = resolve_model(model_arg(args))
+    model = model_arg(args) or ""
+    runner = runner_config(args, model)
     if args.sim_model is not None and model != SIM:
         raise ValueError("--sim-model needs --model sim")
     from kvloop.server.sim_model import load_sim_model
@@ -368,9 +338,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     tokenizer = sim.tokenizer if sim is not None else load_tokenizer(model)
     names = tuple(args.served_model_name or [SIM if model == SIM else
                                              (tokenizer.model_name or model)])
-    factory, kwargs = runner_spec(args, model, sim)
-    start = EngineStartConfig(engine=engine_config(args), runner_factory=factory,
-                              input_address="", output_address="", runner_kwargs=kwargs,
+    if sim is not None:
+        runner = sim_runner_config(args, runner, sim)
+    start = EngineStartConfig(engine=engine_config(args), runner=runner,
+                              input_address="", output_address="",
                               trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout)

@@ -22,10 +22,11 @@ engine requests, and `OutputState` follows each of them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import msgspec
 
 from kvloop.core.request import SamplingParams
 from kvloop.wire import EngineCoreOutput
@@ -41,13 +42,13 @@ def model_stops(params: SamplingParams, tokenizer: Any) -> SamplingParams:
     extra = set(getattr(tokenizer, "stop_token_ids", ())) - set(params.stop_token_ids)
     if extra and not params.ignore_eos:
         changes["stop_token_ids"] = (*params.stop_token_ids, *sorted(extra))
-    return dataclasses.replace(params, **changes) if changes else params
+    return msgspec.structs.replace(params, **changes) if changes else params
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
     """The `n` engine requests of one request: n = 1 each; seeded ones get seed, seed + 1..."""
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None
-                                else params.seed + i) for i in range(params.n)]
+    return [msgspec.structs.replace(params, n=1, seed=None if params.seed is None
+                                    else params.seed + i) for i in range(params.n)]
 
 
 class Detokenizer(Protocol):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import math
 import time
 import uuid
@@ -61,7 +60,7 @@ from kvloop.server.processor import (
     fan_out,
     model_stops,
 )
-from kvloop.wire import EngineCoreRequest, EngineReady, SamplingParamsMsg
+from kvloop.wire import EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -207,7 +206,7 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     if req.n > ctx.config.max_n:
         raise APIError(400, f"n must be at most {ctx.config.max_n}, got {req.n}.", param="n")
     if params.greedy:
-        params = dataclasses.replace(params, top_p=1.0, top_k=0, min_p=0.0)
+        params = msgspec.structs.replace(params, top_p=1.0, top_k=0, min_p=0.0)
     return model_stops(params, ctx.tokenizer)
 
 
@@ -293,10 +292,8 @@ class Generation:
         now = time.monotonic()
         try:
             for c in self.children:
-                client.add_request(EngineCoreRequest(
-                    c.request_id, c.prompt_ids,
-                    SamplingParamsMsg(**dataclasses.asdict(c.params)), arrival_time=now),
-                    self.queue)
+                client.add_request(EngineCoreRequest(c.request_id, c.prompt_ids, c.params,
+                                                     arrival_time=now), self.queue)
         except BaseException:
             client.abort_requests(list(self._pending))
             raise

@@ -28,14 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.engine_proc import resolve_factory
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.latency import COEFFICIENTS, DEFAULT_LATENCY_FILE, StepFeatures
 
-REAL_RUNNER_FACTORY = "kvloop.model:load_runner"
 PREFILL_SIZES = (16, 64, 128, 256, 512)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (32, 256)
@@ -152,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="passes over the workload grid (medians drop load spikes)")
     ap.add_argument("--out", default=str(DEFAULT_LATENCY_FILE))
     args = ap.parse_args(argv)
-    load_runner = resolve_factory(REAL_RUNNER_FACTORY)
-    runner = load_runner(args.model, dtype=args.dtype, max_model_len=2048)
+    rc = RunnerConfig(model=args.model, dtype=args.dtype, max_model_len=2048)
+    runner = resolve_factory(rc.factory)(rc)
     t0 = time.monotonic()
     raw = measure(runner, args.repeats)
     samples = aggregate(raw)

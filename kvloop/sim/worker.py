@@ -10,7 +10,8 @@
 - Logprobs are made up but well formed (sampled token first, descending values).
 - Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`.
 
-`make_sim_runner` is the factory the engine core process calls (by name).
+`make_sim_runner` is the factory the engine core process calls (by name) with a
+`kvloop.config.RunnerConfig` whose `sim` is set.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvloop.config import RunnerConfig, SimSettings
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.latency import LatencyModel
@@ -110,14 +112,13 @@ def fake_logprobs(token_id: int, num_top: int, text_ids: Sequence[int]) -> Logpr
                     top_logprobs=top_lps)
 
 
-def make_sim_runner(num_gpu_blocks_override: int | None = None,
-                    max_model_len: int | None = None, latency_file: str | None = None,
-                    speedup: float = 1.0, seed: int = 0, model_latency: bool = True,
-                    vocab_size: int | None = None,
-                    text_token_ids: Sequence[int] | None = None) -> SimWorkerRunner:
-    """The engine core's factory for `--model sim` (keyword arguments from the CLI; the
-    vocabulary's facts come from `kvloop.server.sim_model`, the byte vocabulary's if None)."""
-    latency = LatencyModel.from_file(latency_file, speedup) if model_latency else None
-    return SimWorkerRunner(latency, num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
-                           max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, seed,
-                           vocab_size=vocab_size, text_token_ids=text_token_ids or PRINTABLE_IDS)
+def make_sim_runner(config: RunnerConfig) -> SimWorkerRunner:
+    """The engine core's factory for `--model sim`: the simulator with `config`'s KV
+    capacity, context length and seed, and `config.sim`'s latency model and vocabulary
+    (the byte vocabulary's where they are unset; `SimSettings()` when `sim` is None)."""
+    sim = config.sim or SimSettings()
+    latency = LatencyModel.from_file(sim.latency_file, sim.speedup) if sim.model_latency else None
+    return SimWorkerRunner(latency, config.num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
+                           config.max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, config.seed,
+                           vocab_size=sim.vocab_size,
+                           text_token_ids=sim.text_token_ids or PRINTABLE_IDS)
