@@ -16,7 +16,7 @@ import pytest
 
 from kvloop.cli import build_parser, main
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
-from kvloop.events.publisher import KVEventsConfig
+from kvloop.events.config import KVEventsConfig
 
 from .conftest import serving
 from .test_events_helpers import SimWorker, free_port

@@ -6,8 +6,14 @@ import logging
 
 import pytest
 
-from kvloop.core.hashing import block_hashes, event_int
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvloop.core.hashing import block_hashes
+from kvloop.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    event_int,
+)
 from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.proxy import _SseRelay, parse_load

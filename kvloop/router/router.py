@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvloop.core.hashing import BlockHasher, block_extra_keys, event_int
+from kvloop.core.hashing import BlockHasher, block_extra_keys
+from kvloop.events.types import event_int
 from kvloop.router.config import HashSpec, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.index import PrefixIndex
