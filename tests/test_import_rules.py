@@ -29,9 +29,9 @@ FORBIDDEN = {
 # zmq is allowed in the core only in the engine process module
 ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
 # of the events package the core uses the event types (the block pool makes the events); the
-# engine process also starts the publisher
+# engine process also configures and starts the publisher
 CORE_EVENTS_OK = ("kvloop.events.types",)
-ENGINE_PROC_EVENTS_OK = ("kvloop.events.types", "kvloop.events.publisher")
+ENGINE_PROC_EVENTS_OK = ("kvloop.events.types", "kvloop.events.config", "kvloop.events.publisher")
 # the router may use only these parts of the server package (error shapes, the tokenizer,
 # the listening socket, and the keys, limits and timeouts every HTTP front shares)
 ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.tokenizer", "kvloop.server.sockets",

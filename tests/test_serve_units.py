@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from kvloop.core.request import SamplingParams
+from kvloop.events.config import KVEventsConfig
 from kvloop.server import cli_args
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
@@ -195,8 +196,7 @@ def test_build_configs_sim() -> None:
     # the engine gets the vocabulary's facts, not the model file
     assert (kw["vocab_size"], kw["max_model_len"]) == (49152, 8192)
     assert kw["text_token_ids"] == list(load_sim_model(None).text_token_ids)
-    assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
-                               "recency": False, "heartbeat": None}
+    assert start.kv_events == KVEventsConfig(topic="t")
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
 
