@@ -12,7 +12,8 @@ Keys (`kvloop.server.auth`, checked by the same middleware as the API server's):
 --admin-api-key. The router presents --worker-api-key to every worker, on polls and forwarded
 requests (the client's Authorization header is then not passed on). A worker registered at
 run time is probed first and refused (4xx, with the reason) unless it answers /kvloop/worker
-with the fleet's hashing (block size, algorithm, seed) and accepts the router's key.
+with a body that decodes as `WorkerDescription` (the server's `WorkerInfo`), with the fleet's
+hashing (block size, algorithm, seed), and accepts the router's key.
 
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
