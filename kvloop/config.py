@@ -8,8 +8,11 @@ Every field keeps vLLM's name where the concept is the same.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+Role = Literal["both", "prefill", "decode"]   # what a router may send a worker (`--role`)
+ROLES: tuple[Role, ...] = get_args(Role)
 POLICIES = ("fcfs", "priority")
 
 # The model runner's dtypes (alias -> torch name) and devices; torch-free, so the API server

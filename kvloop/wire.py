@@ -2,17 +2,18 @@
 `SamplingParams`, which the engine core owns in `kvloop.core.request` and requests carry as is).
 
 Version: bump `WIRE_VERSION` on any incompatible change; the API server checks the engine
-core's handshake (`EngineReady.wire_version`) against its own.
+core's handshake (`EngineReady.wire_version`) against its own. `WorkerInfo` (the body of
+`GET /kvloop/worker`) crosses from the API server to a router, as JSON.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+from msgspec import UNSET, UnsetType
 
-from kvloop.config import EngineConfig, RunnerConfig
+from kvloop.config import EngineConfig, Role, RunnerConfig
 from kvloop.core.request import SamplingParams
+from kvloop.events.config import KVEventsConfig
 
 WIRE_VERSION = 2
 
@@ -109,16 +110,23 @@ class UtilityOutput(msgspec.Struct, omit_defaults=True):
     failure_message: str | None = None
 
 
-class EngineReady(msgspec.Struct, omit_defaults=True):
-    """Handshake: the engine's first message on its input socket, once the runner is loaded.
+class KVEventsInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a worker publishes its KV-cache events: the publisher's actual addresses (port 0
+    resolved). In `GET /kvloop/worker` an ipc:// endpoint (a file path) is None for a caller
+    who may not see paths."""
 
-    Carries what the API server cannot know before the engine starts (KV capacity, the
-    resolved hash seed, the bound KV-event addresses).
-    """
+    endpoint: str | None
+    replay_endpoint: str | None
+    topic: str
+    recency: bool
 
-    wire_version: int
-    pid: int
-    model_name: str
+
+class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine reports once its runner is loaded, under the names they keep from the
+    handshake (`EngineReady`) through `GET /kvloop/worker` (`WorkerInfo`) to the router's
+    registry (`kvloop.router.registry.WorkerDescription`): what nobody knows before the engine
+    starts (KV capacity, the resolved hash seed, the bound KV-event addresses)."""
+
     max_model_len: int
     num_gpu_blocks: int          # including the null block, as vLLM counts
     block_size: int
@@ -127,13 +135,48 @@ class EngineReady(msgspec.Struct, omit_defaults=True):
     hash_seed: str
     max_num_batched_tokens: int
     max_num_seqs: int
-    vocab_size: int | None = None
-    epoch: str | None = None
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-    kv_events_topic: str | None = None
-    kv_events_recency: bool = False
-    error: str | None = None     # set instead of the rest when start-up failed
+    epoch: str | None            # this worker incarnation's id (the KV-event epoch)
+    kv_events: KVEventsInfo | None    # None: no KV events
+
+
+class EngineReady(EngineFacts, frozen=True, kw_only=True, tag=True):
+    """Handshake: the engine's first message on its input socket, once the runner is loaded:
+    its facts, its process id, and the runner's model name and vocabulary size."""
+
+    wire_version: int
+    pid: int
+    model_name: str
+    vocab_size: int | None
+
+
+class EngineStartFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Handshake instead of `EngineReady` when start-up failed (the engine then exits 1)."""
+
+    wire_version: int
+    pid: int
+    error: str
+
+
+EngineHandshake = EngineReady | EngineStartFailed
+
+
+class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
+    """`GET /kvloop/worker`, what a router decodes when this worker registers: the engine's
+    facts and the API server's. `kv_capacity_blocks` counts the usable blocks
+    (`num_gpu_blocks` less the null block). The private fields (process ids, the model's
+    path) are left out (`UNSET`) for a caller who may not see them; `api_key_accepted` says
+    whether the caller's key was accepted."""
+
+    model: str
+    served_model_names: list[str]
+    model_path: str | None | UnsetType = UNSET
+    role: Role
+    kv_capacity_blocks: int
+    api_pid: int | UnsetType = UNSET
+    engine_pid: int | UnsetType = UNSET
+    version: str
+    api_key_required: bool
+    api_key_accepted: bool
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
@@ -161,8 +204,8 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     The engine process builds its runner by calling `runner.factory` ("module:function")
     with `runner`; the runner's facts (`kvloop.core.runner.LoadedRunner`: KV blocks, context
     length, vocabulary size, model name) override the template values of `engine`; the two
-    configs must agree on the block size. `kv_events` holds
-    `kvloop.events.publisher.KVEventsConfig` keyword arguments, or None for no KV events.
+    configs must agree on the block size. `kv_events` configures the engine's KV-event
+    publisher (None: no KV events).
     `shutdown_timeout_s` is how long a SIGTERM lets the engine go on serving (the API server
     drains its requests meanwhile and then closes the pipe); 0 stops it at once.
     """
@@ -172,7 +215,7 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     input_address: str
     output_address: str
     trace_file: str | None = None
-    kv_events: dict[str, Any] | None = None
+    kv_events: KVEventsConfig | None = None
     epoch: str | None = None       # this worker incarnation's id (the KV-event epoch)
     engine_index: int = 0
     log_level: str = "INFO"

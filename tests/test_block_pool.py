@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvloop.core.block_pool import BlockHashMap, BlockPool, FreeBlockQueue, KVCacheBlock
-from kvloop.core.hashing import BlockHasher, event_int
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvloop.core.hashing import BlockHasher
+from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, event_int
 
 from .core_helpers import admit, make_manager, make_request
 

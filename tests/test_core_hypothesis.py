@@ -92,7 +92,7 @@ def _apply(stored: dict[int, int], batch) -> None:
 
 
 def _actual(engine) -> dict[int, int]:
-    from kvloop.core.hashing import event_int
+    from kvloop.events.types import event_int
 
     out: dict[int, int] = {}
     for key, blocks in engine.block_pool.cached_block_hash_to_block.items():

@@ -36,6 +36,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineHandshake,
     EngineReady,
     EngineStartConfig,
     RequestType,
@@ -171,7 +172,9 @@ def engine() -> Iterator[Engine]:
         proc.stdin.flush()
         assert router.poll(60_000), "no handshake from the engine core"
         identity, payload = router.recv_multipart()
-        yield Engine(router, pull, identity, msgspec.msgpack.decode(payload, type=EngineReady))
+        ready = msgspec.msgpack.decode(payload, type=EngineHandshake)
+        assert isinstance(ready, EngineReady), ready
+        yield Engine(router, pull, identity, ready)
         proc.stdin.close()                     # the API server's way of stopping it
         assert proc.wait(timeout=20) == 0
     finally:
@@ -186,7 +189,7 @@ def engine() -> Iterator[Engine]:
 def test_runner_config_reaches_the_factory_across_the_process_boundary(engine: Engine
                                                                        ) -> None:
     r = engine.ready
-    assert r.error is None and r.wire_version == WIRE_VERSION
+    assert isinstance(r, EngineReady) and r.wire_version == WIRE_VERSION
     # the runner's facts, as the sim factory built them from RUNNER
     assert (r.num_gpu_blocks, r.max_model_len, r.vocab_size, r.model_name, r.block_size) == \
         (24, 50, 300, "sim", 4)

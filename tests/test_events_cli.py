@@ -16,7 +16,7 @@ import pytest
 
 from kvloop.cli import build_parser, main
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
-from kvloop.events.publisher import KVEventsConfig
+from kvloop.events.config import KVEventsConfig
 
 from .conftest import serving
 from .test_events_helpers import SimWorker, free_port
@@ -103,14 +103,18 @@ def test_publisher_flags_build_the_config():
     ap = argparse.ArgumentParser()
     add_publisher_args(ap)
     assert publisher_config_from_args(ap.parse_args([])) is None
+    assert publisher_config_from_args(ap.parse_args(["--kv-events-topic", "kv"])) is None
+    assert publisher_config_from_args(ap.parse_args(["--enable-kv-cache-events"])) == \
+        KVEventsConfig()
     cfg = publisher_config_from_args(ap.parse_args(
         ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",
          "tcp://127.0.0.1:0", "--kv-events-topic", "kv", "--kv-events-recency",
-         "--no-kv-events-heartbeat", "--kv-events-buffer-steps", "50"]), data_parallel_rank=2)
+         "--no-kv-events-heartbeat"]))
     assert cfg == KVEventsConfig(endpoint="tcp://127.0.0.1:0",
                                  replay_endpoint="tcp://127.0.0.1:0", topic="kv",
-                                 recency=True, heartbeat=False, buffer_steps=50,
-                                 data_parallel_rank=2)
+                                 recency=True, heartbeat=False)
+    with pytest.raises(ValueError, match="endpoint must look like tcp://HOST:PORT"):
+        publisher_config_from_args(ap.parse_args(["--kv-events-endpoint", "127.0.0.1:5557"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["events", "tail"])  # --endpoint is required
 

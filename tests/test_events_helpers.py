@@ -14,11 +14,12 @@ import zmq
 
 from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
-from kvloop.core.hashing import event_int
 from kvloop.core.request import SamplingParams
+from kvloop.events.config import KVEventsConfig
 from kvloop.events.protocol import HEARTBEAT_TOPIC
-from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher
+from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
+from kvloop.events.types import event_int
 from kvloop.events.view import CacheView
 from kvloop.sim.runner import SimRunner
 

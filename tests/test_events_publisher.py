@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from kvloop.events import protocol as proto
-from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher, endpoint_for_rank
+from kvloop.events.config import KVEventsConfig
+from kvloop.events.publisher import ZmqEventPublisher, endpoint_for_rank
 from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvloop.events.view import CacheView
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from kvloop.events.config import KVEventsConfig
 from kvloop.events.protocol import HEARTBEAT_TOPIC, RECENCY_TOPIC, seq_bytes
-from kvloop.events.publisher import KVEventsConfig
 from kvloop.events.subscriber import KVEventSubscriber
 
 from .test_events_helpers import (

@@ -8,9 +8,14 @@ import pytest
 
 from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
-from kvloop.core.hashing import event_int
 from kvloop.core.request import SamplingParams
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvloop.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    event_int,
+)
 from kvloop.events.view import CacheView
 from kvloop.sim.runner import SimRunner
 

@@ -11,8 +11,9 @@ import msgspec
 import pytest
 import zmq
 
+from kvloop.events.config import KVEventsConfig
 from kvloop.events.protocol import END_SEQ, BatchDecoder, seq_bytes
-from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher
+from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
 from kvloop.events.types import (
     AllBlocksCleared,

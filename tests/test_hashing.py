@@ -11,13 +11,13 @@ from kvloop.core import hashing
 from kvloop.core.hashing import (
     block_extra_keys,
     block_hashes,
-    event_int,
     fnv1a_64,
     llmd_block_keys,
     llmd_root_key,
     none_hash,
     resolve_seed,
 )
+from kvloop.events.types import event_int
 
 from .conftest import CONFORMANCE
 

@@ -21,13 +21,18 @@ FORBIDDEN = {
     "kvloop.router": ["torch", "kvloop.model", "kvloop.cli", "kvloop.core.scheduler",
                       "kvloop.core.block_pool", "kvloop.core.kv_cache_manager",
                       "kvloop.core.engine"],
-    "kvloop.events": ["torch", "kvloop.model", "kvloop.server", "kvloop.router", "kvloop.cli"],
+    "kvloop.events": ["torch", "kvloop.core", "kvloop.model", "kvloop.server", "kvloop.router",
+                      "kvloop.cli"],
     "kvloop.sim": ["torch", "kvloop.model", "kvloop.server", "kvloop.router", "kvloop.cli"],
     "kvloop.bench": ["kvloop.cli"],
     "kvloop.viz": ["torch", "kvloop.cli"],
 }
 # zmq is allowed in the core only in the engine process module
 ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
+# of the events package the core uses the event types (the block pool makes the events); the
+# engine process also configures and starts the publisher
+CORE_EVENTS_OK = ("kvloop.events.types",)
+ENGINE_PROC_EVENTS_OK = ("kvloop.events.types", "kvloop.events.config", "kvloop.events.publisher")
 # the router may use only these parts of the server package (error shapes, the tokenizer,
 # the listening socket, and the keys, limits and timeouts every HTTP front shares)
 ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.tokenizer", "kvloop.server.sockets",
@@ -79,6 +84,10 @@ def test_layering():
                     bad.append(f"{mod} imports {imp}")
         if _matches(mod, "kvloop.core") and mod not in ZMQ_OK_IN_CORE:
             bad += [f"{mod} imports {i}" for i in imports if _matches(i, "zmq")]
+        if _matches(mod, "kvloop.core"):
+            ok = ENGINE_PROC_EVENTS_OK if mod in ZMQ_OK_IN_CORE else CORE_EVENTS_OK
+            bad += [f"{mod} imports {i}" for i in imports if _matches(i, "kvloop.events")
+                    and i != "kvloop.events" and not any(_matches(i, e) for e in ok)]
         if _matches(mod, "kvloop.model"):
             bad += [f"{mod} imports {i}" for i in imports
                     if _matches(i, "kvloop.core") and not any(

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import logging
+import re
 
+import msgspec
 import pytest
 
-from kvloop.core.hashing import block_hashes, event_int
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
+from kvloop.config import Role
+from kvloop.core.hashing import block_hashes
+from kvloop.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    event_int,
+)
+from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.proxy import _SseRelay, parse_load
 from kvloop.router.registry import (
@@ -23,6 +32,7 @@ from kvloop.router.registry import (
 )
 from kvloop.router.router import NoWorkerError, Router
 from kvloop.router.scorer import COLD, PREFIX_HIT
+from kvloop.wire import KVEventsInfo
 
 
 class FakeClock:
@@ -49,10 +59,17 @@ BS = 16
 
 
 def desc(seed: str = "s", epoch: str = "e1", events: str | None = "tcp://127.0.0.1:1",
-         role: str | None = "both", block_size: int = BS) -> WorkerDescription:
-    return WorkerDescription(model="sim", block_size=block_size, hash_algo="sha256",
-                             hash_seed=seed, capacity_blocks=100, events_endpoint=events,
-                             replay_endpoint=None, role=role, epoch=epoch)
+         role: Role = "both", block_size: int = BS) -> WorkerDescription:
+    """A kvloop worker's description: what its /kvloop/worker answers."""
+    ev = None if events is None else KVEventsInfo(endpoint=events, replay_endpoint=None,
+                                                  topic="", recency=False)
+    return WorkerDescription(model="sim", served_model_names=["sim"], role=role,
+                             block_size=block_size, hash_algo="sha256", hash_seed=seed,
+                             enable_prefix_caching=True, num_gpu_blocks=101,
+                             kv_capacity_blocks=100, max_model_len=1024,
+                             max_num_batched_tokens=512, max_num_seqs=64, epoch=epoch,
+                             kv_events=ev, version="test", api_key_required=False,
+                             api_key_accepted=False)
 
 
 def make_router(**liveness) -> tuple[Router, FakeClock, dict[str, FakeSub]]:
@@ -92,16 +109,28 @@ def test_worker_spec_parsing():
         WorkerSpec.parse("http://h:1,colour=red")
 
 
-def test_description_layouts():
-    flat = WorkerDescription.from_json({"model": "sim", "block_size": 16, "hash_algo": "sha256",
-                                        "hash_seed": 0, "num_gpu_blocks": 64, "epoch": "x",
-                                        "kv_events_endpoint": "tcp://a:1"})
-    nested = WorkerDescription.from_json({"model": "sim", "block_size": 16,
-                                          "hash": {"algorithm": "sha256", "seed": "0"},
-                                          "kv_events": {"endpoint": "tcp://a:1"},
-                                          "num_gpu_blocks": 64, "epoch": "x"})
-    assert flat == nested
-    assert flat.hash_spec() is not None and flat.hash_spec().seed == "0"
+def test_a_description_is_decoded_strictly():
+    """The router decodes /kvloop/worker into the server's own Struct: no synonyms, no
+    guessing; a missing or mistyped field fails with its name."""
+    good = msgspec.json.encode(desc())
+    assert msgspec.json.decode(good, type=WorkerDescription) == desc()
+    assert desc().hash_spec() == HashSpec(BS, "sha256", "s")
+    body = msgspec.json.decode(good)
+    cases = {"block_size": ("Object missing required field `block_size`", None),
+             "hash_seed": ("Expected `str`, got `int` - at `$.hash_seed`", 0),
+             "role": ("Invalid enum value 'sideways' - at `$.role`", "sideways"),
+             "kv_events": ("Object missing required field `topic` - at `$.kv_events`",
+                           {"endpoint": "tcp://a:1", "replay_endpoint": None,
+                            "recency": False})}
+    for field, (message, value) in cases.items():
+        bad = {k: v for k, v in body.items() if k != field}
+        if value is not None:
+            bad[field] = value
+        with pytest.raises(msgspec.ValidationError, match=re.escape(message)):
+            msgspec.json.decode(msgspec.json.encode(bad), type=WorkerDescription)
+    synonym = {("model_name" if k == "model" else k): v for k, v in body.items()}
+    with pytest.raises(msgspec.ValidationError, match="missing required field `model`"):
+        msgspec.json.decode(msgspec.json.encode(synonym), type=WorkerDescription)
 
 
 def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path_factory):
@@ -113,8 +142,12 @@ def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path
 
     with serving(tmp_path_factory, "capacity", ["--model", "sim",
                                                 "--num-gpu-blocks-override", "64"]) as srv:
-        info = httpx.get(srv.url + "/kvloop/worker", timeout=10).json()
-    assert WorkerDescription.from_json(info).capacity_blocks == 63
+        info = httpx.get(srv.url + "/kvloop/worker", timeout=10).content
+    d = msgspec.json.decode(info, type=WorkerDescription)
+    assert (d.num_gpu_blocks, d.kv_capacity_blocks) == (64, 63)
+    r, _, _ = make_router()
+    r.register(WorkerSpec("http://w:1"), d)
+    assert r._candidate(r.registry.get("w:1"), 0).capacity_blocks == 63   # what scoring reads
 
 
 def test_events_feed_the_index_and_routing_follows_them():
@@ -175,15 +208,14 @@ def test_seed_mismatch_at_registration_is_refused_loudly(caplog):
 def test_undisclosed_seed_mismatch_is_caught_from_the_first_root_block():
     r, _, subs = make_router()
     r.register(WorkerSpec("http://w:1"), desc())
-    r.register(WorkerSpec("http://w:2"), WorkerDescription(
-        model="sim", events_endpoint="tcp://x:1", role="both", epoch="e"))
+    r.register(WorkerSpec("http://w:2", events_endpoint="tcp://x:1"), None)  # not kvloop
     subs["w:2"].feed.on_batch(stored(PROMPT_A, seed="secret"))
     w2 = r.registry.get("w:2")
     assert CONFIG_MISMATCH in w2.alarms
     assert "hash seed or algorithm" in w2.alarms[CONFIG_MISMATCH].detail
     assert r.index.worker_blocks("w:2") == 0
     # a block-size mismatch is named as such
-    r.register(WorkerSpec("http://w:3"), WorkerDescription(events_endpoint="tcp://x:2"))
+    r.register(WorkerSpec("http://w:3", events_endpoint="tcp://x:2"), None)
     ev = stored(PROMPT_A)
     ev.events[0].block_size = 32
     subs["w:3"].feed.on_batch(ev)
@@ -317,8 +349,7 @@ def test_a_stopped_feed_never_clears_its_successor():
 
 def test_fleet_hashing_learned_late_revives_earlier_feeds():
     r, _, subs = make_router()
-    r.register(WorkerSpec("http://w:1"), WorkerDescription(events_endpoint="tcp://x:1",
-                                                          role="both", epoch="e"))
+    r.register(WorkerSpec("http://w:1", events_endpoint="tcp://x:1"), None)
     assert subs["w:1"].feed.refusing is not None          # nothing to hash with yet
     r.register(WorkerSpec("http://w:2"), desc())
     subs["w:1"].feed.on_batch(stored(PROMPT_A))

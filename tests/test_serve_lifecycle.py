@@ -21,9 +21,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvloop.core.hashing import block_hashes, event_int
+from kvloop.core.hashing import block_hashes
 from kvloop.events import protocol as proto
-from kvloop.events.types import BlockStored, KVEventBatch
+from kvloop.events.types import BlockStored, KVEventBatch, event_int
 from kvloop.server.launcher import ServeProcess
 
 SLOW = ["--model", "sim", "--sim-speedup", "1"]   # ~22 ms per step: requests stay in flight

@@ -403,6 +403,12 @@ def test_worker_description(server: ServeProcess) -> None:
     assert w["num_gpu_blocks"] == BLOCKS and w["kv_capacity_blocks"] == BLOCKS - 1
     assert w["kv_events"] is None and isinstance(w["epoch"], str) and len(w["epoch"]) == 32
     assert w["engine_pid"] != w["api_pid"] == server.pid
+    assert set(w) == {   # the names other tools read: kept as they are
+        "model", "served_model_names", "model_path", "role", "epoch", "block_size",
+        "hash_algo", "hash_seed", "enable_prefix_caching", "num_gpu_blocks",
+        "kv_capacity_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+        "kv_events", "api_pid", "engine_pid", "version", "api_key_required",
+        "api_key_accepted"}
 
 
 def test_metric_names_types_and_labels(server: ServeProcess, client: openai.OpenAI) -> None:

@@ -11,7 +11,9 @@ import pytest
 
 from kvloop.config import REAL_RUNNER_FACTORY, SIM_RUNNER_FACTORY
 from kvloop.core.request import SamplingParams
+from kvloop.events.config import KVEventsConfig
 from kvloop.server import cli_args
+from kvloop.server.client import EngineStartError, _decode_handshake
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
@@ -20,10 +22,14 @@ from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.server.tokenizer import find_model_path
 from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
+    WIRE_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineReady,
     EngineStartConfig,
+    EngineStartFailed,
+    KVEventsInfo,
     PrefixCacheStats,
     SchedulerStats,
     TopLogprobs,
@@ -206,6 +212,22 @@ def test_parse_size() -> None:
         cli_args.parse_size("lots")
 
 
+def test_the_handshake_is_the_engines_facts_or_its_error() -> None:
+    ready = EngineReady(wire_version=WIRE_VERSION, pid=7, model_name="m", vocab_size=None,
+                        max_model_len=64, num_gpu_blocks=9, block_size=16,
+                        enable_prefix_caching=True, hash_algo="sha256", hash_seed="s",
+                        max_num_batched_tokens=64, max_num_seqs=4, epoch="e",
+                        kv_events=KVEventsInfo(endpoint="tcp://127.0.0.1:5557",
+                                               replay_endpoint=None, topic="", recency=False))
+    assert _decode_handshake(msgspec.msgpack.encode(ready)) == ready
+    failed = EngineStartFailed(wire_version=WIRE_VERSION, pid=7, error="OSError: no model")
+    with pytest.raises(EngineStartError, match="^engine core failed to start: OSError: no model$"):
+        _decode_handshake(msgspec.msgpack.encode(failed))
+    other = msgspec.msgpack.encode({"type": "EngineReady", "wire_version": 1, "pid": 7})
+    with pytest.raises(EngineStartError, match="another kvloop version"):
+        _decode_handshake(other)
+
+
 def test_build_configs_sim() -> None:
     from kvloop.cli import build_parser
 
@@ -223,8 +245,7 @@ def test_build_configs_sim() -> None:
     # the engine gets the vocabulary's facts, not the model file
     assert (runner.sim.vocab_size, runner.max_model_len) == (49152, 8192)
     assert runner.sim.text_token_ids == load_sim_model(None).text_token_ids
-    assert start.kv_events == {"endpoint": None, "replay_endpoint": None, "topic": "t",
-                               "recency": False, "heartbeat": None}
+    assert start.kv_events == KVEventsConfig(topic="t")
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
 

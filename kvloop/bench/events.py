@@ -29,7 +29,8 @@ from typing import Any
 
 import zmq
 
-from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher
+from kvloop.events.config import KVEventsConfig
+from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
 from kvloop.events.types import BlockStored, KVEventBatch
 from kvloop.events.view import CacheView

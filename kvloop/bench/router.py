@@ -33,6 +33,7 @@ from typing import Any
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
 from kvloop.router.router import Router
+from kvloop.wire import KVEventsInfo
 
 
 def build_router(num_workers: int, num_blocks: int, seed: int = 0) -> tuple[Router, list]:
@@ -46,11 +47,15 @@ def build_router(num_workers: int, num_blocks: int, seed: int = 0) -> tuple[Rout
     names = []
     for i in range(num_workers):
         spec = WorkerSpec(f"http://10.0.0.{i}:8000")
+        capacity = per_worker + 10_000
         router.register(spec, WorkerDescription(
-            model="sim", block_size=16, hash_algo="sha256", hash_seed="bench",
-            capacity_blocks=per_worker + 10_000, events_endpoint="tcp://127.0.0.1:9",
-            role="both",
-            epoch="e"))
+            model="sim", served_model_names=["sim"], role="both", block_size=16,
+            hash_algo="sha256", hash_seed="bench", enable_prefix_caching=True,
+            num_gpu_blocks=capacity + 1, kv_capacity_blocks=capacity, max_model_len=8192,
+            max_num_batched_tokens=512, max_num_seqs=256, epoch="e",
+            kv_events=KVEventsInfo(endpoint="tcp://127.0.0.1:9", replay_endpoint=None,
+                                   topic="", recency=False),
+            version="bench", api_key_required=False, api_key_accepted=False))
         names.append(spec.name)
     rng = random.Random(seed)
     prefixes = _prefix_prompts(rng, 64, 256 * 16)

@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvloop.core.hashing import event_extra_keys, event_int
+from kvloop.core.hashing import event_extra_keys
 from kvloop.events.types import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
+    event_int,
 )
 
 

@@ -12,7 +12,7 @@
 Start-up handshake: the process connects its DEALER and PUSH to the API server's ROUTER and
 PULL, builds the runner (by factory name, so this module never imports a model or a
 simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
-it). A failed start sends `EngineReady(error=...)` and exits 1.
+it). A failed start sends `EngineStartFailed` instead and exits 1.
 
 Process: `python -m kvloop.core.engine_proc`, started by the API server in a session of its
 own, which writes one `EngineStartConfig` JSON line on its stdin and keeps the pipe open.
@@ -58,14 +58,18 @@ from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
+from kvloop.events.config import KVEventsConfig
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
     WIRE_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineHandshake,
     EngineReady,
     EngineStartConfig,
+    EngineStartFailed,
+    KVEventsInfo,
     RequestType,
     UtilityOutput,
     UtilityRequest,
@@ -143,8 +147,8 @@ class EngineCoreProc:
             ready = self._build()
         except Exception as e:  # start-up failures of any kind go back to the API server
             logger.debug("engine core start-up failed", exc_info=True)
-            self._send_ready(EngineReady(WIRE_VERSION, os.getpid(), "", 0, 0, 0, False, "",
-                                         "", 0, 0, error=f"{type(e).__name__}: {e}"))
+            self._send_ready(EngineStartFailed(wire_version=WIRE_VERSION, pid=os.getpid(),
+                                               error=f"{type(e).__name__}: {e}"))
             return False
         self._send_ready(ready)
         self._start_thread(self._input_loop, "engine-input")
@@ -161,7 +165,7 @@ class EngineCoreProc:
         """Start the thread that notices the API server closing our stdin (see `_watch_stdin`)."""
         self._start_thread(self._watch_stdin, "engine-parent-watchdog")
 
-    def _send_ready(self, ready: EngineReady) -> None:
+    def _send_ready(self, ready: EngineHandshake) -> None:
         self._dealer.send(msgspec.msgpack.encode(ready))
 
     def _build(self) -> EngineReady:
@@ -181,30 +185,29 @@ class EngineCoreProc:
             hash_algo=econf.cache.prefix_caching_hash_algo, hash_seed=econf.cache.hash_seed or "",
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
-            vocab_size=runner.vocab_size, epoch=cfg.epoch)
+            vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None)
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
             self.trace = TraceWriter(cfg.trace_file)
         return ready
 
-    def _start_publisher(self, ready: EngineReady, kwargs: dict[str, Any]) -> EngineReady:
+    def _start_publisher(self, ready: EngineReady, ev_cfg: KVEventsConfig) -> EngineReady:
+        """Start the KV-event publisher; `ready` with its actual addresses and epoch."""
         try:
-            from kvloop.events.publisher import KVEventsConfig, ZmqEventPublisher
+            from kvloop.events.publisher import ZmqEventPublisher
         except ImportError as e:
             raise RuntimeError(f"KV events were asked for but the publisher is not available "
                                f"({e})") from e
-        ev_cfg = KVEventsConfig(**kwargs)
         self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)
         self.publisher.start()
         assert self.engine is not None
         if ev_cfg.recency:
             self.engine.block_pool.track_touches = True
-        return msgspec.structs.replace(
-            ready, kv_events_endpoint=self.publisher.endpoint,
-            kv_events_replay_endpoint=self.publisher.replay_endpoint,
-            kv_events_topic=ev_cfg.topic, kv_events_recency=bool(ev_cfg.recency),
-            epoch=self.publisher.epoch)
+        events = KVEventsInfo(endpoint=self.publisher.endpoint,
+                              replay_endpoint=self.publisher.replay_endpoint,
+                              topic=ev_cfg.topic, recency=ev_cfg.recency)
+        return msgspec.structs.replace(ready, kv_events=events, epoch=self.publisher.epoch)
 
     # --- threads --------------------------------------------------------------------------
     def _input_loop(self) -> None:

@@ -10,7 +10,7 @@ hashes differ across processes unless a seed is given).
     xxhash       xxh3-128 over pickle protocol 5
     xxhash_cbor  xxh3-128 over canonical CBOR
 
-KV events carry `event_int(hash)`: the last 8 bytes of the digest, big-endian, unsigned.
+KV events carry `kvloop.events.types.event_int(hash)`: the digest's last 8 bytes, big-endian.
 
 llm-d (`llmd_block_keys`): FNV-1a 64 over canonical CBOR, rooted at
 `FNV(CBOR([FNV(seed), None, model_name]))`, one key per full block.
@@ -140,11 +140,6 @@ def event_extra_keys(extra: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         else:
             out.append(key[1])
     return tuple(out)
-
-
-def event_int(block_hash: bytes) -> int:
-    """The 64-bit integer KV events carry: the digest's last 8 bytes, big-endian."""
-    return int.from_bytes(block_hash, "big") & _INT64_MASK
 
 
 class BlockHasher:

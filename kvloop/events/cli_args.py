@@ -2,8 +2,9 @@
 
 - `register(subparsers)`: adds `kvloop events tail` (picked up by kvloop/cli.py).
 - `add_publisher_args(parser)` / `publisher_config_from_args(args)`: the publisher's flags
-  (`--kv-events-endpoint`, `--kv-events-replay-endpoint`, `--kv-events-topic`, ...) for any
-  command that runs an engine, e.g. `kvloop serve`.
+  (`--enable-kv-cache-events`, `--kv-events-endpoint`, `--kv-events-replay-endpoint`,
+  `--kv-events-topic`, ...) and the `KVEventsConfig` they make, for any command that runs an
+  engine: `kvloop serve` takes them from here.
 
 Nothing heavy is imported here: the subscriber and zmq load only when a command runs.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from kvloop.events.config import KVEventsConfig
 
 
 def register(subparsers: Any) -> None:
@@ -54,37 +57,32 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
 
 def add_publisher_args(parser: argparse.ArgumentParser) -> None:
-    """The KV-event publisher's flags (vLLM's names where vLLM has the concept)."""
+    """The KV-event publisher's flags (vLLM's names where vLLM has the concept); read them
+    with `publisher_config_from_args`."""
     g = parser.add_argument_group("KV-cache events")
+    g.add_argument("--enable-kv-cache-events", action="store_true",
+                   help="publish KV-cache events (on an ephemeral port unless "
+                        "--kv-events-endpoint says where)")
     g.add_argument("--kv-events-endpoint", default=None,
-                   help="publish KV events on this PUB address (bound; '>' prefix = "
-                        "connect); tcp://127.0.0.1:0 = ephemeral. Events are off without it")
+                   help="ZMQ PUB endpoint of the KV events (implies --enable-kv-cache-events), "
+                        "e.g. tcp://127.0.0.1:0 (default: an ephemeral loopback port)")
     g.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="ROUTER address for replay, snapshots and epoch queries (bound)")
-    g.add_argument("--kv-events-topic", default="", help="topic of the event frames")
-    g.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
-                   help="batches kept for replay (vLLM's default 10000)")
-    g.add_argument("--kv-events-heartbeat-interval", type=float, default=1.0,
-                   help="seconds between heartbeats")
-    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
-                   default=None, help="heartbeats on their own topic (default: on when the "
-                                      "topic is non-empty)")
+                   help="ZMQ ROUTER endpoint serving replays of recent batches (default: none)")
+    g.add_argument("--kv-events-topic", default="",
+                   help="topic of the event messages (default: empty)")
     g.add_argument("--kv-events-recency", action="store_true",
-                   help="publish cache-hit (touch) notices on their own topic")
-    g.add_argument("--kv-events-recency-interval", type=float, default=0.5,
-                   help="seconds between recency notices")
+                   help="also publish the hashes of prefix-cache hits (recency topic)")
+    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
+                   default=None, help="heartbeats on their own topic (default: on when "
+                                      "--kv-events-topic is not empty)")
 
 
-def publisher_config_from_args(args: argparse.Namespace, data_parallel_rank: int = 0):
-    """A KVEventsConfig from `add_publisher_args` flags, or None when events are off."""
-    if args.kv_events_endpoint is None:
+def publisher_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:
+    """The `KVEventsConfig` of `add_publisher_args`' flags, or None when events are off.
+    Raises ValueError for an endpoint the publisher cannot use."""
+    if args.kv_events_endpoint is None and not args.enable_kv_cache_events:
         return None
-    from kvloop.events.publisher import KVEventsConfig
-
-    return KVEventsConfig(
-        endpoint=args.kv_events_endpoint, replay_endpoint=args.kv_events_replay_endpoint,
-        topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer_steps,
-        heartbeat_interval_s=args.kv_events_heartbeat_interval,
-        heartbeat=args.kv_events_heartbeat, recency=args.kv_events_recency,
-        recency_interval_s=args.kv_events_recency_interval,
-        data_parallel_rank=data_parallel_rank)
+    return KVEventsConfig(endpoint=args.kv_events_endpoint,
+                          replay_endpoint=args.kv_events_replay_endpoint,
+                          topic=args.kv_events_topic, recency=args.kv_events_recency,
+                          heartbeat=args.kv_events_heartbeat)

@@ -9,8 +9,8 @@ batches unchanged:
   declaration order; fields without a default are always present, defaulted fields equal to
   their default are omitted.
 
-Block hashes are 64-bit integers by default (the last 8 bytes of the digest, big-endian), or
-raw digest bytes when configured so.
+Block hashes are 64-bit integers by default (`event_int`: the last 8 bytes of the digest,
+big-endian), or raw digest bytes when configured so.
 """
 
 from __future__ import annotations
@@ -20,9 +20,16 @@ from typing import Any
 import msgspec
 
 ExternalBlockHash = bytes | int
+_INT64_MASK = (1 << 64) - 1
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+
+
+def event_int(block_hash: bytes) -> int:
+    """The 64-bit integer KV events carry for a block hash: the digest's last 8 bytes,
+    big-endian, unsigned (vLLM's default)."""
+    return int.from_bytes(block_hash, "big") & _INT64_MASK
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvloop.config import ROLES
 from kvloop.router.config import (
     POLICIES,
-    ROLES,
     CostConfig,
     HashSpec,
     IndexConfig,

@@ -12,7 +12,6 @@ from kvloop.server.auth import AuthConfig, check_key
 from kvloop.server.http_limits import HttpLimits
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)

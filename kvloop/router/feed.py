@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvloop.core.hashing import BlockHasher, event_int
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvloop.core.hashing import BlockHasher
+from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, event_int
 from kvloop.router.index import PrefixIndex, to_u64
 from kvloop.router.registry import EventCounters
 

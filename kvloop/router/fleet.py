@@ -27,7 +27,8 @@ from collections import deque
 from dataclasses import dataclass
 from types import FrameType
 
-from kvloop.router.config import ROLES, RouterConfig
+from kvloop.config import ROLES
+from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import API_KEY_ENV
 

@@ -12,7 +12,8 @@ Keys (`kvloop.server.auth`, checked by the same middleware as the API server's):
 --admin-api-key. The router presents --worker-api-key to every worker, on polls and forwarded
 requests (the client's Authorization header is then not passed on). A worker registered at
 run time is probed first and refused (4xx, with the reason) unless it answers /kvloop/worker
-with the fleet's hashing (block size, algorithm, seed) and accepts the router's key.
+with a body that decodes as `WorkerDescription` (the server's `WorkerInfo`), with the fleet's
+hashing (block size, algorithm, seed), and accepts the router's key.
 
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
@@ -39,6 +40,7 @@ from urllib.parse import quote
 
 import anyio
 import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -46,7 +48,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.router.prompts import PromptError, PromptTokenizer
-from kvloop.router.registry import LoadSnapshot, WorkerDescription, WorkerSpec, WorkerState
+from kvloop.router.registry import (
+    LoadSnapshot,
+    WorkerDescription,
+    WorkerSpec,
+    WorkerState,
+    event_source,
+)
 from kvloop.router.router import NoWorkerError, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
 from kvloop.server.guard import install
@@ -148,29 +156,38 @@ class RouterApp:
             self.router.registry.add(spec)
         try:
             desc = await self._describe(spec)
-        except (httpx.HTTPError, ValueError) as e:
-            reason = f"cannot reach {spec.url}{WORKER_INFO_PATH}: {e!r}"
-            log.warning("worker %s registered but unreachable: %s", spec.name, reason)
+        except (httpx.HTTPError, BadWorkerAnswer) as e:
+            reason = _describe_failure(spec, e)
+            log.warning("worker %s registered but down: %s", spec.name, reason)
             self.router.registry.note_unreachable(spec.name, reason)
             return {"worker": spec.name, "up": False, "warnings": [reason]}
         key_warnings = _key_problems(spec, desc, bool(self.worker_headers))
         for w in key_warnings:
             log.warning("%s", w)
         warnings = self.router.register(spec, desc) + key_warnings
+        source = event_source(spec, desc)
         log.info("worker %s registered: role %s, model %r, %s blocks, events %s, epoch %s",
-                 spec.name, spec.role, desc.model, desc.capacity_blocks,
-                 spec.events_endpoint or desc.events_endpoint, desc.epoch)
+                 spec.name, spec.role, desc.model if desc else None,
+                 desc.kv_capacity_blocks if desc else None,
+                 source.endpoint if source else None, desc.epoch if desc else None)
         return {"worker": spec.name, "up": True, "warnings": warnings}
 
-    async def _describe(self, spec: WorkerSpec) -> WorkerDescription:
+    async def _describe(self, spec: WorkerSpec) -> WorkerDescription | None:
+        """The worker's `GET /kvloop/worker` answer; None when it has no such route (no
+        kvloop worker: no hashing facts, no advertised events). Raises httpx.HTTPError when
+        it cannot be asked, BadWorkerAnswer when its answer does not decode."""
         assert self.client is not None
         lv = self.router.config.liveness
         r = await self.client.get(spec.url + WORKER_INFO_PATH,
                                   timeout=lv.connect_timeout_s)
         if r.status_code == 404:
-            return WorkerDescription()  # not a kvloop worker: no hashing facts, no events
+            return None
         r.raise_for_status()
-        return WorkerDescription.from_json(r.json())
+        try:
+            return _DESCRIPTION.decode(r.content)
+        except msgspec.DecodeError as e:   # malformed JSON, or a missing or mistyped field
+            raise BadWorkerAnswer(f"{spec.url}{WORKER_INFO_PATH} answered what this router "
+                                  f"cannot read: {e}") from e
 
     async def _poll_loop(self) -> None:
         interval = self.router.config.liveness.poll_interval_s
@@ -193,15 +210,19 @@ class RouterApp:
         if not w.up or describe:
             try:
                 desc = await self._describe(w.spec)
-            except (httpx.HTTPError, ValueError) as e:
-                self.router.worker_down(w.name, f"{WORKER_INFO_PATH} failed: {e!r}")
+            except (httpx.HTTPError, BadWorkerAnswer) as e:
+                reason = _describe_failure(w.spec, e)
+                self.router.worker_down(w.name, reason)
+                self.router.registry.note_unreachable(w.name, reason)   # if never up
                 return
-            if not w.up or desc.epoch != w.description.epoch:
+            epoch = desc.epoch if desc else None
+            known = w.description.epoch if w.description else None
+            if not w.up or epoch != known:
                 if w.up:
                     log.warning("worker %s restarted (epoch %s -> %s): re-indexing", w.name,
-                                w.description.epoch, desc.epoch)
+                                known, epoch)
                 else:
-                    log.warning("worker %s is back (epoch %s)", w.name, desc.epoch)
+                    log.warning("worker %s is back (epoch %s)", w.name, epoch)
                 self.router.register(w.spec, desc)
         await self._poll_load(w)
 
@@ -257,8 +278,9 @@ class RouterApp:
     def _fleet_model(self) -> str | None:
         """The model whose tokenizer the workers use (its path when they report one)."""
         for w in self.router.registry.all():
-            if w.up and (w.description.model_path or w.description.model):
-                return w.description.model_path or w.description.model
+            d = w.description
+            if w.up and d is not None and (d.model_path or d.model):
+                return d.model_path or d.model
         return None
 
     async def _send(self, path: str, raw: bytes, body: dict[str, Any], tokens: list[int],
@@ -378,9 +400,14 @@ class RouterApp:
             return error_response(f"worker {spec.name} is already registered", 409)
         try:
             desc = await self._describe(spec)
-        except (httpx.HTTPError, ValueError) as e:
-            return error_response(f"worker {spec.name} not registered: GET {spec.url}"
-                                  f"{WORKER_INFO_PATH} failed: {e!r}", 422)
+        except (httpx.HTTPError, BadWorkerAnswer) as e:
+            return error_response(f"worker {spec.name} not registered: "
+                                  f"{_describe_failure(spec, e)}", 422)
+        if desc is None:
+            return error_response(f"worker {spec.name} not registered: {spec.url}"
+                                  f"{WORKER_INFO_PATH} answered 404, so no hashing facts "
+                                  "(block_size, hash_algo, hash_seed): not a kvloop worker?",
+                                  422)
         refusal = self._refusal(spec, desc)
         if refusal is not None:
             code, reason = refusal
@@ -398,9 +425,6 @@ class RouterApp:
 
     def _refusal(self, spec: WorkerSpec, desc: WorkerDescription) -> tuple[int, str] | None:
         """(status, reason) when a worker answering `desc` must not join, else None."""
-        if desc.hash_spec() is None:
-            return 422, (f"{spec.url}{WORKER_INFO_PATH} gave no hashing facts (block_size, "
-                         "hash_algo, hash_seed): not a kvloop worker?")
         key_problems = _key_problems(spec, desc, bool(self.worker_headers))
         if key_problems and self.worker_headers:  # without a key, clients' keys may do
             return 422, key_problems[0]
@@ -510,9 +534,25 @@ def _response_headers(r: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
-def _key_problems(spec: WorkerSpec, desc: WorkerDescription, has_key: bool) -> list[str]:
-    """Why requests forwarded to the worker would get 401 (empty: they would not)."""
-    if not desc.api_key_required or desc.api_key_accepted:
+class BadWorkerAnswer(ValueError):
+    """A worker's `GET /kvloop/worker` answer that does not decode as a `WorkerDescription`."""
+
+
+_DESCRIPTION = msgspec.json.Decoder(WorkerDescription)
+
+
+def _describe_failure(spec: WorkerSpec, e: Exception) -> str:
+    """Why asking `spec` for its description failed (the reason a registration names)."""
+    if isinstance(e, BadWorkerAnswer):
+        return str(e)
+    return f"GET {spec.url}{WORKER_INFO_PATH} failed: {e!r}"
+
+
+def _key_problems(spec: WorkerSpec, desc: WorkerDescription | None,
+                  has_key: bool) -> list[str]:
+    """Why requests forwarded to the worker would get 401 (empty: they would not, or a worker
+    that is no kvloop one does not say)."""
+    if desc is None or not desc.api_key_required or desc.api_key_accepted:
         return []
     if has_key:
         return [f"{spec.name} requires an API key and refused the router's "

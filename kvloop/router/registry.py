@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvloop.router.config import ROLES, HashSpec, LivenessConfig
+from kvloop.config import ROLES
+from kvloop.router.config import HashSpec, LivenessConfig
+from kvloop.wire import WorkerInfo
 
 CONFIG_MISMATCH = "config_mismatch"
 NO_EVENT_SOURCE = "no_event_source"
@@ -97,78 +99,23 @@ class WorkerSpec:
         return urlsplit(self.url).netloc
 
 
-@dataclass(frozen=True)
-class WorkerDescription:
-    """What a worker says about itself (GET /kvloop/worker)."""
+class WorkerDescription(WorkerInfo, frozen=True, kw_only=True):
+    """What a kvloop worker says about itself: its `GET /kvloop/worker` answer, decoded as the
+    server's `WorkerInfo` (no field of its own; an answer that does not decode is refused)."""
 
-    model: str = ""
-    block_size: int | None = None
-    hash_algo: str | None = None
-    hash_seed: str | None = None
-    capacity_blocks: int | None = None
-    events_endpoint: str | None = None
-    replay_endpoint: str | None = None
-    topic: str = ""
-    role: str | None = None
-    epoch: str | None = None
-    model_path: str | None = None
-    api_key_required: bool = False
-    api_key_accepted: bool = False
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> WorkerDescription:
-        """Accepts flat or nested (`hash: {...}`, `kv_events: {...}`) layouts."""
-        h: dict[str, Any] = d["hash"] if isinstance(d.get("hash"), dict) else {}
-        ev: dict[str, Any] = d["kv_events"] if isinstance(d.get("kv_events"), dict) else {}
-        return cls(
-            model=str(_first(d, "model", "model_name", default="")),
-            block_size=_int(_first(d, "block_size", default=None)),
-            hash_algo=_first(h, "algorithm", "algo", default=None)
-            or _first(d, "hash_algo", "hash_algorithm", "prefix_caching_hash_algo",
-                      default=None),
-            hash_seed=_str(_first(h, "seed", default=None)
-                           or _first(d, "hash_seed", default=None)),
-            capacity_blocks=_int(_first(d, "kv_capacity_blocks", "capacity_blocks",
-                                        default=None)),
-            events_endpoint=_first(ev, "endpoint", default=None)
-            or _first(d, "kv_events_endpoint", "events_endpoint", default=None),
-            replay_endpoint=_first(ev, "replay_endpoint", default=None)
-            or _first(d, "kv_events_replay_endpoint", "replay_endpoint", default=None),
-            topic=str(_first(ev, "topic", default="") or _first(d, "kv_events_topic",
-                                                                   default="")),
-            role=_first(d, "role", default=None),
-            epoch=_str(_first(d, "epoch", default=None)),
-            model_path=_first(d, "model_path", default=None),
-            api_key_required=bool(d.get("api_key_required", False)),
-            api_key_accepted=bool(d.get("api_key_accepted", False)),
-        )
-
-    def event_source(self, spec: WorkerSpec) -> EventSource | None:
-        """The worker's advertised event endpoints, overridden by the spec's."""
-        endpoint = spec.events_endpoint or self.events_endpoint
-        if endpoint is None:
-            return None
-        return EventSource(endpoint, spec.replay_endpoint or self.replay_endpoint, self.topic)
-
-    def hash_spec(self) -> HashSpec | None:
-        if self.block_size is None or self.hash_algo is None or self.hash_seed is None:
-            return None
+    def hash_spec(self) -> HashSpec:
         return HashSpec(self.block_size, self.hash_algo, self.hash_seed)
 
 
-def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
-    for k in keys:
-        if d.get(k) is not None:
-            return d[k]
-    return default
-
-
-def _int(v: Any) -> int | None:
-    return None if v is None else int(v)
-
-
-def _str(v: Any) -> str | None:
-    return None if v is None else str(v)
+def event_source(spec: WorkerSpec, desc: WorkerDescription | None) -> EventSource | None:
+    """Where the worker's KV events come from: the endpoints it advertises, overridden by the
+    spec's (`desc` None: not a kvloop worker, only the spec's)."""
+    ev = desc.kv_events if desc is not None else None
+    endpoint = spec.events_endpoint or (ev.endpoint if ev is not None else None)
+    if endpoint is None:
+        return None
+    replay = spec.replay_endpoint or (ev.replay_endpoint if ev is not None else None)
+    return EventSource(endpoint, replay, ev.topic if ev is not None else "")
 
 
 @dataclass(frozen=True)
@@ -272,7 +219,7 @@ class WorkerState:
     def __init__(self, spec: WorkerSpec, cfg: LivenessConfig, now: float):
         self.spec = spec
         self.name = spec.name
-        self.description = WorkerDescription()
+        self.description: WorkerDescription | None = None   # None: not probed, or no kvloop
         self.up = False
         self.down_reason = "not probed yet"
         self.load = LoadSnapshot()
@@ -338,7 +285,7 @@ class Registry:
         return [w for w in self.all() if w.up and w.role in roles]
 
     # --- liveness -------------------------------------------------------------------------
-    def mark_up(self, name: str, description: WorkerDescription) -> None:
+    def mark_up(self, name: str, description: WorkerDescription | None) -> None:
         with self._lock:
             w = self._workers[name]
             w.description = description

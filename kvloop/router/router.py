@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvloop.core.hashing import BlockHasher, block_extra_keys, event_int
+from kvloop.core.hashing import BlockHasher, block_extra_keys
+from kvloop.events.types import event_int
 from kvloop.router.config import HashSpec, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.index import PrefixIndex
@@ -39,6 +40,7 @@ from kvloop.router.registry import (
     WorkerDescription,
     WorkerSpec,
     WorkerState,
+    event_source,
 )
 from kvloop.router.scorer import Candidate, Decision, RouteRequest, hit_tokens, make_policy
 
@@ -99,8 +101,9 @@ class Router:
         return None if spec is None else BlockHasher(spec.block_size, spec.algo, spec.seed)
 
     # --- membership -----------------------------------------------------------------------
-    def register(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
-        """Add (or refresh) a worker that answered with `desc`; returns warnings.
+    def register(self, spec: WorkerSpec, desc: WorkerDescription | None) -> list[str]:
+        """Add (or refresh) a worker that answered with `desc` (None: it is no kvloop worker,
+        so its hashing is not known); returns warnings.
 
         The first worker that discloses its hashing fixes the fleet's, unless the config
         did. A worker that disagrees (block size, algorithm, seed, role) is kept for
@@ -108,14 +111,14 @@ class Router:
         """
         with self._lock:
             w = self.registry.get(spec.name) or self.registry.add(spec)
-            offered = desc.hash_spec()
+            offered = desc.hash_spec() if desc is not None else None
             if self.hash_spec is None and offered is not None:
                 self.hash_spec = offered
                 self.hasher = self._make_hasher(offered)
                 log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
                 self._rehash_feeds()
-            self.index.add_worker(spec.name, desc.capacity_blocks)
-            identity = (desc.epoch, desc.event_source(spec))
+            self.index.add_worker(spec.name, _capacity(desc))
+            identity = (desc.epoch if desc is not None else None, event_source(spec, desc))
             renewed = self._epochs.get(spec.name) != identity
             self._epochs[spec.name] = identity
             if renewed:
@@ -152,14 +155,14 @@ class Router:
                     "to other workers", name, reason, dropped)
 
     def _restart_feed(self, w: WorkerState, spec: WorkerSpec,
-                      desc: WorkerDescription) -> None:
+                      desc: WorkerDescription | None) -> None:
         self._stop_feed(w.name)
         self.index.clear_worker(w.name)
         self.registry.restart_liveness(w.name)
         feed = EventFeed(w.name, self.index, self.hasher, w.events, self._on_mismatch,
                          self.registry.note_signal)
         self._feeds[w.name] = feed
-        source = desc.event_source(spec)
+        source = event_source(spec, desc)
         if source is None or self._subscriber_factory is None:
             w.subscriber_stats = None
             return
@@ -186,7 +189,7 @@ class Router:
         return self._feeds.get(name)
 
     def _check_worker(self, w: WorkerState, spec: WorkerSpec,
-                      desc: WorkerDescription) -> list[str]:
+                      desc: WorkerDescription | None) -> list[str]:
         problems = self._mismatches(spec, desc)
         warnings: list[str] = []
         if problems:
@@ -198,7 +201,7 @@ class Router:
             warnings.append(f"{w.name}: {detail}")
         else:
             self._clear(w.name, CONFIG_MISMATCH)
-        if desc.event_source(spec) is None:
+        if event_source(spec, desc) is None:
             self._raise(w.name, NO_EVENT_SOURCE, "it advertises no KV-event endpoint")
             warnings.append(f"{w.name}: no KV-event endpoint")
         else:
@@ -214,13 +217,15 @@ class Router:
             for field, theirs, ours in (("block size", desc.block_size, fleet.block_size),
                                         ("hash algorithm", desc.hash_algo, fleet.algo),
                                         ("hash seed", desc.hash_seed, fleet.seed)):
-                if theirs is not None and theirs != ours:
+                if theirs != ours:
                     out.append(f"{field} {theirs!r} differs from the fleet's {ours!r}")
         return out
 
-    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription) -> list[str]:
+    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription | None) -> list[str]:
+        if desc is None:
+            return []
         out = self.hashing_mismatches(desc)
-        if desc.role is not None and desc.role != spec.role:
+        if desc.role != spec.role:
             out.append(f"it serves role {desc.role!r} but was registered as {spec.role!r}")
         return out
 
@@ -311,7 +316,7 @@ class Router:
             in_flight=w.in_flight(), prefilling=len(prefilling),
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
-            capacity_blocks=w.description.capacity_blocks,
+            capacity_blocks=_capacity(w.description),
             indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name))
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
@@ -371,7 +376,7 @@ class Router:
             "alarms": {k: a.message for k, a in w.alarms.items()},
             "in_flight": w.in_flight(), "served": w.served, "failed": w.failed,
             "index_blocks": self.index.worker_blocks(w.name),
-            "epoch": w.description.epoch,
+            "epoch": w.description.epoch if w.description is not None else None,
             "events": {
                 "batches": e.batches, "stored_blocks": e.stored_blocks,
                 "removed_blocks": e.removed_blocks, "cleared": e.cleared,
@@ -407,3 +412,8 @@ def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
         return hashes[0]
     digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _capacity(desc: WorkerDescription | None) -> int | None:
+    """The worker's usable KV blocks (None: not known)."""
+    return desc.kv_capacity_blocks if desc is not None else None

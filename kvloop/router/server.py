@@ -19,7 +19,7 @@ import uvicorn
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
-from kvloop.router.registry import WorkerSpec
+from kvloop.router.registry import WorkerSpec, event_source
 from kvloop.router.router import Router, SubscriberFactory
 from kvloop.server.guard import http_protocol
 from kvloop.server.sockets import bind_tcp, http_url
@@ -76,9 +76,9 @@ def announce(server: RouterServer) -> None:
     for w in server.router.registry.all():
         d = w.description
         state = "up" if w.up else f"DOWN ({w.down_reason})"
-        events = d.event_source(w.spec)
-        print(f"  worker {w.name}: {state}, role {w.role}, model {d.model or '?'}, "
-              f"{d.capacity_blocks or '?'} blocks, events "
+        events = event_source(w.spec, d)
+        print(f"  worker {w.name}: {state}, role {w.role}, model {d.model if d else '?'}, "
+              f"{d.kv_capacity_blocks if d else '?'} blocks, events "
               f"{events.endpoint if events else 'none'}"
               f"{' replay ' + events.replay_endpoint if events and events.replay_endpoint else ''}",
               flush=True)

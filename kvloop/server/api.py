@@ -11,16 +11,19 @@ Every error, including request-validation errors, is answered with vLLM's shape
 gets there.
 
 The published schema (`/openapi.json`) says what each route really answers: its body types
-(the TypedDicts of `openai.py`, event by event for a stream), its status codes and content
+(the TypedDicts of `openai.py`, event by event for a stream; for `WIRE_BODIES`, encoded by
+msgspec, the schema of their Structs in `kvloop/wire.py`), its status codes and content
 types (`_answers`). `tests/test_serve_schema.py` holds a live server to it with schemathesis.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import Any, cast
+from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -42,7 +45,6 @@ from kvloop.server.openai import (
     DetokenizeResponse,
     EngineStats,
     ErrorResponse,
-    KVEventsInfo,
     LoadResponse,
     ModelCard,
     ModelList,
@@ -50,7 +52,6 @@ from kvloop.server.openai import (
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
-    WorkerInfo,
     error_body,
     http_error_body,
 )
@@ -61,12 +62,15 @@ from kvloop.server.serving import (
     create_completion,
     encode,
 )
+from kvloop.wire import EngineFacts, KVEventsInfo, WorkerInfo
 
 logger = logging.getLogger("kvloop.server")
 
 SERVER_RULES = RouteRules(public=(*PUBLIC_PATHS, WORKER_INFO_PATH),
                           admin=frozenset({("POST", "/reset_prefix_cache")}))
-PRIVATE_FIELDS = ("model_path", "api_pid", "engine_pid")
+KVEventSources = dict[str, KVEventsInfo | None]   # GET /kv_event_sources: engine index -> events
+# bodies encoded by msgspec: their schema is msgspec's (`msgspec.json.schema_components`)
+WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources)
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
               "function-before", "list[int]", "list[str]", "list[list[int]]"}
@@ -161,6 +165,8 @@ def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any
     object."""
     assert stream is None or stream in _STREAMED, stream
     ok_response: dict[str, Any] = {} if ok is None else {"model": ok}
+    if ok in WIRE_BODIES:
+        ok_response = {"content": {"application/json": {"schema": _wire_schema(ok)}}}
     if stream is not None:
         ok_response["content"] = {"text/event-stream": _event_stream(stream)}
     responses: dict[int | str, dict[str, Any]] = {200: ok_response}
@@ -169,6 +175,16 @@ def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any
         if code == 503:
             responses[code]["headers"] = _RETRY_AFTER
     return {"response_model": None, "responses": responses}
+
+
+@functools.cache
+def _wire_schemas() -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """msgspec's JSON schemas of `WIRE_BODIES` (in order) and of the types they refer to."""
+    return msgspec.json.schema_components(WIRE_BODIES, ref_template=_REF.format(model="{name}"))
+
+
+def _wire_schema(body: Any) -> dict[str, Any]:
+    return _wire_schemas()[0][WIRE_BODIES.index(body)]
 
 
 def _error_answer(code: int) -> dict[str, Any]:
@@ -204,6 +220,8 @@ class KvloopAPI(FastAPI):
             for name, definition in event_schema.pop("$defs", {}).items():
                 components.setdefault(name, definition)
             components.setdefault(event.__name__, event_schema)
+        for name, definition in _wire_schemas()[1].items():
+            components.setdefault(name, definition)
         return schema
 
 
@@ -313,16 +331,12 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(WORKER_INFO_PATH, **_answers(WorkerInfo))
-    async def worker(request: Request) -> WorkerInfo:
-        info = worker_description(ctx, private=sees_private(ctx, request))
-        accepted = ctx.config.auth.identify(request.headers.get("authorization"))
-        info["api_key_required"] = bool(ctx.config.auth.api_keys)
-        info["api_key_accepted"] = accepted in (Caller.API, Caller.ADMIN)
-        return info
+    async def worker(request: Request) -> Response:
+        return _wire_json(worker_description(ctx, request))
 
-    @app.get("/kv_event_sources", **_answers(dict[str, KVEventsInfo | None]))
-    async def kv_event_sources(request: Request) -> dict[str, KVEventsInfo | None]:
-        return {"0": worker_description(ctx, private=sees_private(ctx, request))["kv_events"]}
+    @app.get("/kv_event_sources", **_answers(KVEventSources))
+    async def kv_event_sources(request: Request) -> Response:
+        return _wire_json({"0": _kv_events(ctx.ready.kv_events, sees_private(ctx, request))})
 
     @app.get("/kvloop/stats", **_answers(EngineStats, 503))
     async def stats() -> EngineStats:
@@ -345,40 +359,36 @@ def sees_private(ctx: ServerContext, request: Request) -> bool:
                                         request.client.host if request.client else None)
 
 
-def _endpoint(address: str | None, private: bool) -> str | None:
-    """An event endpoint; an ipc:// one names a file, shown only with private facts."""
-    return address if private or not (address or "").startswith("ipc://") else None
+def _wire_json(body: Any) -> Response:
+    """A body of one of `WIRE_BODIES`, encoded by msgspec."""
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def worker_description(ctx: ServerContext, private: bool = True) -> WorkerInfo:
-    """What a router reads when this worker registers; without `private`, no process ids
-    and no file paths (`PRIVATE_FIELDS`, ipc:// event endpoints)."""
-    r = ctx.ready
-    events: KVEventsInfo | None = None
-    if r.kv_events_endpoint is not None:
-        events = {"endpoint": _endpoint(r.kv_events_endpoint, private),
-                  "replay_endpoint": _endpoint(r.kv_events_replay_endpoint, private),
-                  "topic": r.kv_events_topic or "", "recency": r.kv_events_recency}
-    info: WorkerInfo = {
-        "model": ctx.config.model_name,
-        "served_model_names": list(ctx.config.served_model_names),
-        "model_path": ctx.config.model_path,
-        "role": ctx.config.role,
-        "epoch": r.epoch,
-        "block_size": r.block_size,
-        "hash_algo": r.hash_algo,
-        "hash_seed": r.hash_seed,
-        "enable_prefix_caching": r.enable_prefix_caching,
-        "num_gpu_blocks": r.num_gpu_blocks,
-        "kv_capacity_blocks": r.num_gpu_blocks - 1,
-        "max_model_len": r.max_model_len,
-        "max_num_batched_tokens": r.max_num_batched_tokens,
-        "max_num_seqs": r.max_num_seqs,
-        "kv_events": events,
-        "api_pid": os.getpid(),
-        "engine_pid": r.pid,
-        "version": kvloop.__version__,
-    }
-    if private:
-        return info
-    return cast(WorkerInfo, {k: v for k, v in info.items() if k not in PRIVATE_FIELDS})
+def _public(address: str | None) -> str | None:
+    """An event endpoint a caller without private facts may see: an ipc:// one names a file."""
+    return None if (address or "").startswith("ipc://") else address
+
+
+def _kv_events(events: KVEventsInfo | None, private: bool) -> KVEventsInfo | None:
+    if events is None or private:
+        return events
+    return msgspec.structs.replace(events, endpoint=_public(events.endpoint),
+                                   replay_endpoint=_public(events.replay_endpoint))
+
+
+def worker_description(ctx: ServerContext, request: Request) -> WorkerInfo:
+    """What a router reads when this worker registers: the engine's facts from its handshake
+    and the server's. A caller who may not see private facts (`sees_private`) gets no
+    process ids, model path or ipc:// event endpoints."""
+    r, cfg = ctx.ready, ctx.config
+    private = sees_private(ctx, request)
+    facts = {name: getattr(r, name) for name in EngineFacts.__struct_fields__}
+    facts["kv_events"] = _kv_events(r.kv_events, private)
+    hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
+                              "engine_pid": r.pid}
+    caller = cfg.auth.identify(request.headers.get("authorization"))
+    return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
+                      served_model_names=list(cfg.served_model_names), role=cfg.role,
+                      kv_capacity_blocks=r.num_gpu_blocks - 1, version=kvloop.__version__,
+                      api_key_required=bool(cfg.auth.api_keys),
+                      api_key_accepted=caller in (Caller.API, Caller.ADMIN))

@@ -30,6 +30,7 @@ from kvloop.config import (
     SchedulerConfig,
     SimSettings,
 )
+from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import ROLES, UVICORN_LOG_LEVELS, ServeConfig, log_stats_interval
 from kvloop.server.http_limits import add_limit_args, http_limits
@@ -82,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_model_args(p)
     _add_engine_args(p)
     _add_server_args(p)
-    _add_events_args(p)
+    add_publisher_args(p)
     _add_logging_args(p)
     _add_security_args(p)
     p.set_defaults(func=run_serve)
@@ -184,25 +185,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "/health, get 503; 0 ends them at once, as vLLM")
     g.add_argument("--engine-start-timeout", type=float, default=900.0,
                    help="seconds the engine core may take to load the model")
-
-
-def _add_events_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("KV-cache events")
-    g.add_argument("--enable-kv-cache-events", action="store_true",
-                   help="publish KV-cache events (on an ephemeral port unless "
-                        "--kv-events-endpoint says where)")
-    g.add_argument("--kv-events-endpoint", default=None,
-                   help="ZMQ PUB endpoint of the KV events (implies --enable-kv-cache-events), "
-                        "e.g. tcp://127.0.0.1:0 (default: an ephemeral loopback port)")
-    g.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="ZMQ ROUTER endpoint serving replays of recent batches (default: none)")
-    g.add_argument("--kv-events-topic", default="",
-                   help="topic of the event messages (default: empty)")
-    g.add_argument("--kv-events-recency", action="store_true",
-                   help="also publish the hashes of prefix-cache hits (recency topic)")
-    g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
-                   default=None, help="heartbeats on their own topic (default: on when "
-                                      "--kv-events-topic is not empty)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -315,15 +297,6 @@ def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,
                         vocab_size=sim.vocab_size, text_token_ids=sim.text_token_ids))
 
 
-def kv_events_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
-    if args.kv_events_endpoint is None and not args.enable_kv_cache_events:
-        return None
-    return {"endpoint": args.kv_events_endpoint,
-            "replay_endpoint": args.kv_events_replay_endpoint,
-            "topic": args.kv_events_topic, "recency": args.kv_events_recency,
-            "heartbeat": args.kv_events_heartbeat}
-
-
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
     """Flags -> (server config, engine start config, tokenizer). Raises ValueError, or
     FileNotFoundError for a --sim-model that is not there."""
@@ -342,7 +315,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
         runner = sim_runner_config(args, runner, sim)
     start = EngineStartConfig(engine=engine_config(args), runner=runner,
                               input_address="", output_address="",
-                              trace_file=args.trace_file, kv_events=kv_events_kwargs(args),
+                              trace_file=args.trace_file,
+                              kv_events=publisher_config_from_args(args),
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout)
     model_path = sim.source if sim is not None else (model or None)

@@ -46,8 +46,10 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineHandshake,
     EngineReady,
     EngineStartConfig,
+    EngineStartFailed,
     RequestType,
     UtilityOutput,
     UtilityRequest,
@@ -68,6 +70,20 @@ class EngineDeadError(RuntimeError):
 
 class ServerShuttingDown(RuntimeError):
     """The server is stopping: in-flight requests end, new ones are refused."""
+
+
+def _decode_handshake(payload: bytes) -> EngineReady:
+    """The engine's `EngineReady`; EngineStartError when it failed to start or sent
+    something else (another kvloop version)."""
+    try:
+        msg = msgspec.msgpack.decode(payload, type=EngineHandshake)
+    except msgspec.DecodeError as e:
+        raise EngineStartError(f"engine core sent a handshake this server cannot read ({e}); "
+                               f"is it another kvloop version? (this server speaks wire "
+                               f"version {WIRE_VERSION})") from e
+    if isinstance(msg, EngineStartFailed):
+        raise EngineStartError(f"engine core failed to start: {msg.error}")
+    return msg
 
 
 @dataclass
@@ -137,9 +153,7 @@ class EngineClient:
         while time.monotonic() < deadline:
             if await self._router.poll(200):
                 identity, payload = await self._router.recv_multipart()
-                ready = msgspec.msgpack.decode(payload, type=EngineReady)
-                if ready.error is not None:
-                    raise EngineStartError(f"engine core failed to start: {ready.error}")
+                ready = _decode_handshake(payload)
                 if ready.wire_version != WIRE_VERSION:
                     raise EngineStartError(f"engine core speaks wire version "
                                            f"{ready.wire_version}, this server {WIRE_VERSION}")

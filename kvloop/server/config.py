@@ -6,10 +6,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvloop.config import ROLES, Role
 from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
 
-ROLES = ("both", "prefill", "decode")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
@@ -49,7 +49,7 @@ class ServeConfig:
     model_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    role: str = "both"
+    role: Role = "both"
     max_waiting_requests: int | None = 1024
     max_logprobs: int = 20
     max_n: int = 128

@@ -5,7 +5,8 @@ Unknown request fields are ignored (as vLLM does). Responses are plain dicts bui
 `serving.py` and `api.py`: they are written once per token when streaming, and a dict costs
 less than a model there. The TypedDicts below type those dicts (mypy checks every key and
 value) and are what the published OpenAPI schema (`/openapi.json`) says of each body;
-`NotRequired` keys are sent only when asked for (`return_token_ids`, usage chunks).
+`NotRequired` keys are sent only when asked for (`return_token_ids`, usage chunks). The body
+of `GET /kvloop/worker`, which routers decode, is a msgspec Struct: `kvloop.wire.WorkerInfo`.
 See docs/vllm-facts.md#openai-server for the parameters and their meaning.
 """
 
@@ -322,41 +323,6 @@ class VersionResponse(TypedDict):
 
 class LoadResponse(TypedDict):
     server_load: int
-
-
-class KVEventsInfo(TypedDict):
-    """Where a worker publishes its KV-cache events (`--kv-events-*` flags); an ipc://
-    endpoint (a file path) is None for a caller who may not see paths."""
-
-    endpoint: str | None
-    replay_endpoint: str | None
-    topic: str
-    recency: bool
-
-
-class WorkerInfo(TypedDict):
-    """`GET /kvloop/worker`: what a router reads when this worker registers."""
-
-    model: str
-    served_model_names: list[str]
-    model_path: NotRequired[str | None]
-    role: str
-    epoch: str | None
-    block_size: int
-    hash_algo: str
-    hash_seed: str
-    enable_prefix_caching: bool
-    num_gpu_blocks: int
-    kv_capacity_blocks: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_events: KVEventsInfo | None
-    api_pid: NotRequired[int]               # private facts: shown only to a caller with a
-    engine_pid: NotRequired[int]            # key, or on this host when no key is configured
-    version: str
-    api_key_required: NotRequired[bool]
-    api_key_accepted: NotRequired[bool]
 
 
 class EngineStats(TypedDict):
