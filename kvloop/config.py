@@ -15,6 +15,14 @@ Role = Literal["both", "prefill", "decode"]   # what a router may send a worker 
 ROLES: tuple[Role, ...] = get_args(Role)
 POLICIES = ("fcfs", "priority")
 
+# Defaults named once (vLLM's where vLLM has one); every flag, config and trace format
+# imports them.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_HASH_ALGO = "sha256"
+DEFAULT_POLICY = "fcfs"
+DEFAULT_ROLE: Role = "both"
+DEFAULT_MAX_MODEL_LEN = 8192   # until a model says otherwise (the engine's runner facts win)
+
 # The model runner's dtypes (alias -> torch name) and devices; torch-free, so the API server
 # checks `--dtype` and `--device` (for `--model sim` too) before an engine starts.
 DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
@@ -102,7 +110,7 @@ class RunnerConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     max_model_len: int | None = None
@@ -143,10 +151,10 @@ class CacheConfig:
     string; None means vLLM's rule (PYTHONHASHSEED if set, else the algorithm's default).
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_gpu_blocks: int = 1024
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO
     hash_seed: str | None = None
     watermark: float = 0.0
     enable_kv_cache_events: bool = False
@@ -173,7 +181,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 4096
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
+    policy: str = DEFAULT_POLICY
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True
     num_lookahead_tokens: int = 0

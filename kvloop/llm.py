@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from kvloop.config import (
+    DEFAULT_BLOCK_SIZE,
+    CacheConfig,
+    EngineConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams, check_context_length
 from kvloop.core.runner import Runner
@@ -87,7 +93,7 @@ class LLM:
                  dtype: str = "auto", device: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, gpu_memory_utilization: float | None = None,
@@ -247,7 +253,7 @@ class LLM:
         self.engine.shutdown()
 
 
-def engine_config(max_model_len: int, *, block_size: int = 16,
+def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                   max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvloop.config import ROLES
+from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
 from kvloop.router.config import (
+    DEFAULT_ROUTER_POLICY,
     POLICIES,
     CostConfig,
     HashSpec,
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f = subparsers.add_parser("fleet", help="N workers and a router on this host")
     f.add_argument("--workers", type=int, required=True, help="number of workers")
     f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
-    f.add_argument("--roles", default="both",
+    f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
     f.add_argument("--worker-start-timeout", type=float, default=300.0)
     add_router_args(f)
@@ -50,7 +51,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="port to listen on; 0 picks a free one (the URL is printed)")
-    g.add_argument("--policy", choices=POLICIES, default="kv-aware")
+    g.add_argument("--policy", choices=POLICIES, default=DEFAULT_ROUTER_POLICY)
     g.add_argument("--log-level", default="warning")
     g.add_argument("--random-seed", type=int, default=None, help="seed of --policy random")
     h = p.add_argument_group("fleet hashing (default: learned from the first worker)")
@@ -105,8 +106,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     if args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
         from kvloop.core.hashing import resolve_seed
 
-        algo = args.hash_algo or "sha256"
-        spec = HashSpec(args.block_size or 16, algo, resolve_seed(algo, args.hash_seed))
+        algo = args.hash_algo or DEFAULT_HASH_ALGO
+        spec = HashSpec(args.block_size or DEFAULT_BLOCK_SIZE, algo,
+                        resolve_seed(algo, args.hash_seed))
     return RouterConfig(
         host=args.host, port=args.port, policy=args.policy, random_seed=args.random_seed,
         hash_spec=spec,

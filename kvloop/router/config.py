@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
+from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.server.auth import AuthConfig, check_key
 from kvloop.server.http_limits import HttpLimits
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
+DEFAULT_ROUTER_POLICY = "kv-aware"
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,9 @@ class LivenessConfig:
 class HashSpec:
     """How the fleet hashes blocks: must equal every worker's, or its events are refused."""
 
-    block_size: int = 16
-    algo: str = "sha256"
-    seed: str = "vllm-none-hash"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    algo: str = DEFAULT_HASH_ALGO
+    seed: str = DEFAULT_CRYPTO_SEED
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -152,7 +155,7 @@ class RouterConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
-    policy: str = "kv-aware"
+    policy: str = DEFAULT_ROUTER_POLICY
     index: IndexConfig = field(default_factory=IndexConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)

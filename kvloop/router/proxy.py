@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.router.prompts import PromptError, PromptTokenizer
 from kvloop.router.registry import (
     LoadSnapshot,
@@ -368,7 +369,7 @@ class RouterApp:
     async def _ask_any_worker(self, path: str) -> Response:
         """GET `path` from the first usable worker that answers; its answer as it is."""
         assert self.client is not None
-        for w in self.router.registry.usable(("both", "decode", "prefill")):
+        for w in self.router.registry.usable(ROLES):
             try:
                 r = await self.client.get(w.spec.url + path)
             except httpx.HTTPError:
@@ -564,7 +565,7 @@ def _key_problems(spec: WorkerSpec, desc: WorkerDescription | None,
 def _spec_from_body(data: Any) -> WorkerSpec:
     if not isinstance(data, dict) or "url" not in data:
         raise ValueError("need a JSON object with 'url' (and optional role, events, replay)")
-    return WorkerSpec(str(data["url"]).rstrip("/"), str(data.get("role", "both")),
+    return WorkerSpec(str(data["url"]).rstrip("/"), str(data.get("role", DEFAULT_ROLE)),
                       data.get("events"), data.get("replay"))
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvloop.config import ROLES
+from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.router.config import HashSpec, LivenessConfig
 from kvloop.wire import WorkerInfo
 
@@ -67,7 +67,7 @@ class WorkerSpec:
     """How a worker was named to the router: `URL[,role][,events=EP][,replay=EP]`."""
 
     url: str
-    role: str = "both"
+    role: str = DEFAULT_ROLE
     events_endpoint: str | None = None
     replay_endpoint: str | None = None
 
@@ -279,7 +279,7 @@ class Registry:
         with self._lock:
             return list(self._workers.values())
 
-    def usable(self, roles: tuple[str, ...] = ("both", "prefill", "decode")
+    def usable(self, roles: tuple[str, ...] = ROLES
                ) -> list[WorkerState]:
         """Workers that are up and serve one of `roles`."""
         return [w for w in self.all() if w.up and w.role in roles]

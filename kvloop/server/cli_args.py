@@ -18,6 +18,11 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvloop.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_POLICY,
+    DEFAULT_ROLE,
     DEVICES,
     DTYPE_ALIASES,
     GPU_MEMORY_UTILIZATION,
@@ -48,7 +53,6 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512   # CPU steps: docs/serving.md
-FALLBACK_MAX_MODEL_LEN = 8192          # until the engine knows the model's
 
 
 def parse_size(text: str) -> int:
@@ -136,7 +140,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
                         f"this CPU engine's choice, see docs/serving.md; without chunked "
@@ -151,12 +155,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on one request's prompt tokens per step (0: none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of common prompt prefixes")
-    g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default="sha256",
+    g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
                    help="block hash function")
     g.add_argument("--hash-seed", default=None,
                    help="NONE_HASH seed (default: vLLM's rule: PYTHONHASHSEED, else fixed for "
                         "sha256, random for xxhash)")
-    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+    g.add_argument("--scheduling-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="order of waiting requests")
     g.add_argument("--trace-file", default=None,
                    help="append one JSON line per engine step to this file (default: none)")
@@ -169,7 +173,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="port to listen on; 0 picks a free one (the URL is printed)")
-    g.add_argument("--role", choices=ROLES, default="both",
+    g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
                    help="what a router may send here")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests not yet scheduled beyond which new ones get 503")
@@ -255,7 +259,7 @@ def max_num_batched_tokens(args: argparse.Namespace) -> int:
         return int(args.max_num_batched_tokens)
     if args.enable_chunked_prefill:
         return DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or FALLBACK_MAX_MODEL_LEN)
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -266,7 +270,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
                         hash_seed=args.hash_seed)
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
-                            max_model_len=args.max_model_len or FALLBACK_MAX_MODEL_LEN,
+                            max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
                             enable_chunked_prefill=args.enable_chunked_prefill)

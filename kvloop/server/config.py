@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvloop.config import ROLES, Role
+from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
 
@@ -49,12 +49,12 @@ class ServeConfig:
     model_path: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
-    role: Role = "both"
+    role: Role = DEFAULT_ROLE
     max_waiting_requests: int | None = 1024
     max_logprobs: int = 20
     max_n: int = 128
     retry_after_s: int = 1
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = DEFAULT_POLICY
     log_level: str = "info"
     uvicorn_log_level: str = "info"
     log_requests: bool = True

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvloop.config import DEFAULT_MAX_MODEL_LEN
 from kvloop.server.gguf_metadata import read_gguf_metadata
 from kvloop.server.tokenizer import Tokenizer, find_model_path, model_name_for
 from kvloop.sim.tokenizer import BYTE_VOCAB, VOCAB_SIZE, ByteTokenizer
-from kvloop.sim.worker import DEFAULT_SIM_MAX_MODEL_LEN
 
 # Each word (with its space) is one token of SmolLM2's vocabulary, as of most BPE vocabularies.
 SIM_TEXT = (" the quick brown fox jumps over the lazy dog while a small cat lies in the warm "
@@ -69,7 +69,7 @@ def load_sim_model(spec: str | None) -> SimModel:
     """The model named by `--sim-model` (None: the embedded one); ModelNotFoundError or
     ValueError when it cannot be read."""
     if spec == BYTE_VOCAB:
-        return _sim_model(ByteTokenizer(), BYTE_VOCAB, VOCAB_SIZE, DEFAULT_SIM_MAX_MODEL_LEN)
+        return _sim_model(ByteTokenizer(), BYTE_VOCAB, VOCAB_SIZE, DEFAULT_MAX_MODEL_LEN)
     path = find_model_path(spec)
     tok: Tokenizer
     if path.endswith(".gguf"):
@@ -80,7 +80,7 @@ def load_sim_model(spec: str | None) -> SimModel:
         tok = Tokenizer.from_hf_folder(path, model_name_for(spec))
         vocab, context = _hf_limits(Path(path))
     return _sim_model(tok, path, max(vocab, tok.vocab_size),
-                      context or DEFAULT_SIM_MAX_MODEL_LEN)
+                      context or DEFAULT_MAX_MODEL_LEN)
 
 
 def _sim_model(tok: Any, source: str, vocab_size: int, context_length: int) -> SimModel:

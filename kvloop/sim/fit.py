@@ -75,7 +75,7 @@ def measure(runner: Any, repeats: int, seed: int = 0) -> list[tuple[StepFeatures
     """Time the runner over the workload grid, `repeats` times (after one warm-up pass)."""
     timed = TimedRunner(runner)
     cfg = EngineConfig(
-        cache=CacheConfig(block_size=16, num_gpu_blocks=runner.num_gpu_blocks,
+        cache=CacheConfig(num_gpu_blocks=runner.num_gpu_blocks,
                           enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64,
                                   max_model_len=runner.max_model_len))

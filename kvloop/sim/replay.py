@@ -13,23 +13,30 @@ from typing import Any
 
 import msgspec
 
-from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HASH_ALGO,
+    DEFAULT_POLICY,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.request import Request, SamplingParams
 from kvloop.sim.runner import SimRunner
 
 TRACE_DEFAULTS: dict[str, Any] = {
-    "block_size": 16,
+    "block_size": DEFAULT_BLOCK_SIZE,
     "num_gpu_blocks": 64,
     "max_num_batched_tokens": 64,
     "max_num_seqs": 16,
     "long_prefill_token_threshold": 0,
     "enable_prefix_caching": True,
     "max_model_len": 4096,
-    "prefix_caching_hash_algo": "sha256",
+    "prefix_caching_hash_algo": DEFAULT_HASH_ALGO,
     "scheduler_reserve_full_isl": True,
     "watermark": 0.0,
-    "policy": "fcfs",
+    "policy": DEFAULT_POLICY,
     "enable_chunked_prefill": True,
     "max_steps": 10000,
 }

@@ -20,7 +20,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvloop.config import RunnerConfig, SimSettings
+from kvloop.config import DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.latency import LatencyModel
@@ -28,7 +28,6 @@ from kvloop.sim.runner import SimRunner
 from kvloop.sim.tokenizer import PRINTABLE_IDS, VOCAB_SIZE
 
 DEFAULT_SIM_BLOCKS = 4096
-DEFAULT_SIM_MAX_MODEL_LEN = 8192  # without a model to say otherwise (the byte vocabulary)
 
 
 def _digest(*parts: object) -> int:
@@ -119,6 +118,6 @@ def make_sim_runner(config: RunnerConfig) -> SimWorkerRunner:
     sim = config.sim or SimSettings()
     latency = LatencyModel.from_file(sim.latency_file, sim.speedup) if sim.model_latency else None
     return SimWorkerRunner(latency, config.num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
-                           config.max_model_len or DEFAULT_SIM_MAX_MODEL_LEN, config.seed,
+                           config.max_model_len or DEFAULT_MAX_MODEL_LEN, config.seed,
                            vocab_size=sim.vocab_size,
                            text_token_ids=sim.text_token_ids or PRINTABLE_IDS)
