@@ -12,13 +12,13 @@ import pytest
 
 from kvloop.core.request import SamplingParams
 from kvloop.server import cli_args
+from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
 from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
 from kvloop.server.sim_model import SIM_TEXT, load_sim_model
 from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.server.tokenizer import find_model_path
-from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,

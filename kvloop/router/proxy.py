@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvloop.router.prompts import PromptError, PromptTokenizer
+from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import LoadSnapshot, WorkerDescription, WorkerSpec, WorkerState
 from kvloop.router.router import NoWorkerError, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
@@ -237,10 +237,7 @@ class RouterApp:
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return error_response(f"invalid JSON body: {e}", 400)
-        try:
-            tokens = self.prompts.token_ids(path, body, self._fleet_model())
-        except PromptError as e:
-            return error_response(str(e), 400)
+        tokens = self.prompts.token_ids(path, body, self._fleet_model())
         stream = bool(body.get("stream"))
         strip_usage = False
         if stream:
