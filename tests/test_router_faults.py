@@ -23,11 +23,11 @@ import pytest
 
 from kvloop.router.fleet import Fleet, FleetConfig, WorkerProcess
 from kvloop.router.registry import WorkerSpec
+from kvloop.server.prometheus_text import metric_value
 from tests.test_router_fleet import (
     SIM_ARGS,
     RouterThread,
     _drive,
-    metric,
     random_ids,
     router_config,
     shared_prefix_prompts,
@@ -88,14 +88,14 @@ def test_wrong_seed_and_wrong_endpoint_are_named_while_requests_succeed(fleet):
     assert workers[good.name]["alarms"] == {} and workers[good.name]["routing"] == "cache-aware"
     assert workers[wrong_wire.name]["routing"] == "load-only"
     assert workers[wrong_seed.name]["routing"] == "load-only"
-    assert metric(text, "kvloop_router_worker_alarm", worker=wrong_wire.name,
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=wrong_wire.name,
                   alarm="silent") == 1
-    assert metric(text, "kvloop_router_worker_alarm", worker=wrong_seed.name,
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=wrong_seed.name,
                   alarm="config_mismatch") == 1
-    assert metric(text, "kvloop_router_worker_alarm", worker=good.name) == 0
-    assert metric(text, "kvloop_router_worker_degraded", worker=good.name) == 0
-    assert metric(text, "kvloop_router_requests_total", outcome="ok") == 9 + 24 + 6 + 24
-    assert metric(text, "kvloop_router_decisions_total", reason="load_only") > 0
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=good.name) == 0
+    assert metric_value(text, "kvloop_router_worker_degraded", worker=good.name) == 0
+    assert metric_value(text, "kvloop_router_requests_total", outcome="ok") == 9 + 24 + 6 + 24
+    assert metric_value(text, "kvloop_router_decisions_total", reason="load_only") > 0
 
 
 def _stats(url: str) -> dict:
@@ -164,7 +164,7 @@ def test_router_restart_rebuilds_the_index_from_the_workers(fleet):
                        json={"prompt": workload[0], "max_tokens": 1}).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
         text = httpx.get(second.url + "/metrics").text
-        assert metric(text, "kvloop_router_predicted_hit_tokens_total") >= 80
+        assert metric_value(text, "kvloop_router_predicted_hit_tokens_total") >= 80
 
 
 def _settled(rt: RouterThread, specs: list[WorkerSpec]) -> dict[str, list[int]] | None:

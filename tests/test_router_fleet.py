@@ -28,6 +28,7 @@ from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.server import RouterServer
 from kvloop.server.auth import AuthConfig
+from kvloop.server.prometheus_text import metric_value
 
 ADMIN_KEY = "fleet-admin"   # workers' and routers' --admin-api-key in these tests
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -146,19 +147,6 @@ def reset_caches(fleet: Fleet) -> None:
         httpx.post(f"{w.url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
 # --- the fleet ------------------------------------------------------------------------------
 PREFIXES, PREFIX_LEN, SUFFIX_LEN, REPEATS = 8, 256, 16, 6
 
@@ -189,11 +177,11 @@ def test_prefix_aware_routing_nears_the_best_hit_share_round_robin_thrashes(flee
     assert kv_share >= 0.9 * best
     assert rr_share <= kv_share - 0.3
     # the router predicted what the workers then reported, and saw nothing wrong
-    predicted = metric(text, "kvloop_router_predicted_hit_tokens_total")
-    actual = metric(text, "kvloop_router_actual_hit_tokens_total")
+    predicted = metric_value(text, "kvloop_router_predicted_hit_tokens_total")
+    actual = metric_value(text, "kvloop_router_actual_hit_tokens_total")
     assert actual > 0 and abs(predicted - actual) <= 0.1 * actual
     assert health["status"] == "ok", health["reasons"]
-    assert metric(text, "kvloop_router_decisions_total", reason="prefix_hit") >= \
+    assert metric_value(text, "kvloop_router_decisions_total", reason="prefix_hit") >= \
         (PREFIXES * (REPEATS - 1)) * 0.8
 
 
@@ -221,7 +209,7 @@ def test_streaming_passthrough_usage_and_errors(fleet):
         assert hit == (again.usage.prompt_tokens - 1) // BS * BS > 0
         for name in ("predicted", "actual"):
             series = f"kvloop_router_{name}_hit_tokens_total"
-            assert metric(after, series) - metric(before, series) == hit, name
+            assert metric_value(after, series) - metric_value(before, series) == hit, name
         # worker errors come back as the worker sent them
         direct = httpx.post(fleet.workers[0].url + "/v1/completions",
                             json={"prompt": prompt, "max_tokens": -1})
@@ -240,7 +228,7 @@ def test_streaming_passthrough_usage_and_errors(fleet):
             assert routed.status_code == direct.status_code == 400, body
             assert routed.json() == direct.json(), body
         text = httpx.get(rt.url + "/metrics").text
-        assert metric(text, "kvloop_router_requests_total", outcome="client_error") == 2 + 3
+        assert metric_value(text, "kvloop_router_requests_total", outcome="client_error") == 2 + 3
 
 
 # Bodies in every prompt form the API takes; the workers speak SmolLM2 (template included).
@@ -314,7 +302,7 @@ def test_router_predicts_the_cached_tokens_the_worker_reports(fleet):
                 assert r.status_code == 200, r.text
                 after = httpx.get(rt.url + "/metrics").text
                 cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                predicted, actual = (metric(after, n) - metric(before, n) for n in series)
+                predicted, actual = (metric_value(after, n) - metric_value(before, n) for n in series)
                 assert predicted == actual == cached, (body, attempt, predicted, actual)
             assert cached > 0, body   # the repeat hit
 
@@ -343,7 +331,7 @@ def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
         first_block = rt.router.block_hashes(prefix)[0]
         holders = [n for n, hs in httpx.get(rt.url + "/router/index").json()["workers"].items()
                    if first_block in hs]
-    moved = sum(metric(text, "kvloop_router_decisions_total", reason=r)
+    moved = sum(metric_value(text, "kvloop_router_decisions_total", reason=r)
                 for r in ("hot_prefix_replica", "load_override", "bounded_load"))
     print(f"hot prefix: {moved:.0f} decisions moved it, {len(holders)} holders, "
           f"hit share {share:.3f}")
@@ -355,7 +343,7 @@ def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
 
 
 def _finished(fleet: Fleet, reason: str) -> float:
-    return sum(metric(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
+    return sum(metric_value(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
                       finished_reason=reason) for w in fleet.workers)
 
 
@@ -377,7 +365,7 @@ def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
         assert _finished(fleet, "abort") == aborted + 1, "it ran to the end: not aborted"
         wait_until(lambda: busy[0].in_flight() == 0, 5, "the router to close the ticket")
         text = httpx.get(rt.url + "/metrics").text
-        outcomes = {o: metric(text, "kvloop_router_requests_total", outcome=o)
+        outcomes = {o: metric_value(text, "kvloop_router_requests_total", outcome=o)
                     for o in ("ok", "disconnected", "worker_error")}
         assert outcomes["disconnected"] == 1, outcomes
 

@@ -51,6 +51,7 @@ from kvloop.router.router import NoWorkerError, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
 from kvloop.server.guard import install
 from kvloop.server.openai import error_body, http_error_body
+from kvloop.server.prometheus_text import metric_value
 
 log = logging.getLogger("kvloop.router")
 
@@ -531,16 +532,5 @@ _LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waitin
 
 def parse_load(text: str, now: float) -> LoadSnapshot:
     """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines)."""
-    sums = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _LOAD_NAMES.get(name)
-        if key is None:
-            continue
-        try:
-            sums[key] += float(line.rsplit(" ", 1)[1])
-        except (ValueError, IndexError):
-            continue
+    sums = {key: metric_value(text, name) for name, key in _LOAD_NAMES.items()}
     return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now)

@@ -23,6 +23,8 @@ from typing import Any, Self
 
 import httpx
 
+from kvloop.server.prometheus_text import metric_value
+
 SERVE_URL_LINE = r"kvloop serving on (http://\S+)"
 
 
@@ -139,14 +141,3 @@ class ServeProcess(UrlProcess):
                     or time.monotonic() > deadline):
                 return s
             time.sleep(0.05)
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` in a Prometheus text exposition whose labels include
-    `labels` (0.0 if none)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
