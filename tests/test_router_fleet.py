@@ -344,7 +344,7 @@ def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
 
 def _finished(fleet: Fleet, reason: str) -> float:
     return sum(metric_value(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
-                      finished_reason=reason) for w in fleet.workers)
+                            finished_reason=reason) for w in fleet.workers)
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(fleet):

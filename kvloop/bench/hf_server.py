@@ -30,6 +30,8 @@ from typing import Any
 
 from kvloop.locate import find_model_path
 
+ANNOUNCEMENT = "hf anchor serving on {url}"   # the line that says it accepts connections
+
 # --- the model -------------------------------------------------------------------------------
 
 
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     front = AnchorServer(batcher, tokenizer, name)
     try:
         asyncio.run(serve(front, args.host, args.port,
-                          lambda url: print(f"hf anchor serving on {url}", flush=True)))
+                          lambda url: print(ANNOUNCEMENT.format(url=url), flush=True)))
     finally:
         batcher.stop()
     return 0
