@@ -59,7 +59,7 @@ SIM_RUNNER_FACTORY = "kvloop.sim.worker:make_sim_runner"
 class SimSettings:
     """What only the simulator (`--model sim`) has: its latency model and the vocabulary it
     presents, whose facts the API process read from `--sim-model` (None and (): the byte
-    vocabulary's, `kvloop.sim.tokenizer`). `latency_file` None is
+    vocabulary's, `kvloop.sim.byte_vocab`). `latency_file` None is
     kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time."""
 
     latency_file: str | None = None

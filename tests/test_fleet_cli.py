@@ -109,3 +109,20 @@ def test_fleet_splits_cores_between_real_workers(monkeypatch):
     assert ap.parse_known_args(argv)[0].num_threads == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert "--num-threads" not in FleetConfig(2, "model.gguf").argv(0)
+
+
+def test_a_worker_that_cannot_start_is_named_and_the_fleet_cleans_up(tmp_path):
+    from kvloop.router.fleet import Fleet
+
+    fleet = Fleet(FleetConfig(2, "sim", worker_args=("--no-such-flag",), start_timeout_s=60,
+                              echo_output=False))
+    assert fleet.log_dir.is_dir()
+    with pytest.raises(RuntimeError, match=r"worker 0 did not start \(exited with code 2\); "
+                                           r"last output:\n(.|\n)*--no-such-flag"):
+        fleet.start()
+    assert not any(w.alive() for w in fleet.workers) and not fleet.log_dir.exists()
+    kept = Fleet(FleetConfig(1, "sim", worker_args=("--no-such-flag",), echo_output=False,
+                             log_dir=str(tmp_path)))
+    with pytest.raises(RuntimeError, match="worker 0 did not start"):
+        kept.start()
+    assert "--no-such-flag" in (tmp_path / "worker0.log").read_text()

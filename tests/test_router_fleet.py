@@ -28,6 +28,7 @@ from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.server import RouterServer
 from kvloop.server.auth import AuthConfig
+from kvloop.server.prometheus_text import metric_value
 
 ADMIN_KEY = "fleet-admin"   # workers' and routers' --admin-api-key in these tests
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -146,19 +147,6 @@ def reset_caches(fleet: Fleet) -> None:
         httpx.post(f"{w.url}/v1/completions", json={"prompt": [1], "max_tokens": 1})
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
 # --- the fleet ------------------------------------------------------------------------------
 PREFIXES, PREFIX_LEN, SUFFIX_LEN, REPEATS = 8, 256, 16, 6
 
@@ -189,11 +177,11 @@ def test_prefix_aware_routing_nears_the_best_hit_share_round_robin_thrashes(flee
     assert kv_share >= 0.9 * best
     assert rr_share <= kv_share - 0.3
     # the router predicted what the workers then reported, and saw nothing wrong
-    predicted = metric(text, "kvloop_router_predicted_hit_tokens_total")
-    actual = metric(text, "kvloop_router_actual_hit_tokens_total")
+    predicted = metric_value(text, "kvloop_router_predicted_hit_tokens_total")
+    actual = metric_value(text, "kvloop_router_actual_hit_tokens_total")
     assert actual > 0 and abs(predicted - actual) <= 0.1 * actual
     assert health["status"] == "ok", health["reasons"]
-    assert metric(text, "kvloop_router_decisions_total", reason="prefix_hit") >= \
+    assert metric_value(text, "kvloop_router_decisions_total", reason="prefix_hit") >= \
         (PREFIXES * (REPEATS - 1)) * 0.8
 
 
@@ -221,7 +209,7 @@ def test_streaming_passthrough_usage_and_errors(fleet):
         assert hit == (again.usage.prompt_tokens - 1) // BS * BS > 0
         for name in ("predicted", "actual"):
             series = f"kvloop_router_{name}_hit_tokens_total"
-            assert metric(after, series) - metric(before, series) == hit, name
+            assert metric_value(after, series) - metric_value(before, series) == hit, name
         # worker errors come back as the worker sent them
         direct = httpx.post(fleet.workers[0].url + "/v1/completions",
                             json={"prompt": prompt, "max_tokens": -1})
@@ -233,10 +221,90 @@ def test_streaming_passthrough_usage_and_errors(fleet):
             client.completions.create(model="sim", prompt=prompt, max_tokens=-1)
         bad = httpx.post(rt.url + "/v1/completions", content=b"{not json")
         assert bad.status_code == 400 and "invalid JSON" in bad.json()["error"]["message"]
-        bad = httpx.post(rt.url + "/v1/completions", json={"prompt": [1, -2]})
-        assert bad.status_code == 400
+        # a prompt the server refuses is routed by load, and the worker answers it
+        for body in ({"prompt": [1, -2]}, {"prompt": 5}, {"prompt": []}):
+            direct = httpx.post(fleet.workers[0].url + "/v1/completions", json=body)
+            routed = httpx.post(rt.url + "/v1/completions", json=body)
+            assert routed.status_code == direct.status_code == 400, body
+            assert routed.json() == direct.json(), body
         text = httpx.get(rt.url + "/metrics").text
-        assert metric(text, "kvloop_router_requests_total", outcome="client_error") == 2
+        assert metric_value(text, "kvloop_router_requests_total", outcome="client_error") == 2 + 3
+
+
+# Bodies in every prompt form the API takes; the workers speak SmolLM2 (template included).
+STORY = "a long story about routers and the caches they keep warm " * 3
+CHAT = [{"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Which cache is warm? " + STORY},
+        {"role": "assistant", "content": "Mine."},
+        {"role": "user", "content": "And now?"}]
+PARTS = [{"role": "user", "content": [{"type": "text", "text": "Tell me "},
+                                      {"type": "text", "text": STORY}]}]
+PROMPT_BODIES = [
+    ("/v1/completions", {"prompt": STORY}),
+    ("/v1/completions", {"prompt": STORY, "add_special_tokens": False}),
+    ("/v1/completions", {"prompt": [STORY]}),
+    ("/v1/completions", {"prompt": list(range(1000, 1040))}),
+    ("/v1/chat/completions", {"messages": CHAT}),
+    ("/v1/chat/completions", {"messages": PARTS}),
+    ("/v1/chat/completions", {"messages": CHAT, "add_generation_prompt": False}),
+    ("/v1/chat/completions", {"messages": CHAT[:3], "continue_final_message": True}),
+    ("/v1/chat/completions", {"messages": CHAT[:2] + [{"role": "assistant", "content": None}],
+                              "add_special_tokens": True}),
+]
+BATCH_BODIES = [  # several prompts: the router routes by the first
+    ("/v1/completions", {"prompt": [STORY, "and another one"]}),
+    ("/v1/completions", {"prompt": [list(range(2000, 2020)), list(range(3000, 3005))]}),
+]
+
+
+def _worker_prompt_ids(url: str, path: str, body: dict[str, Any]) -> list[list[int]]:
+    """The prompts' token ids as the worker tokenized them (`return_token_ids`)."""
+    r = httpx.post(url + path, json={**body, "max_tokens": 1, "return_token_ids": True},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    if path.endswith("/chat/completions"):
+        return [out["prompt_token_ids"]]
+    return [c["prompt_token_ids"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+
+
+def test_router_and_worker_tokenize_every_prompt_form_alike(fleet):
+    """The router's ids (the worker's reported model path, the shared body -> ids code) are
+    the ids the worker served, in every prompt form and chat option."""
+    from kvloop.router.prompts import PromptTokenizer
+    from kvloop.server.prompts import body_prompts
+    from kvloop.server.tokenizer import load_vocabulary
+
+    with RouterThread(router_config(), fleet.specs()[:1]) as rt:
+        worker = rt.router.registry.all()[0]
+        model_path = worker.description.model_path
+    assert model_path is not None
+    shared, router = load_vocabulary(model_path).tokenizer, PromptTokenizer()
+    for path, body in PROMPT_BODIES + BATCH_BODIES:
+        served = _worker_prompt_ids(worker.spec.url, path, body)
+        assert body_prompts(shared, path, body) == served, body
+        assert router.token_ids(path, body, model_path) == served[0], body
+    # the chat options change the ids, so each of them was tested
+    chat_ids = {repr(router.token_ids(p, b, model_path)) for p, b in PROMPT_BODIES[4:]}
+    assert len(chat_ids) == len(PROMPT_BODIES[4:])
+
+
+def test_router_predicts_the_cached_tokens_the_worker_reports(fleet):
+    """End to end, each body twice: every hit the router predicted is the hit the worker
+    reported, to the token."""
+    reset_caches(fleet)
+    series = ("kvloop_router_predicted_hit_tokens_total", "kvloop_router_actual_hit_tokens_total")
+    with RouterThread(router_config(), fleet.specs()) as rt:
+        for path, body in PROMPT_BODIES:
+            for attempt in range(2):
+                before = httpx.get(rt.url + "/metrics").text
+                r = httpx.post(rt.url + path, json={**body, "max_tokens": 1}, timeout=30)
+                assert r.status_code == 200, r.text
+                after = httpx.get(rt.url + "/metrics").text
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                predicted, actual = (metric_value(after, n) - metric_value(before, n) for n in series)
+                assert predicted == actual == cached, (body, attempt, predicted, actual)
+            assert cached > 0, body   # the repeat hit
 
 
 def test_models_and_a_model_by_id_come_from_a_worker(fleet):
@@ -263,7 +331,7 @@ def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
         first_block = rt.router.block_hashes(prefix)[0]
         holders = [n for n, hs in httpx.get(rt.url + "/router/index").json()["workers"].items()
                    if first_block in hs]
-    moved = sum(metric(text, "kvloop_router_decisions_total", reason=r)
+    moved = sum(metric_value(text, "kvloop_router_decisions_total", reason=r)
                 for r in ("hot_prefix_replica", "load_override", "bounded_load"))
     print(f"hot prefix: {moved:.0f} decisions moved it, {len(holders)} holders, "
           f"hit share {share:.3f}")
@@ -275,8 +343,8 @@ def test_a_hot_prefix_is_replicated_when_its_holder_saturates(fleet):
 
 
 def _finished(fleet: Fleet, reason: str) -> float:
-    return sum(metric(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
-                      finished_reason=reason) for w in fleet.workers)
+    return sum(metric_value(httpx.get(w.url + "/metrics").text, "vllm:request_success_total",
+                            finished_reason=reason) for w in fleet.workers)
 
 
 def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
@@ -297,7 +365,7 @@ def test_client_disconnect_aborts_the_request_on_the_worker(fleet):
         assert _finished(fleet, "abort") == aborted + 1, "it ran to the end: not aborted"
         wait_until(lambda: busy[0].in_flight() == 0, 5, "the router to close the ticket")
         text = httpx.get(rt.url + "/metrics").text
-        outcomes = {o: metric(text, "kvloop_router_requests_total", outcome=o)
+        outcomes = {o: metric_value(text, "kvloop_router_requests_total", outcome=o)
                     for o in ("ok", "disconnected", "worker_error")}
         assert outcomes["disconnected"] == 1, outcomes
 

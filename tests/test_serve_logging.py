@@ -19,10 +19,10 @@ import pytest
 
 from kvloop.cli import build_parser
 from kvloop.server import cli_args
+from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.config import ServeConfig, log_stats_interval
 from kvloop.server.launcher import ServeProcess
 from kvloop.server.logs import log_request
-from kvloop.sim.tokenizer import ByteTokenizer
 
 from .conftest import serving
 

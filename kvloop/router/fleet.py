@@ -3,8 +3,9 @@
     1. start every worker at once: `kvloop serve --model M --port 0 --kv-events-endpoint
        tcp://HOST:0 --kv-events-replay-endpoint tcp://HOST:0 --role R [WORKER FLAGS]`
        (flags after `--` come last, so they override these);
-    2. read each worker's "kvloop serving on URL" line (its other output is relayed,
-       prefixed with the worker's number);
+    2. read each worker's "kvloop serving on URL" line from its log (`kvloop.server.launcher`
+       starts, watches and stops them; their other output is relayed, prefixed with the
+       worker's number);
     3. run the router in this process with those workers, print where everything listens;
     4. one Ctrl-C or SIGTERM stops the router, then every worker (SIGTERM, then SIGKILL
        after a grace period). Workers are also told to die with this process on Linux.
@@ -15,41 +16,29 @@ Owner: `Fleet` owns the worker processes; the router owns nothing of theirs.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import re
+import shutil
 import signal
-import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 
 from kvloop.config import ROLES
 from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import API_KEY_ENV
-
-log = logging.getLogger("kvloop.router")
-
-_READY = re.compile(r"kvloop serving on (http://\S+)")
-# Runs `python -m kvloop ...` after asking Linux to SIGTERM this child when its parent dies.
-_BOOTSTRAP = ("import ctypes, runpy, signal, sys\n"
-              "try:\n"
-              "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-              "except (OSError, AttributeError):\n"
-              "    pass\n"
-              "sys.argv = ['kvloop'] + sys.argv[1:]\n"
-              "runpy.run_module('kvloop', run_name='__main__', alter_sys=True)\n")
+from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
 
 
 @dataclass(frozen=True)
 class FleetConfig:
     """The workers of a fleet. `roles` are cycled over the workers. With `worker_api_key`,
     every worker requires that key: it is handed to them as $VLLM_API_KEY (not on their
-    command lines), and the router presents it (its `worker_api_key`)."""
+    command lines), and the router presents it (its `worker_api_key`). `log_dir` keeps the
+    workers' logs (`workerI.log`; None: a temporary folder, removed when they stop)."""
 
     num_workers: int
     model: str = "sim"
@@ -60,6 +49,7 @@ class FleetConfig:
     stop_timeout_s: float = 10.0
     echo_output: bool = True
     worker_api_key: str | None = None
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -81,112 +71,54 @@ class FleetConfig:
         return max(1, cores // self.num_workers)
 
     def env(self) -> dict[str, str] | None:
-        """The workers' environment (None: this process's)."""
+        """What the workers' environment adds to this process's (None: nothing)."""
         if self.worker_api_key is None:
             return None
-        return {**os.environ, API_KEY_ENV: self.worker_api_key}
+        return {API_KEY_ENV: self.worker_api_key}
 
     def argv(self, i: int) -> list[str]:
         h = self.host
         threads = self.threads_per_worker()
-        return [sys.executable, "-c", _BOOTSTRAP, "serve", "--model", self.model,
-                "--host", h, "--port", "0", "--kv-events-endpoint", f"tcp://{h}:0",
-                "--kv-events-replay-endpoint", f"tcp://{h}:0", "--role", self.role_of(i),
-                *(["--num-threads", str(threads)] if threads else []), *self.worker_args]
-
-
-class WorkerProcess:
-    """One `kvloop serve` child: started, watched for its URL, stopped."""
-
-    def __init__(self, index: int, argv: list[str], role: str, echo: bool = True,
-                 env: dict[str, str] | None = None):
-        self.index = index
-        self.argv = argv
-        self.role = role
-        self.echo = echo
-        self.env = env
-        self.url: str | None = None
-        self.proc: subprocess.Popen[str] | None = None
-        self.tail: deque[str] = deque(maxlen=40)
-        self._ready = threading.Event()
-        self._reader: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=self.env)
-        self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name=f"kvloop-fleet-w{self.index}")
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.tail.append(line)
-            if self.url is None:
-                m = _READY.search(line)
-                if m:
-                    self.url = m.group(1)
-                    self._ready.set()
-            if self.echo:
-                print(f"[worker {self.index}] {line}", flush=True)
-        self._ready.set()  # exited: wake the waiter
-
-    def wait_ready(self, timeout: float) -> str:
-        """The worker's URL; raises RuntimeError if it exits or times out first."""
-        self._ready.wait(timeout)
-        if self.url is None:
-            code = self.proc.poll() if self.proc else None
-            why = f"exited with code {code}" if code is not None else f"timed out ({timeout}s)"
-            last = "\n    ".join(list(self.tail)[-15:])
-            raise RuntimeError(f"worker {self.index} {why} before serving; last output:\n"
-                               f"    {last}")
-        return self.url
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def terminate(self) -> None:
-        if self.alive():
-            assert self.proc is not None
-            self.proc.terminate()
-
-    def wait_or_kill(self, deadline: float) -> int | None:
-        if self.proc is None:
-            return None
-        try:
-            return self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("worker %d did not stop in time: killing it", self.index)
-            self.proc.kill()
-            return self.proc.wait()
+        return kvloop_command(
+            "serve", "--model", self.model, "--host", h, "--port", "0",
+            "--kv-events-endpoint", f"tcp://{h}:0", "--kv-events-replay-endpoint", f"tcp://{h}:0",
+            "--role", self.role_of(i), *(["--num-threads", str(threads)] if threads else []),
+            *self.worker_args, die_with_parent=True)
 
 
 class Fleet:
-    """N worker processes of one `FleetConfig`."""
+    """N worker processes of one `FleetConfig` (`kvloop.server.launcher.UrlProcess`es; their
+    logs in `config.log_dir`, else in a temporary folder removed by `stop()`)."""
 
     def __init__(self, config: FleetConfig):
         self.config = config
-        self.workers = [WorkerProcess(i, config.argv(i), config.role_of(i), config.echo_output,
-                                      config.env())
-                        for i in range(config.num_workers)]
+        self._own_dir = config.log_dir is None
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvloop-fleet-"))
+        self.workers = [self.worker(i) for i in range(config.num_workers)]
+
+    def worker(self, i: int, *extra_args: str) -> UrlProcess:
+        """Worker `i`'s process, not started (`extra_args` come after the fleet's)."""
+        cfg = self.config
+        return UrlProcess(cfg.argv(i) + list(extra_args), self.log_dir / f"worker{i}.log",
+                          SERVE_URL_LINE, cfg.env(), name=f"worker {i}",
+                          echo=f"[worker {i}] " if cfg.echo_output else None)
 
     def start(self) -> list[WorkerSpec]:
         """Start every worker and wait until all serve; on any failure stop them all."""
         try:
             for w in self.workers:
-                w.start()
+                w.launch()
             deadline = time.monotonic() + self.config.start_timeout_s
             for w in self.workers:
-                w.wait_ready(max(0.1, deadline - time.monotonic()))
+                w.wait_url(max(0.1, deadline - time.monotonic()))
         except BaseException:
             self.stop()
             raise
         return self.specs()
 
     def specs(self) -> list[WorkerSpec]:
-        return [WorkerSpec(w.url, w.role) for w in self.workers if w.url is not None]
+        return [WorkerSpec(w.url, self.config.role_of(i))
+                for i, w in enumerate(self.workers) if w.url]
 
     def stop(self) -> None:
         """SIGTERM every worker, then SIGKILL the ones still alive after the grace period."""
@@ -194,7 +126,9 @@ class Fleet:
             w.terminate()
         deadline = time.monotonic() + self.config.stop_timeout_s
         for w in self.workers:
-            w.wait_or_kill(deadline)
+            w.wait_or_kill(deadline - time.monotonic())
+        if self._own_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class _Stop(Exception):

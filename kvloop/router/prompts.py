@@ -1,14 +1,12 @@
 """Prompt -> token ids, exactly as the worker will see them, so the router's block hashes
 equal the engine's.
 
-Token-id prompts are taken as they are. Text prompts and chat messages use the worker's
-tokenizer, found by the model path (else the model name) the worker reports: `bytes` is the
-simulator's byte-level tokenizer (`--sim-model bytes`); the embedded model's name, `sim` (a
-simulator wears the embedded model's vocabulary unless told otherwise) or nothing is the
-embedded model's; a path goes through `kvloop.server.tokenizer.Tokenizer.from_model`. The
-rules follow vLLM's OpenAI server: completions add special tokens unless
-`add_special_tokens` is false; chat renders the template (with the generation prompt) and
-adds no special tokens of its own.
+The body is read and tokenized by the API server's own code (`kvloop.server.prompts`), with
+the worker's tokenizer, loaded by the server's loader (`kvloop.server.tokenizer.
+load_vocabulary`) from the model path the worker reports, else from its model name: the
+embedded model's name, `sim` (a simulator wears the embedded model's vocabulary unless told
+otherwise) or nothing stand for the embedded model. A body the server would refuse is routed
+by load: the worker answers it, in its own words.
 
 Owner: one `PromptTokenizer` per router; it caches one tokenizer per model name.
 """
@@ -19,13 +17,13 @@ import logging
 import threading
 from typing import Any
 
+from kvloop.locate import EMBEDDED_NAME
+from kvloop.server.prompts import PromptError, body_prompts
+from kvloop.server.tokenizer import load_vocabulary
+
 log = logging.getLogger("kvloop.router")
 
-EMBEDDED_ALIASES = ("", "sim")   # names whose tokenizer is the embedded model's
-
-
-class PromptError(ValueError):
-    """The request's prompt cannot be understood (the router answers 400)."""
+EMBEDDED_ALIASES = ("", "sim", EMBEDDED_NAME)   # names whose tokenizer is the embedded model's
 
 
 class PromptTokenizer:
@@ -37,46 +35,13 @@ class PromptTokenizer:
         self._lock = threading.Lock()
 
     def token_ids(self, path: str, body: dict[str, Any], model: str | None) -> list[int] | None:
-        """The prompt of `body` as the worker serving `model` will tokenize it."""
-        if path.endswith("/chat/completions"):
-            return self._chat_ids(body, model)
-        return self._completion_ids(body, model)
-
-    def _completion_ids(self, body: dict[str, Any], model: str | None) -> list[int] | None:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-            prompt = prompt[0]  # a batch of prompts: route by the first
-        if isinstance(prompt, list):
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                       for t in prompt):
-                raise PromptError("a token-id prompt must be a list of non-negative ints")
-            return list(prompt)
-        if not isinstance(prompt, str):
-            raise PromptError("'prompt' must be a string, a list of token ids, or a list "
-                              "of those")
-        tok = self._tokenizer(model)
-        if tok is None:
-            return None
-        return list(tok.encode(prompt, add_special_tokens=body.get("add_special_tokens",
-                                                                    True)))
-
-    def _chat_ids(self, body: dict[str, Any], model: str | None) -> list[int] | None:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise PromptError("'messages' must be a non-empty list")
-        plain = [_plain(m) for m in messages]
-        tok = self._tokenizer(model)
-        if tok is None:
-            return None
-        add_gen = (body.get("add_generation_prompt", True)
-                   and not body.get("continue_final_message", False))
+        """The prompt of `body` (the first of a batch) as the worker serving `model` will
+        tokenize it; None when there is no local tokenizer or the worker will refuse it."""
         try:
-            text = tok.apply_chat_template(plain, add_generation_prompt=add_gen)
-        except Exception as e:  # a template error is the worker's to report, not ours
-            log.debug("chat template failed locally (%s); routing by load", e)
+            return body_prompts(self._tokenizer(model), path, body)[0]
+        except PromptError as e:  # the worker's to answer, not ours
+            log.debug("prompt not tokenized locally (%s); routing by load", e)
             return None
-        return list(tok.encode(text, add_special_tokens=body.get("add_special_tokens",
-                                                                  False)))
 
     def _tokenizer(self, model: str | None) -> Any:
         key = model or ""
@@ -84,34 +49,27 @@ class PromptTokenizer:
             if key in self._tokenizers:
                 return self._tokenizers[key]
             if key in self._failed:
-                return None
+                return _NO_TOKENIZER
             try:
-                tok = _load(model)
+                tok = load_vocabulary(None if key in EMBEDDED_ALIASES else key).tokenizer
             except Exception as e:
                 self._failed[key] = str(e)
                 log.warning("no local tokenizer for model %r (%s): text prompts are routed "
                             "by load only", model, e)
-                return None
+                return _NO_TOKENIZER
             self._tokenizers[key] = tok
             return tok
 
 
-def _plain(message: Any) -> dict[str, Any]:
-    """A chat message as the worker renders it: its role and its text (parts joined)."""
-    if not isinstance(message, dict) or "role" not in message:
-        raise PromptError(f"each message needs a 'role', got {message!r}")
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return {"role": message["role"], "content": content or ""}
+class _NoTokenizer:
+    """In place of a tokenizer the router cannot load: token-id prompts still route by
+    prefix; text and chat raise (and are routed by load)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("the router has no tokenizer for this model")
+
+    def apply_chat_template(self, messages: Any, add_generation_prompt: bool = True) -> str:
+        raise ValueError("the router has no tokenizer for this model")
 
 
-def _load(model: str | None) -> Any:
-    from kvloop.sim.tokenizer import BYTE_VOCAB, ByteTokenizer
-
-    if model == BYTE_VOCAB:
-        return ByteTokenizer()
-    from kvloop.server.tokenizer import EMBEDDED_NAME, Tokenizer
-
-    embedded = model is None or model in EMBEDDED_ALIASES or model == EMBEDDED_NAME
-    return Tokenizer.from_model(None if embedded else model)
+_NO_TOKENIZER = _NoTokenizer()

@@ -48,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
-from kvloop.router.prompts import PromptError, PromptTokenizer
+from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
     LoadSnapshot,
     WorkerDescription,
@@ -60,6 +60,7 @@ from kvloop.router.router import NoWorkerError, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
 from kvloop.server.guard import install
 from kvloop.server.openai import error_body, http_error_body
+from kvloop.server.prometheus_text import metric_value
 
 log = logging.getLogger("kvloop.router")
 
@@ -259,10 +260,7 @@ class RouterApp:
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return error_response(f"invalid JSON body: {e}", 400)
-        try:
-            tokens = self.prompts.token_ids(path, body, self._fleet_model())
-        except PromptError as e:
-            return error_response(str(e), 400)
+        tokens = self.prompts.token_ids(path, body, self._fleet_model())
         stream = bool(body.get("stream"))
         strip_usage = False
         if stream:
@@ -575,16 +573,5 @@ _LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waitin
 
 def parse_load(text: str, now: float) -> LoadSnapshot:
     """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines)."""
-    sums = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _LOAD_NAMES.get(name)
-        if key is None:
-            continue
-        try:
-            sums[key] += float(line.rsplit(" ", 1)[1])
-        except (ValueError, IndexError):
-            continue
+    sums = {key: metric_value(text, name) for name, key in _LOAD_NAMES.items()}
     return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now)

@@ -11,31 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from collections.abc import Callable
 from types import FrameType
-
-import uvicorn
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
 from kvloop.router.registry import WorkerSpec, event_source
 from kvloop.router.router import Router, SubscriberFactory
-from kvloop.server.guard import http_protocol
-from kvloop.server.sockets import bind_tcp, http_url
+from kvloop.server.front import FrontServer
+from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, bind_tcp, http_url
 
 log = logging.getLogger("kvloop.router")
 
-
-class _Uvicorn(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[], None]):
-        super().__init__(config)
-        self._on_ready = on_ready
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self._on_ready()
+GRACEFUL_SHUTDOWN_S = 5.0   # what uvicorn gives open connections once stopping
 
 
 class RouterServer:
@@ -53,16 +41,16 @@ class RouterServer:
         self.sock = bind_tcp(config.host, config.port)
         self.url = http_url(self.sock)
         self._log_level = log_level
-        self._server: _Uvicorn | None = None
+        self._server: FrontServer | None = None
 
     async def serve(self, on_ready: Callable[[RouterServer], None] | None = None) -> None:
         """Serve until `stop()` or a signal."""
-        cfg = uvicorn.Config(self.app.app, log_level=self._log_level, access_log=False,
-                             http=http_protocol(self.router.config.http_limits),
-                             timeout_graceful_shutdown=5)
-        self._server = _Uvicorn(cfg, lambda: on_ready(self) if on_ready else None)
+        self._server = FrontServer(self.app.app, self.sock, self.router.config.http_limits,
+                                   log_level=self._log_level,
+                                   graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
+                                   on_ready=lambda url: on_ready(self) if on_ready else None)
         try:
-            await self._server.serve(sockets=[self.sock])
+            await self._server.serve()
         finally:
             self.sock.close()
 
@@ -82,7 +70,8 @@ def announce(server: RouterServer) -> None:
               f"{events.endpoint if events else 'none'}"
               f"{' replay ' + events.replay_endpoint if events and events.replay_endpoint else ''}",
               flush=True)
-    print(f"kvloop router on {server.url} (policy {server.router.config.policy})", flush=True)
+    print(f"{ROUTER_ANNOUNCEMENT.format(url=server.url)} (policy {server.router.config.policy})",
+          flush=True)
 
 
 def _ignore_signal(signum: int, frame: FrameType | None) -> None:

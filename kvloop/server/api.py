@@ -55,12 +55,12 @@ from kvloop.server.openai import (
     error_body,
     http_error_body,
 )
+from kvloop.server.prompts import PromptError, encode, render_chat
 from kvloop.server.serving import (
     APIError,
     ServerContext,
     create_chat_completion,
     create_completion,
-    encode,
 )
 from kvloop.wire import EngineFacts, KVEventsInfo, WorkerInfo
 
@@ -109,6 +109,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(PromptError)
+    async def on_prompt_error(request: Request, exc: PromptError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 400, exc.param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -276,18 +280,12 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                text = ctx.tokenizer.apply_chat_template(
-                    msgs, add_generation_prompt=body.add_generation_prompt)
-            except Exception as e:  # the request's fault (roles, order...)
-                raise APIError(400, f"cannot apply the chat template: {e}",
-                               param="messages") from e
+            text = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
             text = body.prompt
         else:
             raise APIError(400, "either prompt or messages is required", param="prompt")
-        ids = encode(ctx, text, body.add_special_tokens, "prompt")
+        ids = encode(ctx.tokenizer, text, body.add_special_tokens, "prompt")
         strs = [ctx.token_str(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}

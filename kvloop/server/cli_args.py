@@ -40,7 +40,7 @@ from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import ROLES, UVICORN_LOG_LEVELS, ServeConfig, log_stats_interval
 from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.server.sockets import DEFAULT_PORT
-from kvloop.sim.tokenizer import BYTE_VOCAB
+from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.wire import EngineStartConfig
 
 if TYPE_CHECKING:

@@ -1,21 +1,28 @@
-"""Start and stop `kvloop serve` processes (for tests, benchmarks and fleets on one host).
+"""Start, watch and stop kvloop's server processes: one place for every launcher (tests,
+benchmarks, `kvloop fleet`).
 
     with ServeProcess(["--model", "sim", "--sim-speedup", "50"], log_path) as srv:
         httpx.get(srv.url + "/health")
 
-The server gets `--port 0` (an ephemeral port) unless the arguments name one; its
-"kvloop serving on URL" line is read from its log file (a file, not a pipe: a pipe nobody drains would block the server once full).
+A child's output goes to its log file (a file, not a pipe: a pipe nobody drains would block
+the server once full); its URL is read back from the line it announces
+(`kvloop.server.sockets`). `echo` also relays that output, line by line with a prefix, to
+this process's stdout (`kvloop fleet` shows its workers' logs so). `kvloop_command(...,
+die_with_parent=True)` asks Linux to SIGTERM the child when this process dies.
+`ServeProcess` runs `kvloop serve` on an ephemeral port unless the arguments name one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -23,30 +30,73 @@ from typing import Any, Self
 
 import httpx
 
-SERVE_URL_LINE = r"kvloop serving on (http://\S+)"
+from kvloop.server.prometheus_text import metric_value
+from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, SERVE_ANNOUNCEMENT, announced_url
+
+logger = logging.getLogger("kvloop.server")
+
+SERVE_URL_LINE = announced_url(SERVE_ANNOUNCEMENT)
+ROUTER_URL_LINE = announced_url(ROUTER_ANNOUNCEMENT)
+TAIL_LINES = 40   # of a child's log, in the error when it did not start
+RELAY_JOIN_S = 5.0   # how long the relay may take to print what an ended process wrote
+# Runs `python -m kvloop ...` after asking Linux to SIGTERM this child when its parent dies.
+_DIE_WITH_PARENT = ("import ctypes, runpy, signal, sys\n"
+                    "try:\n"
+                    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+                    "except (OSError, AttributeError):\n"
+                    "    pass\n"
+                    "sys.argv = ['kvloop'] + sys.argv[1:]\n"
+                    "runpy.run_module('kvloop', run_name='__main__', alter_sys=True)\n")
+
+
+def kvloop_command(*args: str, die_with_parent: bool = False) -> list[str]:
+    """`python -m kvloop ARGS` with this interpreter (told to die with this process)."""
+    if die_with_parent:
+        return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
+    return [sys.executable, "-m", "kvloop", *args]
 
 
 class UrlProcess:
     """A server child process whose log announces its URL (matched by `url_pattern`, group 1);
-    `url` is known once `start()` returns. `new_session`: in its own session and process group
-    (with its children), so `signal_group` reaches them all, as a terminal's Ctrl-C would."""
+    `url` is known once `start()` (or `launch()` then `wait_url()`) returns. `new_session`: in
+    its own session and process group (with its children), so `signal_group` reaches them
+    all, as a terminal's Ctrl-C would. `env` is added to this process's environment; `name`
+    names it in errors; `echo`, a prefix: relay its output to stdout."""
 
     def __init__(self, cmd: list[str], log_path: str | Path, url_pattern: str,
-                 env: dict[str, str] | None = None, new_session: bool = False):
+                 env: dict[str, str] | None = None, new_session: bool = False, *,
+                 name: str | None = None, echo: str | None = None):
         self.cmd = list(cmd)
         self.log_path = Path(log_path)
         self.url_pattern = re.compile(url_pattern)
         self.env = env
         self.new_session = new_session
+        self.name = name or shlex.join(self.cmd[:4])
+        self.echo = echo
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self._relay_thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 60.0) -> Self:
         """Launch and wait for the URL line; raises RuntimeError with the log on failure."""
+        self.launch()
+        return self.wait_url(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process (without waiting for it to serve)."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(self.env or {})},
                                          start_new_session=self.new_session)
+        if self.echo is not None:
+            self._relay_thread = threading.Thread(target=self._relay, daemon=True,
+                                                  name=f"relay {self.name}")
+            self._relay_thread.start()
+
+    def wait_url(self, timeout_s: float) -> Self:
+        """Wait for the URL line; if the process exits or `timeout_s` passes first, kill it
+        and raise RuntimeError with the last lines of its log."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.url_pattern.search(self.log())
@@ -56,8 +106,31 @@ class UrlProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
+        code = self.proc.poll()
+        why = f"exited with code {code}" if code is not None else f"no URL in {timeout_s:g} s"
         self.kill()
-        raise RuntimeError(f"{shlex.join(self.cmd[:4])} did not start; log:\n{self.log()}")
+        self._join_relay()
+        last = "\n    ".join(self.log().splitlines()[-TAIL_LINES:])
+        raise RuntimeError(f"{self.name} did not start ({why}); last output:\n    {last}")
+
+    def _relay(self) -> None:
+        """Print the log's lines, prefixed with `echo`, as they are written, until the
+        process has exited and everything it wrote is printed."""
+        assert self.proc is not None
+        pending = b""
+        with open(self.log_path, "rb") as log:
+            while True:
+                exited = self.proc.poll() is not None
+                chunk = log.read()
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    print(f"{self.echo}{line.decode(errors='replace')}", flush=True)
+                if not chunk:
+                    if exited:
+                        break
+                    time.sleep(0.05)
+        if pending:
+            print(f"{self.echo}{pending.decode(errors='replace')}", flush=True)
 
     def log(self) -> str:
         try:
@@ -69,6 +142,9 @@ class UrlProcess:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -82,18 +158,31 @@ class UrlProcess:
             os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout_s: float) -> int:
-        """Exit code once the process ends; raises subprocess.TimeoutExpired."""
+        """Exit code once the process ends (and its output is relayed); raises
+        subprocess.TimeoutExpired."""
         assert self.proc is not None
-        return self.proc.wait(timeout=timeout_s)
+        code = self.proc.wait(timeout=timeout_s)
+        self._join_relay()
+        return code
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
         """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.signal(signal.SIGTERM)
+        self.terminate()
+        return self.wait_or_kill(timeout_s)
+
+    def terminate(self) -> None:
+        """SIGTERM, if it still runs (several processes can then stop at once)."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+
+    def wait_or_kill(self, timeout_s: float) -> int | None:
+        """The exit code within `timeout_s`, else SIGKILL (None: killed, or never started)."""
+        if self.proc is None:
+            return None
         try:
-            return self.wait(timeout_s)
+            return self.wait(max(0.0, timeout_s))
         except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time: killing it", self.name)
             self.kill()
             return None
 
@@ -101,6 +190,12 @@ class UrlProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            self._join_relay()
+
+    def _join_relay(self) -> None:
+        """Once the process has ended: let the relay print its last lines."""
+        if self._relay_thread is not None:
+            self._relay_thread.join(RELAY_JOIN_S)
 
     def __enter__(self) -> Self:
         return self.start() if self.proc is None else self
@@ -117,8 +212,8 @@ class ServeProcess(UrlProcess):
     def __init__(self, args: list[str], log_path: str | Path, env: dict[str, str] | None = None,
                  new_session: bool = False):
         port = [] if "--port" in args else ["--port", "0"]
-        super().__init__([sys.executable, "-m", "kvloop", "serve", *args, *port], log_path,
-                         SERVE_URL_LINE, env, new_session)
+        super().__init__(kvloop_command("serve", *args, *port), log_path, SERVE_URL_LINE, env,
+                         new_session)
 
     # --- looking inside a running server ------------------------------------------------------
     def metric(self, name: str, **labels: str) -> float:
@@ -139,14 +234,3 @@ class ServeProcess(UrlProcess):
                     or time.monotonic() > deadline):
                 return s
             time.sleep(0.05)
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` in a Prometheus text exposition whose labels include
-    `labels` (0.0 if none)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total

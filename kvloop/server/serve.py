@@ -29,16 +29,14 @@ import time
 from types import FrameType
 from typing import Any
 
-import uvicorn
-
 from kvloop.server.api import build_app
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
-from kvloop.server.guard import http_protocol
+from kvloop.server.front import FrontServer
 from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
-from kvloop.server.sockets import bind_tcp, http_url
+from kvloop.server.sockets import SERVE_ANNOUNCEMENT, bind_tcp
 from kvloop.wire import EngineReady, EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -51,7 +49,7 @@ class _Signals:
     def __init__(self, client: EngineClient, shutdown_timeout_s: float,
                  loop: asyncio.AbstractEventLoop):
         self.stop_requested = asyncio.Event()
-        self.server: _Uvicorn | None = None   # set once uvicorn is about to serve
+        self.server: FrontServer | None = None   # set once uvicorn is about to serve
         self._client = client
         self._timeout_s = shutdown_timeout_s
         self._loop = loop
@@ -80,32 +78,19 @@ class _Signals:
             self._drain.cancel()
         self._stop(server)
 
-    async def _drain_then_stop(self, server: _Uvicorn) -> None:
+    async def _drain_then_stop(self, server: FrontServer) -> None:
         await self._client.wait_drained(self._timeout_s)
         self._stop(server)
 
-    def _stop(self, server: _Uvicorn) -> None:
+    def _stop(self, server: FrontServer) -> None:
         """End in-flight requests, then let uvicorn stop (they end at once, so it never needs
         uvicorn's force exit, which would skip the app's shutdown)."""
         self._client.begin_shutdown()
         server.should_exit = True
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn whose signals go to `_Signals` and that announces its URL."""
-
-    def __init__(self, config: uvicorn.Config, signals: _Signals, url: str):
-        super().__init__(config)
-        self._signals = signals
-        self._url = url
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._signals.handler(sig, frame)
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            print(f"kvloop serving on {self._url}", flush=True)
+def _announce(url: str) -> None:
+    print(SERVE_ANNOUNCEMENT.format(url=url), flush=True)
 
 
 def _cache_info(ready: EngineReady) -> dict[str, str]:
@@ -151,7 +136,7 @@ async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> 
 async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartConfig,
                     tokenizer: Any) -> int:
     exit_code = 0
-    server: _Uvicorn | None = None
+    server: FrontServer | None = None
 
     def on_engine_exit(code: int) -> None:
         nonlocal exit_code
@@ -176,17 +161,17 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
         client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
                                        start.engine_index, _cache_info(ready))
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
-        uv_cfg = uvicorn.Config(build_app(ctx), log_level=cfg.uvicorn_log_level,
-                                access_log=False, http=http_protocol(cfg.http_limits),
-                                timeout_graceful_shutdown=int(cfg.graceful_shutdown_s))
-        server = _Uvicorn(uv_cfg, signals, http_url(sock))
+        server = FrontServer(build_app(ctx), sock, cfg.http_limits,
+                             log_level=cfg.uvicorn_log_level,
+                             graceful_shutdown_s=cfg.graceful_shutdown_s,
+                             on_ready=_announce, on_signal=signals.handler)
         signals.server = server
         if not signals.stop_requested.is_set():  # none came between start-up and now
             stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
                                                     start.engine_index).run(),
                                          name="stat-logger") if cfg.log_stats else None)
             try:
-                await server.serve(sockets=[sock])
+                await server.serve()
             finally:
                 if stats is not None:
                     stats.cancel()

@@ -60,6 +60,7 @@ from kvloop.server.processor import (
     fan_out,
     model_stops,
 )
+from kvloop.server.prompts import chat_prompt, completion_prompts
 from kvloop.wire import EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -226,14 +227,6 @@ def _top_k(ctx: ServerContext, top_k: int | None) -> int:
     if top_k is None or top_k >= ctx.vocab_size:
         return 0
     return top_k
-
-
-def encode(ctx: ServerContext, text: str, add_special_tokens: bool, param: str) -> list[int]:
-    """Tokenize user text; text the tokenizer cannot take (lone surrogates...) is a 400."""
-    try:
-        return list(ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    except (UnicodeError, ValueError, TypeError) as e:
-        raise APIError(400, f"cannot tokenize the {param}: {e}", param=param) from e
 
 
 # --- generation --------------------------------------------------------------------------------
@@ -472,27 +465,6 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
 
 
 # --- completions -------------------------------------------------------------------------------
-def completion_prompts(ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
-    """Normalize `prompt` (text, texts, token ids, lists of token ids) to token id lists."""
-    p = req.prompt
-    prompts: list[list[int]] = []
-    if isinstance(p, str):
-        prompts = [encode(ctx, p, req.add_special_tokens, "prompt")]
-    elif all(isinstance(x, int) for x in p):
-        prompts = [[x for x in p if isinstance(x, int)]] if p else []
-    else:
-        for x in p:
-            if isinstance(x, str):
-                prompts.append(encode(ctx, x, req.add_special_tokens, "prompt"))
-            elif isinstance(x, list):
-                prompts.append(list(x))
-    if not prompts or any(len(x) == 0 for x in prompts):
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    for ids in prompts:
-        ctx.check_token_ids(ids, "prompt")
-    return prompts
-
-
 def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
     """(what the client asked for, the default otherwise): the completions default of 16
     applies only when the body has no max_tokens; an explicit null asks for nothing."""
@@ -507,7 +479,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     _check_supported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported by kvloop", param="suffix")
-    prompts = completion_prompts(ctx, req)
+    prompts = completion_prompts(ctx.tokenizer, req)
+    for ids in prompts:
+        ctx.check_token_ids(ids, "prompt")
     asked, default = completion_max_tokens(req)
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
               for ids in prompts]
@@ -582,19 +556,6 @@ async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Ge
 
 
 # --- chat --------------------------------------------------------------------------------------
-def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    add_gen = req.add_generation_prompt and not req.continue_final_message
-    try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-    except Exception as e:  # a template error is the request's fault (bad roles, order...)
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-    ids = encode(ctx, text, req.add_special_tokens, "messages")
-    if not ids:
-        raise APIError(400, "the chat prompt is empty", param="messages")
-    return ids
-
-
 def _chat_logprobs_arg(ctx: ServerContext, req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -612,7 +573,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     _check_supported(req)
     if req.tools:
         raise APIError(400, "tool calling is not supported by kvloop", param="tools")
-    prompt = chat_prompt(ctx, req)
+    prompt = chat_prompt(ctx.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = build_sampling_params(ctx, req, len(prompt), max_tokens,

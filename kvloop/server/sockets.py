@@ -1,14 +1,20 @@
-"""The listening socket of an HTTP front (API server and router): bind it, name its URL.
+"""The listening socket of an HTTP front (API server and router): bind it, name its URL, and
+the line that announces it.
 
 Both fronts bind before anything slow starts (so a port in use is found at once) and hand the
-socket to uvicorn.
+socket to uvicorn (`kvloop.server.front.FrontServer`). Once it accepts connections each prints
+its announcement; whoever starts a front as a child process (`kvloop.server.launcher`) reads
+the URL back from that line (`announced_url`).
 """
 
 from __future__ import annotations
 
+import re
 import socket
 
 DEFAULT_PORT = 8000   # `kvloop serve` and `kvloop router` listen here unless told (vLLM's)
+SERVE_ANNOUNCEMENT = "kvloop serving on {url}"
+ROUTER_ANNOUNCEMENT = "kvloop router on {url}"
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -27,3 +33,8 @@ def http_url(sock: socket.socket) -> str:
     """http://HOST:PORT of a bound socket (brackets around an IPv6 host)."""
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def announced_url(announcement: str) -> str:
+    """The regular expression of an announcement line, its URL as group 1."""
+    return re.escape(announcement).replace(re.escape("{url}"), r"(http://\S+)")

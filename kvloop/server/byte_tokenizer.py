@@ -1,11 +1,12 @@
-"""A byte-level tokenizer for simulated workers (`kvloop serve --model sim`).
+"""A byte-level tokenizer for simulated workers (`kvloop serve --model sim --sim-model bytes`).
 
-Ids 0-255 are the bytes of the UTF-8 text; a few special ids follow. It has the interface of
-`kvloop.server.tokenizer.Tokenizer` (encode, decode, apply_chat_template, special ids), so the
-API server serves text prompts and chat to a simulator exactly as to a real model, and
-`new_detokenizer` gives the matching incremental detokenizer. No model files, no downloads.
-`kvloop serve --model sim` speaks a real model's vocabulary by default; `--sim-model bytes`
-(`BYTE_VOCAB`) chooses this one, for tests that count bytes.
+It speaks the byte vocabulary of `kvloop.sim.byte_vocab` (ids 0-255 are the bytes of the UTF-8
+text; a few special ids follow) with the interface of `kvloop.server.tokenizer.Tokenizer`
+(encode, decode, apply_chat_template, special ids), so the API server serves text prompts and
+chat to a simulator exactly as to a real model, and `new_detokenizer` gives the matching
+incremental detokenizer. No model files, no downloads. `kvloop serve --model sim` speaks a
+real model's vocabulary by default; `--sim-model bytes` (`BYTE_VOCAB`) chooses this one, for
+tests that count bytes. `kvloop.server.tokenizer.load_vocabulary` loads it by that name.
 
 Non-goals: merges, normalization, anything a real tokenizer learns.
 """
@@ -16,12 +17,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
-BYTE_VOCAB = "bytes"  # the --sim-model value (and the model path a worker reports) for it
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-NUM_BYTES = 256
-VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)
-# Fake tokens of the simulator: printable ASCII only, so generated text always decodes cleanly.
-PRINTABLE_IDS = tuple(range(32, 127))
+from kvloop.sim.byte_vocab import NUM_BYTES, SPECIAL_TOKENS, VOCAB_SIZE
 
 
 class ByteIncrementalDetokenizer:

@@ -1,0 +1,103 @@
+"""OpenAI request -> prompt token ids: the one implementation of the API server and the router.
+
+The router hashes a prompt's blocks to find the worker that holds them, so its token ids must
+be the worker's to the token: both call these functions, with the tokenizer loaded from the
+same model path (`kvloop.server.tokenizer.load_vocabulary`). The rules are vLLM's OpenAI
+server's:
+
+- completions: `prompt` is a text, a list of texts, a list of token ids or a list of those
+  (never empty); text gets the tokenizer's special tokens (BOS) unless `add_special_tokens`
+  is false; token ids are taken as they are;
+- chat: each message becomes {role, content} (text parts joined, no content is ""), the
+  model's chat template renders them, with the generation prompt unless
+  `add_generation_prompt` is false or `continue_final_message` is true; the text gets no
+  special tokens unless `add_special_tokens` is true (the template wrote them).
+
+A prompt that cannot be made into ids raises `PromptError` (a 400 naming `param`): the server
+answers it, the router routes such a request by load and lets the worker answer. Checking ids
+against the vocabulary is the server's (only it knows the engine's vocabulary size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+
+from kvloop.server.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+class PromptError(ValueError):
+    """The request's prompt cannot be tokenized: a 400 whose `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    """Tokenize user text; text the tokenizer cannot take (lone surrogates...) is a
+    PromptError."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except (UnicodeError, ValueError, TypeError) as e:
+        raise PromptError(f"cannot tokenize the {param}: {e}", param) from e
+
+
+def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[list[int]]:
+    """`prompt` (text, texts, token ids, lists of token ids) as token id lists."""
+    p = req.prompt
+    prompts: list[list[int]] = []
+    if isinstance(p, str):
+        prompts = [encode(tokenizer, p, req.add_special_tokens, "prompt")]
+    elif all(isinstance(x, int) for x in p):
+        prompts = [[x for x in p if isinstance(x, int)]] if p else []
+    else:
+        for x in p:
+            if isinstance(x, str):
+                prompts.append(encode(tokenizer, x, req.add_special_tokens, "prompt"))
+            elif isinstance(x, list):
+                prompts.append(list(x))
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise PromptError("prompt must not be empty", "prompt")
+    return prompts
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: role and text content."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def render_chat(tokenizer: Any, messages: Sequence[ChatMessage],
+                add_generation_prompt: bool) -> str:
+    """The chat template's text; a template error is the request's fault (bad roles,
+    order...): PromptError."""
+    try:
+        return str(tokenizer.apply_chat_template(chat_messages(messages),
+                                                 add_generation_prompt=add_generation_prompt))
+    except Exception as e:
+        raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
+
+
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """The token ids of a chat request's prompt."""
+    add_gen = req.add_generation_prompt and not req.continue_final_message
+    text = render_chat(tokenizer, req.messages, add_gen)
+    ids = encode(tokenizer, text, req.add_special_tokens, "messages")
+    if not ids:
+        raise PromptError("the chat prompt is empty", "messages")
+    return ids
+
+
+def body_prompts(tokenizer: Any, path: str, body: dict[str, Any]) -> list[list[int]]:
+    """The prompts of a raw JSON body sent to `path` (the chat route, else completions),
+    read with the server's request schema; one list for a chat request."""
+    try:
+        if path.endswith("/chat/completions"):
+            return [chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))]
+        return completion_prompts(tokenizer, CompletionRequest.model_validate(body))
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]["loc"] if e.errors() else ()
+        raise PromptError(f"the body fails validation: {e}",
+                          str(first[0]) if first else "body") from e
