@@ -10,42 +10,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 
-# package prefix -> forbidden import prefixes
-FORBIDDEN = {
-    "kvloop.core": ["kvloop.model", "kvloop.server", "kvloop.router", "kvloop.bench",
-                    "kvloop.cli", "torch", "fastapi", "uvicorn", "starlette"],
-    "kvloop.model": ["kvloop.server", "kvloop.router", "kvloop.cli", "kvloop.core.scheduler",
-                     "kvloop.core.kv_cache_manager", "kvloop.core.block_pool", "fastapi"],
-    "kvloop.server": ["torch", "kvloop.model", "kvloop.router", "kvloop.cli",
-                      "kvloop.core.scheduler"],
-    "kvloop.router": ["torch", "kvloop.model", "kvloop.cli", "kvloop.core.scheduler",
-                      "kvloop.core.block_pool", "kvloop.core.kv_cache_manager",
-                      "kvloop.core.engine"],
-    "kvloop.events": ["torch", "kvloop.core", "kvloop.model", "kvloop.server", "kvloop.router",
-                      "kvloop.cli"],
-    "kvloop.sim": ["torch", "kvloop.model", "kvloop.server", "kvloop.router", "kvloop.cli"],
-    "kvloop.bench": ["kvloop.cli"],
-    "kvloop.viz": ["torch", "kvloop.cli"],
-    # the model locator is imported by every layer: the standard library only
-    "kvloop.locate": ["kvloop", "torch", "fastapi", "zmq"],
-}
-# zmq is allowed in the core only in the engine process module
-ZMQ_OK_IN_CORE = {"kvloop.core.engine_proc"}
-# of the events package the core uses the event types (the block pool makes the events); the
-# engine process also configures and starts the publisher
-CORE_EVENTS_OK = ("kvloop.events.types",)
-ENGINE_PROC_EVENTS_OK = ("kvloop.events.types", "kvloop.events.config", "kvloop.events.publisher")
-# the router may use only these parts of the server package (error shapes, the request body ->
-# token ids rules and the tokenizer they use, the /metrics parser, the process launcher, the
-# listening socket and its uvicorn server, and the keys, limits and timeouts every HTTP front
-# shares)
+# What each part of kvloop may import besides the standard library and itself: a whitelist
+# (docs/architecture.md's table and rules say the same in words). The most specific entry
+# (longest prefix) of a module applies. Two lists per entry: kvloop modules (prefixes) and
+# third-party packages. None means anything (the benchmarks drive every layer).
 ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.prompts", "kvloop.server.tokenizer",
                     "kvloop.server.prometheus_text", "kvloop.server.launcher",
                     "kvloop.server.sockets", "kvloop.server.front", "kvloop.server.auth",
                     "kvloop.server.http_limits", "kvloop.server.guard")
-# the model package may use only the runner contract of the core
-MODEL_CORE_OK = ("kvloop.core.outputs", "kvloop.core.runner", "kvloop.core.request",
-                 "kvloop.core.trace", "kvloop.core.hashing")
+CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
+CORE_3P = ("msgspec", "cbor2", "xxhash")
+ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
+    "kvloop": (("kvloop.core.request", "kvloop.llm"), ()),        # the package's __init__
+    "kvloop.__main__": (("kvloop.cli",), ()),
+    "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
+    "kvloop.config": ((), ()),
+    "kvloop.locate": ((), ()),
+    "kvloop.wire": (("kvloop.config", "kvloop.core.request", "kvloop.events.config"),
+                    ("msgspec",)),
+    "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.server.processor",
+                    "kvloop.server.tokenizer"), ("tqdm",)),
+    "kvloop.core": (CORE_KVLOOP, CORE_3P),
+    "kvloop.core.engine_proc": ((*CORE_KVLOOP, "kvloop.events.config", "kvloop.events.publisher"),
+                                (*CORE_3P, "zmq")),
+    "kvloop.events": ((), ("msgspec", "zmq")),
+    "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.core.outputs", "kvloop.core.runner",
+                      "kvloop.core.request", "kvloop.core.trace", "kvloop.core.hashing"),
+                     ("torch", "gguf", "numpy", "safetensors")),
+    "kvloop.sim": (("kvloop.config", "kvloop.core.engine", "kvloop.core.outputs",
+                    "kvloop.core.request", "kvloop.core.scheduler"), ("msgspec", "numpy")),
+    "kvloop.server": (("kvloop", "kvloop.config", "kvloop.locate", "kvloop.wire",
+                       "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
+                       "kvloop.sim.byte_vocab"),
+                      ("fastapi", "starlette", "uvicorn", "h11", "pydantic", "typing_extensions",
+                       "httpx", "jinja2", "tokenizers", "msgspec", "prometheus_client", "zmq")),
+    "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
+                       "kvloop.events", *ROUTER_SERVER_OK),
+                      ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq")),
+    "kvloop.viz": ((), ("matplotlib",)),
+    "kvloop.bench": (None, None),
+}
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
 
 
 def _modules():
@@ -78,34 +83,74 @@ def _matches(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def _rule(mod: str) -> tuple[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]]:
+    """The most specific whitelist entry of `mod` (its own package is always allowed)."""
+    best = max((p for p in ALLOWED if _matches(mod, p)), key=len)
+    return best, ALLOWED[best]
+
+
+def _own_package(mod: str) -> str:
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if (ROOT / parts[1]).is_dir() else mod
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.parent / Path(*name.split("."))
+    return path.is_dir() or path.with_suffix(".py").exists()
+
+
+def _violations(mod: str, imports: list[str]) -> list[str]:
+    _, (kvloop_ok, third_ok) = _rule(mod)
+    own = _own_package(mod) if mod != "kvloop" else "kvloop.__init__"
+    bad = []
+    for imp in imports:
+        root = imp.split(".")[0]
+        if not imp or root in STDLIB:
+            continue
+        if root == "kvloop":
+            if imp != "kvloop" and not _is_module(imp):
+                continue      # `from kvloop.x import Name`: the module kvloop.x is checked
+            if (kvloop_ok is None or _matches(imp, own)
+                    or any(_matches(imp, p) if p != "kvloop" else imp == p for p in kvloop_ok)):
+                continue
+            bad.append(f"{mod} imports {imp}")
+        elif third_ok is not None and root not in third_ok:
+            bad.append(f"{mod} imports {imp} (third-party)")
+    return bad
+
+
 def test_layering():
     bad = []
     for mod, path in _modules():
-        imports = _imports(path, mod)
-        for pkg, forbidden in FORBIDDEN.items():
-            if not _matches(mod, pkg):
-                continue
-            for imp in imports:
-                if any(_matches(imp, f) for f in forbidden):
-                    bad.append(f"{mod} imports {imp}")
-        if _matches(mod, "kvloop.core") and mod not in ZMQ_OK_IN_CORE:
-            bad += [f"{mod} imports {i}" for i in imports if _matches(i, "zmq")]
-        if _matches(mod, "kvloop.core"):
-            ok = ENGINE_PROC_EVENTS_OK if mod in ZMQ_OK_IN_CORE else CORE_EVENTS_OK
-            bad += [f"{mod} imports {i}" for i in imports if _matches(i, "kvloop.events")
-                    and i != "kvloop.events" and not any(_matches(i, e) for e in ok)]
-        if _matches(mod, "kvloop.model"):
-            bad += [f"{mod} imports {i}" for i in imports
-                    if _matches(i, "kvloop.core") and not any(
-                        _matches(i, ok) or i == "kvloop.core" for ok in MODEL_CORE_OK)]
-        if _matches(mod, "kvloop.router"):
-            bad += [f"{mod} imports {i}" for i in imports
-                    if _matches(i, "kvloop.server") and not any(
-                        _matches(i, ok) for ok in ROUTER_SERVER_OK)]
-        if mod != "kvloop.__main__":
-            bad += [f"{mod} imports {i}" for i in imports if _matches(i, "kvloop.cli")
-                    and mod != "kvloop.cli"]
+        bad += _violations(mod, _imports(path, mod))
     assert not bad, "\n".join(bad)
+
+
+def test_every_module_has_a_rule_and_the_rules_catch_violations():
+    assert all(_rule(mod)[0] for mod, _ in _modules())
+    assert _violations("kvloop.core.block_pool", ["torch"]) == [
+        "kvloop.core.block_pool imports torch (third-party)"]
+    assert _violations("kvloop.core.scheduler", ["kvloop.server.openai"]) == [
+        "kvloop.core.scheduler imports kvloop.server.openai"]
+    assert _violations("kvloop.router.proxy", ["kvloop.server.serving"]) == [
+        "kvloop.router.proxy imports kvloop.server.serving"]
+    assert _violations("kvloop.core.engine", ["zmq"]) != []
+    assert _violations("kvloop.core.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
+    assert _violations("kvloop.server.api", ["kvloop.cli"]) != []
+    assert _violations("kvloop.bench.offline", ["torch", "kvloop.model"]) == []
+
+
+def test_the_map_names_every_third_party_package_a_package_may_import():
+    """docs/architecture.md's package table lists, per package, what it may import."""
+    table = (ROOT.parent / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[3]
+            for line in table.splitlines() if line.startswith("| `")}
+    for pkg, (_, third) in ALLOWED.items():
+        row = rows.get(pkg.removeprefix("kvloop.").replace(".", "/") + "/")
+        if row is None or third is None:
+            continue
+        missing = [t for t in third if t not in row]
+        assert not missing, f"docs/architecture.md's row for {pkg} lacks {missing}"
 
 
 def test_import_kvloop_is_light():

@@ -1,11 +1,11 @@
-"""`kvloop.sim.fit` recovers the coefficients of a runner whose step times are known: the
+"""`kvloop.bench.latency_fit` recovers the coefficients of a runner whose step times are known: the
 simulated runner driven by a latency model (the real model is measured the same way)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvloop.sim.fit import aggregate, fit, measure, quality
+from kvloop.bench.latency_fit import aggregate, fit, measure, quality
 from kvloop.sim.latency import LatencyModel, StepFeatures
 from kvloop.sim.worker import SimWorkerRunner
 

@@ -1,4 +1,4 @@
-"""`python -m kvloop.sim.fit`: measure the real ModelRunner here and rewrite the latency file.
+"""`python -m kvloop.bench.latency_fit`: time the real ModelRunner, rewrite the sim's latency file.
 
 Drives a real EngineCore (scheduler, block pool) with the real model runner through a grid
 of workloads (single prefill chunks of several sizes, decode batches of several widths and
@@ -7,9 +7,9 @@ fits the linear model of `kvloop.sim.latency` by non-negative least squares:
 
     step_s = base_s + per_token_s*tokens + per_seq_s*seqs + per_ctx_token_s*context_tokens
 
-This is a measurement tool: it loads the model by factory name when run (as the engine core
-process does), never when imported, so the simulator package stays free of torch. The
-simulator itself only reads the file this writes. The machine should be otherwise idle.
+This is a measurement tool, with the benchmarks: it loads the model (and torch) when run,
+never when imported. The simulator (`kvloop.sim`) only reads the file this writes and stays
+free of torch. The machine should be otherwise idle.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import numpy as np
 
 from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
-from kvloop.core.engine_proc import resolve_factory
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.latency import COEFFICIENTS, DEFAULT_LATENCY_FILE, StepFeatures
@@ -144,7 +143,7 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvloop.sim.fit", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvloop.bench.latency_fit", description=__doc__)
     ap.add_argument("--model", default=None, help="model to measure (default: embedded)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=3,
@@ -152,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_LATENCY_FILE))
     args = ap.parse_args(argv)
     rc = RunnerConfig(model=args.model, dtype=args.dtype, max_model_len=2048)
-    runner = resolve_factory(rc.factory)(rc)
+    from kvloop.model import load_runner
+
+    runner = load_runner(rc)
     t0 = time.monotonic()
     raw = measure(runner, args.repeats)
     samples = aggregate(raw)
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "formula": "step_s = base_s + per_token_s*tokens + per_seq_s*seqs"
                    " + per_ctx_token_s*context_tokens",
         "provisional": False,
-        "source": f"fitted by `python -m kvloop.sim.fit` on {time.strftime('%Y-%m-%d')}: "
+        "source": f"fitted by `python -m kvloop.bench.latency_fit` on {time.strftime('%Y-%m-%d')}: "
                   f"{len(raw)} timed runner steps in {time.monotonic() - t0:.0f} s, median per "
                   f"distinct step ({len(samples)}), non-negative least squares of the "
                   f"relative error; load average {os.getloadavg()[0]:.1f} at the end",
