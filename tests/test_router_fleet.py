@@ -302,7 +302,8 @@ def test_router_predicts_the_cached_tokens_the_worker_reports(fleet):
                 assert r.status_code == 200, r.text
                 after = httpx.get(rt.url + "/metrics").text
                 cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                predicted, actual = (metric_value(after, n) - metric_value(before, n) for n in series)
+                predicted, actual = (metric_value(after, n) - metric_value(before, n)
+                                     for n in series)
                 assert predicted == actual == cached, (body, attempt, predicted, actual)
             assert cached > 0, body   # the repeat hit
 

@@ -1,10 +1,11 @@
 """Router benchmarks: `python -m kvloop.bench.router latency|fleet`.
 
-latency: routing decision latency with a large index. Builds a router (no HTTP, no sockets) with W simulated workers and an index of B
-(block, worker) entries, then times `Router.route()` end to end (hash the prompt's full
-blocks with sha256 + the fleet seed, match the index, score every worker with the cost
-model, add provisional entries, open the ticket) and its parts. Queried prompts share
-prefixes that several workers hold at different depths, so matches walk deep chains.
+latency: routing decision latency with a large index. Builds a router (no HTTP, no sockets)
+with W simulated workers and an index of B (block, worker) entries, then times
+`Router.route()` end to end (hash the prompt's full blocks with sha256 + the fleet seed,
+match the index, score every worker with the cost model, add provisional entries, open the
+ticket) and its parts. Queried prompts share prefixes that several workers hold at different
+depths, so matches walk deep chains.
 
 Prints p50/p99 per prompt length and phase, per run, and the median over runs.
 

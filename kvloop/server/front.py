@@ -7,8 +7,8 @@
 
 uvicorn gets the fronts' HTTP protocol (read timeouts: `kvloop.server.guard.http_protocol`)
 and no access log, and calls `on_ready(url)` once it accepts connections (each front
-announces its URL then). `on_signal`, when given, receives SIGINT and SIGTERM instead of uvicorn (which
-would otherwise stop, and re-raise the signal once stopped).
+announces its URL then). `on_signal`, when given, receives SIGINT and SIGTERM instead of
+uvicorn (which would otherwise stop, and re-raise the signal once stopped).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@
                                              the tokens of this step, i.e. the KV it attends)
 
 The coefficients live in a JSON file (`latency_smollm2_cpu.json` next to this module), fitted
-on this machine by `python -m kvloop.bench.latency_fit`. `speedup` divides every modelled time, so tests
-and fleet experiments run a simulated worker N times faster than the model it imitates.
+on this machine by `python -m kvloop.bench.latency_fit`. `speedup` divides every modelled
+time, so tests and fleet experiments run a simulated worker N times faster than the model
+it imitates.
 """
 
 from __future__ import annotations
