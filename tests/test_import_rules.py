@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 
 # package prefix -> forbidden import prefixes
@@ -92,6 +94,7 @@ def test_layering():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.processes
 def test_import_kvloop_is_light():
     code = ("import sys, kvloop, kvloop.core.engine, kvloop.sim.replay; "
             "bad = [m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules]; "
