@@ -37,17 +37,14 @@ def test_a_free_port_is_refused_until_a_server_binds_it_and_rebinds_it(
         assert c.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED
     with pytest.raises(OSError), socket.socket() as plain:   # nor can a bind without
         plain.bind(("127.0.0.1", port))                      # SO_REUSEADDR take it
-    ctx = zmq.Context()
-    try:
-        for _ in range(2):   # a publisher binds it, stops, and a restarted one binds it again
-            pub = ctx.socket(zmq.PUB)
+    for _ in range(2):   # a publisher binds it, stops, and a restarted one binds it again
+        ctx = zmq.Context()   # each its own, as each publisher: term() returns once closed
+        pub, other = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB)
+        try:
             pub.bind(f"tcp://127.0.0.1:{port}")
-            with pytest.raises(zmq.ZMQError):   # but only one at a time
-                other = ctx.socket(zmq.PUB)
-                try:
-                    other.bind(f"tcp://127.0.0.1:{port}")
-                finally:
-                    other.close(0)
+            with pytest.raises(zmq.ZMQError, match="in use"):   # but only one at a time
+                other.bind(f"tcp://127.0.0.1:{port}")
+        finally:
             pub.close(0)
-    finally:
-        ctx.term()
+            other.close(0)
+            ctx.term()
