@@ -1,7 +1,7 @@
 """Shared test helpers: launchers, waiting, ports, Prometheus text, KV-event builders, and the
 check that every test starting a process or a server is marked `processes`.
 
-`pytest -m "not processes"` runs the fast in-process core in seconds; `make test` runs all.
+`pytest -m "not processes"` (`make test-fast`) runs the in-process core; `make test` runs all.
 """
 
 from __future__ import annotations
