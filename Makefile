@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test install install-test lint typecheck clean
+.PHONY: serve test test-fast install install-test lint typecheck clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ typecheck: install-test
 
 test: install-test lint typecheck
 	$(VENV)/bin/pytest
+
+# The in-process core (no test marked `processes`): seconds, for the edit-test loop.
+test-fast: install-test
+	$(VENV)/bin/pytest -m "not processes"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

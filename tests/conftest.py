@@ -1,17 +1,37 @@
-"""Shared test helpers."""
+"""Shared test helpers: launchers, waiting, ports, Prometheus text, KV-event builders, and the
+check that every test starting a process or a server is marked `processes`.
+
+`pytest -m "not processes"` (`make test-fast`) runs the in-process core; `make test` runs all.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import httpx
+import openai
 import pytest
 
+from kvloop.events.types import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from kvloop.server.launcher import ServeProcess
+
+if TYPE_CHECKING:
+    from kvloop.router.config import RouterConfig
+    from kvloop.router.registry import WorkerSpec
+
+pytest_plugins = ("pytester",)   # tests/test_markers.py runs an inner session
 
 DATA = Path(__file__).parent / "data"
 CONFORMANCE = DATA / "conformance"
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -19,6 +39,109 @@ def conformance_dir() -> Path:
     return CONFORMANCE
 
 
+# --- the `processes` marker, enforced -----------------------------------------------------------
+# Audit events that start a child process (CPython raises them in every spawning API).
+_SPAWN_EVENTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn",
+                           "os.spawn", "os.system", "os.exec"})
+_started: list[str] | None = None   # what the running unmarked test started (None: not watched)
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _started is not None and event in _SPAWN_EVENTS:
+        _started.append(f"{event} {args[1] if event == 'subprocess.Popen' else ''}".strip())
+
+
+_listen = socket.socket.listen
+
+
+def _watched_listen(self: socket.socket, *args: int) -> None:
+    """socket.listen, noted: every Python TCP server listens (uvicorn, asyncio, http.server)."""
+    if _started is not None:
+        _started.append(f"a server listening on {self.getsockname()}")
+    _listen(self, *args)
+
+
+sys.addaudithook(_audit)
+socket.socket.listen = _watched_listen  # type: ignore[method-assign]
+
+
+def _phase(item: pytest.Item) -> Iterator[None]:
+    """Run one phase (setup, call, teardown) of `item`; an unmarked one that started a process
+    or a server fails, naming what it started."""
+    global _started
+    if item.get_closest_marker("processes") is not None:
+        yield
+        return
+    _started = []
+    try:
+        yield
+    finally:
+        started, _started = _started, None
+    if started:
+        raise AssertionError(
+            f"{item.nodeid} started {'; '.join(sorted(set(started)))} but is not marked "
+            f"`processes` (add @pytest.mark.processes, or a module-level pytestmark)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    return (yield from _phase(item))
+
+
+# --- waiting ------------------------------------------------------------------------------------
+def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "the condition") -> T:
+    """Poll `pred` until it returns something truthy and return that; AssertionError naming
+    `what` once `timeout` s have passed without one. The poll interval starts at 5 ms and
+    doubles up to 100 ms (quick conditions are seen at once, slow ones are not hammered)."""
+    deadline = time.monotonic() + timeout
+    step = 0.005
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+        step = min(2 * step, 0.1)
+
+
+# --- ports --------------------------------------------------------------------------------------
+def held_port(port: int = 0) -> socket.socket:
+    """A socket bound to 127.0.0.1:`port` (0: a free one) with SO_REUSEADDR, never listening;
+    OSError while another socket listens there. While it is open the kernel hands the port to
+    nobody (no bind to port 0, no outgoing connection) and a connection to it is refused, but
+    a server that sets SO_REUSEADDR (every ZMQ socket, kvloop's HTTP fronts) can listen on
+    it, and listen on it again after a restart."""
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+@pytest.fixture
+def free_port() -> Iterator[Callable[[], int]]:
+    """`free_port()`: a port held (`held_port`) until the test ends, for a test that needs the
+    number before its server exists (a restart on the same port, a port nobody answers on).
+    Otherwise give the server port 0 and read back the address it bound."""
+    with ExitStack() as held:
+        yield lambda: int(held.enter_context(held_port()).getsockname()[1])
+
+
+# --- servers ------------------------------------------------------------------------------------
 @contextmanager
 def serving(tmp_path_factory: pytest.TempPathFactory, name: str, args: Sequence[str],
             timeout_s: float = 60.0, env: dict[str, str] | None = None
@@ -28,3 +151,87 @@ def serving(tmp_path_factory: pytest.TempPathFactory, name: str, args: Sequence[
     with ServeProcess(list(args), log, env).start(timeout_s=timeout_s) as srv:
         yield srv
     assert "Traceback" not in srv.log(), srv.log()
+
+
+class RouterThread:
+    """A `RouterServer` on its own thread and event loop (uvicorn, real sockets, port 0)."""
+
+    def __init__(self, config: RouterConfig, workers: list[WorkerSpec]):
+        from kvloop.router.server import RouterServer
+
+        self.server = RouterServer(config, workers)
+        self.url = self.server.url
+        self.router = self.server.router
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import asyncio
+
+        asyncio.run(self.server.serve(lambda s: self._ready.set()))
+
+    def __enter__(self) -> RouterThread:
+        self._thread.start()
+        assert self._ready.wait(30), "router did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.stop()
+        self._thread.join(15)
+        assert not self._thread.is_alive(), "router did not stop"
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# --- clients ------------------------------------------------------------------------------------
+def sdk(url: str, key: str = "none", timeout: float = 30) -> openai.OpenAI:
+    """The openai SDK against `url` (no retries: a test sees every error)."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def post(srv: ServeProcess, path: str, body: object) -> httpx.Response:
+    """POST JSON as Python writes it (NaN and Infinity included, as some clients send)."""
+    return httpx.post(srv.url + path, content=json.dumps(body).encode(), timeout=30,
+                      headers={"content-type": "application/json"})
+
+
+# --- KV events ----------------------------------------------------------------------------------
+def block_stored(*hashes: int, parent: int | None = None, block_size: int = 4,
+                 token_ids: list[int] | None = None, lora: str | None = None) -> BlockStored:
+    """A BlockStored chain of `hashes` (tokens `h % 1000` repeated unless given)."""
+    tokens = [h % 1000 for h in hashes for _ in range(block_size)] if token_ids is None \
+        else token_ids
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=tokens,
+                       block_size=block_size, lora_id=None, medium="GPU", lora_name=lora,
+                       extra_keys=[(lora,) if lora else None for _ in hashes], group_idx=0,
+                       kv_cache_spec_kind="full_attention")
+
+
+def block_removed(*hashes: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
+
+
+def event_batch(*events: KVCacheEvent, ts: float = 1.0) -> KVEventBatch:
+    return KVEventBatch(ts=ts, events=list(events))
+
+
+class FakeClock:
+    """A clock a test moves by hand (`clock.t += 5`)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -184,6 +185,7 @@ def _cfg(url: str, **kw) -> BenchConfig:
     return BenchConfig(url, progress=False, **kw)
 
 
+@pytest.mark.processes
 def test_shared_prefix_cache_share_is_exact_at_concurrency_one() -> None:
     wl = w.shared_prefix_workload(num_groups=2, prefix_len=64, suffix_len=16, output_len=4,
                                   num_requests=6, seed=0)
@@ -199,6 +201,7 @@ def test_shared_prefix_cache_share_is_exact_at_concurrency_one() -> None:
     assert all(b["ignore_eos"] and b["model"] == "fake-sim" for b in srv.bodies)
 
 
+@pytest.mark.processes
 def test_multi_turn_resends_the_conversation_with_the_real_answers() -> None:
     wl = w.multi_turn_workload(num_conversations=2, num_turns=3, first_len=40, turn_len=8,
                                output_len=24, seed=5)
@@ -217,6 +220,7 @@ def test_multi_turn_resends_the_conversation_with_the_real_answers() -> None:
         assert r1.cached_tokens == 48
 
 
+@pytest.mark.processes
 def test_multi_turn_without_token_ids_uses_stand_ins() -> None:
     wl = w.multi_turn_workload(num_conversations=1, num_turns=2, first_len=40, turn_len=8,
                                output_len=24, seed=5)
@@ -228,6 +232,7 @@ def test_multi_turn_without_token_ids_uses_stand_ins() -> None:
     assert "stand-in" in format_table(summarize(run))
 
 
+@pytest.mark.processes
 def test_errors_are_counted_not_raised() -> None:
     wl = w.random_workload(3, 8, 2, seed=0)
     with FakeServer() as srv:
@@ -237,12 +242,9 @@ def test_errors_are_counted_not_raised() -> None:
     assert s["errors"] == ["HTTP 400: max_tokens must be >= 1"]
 
 
-def test_unreachable_server_and_timeouts_are_errors() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+@pytest.mark.processes
+def test_unreachable_server_and_timeouts_are_errors(free_port: Callable[[], int]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"   # reserved, nothing listens
     run = run_bench_sync(w.random_workload(2, 8, 2), _cfg(dead, model="m"))
     assert [r.ok for r in run.results] == [False, False]
     assert "ConnectionRefusedError" in (run.results[0].error or "")
@@ -251,6 +253,7 @@ def test_unreachable_server_and_timeouts_are_errors() -> None:
     assert run.results[0].error == "timed out after 0.3 s"
 
 
+@pytest.mark.processes
 def test_open_loop_follows_arrival_times() -> None:
     wl = w.trace_workload([json.dumps({"time_s": t, "input_len": 8, "output_len": 2})
                            for t in (0.0, 0.2, 0.4)])
@@ -262,6 +265,7 @@ def test_open_loop_follows_arrival_times() -> None:
     assert starts[2] - starts[0] == pytest.approx(0.4, abs=0.08)
 
 
+@pytest.mark.processes
 def test_closed_loop_keeps_concurrency_in_flight() -> None:
     wl = w.random_workload(8, 16, 20, seed=1)
     with FakeServer(FakeOptions(step_delay_s=0.005)) as srv:
@@ -272,6 +276,7 @@ def test_closed_loop_keeps_concurrency_in_flight() -> None:
     assert all(r.tpot is not None and r.tpot > 0 for r in run.results)
 
 
+@pytest.mark.processes
 def test_cli_compare_prints_ratios_and_writes_json(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     with FakeServer() as a, FakeServer(FakeOptions(step_delay_s=0.002)) as b:
@@ -360,6 +365,7 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+@pytest.mark.processes
 def test_client_reassembles_events_across_odd_chunking_and_keeps_alive() -> None:
     events = (b'data: {"choices":[{"text":"a","token_ids":[1]}]}\r\n\r\n'
               b'data: {"choices":[{"text":"b","token_ids":[2,3]}]}\n\n'
@@ -375,6 +381,7 @@ def test_client_reassembles_events_across_odd_chunking_and_keeps_alive() -> None
         assert len(r.chunk_times) == 2
 
 
+@pytest.mark.processes
 def test_client_reads_close_delimited_streams_and_sized_errors() -> None:
     body = b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n'
     closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body

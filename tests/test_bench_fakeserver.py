@@ -14,6 +14,8 @@ import json
 import threading
 from dataclasses import dataclass, field
 
+import pytest
+
 from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
@@ -189,6 +191,7 @@ class FakeServer:
         await writer.drain()
 
 
+@pytest.mark.processes
 def test_fake_server_streams_one_completion() -> None:
     import urllib.request
 

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 
+pytestmark = pytest.mark.processes   # the anchor: a tiny HF model behind a real HTTP server
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

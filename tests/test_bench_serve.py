@@ -16,6 +16,8 @@ from kvloop.server.launcher import ServeProcess
 from kvloop.viz.png import render_png
 from kvloop.viz.schedule import load_schedule
 
+pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
+
 
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, Path]]:

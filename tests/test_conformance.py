@@ -46,6 +46,7 @@ def test_replay_matches_vllm(trace, comparer, monkeypatch):
     assert _differences(comparer, CONFORMANCE / "expected" / trace.name, trace) == []
 
 
+@pytest.mark.processes
 def test_replay_cli_and_comparer_cli(tmp_path):
     """`kvloop replay` writes the step log the comparer's own command line calls equal."""
     trace, out = TRACES[0], tmp_path / TRACES[0].name

@@ -186,6 +186,7 @@ def engine() -> Iterator[Engine]:
         ctx.term()
 
 
+@pytest.mark.processes
 def test_runner_config_reaches_the_factory_across_the_process_boundary(engine: Engine
                                                                        ) -> None:
     r = engine.ready
@@ -204,6 +205,7 @@ def _add_payload(request_id: str, params: Any) -> bytes:
     return msgspec.msgpack.encode([request_id, [1, 2, 3], params])
 
 
+@pytest.mark.processes
 def test_a_malformed_request_is_refused_and_the_engine_goes_on(engine: Engine) -> None:
     engine.send(RequestType.ADD, _add_payload("hot", {"temperature": 5.0}))
     engine.send(RequestType.ADD, _add_payload("typed", {"max_tokens": "many"}))

@@ -19,7 +19,7 @@ from kvloop.events.cli_args import add_publisher_args, publisher_config_from_arg
 from kvloop.events.config import KVEventsConfig
 
 from .conftest import serving
-from .test_events_helpers import SimWorker, free_port
+from .test_events_helpers import SimWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,6 +76,7 @@ def test_tail_json_lines(capsys):
     assert all(ev["type"] == "BlockStored" for ev in objs[1]["events"])
 
 
+@pytest.mark.processes
 def test_tail_stops_cleanly_on_sigterm():
     worker = SimWorker(KVEventsConfig(endpoint="tcp://127.0.0.1:0", topic="kv"))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -124,9 +125,8 @@ def _warnings(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.startswith("kvloop events tail:")]
 
 
-def test_tail_says_so_when_nothing_answers(capsys):
-    port = free_port(2)
-    pub, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+def test_tail_says_so_when_nothing_answers(capsys, free_port):
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     rc = main(["events", "tail", "--endpoint", pub, "--topic", "kv", "--idle-warn", "0.3",
                "--exit-on-idle"])
     out, err = capsys.readouterr()
@@ -152,7 +152,8 @@ def test_tail_says_so_when_nothing_answers(capsys):
 def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
     """Replay replies (idle worker) or heartbeats (other topic) show someone is there."""
     worker = SimWorker(KVEventsConfig(endpoint="tcp://127.0.0.1:0",
-                                      replay_endpoint="tcp://127.0.0.1:0", topic="kv"))
+                                      replay_endpoint="tcp://127.0.0.1:0", topic="kv",
+                                      heartbeat_interval_s=0.1))
     stop = threading.Event()
 
     def feed() -> None:  # batches flow, on a topic the tail does not subscribe to
@@ -169,7 +170,7 @@ def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
             args = ["--topic", "other"]
             feeder.start()
         rc = main(["events", "tail", "--endpoint", worker.endpoint, *args, "--idle-warn",
-                   "2.5", "--exit-on-idle"])   # > the 1 s between heartbeats
+                   "1", "--exit-on-idle"])   # 10 heartbeats apart
     finally:
         stop.set()
         if feeder.is_alive():
@@ -179,7 +180,7 @@ def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
     (warning,) = _warnings(err)
     topic = "'kv'" if case == "idle worker" else "'other'"
     assert rc == 1 and warning == (
-        f"kvloop events tail: no KV event batch from {worker.endpoint} in 2.5 s; the "
+        f"kvloop events tail: no KV event batch from {worker.endpoint} in 1 s; the "
         f"publisher is there (heartbeats or replay replies, epoch {worker.publisher.epoch[:8]})"
         f" but sent no batch on topic {topic}: the worker is idle (events flow only while its "
         f"KV cache changes), or it publishes on another topic (its --kv-events-topic). "
@@ -196,6 +197,7 @@ def test_idle_flags_are_checked():
             main(["events", "tail", "--endpoint", "tcp://127.0.0.1:1", *bad])
 
 
+@pytest.mark.processes
 def test_tail_against_kvloop_serve_with_heartbeats(tmp_path_factory, capsys):
     """`kvloop serve --kv-events-heartbeat` on vLLM's empty topic: an idle worker is heard."""
     with serving(tmp_path_factory, "tail_serve", [

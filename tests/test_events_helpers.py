@@ -5,9 +5,7 @@ duplicates, reorders or corrupts frames between them."""
 from __future__ import annotations
 
 import random
-import socket
 import threading
-import time
 from collections.abc import Callable
 
 import zmq
@@ -23,31 +21,9 @@ from kvloop.events.types import event_int
 from kvloop.events.view import CacheView
 from kvloop.sim.runner import SimRunner
 
+from .conftest import wait_until
+
 Frames = list[bytes]
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.005)
-
-
-def free_port(span: int = 1) -> int:
-    """A port p such that p .. p+span-1 are free on 127.0.0.1 right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for k in range(1, span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", base + k))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no free port range")
 
 
 class SimWorker:

@@ -13,24 +13,14 @@ import zmq
 from kvloop.events import protocol as proto
 from kvloop.events.config import KVEventsConfig
 from kvloop.events.publisher import ZmqEventPublisher, endpoint_for_rank
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from kvloop.events.types import AllBlocksCleared, BlockStored, KVEventBatch
 from kvloop.events.view import CacheView
 
-from .test_events_helpers import free_port, wait_until
+from .conftest import block_removed, wait_until
+from .conftest import block_stored as stored
+from .conftest import event_batch as batch
 
 LOCAL = "tcp://127.0.0.1:0"
-
-
-def stored(*hashes: int, parent: int | None = None) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent,
-                       token_ids=[h % 1000 for h in hashes for _ in range(4)], block_size=4,
-                       lora_id=None, medium="GPU", lora_name=None,
-                       extra_keys=[None] * len(hashes), group_idx=0,
-                       kv_cache_spec_kind="full_attention")
-
-
-def batch(*events, ts: float = 1.0) -> KVEventBatch:
-    return KVEventBatch(ts=ts, events=list(events))
 
 
 class Client:
@@ -143,8 +133,8 @@ def test_topics_filter(started):
     assert client.recv(200) is None
 
 
-def test_data_parallel_rank_offsets_the_port_and_tags_batches(started):
-    base = free_port(span=2)
+def test_data_parallel_rank_offsets_the_port_and_tags_batches(started, free_port):
+    base = free_port() - 1   # rank 1 binds base + 1, the reserved port; base itself is unused
     assert endpoint_for_rank(f"tcp://127.0.0.1:{base}", 1) == f"tcp://127.0.0.1:{base + 1}"
     assert endpoint_for_rank("tcp://127.0.0.1:0", 3) == "tcp://127.0.0.1:0"
     assert endpoint_for_rank("ipc:///tmp/x", 2) == "ipc:///tmp/x_dp2"
@@ -156,7 +146,7 @@ def test_data_parallel_rank_offsets_the_port_and_tags_batches(started):
     assert msgspec.msgpack.decode(msg[2], type=KVEventBatch).data_parallel_rank == 1
 
 
-def test_binds_literal_addresses_and_connects_only_when_asked():
+def test_binds_literal_addresses_and_connects_only_when_asked(free_port):
     ctx = zmq.Context()
     try:
         # ">" = connect: the consumer binds, the publisher connects to it
@@ -239,7 +229,7 @@ def test_info_and_snapshot_on_the_replay_socket(started):
     pub.publish(batch(stored(a, b, parent=None)))  # chain a <- b
     pub.publish(batch(stored(c, parent=b)))  # c extends it
     pub.publish(batch(stored(b, parent=a)))  # a second physical copy of b
-    pub.publish(batch(BlockRemoved(block_hashes=[a], medium="GPU")))  # parent gone, child kept
+    pub.publish(batch(block_removed(a)))  # parent gone, child kept
     pub.publish(batch(stored(a, parent=None)))  # ...and stored again, after its children
     wait_until(lambda: pub.stats.published == 5)
     [info_msg] = client.request(proto.KVLOOP, proto.CMD_INFO)

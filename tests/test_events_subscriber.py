@@ -4,6 +4,7 @@ reordering and garbage, the subscriber's view equals the worker's actual block p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -11,14 +12,8 @@ from kvloop.events.config import KVEventsConfig
 from kvloop.events.protocol import HEARTBEAT_TOPIC, RECENCY_TOPIC, seq_bytes
 from kvloop.events.subscriber import KVEventSubscriber
 
-from .test_events_helpers import (
-    Relay,
-    SimWorker,
-    ViewSubscriber,
-    free_port,
-    seq_of,
-    wait_until,
-)
+from .conftest import wait_until
+from .test_events_helpers import Relay, SimWorker, ViewSubscriber, seq_of
 
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -31,9 +26,9 @@ def events_config(**kw) -> KVEventsConfig:
     return KVEventsConfig(**kw)
 
 
-def restartable_config() -> KVEventsConfig:
-    """Fixed free ports (a restarted publisher binds the same addresses), empty topic (so
-    heartbeats are off and epochs come from the replay socket)."""
+def restartable_config(free_port: Callable[[], int]) -> KVEventsConfig:
+    """Fixed ports, reserved for the test (a restarted publisher binds the same addresses),
+    empty topic (so heartbeats are off and epochs come from the replay socket)."""
     return events_config(endpoint=f"tcp://127.0.0.1:{free_port()}",
                          replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="")
 
@@ -137,10 +132,10 @@ def test_lost_tail_is_found_by_the_heartbeat(cleanup):
     assert vs.sub.stats.gaps == 1 and vs.sub.stats.replays == 1
 
 
-def test_publisher_restart_is_a_new_epoch(cleanup):
+def test_publisher_restart_is_a_new_epoch(cleanup, free_port):
     # Empty topic: heartbeats are off (a vLLM consumer of "" would get them), so the
     # subscriber learns epochs from the replay socket (info probes and reply headers).
-    cfg = restartable_config()
+    cfg = restartable_config(free_port)
     assert not cfg.heartbeats_enabled
     first = SimWorker(cfg, seed=5)
     vs = ViewSubscriber(first.endpoint, first.replay_endpoint, "")
@@ -242,10 +237,10 @@ def test_recency_touches_name_cached_blocks(cleanup):
     assert worker.publisher.stats.touch_notices <= elapsed / 0.05 + 2  # rate-limited
 
 
-def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup):
+def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup, free_port):
     # The new process's first batches are lost, and the first one that arrives carries
     # exactly the number the subscriber expects: only the epoch can tell.
-    cfg = restartable_config()
+    cfg = restartable_config(free_port)
     state = {"drop_below": 0}
     relay = Relay(cfg.endpoint, lambda f: [] if (seq_of(f) or 0) < state["drop_below"]
                   else [f])
@@ -266,8 +261,8 @@ def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup):
     assert "epoch" in resets and vs.sub.stats.current_epoch == second.publisher.epoch
 
 
-def test_subscriber_started_before_its_publisher(cleanup):
-    cfg = restartable_config()
+def test_subscriber_started_before_its_publisher(cleanup, free_port):
+    cfg = restartable_config(free_port)
     vs = ViewSubscriber(cfg.endpoint, cfg.replay_endpoint, "", request_timeout_s=0.2,
                         probe_interval_s=0.05)
     cleanup.append(vs)
@@ -281,7 +276,7 @@ def test_subscriber_started_before_its_publisher(cleanup):
     assert vs.sub.stats.kvloop_publisher is True
 
 
-def test_restart_without_a_replay_socket_is_found_by_heartbeats(cleanup):
+def test_restart_without_a_replay_socket_is_found_by_heartbeats(cleanup, free_port):
     port = free_port()
     cfg = events_config(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=None)
     first = SimWorker(cfg, seed=13)

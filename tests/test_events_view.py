@@ -11,35 +11,30 @@ from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
 from kvloop.events.types import (
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
-    KVEventBatch,
     event_int,
 )
 from kvloop.events.view import CacheView
 from kvloop.sim.runner import SimRunner
 
-
-def stored(hashes, parent=None, bs=2, lora=None) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent,
-                       token_ids=[h for h in hashes for _ in range(bs)], block_size=bs,
-                       lora_id=None, medium="GPU", lora_name=lora,
-                       extra_keys=[(lora,) if lora else None for _ in hashes], group_idx=0)
+from .conftest import block_removed as removed
+from .conftest import block_stored, event_batch
 
 
-def removed(*hashes) -> BlockRemoved:
-    return BlockRemoved(block_hashes=list(hashes), medium="GPU")
+def stored(*hashes: int, parent: int | None = None, lora: str | None = None) -> BlockStored:
+    """Blocks of 2 tokens, both the hash (the hashes here are < 1000)."""
+    return block_stored(*hashes, parent=parent, block_size=2, lora=lora)
 
 
 def test_copies_are_counted_and_removed_one_at_a_time():
     v = CacheView()
-    v.apply([stored([1, 2]), stored([2], parent=1)])
+    v.apply([stored(1, 2), stored(2, parent=1)])
     assert v.hashes() == {1, 2} and v.copies(2) == 2 and v.num_blocks() == 3
     v.apply_event(removed(2))
     assert v.hashes() == {1, 2} and v.copies(2) == 1
     v.apply([removed(2), removed(9)])
     assert v.hashes() == {1} and v.unknown_removes == 1 and 2 not in v
-    v.apply(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+    v.apply(event_batch(AllBlocksCleared()))
     assert len(v) == 0
     with pytest.raises(TypeError):
         v.apply_event("BlockStored")  # type: ignore[arg-type]
@@ -60,8 +55,8 @@ def expand(events):
 
 def test_snapshot_keeps_chains_parents_first_and_every_copy():
     v = CacheView(keep_blocks=True)
-    v.apply([stored([1, 2, 3]), stored([4], parent=3), stored([10, 11], lora="ad"),
-             stored([2], parent=1), removed(1), stored([1])])  # 1 re-stored after its child
+    v.apply([stored(1, 2, 3), stored(4, parent=3), stored(10, 11, lora="ad"),
+             stored(2, parent=1), removed(1), stored(1)])  # 1 re-stored after its child
     events = v.snapshot_events()
     seen: set = set()
     for e in events:  # every parent that is in the view comes before its child

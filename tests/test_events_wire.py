@@ -22,8 +22,7 @@ from kvloop.events.types import (
     KVEventBatch,
 )
 
-from .conftest import CONFORMANCE
-from .test_events_helpers import wait_until
+from .conftest import CONFORMANCE, wait_until
 
 WIRE = json.loads((CONFORMANCE / "kv_events_wire.json").read_text())
 LIVE = [bytes.fromhex(f["hex"]) for f in WIRE["live_message"]["frames"]]

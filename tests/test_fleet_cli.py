@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from kvloop.router.fleet import FleetConfig
+from tests.conftest import alive, wait_until
 from tests.test_router_fleet import (
     TOKEN_RANGE,
     best_hit_share,
@@ -22,14 +21,7 @@ from tests.test_router_fleet import (
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
+@pytest.mark.processes
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_fleet_starts_workers_and_router_and_one_signal_stops_everything(sig):
     cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
@@ -69,10 +61,8 @@ def test_fleet_starts_workers_and_router_and_one_signal_stops_everything(sig):
         assert httpx.get(url + "/health").json()["status"] == "ok"
         proc.send_signal(sig)
         assert proc.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "a worker process outlived the fleet"
+        wait_until(lambda: not any(alive(p) for p in pids), 10,
+                   "the workers to end (a worker process outlived the fleet)")
         assert "kvloop fleet: stopped" in lines[-1]
     finally:
         if proc.poll() is None:
@@ -111,6 +101,7 @@ def test_fleet_splits_cores_between_real_workers(monkeypatch):
     assert "--num-threads" not in FleetConfig(2, "model.gguf").argv(0)
 
 
+@pytest.mark.processes
 def test_a_worker_that_cannot_start_is_named_and_the_fleet_cleans_up(tmp_path):
     from kvloop.router.fleet import Fleet
 

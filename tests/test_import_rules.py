@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 
 # What each part of kvloop may import besides the standard library and itself: a whitelist
@@ -153,6 +155,7 @@ def test_the_map_names_every_third_party_package_a_package_may_import():
         assert not missing, f"docs/architecture.md's row for {pkg} lacks {missing}"
 
 
+@pytest.mark.processes
 def test_import_kvloop_is_light():
     code = ("import sys, kvloop, kvloop.core.engine, kvloop.sim.replay; "
             "bad = [m for m in ('torch', 'fastapi', 'transformers') if m in sys.modules]; "

@@ -16,6 +16,8 @@ import kvloop
 from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
 from kvloop.server.sockets import SERVE_ANNOUNCEMENT
 
+pytestmark = pytest.mark.processes   # every test here starts processes or servers
+
 
 def child(code: str) -> list[str]:
     return [sys.executable, "-u", "-c", code]

@@ -33,20 +33,24 @@ def _probe(env_extra: dict[str, str], pre: str = "") -> dict[str, object]:
     return result
 
 
+@pytest.mark.processes
 def test_default_spin_count_is_set_before_torch_loads() -> None:
     assert _probe({}) == {"changed": True, "spin": "10000", "torch_loaded": False}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "active"}])
 def test_user_wait_policy_is_left_alone(env: dict[str, str]) -> None:
     assert _probe(env) == {"changed": False, "spin": None, "torch_loaded": False}
 
 
+@pytest.mark.processes
 def test_user_spin_count_is_left_alone() -> None:
     assert _probe({"GOMP_SPINCOUNT": "5"}) == {"changed": False, "spin": "5",
                                                "torch_loaded": False}
 
 
+@pytest.mark.processes
 def test_too_late_once_torch_is_loaded() -> None:
     assert _probe({}, pre="import torch") == {"changed": False, "spin": None,
                                               "torch_loaded": True}

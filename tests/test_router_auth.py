@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,16 +24,17 @@ from kvloop.server.http_limits import HttpLimits
 from kvloop.server.launcher import ServeProcess
 from kvloop.server.tokenizer import find_model_path
 
-from .test_router_fleet import ADMIN, SIM_ARGS, RouterThread, router_config, wait_until
+from .conftest import RouterThread, bearer, sdk, wait_until
+from .test_router_fleet import ADMIN, SIM_ARGS, router_config
 from .test_serve_auth import (
     _connect,
     _head,
     _read_until_closed,
     assert_error,
-    bearer,
     half_sent_requests_are_closed,
-    sdk,
 )
+
+pytestmark = pytest.mark.processes   # a fleet of real workers; routers on threads
 
 WORKER_KEY = "worker-key"
 ROUTER_KEY = "router-key"
@@ -88,13 +88,8 @@ def test_clients_need_the_routers_key_and_the_router_uses_the_workers(fleet: Fle
             assert wait_until(lambda w=w: w.load.at > 0, 10, "a /metrics poll")
 
 
-def _free_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
-
-
-def test_admin_routes_and_run_time_registration(fleet: Fleet, tmp_path: Path) -> None:
+def test_admin_routes_and_run_time_registration(fleet: Fleet, tmp_path: Path,
+                                                free_port: Callable[[], int]) -> None:
     specs = fleet.specs()
     admin = bearer(ROUTER_ADMIN)
     with keyed_router(specs[:1]) as rt, ServeProcess(
@@ -108,7 +103,7 @@ def test_admin_routes_and_run_time_registration(fleet: Fleet, tmp_path: Path) ->
         assert_error(httpx.request("DELETE", url, json={"url": specs[0].url},
                                    headers=bearer(ROUTER_KEY)), 403, "ForbiddenError")
 
-        silent = _free_port_url()   # nothing listens there
+        silent = f"http://127.0.0.1:{free_port()}"   # nothing listens there
         err = assert_error(httpx.post(url, json={"url": silent}, headers=admin), 422,
                            "UnprocessableEntityError")
         assert "not registered" in err["message"] and "/kvloop/worker failed" in err["message"]

@@ -12,8 +12,6 @@ from kvloop.config import Role
 from kvloop.core.hashing import block_hashes
 from kvloop.events.types import (
     AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     KVEventBatch,
     event_int,
 )
@@ -34,13 +32,7 @@ from kvloop.router.router import NoWorkerError, Router
 from kvloop.router.scorer import COLD, PREFIX_HIT
 from kvloop.wire import KVEventsInfo
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from .conftest import FakeClock, block_removed, block_stored, event_batch, serving
 
 
 class FakeSub:
@@ -88,9 +80,7 @@ def make_router(**liveness) -> tuple[Router, FakeClock, dict[str, FakeSub]]:
 
 def stored(tokens: list[int], seed: str = "s", parent=None) -> KVEventBatch:
     hs = [event_int(h) for h in block_hashes(tokens, BS, "sha256", seed)]
-    return KVEventBatch(ts=0.0, events=[BlockStored(
-        block_hashes=hs, parent_block_hash=parent, token_ids=tokens, block_size=BS,
-        lora_id=None, medium="GPU", lora_name=None)])
+    return event_batch(block_stored(*hs, parent=parent, block_size=BS, token_ids=tokens))
 
 
 PROMPT_A = list(range(100, 164))          # 4 blocks
@@ -133,12 +123,11 @@ def test_a_description_is_decoded_strictly():
         msgspec.json.decode(msgspec.json.encode(synonym), type=WorkerDescription)
 
 
+@pytest.mark.processes
 def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path_factory):
     """/kvloop/worker says num_gpu_blocks (null block included, as vLLM) and
     kv_capacity_blocks (usable); the router must read the latter (it read one block high)."""
     import httpx
-
-    from tests.conftest import serving
 
     with serving(tmp_path_factory, "capacity", ["--model", "sim",
                                                 "--num-gpu-blocks-override", "64"]) as srv:
@@ -178,9 +167,9 @@ def test_removed_and_cleared_events():
     feed = subs["w:1"].feed
     feed.on_batch(stored(PROMPT_A))
     hs = r.block_hashes(PROMPT_A)
-    feed.on_batch(KVEventBatch(ts=0, events=[BlockRemoved(block_hashes=[hs[2]], medium="GPU")]))
+    feed.on_batch(event_batch(block_removed(hs[2])))
     assert r.index.match(hs) == {"w:1": 2}
-    feed.on_batch(KVEventBatch(ts=0, events=[AllBlocksCleared()]))
+    feed.on_batch(event_batch(AllBlocksCleared()))
     assert r.index.num_blocks() == 0
     feed.on_batch(stored(PROMPT_A))
     feed.on_clear("epoch changed")

@@ -15,6 +15,7 @@ import asyncio
 import os
 import random
 import signal
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -24,15 +25,16 @@ import pytest
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.prometheus_text import metric_value
+from tests.conftest import RouterThread, held_port, sdk, wait_until
 from tests.test_router_fleet import (
     SIM_ARGS,
-    RouterThread,
     _drive,
     random_ids,
     router_config,
     shared_prefix_prompts,
-    wait_until,
 )
+
+pytestmark = pytest.mark.processes   # a fleet of real workers; routers on threads
 
 DEAD = "tcp://127.0.0.1:9"   # the discard port: nothing publishes there
 
@@ -98,6 +100,14 @@ def test_wrong_seed_and_wrong_endpoint_are_named_while_requests_succeed(fleet):
     assert metric_value(text, "kvloop_router_decisions_total", reason="load_only") > 0
 
 
+def _hold(port: int) -> socket.socket | None:
+    """`held_port(port)`, or None while the port is still listened on."""
+    try:
+        return held_port(port)
+    except OSError:
+        return None
+
+
 def _stats(url: str) -> dict:
     return httpx.get(url + "/kvloop/stats", timeout=10).json()
 
@@ -111,7 +121,7 @@ def test_killed_worker_fails_its_stream_clearly_and_is_reindexed_after_restart(f
     victim_proc = None
     with RouterThread(router_config(), specs) as rt:
         _send(rt.url, _cold_prompts(6, seed=3))
-        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x", max_retries=0)
+        client = sdk(rt.url, "x")
         stream = client.completions.create(model="sim", prompt=[9] * 40, max_tokens=850,
                                            stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
@@ -130,13 +140,15 @@ def test_killed_worker_fails_its_stream_clearly_and_is_reindexed_after_restart(f
         health = httpx.get(rt.url + "/health").json()
         assert health["status"] == "degraded"
         assert any(f"worker {victim.name} is down" in r for r in health["reasons"])
-        # restart it on the same port: a new epoch, re-registered by the poller
+        # restart it on the same port: a new epoch, re-registered by the poller. The port is
+        # held from the moment the dead worker lets it go until the new one listens on it
         old_epoch = victim.description.epoch
-        port = victim.spec.url.rsplit(":", 1)[1]
+        port = int(victim.spec.url.rsplit(":", 1)[1])
         index = fleet.workers.index(victim_proc)
-        restarted = fleet.worker(index, "--port", port)
-        fleet.workers[index] = restarted
-        restarted.start(60)
+        with wait_until(lambda: _hold(port), 10, f"port {port} to be let go"):
+            restarted = fleet.worker(index, "--port", str(port))
+            fleet.workers[index] = restarted
+            restarted.start(60)
         wait_until(lambda: victim.up, 10, "the restarted worker to be registered")
         assert victim.description.epoch != old_epoch
         prompts = _cold_prompts(8, seed=6)

@@ -14,9 +14,8 @@ import json
 import random
 import re
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -25,13 +24,15 @@ import pytest
 
 from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
-from kvloop.router.registry import WorkerSpec
-from kvloop.router.server import RouterServer
 from kvloop.server.auth import AuthConfig
 from kvloop.server.prometheus_text import metric_value
 
+from .conftest import RouterThread, bearer, sdk, wait_until
+
+pytestmark = pytest.mark.processes   # a fleet of real workers; routers on threads
+
 ADMIN_KEY = "fleet-admin"   # workers' and routers' --admin-api-key in these tests
-ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+ADMIN = bearer(ADMIN_KEY)
 SIM_ARGS = ("--sim-speedup", "40", "--max-num-batched-tokens", "1024",
             "--admin-api-key", ADMIN_KEY)
 BS = 16
@@ -55,41 +56,6 @@ def router_config(policy: str = "kv-aware", **liveness: Any) -> RouterConfig:
     return RouterConfig(policy=policy, liveness=LivenessConfig(**lv),
                         index=IndexConfig(provisional_ttl_s=2.0),
                         auth=AuthConfig(admin_api_key=ADMIN_KEY))
-
-
-class RouterThread:
-    """A `RouterServer` on its own thread and event loop (uvicorn, real sockets)."""
-
-    def __init__(self, config: RouterConfig, workers: list[WorkerSpec]):
-        self.server = RouterServer(config, workers)
-        self.url = self.server.url
-        self.router = self.server.router
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.run(self.server.serve(lambda s: self._ready.set()))
-
-    def __enter__(self) -> RouterThread:
-        self._thread.start()
-        assert self._ready.wait(30), "router did not start"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.stop()
-        self._thread.join(15)
-        assert not self._thread.is_alive(), "router did not stop"
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, step: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
 
 
 def shared_prefix_prompts(num_prefixes: int, prefix_len: int, suffix_len: int, repeats: int,
@@ -187,7 +153,7 @@ def test_prefix_aware_routing_nears_the_best_hit_share_round_robin_thrashes(flee
 
 def test_streaming_passthrough_usage_and_errors(fleet):
     with RouterThread(router_config(), fleet.specs()) as rt:
-        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x")
+        client = sdk(rt.url, "x")
         prompt = [7] * 40
         chunks = list(client.completions.create(model="sim", prompt=prompt, max_tokens=5,
                                                 stream=True, extra_body={"ignore_eos": True}))

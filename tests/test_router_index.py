@@ -10,17 +10,11 @@ import pytest
 from kvloop.router.config import IndexConfig
 from kvloop.router.index import PrefixIndex, to_u64
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from .conftest import FakeClock
 
 
 def make(**kw) -> tuple[PrefixIndex, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     idx = PrefixIndex(IndexConfig(**kw), clock)
     for name in ("a", "b", "c"):
         idx.add_worker(name)
@@ -84,7 +78,7 @@ def test_slots_are_reused_and_never_leak_entries_to_a_new_worker():
 
 
 def test_per_worker_capacity_evicts_least_recently_stored():
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     idx = PrefixIndex(IndexConfig(capacity_slack=1.0), clock)
     idx.add_worker("a", capacity_blocks=3)  # cap = 3 * 1.0 + 1 = 4
     idx.store("a", [1, 2, 3, 4])
@@ -97,7 +91,7 @@ def test_per_worker_capacity_evicts_least_recently_stored():
 
 
 def test_touch_refreshes_recency():
-    idx = PrefixIndex(IndexConfig(capacity_slack=1.0), FakeClock())
+    idx = PrefixIndex(IndexConfig(capacity_slack=1.0), FakeClock(100.0))
     idx.add_worker("a", capacity_blocks=2)  # cap 3
     idx.store("a", [1, 2, 3])
     assert idx.touch("a", [1, 99]) == 1

@@ -19,7 +19,7 @@ from kvloop.server.auth import AuthConfig, Caller, auth_config, check_key
 from kvloop.server.launcher import ServeProcess
 from kvloop.server.tokenizer import Tokenizer, find_model_path
 
-from .conftest import serving
+from .conftest import bearer, sdk, serving
 
 KEYS = ("key-one", "key-two")
 ADMIN = "admin-key"
@@ -40,14 +40,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         yield srv
 
 
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
-def sdk(url: str, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
-
-
 def assert_error(r: httpx.Response, code: int, type_: str) -> dict[str, Any]:
     assert r.status_code == code, r.text
     err = r.json()["error"]
@@ -56,6 +48,7 @@ def assert_error(r: httpx.Response, code: int, type_: str) -> dict[str, Any]:
 
 
 # --- API keys -----------------------------------------------------------------------------------
+@pytest.mark.processes
 def test_the_openai_client_needs_one_of_the_keys(server: ServeProcess) -> None:
     for key in KEYS:
         r = sdk(server.url, key).completions.create(model="sim", prompt="hi", max_tokens=3)
@@ -71,6 +64,7 @@ def test_the_openai_client_needs_one_of_the_keys(server: ServeProcess) -> None:
     assert e.value.response.headers["www-authenticate"].startswith("Bearer")
 
 
+@pytest.mark.processes
 def test_no_key_is_refused_in_the_openai_error_shape(server: ServeProcess) -> None:
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
     err = assert_error(r, 401, "UnauthorizedError")
@@ -82,6 +76,7 @@ def test_no_key_is_refused_in_the_openai_error_shape(server: ServeProcess) -> No
     assert httpx.get(server.url + "/v1/models", headers=bearer(ADMIN)).status_code == 200
 
 
+@pytest.mark.processes
 def test_public_routes_answer_without_a_key_and_the_rest_need_one(server: ServeProcess) -> None:
     for path in ("/health", "/ping", "/load", "/version"):
         assert httpx.get(server.url + path).status_code == 200, path
@@ -108,6 +103,7 @@ def _leaks(info: Any, where: str = "") -> list[str]:
     return out
 
 
+@pytest.mark.processes
 def test_worker_info_shows_pids_and_paths_only_to_a_key(server: ServeProcess) -> None:
     anon = httpx.get(server.url + "/kvloop/worker").json()
     assert _leaks(anon) == [] and anon["kv_events"]["endpoint"] is None
@@ -124,6 +120,7 @@ def test_worker_info_shows_pids_and_paths_only_to_a_key(server: ServeProcess) ->
     assert _leaks(wrong) == [] and wrong["api_key_accepted"] is False
 
 
+@pytest.mark.processes
 def test_reset_prefix_cache_needs_the_admin_key(server: ServeProcess) -> None:
     url = server.url + "/reset_prefix_cache"
     r = httpx.post(url)
@@ -162,6 +159,7 @@ def test_who_sees_private_facts() -> None:
         [Caller.NONE, Caller.INVALID, Caller.API, Caller.ADMIN]
 
 
+@pytest.mark.processes
 def test_the_environment_key_works_and_admin_routes_are_off_without_an_admin_key(
         tmp_path: Path) -> None:
     with ServeProcess(["--model", "sim", "--sim-speedup", "50"], tmp_path / "serve.log",
@@ -198,6 +196,7 @@ def _head(key: str, extra: str) -> bytes:
             f"Content-Type: application/json\r\n{extra}\r\n").encode()
 
 
+@pytest.mark.processes
 def test_a_body_over_the_limit_gets_413(server: ServeProcess) -> None:
     client = sdk(server.url, KEYS[0])
     fits = "y" * (LIMIT - 200)          # the JSON body stays under the limit
@@ -209,6 +208,7 @@ def test_a_body_over_the_limit_gets_413(server: ServeProcess) -> None:
     assert e.value.body["type"] == "RequestEntityTooLargeError"  # type: ignore[index]
 
 
+@pytest.mark.processes
 def test_a_chunked_body_is_refused_before_the_client_finished_sending(
         server: ServeProcess) -> None:
     with _connect(server.url) as s:
@@ -219,6 +219,7 @@ def test_a_chunked_body_is_refused_before_the_client_finished_sending(
     assert b'"type":"RequestEntityTooLargeError"' in answer
 
 
+@pytest.mark.processes
 def test_a_huge_content_length_is_refused_before_any_body(server: ServeProcess) -> None:
     with _connect(server.url) as s:
         s.sendall(_head(KEYS[0], f"Content-Length: {10 ** 12}\r\n"))
@@ -286,6 +287,7 @@ def half_sent_requests_are_closed(url: str, key: str, n: int, timeout_s: float) 
             s.close()
 
 
+@pytest.mark.processes
 def test_half_sent_requests_do_not_hold_sockets(server: ServeProcess) -> None:
     half_sent_requests_are_closed(server.url, KEYS[0], 200, TIMEOUT_S)
     assert httpx.get(server.url + "/health").status_code == 200
@@ -304,6 +306,7 @@ def _one_response(s: socket.socket) -> bytes:
     return head
 
 
+@pytest.mark.processes
 def test_a_silent_connection_is_closed_and_keep_alive_still_works(server: ServeProcess) -> None:
     with _connect(server.url) as s:
         assert _read_until_closed(s).startswith(b"HTTP/1.1 408 ")   # sent nothing at all

@@ -106,6 +106,7 @@ ERRORS = [
 ]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("argv", "message"), ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
 def test_start_up_error_is_one_line_exit_2(tmp_path: Path, argv: list[str], message: str
                                           ) -> None:
@@ -117,6 +118,7 @@ def test_start_up_error_is_one_line_exit_2(tmp_path: Path, argv: list[str], mess
     assert " ERROR api[" in lines[0]
 
 
+@pytest.mark.processes
 def test_debug_log_level_adds_the_traceback() -> None:
     r = run_serve("HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "0", "--log-level", "debug")
     out = r.stdout + r.stderr
@@ -125,6 +127,7 @@ def test_debug_log_level_adds_the_traceback() -> None:
     assert "ModelNotFoundError" in out
 
 
+@pytest.mark.processes
 def test_port_in_use_fails_before_the_engine_starts(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -223,6 +226,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda_only(
     assert kv_cache_bytes(cpu, 123456, 0.5, 0) == 123456      # --kv-cache-memory wins
 
 
+@pytest.mark.processes
 def test_vllm_flags_on_a_running_server(tmp_path: Path) -> None:
     """Positional MODEL, -tp 1, --uvicorn-log-level, --gpu-memory-utilization (sim: warns) and
     --no-enable-chunked-prefill (the context is clamped to the step budget) on one server."""
@@ -244,6 +248,7 @@ def test_vllm_flags_on_a_running_server(tmp_path: Path) -> None:
     assert "Traceback" not in log
 
 
+@pytest.mark.processes
 def test_an_engine_start_failure_is_one_line_without_traceback(tmp_path: Path) -> None:
     t = time.monotonic()
     r = run_serve("sim", "--port", "0", "--sim-latency-file", str(tmp_path / "missing.json"))

@@ -23,6 +23,8 @@ from kvloop.server.launcher import ServeProcess
 
 from .conftest import serving
 
+pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
+
 BLOCKS = 64
 MAX_LEN = 160   # SmolLM2's chat template adds a ~20-token system turn
 VOCAB = 49152   # the simulator speaks SmolLM2's vocabulary

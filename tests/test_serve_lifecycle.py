@@ -26,25 +26,11 @@ from kvloop.events import protocol as proto
 from kvloop.events.types import BlockStored, KVEventBatch, event_int
 from kvloop.server.launcher import ServeProcess
 
+from .conftest import alive, wait_until
+
+pytestmark = pytest.mark.processes   # each test starts its own `kvloop serve`
+
 SLOW = ["--model", "sim", "--sim-speedup", "1"]   # ~22 ms per step: requests stay in flight
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(cond: Any, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 def port_closed(url: str) -> bool:
@@ -105,8 +91,9 @@ def test_overload_gets_503_with_retry_after_and_no_leaks(serve: Any) -> None:
                 r = streams.enter_context(http.stream("POST", srv.url + "/v1/completions",
                                                       json=body))
                 assert r.status_code == 200
-            assert wait_until(lambda e=expected: (srv.engine_stats()["num_running_reqs"],
-                                                  srv.engine_stats()["num_waiting_reqs"]) == e)
+            wait_until(lambda e=expected: (srv.engine_stats()["num_running_reqs"],
+                                           srv.engine_stats()["num_waiting_reqs"]) == e,
+                       10, f"(running, waiting) == {expected}")
             time.sleep(0.1)
         r = http.post(srv.url + "/v1/completions", json={"prompt": "one more"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -142,7 +129,7 @@ def test_signal_with_requests_in_flight(serve: Any, sig: int) -> None:
     for t in threads:
         t.start()
     assert all(s.wait(10) for s in started)
-    assert wait_until(lambda: srv.engine_stats()["num_running_reqs"] == 3)
+    wait_until(lambda: srv.engine_stats()["num_running_reqs"] == 3, 10, "3 running requests")
     srv.signal(sig)
     assert srv.wait(20) == 0
     for t in threads:
@@ -153,7 +140,7 @@ def test_signal_with_requests_in_flight(serve: Any, sig: int) -> None:
         assert lines[-1] == "data: [DONE]"
     assert plain[0].status_code == 503
     assert plain[0].json()["error"]["type"] == "ServiceUnavailableError"
-    assert wait_until(lambda: not alive(engine_pid), 10)
+    wait_until(lambda: not alive(engine_pid), 10, "the engine process to end")
     assert port_closed(srv.url)
     assert "Traceback" not in srv.log()
 
@@ -233,7 +220,7 @@ def test_sigterm_drains_with_a_shutdown_timeout(serve: Any, to_engine: bool) -> 
     if to_engine:
         os.kill(engine_pid, signal.SIGTERM)
     srv.signal(signal.SIGTERM)
-    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5, "/health 503")
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "new", "max_tokens": 1})
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
     assert t.is_alive()                      # the stream is still going
@@ -251,7 +238,7 @@ def test_second_sigterm_ends_the_drain_at_once(serve: Any) -> None:
     srv = serve("sim", "--sim-speedup", "1", "--shutdown-timeout", "60")
     t, lines = _start_stream(srv.url, 2000)
     srv.signal(signal.SIGTERM)
-    assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5)
+    wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503, 5, "/health 503")
     srv.signal(signal.SIGTERM)
     assert srv.wait(20) == 0
     t.join(10)
@@ -269,7 +256,7 @@ def test_signal_while_the_engine_starts_exits_0(tmp_path: Path, sig: int) -> Non
                        new_session=True)
 
     def signal_once_the_engine_runs() -> None:
-        assert wait_until(lambda: srv.proc is not None and children(srv.pid), 30)
+        wait_until(lambda: srv.proc is not None and children(srv.pid), 30, "the engine")
         srv.signal_group(sig)
 
     threading.Thread(target=signal_once_the_engine_runs, daemon=True).start()
@@ -302,7 +289,7 @@ def test_api_server_death_stops_the_engine(serve: Any) -> None:
     engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
     srv.signal(signal.SIGKILL)
     srv.wait(10)
-    assert wait_until(lambda: not alive(engine_pid), 15)
+    wait_until(lambda: not alive(engine_pid), 15, "the engine process to end")
 
 
 def test_failed_engine_start_exits_1(tmp_path: Path) -> None:

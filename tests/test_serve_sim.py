@@ -24,7 +24,9 @@ import pytest
 from kvloop.server.launcher import ServeProcess
 from kvloop.server.tokenizer import Tokenizer, find_model_path
 
-from .conftest import serving
+from .conftest import post, sdk, serving
+
+pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
 
 BLOCKS = 256
 MAX_LEN = 1024
@@ -52,8 +54,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 
 @pytest.fixture(scope="module")
 def client(server: ServeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
-                         timeout=30)
+    return sdk(server.url)
 
 
 def metric(server: ServeProcess, name: str, **labels: str) -> float:
@@ -231,12 +232,6 @@ def test_cached_tokens_and_prefix_cache_metrics(server: ServeProcess,
 
 
 # --- bad input --------------------------------------------------------------------------------
-def _post(server: ServeProcess, path: str, body: object) -> httpx.Response:
-    """POST JSON as Python writes it (NaN and Infinity included, as some clients send)."""
-    return httpx.post(server.url + path, content=json.dumps(body).encode(), timeout=30,
-                      headers={"content-type": "application/json"})
-
-
 BAD_COMPLETIONS = [
     ({"prompt": 123}, 400, "body.prompt"),
     ({"prompt": "x", "max_tokens": "many"}, 400, "body.max_tokens"),
@@ -269,7 +264,7 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
 def test_bad_completion_inputs(server: ServeProcess, body: dict[str, object], status: int,
                                param: str) -> None:
-    r = _post(server, "/v1/completions", body)
+    r = post(server, "/v1/completions", body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
@@ -283,7 +278,7 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
         model="sim", prompt="meanwhile", max_tokens=300)))
     running.start()
     for body, status, _ in BAD_COMPLETIONS:
-        assert _post(server, "/v1/completions", body).status_code == status
+        assert post(server, "/v1/completions", body).status_code == status
     r = httpx.post(server.url + "/v1/completions", content=b"{not json",
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
@@ -291,7 +286,7 @@ def test_bad_inputs_do_not_disturb_the_server(server: ServeProcess,
                  {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                  {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                  {"messages": "hi"}):
-        assert _post(server, "/v1/chat/completions", body).status_code == 400, body
+        assert post(server, "/v1/chat/completions", body).status_code == 400, body
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user",
                                                                    "content": "x"}])
@@ -347,7 +342,7 @@ def test_model_by_id(server: ServeProcess, client: openai.OpenAI) -> None:
 
 def _events(server: ServeProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON events of a streamed answer (`[DONE]` checked and left out)."""
-    r = _post(server, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    r = post(server, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
     data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert r.status_code == 200 and data[-1] == "[DONE]", r.text
     return [json.loads(d) for d in data[:-1]]
@@ -363,7 +358,7 @@ def test_answers_name_the_model_the_client_sent(server: ServeProcess, sent: str 
     for path, body in (("/v1/completions", {**base, "prompt": "x"}),
                        ("/v1/chat/completions",
                         {**base, "messages": [{"role": "user", "content": "x"}]})):
-        r = _post(server, path, body)
+        r = post(server, path, body)
         assert r.status_code == 200 and r.json()["model"] == named, r.text
         events = _events(server, path, body)
         assert len(events) >= 3 and {e["model"] for e in events} == {named}, events
@@ -381,18 +376,18 @@ def test_small_responses_are_not_delayed(server: ServeProcess) -> None:
 
 
 def test_tokenize_detokenize(server: ServeProcess) -> None:
-    t = _post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
+    t = post(server, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
     assert t["tokens"] == SMOL.encode("héllo") and t["count"] == 3
     assert t["max_model_len"] == MAX_LEN and len(t["token_strs"]) == 3
-    assert _post(server, "/detokenize", {"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
+    assert post(server, "/detokenize", {"tokens": t["tokens"]}).json() == {"prompt": "héllo"}
     msgs = [{"role": "user", "content": "a"}]
-    chat = _post(server, "/tokenize", {"messages": msgs}).json()
+    chat = post(server, "/tokenize", {"messages": msgs}).json()
     # SmolLM2's template, its default system prompt included
     assert chat["tokens"] == SMOL.encode(SMOL.apply_chat_template(msgs))
     assert SMOL.decode(chat["tokens"], skip_special_tokens=False).startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert _post(server, "/detokenize", {"tokens": [VOCAB - 1]}).status_code == 200
-    assert _post(server, "/detokenize", {"tokens": [VOCAB]}).status_code == 400
+    assert post(server, "/detokenize", {"tokens": [VOCAB - 1]}).status_code == 200
+    assert post(server, "/detokenize", {"tokens": [VOCAB]}).status_code == 400
 
 
 def test_worker_description(server: ServeProcess) -> None:

@@ -19,7 +19,7 @@ from kvloop.server.launcher import ServeProcess
 from kvloop.server.sim_model import SIM_TEXT, load_sim_model
 from kvloop.server.tokenizer import Tokenizer, find_model_path
 
-from .conftest import serving
+from .conftest import post, serving
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -49,10 +49,6 @@ def tiny_tokenizer_folder(root: Path) -> Path:
     return root
 
 
-def post(srv: ServeProcess, path: str, body: object) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, timeout=30)
-
-
 def completion(srv: ServeProcess, prompt: object, max_tokens: int = 6) -> httpx.Response:
     return post(srv, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
                                          "return_token_ids": True})
@@ -73,6 +69,7 @@ def test_the_fake_tokens_of_smollm2_are_words() -> None:
     assert sorted(texts) == sorted({" " + w for w in SIM_TEXT.split()})
 
 
+@pytest.mark.processes
 def test_default_sim_presents_smollm2(tmp_path_factory: pytest.TempPathFactory) -> None:
     with serving(tmp_path_factory, "sim_default", ["--model", "sim", "--sim-speedup", "100"]) \
             as srv:
@@ -94,6 +91,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProces
         yield srv, folder
 
 
+@pytest.mark.processes
 def test_sim_model_folder_sets_vocabulary_context_and_template(tiny) -> None:
     srv, folder = tiny
     ref = Tokenizer.from_hf_folder(str(folder))
@@ -113,6 +111,7 @@ def test_sim_model_folder_sets_vocabulary_context_and_template(tiny) -> None:
     assert post(srv, "/tokenize", {"prompt": "hello"}).json()["tokens"] == ref.encode("hello")
 
 
+@pytest.mark.processes
 def test_sim_model_folder_generates_its_own_words(tiny) -> None:
     srv, folder = tiny
     ref = Tokenizer.from_hf_folder(str(folder))
@@ -128,6 +127,7 @@ def test_sim_model_folder_generates_its_own_words(tiny) -> None:
 
 
 # --- bytes, on request ---------------------------------------------------------------------------
+@pytest.mark.processes
 def test_sim_model_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
     with serving(tmp_path_factory, "sim_bytes", ["--model", "sim", "--sim-model", "bytes",
                                                  "--sim-speedup", "100"]) as srv:
@@ -144,6 +144,7 @@ def test_sim_model_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 # --- bad choices ---------------------------------------------------------------------------------
+@pytest.mark.processes
 @pytest.mark.parametrize(("flags", "message"), [
     (["--sim-model", "/no/such/model"], "neither a .gguf file nor a Hugging Face folder"),
     (["--max-model-len", "9000"], "--max-model-len 9000 exceeds the context length"),

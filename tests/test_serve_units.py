@@ -293,6 +293,7 @@ def test_bind_ephemeral_port() -> None:
         sock.close()
 
 
+@pytest.mark.processes
 def test_front_server_serves_its_socket_announces_once_and_hands_signals_off() -> None:
     """FrontServer (both fronts' uvicorn): `on_ready(url)` once it accepts connections, the
     fronts' protocol (a silent connection gets 408), and with `on_signal` a signal reaches

@@ -117,6 +117,7 @@ def _serve_and_trace(tmp_path: Path, speedup: float) -> list[dict[str, object]]:
     return [json.loads(line) for line in trace.read_text().splitlines()]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("speedup", [2.0, 20.0])
 def test_step_times_follow_latency_file_and_speedup(tmp_path: Path, speedup: float) -> None:
     records = _serve_and_trace(tmp_path, speedup)

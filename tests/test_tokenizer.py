@@ -223,6 +223,7 @@ def test_missing_embedded_package_names_the_pip_command(monkeypatch):
         find_model_path("/nonexistent/model")
 
 
+@pytest.mark.processes
 def test_tokenizer_module_never_imports_torch(tiny_files):
     code = ("import sys; from kvloop.server.tokenizer import Tokenizer; "
             f"t = Tokenizer.from_model({str(tiny_files[0])!r}); t.encode('the cat'); "

@@ -167,6 +167,7 @@ needs_chromium = pytest.mark.skipif(_chromium() is None,
                                     reason="chromium is not installed (make install-test)")
 
 
+@pytest.mark.processes
 @needs_chromium
 def test_html_page_renders_in_headless_chromium(trace_file: Path, tmp_path) -> None:
     records, cells, ids = _expected(trace_file)
@@ -185,6 +186,7 @@ def test_html_page_renders_in_headless_chromium(trace_file: Path, tmp_path) -> N
     assert attrs["data-selftest-zoom"] == "ok"
 
 
+@pytest.mark.processes
 @needs_chromium
 def test_the_chromium_check_catches_script_errors(tmp_path) -> None:
     page = tmp_path / "broken.html"

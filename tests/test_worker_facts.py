@@ -27,6 +27,8 @@ from .conftest import serving
 from .test_router_fleet import ADMIN, RouterThread, router_config, wait_until
 from .test_serve_auth import assert_error
 
+pytestmark = pytest.mark.processes   # every test here starts processes or servers
+
 BLOCKS = 64
 BLOCK_SIZE = 32
 SEED = "facts-seed"

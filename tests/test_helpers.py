@@ -1,0 +1,50 @@
+"""The shared test helpers of tests/conftest.py keep their contracts."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+import zmq
+
+from .conftest import wait_until
+
+
+def test_wait_until_returns_the_value_or_names_what_it_waited_for() -> None:
+    calls: list[float] = []
+
+    def later() -> list[float] | None:
+        calls.append(time.monotonic())
+        return calls if len(calls) == 3 else None
+
+    assert wait_until(later, 5, "three calls") is calls
+    calls.clear()
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match=r"^timed out after 0.4 s waiting for the moon$"):
+        wait_until(lambda: calls.append(time.monotonic()), 0.4, "the moon")
+    assert time.monotonic() - t0 >= 0.4
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert len(calls) >= 5 and max(gaps) < 0.3   # polled often, never more than ~0.1 s apart
+
+
+def test_a_free_port_is_refused_until_a_server_binds_it_and_rebinds_it(
+        free_port: Callable[[], int]) -> None:
+    port = free_port()
+    with socket.socket() as c:
+        assert c.connect_ex(("127.0.0.1", port)) == errno.ECONNREFUSED
+    with pytest.raises(OSError), socket.socket() as plain:   # nor can a bind without
+        plain.bind(("127.0.0.1", port))                      # SO_REUSEADDR take it
+    for _ in range(2):   # a publisher binds it, stops, and a restarted one binds it again
+        ctx = zmq.Context()   # each its own, as each publisher: term() returns once closed
+        pub, other = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB)
+        try:
+            pub.bind(f"tcp://127.0.0.1:{port}")
+            with pytest.raises(zmq.ZMQError, match="in use"):   # but only one at a time
+                other.bind(f"tcp://127.0.0.1:{port}")
+        finally:
+            pub.close(0)
+            other.close(0)
+            ctx.term()
