@@ -289,7 +289,7 @@ def test_api_server_death_stops_the_engine(serve: Any) -> None:
     engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
     srv.signal(signal.SIGKILL)
     srv.wait(10)
-    wait_until(lambda: not alive(engine_pid), 15, "the engine process to end")
+    assert wait_until(lambda: not alive(engine_pid), 15, "the engine process to end")
 
 
 def test_failed_engine_start_exits_1(tmp_path: Path) -> None:
