@@ -206,12 +206,17 @@ class BlockPool:
         self.track_touches = False
 
     # --- queries --------------------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        """Every block but the null block: what requests can hold (vLLM's capacity)."""
+        return self.num_gpu_blocks - 1
+
     def get_num_free_blocks(self) -> int:
         """Free blocks, including cached blocks that can be evicted."""
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        usable = self.num_gpu_blocks - 1
+        usable = self.num_usable_blocks
         return 1.0 - self.get_num_free_blocks() / usable if usable else 0.0
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:

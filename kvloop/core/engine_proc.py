@@ -351,7 +351,7 @@ class EngineCoreProc:
     def _check_fits_cache(engine: EngineCore, num_prompt_tokens: int) -> None:
         bs = engine.config.cache.block_size
         need = (num_prompt_tokens + 1 + bs - 1) // bs
-        have = engine.num_gpu_blocks - 1
+        have = engine.block_pool.num_usable_blocks
         if need > have:
             raise ValueError(f"the prompt needs {need} KV blocks; the KV cache has {have}")
 
@@ -458,7 +458,7 @@ def engine_stats(engine: EngineCore) -> dict[str, bool | int | float | str | Non
     sched = engine.scheduler
     return {
         "num_gpu_blocks": pool.num_gpu_blocks,
-        "num_total_blocks": pool.num_gpu_blocks - 1,
+        "num_total_blocks": pool.num_usable_blocks,
         "num_free_blocks": pool.get_num_free_blocks(),
         "num_cached_blocks": len(pool.cached_block_hash_to_block),
         "kv_cache_usage": pool.get_usage(),

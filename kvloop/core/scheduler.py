@@ -460,7 +460,7 @@ class Scheduler:
         stats = SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=pool.get_usage(), num_free_blocks=pool.get_num_free_blocks(),
-            num_total_blocks=pool.num_gpu_blocks - 1,
+            num_total_blocks=pool.num_usable_blocks,
             prefix_cache_stats=self.kv.take_prefix_cache_stats(),
             num_preemptions=self._step_preemptions, step_index=self.step_index)
         self._step_preemptions = 0

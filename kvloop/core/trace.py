@@ -73,8 +73,8 @@ def make_step_record(out: SchedulerOutput, admissions: list[Admission],
                      admitted={a.request_id: a.prefix_hit_tokens for a in admissions},
                      finished={o.request_id: o.finish_reason for o in outputs
                                if o.finish_reason is not None},
-                     kv_blocks_used=pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
-                     kv_blocks_total=pool.num_gpu_blocks - 1)
+                     kv_blocks_used=pool.num_usable_blocks - pool.get_num_free_blocks(),
+                     kv_blocks_total=pool.num_usable_blocks)
     before = {d.req_id: (d.num_computed_tokens, len(d.prompt_token_ids), len(d.all_token_ids),
                          d.resumed) for d in out.scheduled_new_reqs}
     for d in out.scheduled_cached_reqs:
