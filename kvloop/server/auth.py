@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -66,14 +67,22 @@ class AuthConfig:
     def any_key(self) -> bool:
         return bool(self.api_keys) or self.admin_api_key is not None
 
+    @functools.cached_property
+    def _digests(self) -> tuple[bytes | None, tuple[bytes, ...]]:
+        """SHA-256 of the admin key and of each API key, computed once, not per request."""
+        admin = None if self.admin_api_key is None else _digest(self.admin_api_key)
+        return admin, tuple(_digest(key) for key in self.api_keys)
+
     def identify(self, authorization: str | None) -> Caller:
         """Which configured key (if any) the header presents; constant time in the key."""
         token = bearer_token(authorization)
         if token is None:
             return Caller.NONE
-        if self.admin_api_key is not None and _matches(token, (self.admin_api_key,)):
+        digest = _digest(token)
+        admin, api = self._digests
+        if admin is not None and hmac.compare_digest(digest, admin):
             return Caller.ADMIN
-        return Caller.API if _matches(token, self.api_keys) else Caller.INVALID
+        return Caller.API if _matches(digest, api) else Caller.INVALID
 
     def sees_private(self, authorization: str | None, peer_host: str | None) -> bool:
         """May this caller see process ids and file paths? (See the module docstring.)"""
@@ -95,11 +104,15 @@ def bearer_token(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _matches(token: str, keys: Iterable[str]) -> bool:
-    digest = hashlib.sha256(token.encode()).digest()
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _matches(digest: bytes, key_digests: Iterable[bytes]) -> bool:
+    """Compares with every key (no early exit), in constant time each."""
     found = False
-    for key in keys:
-        found |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    for key in key_digests:
+        found |= hmac.compare_digest(digest, key)
     return found
 
 

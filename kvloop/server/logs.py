@@ -43,8 +43,8 @@ logger = logging.getLogger("kvloop.server")
 def log_request(config: ServeConfig, tokenizer: Any, request_id: str,
                 prompt_ids: Sequence[int], params: object) -> None:
     """The "Received request" line of one prompt (nothing with `log_requests` off)."""
-    if not config.log_requests:
-        return
+    if not config.log_requests or not logger.isEnabledFor(logging.INFO):
+        return  # the prompt is decoded only for a line that is written
     limit = config.max_log_len
     ids = list(prompt_ids if limit is None else prompt_ids[:limit])
     text = tokenizer.decode(ids, skip_special_tokens=False)
