@@ -4,6 +4,8 @@
     result  = runner.execute(out)
     apply pending aborts            (after the forward pass, before accounting)
     outputs = scheduler.update_from_output(out, result)
+    drafts  = proposer.propose(...)  -> scheduler.update_draft_token_ids   (speculative
+                                        decoding only: vLLM's post-step, kvloop.core.spec_decode)
     events  = kv_cache_manager.take_events()     (one batch per step)
 
 Owner: the engine owns the scheduler, the KV cache manager, the block pool and the runner.
@@ -26,6 +28,7 @@ from kvloop.core.outputs import SchedulerOutput
 from kvloop.core.request import Request, RequestStatus, SamplingParams, check_context_length
 from kvloop.core.runner import Runner
 from kvloop.core.scheduler import Admission, Scheduler
+from kvloop.core.spec_decode import NgramProposer
 from kvloop.core.trace import StepRecord, make_step_record
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
@@ -60,6 +63,9 @@ class EngineCore:
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec, config.scheduler.max_model_len)
+                         if spec is not None else None)
         self._pending_aborts: list[str] = []
         self._abort_lock = threading.Lock()
         self._arrivals = 0
@@ -113,15 +119,26 @@ class EngineCore:
         result = self.runner.execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
+        self._propose_drafts(out)
         events = self.take_event_batch()
         stats = self.scheduler.make_stats() if self.config.log_stats else None
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         record = make_step_record(out, admissions, outputs, time.perf_counter() - t0,
                                   self.config.scheduler.max_num_batched_tokens,
-                                  self.block_pool, self.scheduler)
+                                  self.block_pool, self.scheduler, result)
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
+
+    def _propose_drafts(self, out: SchedulerOutput) -> None:
+        """Drafts for the next step, for the requests that sampled in `out` and still run."""
+        if self.proposer is None:
+            return
+        requests = self.scheduler.requests
+        sampled = [requests[rid] for rid in out.sampling_req_ids if rid in requests]
+        drafts = self.proposer.propose(sampled)
+        if drafts:
+            self.scheduler.update_draft_token_ids(drafts, out)
 
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
