@@ -8,9 +8,12 @@ callable replaces that (the conformance replay feeds the trace's tokens). An opt
 Copying (`copy_rate` > 0), so speculative decoding has something to find: at each output
 position, with probability `copy_rate` (decided by a hash of the position and the token the
 source would give, so deterministic), the simulated model continues its context as prompt
-lookup would (`propose_ngram` over the last `COPY_NGRAM` tokens), unless that token is the
-request's EOS or one of its stop token ids; otherwise it emits the source's token. Text
-that repeats its prompt is then copied in runs, as models copy it.
+lookup would (`propose_ngram`: the token after the earliest longest earlier match of the
+context's last 1 to 5 tokens, `COPY_NGRAM`), unless there is no match or that token is the
+request's EOS or one of its stop token ids; otherwise it emits the source's token. Text is
+then copied in runs, as models copy what they are asked to repeat; a run ends at a token
+that is not copied, and the next starts as soon as the context's last token occurred
+before (ordinary words do).
 
 Drafts are verified exactly (the greedy rule) against the tokens the simulated model would
 emit one step at a time: draft j is accepted iff it equals the model's token after the
@@ -30,7 +33,7 @@ from kvloop.core.spec_decode import propose_ngram
 
 TokenSource = Callable[[str, int], int]
 StepTime = Callable[[SchedulerOutput], float]
-COPY_NGRAM = (2, 5)          # the simulated model copies after a match of 2 to 5 tokens
+COPY_NGRAM = (1, 5)          # the simulated model copies after a match of 1 to 5 tokens
 _NO_LIMIT = 1 << 62
 
 
