@@ -21,7 +21,7 @@ from kvloop.sim.runner import SimRunner
 from kvloop.wire import SchedulerStats, SpecDecodingStats
 from tests.core_helpers import HASHER, make_manager, make_request, run_step
 
-# vLLM's own vectors (its tests/v1/spec_decode/test_ngram.py): tokens, min_n, max_n, k, drafts
+# vLLM's own vectors (docs/vllm-facts.md#speculative-decoding): tokens, min_n, max_n, k, drafts
 NGRAM_VECTORS = [
     ([1, 2, 3, 4, 1, 2, 3, 5, 6], 2, 2, 2, []),
     ([1, 2, 3, 4, 1, 2, 3], 2, 2, 3, [4, 1, 2]),

@@ -102,20 +102,29 @@ def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
         raise
 
 
-def copy_prompts(tokenizer: Any, n: int) -> list[list[int]]:
-    """`n` chat prompts asking to repeat or edit a paragraph (cycling through the pairs)."""
+def copy_prompts(tokenizer: Any, n: int, max_len: int) -> list[list[int]]:
+    """`n` chat prompts asking to repeat or edit a paragraph (cycling through the pairs),
+    each paragraph shortened by whole words until the prompt has at most `max_len` tokens."""
     pairs = [(i, t) for i in INSTRUCTIONS for t in PARAGRAPHS]
     prompts = []
     for j in range(n):
         instruction, text = pairs[j % len(pairs)]
-        content = instruction.format(text=text)
-        if getattr(tokenizer, "chat_template", None):
-            chat = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                 add_generation_prompt=True)
-            prompts.append(tokenizer.encode(chat, add_special_tokens=False))
-        else:
-            prompts.append(tokenizer.encode(content))
+        words = text.split()
+        ids = _encode(tokenizer, instruction.format(text=text))
+        while len(ids) > max_len and len(words) > 1:
+            words = words[:max(1, len(words) - 5)]
+            ids = _encode(tokenizer, instruction.format(text=" ".join(words)))
+        prompts.append(ids)
     return prompts
+
+
+def _encode(tokenizer: Any, content: str) -> list[int]:
+    """The chat prompt of one user message (plain text without a chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(content))
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                         add_generation_prompt=True)
+    return list(tokenizer.encode(chat, add_special_tokens=False))
 
 
 def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -157,7 +166,8 @@ def run_one(runner: Any, tokenizer: Any, args: argparse.Namespace, prompts: list
 def run_all(runner: Any, tokenizer: Any, args: argparse.Namespace) -> list[Result]:
     results = []
     for workload in args.workloads:
-        prompts = (copy_prompts(tokenizer, args.num_requests) if workload == "copy" else
+        room = runner.max_model_len - args.output_len - 1
+        prompts = (copy_prompts(tokenizer, args.num_requests, room) if workload == "copy" else
                    random_prompts(runner.vocab_size, args.num_requests, args.input_len,
                                   args.seed))
         for c in args.concurrency:
@@ -202,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
              "output_len": args.output_len,
              "lookup": f"{args.prompt_lookup_min}-{args.prompt_lookup_max}"}
     warm = argparse.Namespace(**{**vars(args), "output_len": 2})
-    run_one(runner, tokenizer, warm, copy_prompts(tokenizer, 1), 1, max(args.ks))
+    run_one(runner, tokenizer, warm, copy_prompts(tokenizer, 1, runner.max_model_len - 3), 1,
+            max(args.ks))
     results = run_all(runner, tokenizer, args)
     print(report(results, setup))
     if args.json:
