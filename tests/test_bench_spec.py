@@ -16,7 +16,7 @@ def test_the_benchmark_runs_every_case_and_reports_them(tmp_path, capsys) -> Non
     out = tmp_path / "spec.json"
     spec.main(["--model", str(model), "--dtype", "float32", "--threads", "1", "--ks", "0,2",
                "--concurrency", "1,2", "--num-requests", "2", "--output-len", "4",
-               "--input-len", "8", "--json", str(out)])
+               "--input-len", "8", "--num-gpu-blocks-override", "64", "--json", str(out)])
     text = capsys.readouterr().out
     assert "workload" in text and text.count("\ncopy ") == 4 and text.count("\nrandom ") == 4
     results = json.loads(out.read_text())["results"]

@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV blocks (default: from the KV cache size)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     from kvloop.server.tokenizer import Tokenizer
 
     runner: Any = load_runner(RunnerConfig(model=args.model, dtype=args.dtype, seed=args.seed,
-                                           num_threads=args.threads))
+                                           num_threads=args.threads,
+                                           num_gpu_blocks_override=args.num_gpu_blocks_override))
     tokenizer = Tokenizer.from_model(args.model)
     setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),
              "threads": torch.get_num_threads(), "requests": args.num_requests,
