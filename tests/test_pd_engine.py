@@ -62,12 +62,14 @@ def kv_config(role: str = "kv_both", policy: str = "fail", **extra: Any) -> KVTr
 
 
 def sim_engine(blocks: int = 20, *, caching: bool = True, budget: int = 512,
-               clock: Callable[[], float] = time.monotonic, store: SimKVBlockStore | None = None,
-               kv: KVTransferConfig | None = None, **extra: Any) -> EngineCore:
+               max_model_len: int | None = None, clock: Callable[[], float] = time.monotonic,
+               store: SimKVBlockStore | None = None, kv: KVTransferConfig | None = None,
+               **extra: Any) -> EngineCore:
     """A simulated engine with a KV connector (kv None and no extra: kv_both, defaults)."""
-    return make_engine(SimWorkerRunner(None, blocks, budget), store or SimKVBlockStore(BS),
+    max_len = max_model_len or budget
+    return make_engine(SimWorkerRunner(None, blocks, max_len), store or SimKVBlockStore(BS),
                        blocks, kv or kv_config(**extra), caching=caching, budget=budget,
-                       clock=clock)
+                       max_model_len=max_len, clock=clock)
 
 
 def make_engine(runner: Any, store: Any, blocks: int, kv: KVTransferConfig | None, *,
