@@ -1,7 +1,9 @@
 """ModelRunner: SchedulerOutput -> one forward pass -> sampled tokens (the Runner protocol).
 
-Owner: the runner alone owns the KV tensors and its per-request state (`RequestState`:
-known tokens, block ids, sampling params). It learns about requests only through
+Owner: the runner alone owns the KV tensors (which a KV connector reads and writes block by
+block through `kv_block_store`, `kvloop.model.kv_store`, only for blocks no step computes)
+and its per-request state (`RequestState`: known tokens, block ids, sampling params). It
+learns about requests only through
 `SchedulerOutput`: new (or resumed after preemption: state rebuilt from `all_token_ids`),
 cached (new blocks appended, this step's tokens written at `num_computed_tokens`), finished
 and preempted (dropped).
@@ -32,6 +34,7 @@ import torch
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
+from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
 from kvloop.model.sampler import Sampler, SamplingRow
@@ -103,6 +106,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
+        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
