@@ -154,7 +154,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on one request's prompt tokens per step (0: none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of common prompt prefixes")
+                   default=None,
+                   help="reuse the KV blocks of common prompt prefixes (default: on, except "
+                        "with --role decode: a decode worker then publishes no blocks a "
+                        "router could route on, unless this flag is given)")
     g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
                    help="block hash function")
     g.add_argument("--hash-seed", default=None,
@@ -262,11 +265,20 @@ def max_num_batched_tokens(args: argparse.Namespace) -> int:
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
+def enable_prefix_caching(args: argparse.Namespace) -> bool:
+    """The flag when given; else on, except for `--role decode` (Dynamo's guidance: a decode
+    worker keeps no prefix cache, so it publishes no `BlockStored` a router would route on;
+    docs/disaggregation.md)."""
+    if args.enable_prefix_caching is not None:
+        return bool(args.enable_prefix_caching)
+    return bool(args.role != "decode")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     budget = max_num_batched_tokens(args)
     seqs = min(args.max_num_seqs, budget)
     cache = CacheConfig(block_size=args.block_size,
-                        enable_prefix_caching=args.enable_prefix_caching,
+                        enable_prefix_caching=enable_prefix_caching(args),
                         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
                         hash_seed=args.hash_seed)
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
