@@ -31,6 +31,7 @@ from kvloop.config import (
     POLICIES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     RunnerConfig,
     SchedulerConfig,
     SimSettings,
@@ -169,6 +170,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
                    help="check scheduler and block-pool invariants after every step")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="prefill/decode disaggregation, vLLM's KVTransferConfig as JSON, e.g. "
+                        "'{\"kv_connector\":\"KvloopConnector\",\"kv_role\":\"kv_both\"}' "
+                        "(keys: docs/disaggregation.md; engine_id: a UUID4 when unset) "
+                        "(default: none, no KV transfer)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -287,7 +293,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             policy=args.scheduling_policy,
                             enable_chunked_prefill=args.enable_chunked_prefill)
     return EngineConfig(cache=cache, scheduler=sched,
-                        check_invariants=args.debug_check_invariants)
+                        check_invariants=args.debug_check_invariants,
+                        kv_transfer=kv_transfer_config(args))
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+    """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
+    when unset, fixed here once for the engine); ValueError naming the key at fault."""
+    if args.kv_transfer_config is None:
+        return None
+    return KVTransferConfig.from_json(args.kv_transfer_config)
 
 
 def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
