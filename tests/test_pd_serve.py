@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation through real `kvloop serve` processes on 127.0.0.1
 (docs/disaggregation.md): vLLM's toy proxy flow, written here from its description
-(docs/vllm-facts.md#disaggregation), not kvloop's router.
+(docs/vllm-facts.md#openai-server), not kvloop's router.
 
     proxy -> P: the body + kv_transfer_params {do_remote_decode: true, ...}, max_tokens=1,
                 min_tokens=1, stream=false, no stream_options

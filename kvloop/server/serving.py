@@ -408,8 +408,8 @@ class GenerationStream(StreamingResponse):
 
 def engine_error(message: str) -> APIError:
     """The answer to a request the engine ended with an error: 500 when it failed while
-    running (its KV load failed, vLLM's finish_reason "error"), else 400 (the engine refused
-    it at admission: it can never run on this worker)."""
+    running (its KV load failed: vLLM's finish_reason "error", docs/vllm-facts.md#openai-server),
+    else 400 (the engine refused it at admission: it can never run on this worker)."""
     return APIError(500 if message.startswith(KV_LOAD_FAILED) else 400, message)
 
 
