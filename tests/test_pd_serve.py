@@ -25,6 +25,7 @@ import httpx
 import msgspec
 import pytest
 
+from kvloop.router.registry import WorkerDescription
 from kvloop.server.launcher import ServeProcess
 from kvloop.wire import WorkerInfo
 
@@ -185,6 +186,9 @@ def aggregated(ref: ServeProcess, body: dict[str, Any], path: str = "/v1/complet
 def test_the_connector_is_in_the_workers_facts(p: ServeProcess, d: ServeProcess) -> None:
     pi, di = worker_info(p), worker_info(d)
     assert pi.kv_transfer is not None and di.kv_transfer is not None
+    routers_view = msgspec.json.decode(   # what a router's registry decodes, strictly
+        httpx.get(p.url + "/kvloop/worker", timeout=10).content, type=WorkerDescription)
+    assert routers_view.kv_transfer == pi.kv_transfer
     assert pi.kv_transfer.engine_id != di.kv_transfer.engine_id
     for info in (pi.kv_transfer, di.kv_transfer):
         assert uuid.UUID(info.engine_id).version == 4        # filled by the API server
