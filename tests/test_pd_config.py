@@ -20,8 +20,10 @@ from kvloop.config import (
 )
 from kvloop.core.kv_connector import cached_tokens_after_load
 from kvloop.core.request import Request, SamplingParams
+from kvloop.kv_transfer.leases import LeaseTable
 from kvloop.kv_transfer.params import RemotePrefill, parse_remote_prefill
 from kvloop.wire import EngineCoreOutput, EngineStartConfig, KVTransferStats, SchedulerStats
+from tests.conftest import FakeClock
 
 BASE = {"kv_connector": "KvloopConnector", "kv_role": "kv_both"}
 
@@ -180,3 +182,29 @@ def test_the_wire_structs_round_trip():
                            kv_transfer_params={"do_remote_prefill": True})
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=EngineCoreOutput) == out
     assert SchedulerStats().kv_transfer is None
+
+
+def test_leases_expire_extend_by_heartbeat_and_never_while_read():
+    clock = FakeClock(100.0)
+    table = LeaseTable(30.0, clock)
+    assert table.add("a", [1, 2]) == 30.0 and table.add("b", [3]) == 30.0
+    clock.t = 120.0
+    assert table.heartbeat(["a", "nobody"]) == 1          # a: max(130, 120 + 20) = 140
+    clock.t = 105.0
+    assert table.heartbeat(["b"]) == 1                    # b: max(130, 125) = 130: no change
+    assert table.expires_in("a") == 35.0 and table.expires_in("b") == 25.0
+    assert table.begin_read("b", [3]) is None             # a Read of b is being served
+    assert "blocks [4] are not held" in table.begin_read("a", [1, 4])
+    assert "'c' is not held here" in table.begin_read("c", [1])
+    clock.t = 131.0
+    assert not table.sweep() and table.has_news() is False   # b is pinned by its Read
+    table.end_read("b", "/dev/shm/kvloop-x")
+    assert table.has_news() and [lease.request_id for lease in table.sweep()] == ["b"]
+    clock.t = 140.0
+    assert [lease.request_id for lease in table.sweep()] == ["a"]
+    released = {r.lease.request_id: r for r in table.take_released()}
+    assert released["b"].expired and released["b"].lease.shm_files == ["/dev/shm/kvloop-x"]
+    assert released["b"].lease.num_reads == 1 and table.request_ids() == set()
+    table.add("c", [5])
+    assert table.done("c") and not table.done("c") and table.num_held() == 0
+    assert [r.expired for r in table.take_released()] == [False]
