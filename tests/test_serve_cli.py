@@ -103,6 +103,8 @@ ERRORS = [
     (["sim", "--gpu-memory-utilization", "1.5"],
      "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (["sim", "--model", "other"], "two models given: 'sim' and --model 'other'; pass one"),
+    (["sim", "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+     "kv_connector must be one of KvloopConnector, got 'NixlConnector'"),
 ]
 
 
@@ -161,6 +163,17 @@ def test_chunked_prefill_flag_reaches_the_scheduler() -> None:
     off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill",
                                             "--max-num-batched-tokens", "64")).scheduler
     assert off.max_num_batched_tokens == 64 and off.max_num_seqs == 64
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], True), (["--role", "prefill"], True), (["--role", "decode"], False),
+    (["--role", "decode", "--enable-prefix-caching"], True),
+    (["--no-enable-prefix-caching"], False),
+])
+def test_a_decode_worker_keeps_no_prefix_cache_unless_asked(argv: list[str], expected: bool
+                                                            ) -> None:
+    assert cli_args.engine_config(serve_args("sim", *argv)).cache.enable_prefix_caching \
+        is expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

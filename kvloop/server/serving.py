@@ -23,7 +23,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvloop import SamplingParams
-from kvloop.core.request import ContextLengthError, check_context_length
+from kvloop.core.request import (
+    KV_TRANSFER_PARAMS_KEY,
+    ContextLengthError,
+    check_context_length,
+)
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
@@ -47,6 +51,11 @@ from kvloop.server.openai import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateSamplingParams,
+    GenerateStreamResponse,
     SamplingRequest,
     TopLogprob,
     Usage,
@@ -61,7 +70,7 @@ from kvloop.server.processor import (
     model_stops,
 )
 from kvloop.server.prompts import chat_prompt, completion_prompts
-from kvloop.wire import EngineCoreRequest, EngineReady
+from kvloop.wire import KV_LOAD_FAILED, EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -147,6 +156,32 @@ def _check_supported(req: SamplingRequest) -> None:
                        param="stream_options")
 
 
+_MSGPACK_INTS = (-(2 ** 63), 2 ** 64 - 1)     # what msgpack can carry to the engine
+
+
+def check_kv_transfer_params(req: SamplingRequest, num_prompts: int) -> None:
+    """APIError(400) unless the request's `kv_transfer_params` (a JSON object, checked by
+    the schema) can reach the engine: integers msgpack carries, and one engine request
+    (n=1, one prompt), since the params name one request's blocks on one worker."""
+    params = req.kv_transfer_params
+    if params is None:
+        return
+    if req.n != 1 or num_prompts != 1:
+        raise APIError(400, f"kv_transfer_params needs one prompt and n=1 (they name one "
+                            f"request's KV blocks), got {num_prompts} prompt(s) and n={req.n}",
+                       param=KV_TRANSFER_PARAMS_KEY)
+    pending: list[Any] = [params]
+    while pending:
+        v = pending.pop()
+        if isinstance(v, dict):
+            pending.extend(v.values())
+        elif isinstance(v, list):
+            pending.extend(v)
+        elif isinstance(v, int) and not _MSGPACK_INTS[0] <= v <= _MSGPACK_INTS[1]:
+            raise APIError(400, f"kv_transfer_params: the integer {v} is out of the "
+                                f"int64/uint64 range", param=KV_TRANSFER_PARAMS_KEY)
+
+
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word.isidentifier() else None
@@ -201,7 +236,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            priority=req.priority, cache_salt=req.cache_salt or None)
+            priority=req.priority, cache_salt=req.cache_salt or None,
+            extra_args=(None if req.kv_transfer_params is None
+                        else {KV_TRANSFER_PARAMS_KEY: req.kv_transfer_params}))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
     if req.n > ctx.config.max_n:
@@ -338,7 +375,7 @@ class Generation:
             async with contextlib.aclosing(self.deltas()) as it:
                 async for c, d in it:
                     if d.error is not None:
-                        self.end.error = APIError(400, d.error)
+                        self.end.error = engine_error(d.error)
                         return
                     yield c, d
         except ServerShuttingDown:
@@ -369,6 +406,13 @@ class GenerationStream(StreamingResponse):
             self._gen.abort_unfinished()
 
 
+def engine_error(message: str) -> APIError:
+    """The answer to a request the engine ended with an error: 500 when it failed while
+    running (its KV load failed: vLLM's finish_reason "error", docs/vllm-facts.md#openai-server),
+    else 400 (the engine refused it at admission: it can never run on this worker)."""
+    return APIError(500 if message.startswith(KV_LOAD_FAILED) else 400, message)
+
+
 def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
@@ -393,7 +437,7 @@ async def collect(request: Request, gen: Generation) -> None:
         async with contextlib.aclosing(gen.deltas()) as it:
             async for _, delta in it:
                 if delta.error is not None:
-                    raise APIError(400, delta.error)
+                    raise engine_error(delta.error)
     except ServerShuttingDown as e:
         raise APIError(503, str(e)) from e
     except EngineDeadError as e:
@@ -422,6 +466,13 @@ def usage(children: list[Child], prompts: list[list[int]]) -> Usage:
     cached = sum(c.state.num_cached_tokens for c in first.values())
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion,
             "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def handed_on(children: list[Child]) -> dict[str, Any] | None:
+    """The `kv_transfer_params` a worker hands on (a prefill worker's, for the decode
+    worker), from the finishing output of the request's one engine request; None when it has
+    nothing to hand on."""
+    return children[0].state.kv_transfer_params if len(children) == 1 else None
 
 
 def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
@@ -465,7 +516,8 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
 
 
 # --- completions -------------------------------------------------------------------------------
-def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
+def completion_max_tokens(req: CompletionRequest | GenerateSamplingParams
+                          ) -> tuple[int | None, int | None]:
     """(what the client asked for, the default otherwise): the completions default of 16
     applies only when the body has no max_tokens; an explicit null asks for nothing."""
     if "max_tokens" in req.model_fields_set:
@@ -482,6 +534,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     prompts = completion_prompts(ctx.tokenizer, req)
     for ids in prompts:
         ctx.check_token_ids(ids, "prompt")
+    check_kv_transfer_params(req, len(prompts))
     asked, default = completion_max_tokens(req)
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
               for ids in prompts]
@@ -498,7 +551,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     body: CompletionResponse = {
         "id": base, "object": "text_completion", "created": int(time.time()),
         "model": ctx.served_name(req.model), "choices": choices,
-        "usage": usage(gen.children, prompts), "system_fingerprint": None}
+        "usage": usage(gen.children, prompts), "system_fingerprint": None,
+        "kv_transfer_params": handed_on(gen.children)}
     return JSONResponse(body)
 
 
@@ -574,6 +628,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.tools:
         raise APIError(400, "tool calling is not supported by kvloop", param="tools")
     prompt = chat_prompt(ctx.tokenizer, req)
+    check_kv_transfer_params(req, 1)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = build_sampling_params(ctx, req, len(prompt), max_tokens,
@@ -599,7 +654,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     body: ChatCompletionResponse = {
         "id": base, "object": "chat.completion", "created": int(time.time()),
         "model": ctx.served_name(req.model), "choices": choices,
-        "usage": usage(gen.children, [prompt]), "system_fingerprint": None}
+        "usage": usage(gen.children, [prompt]), "system_fingerprint": None,
+        "kv_transfer_params": handed_on(gen.children)}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     return JSONResponse(body)
@@ -635,6 +691,72 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
         yield chunk(choice)
     async for b in _stream_tail(ctx, req, gen, base, created, [prompt], "chat.completion.chunk"):
         yield b
+
+
+# --- token-in: vLLM's POST /inference/v1/generate ---------------------------------------------
+def _generate_sampling(req: GenerateRequest) -> GenerateSamplingParams:
+    """The request's sampling parameters with its top-level fields folded in (those win)."""
+    sp = req.sampling_params
+    return sp.model_copy(update={
+        "model": req.model, "stream": req.stream, "stream_options": req.stream_options,
+        "cache_salt": req.cache_salt or sp.cache_salt, "priority": req.priority or sp.priority,
+        "kv_transfer_params": (sp.kv_transfer_params if req.kv_transfer_params is None
+                               else req.kv_transfer_params)})
+
+
+async def create_generate(ctx: ServerContext, req: GenerateRequest,
+                          request: Request) -> Response:
+    ctx.check_model(req.model)
+    sp = _generate_sampling(req)
+    _check_supported(sp)
+    ids = list(req.token_ids)
+    if not ids:
+        raise APIError(400, "token_ids must not be empty", param="token_ids")
+    ctx.check_token_ids(ids, "token_ids")
+    check_kv_transfer_params(sp, 1)
+    asked, default = completion_max_tokens(sp)
+    params = build_sampling_params(ctx, sp, len(ids), asked, sp.logprobs, default)
+    base = f"gen-{uuid.uuid4().hex}"
+    gen = Generation(ctx, make_children(ctx, base, [ids], [params]))
+    gen.submit()
+    log_received(ctx, base, [ids], [params])
+    rid = req.request_id or base
+    if sp.stream:
+        return GenerationStream(_stream_generate(ctx, sp, gen, rid), gen)
+    await collect(request, gen)
+    body: GenerateResponse = {
+        "request_id": rid, "prompt_logprobs": None, "kv_transfer_params": handed_on(gen.children),
+        "choices": [_generate_choice(ctx, sp, c.index, c.state.token_ids, c.state.logprobs,
+                                     c.state.finish_reason) for c in gen.children]}
+    return JSONResponse(body)
+
+
+def _generate_choice(ctx: ServerContext, sp: GenerateSamplingParams, index: int,
+                     token_ids: list[int], logprobs: list[TokenLogprob],
+                     finish_reason: str | None) -> GenerateChoice:
+    lp = chat_logprobs(ctx, logprobs, sp.logprobs) if sp.logprobs is not None else None
+    return {"index": index, "token_ids": token_ids, "logprobs": lp,
+            "finish_reason": finish_reason}
+
+
+async def _stream_generate(ctx: ServerContext, sp: GenerateSamplingParams, gen: Generation,
+                           rid: str) -> AsyncIterator[bytes]:
+    def chunk(choice: GenerateChoice) -> bytes:
+        event: GenerateStreamResponse = {"request_id": rid, "choices": [choice]}
+        return sse(event)
+
+    async for c, d in gen.stream_deltas():
+        if d.token_ids or d.finish_reason:
+            yield chunk(_generate_choice(ctx, sp, c.index, d.token_ids, d.logprobs,
+                                         d.finish_reason))
+    if gen.end.error is not None:
+        e = gen.end.error
+        yield sse(error_body(e.message, e.status, e.param))
+    elif gen.end.aborted:
+        for c in gen.unfinished():
+            yield chunk({"index": c.index, "token_ids": [], "logprobs": None,
+                         "finish_reason": "abort"})
+    yield SSE_DONE
 
 
 # --- streaming common --------------------------------------------------------------------------
