@@ -1,32 +1,45 @@
 """EngineCore: the step, in full.
 
     out     = scheduler.schedule()
-    result  = runner.execute(out)
+    runner.execute_model(out)                    (the forward pass starts, in the background)
+    grammar = structured_output.grammar_bitmask  (meanwhile, on this thread)
+    result  = runner.sample_tokens(grammar)      (waits for the forward, masks, samples)
     apply pending aborts            (after the forward pass, before accounting)
     outputs = scheduler.update_from_output(out, result)
     events  = kv_cache_manager.take_events()     (one batch per step)
 
-Owner: the engine owns the scheduler, the KV cache manager, the block pool and the runner.
-Aborts may be requested from another thread (`abort_requests`); they are applied between
-steps or, for a step in flight, after its forward pass returns.
+A runner with only `execute(out)` (the simulator) runs the first three lines as that one call
+and cannot serve structured output.
+
+Owner: the engine owns the scheduler, the KV cache manager, the block pool, the runner and
+the structured-output manager (`kvloop.core.structured_output`; present when built with a
+grammar backend). Aborts may be requested from another thread (`abort_requests`); they are
+applied between steps or, for a step in flight, after its forward pass returns.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.config import EngineConfig
 from kvloop.core.block_pool import BlockPool
 from kvloop.core.hashing import BlockHasher
 from kvloop.core.kv_cache_manager import KVCacheManager
-from kvloop.core.outputs import SchedulerOutput
-from kvloop.core.request import Request, RequestStatus, SamplingParams, check_context_length
-from kvloop.core.runner import Runner
+from kvloop.core.outputs import RunnerOutput, SchedulerOutput
+from kvloop.core.request import (
+    NO_GRAMMAR_BACKEND,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    check_context_length,
+)
+from kvloop.core.runner import Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
-from kvloop.core.trace import StepRecord, make_step_record
+from kvloop.core.structured_output import GrammarBackend, StructuredOutputManager
+from kvloop.core.trace import StepRecord, StepTiming, make_step_record
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
 
@@ -45,9 +58,15 @@ class StepResult:
 
 
 class EngineCore:
-    """Scheduler + KV cache + runner in one process, driven by `step()`."""
+    """Scheduler + KV cache + runner in one process, driven by `step()`.
 
-    def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None):
+    `grammar_backend` builds the grammar backend of structured output (called once, on the
+    first constrained request); without it a constrained request is refused. It needs a
+    `SplitRunner` (ValueError otherwise).
+    """
+
+    def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None,
+                 grammar_backend: Callable[[], GrammarBackend] | None = None):
         self.config = config
         cc = config.cache
         self.num_gpu_blocks = num_gpu_blocks or cc.num_gpu_blocks
@@ -60,6 +79,12 @@ class EngineCore:
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
+        self._split_runner = runner if isinstance(runner, SplitRunner) else None
+        if grammar_backend is not None and self._split_runner is None:
+            raise ValueError("structured output needs a runner with execute_model and "
+                             "sample_tokens (a SplitRunner)")
+        self.structured_output = (StructuredOutputManager(grammar_backend)
+                                  if grammar_backend is not None else None)
         self._pending_aborts: list[str] = []
         self._abort_lock = threading.Lock()
         self._arrivals = 0
@@ -81,6 +106,12 @@ class EngineCore:
                        self.hasher, lora_name, client_index)
 
     def add_request(self, request: Request) -> None:
+        """Queue `request`; a constrained one gets its grammar (compiled in the background).
+        ValueError for a constrained request when this engine has no grammar backend."""
+        if request.use_structured_output:
+            if self.structured_output is None:
+                raise ValueError(NO_GRAMMAR_BACKEND)
+            self.structured_output.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -110,7 +141,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         admissions = self.scheduler.last_admissions
-        result = self.runner.execute(out)
+        result, timing = self._execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
         events = self.take_event_batch()
@@ -119,9 +150,24 @@ class EngineCore:
             self.scheduler.check_invariants()
         record = make_step_record(out, admissions, outputs, time.perf_counter() - t0,
                                   self.config.scheduler.max_num_batched_tokens,
-                                  self.block_pool, self.scheduler)
+                                  self.block_pool, self.scheduler, timing)
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
+
+    def _execute(self, out: SchedulerOutput) -> tuple[RunnerOutput, StepTiming]:
+        """The forward pass, with the grammar bitmask computed while it runs (vLLM's overlap:
+        execute_model, grammar_bitmask, sample_tokens)."""
+        runner = self._split_runner
+        if runner is None:
+            return self.runner.execute(out), StepTiming()
+        runner.execute_model(out)
+        grammar, window = None, None
+        if self.structured_output is not None:
+            start = time.perf_counter()
+            grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, out)
+            window = (start, time.perf_counter()) if grammar is not None else None
+        result = runner.sample_tokens(grammar)
+        return result, StepTiming.of(result.forward_time, window)
 
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
@@ -136,4 +182,6 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.runner.shutdown()

@@ -36,6 +36,7 @@ This is the only core module that imports zmq.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -53,7 +54,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvloop.config import EngineConfig
+from kvloop.config import GRAMMAR_BACKEND, EngineConfig
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
@@ -175,7 +176,11 @@ class EngineCoreProc:
         if cfg.kv_events is not None:
             econf = dataclasses.replace(
                 econf, cache=dataclasses.replace(econf.cache, enable_kv_cache_events=True))
-        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks)
+        grammar_factory = cfg.runner.grammar_backend_factory
+        grammar = (functools.partial(resolve_factory(grammar_factory), cfg.runner,
+                                     runner.vocab_size) if grammar_factory else None)
+        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
+                                 grammar_backend=grammar)
         ready = EngineReady(
             wire_version=WIRE_VERSION, pid=os.getpid(),
             model_name=runner.model_name,
@@ -185,7 +190,8 @@ class EngineCoreProc:
             hash_algo=econf.cache.prefix_caching_hash_algo, hash_seed=econf.cache.hash_seed or "",
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
-            vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None)
+            vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None,
+            structured_output_backend=GRAMMAR_BACKEND if grammar else None)
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:

@@ -21,6 +21,7 @@ reaches the end of its known tokens; a partial prefill chunk samples nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloop.core.request import SamplingParams
 
@@ -64,6 +65,36 @@ class SchedulerOutput:
 
 
 @dataclass
+class GrammarOutput:
+    """The step's grammar bitmask, for the runner to apply before it samples.
+
+    Made by `StructuredOutputManager.grammar_bitmask` on the engine thread while the forward
+    pass runs. Request `request_ids[i]` owns `num_rows[i]` consecutive rows of `bitmask`,
+    starting after the rows of the requests before it: one row per logits row it samples
+    from this step, in position order, i.e. one row per scheduled draft token and one for the
+    bonus token after them (1 + k rows; 1 without speculative decoding). Only requests that
+    sample this step and use structured output have rows.
+
+    `bitmask` is an int32 array `[sum(num_rows), ceil(vocab_size / 32)]` (NumPy): bit `b` of
+    word `w` of a row is set iff token `32 * w + b` may be sampled there. It is a view of a
+    buffer the manager reuses: valid until the next step.
+    """
+
+    request_ids: list[str]
+    num_rows: list[int]
+    bitmask: Any
+
+    def row_ranges(self) -> dict[str, range]:
+        """request id -> its rows of `bitmask`."""
+        ranges: dict[str, range] = {}
+        start = 0
+        for rid, n in zip(self.request_ids, self.num_rows, strict=True):
+            ranges[rid] = range(start, start + n)
+            start += n
+        return ranges
+
+
+@dataclass
 class Logprobs:
     """Top-n log probabilities of one sampled position."""
 
@@ -80,13 +111,16 @@ class RunnerOutput:
     `sampled_token_ids[i]` is the list of tokens request `req_ids[i]` sampled (empty for a
     partial prefill chunk; 1 + accepted drafts with speculative decoding). `logprobs[i]`,
     when asked for, has one entry per sampled token. `draft_token_ids` proposes drafts for
-    the next step.
+    the next step. `forward_time` is when the forward pass ran, `(start, end)` in
+    `time.perf_counter()` seconds (None: the runner does not say), so the engine can tell
+    how much of its own work overlapped it.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    forward_time: tuple[float, float] | None = None
 
     def index(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.req_ids)}

@@ -14,20 +14,28 @@ One step, for request r with `c` computed tokens and `n` scheduled:
     samples     iff r is in `sampling_req_ids`, from the logits of its last token
 
 Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py).
+
+The step is split as vLLM's (`kvloop.core.runner.SplitRunner`): `execute_model` hands the
+state update, the inputs and the forward pass to the runner's forward thread and returns;
+`sample_tokens(grammar_output)` waits for the logits, sets the tokens the grammar bitmask
+disallows to -inf, then samples. The engine computes the bitmask in between. `execute` is the
+two in a row.
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
+from kvloop.core.outputs import GrammarOutput, Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
-from kvloop.model.sampler import Sampler, SamplingRow
+from kvloop.model.sampler import Sampler, SamplingRow, apply_token_bitmask
 
 
 @dataclass
@@ -86,15 +94,40 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="kvloop-forward")
+        self._pending: Future[_Forward] | None = None
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        inputs, logits = self.forward(scheduler_output)
-        if inputs is None:
-            return RunnerOutput()
+        self.execute_model(scheduler_output)
+        return self.sample_tokens(None)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Start the step's forward pass on the forward thread (one step in flight)."""
+        if self._pending is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens")
+        self._pending = self._forward_thread.submit(self._timed_forward, scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> RunnerOutput:
+        """Wait for the forward pass, apply the grammar bitmask, sample."""
+        if self._pending is None:
+            raise RuntimeError("sample_tokens called without execute_model")
+        pending, self._pending = self._pending, None
+        fwd = pending.result()
+        if fwd.inputs is None:
+            return RunnerOutput(forward_time=fwd.window)
         with torch.inference_mode():
-            sampled = self.sampler(logits, inputs.sampling_rows)
-        return self._make_output(inputs, sampled.token_ids, sampled.logprobs)
+            if grammar_output is not None:
+                _apply_grammar(fwd.logits, fwd.inputs.sampling_req_ids, grammar_output)
+            sampled = self.sampler(fwd.logits, fwd.inputs.sampling_rows)
+        out = self._make_output(fwd.inputs, sampled.token_ids, sampled.logprobs)
+        out.forward_time = fwd.window
+        return out
+
+    def _timed_forward(self, scheduler_output: SchedulerOutput) -> _Forward:
+        start = time.perf_counter()
+        inputs, logits = self.forward(scheduler_output)
+        return _Forward(inputs, logits, (start, time.perf_counter()))
 
     def forward(self, scheduler_output: SchedulerOutput
                 ) -> tuple[StepInputs | None, torch.Tensor]:
@@ -111,6 +144,7 @@ class ModelRunner:
         return inputs, logits
 
     def shutdown(self) -> None:
+        self._forward_thread.shutdown(wait=True)
         self.requests.clear()
         self.kv_caches = []
 
@@ -227,6 +261,29 @@ class ModelRunner:
             if out.logprobs is not None:
                 out.logprobs.append([lp] if lp is not None else None)
         return out
+
+
+@dataclass
+class _Forward:
+    """A finished forward pass: its inputs (None: nothing scheduled), logits and
+    (start, end) perf_counter times."""
+
+    inputs: StepInputs | None
+    logits: torch.Tensor
+    window: tuple[float, float]
+
+
+def _apply_grammar(logits: torch.Tensor, sampling_req_ids: list[str],
+                   grammar: GrammarOutput) -> None:
+    """Mask the logits rows of the constrained requests with their bitmask rows (one logits
+    row per sampling request: a request with drafts, several rows, is not supported yet)."""
+    row_of = {rid: i for i, rid in enumerate(sampling_req_ids)}
+    rows: list[int] = []
+    for rid, bitmask_rows in grammar.row_ranges().items():
+        if len(bitmask_rows) != 1:
+            raise NotImplementedError("grammar bitmask rows for speculative drafts")
+        rows.append(row_of[rid])
+    apply_token_bitmask(logits, torch.from_numpy(grammar.bitmask).to(logits.device), rows)
 
 
 def _sampling_row(item: _Scheduled) -> SamplingRow:
