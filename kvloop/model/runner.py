@@ -24,6 +24,7 @@ two in a row.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,10 +104,14 @@ class ModelRunner:
         return self.sample_tokens(None)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Start the step's forward pass on the forward thread (one step in flight)."""
+        """Start the step's forward pass on the forward thread (one step in flight); returns
+        once it has started, so what the caller does next overlaps it."""
         if self._pending is not None:
             raise RuntimeError("execute_model called twice without sample_tokens")
-        self._pending = self._forward_thread.submit(self._timed_forward, scheduler_output)
+        started = threading.Event()
+        self._pending = self._forward_thread.submit(self._timed_forward, scheduler_output,
+                                                    started)
+        started.wait()
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> RunnerOutput:
         """Wait for the forward pass, apply the grammar bitmask, sample."""
@@ -124,8 +129,10 @@ class ModelRunner:
         out.forward_time = fwd.window
         return out
 
-    def _timed_forward(self, scheduler_output: SchedulerOutput) -> _Forward:
+    def _timed_forward(self, scheduler_output: SchedulerOutput,
+                       started: threading.Event) -> _Forward:
         start = time.perf_counter()
+        started.set()
         inputs, logits = self.forward(scheduler_output)
         return _Forward(inputs, logits, (start, time.perf_counter()))
 
