@@ -7,10 +7,11 @@ offline engine (kvloop's `LLM`, stepped directly so every step's record is seen)
 constrained by `SCHEMA` (a bounded JSON object: strings with maxLength, an enum, integers in a
 range, a short array), or unconstrained with EOS ignored. Each side's figure is output tokens
 per second of wall time (medians over `--repeats` runs; the sides alternate, so a change in
-the machine's load hits both; prefix caching is off, so both compute every prompt). The schema is compiled once before the runs (its compile
-time is printed; the runs hit the engine's grammar cache). For the constrained side it also
-prints, summed over the steps: the forward-pass time, the grammar-bitmask time, and the share
-of the bitmask time that the forward pass hid (the two ran at once, as vLLM overlaps them).
+the machine's load hits both; prefix caching is off, so both compute every prompt). The
+schema is compiled once before the runs (its compile time is printed; the runs hit the
+engine's grammar cache). For the constrained side it also prints, summed over the steps:
+the forward-pass time, the grammar-bitmask time, and the share of the bitmask time that the
+forward pass hid (the two ran at once, as vLLM overlaps them).
 """
 
 from __future__ import annotations
