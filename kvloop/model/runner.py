@@ -109,6 +109,10 @@ class ModelRunner:
         if self._pending is not None:
             raise RuntimeError("execute_model called twice without sample_tokens")
         started = threading.Event()
+        if scheduler_output.is_empty:   # nothing to compute: no thread hop
+            self._pending = Future()
+            self._pending.set_result(self._timed_forward(scheduler_output, started))
+            return
         self._pending = self._forward_thread.submit(self._timed_forward, scheduler_output,
                                                     started)
         started.wait()
