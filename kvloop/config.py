@@ -7,8 +7,10 @@ Every field keeps vLLM's name where the concept is the same.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 Role = Literal["both", "prefill", "decode"]   # what a router may send a worker (`--role`)
@@ -64,17 +66,22 @@ class SimSettings:
     """What only the simulator (`--model sim`) has: its latency model and the vocabulary it
     presents, whose facts the API process read from `--sim-model` (None and (): the byte
     vocabulary's, `kvloop.sim.byte_vocab`). `latency_file` None is
-    kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time."""
+    kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time.
+    `copy_rate`: how often the simulated model copies from its context, so speculative
+    decoding finds drafts it accepts (`kvloop.sim.runner`; 0: never)."""
 
     latency_file: str | None = None
     speedup: float = 1.0
     model_latency: bool = True
     vocab_size: int | None = None
     text_token_ids: tuple[int, ...] = ()
+    copy_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
             raise ValueError(f"--sim-speedup must be > 0, got {self.speedup}")
+        if not 0.0 <= self.copy_rate <= 1.0:
+            raise ValueError(f"--sim-copy-rate must be in [0, 1], got {self.copy_rate}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
@@ -213,11 +220,104 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
 
+# Speculative decoding (`--speculative-config`, `LLM(speculative_config=...)`): the methods
+# kvloop runs, vLLM's default n-gram window, and the keys its JSON may hold.
+SPEC_METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5      # vLLM's prompt_lookup_min and _max when neither is given
+SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
+                    "prompt_lookup_max", "model")
+
+
+def _spec_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, vLLM's `SpeculativeConfig` for the one method kvloop runs:
+    `ngram` (prompt lookup: drafts copied from the request's own context, no draft model;
+    docs/vllm-facts.md#speculative-decoding). Each decoding request proposes up to
+    `num_speculative_tokens` (k) drafts after each step; the next step schedules 1 + k tokens
+    for it and verifies them in one forward pass. The n-gram matched is between
+    `prompt_lookup_min` and `prompt_lookup_max` tokens long.
+
+    Build it from vLLM's keys with `from_dict` (or `parse` for the flag's JSON text), which
+    fills the defaults as vLLM does; the constructor only validates.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; kvloop "
+                             f"supports: {', '.join(SPEC_METHODS)}")
+        _spec_int("num_speculative_tokens", self.num_speculative_tokens)
+        _spec_int("prompt_lookup_min", self.prompt_lookup_min)
+        _spec_int("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> SpeculativeConfig:
+        """vLLM's rules for its keys: `method` "ngram" (or "[ngram]", or left out with
+        `model` "ngram"); `num_speculative_tokens` required; neither lookup bound given: both
+        `DEFAULT_PROMPT_LOOKUP`; one given: the other copies it. ValueError naming the key
+        for anything else (unknown keys, draft models, other methods)."""
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {spec!r}")
+        unknown = sorted(set(spec) - set(SPEC_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; "
+                             f"kvloop knows {', '.join(SPEC_CONFIG_KEYS)}")
+        method = _spec_method(spec.get("method"), spec.get("model"))
+        if spec.get("num_speculative_tokens") is None:
+            raise ValueError("speculative config: num_speculative_tokens is required")
+        lo: Any = spec.get("prompt_lookup_min")
+        hi: Any = spec.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = DEFAULT_PROMPT_LOOKUP
+        return cls(num_speculative_tokens=spec["num_speculative_tokens"], method=method,
+                   prompt_lookup_min=hi if lo is None else lo,
+                   prompt_lookup_max=lo if hi is None else hi)
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """`--speculative-config`'s JSON text."""
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON ({e}): {text!r}") from None
+        return cls.from_dict(spec)
+
+
+def _spec_method(method: object, model: object) -> str:
+    """The method named by vLLM's `method` / `model` keys (a draft model is refused)."""
+    if model is not None and model not in ("ngram", "[ngram]"):
+        raise ValueError(f"speculative config: draft models are not supported (model "
+                         f"{model!r}); kvloop supports: {', '.join(SPEC_METHODS)}")
+    if method is None:
+        if model is None:
+            raise ValueError(f"speculative config needs a method; kvloop supports: "
+                             f"{', '.join(SPEC_METHODS)}")
+        return "ngram"
+    if not isinstance(method, str):
+        raise ValueError(f"speculative config: method must be a string, got {method!r}")
+    return "ngram" if method == "[ngram]" else method
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine core needs: cache, scheduler, and debugging switches."""
+    """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
+    and debugging switches."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     check_invariants: bool = False
     log_stats: bool = True
+    speculative: SpeculativeConfig | None = None

@@ -11,6 +11,11 @@ What the engine does not do is done by the API server's output processing
 strings (detokenized incrementally, not before `min_tokens`; a hit aborts the request and
 truncates its text), text and logprobs; this module only shapes vLLM's `RequestOutput`.
 
+With `speculative_config` (vLLM's dict, e.g. `{"method": "ngram", "num_speculative_tokens":
+4}`) the engine drafts by prompt lookup and verifies the drafts in each forward pass; with
+`disable_log_stats=False` it counts them, and `get_metrics()` returns the counts under vLLM's
+names (`vllm:spec_decode_num_drafts`, ...), as vLLM's `LLM.get_metrics()` does.
+
 A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
 the server's message, before any request is added. `max_tokens` beyond the context is not an
 error here (the server answers 400 for it only when the client set it; SamplingParams always
@@ -31,12 +36,14 @@ from kvloop.config import (
     EngineConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_context_length
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.server.tokenizer import Tokenizer
+from kvloop.wire import SpecDecodingStats
 
 PromptType = str | dict[str, Any]
 Message = dict[str, Any]
@@ -77,6 +84,24 @@ class RequestOutput:
 
 
 @dataclass
+class Metric:
+    """One metric of `LLM.get_metrics()` (vLLM's `vllm.v1.metrics.reader` shapes)."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    values: list[int]
+
+
+@dataclass
 class _Sequence:
     """One engine request (one of a prompt's n samples) while it runs."""
 
@@ -98,9 +123,13 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, gpu_memory_utilization: float | None = None,
-                 check_invariants: bool = False):
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 disable_log_stats: bool = True, check_invariants: bool = False):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
-        each does) become one RunnerConfig, the engine's one EngineConfig."""
+        each does) become one RunnerConfig, the engine's one EngineConfig
+        (`speculative_config`: `SpeculativeConfig.from_dict`'s keys)."""
+        spec = (SpeculativeConfig.from_dict(speculative_config)
+                if isinstance(speculative_config, dict) else speculative_config)
         from kvloop.model import load_runner
 
         rc = RunnerConfig(
@@ -116,7 +145,8 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                enable_chunked_prefill=enable_chunked_prefill,
                                long_prefill_token_threshold=long_prefill_token_threshold,
-                               check_invariants=check_invariants)
+                               check_invariants=check_invariants, speculative=spec,
+                               log_stats=not disable_log_stats)
         self._init(runner, tok, config, runner.num_gpu_blocks)
 
     @classmethod
@@ -135,9 +165,29 @@ class LLM:
         self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,
                                  grammar_backend=_grammar_backend(runner, tokenizer))
         self._ids = itertools.count()
+        self._spec_stats = SpecDecodingStats()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The counters of every `generate` so far, under vLLM's names and labels: with
+        speculative decoding, `vllm:spec_decode_num_drafts`, `..._num_draft_tokens`,
+        `..._num_accepted_tokens` (Counters) and `..._num_accepted_tokens_per_pos` (a Vector,
+        one value per position). ValueError unless built with `disable_log_stats=False`."""
+        if not self.config.log_stats:
+            raise ValueError("stats are not kept: build the LLM with disable_log_stats=False")
+        spec = self.config.speculative
+        if spec is None:
+            return []
+        labels = {"model_name": getattr(self.runner, "model_name", ""), "engine": "0"}
+        s = self._spec_stats
+        per_pos = s.num_accepted_tokens_per_pos
+        per_pos = per_pos + [0] * (spec.num_speculative_tokens - len(per_pos))
+        return [Counter("vllm:spec_decode_num_drafts", labels, s.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", labels, s.num_draft_tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", labels, s.num_accepted_tokens),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels, per_pos)]
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -223,6 +273,8 @@ class LLM:
                   dynamic_ncols=True) as bar:
             while self.engine.has_unfinished_requests():
                 result = self.engine.step()
+                if result.stats is not None and result.stats.spec_decoding_stats is not None:
+                    self._spec_stats.add(result.stats.spec_decoding_stats)
                 for out in result.outputs:
                     seq = live.get(out.request_id)
                     if seq is None:
@@ -271,7 +323,9 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                   max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                  check_invariants: bool = False, num_gpu_blocks: int = 1024) -> EngineConfig:
+                  check_invariants: bool = False, num_gpu_blocks: int = 1024,
+                  speculative: SpeculativeConfig | None = None,
+                  log_stats: bool = False) -> EngineConfig:
     """The offline engine's config; `max_num_seqs` defaults to min(256, token budget)."""
     seqs = max_num_seqs or min(OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens)
     return EngineConfig(
@@ -281,7 +335,7 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                                   max_num_seqs=seqs, max_model_len=max_model_len,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   long_prefill_token_threshold=long_prefill_token_threshold),
-        check_invariants=check_invariants, log_stats=False)
+        check_invariants=check_invariants, log_stats=log_stats, speculative=speculative)
 
 
 def _grammar_backend(runner: Runner, tokenizer: Tokenizer) -> Any:

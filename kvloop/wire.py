@@ -30,6 +30,36 @@ class PrefixCacheStats(msgspec.Struct, omit_defaults=True):
     reset: bool = False
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding in one step (vLLM's counting): one draft per request that had
+    drafts scheduled and sampled; `num_accepted_tokens_per_pos[i]` counts the drafts whose
+    position i was accepted (so it never grows with i)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted_tokens - len(per_pos)))
+        for i in range(num_accepted_tokens):
+            per_pos[i] += 1
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Accumulate another step's counts into this one."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[i] += n
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -39,6 +69,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0
     step_index: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None   # None: no drafts this step
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
+from kvloop.config import SpeculativeConfig
 from kvloop.core.engine import EngineCore
 from kvloop.llm import engine_config
 from kvloop.server.tokenizer import find_model_path
@@ -155,6 +156,49 @@ def test_same_output_after_a_preemption(llm, prompts, alone):
     assert tiny.preempted, "the tiny pool should have forced a preemption"
     for i in range(2):
         assert_close(*alone[i], tiny, str(i))
+
+
+COPY_TASKS = [
+    "Repeat exactly: The old lighthouse keeper climbed the stairs every evening to light the "
+    "lamp.",
+    "Repeat exactly: Red apples, green pears, ripe plums and dark cherries fill the basket.",
+    "Copy this line: one two three four five six seven eight nine ten.",
+]
+
+
+def test_speculation_keeps_greedy_output_token_for_token(llm):
+    """n-gram drafts verified by the real model: a batch of three greedy copy tasks (where
+    prompt lookup finds what the output repeats) and a seeded random request, in 32-token
+    chunks and a pool small enough to preempt; the greedy outputs equal plain decoding's
+    token for token, and drafts were proposed and accepted."""
+    tok = llm.get_tokenizer()
+    prompts = [[{"role": "user", "content": t}] for t in [*COPY_TASKS, "Write a haiku."]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [greedy] * 3 + [SamplingParams(temperature=0.8, seed=3, max_tokens=24,
+                                            ignore_eos=True)]
+
+    def generate(spec):
+        config = engine_config(llm.runner.max_model_len, max_num_batched_tokens=32,
+                               speculative=spec, log_stats=True, check_invariants=True)
+        run = LLM.from_runner(llm.runner, tok, config, num_gpu_blocks=14)
+        outs = run.chat(prompts, params, use_tqdm=False)
+        return run, [list(o.outputs[0].token_ids) for o in outs]
+
+    plain, expected = generate(None)
+    spec, got = generate(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2,
+                                           prompt_lookup_max=5))
+    assert got[:3] == expected[:3]
+    assert [len(t) for t in got] == [24] * 4
+    for run in (plain, spec):
+        assert run.engine.scheduler.num_preemptions_total > 0
+    m = {x.name: x for x in spec.get_metrics()}
+    drafted = m["vllm:spec_decode_num_draft_tokens"].value
+    accepted = m["vllm:spec_decode_num_accepted_tokens"].value
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert 0 < accepted <= drafted <= 3 * m["vllm:spec_decode_num_drafts"].value
+    assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == accepted
+    assert plain.get_metrics() == []
 
 
 def test_chat_answers_paris(llm):

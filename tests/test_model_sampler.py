@@ -123,3 +123,85 @@ def test_logprobs_are_raw_with_rank_and_top_n():
 def test_zero_logprobs_gives_only_the_sampled_token():
     out = Sampler()(logits_of([0.0, 1.0]), [row(temperature=0.0, logprobs=0)])
     assert out.logprobs[0].top_token_ids == [] and out.logprobs[0].sampled_rank == 1
+
+
+# --- rejection sampling (speculative decoding) -------------------------------------------------
+def test_greedy_rejection_keeps_the_argmax_chain():
+    # request 0: drafts [1, 2, 3] over rows whose argmax is 1, 2, 0 (bonus row: 3)
+    # request 1: no drafts; request 2: drafts [2, 0], both accepted, bonus 1
+    logits = logits_of([0, 9, 0, 0], [0, 0, 9, 0], [9, 0, 0, 0], [0, 0, 0, 9],
+                       [0, 0, 0, 9],
+                       [0, 0, 9, 0], [9, 0, 0, 0], [0, 9, 0, 0])
+    greedy = row(temperature=0.0)
+    out = Sampler().rejection_sample(logits, [greedy] * 3, [[1, 2, 3], [], [2, 0]])
+    assert out.token_ids == [[1, 2, 0], [3], [2, 0, 1]]
+    assert out.logprobs == [None, None, None]
+
+
+def test_rows_see_the_drafts_before_them_as_output():
+    # min_tokens=2 masks EOS (0) for the first two outputs: row 0 (no output yet) and row 1
+    # (one draft before it) must not pick EOS, row 2 (two before it) may
+    eos = [9.0, 1.0, 0.0]
+    p = dict(temperature=0.0, eos_token_id=0, min_tokens=2)
+    out = Sampler().rejection_sample(logits_of(eos, eos, eos), [row(**p)], [[1, 1]])
+    assert out.token_ids == [[1, 1, 0]]
+    # a repetition penalty on row 1 counts draft 1 as generated
+    pen = logits_of([0.0, 2.0, 1.5], [0.0, 2.0, 1.5])
+    out = Sampler().rejection_sample(pen, [row(temperature=0.0, repetition_penalty=2.0,
+                                               prompt=(0,))], [[1]])
+    assert out.token_ids == [[1, 2]]
+
+
+def test_one_row_requests_match_the_ordinary_sampler():
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    rows = [row(temperature=1.0, seed=5), row(temperature=0.0), row(temperature=0.7, top_k=5),
+            row(temperature=1.0, seed=9, logprobs=2)]
+    plain = Sampler(seed=3)(logits.clone(), rows)
+    spec = Sampler(seed=3).rejection_sample(logits.clone(), rows, [[]] * 4)
+    assert spec.token_ids == [[t] for t in plain.token_ids]
+    assert spec.logprobs[3] == [plain.logprobs[3]]
+
+
+def test_random_acceptance_is_vllms_rule_and_keeps_the_distribution():
+    # p = softmax(logits): draft 0 is accepted with probability p(0); on rejection the token
+    # comes from p without 0; overall the first token is distributed as p
+    logits = [math.log(0.5), math.log(0.3), math.log(0.2)]
+    n = 4000
+    rows = [row(temperature=1.0)] * n
+    out = Sampler(seed=6).rejection_sample(logits_of(*[logits, logits] * n), rows, [[0]] * n)
+    firsts = torch.tensor([t[0] for t in out.token_ids])
+    accepted = sum(len(t) == 2 for t in out.token_ids)
+    assert all(len(t) == 1 for t in out.token_ids if t[0] != 0)     # rejected: one token
+    assert abs(accepted / n - 0.5) < 4 * math.sqrt(0.25 / n)
+    freq = torch.bincount(firsts, minlength=3).float() / n
+    for p, f in zip([0.5, 0.3, 0.2], freq.tolist(), strict=True):
+        assert abs(p - f) < 4 * math.sqrt(p * (1 - p) / n)
+    # a draft outside the vocabulary is always rejected
+    bad = Sampler(seed=6).rejection_sample(logits_of(logits, logits), [row(temperature=1.0)],
+                                           [[7]])
+    assert len(bad.token_ids[0]) == 1 and bad.token_ids[0][0] in (0, 1, 2)
+
+
+def test_seeded_rejection_does_not_depend_on_the_batch():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40)
+    seeded = row(output=(4,), temperature=1.0, seed=77)
+    draft = int(logits[0].argmax())
+    alone = Sampler(seed=0).rejection_sample(logits.clone(), [seeded], [[draft, 3]])
+    other = torch.randn(2, 40)
+    batch = Sampler(seed=50).rejection_sample(torch.cat([other, logits]).clone(),
+                                              [row(temperature=1.0), seeded], [[1], [draft, 3]])
+    assert batch.token_ids[1] == alone.token_ids[0]
+
+
+def test_logprobs_come_per_kept_token():
+    logits = logits_of([0.0, 3.0, 1.0], [0.0, 1.0, 3.0], [3.0, 0.0, 1.0])
+    out = Sampler().rejection_sample(logits.clone(), [row(temperature=0.0, logprobs=1)],
+                                     [[1, 2]])
+    assert out.token_ids == [[1, 2, 0]]
+    lps = out.logprobs[0]
+    raw = torch.log_softmax(logits, dim=-1)
+    assert [lp.sampled_logprob for lp in lps] == pytest.approx(
+        [raw[0, 1].item(), raw[1, 2].item(), raw[2, 0].item()])
+    assert [lp.top_token_ids for lp in lps] == [[1], [2], [0]]

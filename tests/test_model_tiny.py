@@ -285,6 +285,62 @@ def test_execute_returns_greedy_tokens_in_batch_order(tmp_path):
     assert out.logprobs is None
 
 
+def _spec_step(rid, seq, computed, known, drafts, new_blocks=()):
+    """A step verifying `drafts` after `known` known tokens of `seq` from `computed` on."""
+    cached = CachedRequestData(rid, list(new_blocks), computed,
+                               list(seq[computed:computed + known]), 0)
+    n = known + len(drafts)
+    return SchedulerOutput(scheduled_cached_reqs=[cached], num_scheduled_tokens={rid: n},
+                           total_num_scheduled_tokens=n,
+                           scheduled_spec_decode_tokens={rid: list(drafts)},
+                           sampling_req_ids={rid})
+
+
+def test_drafts_are_verified_in_the_same_forward_pass(tmp_path):
+    """k + 1 logits rows (the last known token and each draft), each equal to transformers'
+    logits for the sequence so far; greedy keeps the argmax chain up to the first wrong
+    draft; the next step recomputes the rejected draft's position correctly."""
+    hf = tiny_hf_model("llama", seed=7)
+    folder = write_hf_folder(hf, tmp_path / "m")
+
+    def make():
+        return load_runner(RunnerConfig(model=str(folder), dtype="float32", device="cpu",
+                                        block_size=BS, num_threads=1,
+                                        num_gpu_blocks_override=20))
+
+    def argmax(seq):
+        with torch.no_grad():
+            return hf(torch.tensor([seq])).logits[0, -1].argmax().item()
+
+    prompt = np.random.default_rng(5).integers(3, TINY_VOCAB, 6).tolist()
+    first = _step(new=[_new("A", prompt, [1, 2, 3], 0, 6)], sampling={"A"})
+    seq = list(prompt)
+    for _ in range(4):                               # the greedy chain: seq[6:10]
+        seq.append(argmax(seq))
+    wrong = (seq[9] + 1) % TINY_VOCAB
+    drafts = [seq[7], seq[8], wrong]                 # two right, then a wrong one
+
+    probe = make()
+    probe.execute(first)
+    inputs, logits = probe.forward(_spec_step("A", seq, 6, 1, drafts))
+    assert inputs is not None and inputs.sampling_drafts == [drafts]
+    assert inputs.positions.tolist() == [6, 7, 8, 9]
+    assert logits.shape[0] == 4
+    for j in range(4):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq[:7] + drafts[:j]])).logits[0, -1].float()
+        assert (logits[j] - ref).abs().max().item() <= 1e-4, f"row {j}"
+
+    runner = make()
+    assert runner.execute(first).sampled_token_ids == [[seq[6]]]
+    out = runner.execute(_spec_step("A", seq, 6, 1, drafts))
+    assert out.sampled_token_ids == [[seq[7], seq[8], seq[9]]]   # 2 accepted + recovered
+    seq.append(argmax(seq))
+    # 9 computed now (the wrong draft's slot is computed again with the real token)
+    out = runner.execute(_spec_step("A", seq, 9, 1, []))
+    assert out.sampled_token_ids == [[seq[10]]]
+
+
 def test_dequantized_q8_0_keeps_pytorch_orientation(tmp_path):
     import gguf
 

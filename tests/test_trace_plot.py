@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvloop.cli import main as cli_main
-from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvloop.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
 from kvloop.core.trace import TraceWriter
@@ -107,6 +107,45 @@ def test_summary_figures_on_a_known_trace() -> None:
     assert s["mean_step_ms"] == pytest.approx(2.0)
     with pytest.raises(ValueError, match="line 2"):
         read_records([lines[0], '{"no": "steps"}'])
+
+
+def test_draft_tokens_are_their_own_kind(tmp_path: Path) -> None:
+    """A speculative run (the simulator copying its prompt): each spec cell is 1 + k tokens,
+    the drafts count as "spec" and the decode token as "decode", accepted drafts are kept,
+    and both pictures carry them."""
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                       speculative=SpeculativeConfig(num_speculative_tokens=4,
+                                                     prompt_lookup_min=2))
+    engine = EngineCore(cfg, SimRunner(copy_rate=1.0))
+    phrase = list(range(700, 716))
+    for i in range(3):
+        engine.add_request(engine.make_request(
+            f"s{i}", [i] + phrase + [99] + phrase[:3 + i],
+            SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))
+    path = tmp_path / "spec.jsonl"
+    writer = TraceWriter(str(path))
+    while engine.has_unfinished_requests():
+        writer.write(engine.step().record)
+    writer.close()
+    works = [w for line in path.read_text().splitlines()
+             for w in json.loads(line)["scheduled"].values()]
+    spec = [w for w in works if w["kind"] == "spec"]
+    assert spec and all(w["tokens"] == 1 + w["draft_tokens"] for w in spec)
+    assert all(0 <= w["accepted_tokens"] <= w["draft_tokens"] <= 4 for w in spec)
+    assert all("draft_tokens" not in w for w in works if w["kind"] != "spec")
+    data = load_schedule(str(path))
+    s = data.summary()
+    assert s["tokens_by_kind"]["spec"] == sum(w["draft_tokens"] for w in spec)
+    assert s["tokens_by_kind"]["decode"] == (len(spec) + sum(
+        w["tokens"] for w in works if w["kind"] == "decode"))
+    assert s["accepted_draft_tokens"] == sum(w["accepted_tokens"] for w in spec) > 0
+    info = render_png(data, str(tmp_path / "spec.png"), "spec")
+    assert sum(c.kind == "spec" for c in info.cells) == len(spec)
+    page = page_html(data, "spec")
+    doc = json.loads(re.search(rf'id="{DATA_ELEMENT_ID}">(.*?)</script>', page, re.S).group(1))
+    assert doc["fields"]["cells"][5:] == ["drafts", "accepted"]
+    assert sorted((c[5], c[6]) for c in doc["cells"] if doc["kinds"][c[2]] == "spec") == \
+        sorted((w["draft_tokens"], w["accepted_tokens"]) for w in spec)
 
 
 def test_cell_height_grows_with_tokens() -> None:

@@ -6,6 +6,8 @@
     result  = runner.sample_tokens(grammar)      (waits for the forward, masks, samples)
     apply pending aborts            (after the forward pass, before accounting)
     outputs = scheduler.update_from_output(out, result)
+    drafts  = proposer.propose(...)  -> scheduler.update_draft_token_ids   (speculative
+                                        decoding only: vLLM's post-step, kvloop.core.spec_decode)
     events  = kv_cache_manager.take_events()     (one batch per step)
 
 A runner with only `execute(out)` (the simulator) runs the first three lines as that one call
@@ -38,6 +40,7 @@ from kvloop.core.request import (
 )
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
+from kvloop.core.spec_decode import NgramProposer
 from kvloop.core.structured_output import GrammarBackend, StructuredOutputManager
 from kvloop.core.trace import StepRecord, StepTiming, make_step_record
 from kvloop.events.types import KVEvent, KVEventBatch
@@ -85,6 +88,9 @@ class EngineCore:
                              "sample_tokens (a SplitRunner)")
         self.structured_output = (StructuredOutputManager(grammar_backend)
                                   if grammar_backend is not None else None)
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec, config.scheduler.max_model_len)
+                         if spec is not None else None)
         self._pending_aborts: list[str] = []
         self._abort_lock = threading.Lock()
         self._arrivals = 0
@@ -144,13 +150,14 @@ class EngineCore:
         result, timing = self._execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
+        self._propose_drafts(out)
         events = self.take_event_batch()
         stats = self.scheduler.make_stats() if self.config.log_stats else None
         if self.config.check_invariants:
             self.scheduler.check_invariants()
         record = make_step_record(out, admissions, outputs, time.perf_counter() - t0,
                                   self.config.scheduler.max_num_batched_tokens,
-                                  self.block_pool, self.scheduler, timing)
+                                  self.block_pool, self.scheduler, result, timing)
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
 
@@ -168,6 +175,16 @@ class EngineCore:
             window = (start, time.perf_counter()) if grammar is not None else None
         result = runner.sample_tokens(grammar)
         return result, StepTiming.of(result.forward_time, window)
+
+    def _propose_drafts(self, out: SchedulerOutput) -> None:
+        """Drafts for the next step, for the requests that sampled in `out` and still run."""
+        if self.proposer is None:
+            return
+        requests = self.scheduler.requests
+        sampled = [requests[rid] for rid in out.sampling_req_ids if rid in requests]
+        drafts = self.proposer.propose(sampled)
+        if drafts:
+            self.scheduler.update_draft_token_ids(drafts, out)
 
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""

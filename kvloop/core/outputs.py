@@ -9,13 +9,16 @@ The real model runner, the simulated runner and the tests speak only these two o
 - `scheduled_cached_reqs`: requests the runner already holds, as diffs (new block ids);
 - `num_scheduled_tokens[req_id]`: how many tokens to compute for it this step, starting at
   its `num_computed_tokens` (the value *before* this step);
-- `scheduled_spec_decode_tokens[req_id]`: draft tokens appended after the known tokens;
+- `scheduled_spec_decode_tokens[req_id]`: draft tokens appended after the known tokens
+  (`num_scheduled_tokens` counts them; absent key: no drafts);
 - `finished_req_ids` / `preempted_req_ids`: requests whose state the runner must drop.
 
 Token ids to compute for request r this step are
 `all_token_ids[num_computed : num_computed + n]` for the known part (given explicitly in
 `token_ids`), followed by the scheduled drafts. A request *samples* only when its chunk
-reaches the end of its known tokens; a partial prefill chunk samples nothing.
+reaches the end of its known tokens; a partial prefill chunk samples nothing. A request
+with k drafts samples from k + 1 positions (its last known token and each draft) and keeps
+1 + the number of drafts accepted.
 """
 
 from __future__ import annotations
@@ -109,17 +112,17 @@ class RunnerOutput:
     """What the runner returns for one `SchedulerOutput`.
 
     `sampled_token_ids[i]` is the list of tokens request `req_ids[i]` sampled (empty for a
-    partial prefill chunk; 1 + accepted drafts with speculative decoding). `logprobs[i]`,
-    when asked for, has one entry per sampled token. `draft_token_ids` proposes drafts for
-    the next step. `forward_time` is when the forward pass ran, `(start, end)` in
-    `time.perf_counter()` seconds (None: the runner does not say), so the engine can tell
-    how much of its own work overlapped it.
+    partial prefill chunk; the accepted drafts and one more token with speculative
+    decoding). `logprobs[i]`, when asked for, has one entry per sampled token. Drafts for
+    the next step are the engine's (`kvloop.core.spec_decode`), not the runner's.
+    `forward_time` is when the forward pass ran, `(start, end)` in `time.perf_counter()`
+    seconds (None: the runner does not say), so the engine can tell how much of its own work
+    overlapped it.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
-    draft_token_ids: dict[str, list[int]] | None = None
     forward_time: tuple[float, float] | None = None
 
     def index(self) -> dict[str, int]:

@@ -31,7 +31,7 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
 from kvloop.core.structured_output import GRAMMAR_REJECTED
-from kvloop.wire import EngineCoreOutput, SchedulerStats, TopLogprobs
+from kvloop.wire import EngineCoreOutput, SchedulerStats, SpecDecodingStats, TopLogprobs
 
 
 class FCFSQueue:
@@ -134,6 +134,7 @@ class Scheduler:
         self.last_admissions: list[Admission] = []
         self.num_preemptions_total = 0
         self._step_preemptions = 0
+        self._spec_stats: SpecDecodingStats | None = None   # drafts verified since make_stats
         self.step_index = 0
         self._error_outputs: list[EngineCoreOutput] = []   # refused in schedule(), sent next
 
@@ -399,6 +400,11 @@ class Scheduler:
                            runner_output: RunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, rewind rejected drafts, check stops, free finished requests.
 
+        With drafts, the runner returns 1 + accepted tokens: the rejected drafts are taken
+        back from `num_computed_tokens` (their KV slots are overwritten later) and counted in
+        the step's `SpecDecodingStats` (with `log_stats`). Drafts for the next step are not
+        handled here: the engine proposes them afterwards (`update_draft_token_ids`).
+
         Returns one `EngineCoreOutput` per request that got tokens or finished.
         """
         index = runner_output.index()
@@ -413,9 +419,7 @@ class Scheduler:
             generated = sampled[i] if i is not None else []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts and generated:
-                rejected = len(drafts) - max(len(generated) - 1, 0)
-                if rejected > 0:
-                    request.num_computed_tokens -= rejected
+                self._rewind_rejected(request, len(drafts), len(generated))
             if not generated:
                 continue
             kept, is_stopped = self._append_and_check(request, generated)
@@ -433,9 +437,22 @@ class Scheduler:
             outputs.append(out)
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
-        if runner_output.draft_token_ids:
-            self.update_draft_token_ids(runner_output.draft_token_ids, scheduler_output)
         return outputs
+
+    def _rewind_rejected(self, request: Request, num_drafts: int, num_generated: int) -> None:
+        """`num_generated` = accepted + 1: the rejected drafts were computed in vain.
+
+            | known ... | d0 d1 d2 d3 |      scheduled: 1 + 4, num_computed = c + 5
+            | known ... | a  a  x  .  |      2 accepted, 1 recovered token: rewind by 2
+        """
+        num_accepted = max(num_generated - 1, 0)
+        rejected = num_drafts - num_accepted
+        if rejected > 0:
+            request.num_computed_tokens -= rejected
+        if self.log_stats:
+            if self._spec_stats is None:
+                self._spec_stats = SpecDecodingStats()
+            self._spec_stats.observe_draft(num_drafts, num_accepted)
 
     def _append_and_check(self, request: Request, generated: list[int]) -> tuple[list[int], bool]:
         kept: list[int] = []
@@ -488,7 +505,9 @@ class Scheduler:
 
     def update_draft_token_ids(self, drafts: dict[str, list[int]],
                                scheduler_output: SchedulerOutput) -> None:
-        """Attach next-step drafts; dropped for finished requests and partial prefill chunks."""
+        """Attach next-step drafts (`spec_token_ids`), after `update_from_output` of the step
+        `scheduler_output` describes; dropped for finished requests and partial prefill
+        chunks, cut to the room left before `max_model_len`."""
         for rid, ids in drafts.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
@@ -507,8 +526,10 @@ class Scheduler:
             kv_cache_usage=pool.get_usage(), num_free_blocks=pool.get_num_free_blocks(),
             num_total_blocks=pool.num_usable_blocks,
             prefix_cache_stats=self.kv.take_prefix_cache_stats(),
-            num_preemptions=self._step_preemptions, step_index=self.step_index)
+            num_preemptions=self._step_preemptions, step_index=self.step_index,
+            spec_decoding_stats=self._spec_stats)
         self._step_preemptions = 0
+        self._spec_stats = None
         return stats
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

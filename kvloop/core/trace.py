@@ -6,7 +6,9 @@ request can get in a step:
     prefill    a chunk of its prompt
     recompute  tokens it had computed before a preemption, computed again
     decode     the one new token after its last sampled one
-    spec       a decode token plus speculative drafts
+    spec       a decode token plus speculative drafts: `tokens` = 1 + `draft_tokens`, of
+               which `accepted_tokens` were accepted (the gap of 1 + k the scheduler closes
+               in one step)
 
 A record also says where the step's time went around the forward pass (`StepTiming`):
 the forward itself, the grammar bitmask the engine computed meanwhile, and how much of that
@@ -21,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvloop.core.outputs import SchedulerOutput
+from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvloop.core.block_pool import BlockPool
@@ -34,6 +36,8 @@ class ScheduledWork:
     tokens: int
     kind: str
     num_computed_before: int
+    draft_tokens: int = 0                 # drafts among `tokens` (kind "spec")
+    accepted_tokens: int | None = None    # drafts accepted (None: no drafts, or no sample)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,12 @@ class StepRecord:
     bitmask_hidden_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record as JSON; the draft fields only where there were drafts."""
+        doc = asdict(self)
+        for work in doc["scheduled"].values():
+            if not work["draft_tokens"]:
+                del work["draft_tokens"], work["accepted_tokens"]
+        return doc
 
 
 def work_kind(num_computed_before: int, n: int, num_prompt: int, num_tokens: int,
@@ -97,6 +106,7 @@ def work_kind(num_computed_before: int, n: int, num_prompt: int, num_tokens: int
 def make_step_record(out: SchedulerOutput, admissions: list[Admission],
                      outputs: list[EngineCoreOutput], duration_s: float, budget: int,
                      pool: BlockPool, scheduler: Scheduler,
+                     runner_output: RunnerOutput | None = None,
                      timing: StepTiming | None = None) -> StepRecord:
     timing = timing or StepTiming()
     rec = StepRecord(step=scheduler.step_index - 1, time=time.time(), duration_s=duration_s,
@@ -116,12 +126,23 @@ def make_step_record(out: SchedulerOutput, admissions: list[Admission],
         preempted = bool(req and req.num_preemptions)
         before[d.req_id] = (d.num_computed_tokens, num_prompt,
                             num_prompt + d.num_output_tokens, preempted)
+    sampled = _num_sampled(runner_output)
     for rid, n in out.num_scheduled_tokens.items():
         c, num_prompt, num_tokens, preempted = before[rid]
         spec = len(out.scheduled_spec_decode_tokens.get(rid, ()))
-        rec.scheduled[rid] = ScheduledWork(
-            n, work_kind(c, n, num_prompt, num_tokens, spec, preempted), c)
+        work = ScheduledWork(n, work_kind(c, n, num_prompt, num_tokens, spec, preempted), c,
+                             draft_tokens=spec)
+        if spec and sampled.get(rid):
+            work.accepted_tokens = sampled[rid] - 1
+        rec.scheduled[rid] = work
     return rec
+
+
+def _num_sampled(runner_output: RunnerOutput | None) -> dict[str, int]:
+    if runner_output is None:
+        return {}
+    return {rid: len(toks) for rid, toks in zip(runner_output.req_ids,
+                                                runner_output.sampled_token_ids, strict=False)}
 
 
 class TraceWriter:

@@ -6,20 +6,28 @@ known tokens, block ids, sampling params). It learns about requests only through
 cached (new blocks appended, this step's tokens written at `num_computed_tokens`), finished
 and preempted (dropped).
 
-One step, for request r with `c` computed tokens and `n` scheduled:
+One step, for request r with `c` computed tokens and `n` scheduled (k of them drafts,
+from `scheduled_spec_decode_tokens`, after its n - k known tokens):
 
     positions   c .. c+n-1
     slots       block_ids[pos // block_size] * block_size + pos % block_size
     seq_len     c + n
-    samples     iff r is in `sampling_req_ids`, from the logits of its last token
+    samples     iff r is in `sampling_req_ids`, from the logits of its last k + 1 tokens
+                (its last known token and each draft: `logits_indices`, in that order)
 
-Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py).
+Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py;
+a request verifying drafts is a chunk of 1 + k queries over its cached context). Drafts are
+verified in this one forward pass: the k + 1 rows of each request go to
+`Sampler.rejection_sample`, which keeps the accepted drafts and one more token. Drafts are
+never part of `RequestState.token_ids`: the accepted ones come back as known tokens in the
+next step's `token_ids`, and the KV slots of rejected ones are overwritten then.
 
 The step is split as vLLM's (`kvloop.core.runner.SplitRunner`): `execute_model` hands the
 state update, the inputs and the forward pass to the runner's forward thread and returns;
 `sample_tokens(grammar_output)` waits for the logits, sets the tokens the grammar bitmask
-disallows to -inf, then samples. The engine computes the bitmask in between. `execute` is the
-two in a row.
+disallows to -inf (a constrained request has a bitmask row for each of its k + 1 logits
+rows), then samples. The engine computes the bitmask in between. `execute` is the two in a
+row.
 """
 
 from __future__ import annotations
@@ -50,16 +58,25 @@ class RequestState:
 
 @dataclass
 class _Scheduled:
-    """One request's part of the step."""
+    """One request's part of the step: its known tokens, then its drafts."""
 
     state: RequestState
     num_computed: int
     token_ids: list[int]
     samples: bool
+    drafts: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.drafts)
+
+    @property
+    def known_len(self) -> int:
+        return self.num_computed + len(self.token_ids)
 
     @property
     def seq_len(self) -> int:
-        return self.num_computed + len(self.token_ids)
+        return self.num_computed + self.num_tokens
 
 
 @dataclass
@@ -69,10 +86,11 @@ class StepInputs:
     req_ids: list[str]
     input_ids: torch.Tensor        # [T]
     positions: torch.Tensor        # [T]
-    logits_indices: torch.Tensor   # [S]
+    logits_indices: torch.Tensor   # [S]: 1 + len(drafts) rows per sampling request
     meta: AttentionMetadata
     sampling_rows: list[SamplingRow]
     sampling_req_ids: list[str]
+    sampling_drafts: list[list[int]]   # drafts of each sampling request (most often [])
 
 
 class ModelRunner:
@@ -127,11 +145,19 @@ class ModelRunner:
             return RunnerOutput(forward_time=fwd.window)
         with torch.inference_mode():
             if grammar_output is not None:
-                _apply_grammar(fwd.logits, fwd.inputs.sampling_req_ids, grammar_output)
-            sampled = self.sampler(fwd.logits, fwd.inputs.sampling_rows)
-        out = self._make_output(fwd.inputs, sampled.token_ids, sampled.logprobs)
+                _apply_grammar(fwd.logits, fwd.inputs, grammar_output)
+            out = self._sample(fwd.inputs, fwd.logits)
         out.forward_time = fwd.window
         return out
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> RunnerOutput:
+        if any(inputs.sampling_drafts):
+            spec = self.sampler.rejection_sample(logits, inputs.sampling_rows,
+                                                 inputs.sampling_drafts)
+            return self._make_output(inputs, spec.token_ids, spec.logprobs)
+        sampled = self.sampler(logits, inputs.sampling_rows)
+        return self._make_output(inputs, [[t] for t in sampled.token_ids],
+                                 [None if lp is None else [lp] for lp in sampled.logprobs])
 
     def _timed_forward(self, scheduler_output: SchedulerOutput,
                        started: threading.Event) -> _Forward:
@@ -142,8 +168,9 @@ class ModelRunner:
 
     def forward(self, scheduler_output: SchedulerOutput
                 ) -> tuple[StepInputs | None, torch.Tensor]:
-        """Update request state, run the model: (inputs, logits [S, vocab] fp32), one row per
-        entry of `inputs.sampling_req_ids`. Used by `execute` and by tests."""
+        """Update request state, run the model: (inputs, logits [S, vocab] fp32), for each
+        entry of `inputs.sampling_req_ids` in order 1 + len(its drafts) rows (one without
+        drafts). Used by `execute` and by tests."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return None, torch.empty(0, self.vocab_size)
@@ -180,13 +207,16 @@ class ModelRunner:
         parts = [(d.req_id, d.num_computed_tokens, d.token_ids)
                  for d in so.scheduled_cached_reqs]
         parts += [(d.req_id, d.num_computed_tokens, d.token_ids) for d in so.scheduled_new_reqs]
-        items = [_Scheduled(self.requests[rid], computed, tokens, rid in so.sampling_req_ids)
-                 for rid, computed, tokens in parts]
+        spec = so.scheduled_spec_decode_tokens
+        items = [_Scheduled(self.requests[rid], computed, tokens, rid in so.sampling_req_ids,
+                            list(spec.get(rid, ()))) for rid, computed, tokens in parts]
         for item in items:
-            if len(item.token_ids) != so.num_scheduled_tokens[item.state.req_id]:
-                raise ValueError(f"request {item.state.req_id}: token_ids and "
-                                 "num_scheduled_tokens disagree")
-        return sorted(items, key=lambda s: len(s.token_ids) > 1)
+            if item.num_tokens != so.num_scheduled_tokens[item.state.req_id]:
+                raise ValueError(f"request {item.state.req_id}: token_ids and drafts disagree "
+                                 "with num_scheduled_tokens")
+            if item.drafts and not item.samples:
+                raise ValueError(f"request {item.state.req_id}: drafts after a partial chunk")
+        return sorted(items, key=lambda s: s.num_tokens > 1)
 
     # --- inputs ---------------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
@@ -199,10 +229,12 @@ class ModelRunner:
             start = item.num_computed
             pos = range(start, item.seq_len)
             input_ids.extend(item.token_ids)
+            input_ids.extend(item.drafts)
             positions.extend(pos)
             slots.extend(self._slots(item.state.block_ids, pos))
             if item.samples:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - 1 - len(item.drafts),
+                                            len(input_ids)))
         dev = self.device
         meta = self._attention_metadata(items, torch.tensor(slots, dtype=torch.long, device=dev))
         sampling = [i for i in items if i.samples]
@@ -212,7 +244,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             meta=meta, sampling_rows=[_sampling_row(i) for i in sampling],
-            sampling_req_ids=[i.state.req_id for i in sampling])
+            sampling_req_ids=[i.state.req_id for i in sampling],
+            sampling_drafts=[i.drafts for i in sampling])
 
     def _slots(self, block_ids: list[int], positions: range) -> list[int]:
         bs = self.block_size
@@ -220,14 +253,14 @@ class ModelRunner:
 
     def _attention_metadata(self, items: list[_Scheduled],
                             slot_mapping: torch.Tensor) -> AttentionMetadata:
-        decodes = [i for i in items if len(i.token_ids) == 1]
+        decodes = [i for i in items if i.num_tokens == 1]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
         if decodes:
             meta.decode_block_ids, meta.decode_bias = self._decode_tables(decodes)
         start = len(decodes)
         for item in items[len(decodes):]:
             meta.prefills.append(self._chunk(item, start))
-            start += len(item.token_ids)
+            start += item.num_tokens
         return meta
 
     def _decode_tables(self, decodes: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,29 +281,30 @@ class ModelRunner:
         return block_ids, bias[None, :, None, :]
 
     def _chunk(self, item: _Scheduled, start: int) -> PrefillChunk:
-        end = start + len(item.token_ids)
+        end = start + item.num_tokens
         if item.num_computed == 0:
             return PrefillChunk(start, end, 0, None, None)
         num_blocks = -(-item.seq_len // self.block_size)
         block_ids = torch.tensor(item.state.block_ids[:num_blocks], dtype=torch.long,
                                  device=self.device)
-        mask = lower_right_causal_mask(len(item.token_ids), item.seq_len, self.device)
+        mask = lower_right_causal_mask(item.num_tokens, item.seq_len, self.device)
         return PrefillChunk(start, end, item.num_computed, block_ids, mask)
 
     # --- outputs --------------------------------------------------------------------------
     @staticmethod
-    def _make_output(inputs: StepInputs, tokens: list[int],
-                     logprobs: list[Logprobs | None]) -> RunnerOutput:
+    def _make_output(inputs: StepInputs, tokens: list[list[int]],
+                     logprobs: list[list[Logprobs] | None]) -> RunnerOutput:
+        """Tokens and logprobs per sampling request -> per scheduled request."""
         by_req = dict(zip(inputs.sampling_req_ids, zip(tokens, logprobs, strict=True),
                           strict=True))
         out = RunnerOutput(req_ids=list(inputs.req_ids))
         wants_logprobs = any(lp is not None for lp in logprobs)
         out.logprobs = [] if wants_logprobs else None
         for rid in inputs.req_ids:
-            token, lp = by_req.get(rid, (None, None))
-            out.sampled_token_ids.append([] if token is None else [token])
+            toks, lps = by_req.get(rid, ([], None))
+            out.sampled_token_ids.append(list(toks))
             if out.logprobs is not None:
-                out.logprobs.append([lp] if lp is not None else None)
+                out.logprobs.append(lps)
         return out
 
 
@@ -284,24 +318,28 @@ class _Forward:
     window: tuple[float, float]
 
 
-def _apply_grammar(logits: torch.Tensor, sampling_req_ids: list[str],
-                   grammar: GrammarOutput) -> None:
-    """Mask the logits rows of the constrained requests with their bitmask rows (one logits
-    row per sampling request: a request with drafts, several rows, is not supported yet)."""
-    row_of = {rid: i for i, rid in enumerate(sampling_req_ids)}
-    rows: list[int] = []
-    for rid, bitmask_rows in grammar.row_ranges().items():
-        if len(bitmask_rows) != 1:
-            raise NotImplementedError("grammar bitmask rows for speculative drafts")
-        rows.append(row_of[rid])
-    apply_token_bitmask(logits, torch.from_numpy(grammar.bitmask).to(logits.device), rows)
+def _apply_grammar(logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
+    """Mask the logits rows of the constrained requests with their bitmask rows: a request
+    with k drafts has k + 1 logits rows and as many bitmask rows, in position order."""
+    first_row: dict[str, int] = {}
+    row = 0
+    for rid, drafts in zip(inputs.sampling_req_ids, inputs.sampling_drafts, strict=True):
+        first_row[rid] = row
+        row += 1 + len(drafts)
+    logits_rows: list[int] = []
+    mask_rows: list[int] = []
+    for rid, rows in grammar.row_ranges().items():
+        logits_rows.extend(range(first_row[rid], first_row[rid] + len(rows)))
+        mask_rows.extend(rows)
+    bitmask = torch.from_numpy(grammar.bitmask[mask_rows]).to(logits.device)
+    apply_token_bitmask(logits, bitmask, logits_rows)
 
 
 def _sampling_row(item: _Scheduled) -> SamplingRow:
     state = item.state
     num_prompt = len(state.prompt_token_ids)
     return SamplingRow(state.params, state.prompt_token_ids,
-                       state.token_ids[num_prompt:item.seq_len])
+                       state.token_ids[num_prompt:item.known_len])
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,

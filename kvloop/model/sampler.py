@@ -14,6 +14,17 @@ Order of operations (vLLM V1's):
 Seeds: a request with `seed` draws its noise from a generator seeded by (seed, number of
 tokens generated so far), so its output does not depend on the batch it runs in, nor on a
 preemption. Unseeded rows share the runner's generator.
+
+Speculative decoding (`Sampler.rejection_sample`, vLLM's rejection sampler with n-gram
+drafts, docs/vllm-facts.md#speculative-decoding): a request with k drafts owns k + 1
+consecutive logits rows; row j scores the token after its known tokens and drafts[:j], and
+steps 1-3 run on it with those drafts counted as generated (`draft_rows`), so a greedy
+request gets exactly the tokens it would get one step at a time. Then, position by position
+(`accept_drafts`): greedy accepts a draft equal to the argmax; random accepts draft d with
+probability p(d) (n-gram drafts have no probabilities of their own: a draft probability of
+1, vLLM's one-hot rule), against a uniform drawn per position (per request generator when
+seeded). The first rejected position emits a token drawn from p with d taken out (greedy:
+the argmax); when all are accepted, the last row's ordinary sample is the bonus token.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from kvloop.core.request import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 _SEED_MASK = (1 << 63) - 1
+_UNIFORM_SALT = 0x5EED_ACCE     # seeded acceptance uniforms: a stream apart from the noise
 
 
 @dataclass
@@ -62,6 +74,38 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+@dataclass
+class SpecSamplerOutput:
+    """Per request: the accepted drafts and one more token, and (when asked for) one
+    logprobs entry per token."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[Logprobs] | None]
+
+
+@dataclass
+class Draw:
+    """The ordinary sample of every logits row, and what the random rows were drawn from."""
+
+    tokens: list[int]               # [S] greedy argmax, or random exp-race winner
+    random_index: dict[int, int]    # logits row -> row of `probs` / `noise` (random rows)
+    probs: torch.Tensor | None      # [R, vocab] filtered probabilities of the random rows
+    noise: torch.Tensor | None      # [R, vocab] their Exp(1) noise: token = argmax(p / noise)
+
+
+def draft_rows(rows: Sequence[SamplingRow],
+               drafts: Sequence[Sequence[int]]) -> list[SamplingRow]:
+    """One SamplingRow per logits row: request i's row j (0 <= j <= len(drafts[i])) scores
+    the token after its known tokens and drafts[i][:j], which count as generated."""
+    out: list[SamplingRow] = []
+    for row, ds in zip(rows, drafts, strict=True):
+        out.append(row)
+        out.extend(SamplingRow(row.params, row.prompt_token_ids,
+                               [*row.output_token_ids, *ds[:j]])
+                   for j in range(1, len(ds) + 1))
+    return out
+
+
 class Sampler:
     """Stateless apart from the generator shared by unseeded rows."""
 
@@ -72,14 +116,40 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: [S, vocab] fp32, one row per entry of `rows` (modified in place)."""
+        raw_logprobs = self._process(logits, rows)
+        token_list = self._draw(logits, rows).tokens
+        return SamplerOutput(token_list, _logprobs_entries(raw_logprobs, token_list, rows))
+
+    def rejection_sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                         drafts: Sequence[Sequence[int]]) -> SpecSamplerOutput:
+        """Verify drafts (see the module docstring). `rows[i]` and `drafts[i]` are request
+        i's; logits: [sum(1 + len(drafts[i])), vocab] fp32, request by request, its rows in
+        position order (modified in place). A request without drafts gets its ordinary
+        sample, exactly as `__call__` would give it."""
+        targets = draft_rows(rows, drafts)
+        raw_logprobs = self._process(logits, targets)
+        draw = self._draw(logits, targets)
+        uniforms = self._uniforms(draw, targets)
+        out = SpecSamplerOutput([], [])
+        start = 0
+        for row, ds in zip(rows, drafts, strict=True):
+            tokens = accept_drafts(draw, uniforms, start, ds)
+            out.token_ids.append(tokens)
+            n = row.params.logprobs
+            out.logprobs.append(None if n is None else [
+                logprob_entry(raw_logprobs[start + j], tok, n) for j, tok in enumerate(tokens)])
+            start += len(ds) + 1
+        return out
+
+    # --- 1-3: logit processing ------------------------------------------------------------
+    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+                 ) -> dict[int, torch.Tensor]:
+        """Steps 1-3, in place; returns the raw logprobs of the rows that asked for them."""
         raw_logprobs = self._raw_logprobs(logits, rows)
         self._apply_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
-        tokens = self._sample(logits, rows)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _logprobs_entries(raw_logprobs, token_list, rows))
+        return raw_logprobs
 
-    # --- 1-3: logit processing ------------------------------------------------------------
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow]
                       ) -> dict[int, torch.Tensor]:
@@ -104,14 +174,31 @@ class Sampler:
                 apply_penalties(logits[i], row)
 
     # --- 4: choosing tokens ---------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Draw:
         tokens = logits.argmax(dim=-1)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_idx:
-            probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
-            noise = self._noise(probs, [rows[i] for i in random_idx])
-            tokens[random_idx] = (probs / noise).argmax(dim=-1)
-        return tokens
+        if not random_idx:
+            return Draw(tokens.tolist(), {}, None, None)
+        probs = _filtered_probs(logits[random_idx], [rows[i].params for i in random_idx])
+        noise = self._noise(probs, [rows[i] for i in random_idx])
+        tokens[random_idx] = (probs / noise).argmax(dim=-1)
+        return Draw(tokens.tolist(), {r: j for j, r in enumerate(random_idx)}, probs, noise)
+
+    def _uniforms(self, draw: Draw, rows: Sequence[SamplingRow]) -> list[float]:
+        """U(0, 1) per random row, for the acceptance test (seeded rows: their own
+        generator at (seed, tokens generated), apart from the noise's)."""
+        if draw.probs is None:
+            return []
+        u = torch.rand(len(draw.random_index), generator=self.generator,
+                       device=draw.probs.device)
+        for r, j in draw.random_index.items():
+            seed = rows[r].params.seed
+            if seed is not None:
+                gen = torch.Generator(device=draw.probs.device)
+                base = seed * _SEED_STRIDE + len(rows[r].output_token_ids)
+                gen.manual_seed((base ^ _UNIFORM_SALT) & _SEED_MASK)
+                u[j] = torch.rand(1, generator=gen, device=draw.probs.device)[0]
+        return u.tolist()
 
     def _noise(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Exp(1) noise [R, vocab]: per-request generators for seeded rows."""
@@ -123,6 +210,43 @@ class Sampler:
                 gen.manual_seed((seed * _SEED_STRIDE + len(row.output_token_ids)) & _SEED_MASK)
                 noise[j].exponential_(generator=gen)
         return noise.clamp_min_(1e-10)
+
+
+def accept_drafts(draw: Draw, uniforms: Sequence[float], start: int,
+                  drafts: Sequence[int]) -> list[int]:
+    """The tokens one request keeps: the accepted drafts, then the token at the first
+    rejected position (or the bonus token after the last draft). Its logits rows are
+    `start .. start + len(drafts)` of `draw`; `uniforms` is indexed like `draw.probs`."""
+    out: list[int] = []
+    for j, d in enumerate(drafts):
+        r = start + j
+        i = draw.random_index.get(r)
+        if i is None:
+            accepted = d == draw.tokens[r]
+        else:
+            assert draw.probs is not None
+            accepted = (0 <= d < draw.probs.shape[1]
+                        and float(draw.probs[i, d]) >= uniforms[i])
+        if not accepted:
+            out.append(_recovered(draw, r, d))
+            return out
+        out.append(d)
+    out.append(draw.tokens[start + len(drafts)])
+    return out
+
+
+def _recovered(draw: Draw, r: int, draft: int) -> int:
+    """Row r's token after rejecting `draft`: p with the draft taken out (greedy: argmax).
+    The row's own sample wins unless it is the draft; then the exp race without it."""
+    i = draw.random_index.get(r)
+    if i is None or draw.tokens[r] != draft:
+        return draw.tokens[r]
+    assert draw.probs is not None and draw.noise is not None
+    q = draw.probs[i].clone()
+    q[draft] = 0.0
+    if not bool((q > 0).any()):
+        return draft
+    return int((q / draw.noise[i]).argmax())
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
@@ -198,11 +322,14 @@ def _logprobs_entries(raw: dict[int, torch.Tensor], tokens: list[int],
                       rows: Sequence[SamplingRow]) -> list[Logprobs | None]:
     entries: list[Logprobs | None] = [None] * len(rows)
     for i, lp in raw.items():
-        n = rows[i].params.logprobs or 0
-        token = tokens[i]
-        sampled = lp[token]
-        rank = int((lp > sampled).sum().item()) + 1
-        top_lp, top_ids = lp.topk(n) if n else (lp[:0], lp[:0].long())
-        entries[i] = Logprobs(sampled_logprob=float(sampled), sampled_rank=rank,
-                              top_token_ids=top_ids.tolist(), top_logprobs=top_lp.tolist())
+        entries[i] = logprob_entry(lp, tokens[i], rows[i].params.logprobs or 0)
     return entries
+
+
+def logprob_entry(lp: torch.Tensor, token: int, n: int) -> Logprobs:
+    """The logprobs entry of `token` sampled from the raw logprobs `lp` [vocab], top `n`."""
+    sampled = lp[token]
+    rank = int((lp > sampled).sum().item()) + 1
+    top_lp, top_ids = lp.topk(n) if n else (lp[:0], lp[:0].long())
+    return Logprobs(sampled_logprob=float(sampled), sampled_rank=rank,
+                    top_token_ids=top_ids.tolist(), top_logprobs=top_lp.tolist())

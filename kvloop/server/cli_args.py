@@ -34,6 +34,7 @@ from kvloop.config import (
     RunnerConfig,
     SchedulerConfig,
     SimSettings,
+    SpeculativeConfig,
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.server.auth import add_auth_args, auth_config
@@ -142,6 +143,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-latency-file", default=None,
                    help="--model sim: latency coefficients JSON (default: "
                         "kvloop/sim/latency_smollm2_cpu.json)")
+    g.add_argument("--sim-copy-rate", type=float, default=0.0,
+                   help="--model sim: share of output positions where the simulated model "
+                        "copies from its context (prompt lookup), so --speculative-config "
+                        "drafts get accepted on text that repeats its prompt (0: never)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +173,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sha256, random for xxhash)")
     g.add_argument("--scheduling-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="order of waiting requests")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' "
+                        "(ngram only; prompt_lookup_min and _max default to 5, one given: "
+                        "both) (default: off)")
     g.add_argument("--trace-file", default=None,
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
@@ -286,8 +296,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
                             enable_chunked_prefill=args.enable_chunked_prefill)
+    spec = (SpeculativeConfig.parse(args.speculative_config)
+            if args.speculative_config is not None else None)
     return EngineConfig(cache=cache, scheduler=sched,
-                        check_invariants=args.debug_check_invariants)
+                        check_invariants=args.debug_check_invariants, speculative=spec)
 
 
 def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
@@ -310,7 +322,8 @@ def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,
     return dataclasses.replace(
         runner, model=None, max_model_len=sim.max_model_len(args.max_model_len),
         sim=SimSettings(latency_file=args.sim_latency_file, speedup=args.sim_speedup,
-                        vocab_size=sim.vocab_size, text_token_ids=sim.text_token_ids))
+                        vocab_size=sim.vocab_size, text_token_ids=sim.text_token_ids,
+                        copy_rate=args.sim_copy_rate))
 
 
 def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartConfig, Any]:
@@ -319,6 +332,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     check_flags(args)
     model = model_arg(args) or ""
     runner = runner_config(args, model)
+    engine = engine_config(args)
     if args.sim_model is not None and model != SIM:
         raise ValueError("--sim-model needs --model sim")
     from kvloop.server.sim_model import load_sim_model
@@ -329,7 +343,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                                              (tokenizer.model_name or model)])
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
-    start = EngineStartConfig(engine=engine_config(args), runner=runner,
+    start = EngineStartConfig(engine=engine, runner=runner,
                               input_address="", output_address="",
                               trace_file=args.trace_file,
                               kv_events=publisher_config_from_args(args),

@@ -15,6 +15,10 @@
   keep working. Busy = tokens flowed in the interval or requests are running or waiting; one
   more line follows the last busy one (showing the drop to zero), then the lines go to DEBUG
   until work comes back. `--disable-log-stats` turns the lines off (not /metrics).
+  With speculative decoding, an interval that verified drafts adds vLLM's second line:
+  `SpecDecoding metrics: Mean acceptance length: L, Accepted throughput: A tokens/s, Drafted
+  throughput: D tokens/s, Accepted: N tokens, Drafted: M tokens, Per-position acceptance
+  rate: r0, r1, ..., Avg Draft acceptance rate: R%`.
 
 The stats line reads the Prometheus series the server keeps anyway (`ServerMetrics`):
 throughputs are counter deltas over the interval (prompt tokens count when a request's first
@@ -65,6 +69,7 @@ class _Counters:
     preemptions: float
     prefix_queries: float
     prefix_hits: float
+    spec: tuple[float, ...] = ()    # drafts, draft tokens, accepted, accepted per position
 
 
 class StatLogger:
@@ -80,18 +85,22 @@ class StatLogger:
         self._last = self._read(time.monotonic())
         self._was_busy = False
         self._hit_rate = 0.0
+        self.spec_text: str | None = None
 
     def _read(self, now: float) -> _Counters:
         v = self.metrics.value
         return _Counters(now, v("vllm:prompt_tokens_total"), v("vllm:generation_tokens_total"),
                          v("vllm:num_preemptions_total"), v("vllm:prefix_cache_queries_total"),
-                         v("vllm:prefix_cache_hits_total"))
+                         v("vllm:prefix_cache_hits_total"), self.metrics.spec_counts())
+
 
     def line(self, now: float) -> tuple[bool, str]:
-        """(whether to log at INFO, the stats line) for the interval since the last call."""
+        """(whether to log at INFO, the stats line) for the interval since the last call;
+        the speculative-decoding line of the same interval is kept in `spec_text`."""
         cur, last = self._read(now), self._last
         self._last = cur
         elapsed = cur.time - last.time
+        self.spec_text = spec_line(cur.spec, last.spec, elapsed)
         prompt = (cur.prompt_tokens - last.prompt_tokens) / elapsed if elapsed > 0 else 0.0
         gen = (cur.generation_tokens - last.generation_tokens) / elapsed if elapsed > 0 else 0.0
         queries = cur.prefix_queries - last.prefix_queries
@@ -114,9 +123,32 @@ class StatLogger:
 
     def log(self, now: float) -> None:
         show, text = self.line(now)
-        (logger.info if show else logger.debug)("%s", text)
+        log = logger.info if show else logger.debug
+        log("%s", text)
+        if self.spec_text is not None:
+            log("%s", self.prefix + self.spec_text)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             self.log(time.monotonic())
+
+
+def spec_line(cur: tuple[float, ...], last: tuple[float, ...], elapsed: float) -> str | None:
+    """vLLM's "SpecDecoding metrics" line over an interval (counter readings `cur` and
+    `last`: drafts, draft tokens, accepted tokens, accepted per position), or None when no
+    draft was verified in it."""
+    if not cur:
+        return None
+    delta = [c - p for c, p in zip(cur, last or (0.0,) * len(cur), strict=True)]
+    drafts, drafted, accepted, per_pos = delta[0], delta[1], delta[2], delta[3:]
+    if drafts <= 0:
+        return None
+    rate = elapsed if elapsed > 0 else float("inf")
+    rates = ", ".join(f"{n / drafts:.3f}" for n in per_pos)
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted throughput: {accepted / rate:.2f} tokens/s, "
+            f"Drafted throughput: {drafted / rate:.2f} tokens/s, "
+            f"Accepted: {int(accepted)} tokens, Drafted: {int(drafted)} tokens, "
+            f"Per-position acceptance rate: {rates}, "
+            f"Avg Draft acceptance rate: {100 * accepted / drafted if drafted else 0:.1f}%")

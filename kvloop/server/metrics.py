@@ -4,8 +4,10 @@ A vLLM Grafana dashboard works unchanged (docs/vllm-facts.md#metrics). Each serv
 its own `CollectorRegistry` (no global registry), so several servers can live in one process.
 
 Sources: scheduler gauges and prefix-cache counters come from the engine's `SchedulerStats`
-(one per step); request counters and latency histograms come from `RequestTimes`, filled by the
-engine client as outputs arrive, and observed once when a request finishes.
+(one per step), and so do the speculative-decoding counters (only with speculative decoding
+on, positions 0..k-1 made up front, as vLLM's); request counters and latency histograms come
+from `RequestTimes`, filled by the engine client as outputs arrive, and observed once when a
+request finishes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvloop.wire import SchedulerStats
+from kvloop.wire import SchedulerStats, SpecDecodingStats
 
 # vLLM serves its metrics through prometheus_client's multiprocess collector, which has no
 # `_created` series; a process-wide switch, so the router's exposition matches too.
@@ -71,7 +73,8 @@ class ServerMetrics:
     """The metrics of one API server + engine (labels `model_name`, `engine`)."""
 
     def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0,
-                 cache_info: dict[str, str] | None = None):
+                 cache_info: dict[str, str] | None = None, num_speculative_tokens: int = 0):
+        """`num_speculative_tokens` k > 0: speculative decoding is on (its counters exist)."""
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self._model_name = model_name
@@ -79,6 +82,7 @@ class ServerMetrics:
         self._build_gauges(names, cache_info or {}, str(engine_index))
         self._build_counters(names)
         self._build_histograms(names, max_model_len)
+        self._build_spec_counters(names, num_speculative_tokens)
 
     # --- construction ---------------------------------------------------------------------
     def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
@@ -143,6 +147,20 @@ class ServerMetrics:
                                         "Requests rejected at admission.",
                                         ["model_name", "reason"])
 
+    def _build_spec_counters(self, names: list[str], k: int) -> None:
+        self.spec: list[Counter] | None = None
+        self.spec_per_pos: list[Counter] = []
+        if k <= 0:
+            return
+        lab = self._labels
+        self.spec = [self._counter(name, doc).labels(**lab) for name, doc in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."))]
+        per_pos = self._counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft position.", names + ["position"])
+        self.spec_per_pos = [per_pos.labels(**lab, position=str(i)) for i in range(k)]
+
     def _hist(self, name: str, doc: str, buckets: object) -> Histogram:
         h = Histogram(name, doc, ["model_name", "engine"], registry=self.registry,
                       buckets=list(buckets))  # type: ignore[call-overload]
@@ -204,6 +222,19 @@ class ServerMetrics:
             self.prefix_queries.inc(pcs.queries)
         if pcs.hits:
             self.prefix_hits.inc(pcs.hits)
+        if stats.spec_decoding_stats is not None:
+            self.observe_spec_decoding(stats.spec_decoding_stats)
+
+    def observe_spec_decoding(self, s: SpecDecodingStats) -> None:
+        """One step's drafts (ignored when this server was built without speculation)."""
+        if self.spec is None:
+            return
+        drafts, tokens, accepted = self.spec
+        drafts.inc(s.num_drafts)
+        tokens.inc(s.num_draft_tokens)
+        accepted.inc(s.num_accepted_tokens)
+        for counter, n in zip(self.spec_per_pos, s.num_accepted_tokens_per_pos, strict=False):
+            counter.inc(n)
 
     def observe_iteration(self, num_tokens: int) -> None:
         if num_tokens:
@@ -256,6 +287,18 @@ class ServerMetrics:
         a gauge); 0.0 while it has none."""
         v = self.registry.get_sample_value(sample, self._labels)
         return 0.0 if v is None else v
+
+    def spec_counts(self) -> tuple[float, ...]:
+        """The speculative-decoding counters now: drafts, draft tokens, accepted tokens, then
+        accepted tokens per position; () without speculative decoding."""
+        if self.spec is None:
+            return ()
+        totals = [self.value(f"vllm:spec_decode_num_{n}_total")
+                  for n in ("drafts", "draft_tokens", "accepted_tokens")]
+        per_pos = [self.registry.get_sample_value(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            {**self._labels, "position": str(i)}) or 0.0 for i in range(len(self.spec_per_pos))]
+        return (*totals, *per_pos)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

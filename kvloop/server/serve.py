@@ -158,8 +158,10 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
         if not started:
             logger.info("stopped before the engine core was ready")
             return 0
+        spec = start.engine.speculative
         client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
-                                       start.engine_index, _cache_info(ready))
+                                       start.engine_index, _cache_info(ready),
+                                       spec.num_speculative_tokens if spec else 0)
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,

@@ -9,6 +9,8 @@
   (prompt, seed), an unseeded one on its id (different every time).
 - Logprobs are made up but well formed (sampled token first, descending values).
 - Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`.
+- Speculative drafts are verified against these tokens, which copy from the context at
+  `copy_rate` (`kvloop.sim.runner`), so acceptance follows the workload.
 
 `make_sim_runner` is the factory the engine core process calls (by name) with a
 `kvloop.config.RunnerConfig` whose `sim` is set.
@@ -56,7 +58,7 @@ class SimWorkerRunner:
 
     def __init__(self, latency: LatencyModel | None, num_gpu_blocks: int, max_model_len: int,
                  seed: int = 0, *, vocab_size: int | None = None,
-                 text_token_ids: Sequence[int] = PRINTABLE_IDS):
+                 text_token_ids: Sequence[int] = PRINTABLE_IDS, copy_rate: float = 0.0):
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or VOCAB_SIZE
@@ -69,7 +71,8 @@ class SimWorkerRunner:
         self._keys: dict[str, _Key] = {}
         self._logprobs: dict[str, int] = {}
         self._sim = SimRunner(token_source=self._token,
-                              step_time=latency.step_time if latency else None)
+                              step_time=latency.step_time if latency else None,
+                              copy_rate=copy_rate)
 
     def _token(self, request_id: str, k: int) -> int:
         key = self._keys[request_id]
@@ -120,4 +123,5 @@ def make_sim_runner(config: RunnerConfig) -> SimWorkerRunner:
     return SimWorkerRunner(latency, config.num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
                            config.max_model_len or DEFAULT_MAX_MODEL_LEN, config.seed,
                            vocab_size=sim.vocab_size,
-                           text_token_ids=sim.text_token_ids or PRINTABLE_IDS)
+                           text_token_ids=sim.text_token_ids or PRINTABLE_IDS,
+                           copy_rate=sim.copy_rate)

@@ -33,13 +33,14 @@ def schedule_payload(data: ScheduleData, title: str) -> dict[str, Any]:
         "fields": {
             "columns": ["step", "duration_ms", "budget", "total_tokens", "kv_blocks_used",
                         "kv_blocks_total", *[f"tokens_{k}" for k in KINDS]],
-            "cells": ["col", "row", "kind", "tokens", "computed_before"],
+            "cells": ["col", "row", "kind", "tokens", "computed_before", "drafts",
+                      "accepted"],
         },
         "columns": [[c.step, round(c.duration_ms, 3), c.budget, c.total_tokens,
                      c.kv_blocks_used, c.kv_blocks_total,
                      *[c.tokens_by_kind.get(k, 0) for k in KINDS]] for c in data.columns],
-        "cells": [[c.col, c.row, kind_index[c.kind], c.tokens, c.computed_before]
-                  for c in data.cells],
+        "cells": [[c.col, c.row, kind_index[c.kind], c.tokens, c.computed_before, c.drafts,
+                   c.accepted] for c in data.cells],
         "admissions": [[m.col, m.row, m.value] for m in data.admissions],
         "preemptions": [[m.col, m.row] for m in data.preemptions],
         "finishes": [[m.col, m.row, m.value] for m in data.finishes],
@@ -261,6 +262,7 @@ _SCRIPT = r"""
     if (cellAt.has(key)) {
       const c = D.cells[cellAt.get(key)];
       lines.push(D.kinds[c[2]] + ": " + c[3] + " tokens (computed before: " + c[4] + ")");
+      if (c[5]) lines.push("drafts: " + c[5] + (c[6] === null ? "" : ", accepted: " + c[6]));
     }
     if (marks.has(key)) lines.push(marks.get(key));
     if (lines.length === 1) lines.push("(nothing this step)");

@@ -2,10 +2,11 @@
 
 Three panels sharing the step axis:
     grid     one row per request, one column per step; a cell per (request, step) with tokens,
-             coloured by kind (prefill, recompute hatched, decode, spec) and as tall as its
-             token count (log scale); x = preempted, > = admitted with a prefix-cache hit,
-             | = finished
-    tokens   tokens scheduled per step, stacked by kind, and the token budget
+             coloured by kind (prefill, recompute hatched, decode, spec: a decode token and
+             its drafts) and as tall as its token count (log scale); x = preempted,
+             > = admitted with a prefix-cache hit, | = finished
+    tokens   tokens scheduled per step, stacked by kind (draft tokens as "spec"), and the
+             token budget
     time     step duration (ms) and KV blocks in use (% of the pool)
 `render_png` returns what it drew, read back from the artists, so tests can check the
 picture against the trace without looking at pixels.
@@ -21,6 +22,7 @@ from kvloop.viz.schedule import KINDS, ScheduleData, cell_fraction, format_summa
 
 COLORS = {"prefill": "#3b6fb6", "recompute": "#e07b22", "decode": "#2e9e57", "spec": "#8e44ad"}
 HATCH = {"recompute": "////"}
+LABELS = {"spec": "spec (decode + drafts)"}
 MAX_ROW_LABELS = 48
 
 
@@ -61,7 +63,7 @@ def _draw_grid(ax: Any, data: ScheduleData) -> dict[str, Any]:
     collections = {}
     for kind in KINDS:
         coll = PolyCollection(polys[kind], facecolors=COLORS[kind], edgecolors="none",
-                              hatch=HATCH.get(kind), label=kind)
+                              hatch=HATCH.get(kind), label=LABELS.get(kind, kind))
         if kind in HATCH:
             coll.set_edgecolor("#7a3a00")
             coll.set_linewidth(0.0)

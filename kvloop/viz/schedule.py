@@ -5,6 +5,11 @@ Input: a JSONL file of `kvloop.core.trace.StepRecord`s (one line per engine step
 appearance), a cell wherever a request got tokens in a step, and marks for admissions with
 prefix-cache hits, preemptions and finishes. The PNG and the HTML renderers draw exactly this
 object, and tests check them against it. Pure Python: no matplotlib here.
+
+Speculative decoding: a request verifying drafts is a "spec" cell of 1 + k tokens (its
+decode token and k drafts, with how many were accepted); in a column's tokens by kind the
+drafts are their own kind ("spec") and the decode token counts as "decode". A record that
+does not say how many drafts a spec cell had (older traces) counts all its tokens as drafts.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ DECODE_KINDS = ("decode", "spec")
 
 @dataclass(frozen=True)
 class Cell:
-    """Request `row` got `tokens` tokens of `kind` in step column `col`."""
+    """Request `row` got `tokens` tokens of `kind` in step column `col` (`drafts` of them
+    speculative, `accepted` of those accepted; None: not known)."""
 
     col: int
     row: int
     kind: str
     tokens: int
     computed_before: int
+    drafts: int = 0
+    accepted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,8 @@ class ScheduleData:
         n = len(cols)
         by_kind = {k: sum(c.tokens_by_kind.get(k, 0) for c in cols) for k in KINDS}
         budget_use = [c.total_tokens / c.budget for c in cols if c.budget > 0]
+        drafted = sum(c.drafts for c in self.cells if c.accepted is not None)
+        accepted = sum(c.accepted or 0 for c in self.cells)
         return {
             "steps": n,
             "requests": len(self.request_ids),
@@ -83,6 +93,8 @@ class ScheduleData:
             "preemptions": len(self.preemptions),
             "prefix_hit_tokens": sum(int(m.value or 0) for m in self.admissions),
             "tokens_by_kind": by_kind,
+            "accepted_draft_tokens": accepted,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_step_ms": (sum(c.duration_ms for c in cols) / n) if n else 0.0,
         }
 
@@ -148,9 +160,16 @@ def _add_record(data: ScheduleData, rows: _Rows, col: int, rec: dict[str, Any]) 
         if kind not in KINDS:
             raise ValueError(f"step {rec['step']}: unknown kind {kind!r}")
         tokens = int(work["tokens"])
+        drafts = int(work.get("draft_tokens", tokens if kind == "spec" else 0))
+        accepted = work.get("accepted_tokens")
         data.cells.append(Cell(col, rows(rid), kind, tokens,
-                               int(work.get("num_computed_before", 0))))
-        by_kind[kind] = by_kind.get(kind, 0) + tokens
+                               int(work.get("num_computed_before", 0)), drafts,
+                               None if accepted is None else int(accepted)))
+        if drafts:
+            by_kind["spec"] = by_kind.get("spec", 0) + drafts
+        if tokens - drafts:
+            plain = "decode" if kind == "spec" else kind
+            by_kind[plain] = by_kind.get(plain, 0) + tokens - drafts
     for rid in rec.get("preempted") or []:
         data.preemptions.append(Mark(col, rows(rid)))
     for rid, reason in (rec.get("finished") or {}).items():
@@ -186,5 +205,6 @@ def format_summary(data: ScheduleData) -> str:
             f"{100 * s['mixed_step_share']:.1f}% of steps mixed prompt chunks with decode "
             f"tokens; mean budget use {100 * s['mean_budget_use']:.1f}%; "
             f"{s['preemptions']} preemptions; tokens: prefill {k['prefill']}, recompute "
-            f"{k['recompute']}, decode {k['decode']}, spec {k['spec']}; prefix-cache hits "
+            f"{k['recompute']}, decode {k['decode']}, spec drafts {k['spec']} "
+            f"({s['accepted_draft_tokens']} accepted); prefix-cache hits "
             f"{s['prefix_hit_tokens']} tokens; mean step {s['mean_step_ms']:.1f} ms")
