@@ -19,6 +19,7 @@ import torch
 
 from kvloop import LLM, SamplingParams, StructuredOutputsParams
 from kvloop.core.outputs import GrammarOutput, SchedulerOutput
+from kvloop.core.request import Request as LLMRequest
 from kvloop.core.request import RequestStatus, StructuredOutputKind
 from kvloop.core.structured_output import StructuredOutputManager, fill_rows
 from kvloop.core.trace import StepTiming
@@ -56,10 +57,24 @@ def backend(tiny_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = write_tiny_gguf(tiny_hf_model(seed=21), tmp_path_factory.mktemp("so") / "t.gguf")
-    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_threads=1,
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tiny_hf_model(seed=21), tmp_path_factory.mktemp("so") / "t.gguf")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gguf):
+    llm = LLM(str(tiny_gguf), dtype="float32", device="cpu", block_size=4, num_threads=1,
               num_gpu_blocks_override=128, check_invariants=True)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_gguf):
+    llm = LLM(str(tiny_gguf), dtype="float32", device="cpu", block_size=4, num_threads=1,
+              num_gpu_blocks_override=128, check_invariants=True, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3})
     yield llm
     llm.shutdown()
 
@@ -174,6 +189,23 @@ def test_a_refused_draft_stops_the_advance(backend, tiny_tokenizer):
     rows = backend.allocate_bitmask(3)
     fill_rows(backend.matcher(compiled), [x, one], rows, 0)
     assert (rows[1] == rows[0]).all() and (rows[2] == rows[0]).all()
+
+
+def test_drafts_are_cut_to_the_longest_prefix_the_grammar_accepts(backend, tiny_tokenizer):
+    manager = StructuredOutputManager(lambda: backend, num_workers=1)
+    try:
+        req = LLMRequest("r", [5], SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="[0-9]{2}-[a-z]+")))
+        manager.grammar_init(req)
+        so_req = req.structured_output_request
+        while not so_req.poll():
+            time.sleep(0.01)
+        ids = tiny_tokenizer.encode("12-ab3x", False)
+        assert tiny_tokenizer.decode(so_req.valid_prefix(ids)) == "12-ab"
+        assert so_req.valid_prefix(ids[:2]) == ids[:2]
+        assert so_req.accept_token(ids[0])               # the state was left at the start
+    finally:
+        manager.shutdown()
 
 
 def test_apply_token_bitmask_sets_exactly_the_disallowed_logits_to_minus_inf():
@@ -310,6 +342,27 @@ def test_free_requests_get_the_tokens_they_get_alone_beside_constrained_ones(llm
                                                            for o in alone]
     assert re.fullmatch("[a-z]{3,8}", mixed[2].outputs[0].text)
     assert mixed[4].outputs[0].text in ("left", "right")
+
+
+def test_grammars_with_speculative_drafts_keep_the_greedy_output(llm, spec_llm):
+    """vLLM's rule: greedy output is the same with and without n-gram drafts; the drafts of
+    a constrained request are verified against its bitmask rows (1 + k of them)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=s)
+              for s in (StructuredOutputsParams(regex="(ab )+x"),
+                        StructuredOutputsParams(regex="[a-z ]{1,30}"),
+                        StructuredOutputsParams(choice=["ab ab ab ab", "ba ba"]))]
+    prompts = ["ab ab ab ab ab ab", "the cat the cat the cat", "ab ab ab"]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    engine = spec_llm.engine
+    tok = spec_llm.get_tokenizer()
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(engine.make_request(f"s{i}", tok.encode(prompt), sp))
+    outputs, records = run_to_end(engine)
+    assert [tokens_of(outputs[f"s{i}"]) for i in range(3)] == [
+        o.outputs[0].token_ids for o in plain]
+    drafts = sum(w.draft_tokens for r in records for w in r.scheduled.values())
+    assert drafts > 0 and any(r.bitmask_s > 0 for r in records if any(
+        w.draft_tokens for w in r.scheduled.values()))
 
 
 def test_constrained_outputs_of_the_offline_llm_match(llm):

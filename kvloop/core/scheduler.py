@@ -507,7 +507,8 @@ class Scheduler:
                                scheduler_output: SchedulerOutput) -> None:
         """Attach next-step drafts (`spec_token_ids`), after `update_from_output` of the step
         `scheduler_output` describes; dropped for finished requests and partial prefill
-        chunks, cut to the room left before `max_model_len`."""
+        chunks, cut to the room left before `max_model_len` and, for a constrained request,
+        to the longest prefix its grammar accepts (vLLM's `validate_tokens`)."""
         for rid, ids in drafts.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
@@ -516,7 +517,10 @@ class Scheduler:
                 req.spec_token_ids = []
                 continue
             room = self.max_model_len - req.num_tokens - 1
-            req.spec_token_ids = list(ids[:max(room, 0)])
+            kept = list(ids[:max(room, 0)])
+            if req.structured_output_request is not None:
+                kept = req.structured_output_request.valid_prefix(kept)
+            req.spec_token_ids = kept
 
     # --- stats and checks -----------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:

@@ -15,7 +15,8 @@ The life of a constrained request:
 2. `schedule()` skips it while its grammar compiles (the requests behind it are admitted
    meanwhile), makes it WAITING once compiled (then it is admitted like any request), and
    finishes it with an error output if the compile failed.
-3. A step in which it samples gives it one bitmask row per sampled position (1 + its drafts),
+3. A step in which it samples gives it one bitmask row per sampled position (1 + its drafts,
+   which the scheduler has cut to the longest prefix the grammar accepts, `valid_prefix`),
    filled by `grammar_bitmask` on the engine thread while the forward pass runs.
 4. After sampling, the scheduler feeds each new token to its grammar; a token the grammar
    refuses ends the request with an error; a terminated grammar ends it ("stop").
@@ -120,6 +121,19 @@ class StructuredOutputRequest:
 
     def is_terminated(self) -> bool:
         return self.grammar is not None and self.grammar.is_terminated()
+
+    def valid_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar accepts from its state (left as is)."""
+        if self.grammar is None:
+            return []
+        accepted = 0
+        for tok in tokens:
+            if self.grammar.is_terminated() or not self.grammar.accept_token(tok):
+                break
+            accepted += 1
+        if accepted:
+            self.grammar.rollback(accepted)
+        return list(tokens[:accepted])
 
 
 def compile_error_message(exc: BaseException) -> str:
