@@ -5,10 +5,10 @@
 
 from typing import TYPE_CHECKING, Any
 
-from kvloop.core.request import SamplingParams
+from kvloop.core.request import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
     from kvloop.llm import LLM

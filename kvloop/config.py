@@ -57,6 +57,10 @@ def check_dtype(dtype: str) -> None:
 # `RunnerConfig` names, so it never imports a model or a simulator it does not run.
 REAL_RUNNER_FACTORY = "kvloop.model:load_runner"
 SIM_RUNNER_FACTORY = "kvloop.sim.worker:make_sim_runner"
+# Structured output's grammar backend of a real model, "module:function" called with the
+# RunnerConfig and the runner's vocabulary size; the simulator has none.
+GRAMMAR_BACKEND_FACTORY = "kvloop.structured:load_backend"
+GRAMMAR_BACKEND = "xgrammar"
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,12 @@ class RunnerConfig:
     def factory(self) -> str:
         """The "module:function" that builds this runner from this config."""
         return REAL_RUNNER_FACTORY if self.sim is None else SIM_RUNNER_FACTORY
+
+    @property
+    def grammar_backend_factory(self) -> str | None:
+        """The "module:function" that builds structured output's grammar backend for this
+        runner's model (None: the simulator serves no structured output)."""
+        return GRAMMAR_BACKEND_FACTORY if self.sim is None else None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("le
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -48,8 +49,8 @@ from kvloop.config import (
 )
 from kvloop.core.engine import EngineCore
 from kvloop.core.kv_connector import KVConnector
-from kvloop.core.request import SamplingParams, check_context_length
-from kvloop.core.runner import Runner
+from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_context_length
+from kvloop.core.runner import Runner, SplitRunner
 from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.server.tokenizer import Tokenizer
 from kvloop.wire import SpecDecodingStats
@@ -186,6 +187,7 @@ class LLM:
             self.kv_transfer_info = kv.start()
             connector = kv
         self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,
+                                 grammar_backend=_grammar_backend(runner, tokenizer),
                                  connector=connector)
         self._ids = itertools.count()
         self._spec_stats = SpecDecodingStats()
@@ -268,6 +270,8 @@ class LLM:
         max_len = self.engine.config.scheduler.max_model_len
         for _, ids in encoded:
             check_context_length(max_len, len(ids))
+        for sp in params:
+            self._check_structured_outputs(sp)
         seqs: list[_Sequence] = []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params, strict=True)):
             for j, sub in enumerate(fan_out(model_stops(sp, self.tokenizer))):
@@ -276,6 +280,16 @@ class LLM:
                 seqs.append(_Sequence(rid, i, j, sub, state))
                 self.engine.add_request(self.engine.make_request(rid, ids, sub))
         return seqs
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError naming the problem for a schema, regex or grammar that does not compile
+        (compiled now, and kept for the request), or for any constraint without a grammar
+        backend."""
+        if params.structured_outputs is None:
+            return
+        if self.engine.structured_output is None:
+            raise ValueError(NO_GRAMMAR_BACKEND)
+        self.engine.structured_output.validate(params.structured_outputs)
 
     def _drive(self, live: dict[str, _Sequence], total: int, use_tqdm: bool) -> None:
         from tqdm.auto import tqdm
@@ -373,6 +387,17 @@ def kv_transfer_of(config: KVTransferConfig | dict[str, Any] | str | None
     if isinstance(config, str):
         return KVTransferConfig.from_json(config)
     return KVTransferConfig.from_dict(config)
+
+
+def _grammar_backend(runner: Runner, tokenizer: Tokenizer) -> Any:
+    """The grammar backend factory for `runner` (None for a runner that cannot apply a
+    bitmask: structured output is then refused)."""
+    if not isinstance(runner, SplitRunner):
+        return None
+    from kvloop.structured import backend_for
+
+    vocab = max(int(getattr(runner, "vocab_size", 0)), tokenizer.vocab_size)
+    return functools.partial(backend_for, tokenizer, vocab)
 
 
 def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,

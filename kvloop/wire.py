@@ -237,12 +237,14 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
 
 class EngineReady(EngineFacts, frozen=True, kw_only=True, tag=True):
     """Handshake: the engine's first message on its input socket, once the runner is loaded:
-    its facts, its process id, and the runner's model name and vocabulary size."""
+    its facts, its process id, the runner's model name and vocabulary size, and the grammar
+    backend that serves structured output (None: the engine refuses it)."""
 
     wire_version: int
     pid: int
     model_name: str
     vocab_size: int | None
+    structured_output_backend: str | None = None
 
 
 class EngineStartFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):

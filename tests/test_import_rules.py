@@ -31,7 +31,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.wire": (("kvloop.config", "kvloop.core.request", "kvloop.events.config"),
                     ("msgspec",)),
     "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.server.processor",
-                    "kvloop.server.tokenizer", "kvloop.wire",
+                    "kvloop.server.tokenizer", "kvloop.structured", "kvloop.wire",
                     "kvloop.kv_transfer"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
     "kvloop.core.engine_proc": ((*CORE_KVLOOP, "kvloop.events.config", "kvloop.events.publisher",
@@ -55,6 +55,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
                        "kvloop.events", *ROUTER_SERVER_OK),
                       ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq")),
+    "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.server.tokenizer"),
+                          ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),
     "kvloop.bench": (None, None),
 }

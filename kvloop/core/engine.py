@@ -1,16 +1,24 @@
 """EngineCore: the step, in full.
 
     out     = scheduler.schedule()
-    result  = runner.execute(out)   (with a KV connector: bind its metadata, start loads,
-                                     run, wait for saves, collect `get_finished`)
+    runner.execute_model(out)                    (the forward pass starts, in the background)
+    grammar = structured_output.grammar_bitmask  (meanwhile, on this thread)
+    result  = runner.sample_tokens(grammar)      (waits for the forward, masks, samples)
+    (with a KV connector, around those three: bind its metadata, start loads, ...,
+     wait for saves, collect `get_finished`)
     apply pending aborts            (after the forward pass, before accounting)
     outputs = scheduler.update_from_output(out, result)
     drafts  = proposer.propose(...)  -> scheduler.update_draft_token_ids   (speculative
                                         decoding only: vLLM's post-step, kvloop.core.spec_decode)
     events  = kv_cache_manager.take_events()     (one batch per step)
 
-Owner: the engine owns the scheduler, the KV cache manager, the block pool, the runner and
-the KV connector (built by whoever builds the engine: `kvloop.kv_transfer`). Aborts may be
+A runner with only `execute(out)` (the simulator) runs the first three lines as that one call
+and cannot serve structured output.
+
+Owner: the engine owns the scheduler, the KV cache manager, the block pool, the runner, the
+structured-output manager (`kvloop.core.structured_output`; present when built with a
+grammar backend) and the KV connector (built by whoever builds the engine:
+`kvloop.kv_transfer`). Aborts may be
 requested from another thread (`abort_requests`); they are applied between steps or, for a
 step in flight, after its forward pass returns.
 
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvloop.config import EngineConfig
@@ -32,11 +40,18 @@ from kvloop.core.hashing import BlockHasher
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.kv_connector import KVConnector
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
-from kvloop.core.request import Request, RequestStatus, SamplingParams, check_context_length
-from kvloop.core.runner import Runner
+from kvloop.core.request import (
+    NO_GRAMMAR_BACKEND,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    check_context_length,
+)
+from kvloop.core.runner import Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
 from kvloop.core.spec_decode import NgramProposer
-from kvloop.core.trace import StepRecord, make_step_record
+from kvloop.core.structured_output import GrammarBackend, StructuredOutputManager
+from kvloop.core.trace import StepRecord, StepTiming, make_step_record
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
 
@@ -55,9 +70,15 @@ class StepResult:
 
 
 class EngineCore:
-    """Scheduler + KV cache + runner in one process, driven by `step()`."""
+    """Scheduler + KV cache + runner in one process, driven by `step()`.
+
+    `grammar_backend` builds the grammar backend of structured output (called once, on the
+    first constrained request); without it a constrained request is refused. It needs a
+    `SplitRunner` (ValueError otherwise).
+    """
 
     def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None,
+                 grammar_backend: Callable[[], GrammarBackend] | None = None,
                  connector: KVConnector | None = None):
         """`connector`: the KV connector (None: no disaggregation); the engine shuts it down."""
         self.config = config
@@ -75,6 +96,12 @@ class EngineCore:
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
+        self._split_runner = runner if isinstance(runner, SplitRunner) else None
+        if grammar_backend is not None and self._split_runner is None:
+            raise ValueError("structured output needs a runner with execute_model and "
+                             "sample_tokens (a SplitRunner)")
+        self.structured_output = (StructuredOutputManager(grammar_backend)
+                                  if grammar_backend is not None else None)
         spec = config.speculative
         self.proposer = (NgramProposer(spec, config.scheduler.max_model_len)
                          if spec is not None else None)
@@ -102,6 +129,12 @@ class EngineCore:
                        self.hasher, lora_name, client_index)
 
     def add_request(self, request: Request) -> None:
+        """Queue `request`; a constrained one gets its grammar (compiled in the background).
+        ValueError for a constrained request when this engine has no grammar backend."""
+        if request.use_structured_output:
+            if self.structured_output is None:
+                raise ValueError(NO_GRAMMAR_BACKEND)
+            self.structured_output.grammar_init(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
@@ -148,7 +181,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         admissions = self.scheduler.last_admissions
-        result = self._execute(out)
+        result, timing = self._execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
         self._propose_drafts(out)
@@ -158,9 +191,37 @@ class EngineCore:
             self.scheduler.check_invariants()
         record = make_step_record(out, admissions, outputs, time.perf_counter() - t0,
                                   self.config.scheduler.max_num_batched_tokens,
-                                  self.block_pool, self.scheduler, result)
+                                  self.block_pool, self.scheduler, result, timing)
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
+
+    def _execute(self, out: SchedulerOutput) -> tuple[RunnerOutput, StepTiming]:
+        """The runner's step inside the connector's worker-side calls (vLLM's order)."""
+        connector = self.connector
+        if connector is None:
+            return self._run(out)
+        connector.bind_connector_metadata(out.kv_connector_metadata)
+        connector.start_load_kv()
+        result, timing = self._run(out)
+        connector.wait_for_save()
+        result.kv_connector_output = connector.get_finished(out.finished_req_ids)
+        connector.clear_connector_metadata()
+        return result, timing
+
+    def _run(self, out: SchedulerOutput) -> tuple[RunnerOutput, StepTiming]:
+        """The forward pass, with the grammar bitmask computed while it runs (vLLM's overlap:
+        execute_model, grammar_bitmask, sample_tokens)."""
+        runner = self._split_runner
+        if runner is None:
+            return self.runner.execute(out), StepTiming()
+        runner.execute_model(out)
+        grammar, window = None, None
+        if self.structured_output is not None:
+            start = time.perf_counter()
+            grammar = self.structured_output.grammar_bitmask(self.scheduler.requests, out)
+            window = (start, time.perf_counter()) if grammar is not None else None
+        result = runner.sample_tokens(grammar)
+        return result, StepTiming.of(result.forward_time, window)
 
     def _propose_drafts(self, out: SchedulerOutput) -> None:
         """Drafts for the next step, for the requests that sampled in `out` and still run."""
@@ -171,19 +232,6 @@ class EngineCore:
         drafts = self.proposer.propose(sampled)
         if drafts:
             self.scheduler.update_draft_token_ids(drafts, out)
-
-    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """The runner's step, inside the connector's worker-side calls (vLLM's order)."""
-        connector = self.connector
-        if connector is None:
-            return self.runner.execute(out)
-        connector.bind_connector_metadata(out.kv_connector_metadata)
-        connector.start_load_kv()
-        result = self.runner.execute(out)
-        connector.wait_for_save()
-        result.kv_connector_output = connector.get_finished(out.finished_req_ids)
-        connector.clear_connector_metadata()
-        return result
 
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
@@ -200,4 +248,6 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.runner.shutdown()

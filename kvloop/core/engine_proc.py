@@ -42,6 +42,7 @@ This is the only core module that imports zmq.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -59,7 +60,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvloop.config import EngineConfig
+from kvloop.config import GRAMMAR_BACKEND, EngineConfig
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
@@ -183,11 +184,14 @@ class EngineCoreProc:
         if cfg.kv_events is not None:
             econf = dataclasses.replace(
                 econf, cache=dataclasses.replace(econf.cache, enable_kv_cache_events=True))
+        grammar_factory = cfg.runner.grammar_backend_factory
+        grammar = (functools.partial(resolve_factory(grammar_factory), cfg.runner,
+                                     runner.vocab_size) if grammar_factory else None)
         connector = None
         if econf.kv_transfer is not None:
             connector = make_connector(econf.kv_transfer, runner)
         self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
-                                 connector=connector)
+                                 grammar_backend=grammar, connector=connector)
         kv_transfer = None
         if connector is not None:
             connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
@@ -202,7 +206,8 @@ class EngineCoreProc:
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
             vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None,
-            kv_transfer=kv_transfer)
+            kv_transfer=kv_transfer,
+            structured_output_backend=GRAMMAR_BACKEND if grammar else None)
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:

@@ -26,6 +26,7 @@ with k drafts samples from k + 1 positions (its last known token and each draft)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloop.core.request import SamplingParams
 
@@ -70,6 +71,36 @@ class SchedulerOutput:
 
 
 @dataclass
+class GrammarOutput:
+    """The step's grammar bitmask, for the runner to apply before it samples.
+
+    Made by `StructuredOutputManager.grammar_bitmask` on the engine thread while the forward
+    pass runs. Request `request_ids[i]` owns `num_rows[i]` consecutive rows of `bitmask`,
+    starting after the rows of the requests before it: one row per logits row it samples
+    from this step, in position order, i.e. one row per scheduled draft token and one for the
+    bonus token after them (1 + k rows; 1 without speculative decoding). Only requests that
+    sample this step and use structured output have rows.
+
+    `bitmask` is an int32 array `[sum(num_rows), ceil(vocab_size / 32)]` (NumPy): bit `b` of
+    word `w` of a row is set iff token `32 * w + b` may be sampled there. It is a view of a
+    buffer the manager reuses: valid until the next step.
+    """
+
+    request_ids: list[str]
+    num_rows: list[int]
+    bitmask: Any
+
+    def row_ranges(self) -> dict[str, range]:
+        """request id -> its rows of `bitmask`."""
+        ranges: dict[str, range] = {}
+        start = 0
+        for rid, n in zip(self.request_ids, self.num_rows, strict=True):
+            ranges[rid] = range(start, start + n)
+            start += n
+        return ranges
+
+
+@dataclass
 class Logprobs:
     """Top-n log probabilities of one sampled position."""
 
@@ -110,12 +141,16 @@ class RunnerOutput:
     partial prefill chunk; the accepted drafts and one more token with speculative
     decoding). `logprobs[i]`, when asked for, has one entry per sampled token. Drafts for
     the next step are the engine's (`kvloop.core.spec_decode`), not the runner's.
+    `forward_time` is when the forward pass ran, `(start, end)` in `time.perf_counter()`
+    seconds (None: the runner does not say), so the engine can tell how much of its own work
+    overlapped it.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None   # set by the engine, not the runner
+    forward_time: tuple[float, float] | None = None
 
     def index(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.req_ids)}

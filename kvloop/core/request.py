@@ -11,12 +11,16 @@ generated tokens too.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvloop.core.hashing import BlockHasher, block_extra_keys
+
+if TYPE_CHECKING:
+    from kvloop.core.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -99,6 +103,102 @@ def _check_extra_args(extra_args: dict[str, Any] | None) -> None:
         raise ValueError(f"extra_args must be msgpack-serialisable: {e}") from e
 
 
+class StructuredOutputKind(enum.Enum):
+    """What a structured-output spec constrains the output to (vLLM's request types)."""
+
+    JSON = "json"                 # a JSON schema
+    JSON_OBJECT = "json_object"   # any JSON object
+    REGEX = "regex"
+    CHOICE = "choice"             # one of a list of strings
+    GRAMMAR = "grammar"           # an EBNF (GBNF) grammar
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+NO_GRAMMAR_BACKEND = ("structured output is not supported by this engine: it has no grammar "
+                      "backend (the simulator, --model sim, has none; serve a real model)")
+
+
+class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """vLLM's `StructuredOutputsParams`: exactly one constraint, and its options.
+
+    A msgspec Struct inside `SamplingParams`, so it crosses to the engine as is and is checked
+    again on decode (`__post_init__`: shape only; whether a schema, regex or grammar is valid
+    is the grammar backend's verdict, `kvloop.core.structured_output`). `json` is a schema
+    (a dict, or its JSON text); `choice` a non-empty list of strings; `grammar` EBNF.
+    `disable_any_whitespace` allows no whitespace between JSON tokens (the default allows
+    any, as vLLM's). `disable_additional_properties` is accepted for vLLM's sake and changes
+    nothing: the backend already refuses properties a schema does not name unless it allows
+    them. `whitespace_pattern` and `structural_tag` are refused.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one constraint of "
+                             f"{', '.join(_CONSTRAINTS[:-1])}; got "
+                             f"{', '.join(given) if given else 'none'}.")
+        if self.structural_tag is not None:
+            raise ValueError("structured outputs: structural_tag is not supported by kvloop.")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured outputs: whitespace_pattern is not supported by "
+                             "kvloop's grammar backend (xgrammar).")
+        if self.json_object is False:
+            raise ValueError("structured outputs: json_object must be true when given.")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of strings.")
+        if isinstance(self.json, str):
+            _check_json_text(self.json)
+        for name in ("regex", "grammar"):
+            if getattr(self, name) == "":
+                raise ValueError(f"structured outputs: {name} must not be empty.")
+
+    @property
+    def kind(self) -> StructuredOutputKind:
+        for kind in StructuredOutputKind:
+            if getattr(self, kind.value) is not None:
+                return kind
+        raise AssertionError("checked in __post_init__")
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the schema's JSON (as given: the order of its properties is
+        the order of the output's), the regex, the grammar, the choices as a JSON list; ""
+        for json_object."""
+        kind = self.kind
+        if kind == StructuredOutputKind.JSON:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if kind == StructuredOutputKind.CHOICE:
+            return json.dumps(self.choice)
+        if kind == StructuredOutputKind.JSON_OBJECT:
+            return ""
+        return str(getattr(self, kind.value))
+
+    @property
+    def key(self) -> tuple[StructuredOutputKind, str, bool]:
+        """What a compiled grammar depends on: (kind, spec, any whitespace); the cache key."""
+        return self.kind, self.spec, not self.disable_any_whitespace
+
+
+def _check_json_text(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"structured outputs: json is not valid JSON ({e}).") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError("structured outputs: json must be a JSON schema (an object).")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What to generate and when to stop; vLLM's names and defaults.
 
@@ -115,6 +215,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     `extra_args` is vLLM's bag of request extensions, msgpack-serialisable (integers within
     int64/uint64); the engine reads `extra_args["kv_transfer_params"]` (a dict) as
     `Request.kv_transfer_params` (docs/disaggregation.md section 2).
+    `structured_outputs` constrains what may be sampled (kvloop.core.structured_output).
     """
 
     n: int = 1
@@ -140,6 +241,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_extra_args(self.extra_args)
@@ -231,6 +333,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens: int | None = None  # prefix hit at the first admission
         self.spec_token_ids: list[int] = []
+        # its grammar, attached by the engine's StructuredOutputManager (None: unconstrained)
+        self.structured_output_request: StructuredOutputRequest | None = None
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         extra = sampling_params.extra_args or {}
@@ -258,6 +362,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def __lt__(self, other: Request) -> bool:
         """Priority-queue order: (priority, arrival_time, request_id)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from kvloop.core.outputs import RunnerOutput, SchedulerOutput
+from kvloop.core.outputs import GrammarOutput, RunnerOutput, SchedulerOutput
 
 
 class Runner(Protocol):
@@ -25,6 +25,25 @@ class Runner(Protocol):
 
     def shutdown(self) -> None:
         """Release resources (threads, memory)."""
+        ...
+
+
+@runtime_checkable
+class SplitRunner(Runner, Protocol):
+    """A runner whose step is two calls, so the engine can work while the forward runs (vLLM's
+    `execute_model(non_block=True)` then `sample_tokens(grammar_output)`): the engine computes
+    the grammar bitmask between them. `execute(so)` must equal
+    `execute_model(so); sample_tokens(None)`. Only a SplitRunner can serve structured output.
+    """
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Start the step's forward pass and return at once (it runs in the background)."""
+        ...
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> RunnerOutput:
+        """Wait for the forward pass started by `execute_model`, apply `grammar_output`'s
+        bitmask to the logits (disallowed tokens to -inf, before any other sampling step) and
+        sample."""
         ...
 
 

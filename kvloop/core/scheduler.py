@@ -43,6 +43,7 @@ from kvloop.core.outputs import (
     SchedulerOutput,
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
+from kvloop.core.structured_output import GRAMMAR_REJECTED
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
@@ -163,12 +164,16 @@ class Scheduler:
         self._external_queries = 0     # connector prefix stats of this step, in tokens
         self._external_hits = 0
         self.step_index = 0
+        self._error_outputs: list[EngineCoreOutput] = []   # refused in schedule(), sent next
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request (status WAITING). Its id must not be in use."""
+        """Queue a new request: status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR when
+        it has a grammar (attached by the engine). Its id must not be in use."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.structured_output_request is not None:
+            request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if self.connector is not None:
@@ -335,14 +340,28 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        skipped: list[Request] = []   # passed over this step (waiting for a grammar, a
+        #                               remote load, the connector): back in place after
+        try:
+            self._admit_waiting(plan, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, plan: StepPlan, skipped: list[Request]) -> None:
         cfg = self.config
-        skipped: list[Request] = []   # requests passed over this step, back at the front after
         while len(self.waiting) and plan.token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(self.waiting.pop())   # its load has not reported yet
+                continue
+            if (request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                    and not self._grammar_ready(request)):
+                self.waiting.pop()
+                if not request.is_finished:
+                    skipped.append(request)
                 continue
             hits: list[KVCacheBlock] = []
             num_hit = 0
@@ -376,8 +395,6 @@ class Scheduler:
                 continue
             self._admit(request, num_new_tokens, num_computed, num_hit, plan)
             plan.new_blocks[request.request_id] = [b.block_id for b in new_blocks]
-        for request in reversed(skipped):
-            self.waiting.prepend(request)
 
     def _num_external_tokens(self, request: Request, num_hit: int,
                              fresh: bool) -> tuple[int | None, bool]:
@@ -410,6 +427,22 @@ class Scheduler:
         WAITING_FOR_REMOTE_KVS); its cached tokens are its hits, never the loaded ones."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a request waiting for its grammar may be admitted now (it becomes WAITING).
+        A failed compile finishes it (FINISHED_ERROR) with an error output."""
+        so_req = request.structured_output_request
+        assert so_req is not None
+        if so_req.poll():
+            request.status = RequestStatus.WAITING
+            return True
+        if so_req.error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self._error_outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=finish_reason(request.status),
+                error=so_req.error))
+        return False
 
     def _admit(self, request: Request, num_new_tokens: int, num_computed: int, num_hit: int,
                plan: StepPlan) -> None:
@@ -475,7 +508,7 @@ class Scheduler:
         """
         index = runner_output.index()
         sampled = runner_output.sampled_token_ids
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._error_outputs = self._error_outputs, []
         stopped: set[str] = set()
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -496,6 +529,8 @@ class Scheduler:
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
+                if request.status == RequestStatus.FINISHED_ERROR:
+                    out.error = GRAMMAR_REJECTED.format(token=kept[-1])
                 stopped.add(rid)
                 out.kv_transfer_params = self._free_request(request)
             outputs.append(out)
@@ -607,14 +642,22 @@ class Scheduler:
         return kept, False
 
     def _check_stop(self, request: Request) -> bool:
-        """vLLM's order: EOS, stop token ids, then max_tokens / max_model_len."""
+        """After appending a token: its grammar (refused: FINISHED_ERROR), then vLLM's order:
+        EOS, stop token ids, a terminated grammar, then max_tokens / max_model_len."""
         last = request.all_token_ids[-1]
+        so_req = request.structured_output_request
+        if so_req is not None and not so_req.accept_token(last):
+            request.status = RequestStatus.FINISHED_ERROR
+            return True
         if request.eos_token_id is not None and last == request.eos_token_id:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         if last in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        if so_req is not None and so_req.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         if (request.num_tokens >= self.max_model_len
                 or (request.max_tokens is not None
@@ -640,7 +683,8 @@ class Scheduler:
                                scheduler_output: SchedulerOutput) -> None:
         """Attach next-step drafts (`spec_token_ids`), after `update_from_output` of the step
         `scheduler_output` describes; dropped for finished requests and partial prefill
-        chunks, cut to the room left before `max_model_len`."""
+        chunks, cut to the room left before `max_model_len` and, for a constrained request,
+        to the longest prefix its grammar accepts (vLLM's `validate_tokens`)."""
         for rid, ids in drafts.items():
             req = self.requests.get(rid)
             if req is None or req.is_finished:
@@ -649,7 +693,10 @@ class Scheduler:
                 req.spec_token_ids = []
                 continue
             room = self.max_model_len - req.num_tokens - 1
-            req.spec_token_ids = list(ids[:max(room, 0)])
+            kept = list(ids[:max(room, 0)])
+            if req.structured_output_request is not None:
+                kept = req.structured_output_request.valid_prefix(kept)
+            req.spec_token_ids = kept
 
     # --- stats and checks -----------------------------------------------------------------
     def make_stats(self) -> SchedulerStats:
@@ -705,7 +752,9 @@ class Scheduler:
             assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
-                                RequestStatus.WAITING_FOR_REMOTE_KVS), f"{r} waiting"
+                                RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), \
+                f"{r} waiting"
             held = len(self.kv.req_to_blocks.get(r.request_id, ()))
             if r.status == RequestStatus.PREEMPTED:
                 assert r.num_computed_tokens == 0

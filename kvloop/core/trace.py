@@ -9,6 +9,10 @@ request can get in a step:
     spec       a decode token plus speculative drafts: `tokens` = 1 + `draft_tokens`, of
                which `accepted_tokens` were accepted (the gap of 1 + k the scheduler closes
                in one step)
+
+A record also says where the step's time went around the forward pass (`StepTiming`):
+the forward itself, the grammar bitmask the engine computed meanwhile, and how much of that
+bitmask time the forward hid (the two ran at once).
 """
 
 from __future__ import annotations
@@ -36,6 +40,29 @@ class ScheduledWork:
     accepted_tokens: int | None = None    # drafts accepted (None: no drafts, or no sample)
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Seconds: `forward_s` the forward pass (0.0: the runner did not say), `bitmask_s` the
+    grammar bitmask computed on the engine thread while it ran (0.0: none needed),
+    `bitmask_hidden_s` the part of `bitmask_s` that overlapped the forward pass."""
+
+    forward_s: float = 0.0
+    bitmask_s: float = 0.0
+    bitmask_hidden_s: float = 0.0
+
+    @classmethod
+    def of(cls, forward: tuple[float, float] | None,
+           bitmask: tuple[float, float] | None) -> StepTiming:
+        """From the (start, end) times of the forward pass and of the bitmask."""
+        fwd = forward[1] - forward[0] if forward else 0.0
+        if bitmask is None:
+            return cls(forward_s=fwd)
+        hidden = 0.0
+        if forward is not None:
+            hidden = max(0.0, min(forward[1], bitmask[1]) - max(forward[0], bitmask[0]))
+        return cls(fwd, bitmask[1] - bitmask[0], hidden)
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -49,6 +76,9 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)   # id -> finish reason
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    forward_s: float = 0.0            # StepTiming's three figures
+    bitmask_s: float = 0.0
+    bitmask_hidden_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """The record as JSON; the draft fields only where there were drafts."""
@@ -76,7 +106,9 @@ def work_kind(num_computed_before: int, n: int, num_prompt: int, num_tokens: int
 def make_step_record(out: SchedulerOutput, admissions: list[Admission],
                      outputs: list[EngineCoreOutput], duration_s: float, budget: int,
                      pool: BlockPool, scheduler: Scheduler,
-                     runner_output: RunnerOutput | None = None) -> StepRecord:
+                     runner_output: RunnerOutput | None = None,
+                     timing: StepTiming | None = None) -> StepRecord:
+    timing = timing or StepTiming()
     rec = StepRecord(step=scheduler.step_index - 1, time=time.time(), duration_s=duration_s,
                      budget=budget, total_tokens=out.total_num_scheduled_tokens,
                      preempted=list(out.preempted_req_ids),
@@ -84,7 +116,8 @@ def make_step_record(out: SchedulerOutput, admissions: list[Admission],
                      finished={o.request_id: o.finish_reason for o in outputs
                                if o.finish_reason is not None},
                      kv_blocks_used=pool.num_usable_blocks - pool.get_num_free_blocks(),
-                     kv_blocks_total=pool.num_usable_blocks)
+                     kv_blocks_total=pool.num_usable_blocks, forward_s=timing.forward_s,
+                     bitmask_s=timing.bitmask_s, bitmask_hidden_s=timing.bitmask_hidden_s)
     before = {d.req_id: (d.num_computed_tokens, len(d.prompt_token_ids), len(d.all_token_ids),
                          d.resumed) for d in out.scheduled_new_reqs}
     for d in out.scheduled_cached_reqs:

@@ -19,25 +19,35 @@ from `scheduled_spec_decode_tokens`, after its n - k known tokens):
 
 Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py;
 a request verifying drafts is a chunk of 1 + k queries over its cached context). Drafts are
-verified in this one forward pass: `execute` hands the k + 1 rows of each request to
+verified in this one forward pass: the k + 1 rows of each request go to
 `Sampler.rejection_sample`, which keeps the accepted drafts and one more token. Drafts are
 never part of `RequestState.token_ids`: the accepted ones come back as known tokens in the
 next step's `token_ids`, and the KV slots of rejected ones are overwritten then.
+
+The step is split as vLLM's (`kvloop.core.runner.SplitRunner`): `execute_model` hands the
+state update, the inputs and the forward pass to the runner's forward thread and returns;
+`sample_tokens(grammar_output)` waits for the logits, sets the tokens the grammar bitmask
+disallows to -inf (a constrained request has a bitmask row for each of its k + 1 logits
+rows), then samples. The engine computes the bitmask in between. `execute` is the two in a
+row.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
+from kvloop.core.outputs import GrammarOutput, Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
-from kvloop.model.sampler import Sampler, SamplingRow
+from kvloop.model.sampler import Sampler, SamplingRow, apply_token_bitmask
 
 
 @dataclass
@@ -107,20 +117,58 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="kvloop-forward")
+        self._pending: Future[_Forward] | None = None
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        inputs, logits = self.forward(scheduler_output)
-        if inputs is None:
-            return RunnerOutput()
+        self.execute_model(scheduler_output)
+        return self.sample_tokens(None)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Start the step's forward pass on the forward thread (one step in flight); returns
+        once it has started, so what the caller does next overlaps it."""
+        if self._pending is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens")
+        started = threading.Event()
+        if scheduler_output.is_empty:   # nothing to compute: no thread hop
+            self._pending = Future()
+            self._pending.set_result(self._timed_forward(scheduler_output, started))
+            return
+        self._pending = self._forward_thread.submit(self._timed_forward, scheduler_output,
+                                                    started)
+        started.wait()
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> RunnerOutput:
+        """Wait for the forward pass, apply the grammar bitmask, sample."""
+        if self._pending is None:
+            raise RuntimeError("sample_tokens called without execute_model")
+        pending, self._pending = self._pending, None
+        fwd = pending.result()
+        if fwd.inputs is None:
+            return RunnerOutput(forward_time=fwd.window)
         with torch.inference_mode():
-            if any(inputs.sampling_drafts):
-                spec = self.sampler.rejection_sample(logits, inputs.sampling_rows,
-                                                     inputs.sampling_drafts)
-                return self._make_output(inputs, spec.token_ids, spec.logprobs)
-            sampled = self.sampler(logits, inputs.sampling_rows)
+            if grammar_output is not None:
+                _apply_grammar(fwd.logits, fwd.inputs, grammar_output)
+            out = self._sample(fwd.inputs, fwd.logits)
+        out.forward_time = fwd.window
+        return out
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> RunnerOutput:
+        if any(inputs.sampling_drafts):
+            spec = self.sampler.rejection_sample(logits, inputs.sampling_rows,
+                                                 inputs.sampling_drafts)
+            return self._make_output(inputs, spec.token_ids, spec.logprobs)
+        sampled = self.sampler(logits, inputs.sampling_rows)
         return self._make_output(inputs, [[t] for t in sampled.token_ids],
                                  [None if lp is None else [lp] for lp in sampled.logprobs])
+
+    def _timed_forward(self, scheduler_output: SchedulerOutput,
+                       started: threading.Event) -> _Forward:
+        start = time.perf_counter()
+        started.set()
+        inputs, logits = self.forward(scheduler_output)
+        return _Forward(inputs, logits, (start, time.perf_counter()))
 
     def forward(self, scheduler_output: SchedulerOutput
                 ) -> tuple[StepInputs | None, torch.Tensor]:
@@ -138,6 +186,7 @@ class ModelRunner:
         return inputs, logits
 
     def shutdown(self) -> None:
+        self._forward_thread.shutdown(wait=True)
         self.requests.clear()
         self.kv_caches = []
 
@@ -261,6 +310,33 @@ class ModelRunner:
             if out.logprobs is not None:
                 out.logprobs.append(lps)
         return out
+
+
+@dataclass
+class _Forward:
+    """A finished forward pass: its inputs (None: nothing scheduled), logits and
+    (start, end) perf_counter times."""
+
+    inputs: StepInputs | None
+    logits: torch.Tensor
+    window: tuple[float, float]
+
+
+def _apply_grammar(logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
+    """Mask the logits rows of the constrained requests with their bitmask rows: a request
+    with k drafts has k + 1 logits rows and as many bitmask rows, in position order."""
+    first_row: dict[str, int] = {}
+    row = 0
+    for rid, drafts in zip(inputs.sampling_req_ids, inputs.sampling_drafts, strict=True):
+        first_row[rid] = row
+        row += 1 + len(drafts)
+    logits_rows: list[int] = []
+    mask_rows: list[int] = []
+    for rid, rows in grammar.row_ranges().items():
+        logits_rows.extend(range(first_row[rid], first_row[rid] + len(rows)))
+        mask_rows.extend(rows)
+    bitmask = torch.from_numpy(grammar.bitmask[mask_rows]).to(logits.device)
+    apply_token_bitmask(logits, bitmask, logits_rows)
 
 
 def _sampling_row(item: _Scheduled) -> SamplingRow:

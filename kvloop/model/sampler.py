@@ -1,5 +1,9 @@
 """Sampler: logits of the sampling rows -> one token id each (+ optional logprobs).
 
+Before the sampler, the runner applies structured output's grammar bitmask
+(`apply_token_bitmask`: disallowed tokens to -inf), so every step below, the logprobs
+included, sees only the tokens the grammar allows (vLLM's order).
+
 Order of operations (vLLM V1's):
 1. raw logprobs (log-softmax of the model's logits) for rows that asked for `logprobs`;
 2. min_tokens: EOS and `stop_token_ids` masked while fewer than `min_tokens` were generated;
@@ -243,6 +247,23 @@ def _recovered(draw: Draw, r: int, draft: int) -> int:
     if not bool((q > 0).any()):
         return draft
     return int((q / draw.noise[i]).argmax())
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """In place: `logits[rows[i]]` keeps the tokens whose bit is set in `bitmask[i]` and the
+    others become -inf. `bitmask`: int32 `[len(rows), words]`, bit `b` of word `w` is token
+    `32 * w + b`; tokens beyond `32 * words` are disallowed."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)   # [R, words * 32]
+    if allowed.shape[1] < vocab:
+        beyond = allowed.new_zeros((allowed.shape[0], vocab - allowed.shape[1]))
+        allowed = torch.cat([allowed, beyond], dim=1)
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed[:, :vocab], float("-inf"))
+    logits.index_copy_(0, index, masked)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:

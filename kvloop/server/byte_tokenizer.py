@@ -78,8 +78,9 @@ class ByteTokenizer:
         return det.push(ids) + det.flush()
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """ChatML as plain text: `<|im_start|>role\\ncontent<|im_end|>\\n` per message."""
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """ChatML as plain text: `<|im_start|>role\\ncontent<|im_end|>\\n` per message (other
+        template variables, `tools`, are not shown)."""
         parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n"
                  for m in messages]
         if add_generation_prompt:

@@ -39,7 +39,13 @@ from kvloop.config import (
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.server.auth import add_auth_args, auth_config
-from kvloop.server.config import ROLES, UVICORN_LOG_LEVELS, ServeConfig, log_stats_interval
+from kvloop.server.config import (
+    ROLES,
+    TOOL_CALL_PARSERS,
+    UVICORN_LOG_LEVELS,
+    ServeConfig,
+    log_stats_interval,
+)
 from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.sim.byte_vocab import BYTE_VOCAB
@@ -208,6 +214,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                         "/health, get 503; 0 ends them at once, as vLLM")
     g.add_argument("--engine-start-timeout", type=float, default=900.0,
                    help="seconds the engine core may take to load the model")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": read tool calls out of the text with '
+                        '--tool-call-parser (without it "auto" is a 400)')
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the tool-call format of the model's text (hermes: "
+                        "<tool_call>{json}</tool_call>)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -376,7 +388,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_requests=args.log_requests, max_log_len=args.max_log_len,
                         log_stats=not args.disable_log_stats,
                         log_stats_interval_s=log_stats_interval(),
-                        auth=auth_config(args), http_limits=http_limits(args))
+                        auth=auth_config(args), http_limits=http_limits(args),
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser)
     return serve, start, tokenizer
 
 

@@ -11,6 +11,7 @@ from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+TOOL_CALL_PARSERS = ("hermes",)   # the formats kvloop/server/tools.py reads
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
 
@@ -43,6 +44,8 @@ class ServeConfig:
     `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
     `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
     long a SIGTERM lets requests in flight finish (0: they end at once).
+    `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
+    `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
     """
 
     served_model_names: tuple[str, ...]
@@ -66,8 +69,15 @@ class ServeConfig:
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     auth: AuthConfig = field(default_factory=AuthConfig)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
         if self.role not in ROLES:

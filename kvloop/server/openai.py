@@ -42,6 +42,40 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool | None = False
 
 
+# --- structured output (docs/vllm-facts.md#structured-output) -----------------------------------
+class JsonSchemaFormat(OpenAIModel):
+    """`response_format.json_schema`: the schema under `schema` (`strict` is accepted: the
+    grammar backend is always strict)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar (EBNF),
+    json_object; options as `kvloop.core.request.StructuredOutputsParams`."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -58,7 +92,7 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -80,6 +114,14 @@ class SamplingRequest(OpenAIModel):
     # prefill/decode disaggregation (docs/disaggregation.md): handed to the engine as
     # SamplingParams.extra_args["kv_transfer_params"]
     kv_transfer_params: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's deprecated names of `structured_outputs`' fields (accepted, with a warning)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -105,6 +147,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                  # a tool's answer to one
 
     def text(self) -> str:
         if self.content is None:
@@ -112,6 +156,27 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -125,8 +190,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -267,9 +332,36 @@ class ChatLogprobs(TypedDict):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str          # JSON text
+
+
+class ToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class DeltaFunctionCall(TypedDict):
+    name: NotRequired[str]
+    arguments: NotRequired[str]
+
+
+class DeltaToolCall(TypedDict):
+    """A piece of a streamed tool call: the first piece of call `index` has its id, type and
+    name; later ones add to its arguments."""
+
+    index: int
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: DeltaFunctionCall
+
+
 class AssistantMessage(TypedDict):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatChoice(TypedDict):
@@ -296,6 +388,7 @@ class ChatCompletionResponse(TypedDict):
 class ChatDelta(TypedDict):
     role: NotRequired[Literal["assistant"]]
     content: NotRequired[str]
+    tool_calls: NotRequired[list[DeltaToolCall]]
 
 
 class ChatStreamChoice(TypedDict):

@@ -8,8 +8,9 @@ server's:
 - completions: `prompt` is a text, a list of texts, a list of token ids or a list of those
   (never empty); text gets the tokenizer's special tokens (BOS) unless `add_special_tokens`
   is false; token ids are taken as they are;
-- chat: each message becomes {role, content} (text parts joined, no content is ""), the
-  model's chat template renders them, with the generation prompt unless
+- chat: each message becomes {role, content} (text parts joined, no content is ""; an
+  assistant's `tool_calls` and a tool's `tool_call_id` kept), the model's chat template
+  renders them with the request's `tools`, with the generation prompt unless
   `add_generation_prompt` is false or `continue_final_message` is true; the text gets no
   special tokens unless `add_special_tokens` is true (the template wrote them).
 
@@ -65,25 +66,39 @@ def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[list[int]
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template sees them: role and text content."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """The messages as the chat template sees them: role and text content, and an assistant's
+    `tool_calls` or a tool's `tool_call_id` when given."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 def render_chat(tokenizer: Any, messages: Sequence[ChatMessage],
-                add_generation_prompt: bool) -> str:
-    """The chat template's text; a template error is the request's fault (bad roles,
-    order...): PromptError."""
+                add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template's text (with `tools` for a template that shows them); a template
+    error is the request's fault (bad roles, order...): PromptError."""
+    extra = {"tools": tools} if tools else {}
     try:
         return str(tokenizer.apply_chat_template(chat_messages(messages),
-                                                 add_generation_prompt=add_generation_prompt))
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **extra))
     except Exception as e:
         raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
 
 
 def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """The token ids of a chat request's prompt."""
+    """The token ids of a chat request's prompt (its `tools` are shown to the template, as
+    vLLM shows them)."""
     add_gen = req.add_generation_prompt and not req.continue_final_message
-    text = render_chat(tokenizer, req.messages, add_gen)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    text = render_chat(tokenizer, req.messages, add_gen, tools)
     ids = encode(tokenizer, text, req.add_special_tokens, "messages")
     if not ids:
         raise PromptError("the chat prompt is empty", "messages")

@@ -25,7 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvloop import SamplingParams
 from kvloop.core.request import (
     KV_TRANSFER_PARAMS_KEY,
+    NO_GRAMMAR_BACKEND,
     ContextLengthError,
+    StructuredOutputsParams,
     check_context_length,
 )
 from kvloop.server.client import (
@@ -38,6 +40,7 @@ from kvloop.server.config import ServeConfig
 from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.openai import (
+    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,7 +73,9 @@ from kvloop.server.processor import (
     model_stops,
 )
 from kvloop.server.prompts import chat_prompt, completion_prompts
-from kvloop.wire import KV_LOAD_FAILED, EngineCoreRequest, EngineReady
+from kvloop.server.structured import ConstraintError, requested_constraint
+from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
+from kvloop.wire import KV_LOAD_FAILED, EngineCoreOutput, EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -146,9 +151,6 @@ def _check_supported(req: SamplingRequest) -> None:
     for name in _UNSUPPORTED:
         if getattr(req, name):
             raise APIError(400, f"{name} is not supported by kvloop", param=name)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "structured output (response_format) is not supported by kvloop",
-                       param="response_format")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported by kvloop (use n)", param="best_of")
     if req.stream_options is not None and not req.stream:
@@ -182,6 +184,33 @@ def check_kv_transfer_params(req: SamplingRequest, num_prompts: int) -> None:
                                 f"int64/uint64 range", param=KV_TRANSFER_PARAMS_KEY)
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """A request's structured-output constraint and the field it came from."""
+
+    params: StructuredOutputsParams
+    param: str
+
+
+def request_constraint(ctx: ServerContext, req: SamplingRequest,
+                       tools: ToolPlan | None = None) -> Constraint | None:
+    """The constraint `req` asks for (response_format, structured_outputs, guided_*, or its
+    tools); APIError(400) for a malformed one, two of them, or an engine without a grammar
+    backend."""
+    extra = None
+    if tools is not None and tools.constraint is not None:
+        extra = ("tool_choice", tools.constraint)
+    try:
+        found = requested_constraint(req, extra)
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=e.param) from e
+    if found is None:
+        return None
+    if ctx.ready.structured_output_backend is None:
+        raise APIError(400, NO_GRAMMAR_BACKEND, param=found[1])
+    return Constraint(*found)
+
+
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word.isidentifier() else None
@@ -189,7 +218,8 @@ def _param_of(message: str) -> str | None:
 
 def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
                           max_tokens: int | None, logprobs: int | None,
-                          default_max_tokens: int | None = None) -> SamplingParams:
+                          default_max_tokens: int | None = None,
+                          constraint: Constraint | None = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
 
     `max_tokens` is what the client asked for (None: nothing): a number the context cannot
@@ -238,7 +268,8 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             priority=req.priority, cache_salt=req.cache_salt or None,
             extra_args=(None if req.kv_transfer_params is None
-                        else {KV_TRANSFER_PARAMS_KEY: req.kv_transfer_params}))
+                        else {KV_TRANSFER_PARAMS_KEY: req.kv_transfer_params}),
+            structured_outputs=constraint.params if constraint else None)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
     if req.n > ctx.config.max_n:
@@ -299,12 +330,16 @@ def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
 class Generation:
     """The children of one HTTP request, submitted together, streamed as one."""
 
-    def __init__(self, ctx: ServerContext, children: list[Child]):
+    def __init__(self, ctx: ServerContext, children: list[Child],
+                 constraint: Constraint | None = None):
         self.ctx = ctx
         self.children = children
         self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self.end = StreamEnd()
         self._pending = {c.request_id: c for c in children}
+        self._held: list[QueueItem] = []   # taken from the queue by `verdict`, not yet read
+        # the field an engine error names (the constraint's: its grammar may not compile)
+        self.error_param = constraint.param if constraint else None
 
     def submit(self) -> None:
         """Admission control, then send every child: APIError(400) for more children than
@@ -354,7 +389,7 @@ class Generation:
         client = self.ctx.client
         try:
             while self._pending:
-                rid, item = await self.queue.get()
+                rid, item = self._held.pop(0) if self._held else await self.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 child = self._pending.get(rid or "")
@@ -368,6 +403,21 @@ class Generation:
         finally:
             client.abort_requests(list(self._pending))
 
+    async def verdict(self) -> None:
+        """Wait for the engine's first output on this generation (kept for `deltas`), so a
+        stream can still answer a 400: a constrained request gets one when its grammar does
+        not compile (APIError(400) naming the constraint's field; the other children are
+        aborted). Engine death and shutdown are left for the stream to report."""
+        rid, item = await self.queue.get()
+        self._held.append((rid, item))
+        if not (isinstance(item, EngineCoreOutput) and item.error is not None):
+            return
+        if item.error.startswith(KV_LOAD_FAILED):
+            return    # failed while running: the stream reports it (a 500 when not streaming)
+        async with contextlib.aclosing(self.deltas()) as it:
+            async for _, delta in it:
+                raise APIError(400, delta.error or item.error, self.error_param)
+
     async def stream_deltas(self) -> AsyncGenerator[tuple[Child, Delta], None]:
         """`deltas()` for a stream: shutdown, engine death or a child's error end it quietly,
         recorded in `self.end` for the stream's tail."""
@@ -375,7 +425,7 @@ class Generation:
             async with contextlib.aclosing(self.deltas()) as it:
                 async for c, d in it:
                     if d.error is not None:
-                        self.end.error = engine_error(d.error)
+                        self.end.error = engine_error(d.error, self.error_param)
                         return
                     yield c, d
         except ServerShuttingDown:
@@ -406,11 +456,14 @@ class GenerationStream(StreamingResponse):
             self._gen.abort_unfinished()
 
 
-def engine_error(message: str) -> APIError:
+def engine_error(message: str, param: str | None = None) -> APIError:
     """The answer to a request the engine ended with an error: 500 when it failed while
     running (its KV load failed: vLLM's finish_reason "error", docs/vllm-facts.md#openai-server),
-    else 400 (the engine refused it at admission: it can never run on this worker)."""
-    return APIError(500 if message.startswith(KV_LOAD_FAILED) else 400, message)
+    else 400 naming `param` (the engine refused it at admission, or its grammar: it can
+    never run on this worker)."""
+    if message.startswith(KV_LOAD_FAILED):
+        return APIError(500, message)
+    return APIError(400, message, param)
 
 
 def _raise_unavailable(client: EngineClient) -> None:
@@ -437,7 +490,7 @@ async def collect(request: Request, gen: Generation) -> None:
         async with contextlib.aclosing(gen.deltas()) as it:
             async for _, delta in it:
                 if delta.error is not None:
-                    raise engine_error(delta.error)
+                    raise engine_error(delta.error, gen.error_param)
     except ServerShuttingDown as e:
         raise APIError(503, str(e)) from e
     except EngineDeadError as e:
@@ -536,15 +589,18 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         ctx.check_token_ids(ids, "prompt")
     check_kv_transfer_params(req, len(prompts))
     asked, default = completion_max_tokens(req)
-    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
-              for ids in prompts]
+    constraint = request_constraint(ctx, req)
+    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default,
+                                    constraint) for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, prompts, params))
+    gen = Generation(ctx, make_children(ctx, base, prompts, params), constraint)
     gen.submit()
     log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
              for ids in prompts] if req.echo else None)
     if req.stream:
+        if constraint is not None:
+            await gen.verdict()
         return GenerationStream(_stream_completion(ctx, req, gen, base, prompts, echo), gen)
     await collect(request, gen)
     choices = [_completion_choice(ctx, req, c, echo) for c in gen.children]
@@ -621,36 +677,40 @@ def _chat_logprobs_arg(ctx: ServerContext, req: ChatCompletionRequest) -> int | 
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def chat_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
+    """The request's tool plan (APIError(400) for tools used wrong, as vLLM)."""
+    cfg = ctx.config
+    try:
+        return plan_tools(req, cfg.tool_call_parser if cfg.enable_auto_tool_choice else None)
+    except ConstraintError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  request: Request) -> Response:
     ctx.check_model(req.model)
     _check_supported(req)
-    if req.tools:
-        raise APIError(400, "tool calling is not supported by kvloop", param="tools")
+    tools = chat_tools(ctx, req)
+    if tools.choice == "auto":   # vLLM: a parser may need the special tokens of its format
+        req = req.model_copy(update={"skip_special_tokens": False})
+    constraint = request_constraint(ctx, req, tools)
     prompt = chat_prompt(ctx.tokenizer, req)
     check_kv_transfer_params(req, 1)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = build_sampling_params(ctx, req, len(prompt), max_tokens,
-                                   _chat_logprobs_arg(ctx, req))
+                                   _chat_logprobs_arg(ctx, req), constraint=constraint)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, [prompt], [params]))
+    gen = Generation(ctx, make_children(ctx, base, [prompt], [params]), constraint)
     gen.submit()
     log_received(ctx, base, [prompt], [params])
     if req.stream:
-        return GenerationStream(_stream_chat(ctx, req, gen, base, prompt), gen)
+        if constraint is not None:
+            await gen.verdict()
+        return GenerationStream(_stream_chat(ctx, req, gen, base, prompt, tools), gen)
     await collect(request, gen)
-    choices: list[ChatChoice] = []
-    for c in gen.children:
-        lp = (chat_logprobs(ctx, c.state.logprobs, req.top_logprobs or 0)
-              if req.logprobs else None)
-        choice: ChatChoice = {
-            "index": c.index, "message": {"role": "assistant", "content": c.state.text},
-            "logprobs": lp, "finish_reason": c.state.finish_reason,
-            "stop_reason": c.state.stop_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = c.state.token_ids
-        choices.append(choice)
+    choices = [_chat_choice(ctx, req, c, answer(tools, c.state.text, c.state.finish_reason))
+               for c in gen.children]
     body: ChatCompletionResponse = {
         "id": base, "object": "chat.completion", "created": int(time.time()),
         "model": ctx.served_name(req.model), "choices": choices,
@@ -661,10 +721,25 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return JSONResponse(body)
 
 
+def _chat_choice(ctx: ServerContext, req: ChatCompletionRequest, c: Child,
+                 done: Answer) -> ChatChoice:
+    lp = chat_logprobs(ctx, c.state.logprobs, req.top_logprobs or 0) if req.logprobs else None
+    message: AssistantMessage = {"role": "assistant", "content": done.content}
+    if done.tool_calls:
+        message["tool_calls"] = done.tool_calls
+    choice: ChatChoice = {"index": c.index, "message": message, "logprobs": lp,
+                          "finish_reason": done.finish_reason,
+                          "stop_reason": c.state.stop_reason}
+    if req.return_token_ids:
+        choice["token_ids"] = c.state.token_ids
+    return choice
+
+
 async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Generation,
-                       base: str, prompt: list[int]) -> AsyncIterator[bytes]:
+                       base: str, prompt: list[int], tools: ToolPlan) -> AsyncIterator[bytes]:
     created = int(time.time())
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    calls = {c.index: ToolCallStream(tools) for c in gen.children}
 
     def chunk(choice: ChatStreamChoice) -> bytes:
         body: ChatCompletionStreamResponse = {"id": base, "object": "chat.completion.chunk",
@@ -679,12 +754,13 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
         yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None, "stop_reason": None})
     async for c, d in gen.stream_deltas():
-        if not (d.text or d.finish_reason or d.token_ids):
+        delta, finish_reason = _chat_delta(calls[c.index], d)
+        ids_only = d.token_ids and (req.return_token_ids or not tools.parses)
+        if not (delta or d.finish_reason or ids_only):
             continue
-        delta: ChatDelta = {"content": d.text} if d.text else {}
         lp = chat_logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
         choice: ChatStreamChoice = {"index": c.index, "delta": delta, "logprobs": lp,
-                                    "finish_reason": d.finish_reason,
+                                    "finish_reason": finish_reason,
                                     "stop_reason": d.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = d.token_ids
@@ -757,6 +833,22 @@ async def _stream_generate(ctx: ServerContext, sp: GenerateSamplingParams, gen: 
             yield chunk({"index": c.index, "token_ids": [], "logprobs": None,
                          "finish_reason": "abort"})
     yield SSE_DONE
+
+
+def _chat_delta(calls: ToolCallStream, d: Delta) -> tuple[ChatDelta, str | None]:
+    """One delta of a streamed chat choice: its content and tool calls (as `calls` reads the
+    text), and its finish reason."""
+    content, tool_calls = calls.push(d.text)
+    finish_reason = d.finish_reason
+    if finish_reason is not None:
+        rest, more, finish_reason = calls.finish(finish_reason)
+        content, tool_calls = content + rest, tool_calls + more
+    delta: ChatDelta = {}
+    if content:
+        delta["content"] = content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
+    return delta, finish_reason
 
 
 # --- streaming common --------------------------------------------------------------------------

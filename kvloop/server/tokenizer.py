@@ -98,6 +98,12 @@ class Tokenizer:
                    chat_template=_hf_chat_template(root, cfg), bos_token_id=bos,
                    eos_token_id=eos, extra_eos_ids=eos_ids)
 
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath: the raw vocabulary, for the grammar backend
+        of structured output (`kvloop.structured`)."""
+        return self._tok
+
     # --- text <-> ids ---------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

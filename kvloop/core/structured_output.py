@@ -1,0 +1,261 @@
+"""Structured output in the engine: grammars compiled off the loop, the step's bitmask, the
+grammar's advance after sampling (vLLM's `StructuredOutputManager`).
+
+Owner: the engine's `StructuredOutputManager` owns the compile pool, the cache of compiled
+grammars and each request's `StructuredOutputRequest` (its grammar state). The scheduler
+asks whether a grammar is ready, failed or terminated and advances it with the tokens it
+appends; it alone changes `Request.status`.
+
+The life of a constrained request:
+
+1. `grammar_init` (from `EngineCore.add_request`): its grammar, keyed by
+   `StructuredOutputsParams.key` (kind, spec, whitespace), is taken from the cache or its
+   compile is submitted to the pool (max(1, (cpus + 1) // 2) threads, as vLLM); the
+   scheduler queues the request as WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.
+2. `schedule()` skips it while its grammar compiles (the requests behind it are admitted
+   meanwhile), makes it WAITING once compiled (then it is admitted like any request), and
+   finishes it with an error output if the compile failed.
+3. A step in which it samples gives it one bitmask row per sampled position (1 + its drafts,
+   which the scheduler has cut to the longest prefix the grammar accepts, `valid_prefix`),
+   filled by `grammar_bitmask` on the engine thread while the forward pass runs.
+4. After sampling, the scheduler feeds each new token to its grammar; a token the grammar
+   refuses ends the request with an error; a terminated grammar ends it ("stop").
+
+The grammar engine is a `GrammarBackend` (xgrammar's: `kvloop.structured`); this module
+imports none, and builds the backend lazily (in a pool thread) on the first compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from kvloop.core.outputs import GrammarOutput, SchedulerOutput
+from kvloop.core.request import Request, StructuredOutputsParams
+
+logger = logging.getLogger("kvloop.engine")
+
+DEFAULT_GRAMMAR_CACHE_SIZE = 256   # compiled grammars kept (least recently used dropped)
+GRAMMAR_REJECTED = "structured output: the grammar refused the sampled token {token}"
+
+
+def default_num_workers() -> int:
+    """vLLM's compile pool size: max(1, (cpus + 1) // 2)."""
+    return max(1, ((os.cpu_count() or 1) + 1) // 2)
+
+
+class Grammar(Protocol):
+    """One request's grammar state (xgrammar's `GrammarMatcher` is one as it is)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar refuses it."""
+        ...
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int = 0) -> bool:
+        """Write the tokens allowed next into row `index` of `bitmask` (state unchanged)."""
+        ...
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """True once the grammar has accepted a stop token (nothing may follow)."""
+        ...
+
+
+class GrammarBackend(Protocol):
+    """A grammar engine over one vocabulary."""
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """Compile `params`' constraint (slow; called from pool threads). ValueError with a
+        message naming the problem for an invalid schema, regex or grammar."""
+        ...
+
+    def matcher(self, compiled: Any) -> Grammar:
+        """A fresh grammar state at the start of `compiled` (cheap)."""
+        ...
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        """An int32 NumPy array `[num_rows, ceil(vocab_size / 32)]`."""
+        ...
+
+
+class StructuredOutputRequest:
+    """A request's grammar: compiling, failed (`error`) or ready (`grammar`).
+
+    Created by the manager; `poll()` (engine thread) turns a finished compile into the
+    request's own grammar state.
+    """
+
+    def __init__(self, params: StructuredOutputsParams, compiled: Future[Any],
+                 new_matcher: Callable[[Any], Grammar]):
+        self.params = params
+        self._compiled = compiled
+        self._new_matcher = new_matcher
+        self.grammar: Grammar | None = None
+        self.error: str | None = None
+
+    def poll(self) -> bool:
+        """True once the grammar is ready; sets `error` (and stays False) when the compile
+        failed."""
+        if self.grammar is not None:
+            return True
+        if self.error is not None or not self._compiled.done():
+            return False
+        exc = self._compiled.exception()
+        if exc is not None:
+            self.error = compile_error_message(exc)
+            return False
+        self.grammar = self._new_matcher(self._compiled.result())
+        return True
+
+    def accept_token(self, token_id: int) -> bool:
+        assert self.grammar is not None, "a request samples only once its grammar is ready"
+        return self.grammar.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.grammar is not None and self.grammar.is_terminated()
+
+    def valid_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar accepts from its state (left as is)."""
+        if self.grammar is None:
+            return []
+        accepted = 0
+        for tok in tokens:
+            if self.grammar.is_terminated() or not self.grammar.accept_token(tok):
+                break
+            accepted += 1
+        if accepted:
+            self.grammar.rollback(accepted)
+        return list(tokens[:accepted])
+
+
+def compile_error_message(exc: BaseException) -> str:
+    """What a failed compile tells the client: the backend's message for an invalid spec
+    (ValueError), the exception's type and text otherwise."""
+    if isinstance(exc, ValueError):
+        return str(exc)
+    return f"structured output: the grammar could not be compiled ({type(exc).__name__}: {exc})"
+
+
+class StructuredOutputManager:
+    """Compiles grammars in a thread pool, caches them, fills the step's bitmask.
+
+    `backend_factory` builds the `GrammarBackend` (once, on the first compile, in a pool
+    thread: importing a grammar engine takes a second).
+    """
+
+    def __init__(self, backend_factory: Callable[[], GrammarBackend],
+                 num_workers: int | None = None,
+                 cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE):
+        self._backend_factory = backend_factory
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._num_workers = num_workers or default_num_workers()
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[Any, ...], Future[Any]] = OrderedDict()
+        self._cache_size = cache_size
+        self._bitmask: Any = None      # reused buffer, grown as needed
+        self._bitmask_rows = 0
+
+    # --- compiling ------------------------------------------------------------------------
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend, built on first use (thread-safe)."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def grammar_init(self, request: Request) -> None:
+        """Attach the request's `StructuredOutputRequest`, its compile submitted (or found in
+        the cache). Mutates only `request.structured_output_request`."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None, "grammar_init is for constrained requests"
+        request.structured_output_request = StructuredOutputRequest(
+            params, self._compiled(params), self._matcher)
+
+    def _compiled(self, params: StructuredOutputsParams) -> Future[Any]:
+        key = params.key
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        future = self._get_pool().submit(self._compile, params)
+        self._cache[key] = future
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        return self.backend.compile(params)
+
+    def _matcher(self, compiled: Any) -> Grammar:
+        return self.backend.matcher(compiled)
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._num_workers,
+                                            thread_name_prefix="kvloop-grammar")
+        return self._pool
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Compile `params` now (on the caller's thread, into the cache): ValueError naming
+        the problem when it is invalid. For callers that can wait (the offline `LLM`)."""
+        future = self._compiled(params)
+        exc = future.exception()
+        if exc is not None:
+            raise ValueError(compile_error_message(exc)) from None
+
+    # --- the step's bitmask ---------------------------------------------------------------
+    def grammar_bitmask(self, requests: Mapping[str, Request],
+                        scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """Rows for every constrained request that samples this step, in scheduling order:
+        1 + its drafts each (row i: the tokens allowed after its first i drafts). None when
+        no such request. Grammar states are left as found (drafts are rolled back)."""
+        so = scheduler_output
+        ids = [rid for rid in so.num_scheduled_tokens if rid in so.sampling_req_ids
+               and (r := requests.get(rid)) is not None and r.structured_output_request]
+        if not ids:
+            return None
+        drafts = [so.scheduled_spec_decode_tokens.get(rid, []) for rid in ids]
+        num_rows = [1 + len(d) for d in drafts]
+        bitmask = self._buffer(sum(num_rows))
+        first = 0
+        for rid, req_drafts in zip(ids, drafts, strict=True):
+            so_req = requests[rid].structured_output_request
+            assert so_req is not None and so_req.grammar is not None
+            fill_rows(so_req.grammar, req_drafts, bitmask, first)
+            first += 1 + len(req_drafts)
+        return GrammarOutput(ids, num_rows, bitmask[:first])
+
+    def _buffer(self, num_rows: int) -> Any:
+        if num_rows > self._bitmask_rows:
+            self._bitmask_rows = max(num_rows, 2 * self._bitmask_rows, 16)
+            self._bitmask = self.backend.allocate_bitmask(self._bitmask_rows)
+        return self._bitmask
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_rows(grammar: Grammar, drafts: Sequence[int], bitmask: Any, first: int) -> None:
+    """Rows `first .. first + len(drafts)` of `bitmask`: the tokens allowed at each draft
+    position and after the last one, found by accepting the drafts one by one and rolling
+    back. A draft the grammar refuses stops the advance (the rows after it repeat the mask
+    of the last valid state; the rejection sampler never reaches them)."""
+    advanced = 0
+    for i in range(len(drafts) + 1):
+        grammar.fill_next_token_bitmask(bitmask, first + i)
+        if (i < len(drafts) and advanced == i and not grammar.is_terminated()
+                and grammar.accept_token(drafts[i])):
+            advanced += 1
+    if advanced:
+        grammar.rollback(advanced)

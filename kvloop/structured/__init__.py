@@ -1,0 +1,33 @@
+"""Structured output's grammar backend: xgrammar over the model's own vocabulary.
+
+`load_backend` is the factory the engine process names (`kvloop.config.GRAMMAR_BACKEND_FACTORY`,
+"module:function", as it names its runner's): it reads the served model's vocabulary with the
+API server's loader (`kvloop.server.tokenizer.load_vocabulary`), so the grammar and the
+tokenizer that decodes the output agree token for token. The engine core
+(`kvloop.core.structured_output`) sees only the `GrammarBackend` protocol; importing this
+package imports no grammar engine (xgrammar, which brings torch and transformers, is imported
+when the first backend is built).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvloop.config import RunnerConfig
+    from kvloop.structured.xgrammar_backend import XgrammarBackend
+
+
+def load_backend(runner: RunnerConfig, vocab_size: int) -> XgrammarBackend:
+    """The grammar backend of the model `runner` serves, for logits of `vocab_size` ids."""
+    from kvloop.server.tokenizer import load_vocabulary
+
+    vocab = load_vocabulary(runner.model)
+    return backend_for(vocab.tokenizer, max(vocab_size, vocab.vocab_size))
+
+
+def backend_for(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
+    """The grammar backend of a loaded `kvloop.server.tokenizer.Tokenizer`."""
+    from kvloop.structured.xgrammar_backend import XgrammarBackend
+
+    return XgrammarBackend(tokenizer, vocab_size)
