@@ -124,6 +124,17 @@ def component_of(subject: str) -> str | None:
         else None
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS's rule: `*` matches one token, a final `>` one or more."""
+    pt, st = pattern.split("."), subject.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(st) > i
+        if i >= len(st) or (p != "*" and p != st[i]):
+            return False
+    return len(st) == len(pt)
+
+
 def worker_id_of(epoch: str) -> int:
     """The 64-bit worker id of one worker incarnation (its epoch)."""
     return int.from_bytes(hashlib.blake2b(epoch.encode(), digest_size=8).digest(), "big")
