@@ -49,7 +49,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "nats")),
     "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
                        "kvloop.events", *ROUTER_SERVER_OK),
-                      ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq")),
+                      ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq",
+                       "redis")),
     "kvloop.viz": ((), ("matplotlib",)),
     "kvloop.bench": (None, None),
 }
