@@ -33,6 +33,7 @@ then an `end` message. A replay whose start is no longer buffered gets the heade
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from typing import Any
 
@@ -152,6 +153,25 @@ def connect_options(cfg: NatsPlaneConfig, name: str) -> dict[str, Any]:
     if cfg.token is not None:
         opts["token"] = cfg.token
     return opts
+
+
+async def first_connect(options: dict[str, Any], timeout_s: float, **callbacks: Any) -> Any:
+    """`nats.connect(**options)` that gives up after `timeout_s` (nats-py retries a refused
+    or unauthorized first connection for ever); the server's last complaint is in the error.
+    Once connected, the client reconnects for ever."""
+    import nats
+
+    errors: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+
+    try:
+        return await asyncio.wait_for(nats.connect(**options, error_cb=on_error, **callbacks),
+                                      timeout_s)
+    except (TimeoutError, OSError) as e:
+        cause = errors[-1] if errors else e
+        raise OSError(f"{type(cause).__name__}: {cause}".rstrip(": ")) from None
 
 
 def headers(worker_id: int, epoch: str, seq: int | None = None,

@@ -41,6 +41,7 @@ from kvloop.events.nats_plane import (
     Subjects,
     connect_options,
     encode_messages,
+    first_connect,
     header_int,
     headers,
     worker_id_of,
@@ -183,15 +184,13 @@ class NatsEventPublisher:
             self._ready.set()
 
     async def _main(self) -> None:
-        import nats
-
         self._loop = asyncio.get_running_loop()
         self._wake_event = asyncio.Event()
         try:
-            self._nc = await nats.connect(
-                **connect_options(self.plane, f"kvloop-worker-{self.worker_id}"),
-                disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                error_cb=self._on_error)
+            self._nc = await first_connect(
+                connect_options(self.plane, f"kvloop-worker-{self.worker_id}"),
+                self.plane.connect_timeout_s, disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected)
             await self._nc.subscribe(self.subjects.query(self.worker_id), cb=self._on_query)
             await self._nc.flush()
         except Exception as e:  # no server, bad credentials: start() reports it
@@ -345,5 +344,3 @@ class NatsEventPublisher:
     async def _on_reconnected(self) -> None:
         logger.warning("KV events: reconnected to %s", self.endpoint)
 
-    async def _on_error(self, e: Exception) -> None:
-        logger.debug("KV events: NATS client error: %s", e)

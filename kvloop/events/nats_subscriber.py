@@ -59,6 +59,7 @@ from kvloop.events.nats_plane import (
     Subjects,
     connect_options,
     decode_dynamo,
+    first_connect,
     header_int,
     payload_worker_id,
 )
@@ -152,15 +153,12 @@ class NatsEventPlane:
             self._ready.set()
 
     async def _main(self) -> None:
-        import nats
-
         self._loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
         try:
-            self.nc = await nats.connect(
-                **connect_options(self.config, self.name),
-                disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected,
-                error_cb=self._on_error)
+            self.nc = await first_connect(
+                connect_options(self.config, self.name), self.config.connect_timeout_s,
+                disconnected_cb=self._on_disconnected, reconnected_cb=self._on_reconnected)
             s = self.subjects
             await self.nc.subscribe(s.data, cb=self._on_data)
             await self.nc.subscribe(s.heartbeat, cb=self._on_heartbeat)
@@ -187,11 +185,13 @@ class NatsEventPlane:
     # --- workers --------------------------------------------------------------------------
     def attach(self, worker_id: int, name: str, component: str, on_batch: BatchCallback,
                on_heartbeat: HeartbeatCallback | None = None,
-               on_touch: TouchCallback | None = None, block_size: int = 0) -> WorkerStream:
+               on_touch: TouchCallback | None = None, block_size: int = 0,
+               payload_format: str | None = None) -> WorkerStream:
         """Start delivering worker `worker_id`'s events (its queries go to `component`'s
-        query subject); returns its stream, already synchronizing."""
+        query subject; its payloads are in `payload_format`, by default the plane's);
+        returns its stream, already synchronizing."""
         stream = WorkerStream(self, worker_id, name, component, on_batch, on_heartbeat,
-                              on_touch, block_size)
+                              on_touch, block_size, payload_format)
         self._call(self._attach(stream)).result(timeout=5.0)
         return stream
 
@@ -279,8 +279,6 @@ class NatsEventPlane:
         for stream in self._streams.values():
             stream.put((_RESYNC, RECONNECT, {}))
 
-    async def _on_error(self, e: Exception) -> None:
-        logger.debug("NATS client error: %s", e)
 
     # --- requests -------------------------------------------------------------------------
     async def request(self, subject: str, cmd: str, start: int | None = None
@@ -371,7 +369,8 @@ class WorkerStream:
 
     def __init__(self, plane: NatsEventPlane, worker_id: int, name: str, component: str,
                  on_batch: BatchCallback, on_heartbeat: HeartbeatCallback | None,
-                 on_touch: TouchCallback | None, block_size: int):
+                 on_touch: TouchCallback | None, block_size: int,
+                 payload_format: str | None = None):
         self.plane = plane
         self.worker_id = worker_id
         self.name = name
@@ -380,7 +379,7 @@ class WorkerStream:
         self._on_heartbeat = on_heartbeat
         self._on_touch = on_touch
         self.block_size = block_size
-        self.dynamo = plane.config.payload_format == PAYLOAD_DYNAMO
+        self.dynamo = (payload_format or plane.config.payload_format) == PAYLOAD_DYNAMO
         self._decoder = proto.BatchDecoder()
         self._stats = SubscriberStats(kvloop_publisher=True)
         self._queue: asyncio.Queue[tuple[str, Any, dict[str, str]]] = asyncio.Queue()

@@ -52,7 +52,8 @@ class NatsSubscription:
         self.stream: WorkerStream = plane.attach(
             source.worker_id, feed.worker, component, on_batch=lambda wb: deliver(feed, wb),
             on_heartbeat=lambda name, info: feed.on_heartbeat(),
-            on_touch=lambda name, hashes: feed.on_touch(hashes), block_size=block_size)
+            on_touch=lambda name, hashes: feed.on_touch(hashes), block_size=block_size,
+            payload_format=source.payload_format)
 
     def stop(self) -> None:
         self.plane.detach(self.worker_id, self.stream)

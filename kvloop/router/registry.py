@@ -69,6 +69,7 @@ class EventSource:
     topic: str = ""
     subject: str | None = None
     worker_id: int | None = None
+    payload_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def event_source(spec: WorkerSpec, desc: WorkerDescription | None) -> EventSourc
     replay = spec.replay_endpoint or (ev.replay_endpoint if ev is not None else None)
     if ev is None:
         return EventSource(endpoint, replay)
-    return EventSource(endpoint, replay, ev.topic, ev.subject, ev.worker_id)
+    return EventSource(endpoint, replay, ev.topic, ev.subject, ev.worker_id,
+                       ev.payload_format)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvloop.events.config import NatsPlaneConfig
-from kvloop.events.nats_plane import connect_options, discovery_subject
+from kvloop.events.nats_plane import connect_options, discovery_subject, first_connect
 from kvloop.wire import WorkerAnnouncement, WorkerInfo
 
 logger = logging.getLogger("kvloop.server")
@@ -48,11 +48,10 @@ class WorkerAnnouncer:
     async def start(self) -> None:
         """Connect and announce now, then every interval (a server that cannot be reached
         is logged: the worker serves on, undiscoverable)."""
-        import nats
-
         try:
-            self._nc = await nats.connect(
-                **connect_options(self.plane, f"kvloop-announcer-{self.worker_id}"))
+            self._nc = await first_connect(
+                connect_options(self.plane, f"kvloop-announcer-{self.worker_id}"),
+                self.plane.connect_timeout_s)
         except Exception as e:   # no server, bad credentials: the engine already said so
             logger.error("discovery: cannot reach %s (%s); this worker is not announced",
                          self.plane.safe_url, e)
