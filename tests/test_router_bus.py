@@ -198,3 +198,49 @@ def test_the_switch_to_disaggregated_raises_wrong_subject_within_the_window(nats
             assert health["status"] == "degraded"
             assert any("wrong_subject" in r for r in health["reasons"])
             assert w.load_only   # no cache credit while its events are not heard
+
+
+def test_kvloop_fleet_on_its_own_nats_server():
+    """`kvloop fleet --event-plane nats`: a nats-server of its own, workers publishing on it,
+    a router reading them there; one SIGTERM stops everything, the server too."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
+           "--event-plane", "nats", "--", "--sim-speedup", "40",
+           "--num-gpu-blocks-override", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "kvloop router on" in line:
+                ready.set()
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(120), "\n".join(lines[-30:])
+        text = "\n".join(lines)
+        nats_url = re.search(r"nats-server on (nats://\S+)", text).group(1)
+        assert f"event plane {nats_url}: listening on namespace.dynamo.component.*.kv-events" \
+            in text
+        url = re.search(r"kvloop router on (http://\S+)", text).group(1)
+        client = sdk(url)
+        for i in range(3):
+            client.completions.create(model="sim", prompt=prompt(i), max_tokens=2)
+        wait_until(lambda: sum(w["events"]["stored_blocks"] for w in
+                               httpx.get(url + "/workers").json().values()) > 0, 10,
+                   "events through the fleet's nats-server")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        host, port = nats_url.removeprefix("nats://").split(":")
+        import socket
+        with pytest.raises(OSError):
+            socket.create_connection((host, int(port)), timeout=1).close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

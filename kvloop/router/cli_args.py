@@ -3,7 +3,7 @@
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
     kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
     kvloop fleet --workers N [--model sim|PATH] [--port P] [--policy NAME] [--roles R,...]
-                 [--api-key KEY] [-- WORKER FLAGS]
+                 [--api-key KEY] [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_router_args(r)
     r.set_defaults(func=run_router_cmd)
 
-    f = subparsers.add_parser("fleet", help="N workers and a router on this host")
+    f = subparsers.add_parser("fleet", help="N workers and a router on this host",
+                              description="N `kvloop serve` workers and a router on this "
+                                          "host. --event-plane nats starts a nats-server of "
+                                          "its own and puts the KV events on it "
+                                          "(--event-plane nats://HOST:PORT: a running one).")
     f.add_argument("--workers", type=int, required=True, help="number of workers")
     f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
     f.add_argument("--roles", default=DEFAULT_ROLE,
@@ -189,6 +193,23 @@ def run_router_cmd(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvloop router: {e}") from None
 
 
+LOCAL_NATS = "nats"   # `kvloop fleet --event-plane nats`: start a nats-server of its own
+
+
+def _local_nats_port(args: argparse.Namespace) -> int | None:
+    """With `--event-plane nats`: a free port for the fleet's own nats-server, and the event
+    plane set to it (None otherwise)."""
+    if args.event_plane != LOCAL_NATS:
+        return None
+    import socket
+
+    with socket.socket() as s:
+        s.bind((args.host, 0))
+        port = int(s.getsockname()[1])
+    args.event_plane = f"nats://{args.host}:{port}"
+    return port
+
+
 def run_fleet_cmd(args: argparse.Namespace) -> int:
     from kvloop.router.fleet import FleetConfig, run_fleet
 
@@ -197,11 +218,14 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         extra = list(args.worker_args)
         if extra and extra[0] == "--":
             extra = extra[1:]
+        nats_port = _local_nats_port(args)
         cfg = router_config(args)
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
                             start_timeout_s=args.worker_start_timeout,
-                            worker_api_key=cfg.worker_api_key)
+                            worker_api_key=cfg.worker_api_key,
+                            event_plane=cfg.bus.plane if cfg.bus is not None else None,
+                            nats_port=nats_port)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):
