@@ -170,3 +170,19 @@ def test_two_replicas_agree_on_every_decision_and_a_restarted_one_routes_at_once
     with alone:
         wait_until(lambda: sum(w.up for w in alone.router.registry.all()) == 2, 10, "up")
         assert alone.router.route(stream(12)[-1]).predicted_tokens == 0
+
+
+def test_the_decision_latency_script_times_both_indexes(redis):
+    """`python -m kvloop.bench.router latency --indexes memory,redis`, small (the real run,
+    1M blocks, is for a quiet machine)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvloop.bench.router", "latency", "--workers", "2",
+         "--blocks", "2000", "--lengths", "256", "--decisions", "10", "--runs", "1",
+         "--indexes", "memory,redis", "--redis-url", redis_url(redis)],
+        capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "index (memory)" in out.stdout and "index (redis redis://127.0.0.1:" in out.stdout
+    assert out.stdout.count("route  p50") == 2
