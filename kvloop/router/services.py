@@ -38,14 +38,17 @@ def find_binary(name: str) -> str:
 
 
 class LocalService:
-    """One server process on `host:port`; `start()` returns once it accepts connections."""
+    """One server process on `host:port`; `start()` returns once it accepts connections, or,
+    with `ready_line` (for a server this process cannot reach, e.g. one started in another
+    network namespace through `prefix`), once its log shows that line."""
 
     def __init__(self, argv: Sequence[str], host: str, port: int, log_path: Path | None = None,
-                 prefix: Sequence[str] = ()):
+                 prefix: Sequence[str] = (), ready_line: str | None = None):
         self.argv = [*prefix, *argv]
         self.host = host
         self.port = port
         self.log_path = log_path
+        self.ready_line = ready_line
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 15.0) -> LocalService:
@@ -69,6 +72,8 @@ class LocalService:
         return self
 
     def _accepts(self) -> bool:
+        if self.ready_line is not None:
+            return self.ready_line in self.log()
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5):
                 return True
@@ -97,9 +102,13 @@ class LocalService:
         self.stop()
 
 
+NATS_READY = "Server is ready"
+REDIS_READY = "Ready to accept connections"
+
+
 def local_nats(host: str, port: int, log_path: Path | None = None, user: str | None = None,
                password: str | None = None, token: str | None = None,
-               prefix: Sequence[str] = ()) -> LocalService:
+               prefix: Sequence[str] = (), ready_line: str | None = None) -> LocalService:
     """A `nats-server` on `host:port` (not started), with user/password or token auth.
     (Its credentials travel on its command line: for local and test servers only.)"""
     argv = [find_binary(NATS_SERVER), "-a", host, "-p", str(port)]
@@ -107,17 +116,19 @@ def local_nats(host: str, port: int, log_path: Path | None = None, user: str | N
         argv += ["--user", user, "--pass", password or ""]
     if token is not None:
         argv += ["--auth", token]
-    return LocalService(argv, host, port, log_path, prefix)
+    return LocalService(argv, host, port, log_path, prefix, ready_line)
 
 
 def local_redis(host: str, port: int, log_path: Path | None = None,
-                password: str | None = None, prefix: Sequence[str] = ()) -> LocalService:
-    """A `redis-server` on `host:port` (not started): no persistence, nothing on disk."""
-    argv = [find_binary(REDIS_SERVER), "--bind", host, "--port", str(port), "--save", "",
-            "--appendonly", "no", "--protected-mode", "no"]
+                password: str | None = None, prefix: Sequence[str] = (),
+                ready_line: str | None = None, binds: Sequence[str] = ()) -> LocalService:
+    """A `redis-server` on `host:port` (and `binds`; not started): no persistence, nothing
+    on disk."""
+    argv = [find_binary(REDIS_SERVER), "--bind", host, *binds, "--port", str(port),
+            "--save", "", "--appendonly", "no", "--protected-mode", "no"]
     if password is not None:
         argv += ["--requirepass", password]
-    return LocalService(argv, host, port, log_path, prefix)
+    return LocalService(argv, host, port, log_path, prefix, ready_line)
 
 
 def nats_url(service: LocalService) -> str:
