@@ -309,9 +309,12 @@ class NatsEventPlane:
         items: list[tuple[int, bytes]] = []
         while True:
             try:
-                msg = await asyncio.wait_for(replies.get(), self.request_timeout_s)
-            except TimeoutError:
-                return None
+                msg = replies.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    msg = await asyncio.wait_for(replies.get(), self.request_timeout_s)
+                except TimeoutError:
+                    return None
             hdrs = msg.headers or {}
             kind = hdrs.get(H_KIND)
             if kind == KIND_HEADER:
