@@ -54,10 +54,11 @@ def url_of(srv: LocalService, user: str | None = NATS_USER,
 class NatsSimWorker(SimWorker):
     """`SimWorker` (a real EngineCore on the simulator) publishing on a NATS event plane."""
 
-    def __init__(self, plane: NatsPlaneConfig, **kw: object):
-        super().__init__(KVEventsConfig(), **kw)   # type: ignore[arg-type]
+    def __init__(self, plane: NatsPlaneConfig, recency: bool = False, **kw: object):
+        super().__init__(KVEventsConfig(), recency=recency, **kw)   # type: ignore[arg-type]
         self.publisher.shutdown()
-        self.publisher = NatsEventPublisher(KVEventsConfig(nats=plane)).start()  # type: ignore
+        cfg = KVEventsConfig(nats=plane, recency=recency, recency_interval_s=0.1)
+        self.publisher = NatsEventPublisher(cfg).start()  # type: ignore[assignment]
 
     @property
     def worker_id(self) -> int:

@@ -213,3 +213,21 @@ def test_published_blocks_are_the_prompt_blocks(nats):
     finally:
         plane.stop()
         worker.shutdown()
+
+
+def test_heartbeats_and_recency_travel_on_the_plane(nats):
+    """An idle worker still sends heartbeats (liveness); cache hits come back as recency
+    notices and refresh the router's LRU."""
+    worker = NatsSimWorker(plane_cfg(nats), recency=True, seed=5)
+    router, bus = _router_on(nats, [worker])
+    try:
+        (w,) = router.registry.all()
+        wait_until(lambda: w.events.last_heartbeat_at is not None, 5, "a heartbeat")
+        worker.run(20)                      # shared prefixes: hits, hence touches
+        wait_until(lambda: (w.subscriber_stats() or {}).get("touches", 0) > 0, 10,
+                   "recency notices")
+        wait_until(lambda: router.index.hashes_of(w.name) == worker.cached(), 10, "in sync")
+    finally:
+        router.shutdown()
+        bus.stop()
+        worker.shutdown()
