@@ -231,3 +231,23 @@ def test_heartbeats_and_recency_travel_on_the_plane(nats):
         router.shutdown()
         bus.stop()
         worker.shutdown()
+
+
+def test_token_auth_in_the_url(tmp_path):
+    token = "tok-7c1d"
+    with nats_server(tmp_path, user=None, password=None, token=token) as srv:
+        worker = NatsSimWorker(NatsPlaneConfig(f"nats://{token}@{srv.host}:{srv.port}"),
+                               seed=6)
+        plane = NatsEventPlane(NatsPlaneConfig(f"nats://{srv.host}:{srv.port}", token=token,
+                                               component="*")).start()
+        try:
+            assert worker.publisher.endpoint == f"nats://***@{srv.host}:{srv.port}"
+            worker.run(5)
+            assert snapshot_view(plane, worker.worker_id, "backend").hashes() == \
+                worker.cached()
+            with pytest.raises(OSError):
+                NatsEventPlane(NatsPlaneConfig(f"nats://{srv.host}:{srv.port}",
+                                               connect_timeout_s=1)).start()
+        finally:
+            plane.stop()
+            worker.shutdown()

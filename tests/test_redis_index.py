@@ -95,6 +95,22 @@ def test_redis_down_never_fails_a_decision(redis):
     assert ix.errors >= 2 and ix.worker_blocks("a:1") == 3
 
 
+def test_a_redis_password_from_the_flags(tmp_path):
+    from kvloop.router.services import local_redis
+
+    from .conftest import held_port
+
+    with held_port() as hold:
+        port = hold.getsockname()[1]
+        with local_redis("127.0.0.1", port, tmp_path / "r.log", password="pw-77") as srv:
+            with pytest.raises(OSError):
+                make_index(IndexConfig(url=redis_url(srv)))
+            ix = make_index(IndexConfig(url=redis_url(srv), password="pw-77"))
+            ix.add_worker("a:1")
+            ix.store("a:1", [5])
+            assert ix.match([5]) == {"a:1": 1}
+
+
 def test_an_unreachable_index_fails_the_start_clearly(redis):
     url = f"redis://user:pw-secret@{redis.host}:1"
     with pytest.raises(OSError) as err:
