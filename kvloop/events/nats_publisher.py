@@ -260,7 +260,8 @@ class NatsEventPublisher:
     async def _send_batch(self, batch: KVEventBatch) -> None:
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.config.data_parallel_rank
-        if not batch.events:
+        if not batch.events:   # nothing to number: a consumer sees no message
+            self.stats.published += 1
             return
         first = self._log.next_seq
         payloads = encode_messages(batch, self.plane, self.worker_id, first, self._encoder)

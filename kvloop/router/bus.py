@@ -28,7 +28,7 @@ from kvloop.events.nats_subscriber import NatsEventPlane, WorkerStream
 from kvloop.router.config import BusConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.registry import WRONG_SUBJECT, EventSource, WorkerState, event_source
-from kvloop.router.subscription import _STAT_NAMES, deliver
+from kvloop.router.subscription import deliver, router_stats
 
 if TYPE_CHECKING:
     from kvloop.router.router import Router, SubscriberFactory, Subscription
@@ -59,8 +59,7 @@ class NatsSubscription:
         self.plane.detach(self.worker_id, self.stream)
 
     def stats(self) -> dict[str, Any]:
-        raw = self.stream.stats.__dict__
-        return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
+        return router_stats(self.stream.stats)
 
 
 class RouterBus:

@@ -65,8 +65,13 @@ class KVEventSubscription:
         self._sub.stop(timeout=2.0)
 
     def stats(self) -> dict[str, Any]:
-        raw = dataclasses.asdict(self._sub.stats)
-        return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
+        return router_stats(self._sub.stats)
+
+
+def router_stats(stats: Any) -> dict[str, Any]:
+    """A subscriber's `SubscriberStats` (ZMQ or NATS) under the router's metric names."""
+    raw = dataclasses.asdict(stats)
+    return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
 
 
 def kv_event_subscription(source: EventSource, feed: EventFeed) -> KVEventSubscription:
