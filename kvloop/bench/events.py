@@ -1,6 +1,7 @@
 """KV-event throughput: what the publisher and the subscriber sustain.
 
     python -m kvloop.bench.events [--batches 20000] [--runs 5] [--snapshot-blocks 100000]
+                                  [--nats]
 
 Each batch is one step's worth of work: one BlockStored of 16 blocks (16 hashes, 256 token
 ids, parent chained), as an engine emits for a 256-token prefill chunk.
@@ -13,6 +14,10 @@ ids, parent chained), as an engine emits for a 256-token prefill chunk.
   a CacheView as fast as it can. Rate = batches delivered / time.
 - snapshot: a publisher whose mirror holds N blocks serves a snapshot to a subscriber that
   joins late; time from start() to the snapshot applied.
+
+- `--nats`: the same publisher and late-joiner snapshot on a NATS event plane (a local
+  nats-server started for the run), and the recovery of a gap: one replay request over
+  request/reply for the last K batches.
 
 Figures are medians over `--runs` runs (the machine is shared and noisy).
 """
@@ -190,6 +195,68 @@ def bench_snapshot(num_blocks: int) -> dict[str, float]:
     return {"seconds": elapsed, "blocks_per_s": len(view) / elapsed}
 
 
+# --- the NATS event plane ---------------------------------------------------------------
+def bench_nats(url: str, batches: list[KVEventBatch], snapshot_blocks: int,
+               replay_batches: int) -> dict[str, float]:
+    """Publisher rate, late-joiner snapshot and gap replay on the NATS plane at `url`."""
+    from kvloop.events.config import NatsPlaneConfig
+    from kvloop.events.nats_plane import CMD_REPLAY
+    from kvloop.events.nats_publisher import NatsEventPublisher
+    from kvloop.events.nats_subscriber import NatsEventPlane
+
+    plane_cfg = NatsPlaneConfig(url)
+    pub = NatsEventPublisher(KVEventsConfig(nats=plane_cfg, buffer_steps=len(batches))).start()
+    consumer = NatsEventPlane(NatsPlaneConfig(url, component="*")).start()
+    try:
+        t0 = time.perf_counter()
+        for b in batches:
+            pub.publish(b)
+        wait_for(lambda: pub.stats.published == len(batches), 120)
+        rate = len(batches) / (time.perf_counter() - t0)
+        extra = make_batches(max(0, snapshot_blocks // BLOCKS_PER_BATCH - len(batches)), 3)
+        for b in extra:
+            pub.publish(b)
+        wait_for(lambda: pub.stats.published == len(batches) + len(extra), 120)
+        view = CacheView()
+        t0 = time.perf_counter()
+        stream = consumer.attach(pub.worker_id, "bench", "backend",
+                                 lambda wb: view.apply(wb.batch), block_size=BLOCK_SIZE)
+        wait_for(lambda: stream.stats.snapshots == 1, 120)
+        snapshot_s = time.perf_counter() - t0
+        start = pub.next_seq - replay_batches
+        t0 = time.perf_counter()
+        reply = consumer._call(consumer.request(pub.replay_endpoint, CMD_REPLAY, start)
+                               ).result(60)
+        replay_s = time.perf_counter() - t0
+        assert reply is not None and len(reply[1]) == replay_batches
+    finally:
+        consumer.stop()
+        pub.shutdown()
+    return {"batches_per_s": rate, "snapshot_s": snapshot_s,
+            "snapshot_blocks": float(len(view)), "replay_s": replay_s}
+
+
+def run_nats(args: argparse.Namespace, batches: list[KVEventBatch]) -> None:
+    import socket
+
+    from kvloop.router.services import local_nats
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    replay = min(1000, len(batches))
+    with local_nats("127.0.0.1", port) as srv:
+        url = f"nats://{srv.host}:{srv.port}"
+        runs = [bench_nats(url, batches, args.snapshot_blocks, replay)
+                for _ in range(max(1, args.runs // 2))]
+    print(f"NATS publisher            : {_median(runs, 'batches_per_s'):9.0f} batches/s "
+          f"{_median(runs, 'batches_per_s') * BLOCKS_PER_BATCH:10.0f} blocks/s")
+    print(f"NATS snapshot of {_median(runs, 'snapshot_blocks'):.0f} blocks to a late joiner: "
+          f"{_median(runs, 'snapshot_s'):.2f} s")
+    print(f"NATS replay of the last {replay} batches ({replay * BLOCKS_PER_BATCH} blocks): "
+          f"{_median(runs, 'replay_s') * 1000:.0f} ms")
+
+
 def _median(runs: list[dict[str, float]], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
@@ -199,8 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, default=20_000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--snapshot-blocks", type=int, default=100_000)
+    ap.add_argument("--nats", action="store_true",
+                    help="measure the NATS event plane instead (a local nats-server)")
     args = ap.parse_args(argv)
     batches = make_batches(args.batches)
+    if args.nats:
+        run_nats(args, batches)
+        return
     print(f"{args.batches} batches of one {BLOCKS_PER_BATCH}-block BlockStored; "
           f"median of {args.runs} runs")
     for replay in (False, True):

@@ -7,7 +7,10 @@ match the index, score every worker with the cost model, add provisional entries
 ticket) and its parts. Queried prompts share prefixes that several workers hold at different
 depths, so matches walk deep chains.
 
-Prints p50/p99 per prompt length and phase, per run, and the median over runs.
+Prints p50/p99 per prompt length and phase, per run, and the median over runs. With
+`--indexes memory,redis` the same index is built in memory and in Redis (block -> workers in
+a redis-server: `--redis-url`, else one started on a free local port for the run) and both
+are timed, one after the other, in the same sitting.
 
 fleet: `kvloop bench` through `kvloop router` in front of N simulated workers, for each
 policy and workload: throughput, TTFT p50/p99 and the cache-hit share. Each run starts from
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
@@ -36,12 +40,14 @@ from kvloop.server.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.wire import KVEventsInfo
 
 
-def build_router(num_workers: int, num_blocks: int, seed: int = 0) -> tuple[Router, list]:
-    """A router whose index holds `num_blocks` entries over `num_workers` workers."""
+def build_router(num_workers: int, num_blocks: int, seed: int = 0,
+                 index_url: str | None = None) -> tuple[Router, list]:
+    """A router whose index holds `num_blocks` entries over `num_workers` workers (in Redis
+    at `index_url`, else in memory)."""
     per_worker = num_blocks // num_workers
     cfg = RouterConfig(hash_spec=HashSpec(16, "sha256", "bench"),
                        index=IndexConfig(max_blocks=num_blocks + 1_000_000,
-                                         provisional_ttl_s=2.0),
+                                         provisional_ttl_s=2.0, url=index_url),
                        liveness=LivenessConfig())
     router = Router(cfg)
     names = []
@@ -64,9 +70,11 @@ def build_router(num_workers: int, num_blocks: int, seed: int = 0) -> tuple[Rout
         for k in range(3):
             name = names[(j + 5 * k) % num_workers]
             router.index.store(name, chain[:len(chain) >> k])
-    for name in names:  # fill the rest with unrelated blocks
-        missing = per_worker - router.index.worker_blocks(name)
-        router.index.store(name, (rng.getrandbits(64) for _ in range(max(0, missing))))
+    for name in names:  # fill the rest with unrelated blocks, in store calls of 10,000
+        missing = max(0, per_worker - router.index.worker_blocks(name))
+        for start in range(0, missing, 10_000):
+            n = min(10_000, missing - start)
+            router.index.store(name, [rng.getrandbits(64) for _ in range(n)])
     return router, prefixes
 
 
@@ -128,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
     lat.add_argument("--decisions", type=int, default=2000)
     lat.add_argument("--runs", type=int, default=3)
+    lat.add_argument("--indexes", default="memory",
+                     help="comma-separated: memory, redis (default: memory)")
+    lat.add_argument("--redis-url", default=None,
+                     help="a running Redis to use for --indexes redis (its database is "
+                          "flushed); default: a redis-server started for the run")
     fl = sub.add_parser("fleet", help="kvloop bench through the router, per policy")
     fl.add_argument("--workers", type=int, default=8)
     fl.add_argument("--policies", default="kv-aware,round-robin,least-loaded")
@@ -146,12 +159,50 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_latency(args: argparse.Namespace) -> int:
+    kinds = [k.strip() for k in args.indexes.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("memory", "redis")]
+    if bad or not kinds:
+        raise SystemExit(f"--indexes: choose from memory, redis (got {args.indexes!r})")
+    for kind in kinds:
+        if kind == "memory":
+            _latency_of(args, None)
+        elif args.redis_url is not None:
+            _latency_of(args, args.redis_url)
+        else:
+            with _local_redis() as url:
+                _latency_of(args, url)
+    return 0
+
+
+def _local_redis() -> Any:
+    """A redis-server on a free local port for the run (a context manager of its URL)."""
+    import contextlib
+    import socket
+
+    from kvloop.router.services import local_redis
+
+    @contextlib.contextmanager
+    def run() -> Any:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with local_redis("127.0.0.1", port) as srv:
+            yield f"redis://{srv.host}:{srv.port}"
+    return run()
+
+
+def _latency_of(args: argparse.Namespace, index_url: str | None) -> None:
+    if index_url is not None:
+        import redis
+
+        redis.Redis.from_url(index_url).flushdb()
+    what = "redis " + index_url.rsplit("@", 1)[-1] if index_url else "memory"
     rss0 = _rss_mb()
     t0 = time.perf_counter()
-    router, prefixes = build_router(args.workers, args.blocks)
-    print(f"index: {router.index.num_blocks():,} entries, {router.index.num_hashes():,} "
-          f"hashes, {args.workers} workers; built in {time.perf_counter() - t0:.1f}s; "
-          f"max RSS +{_rss_mb() - rss0:.0f} MB")
+    router, prefixes = build_router(args.workers, args.blocks, index_url=index_url)
+    print(f"index ({what}): {router.index.num_blocks():,} entries, "
+          f"{router.index.num_hashes():,} hashes, {args.workers} workers; built in "
+          f"{time.perf_counter() - t0:.1f}s; max RSS +{_rss_mb() - rss0:.0f} MB")
     rng = random.Random(1)
     noise = _noise_floor(args.decisions)
     print(f"noise floor (a fixed CPU task, same sitting): p50 {noise[0] * 1e6:.0f} us "
@@ -161,7 +212,6 @@ def run_latency(args: argparse.Namespace) -> int:
                    for p in prefixes]
         _report(length, [time_phases(router, prompts, args.decisions, rng)
                          for _ in range(args.runs)])
-    return 0
 
 
 def _report(length: int, runs: list[dict[str, list[float]]]) -> None:

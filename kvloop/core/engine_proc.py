@@ -217,19 +217,21 @@ class EngineCoreProc:
     def _start_publisher(self, ready: EngineReady, ev_cfg: KVEventsConfig) -> EngineReady:
         """Start the KV-event publisher; `ready` with its actual addresses and epoch."""
         try:
-            from kvloop.events.publisher import ZmqEventPublisher
+            if ev_cfg.nats is not None:
+                from kvloop.events.nats_publisher import NatsEventPublisher
+                self.publisher = NatsEventPublisher(ev_cfg, epoch=self.config.epoch)
+            else:
+                from kvloop.events.publisher import ZmqEventPublisher
+                self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)
         except ImportError as e:
             raise RuntimeError(f"KV events were asked for but the publisher is not available "
                                f"({e})") from e
-        self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)
         self.publisher.start()
         assert self.engine is not None
         if ev_cfg.recency:
             self.engine.block_pool.track_touches = True
-        events = KVEventsInfo(endpoint=self.publisher.endpoint,
-                              replay_endpoint=self.publisher.replay_endpoint,
-                              topic=ev_cfg.topic, recency=ev_cfg.recency)
-        return msgspec.structs.replace(ready, kv_events=events, epoch=self.publisher.epoch)
+        return msgspec.structs.replace(ready, kv_events=_events_info(self.publisher, ev_cfg),
+                                       epoch=self.publisher.epoch)
 
     # --- threads --------------------------------------------------------------------------
     def _input_loop(self) -> None:
@@ -464,6 +466,17 @@ class EngineCoreProc:
             self.engine.shutdown()
         self._dealer.close()
         self._push.close()
+
+
+def _events_info(publisher: Any, cfg: KVEventsConfig) -> KVEventsInfo:
+    """Where the started `publisher` sends its events (ZMQ addresses, or NATS subjects)."""
+    if cfg.nats is None:
+        return KVEventsInfo(endpoint=publisher.endpoint,
+                            replay_endpoint=publisher.replay_endpoint, topic=cfg.topic,
+                            recency=cfg.recency)
+    return KVEventsInfo(endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint,
+                        topic="", recency=cfg.recency, subject=publisher.subjects.data,
+                        worker_id=publisher.worker_id, payload_format=cfg.nats.payload_format)
 
 
 def _request_id_of(payload: memoryview) -> str | None:

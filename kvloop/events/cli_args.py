@@ -6,15 +6,30 @@
   `--kv-events-topic`, ...) and the `KVEventsConfig` they make, for any command that runs an
   engine: `kvloop serve` takes them from here.
 
+- `add_event_plane_args(group, consumer)` / `event_plane_from_args(args, component)`: the
+  NATS event plane's flags (`--event-plane`, `--dyn-namespace`, `--dyn-component`,
+  `--event-plane-format`, `--nats-user`, `--nats-password`, `--nats-token`), for a worker
+  (`kvloop serve`, through `add_publisher_args`) and a router alike.
+
 Nothing heavy is imported here: the subscriber and zmq load only when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from kvloop.events.config import KVEventsConfig
+from kvloop.events.config import (
+    COMPONENT_ENV,
+    COMPONENT_OF_ROLE,
+    DEFAULT_NAMESPACE,
+    NAMESPACE_ENV,
+    PAYLOAD_FORMATS,
+    PAYLOAD_VLLM,
+    KVEventsConfig,
+    NatsPlaneConfig,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -75,14 +90,56 @@ def add_publisher_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
                    default=None, help="heartbeats on their own topic (default: on when "
                                       "--kv-events-topic is not empty)")
+    add_event_plane_args(g, consumer=False)
+
+
+def add_event_plane_args(g: Any, consumer: bool) -> None:
+    """The NATS event plane's flags on argument group `g` (`consumer`: a router's words)."""
+    what = ("read the workers' KV events from this NATS server" if consumer else
+            "publish the KV events on this NATS server instead of ZMQ (implies "
+            "--enable-kv-cache-events), on Dynamo's subject")
+    g.add_argument("--event-plane", default=None, metavar="nats://HOST:PORT",
+                   help=f"{what}: namespace.NS.component.C.kv-events (credentials may be "
+                        "in the URL: nats://USER:PASSWORD@HOST:PORT or nats://TOKEN@HOST:PORT)")
+    g.add_argument("--dyn-namespace", default=None, metavar="NS",
+                   help=f"the event plane's namespace (default: ${NAMESPACE_ENV}, else "
+                        f"{DEFAULT_NAMESPACE!r})")
+    comp = ("the component to listen to: backend, prefill, decode... (default: "
+            f"${COMPONENT_ENV}, else every component, '*')" if consumer else
+            f"the component to publish as (default: ${COMPONENT_ENV}, else by --role: "
+            + ", ".join(f"{r} -> {c}" for r, c in COMPONENT_OF_ROLE.items()) + ")")
+    g.add_argument("--dyn-component", default=None, metavar="C", help=comp)
+    g.add_argument("--event-plane-format", choices=PAYLOAD_FORMATS, default=PAYLOAD_VLLM,
+                   help="payload on the event plane: vLLM's msgpack batches, or Dynamo's "
+                        "RouterEvent JSON (one per event)")
+    g.add_argument("--nats-user", default=None, help="NATS user (with --nats-password)")
+    g.add_argument("--nats-password", default=None, help="NATS password (never logged)")
+    g.add_argument("--nats-token", default=None, help="NATS token (never logged)")
+
+
+def event_plane_from_args(args: argparse.Namespace, component: str
+                          ) -> NatsPlaneConfig | None:
+    """The `NatsPlaneConfig` of `add_event_plane_args`' flags (None without --event-plane);
+    `component` is used unless --dyn-component or $DYN_COMPONENT says otherwise. Raises
+    ValueError for a value NATS cannot use."""
+    if args.event_plane is None:
+        return None
+    return NatsPlaneConfig(
+        url=args.event_plane,
+        namespace=args.dyn_namespace or os.environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE,
+        component=args.dyn_component or os.environ.get(COMPONENT_ENV) or component,
+        payload_format=args.event_plane_format, user=args.nats_user,
+        password=args.nats_password, token=args.nats_token)
 
 
 def publisher_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:
     """The `KVEventsConfig` of `add_publisher_args`' flags, or None when events are off.
     Raises ValueError for an endpoint the publisher cannot use."""
-    if args.kv_events_endpoint is None and not args.enable_kv_cache_events:
+    role = getattr(args, "role", "both")
+    nats = event_plane_from_args(args, COMPONENT_OF_ROLE.get(role, COMPONENT_OF_ROLE["both"]))
+    if args.kv_events_endpoint is None and not args.enable_kv_cache_events and nats is None:
         return None
     return KVEventsConfig(endpoint=args.kv_events_endpoint,
                           replay_endpoint=args.kv_events_replay_endpoint,
                           topic=args.kv_events_topic, recency=args.kv_events_recency,
-                          heartbeat=args.kv_events_heartbeat)
+                          heartbeat=args.kv_events_heartbeat, nats=nats)

@@ -4,16 +4,97 @@ The `--kv-events-*` flags (`kvloop.events.cli_args`) build one; `kvloop serve` s
 engine process inside `EngineStartConfig` (msgspec encodes and decodes this dataclass, running
 `__post_init__`), where `kvloop.events.publisher.ZmqEventPublisher` takes it. Importing this
 module loads no zmq.
+
+`NatsPlaneConfig` (its `nats` field) moves the stream onto a NATS server instead: Dynamo's
+subjects, kvloop's extensions beside them (`kvloop.events.nats_plane`). Its credentials (in
+the URL or the user/password/token fields) are never logged: `redact_url` is what logs show.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from kvloop.events import protocol as proto
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:0"
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+# --- the NATS event plane: Dynamo's names (DYN_NAMESPACE, DYN_COMPONENT) -----------------------
+DEFAULT_NAMESPACE = "dynamo"
+NAMESPACE_ENV = "DYN_NAMESPACE"
+COMPONENT_ENV = "DYN_COMPONENT"
+# Dynamo's component per serving role: aggregated workers are `backend`; disaggregated ones
+# publish as their role. (kvloop's roles are kvloop.config.ROLES.)
+COMPONENT_OF_ROLE = {"both": "backend", "prefill": "prefill", "decode": "decode"}
+PAYLOAD_VLLM = "vllm"         # vLLM's msgpack KVEventBatch, one message per engine step
+PAYLOAD_DYNAMO = "dynamo"     # Dynamo's RouterEvent JSON, one message per event
+PAYLOAD_FORMATS = (PAYLOAD_VLLM, PAYLOAD_DYNAMO)
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def redact_url(url: str) -> str:
+    """`url` with any user, password or token replaced by `***` (what logs may show)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc="***@" + host))
+
+
+def check_subject_token(name: str, value: str) -> None:
+    """ValueError unless `value` can be one token of a NATS subject (no dots, no wildcards)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{name} must be letters, digits, '-' or '_' (one NATS subject "
+                         f"token), got {value!r}")
+
+
+@dataclass(frozen=True)
+class NatsPlaneConfig:
+    """Where a worker's KV events go on NATS, or where a consumer reads them.
+
+    `url`: `nats://[USER:PASSWORD@|TOKEN@]HOST:PORT`; `user`/`password`/`token` add
+    credentials the URL does not carry. Subjects: `namespace.{namespace}.component.{component}
+    .kv-events` (Dynamo's) and kvloop's extensions beside it. A consumer may give `component`
+    "*": every component of the namespace. `payload_format`: vLLM's batches or Dynamo's
+    events. `announce_interval_s`: how often a worker repeats its announcement (discovery).
+    `connect_timeout_s`: how long a start waits for the server.
+    """
+
+    url: str
+    namespace: str = DEFAULT_NAMESPACE
+    component: str = COMPONENT_OF_ROLE["both"]
+    payload_format: str = PAYLOAD_VLLM
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    announce_interval_s: float = 1.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ValueError(f"the event plane must look like nats://HOST:PORT, got "
+                             f"{redact_url(self.url)!r}")
+        check_subject_token("the namespace", self.namespace)
+        if self.component != "*":
+            check_subject_token("the component", self.component)
+        if self.payload_format not in PAYLOAD_FORMATS:
+            raise ValueError(f"payload_format must be one of {PAYLOAD_FORMATS}, got "
+                             f"{self.payload_format!r}")
+        if (self.password is None) != (self.user is None):
+            raise ValueError("a NATS user needs a password, and a password a user")
+        if self.announce_interval_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("announce_interval_s and connect_timeout_s must be > 0")
+
+    @property
+    def safe_url(self) -> str:
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:   # dataclass's would print the password and the token
+        return (f"NatsPlaneConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
+                f"component={self.component!r}, payload_format={self.payload_format!r})")
 
 
 @dataclass(frozen=True)
@@ -27,6 +108,8 @@ class KVEventsConfig:
     addresses. `heartbeat`: None = on iff the topic is non-empty (see `kvloop.events.publisher`).
     `snapshot`: keep a mirror of the cache to serve snapshots (needs a replay endpoint).
     `int_block_hashes`: recency notices carry 64-bit ints (as events do by default) or bytes.
+    `nats`: publish on a NATS server instead of ZMQ (then `endpoint` and `replay_endpoint`
+    must be None: replay and snapshots go over NATS request/reply, heartbeats are on).
     """
 
     endpoint: str | None = None
@@ -43,8 +126,12 @@ class KVEventsConfig:
     snapshot: bool = True
     int_block_hashes: bool = True
     snapshot_blocks_per_message: int = 1024
+    nats: NatsPlaneConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.nats is not None and (self.endpoint or self.replay_endpoint):
+            raise ValueError("KV events go either to ZMQ endpoints or to a NATS event plane, "
+                             "not both")
         for name in ("endpoint", "replay_endpoint"):
             ep = getattr(self, name)
             if ep is not None:

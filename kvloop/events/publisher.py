@@ -3,11 +3,11 @@
 Threads and ownership:
 - The engine loop calls `publish(batch)` once per step (non-blocking: it appends to a bounded
   queue) and, with recency on, `publish_touches(hashes)`.
-- One publisher thread (`kvloop-kv-events`) owns everything else: the PUB and ROUTER sockets,
-  the sequence counter, the ring buffer of the last `buffer_steps` encoded batches and the
-  mirror of the worker's cache (a `CacheView` fed with every published batch). Replay and
-  snapshot requests are served from this thread between publishes, so a snapshot is exact at
-  a sequence number and never touches the engine loop.
+- One publisher thread (`kvloop-kv-events`) owns everything else: the PUB and ROUTER sockets
+  and the `BatchLog` (`batch_log.py`: the sequence counter, the ring buffer of the last
+  `buffer_steps` encoded batches and the mirror of the worker's cache). Replay and snapshot
+  requests are served from this thread between publishes, so a snapshot is exact at a
+  sequence number and never touches the engine loop.
 
 vLLM compatibility (docs/vllm-facts.md#kv-events): frames, sequence numbers, replay protocol
 and end marker, buffer and HWM defaults, `data_parallel_rank` filled in, tcp port + rank for
@@ -23,8 +23,7 @@ Extensions (see `protocol.py`), none of which a vLLM consumer sees unless it ask
 - recency on `RECENCY_TOPIC`: opt-in (`recency=True`).
 
 If the queue overflows (the publisher thread cannot keep up), the newest batches are dropped
-and, in their place, one `AllBlocksCleared` is published: consumers forget this worker's
-blocks rather than believe in blocks that are gone (their view becomes a subset of the cache).
+and, in their place, one `AllBlocksCleared` is published (`batch_log.BatchQueue`).
 """
 
 from __future__ import annotations
@@ -34,23 +33,20 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import islice
 
 import msgspec
 import zmq
 
 from kvloop.events import protocol as proto
+from kvloop.events.batch_log import OVERFLOWED, QUEUED, BatchLog, BatchQueue
 from kvloop.events.config import DEFAULT_ENDPOINT, KVEventsConfig
-from kvloop.events.types import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch, event_int
-from kvloop.events.view import CacheView
+from kvloop.events.types import KVEventBatch, event_int
 
 logger = logging.getLogger(__name__)
 
-_OVERFLOW = object()  # queue marker: batches were dropped here
-_TOUCHES_PER_NOTICE = 8192
+TOUCHES_PER_NOTICE = 8192
 _ROUTER_MIN_HWM = 100_000
 
 
@@ -92,8 +88,7 @@ class ZmqEventPublisher:
         self.config = config
         self._epoch = epoch or new_epoch()
         self._topic = config.topic.encode("utf-8")
-        self._queue: deque[object] = deque()
-        self._overflow_pending = False
+        self._queue = BatchQueue(config.max_queue_size)
         self._touches: list[bytes] = []
         self._touch_lock = threading.Lock()
         self._stop = threading.Event()
@@ -111,10 +106,8 @@ class ZmqEventPublisher:
         self._replay_endpoint: str | None = None
         self.stats = PublisherStats()
         # Publisher-thread state.
-        self._next_seq = 0
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         keep = config.snapshot and config.replay_endpoint is not None
-        self._mirror: CacheView | None = CacheView(keep_blocks=True) if keep else None
+        self._log = BatchLog(config.buffer_steps, keep_mirror=keep)
         self._touch_seq = 0
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -136,7 +129,7 @@ class ZmqEventPublisher:
     @property
     def next_seq(self) -> int:
         """Sequence number of the next batch the thread will send (= batches sent)."""
-        return self._next_seq
+        return self._log.next_seq
 
     def start(self) -> ZmqEventPublisher:
         """Bind (or connect) the sockets and start the publisher thread.
@@ -170,15 +163,12 @@ class ZmqEventPublisher:
             raise RuntimeError("ZmqEventPublisher.publish() before start()")
         if self._closed:
             return
-        if len(self._queue) >= self.config.max_queue_size:
+        outcome = self._queue.put(batch)
+        if outcome != QUEUED:
             self.stats.dropped += 1
-            if not self._overflow_pending:
-                self._overflow_pending = True
-                self._queue.append(_OVERFLOW)
+            if outcome == OVERFLOWED:
                 logger.warning("KV events: queue full (%d), dropping batches",
                                self.config.max_queue_size)
-        else:
-            self._queue.append(batch)
         if self._sleeping:
             self._wake()
 
@@ -214,16 +204,17 @@ class ZmqEventPublisher:
 
     def mirror_hashes(self) -> set[int | bytes] | None:
         """The mirror's hashes (for tests; only meaningful when the thread is idle)."""
-        return None if self._mirror is None else self._mirror.hashes()
+        mirror = self._log.mirror
+        return None if mirror is None else mirror.hashes()
 
     def info(self) -> proto.PublisherInfo:
         """What heartbeats and reply headers say about this publisher right now."""
         cfg = self.config
         return proto.PublisherInfo(
-            epoch=self._epoch, next_seq=self._next_seq,
-            oldest_seq=self._buffer[0][0] if self._buffer else None, ts=time.time(),
+            epoch=self._epoch, next_seq=self._log.next_seq,
+            oldest_seq=self._log.oldest_seq, ts=time.time(),
             topic=cfg.topic, data_parallel_rank=cfg.data_parallel_rank,
-            buffer_steps=cfg.buffer_steps, snapshot=self._mirror is not None,
+            buffer_steps=cfg.buffer_steps, snapshot=self._log.mirror is not None,
             heartbeat_interval_s=cfg.heartbeat_interval_s if cfg.heartbeats_enabled else 0.0,
             recency=cfg.recency)
 
@@ -316,14 +307,11 @@ class ZmqEventPublisher:
 
     def _send_queued(self, limit: int | None) -> int:
         n = 0
-        queue = self._queue
-        while queue and (limit is None or n < limit):
-            item = queue.popleft()
-            if item is _OVERFLOW:
-                self._overflow_pending = False
-                item = KVEventBatch(ts=time.time(), events=[AllBlocksCleared()])
-            assert isinstance(item, KVEventBatch)
-            self._send_batch(item)
+        while limit is None or n < limit:
+            batch = self._queue.pop()
+            if batch is None:
+                break
+            self._send_batch(batch)
             n += 1
         return n
 
@@ -331,34 +319,23 @@ class ZmqEventPublisher:
         if batch.data_parallel_rank is None:
             batch.data_parallel_rank = self.config.data_parallel_rank
         payload = self._encoder.encode(batch)
-        seq = self._next_seq
         assert self._pub is not None
-        self._pub.send_multipart((self._topic, proto.seq_bytes(seq), payload), copy=False)
-        self._buffer.append((seq, payload))
-        if self._mirror is not None:
-            self._mirror.apply(batch.events)
-        self._next_seq = seq + 1
+        self._pub.send_multipart((self._topic, proto.seq_bytes(self._log.next_seq), payload),
+                                 copy=False)
+        self._log.record(batch.events, (payload,))
         self.stats.published += 1
 
     def _send_heartbeat(self) -> None:
         assert self._pub is not None
-        self._pub.send_multipart((proto.HEARTBEAT_TOPIC, proto.seq_bytes(self._next_seq),
+        self._pub.send_multipart((proto.HEARTBEAT_TOPIC, proto.seq_bytes(self._log.next_seq),
                                   proto.encode_info(self.info())))
         self.stats.heartbeats += 1
 
     def _send_touches(self) -> None:
         with self._touch_lock:
             touched, self._touches = self._touches, []
-        if not touched:
-            return
-        unique = list(dict.fromkeys(touched))
-        hashes: list[int | bytes] = ([event_int(h) for h in unique]
-                                     if self.config.int_block_hashes else list(unique))
         assert self._pub is not None
-        for i in range(0, len(hashes), _TOUCHES_PER_NOTICE):
-            notice = proto.Touches(ts=time.time(), epoch=self._epoch,
-                                   block_hashes=hashes[i:i + _TOUCHES_PER_NOTICE],
-                                   data_parallel_rank=self.config.data_parallel_rank)
+        for notice in touch_notices(touched, self.config, self._epoch):
             self._pub.send_multipart((proto.RECENCY_TOPIC, proto.seq_bytes(self._touch_seq),
                                       msgspec.msgpack.encode(notice)))
             self._touch_seq += 1
@@ -392,7 +369,7 @@ class ZmqEventPublisher:
         elif cmd == proto.CMD_REPLAY and len(args) == 1 and len(args[0]) == 8:
             start = proto.seq_from_bytes(args[0])
             self._send_header(ident, cmd)
-            if not self._history_lost(start):
+            if not self._log.history_lost(start):
                 self._send_replay(ident, start)
             self._send_end(ident)
             self.stats.replays_served += 1
@@ -404,34 +381,23 @@ class ZmqEventPublisher:
         else:
             self.stats.bad_requests += 1
 
-    def _history_lost(self, start: int) -> bool:
-        """True when batches from `start` on are no longer all in the buffer."""
-        if start >= self._next_seq:
-            return False
-        return not self._buffer or start < self._buffer[0][0]
-
     def _send_header(self, ident: bytes, cmd: bytes) -> None:
         assert self._router is not None
         self._router.send_multipart((ident, b"", proto.KVLOOP, cmd,
                                      proto.encode_info(self.info())))
 
     def _send_replay(self, ident: bytes, start: int) -> None:
-        buf, router = self._buffer, self._router
+        router = self._router
         assert router is not None
-        skip = max(0, start - buf[0][0]) if buf else 0
-        for seq, payload in islice(buf, skip, None):
+        for seq, payload in self._log.since(start):
             router.send_multipart((ident, b"", self._topic, proto.seq_bytes(seq), payload),
                                   copy=False)
 
     def _send_snapshot(self, ident: bytes) -> None:
-        if self._mirror is None:
-            return
         assert self._router is not None
-        seq = proto.seq_bytes(self._next_seq)
-        limit = self.config.snapshot_blocks_per_message
-        for events in _pack(self._mirror.snapshot_events(limit), limit):
-            batch = KVEventBatch(ts=time.time(), events=events,
-                                 data_parallel_rank=self.config.data_parallel_rank)
+        seq = proto.seq_bytes(self._log.next_seq)
+        for batch in self._log.snapshot(self.config.snapshot_blocks_per_message,
+                                        self.config.data_parallel_rank):
             self._router.send_multipart((ident, b"", self._topic, seq,
                                          msgspec.msgpack.encode(batch)))
 
@@ -440,17 +406,15 @@ class ZmqEventPublisher:
         self._router.send_multipart((ident, b"", b"", proto.END_SEQ, b""))
 
 
-def _pack(events: list[BlockStored], max_blocks: int) -> list[list[KVEvent]]:
-    """Group events into messages of about `max_blocks` blocks each (at least one event)."""
-    out: list[list[KVEvent]] = []
-    cur: list[KVEvent] = []
-    n = 0
-    for ev in events:
-        if cur and n + len(ev.block_hashes) > max_blocks:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(ev)
-        n += len(ev.block_hashes)
-    if cur:
-        out.append(cur)
-    return out
+
+def touch_notices(touched: Sequence[bytes], cfg: KVEventsConfig,
+                  epoch: str) -> list[proto.Touches]:
+    """The recency notices for `touched` hashes (deduplicated, at most `TOUCHES_PER_NOTICE`
+    hashes each, ints or bytes as `cfg.int_block_hashes` says)."""
+    unique = list(dict.fromkeys(touched))
+    hashes: list[int | bytes] = ([event_int(h) for h in unique]
+                                 if cfg.int_block_hashes else list(unique))
+    return [proto.Touches(ts=time.time(), epoch=epoch,
+                          block_hashes=hashes[i:i + TOUCHES_PER_NOTICE],
+                          data_parallel_rank=cfg.data_parallel_rank)
+            for i in range(0, len(hashes), TOUCHES_PER_NOTICE)]

@@ -1,8 +1,9 @@
 """`kvloop router` and `kvloop fleet`: flags -> frozen configs -> run.
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
+    kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
     kvloop fleet --workers N [--model sim|PATH] [--port P] [--policy NAME] [--roles R,...]
-                 [--api-key KEY] [-- WORKER FLAGS]
+                 [--api-key KEY] [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import argparse
 import logging
 
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
+from kvloop.events.cli_args import add_event_plane_args, event_plane_from_args
+from kvloop.events.config import NatsPlaneConfig
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
     POLICIES,
+    BusConfig,
     CostConfig,
     HashSpec,
     IndexConfig,
@@ -34,7 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_router_args(r)
     r.set_defaults(func=run_router_cmd)
 
-    f = subparsers.add_parser("fleet", help="N workers and a router on this host")
+    f = subparsers.add_parser("fleet", help="N workers and a router on this host",
+                              description="N `kvloop serve` workers and a router on this "
+                                          "host. --event-plane nats starts a nats-server of "
+                                          "its own and puts the KV events on it "
+                                          "(--event-plane nats://HOST:PORT: a running one).")
     f.add_argument("--workers", type=int, required=True, help="number of workers")
     f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
     f.add_argument("--roles", default=DEFAULT_ROLE,
@@ -86,6 +94,38 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
     _add_security_args(p)
+    _add_bus_args(p)
+
+
+def _add_bus_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("event plane, discovery and shared index (many hosts)")
+    add_event_plane_args(g, consumer=True)
+    d = BusConfig(plane=NatsPlaneConfig("nats://127.0.0.1:4222"))
+    g.add_argument("--discover", default=None, metavar="nats://HOST:PORT",
+                   help="register the workers that announce themselves on this NATS server "
+                        "(no --worker needed); also the event plane unless --event-plane")
+    g.add_argument("--discovery-ttl", type=float, default=d.discovery_ttl_s,
+                   help="seconds without an announcement after which a discovered worker "
+                        "is removed")
+    g.add_argument("--bus-probe", type=float, default=d.probe_s,
+                   help="seconds the bus watch listens to the namespace for a worker whose "
+                        "events do not arrive")
+    g.add_argument("--index", default=None, metavar="redis://HOST:PORT",
+                   help="keep block -> workers in Redis (llm-d's layout), shared by router "
+                        "replicas (default: in this process)")
+    g.add_argument("--redis-password", default=None, help="Redis password (never logged)")
+
+
+def bus_config(args: argparse.Namespace) -> BusConfig | None:
+    """The router's event plane and discovery from the flags (None: neither)."""
+    if args.event_plane is None and args.discover is None:
+        return None
+    if args.event_plane is None:
+        args = argparse.Namespace(**{**vars(args), "event_plane": args.discover})
+    plane = event_plane_from_args(args, "*")
+    assert plane is not None
+    return BusConfig(plane=plane, discover=args.discover is not None,
+                     discovery_ttl_s=args.discovery_ttl, probe_s=args.bus_probe)
 
 
 def _add_security_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +153,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         host=args.host, port=args.port, policy=args.policy, random_seed=args.random_seed,
         hash_spec=spec,
         index=IndexConfig(max_blocks=args.index_max_blocks,
-                          provisional_ttl_s=args.provisional_ttl),
+                          provisional_ttl_s=args.provisional_ttl, url=args.index,
+                          password=args.redis_password),
         cost=CostConfig(decode_token_cost=args.decode_token_cost,
                         marginal_work_weight=args.marginal_work_weight,
                         load_bound=args.load_bound,
@@ -126,7 +167,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                 verify_miss_ratio=args.verify_miss_ratio,
                                 request_timeout_s=args.request_timeout),
         auth=auth, worker_api_key=args.worker_api_key or next(iter(auth.api_keys), None),
-        http_limits=http_limits(args))
+        http_limits=http_limits(args), bus=bus_config(args))
 
 
 def _setup_logging(level: str) -> None:
@@ -146,7 +187,27 @@ def run_router_cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"kvloop router: {e}") from None
     _setup_logging(args.log_level)
-    return run_router(cfg, workers, args.log_level)
+    try:
+        return run_router(cfg, workers, args.log_level)
+    except OSError as e:   # the event plane or the index cannot be reached, the port is taken
+        raise SystemExit(f"kvloop router: {e}") from None
+
+
+LOCAL_NATS = "nats"   # `kvloop fleet --event-plane nats`: start a nats-server of its own
+
+
+def _local_nats_port(args: argparse.Namespace) -> int | None:
+    """With `--event-plane nats`: a free port for the fleet's own nats-server, and the event
+    plane set to it (None otherwise)."""
+    if args.event_plane != LOCAL_NATS:
+        return None
+    import socket
+
+    with socket.socket() as s:
+        s.bind((args.host, 0))
+        port = int(s.getsockname()[1])
+    args.event_plane = f"nats://{args.host}:{port}"
+    return port
 
 
 def run_fleet_cmd(args: argparse.Namespace) -> int:
@@ -157,11 +218,14 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         extra = list(args.worker_args)
         if extra and extra[0] == "--":
             extra = extra[1:]
+        nats_port = _local_nats_port(args)
         cfg = router_config(args)
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
                             start_timeout_s=args.worker_start_timeout,
-                            worker_api_key=cfg.worker_api_key)
+                            worker_api_key=cfg.worker_api_key,
+                            event_plane=cfg.bus.plane if cfg.bus is not None else None,
+                            nats_port=nats_port)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):

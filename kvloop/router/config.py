@@ -7,9 +7,11 @@ are never written here; they live in the registry's worker descriptions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
+from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.server.auth import AuthConfig, check_key
 from kvloop.server.http_limits import HttpLimits
 
@@ -32,8 +34,14 @@ class IndexConfig:
     max_blocks_per_worker: int | None = None
     capacity_slack: float = 1.25
     provisional_ttl_s: float = 2.0
+    url: str | None = None            # redis://... : block -> workers shared in Redis
+    password: str | None = None       # Redis password, unless the URL carries one
 
     def __post_init__(self) -> None:
+        if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss",
+                                                                      "valkey", "valkeys"):
+            raise ValueError(f"the index must be redis://HOST:PORT (or valkey://), got "
+                             f"{redact_url(self.url)!r}")
         if self.num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {self.num_shards}")
         if self.max_blocks < 1:
@@ -128,6 +136,26 @@ class LivenessConfig:
 
 
 @dataclass(frozen=True)
+class BusConfig:
+    """The router on a NATS event plane (kvloop.router.bus).
+
+    `plane`: the server and what to listen to (`component` "*": every component of the
+    namespace). `discover`: register the workers that announce themselves there and drop
+    those that withdraw or whose announcements stop for `discovery_ttl_s`. `probe_s`: how
+    long the bus watch listens to the namespace when a worker serving traffic sends nothing.
+    """
+
+    plane: NatsPlaneConfig
+    discover: bool = False
+    discovery_ttl_s: float = 5.0
+    probe_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.discovery_ttl_s <= 0 or self.probe_s <= 0:
+            raise ValueError("discovery_ttl_s and probe_s must be > 0")
+
+
+@dataclass(frozen=True)
 class HashSpec:
     """How the fleet hashes blocks: must equal every worker's, or its events are refused."""
 
@@ -150,7 +178,8 @@ class RouterConfig:
     `auth`: the keys clients (and admins) present to the router; `worker_api_key`: the key
     the router presents to every worker (polls and forwarded requests; without it a client's
     Authorization header is passed through); `http_limits`: body size and read timeouts of
-    the router's HTTP front.
+    the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
+    themselves) on a NATS event plane.
     """
 
     host: str = "127.0.0.1"
@@ -164,6 +193,7 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     worker_api_key: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    bus: BusConfig | None = None
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:

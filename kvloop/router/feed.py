@@ -22,7 +22,7 @@ from typing import Any
 
 from kvloop.core.hashing import BlockHasher
 from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, event_int
-from kvloop.router.index import PrefixIndex, to_u64
+from kvloop.router.index import BlockIndex, to_u64
 from kvloop.router.registry import EventCounters
 
 log = logging.getLogger("kvloop.router")
@@ -33,7 +33,7 @@ MismatchHandler = Callable[[str, str], None]
 class EventFeed:
     """Applies one worker's event batches to the index (called from its subscriber)."""
 
-    def __init__(self, worker: str, index: PrefixIndex, hasher: BlockHasher | None,
+    def __init__(self, worker: str, index: BlockIndex, hasher: BlockHasher | None,
                  counters: EventCounters, on_mismatch: MismatchHandler,
                  on_signal: Callable[[str, bool], None]):
         self.worker = worker
@@ -58,12 +58,16 @@ class EventFeed:
                 if not self._apply(ev):
                     return
 
-    def on_clear(self, reason: str) -> None:
-        """The subscriber says the worker's cache state is gone (epoch change, snapshot)."""
+    def on_clear(self, reason: str, cache_gone: bool = True) -> None:
+        """The subscriber resets this worker's view before a snapshot or replay: its cache
+        is gone (`cache_gone`: a new epoch, a restart), or only this router's view of it is
+        no longer whole (a join, a gap, a reconnection: replicas sharing the index keep
+        theirs)."""
         with self._lock:
             if self.refusing is not None:
                 return  # a stopped or refused feed holds nothing; never clear a successor's
-            dropped = self.index.clear_worker(self.worker)
+            index = self.index
+            dropped = (index.clear_worker if cache_gone else index.forget_worker)(self.worker)
             self.counters.cleared += 1
             by = self.counters.clears_by_reason
             by[reason] = by.get(reason, 0) + 1

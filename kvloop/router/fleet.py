@@ -10,6 +10,11 @@
     4. one Ctrl-C or SIGTERM stops the router, then every worker (SIGTERM, then SIGKILL
        after a grace period). Workers are also told to die with this process on Linux.
 
+With `--event-plane nats` (a local nats-server, started first on `nats_port` and stopped
+last) or `--event-plane nats://HOST:PORT` (a running one), the workers publish their KV
+events there (`--event-plane URL` instead of the ZMQ endpoints) and the router reads them
+from it.
+
 Owner: `Fleet` owns the worker processes; the router owns nothing of theirs.
 """
 
@@ -25,12 +30,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvloop.config import ROLES
+from kvloop.events.config import NatsPlaneConfig
 from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import API_KEY_ENV
 from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
+
+if TYPE_CHECKING:
+    from kvloop.router.services import LocalService
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class FleetConfig:
     echo_output: bool = True
     worker_api_key: str | None = None
     log_dir: str | None = None
+    event_plane: NatsPlaneConfig | None = None
+    nats_port: int | None = None       # start a nats-server on host:nats_port first
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -80,10 +92,24 @@ class FleetConfig:
         h = self.host
         threads = self.threads_per_worker()
         return kvloop_command(
-            "serve", "--model", self.model, "--host", h, "--port", "0",
-            "--kv-events-endpoint", f"tcp://{h}:0", "--kv-events-replay-endpoint", f"tcp://{h}:0",
+            "serve", "--model", self.model, "--host", h, "--port", "0", *self.events_args(),
             "--role", self.role_of(i), *(["--num-threads", str(threads)] if threads else []),
             *self.worker_args, die_with_parent=True)
+
+    def events_args(self) -> list[str]:
+        """Where the workers publish their KV events: ZMQ on ephemeral ports, or the plane."""
+        plane = self.event_plane
+        if plane is None:
+            h = self.host
+            return ["--kv-events-endpoint", f"tcp://{h}:0",
+                    "--kv-events-replay-endpoint", f"tcp://{h}:0"]
+        out = ["--event-plane", plane.url, "--dyn-namespace", plane.namespace,
+               "--event-plane-format", plane.payload_format]
+        if plane.user is not None:
+            out += ["--nats-user", plane.user, "--nats-password", plane.password or ""]
+        if plane.token is not None:
+            out += ["--nats-token", plane.token]
+        return out
 
 
 class Fleet:
@@ -95,6 +121,7 @@ class Fleet:
         self._own_dir = config.log_dir is None
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvloop-fleet-"))
         self.workers = [self.worker(i) for i in range(config.num_workers)]
+        self.nats: LocalService | None = None
 
     def worker(self, i: int, *extra_args: str) -> UrlProcess:
         """Worker `i`'s process, not started (`extra_args` come after the fleet's)."""
@@ -106,6 +133,7 @@ class Fleet:
     def start(self) -> list[WorkerSpec]:
         """Start every worker and wait until all serve; on any failure stop them all."""
         try:
+            self._start_nats()
             for w in self.workers:
                 w.launch()
             deadline = time.monotonic() + self.config.start_timeout_s
@@ -115,6 +143,15 @@ class Fleet:
             self.stop()
             raise
         return self.specs()
+
+    def _start_nats(self) -> None:
+        cfg = self.config
+        if cfg.nats_port is None:
+            return
+        from kvloop.router.services import local_nats
+
+        self.nats = local_nats(cfg.host, cfg.nats_port, self.log_dir / "nats.log").start()
+        print(f"kvloop fleet: nats-server on nats://{cfg.host}:{cfg.nats_port}", flush=True)
 
     def specs(self) -> list[WorkerSpec]:
         return [WorkerSpec(w.url, self.config.role_of(i))
@@ -127,6 +164,8 @@ class Fleet:
         deadline = time.monotonic() + self.config.stop_timeout_s
         for w in self.workers:
             w.wait_or_kill(deadline - time.monotonic())
+        if self.nats is not None:
+            self.nats.stop()
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

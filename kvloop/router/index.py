@@ -23,6 +23,10 @@ Layout (llm-d's design, in Python terms):
   event confirms them (confirmation turns them into ordinary entries).
 
 Hashes are 64-bit unsigned ints: the engine's `event_int` of each block digest.
+
+`BlockIndex` is the interface the router, its feeds and its metrics use; `PrefixIndex` (this
+module, the default) and `kvloop.router.redis_index.RedisIndex` (block -> workers shared by
+router replicas in Redis, `IndexConfig.url`) implement it; `make_index` picks one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvloop.router.config import IndexConfig
 
@@ -72,8 +77,51 @@ class ApplyResult:
     evicted: int = 0
 
 
+class BlockIndex(Protocol):
+    """What the router asks of a prefix index (see `PrefixIndex` for each method's contract).
+
+    `clear_worker`: the worker's cache is gone (AllBlocksCleared, a new epoch, a refusal).
+    `forget_worker`: only this router's view of it is no longer whole (a new subscription, a
+    gap, the worker unreachable from here): an index shared by replicas keeps what the others
+    see; an index of one router clears."""
+
+    config: IndexConfig
+
+    def add_worker(self, name: str, capacity_blocks: int | None = None) -> None: ...
+    def remove_worker(self, name: str) -> int: ...
+    def clear_worker(self, name: str) -> int: ...
+    def forget_worker(self, name: str) -> int: ...
+    def workers(self) -> list[str]: ...
+    def store(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult: ...
+    def touch(self, name: str, hashes: Iterable[int | bytes]) -> int: ...
+    def remove(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult: ...
+    def add_provisional(self, name: str, hashes: Sequence[int]) -> int: ...
+    def expire_provisional(self) -> None: ...
+    def num_provisional(self) -> int: ...
+    def match(self, hashes: Sequence[int], workers: Iterable[str] | None = None,
+              include_provisional: bool = True) -> dict[str, int]: ...
+    def num_blocks(self) -> int: ...
+    def num_hashes(self) -> int: ...
+    def worker_blocks(self, name: str) -> int: ...
+    def worker_evictions(self, name: str) -> int: ...
+    def hashes_of(self, name: str) -> set[int]: ...
+    def check_invariants(self) -> None: ...
+
+
+def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
+    """The index `config` asks for: shared in Redis with `config.url`, else in memory."""
+    if config.url is None:
+        return PrefixIndex(config, clock)
+    from kvloop.router.redis_index import RedisIndex
+
+    return RedisIndex(config, clock)
+
+
 class PrefixIndex:
-    """Thread-safe block-hash -> workers map with per-worker LRU bounds."""
+    """Thread-safe block-hash -> workers map with per-worker LRU bounds.
+
+    Every change of which workers hold a hash goes through `_set` (a worker now holds it) and
+    `_unset` (no longer): the transitions a subclass mirrors elsewhere (RedisIndex)."""
 
     def __init__(self, config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -127,6 +175,10 @@ class PrefixIndex:
         self._add_total(-len(hashes))
         self._drop_provisional_of(w.slot)
         return len(hashes)
+
+    def forget_worker(self, name: str) -> int:
+        """This router's view of `name` is no longer whole: here, the same as a clear."""
+        return self.clear_worker(name)
 
     def workers(self) -> list[str]:
         return list(self._workers)

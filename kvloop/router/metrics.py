@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 from kvloop.router.registry import ALARMS
 
 if TYPE_CHECKING:
-    from kvloop.router.index import PrefixIndex
+    from kvloop.router.index import BlockIndex
     from kvloop.router.registry import Registry, WorkerState
 
 # no `_created` series, as on the workers (kvloop/server/metrics.py)
@@ -38,7 +38,7 @@ LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0
 class RouterMetrics:
     """The router's metrics; `render()` gives the Prometheus text exposition."""
 
-    def __init__(self, registry: Registry, index: PrefixIndex,
+    def __init__(self, registry: Registry, index: BlockIndex,
                  clock: Callable[[], float] = time.monotonic):
         self.prom = CollectorRegistry()
         r = self.prom
@@ -71,7 +71,7 @@ class RouterMetrics:
 class _StateCollector(Collector):
     """Gauges read at scrape time from the registry and the index."""
 
-    def __init__(self, registry: Registry, index: PrefixIndex, clock: Callable[[], float]):
+    def __init__(self, registry: Registry, index: BlockIndex, clock: Callable[[], float]):
         self.registry = registry
         self.index = index
         self.clock = clock

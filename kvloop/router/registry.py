@@ -35,7 +35,9 @@ NO_EVENT_SOURCE = "no_event_source"
 SILENT = "silent"
 PREDICTIONS_MISS = "predictions_miss"
 UNPREDICTED_HITS = "unpredicted_hits"
-ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS)
+WRONG_SUBJECT = "wrong_subject"
+ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS,
+          WRONG_SUBJECT)
 
 _CAUSES = {
     SILENT: "its KV events do not reach the router: wrong --kv-events-endpoint (or a "
@@ -46,6 +48,10 @@ _CAUSES = {
     UNPREDICTED_HITS: "its events are not indexed: wrong KV-event endpoint, or a different "
                       "hash seed, hash algorithm or block size",
     NO_EVENT_SOURCE: "the worker was started without --kv-events-endpoint",
+    WRONG_SUBJECT: "the worker publishes on another NATS subject than the router listens "
+                   "on: its component changed (aggregated `backend` vs disaggregated "
+                   "`prefill` / `decode`) or its namespace differs (--dyn-component, "
+                   "--dyn-namespace, DYN_COMPONENT, DYN_NAMESPACE)",
 }
 
 
@@ -55,11 +61,15 @@ def likely_cause(kind: str) -> str:
 
 @dataclass(frozen=True)
 class EventSource:
-    """Where one worker's KV events come from."""
+    """Where one worker's KV events come from (on a NATS event plane: `subject` and the
+    `worker_id` its messages carry, besides the server's URL as `endpoint`)."""
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
+    subject: str | None = None
+    worker_id: int | None = None
+    payload_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,10 @@ def event_source(spec: WorkerSpec, desc: WorkerDescription | None) -> EventSourc
     if endpoint is None:
         return None
     replay = spec.replay_endpoint or (ev.replay_endpoint if ev is not None else None)
-    return EventSource(endpoint, replay, ev.topic if ev is not None else "")
+    if ev is None:
+        return EventSource(endpoint, replay)
+    return EventSource(endpoint, replay, ev.topic, ev.subject, ev.worker_id,
+                       ev.payload_format)
 
 
 @dataclass(frozen=True)

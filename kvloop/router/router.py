@@ -28,7 +28,7 @@ from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
 from kvloop.router.config import HashSpec, RouterConfig
 from kvloop.router.feed import EventFeed
-from kvloop.router.index import PrefixIndex
+from kvloop.router.index import BlockIndex, make_index
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.registry import (
     CONFIG_MISMATCH,
@@ -83,7 +83,7 @@ class Router:
                  clock: Callable[[], float] = time.monotonic):
         self.config = config or RouterConfig()
         self.clock = clock
-        self.index = PrefixIndex(self.config.index, clock)
+        self.index: BlockIndex = make_index(self.config.index, clock)
         self.registry = Registry(self.config.liveness, clock)
         self.metrics = RouterMetrics(self.registry, self.index, clock)
         self.policy = make_policy(self.config.policy, self.config.cost,
@@ -95,6 +95,7 @@ class Router:
         self._subs: dict[str, Subscription] = {}
         self._epochs: dict[str, tuple[str | None, EventSource | None]] = {}
         self._lock = threading.RLock()
+        self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
 
     @staticmethod
     def _make_hasher(spec: HashSpec | None) -> BlockHasher | None:
@@ -119,10 +120,11 @@ class Router:
                 self._rehash_feeds()
             self.index.add_worker(spec.name, _capacity(desc))
             identity = (desc.epoch if desc is not None else None, event_source(spec, desc))
-            renewed = self._epochs.get(spec.name) != identity
+            before = self._epochs.get(spec.name)
             self._epochs[spec.name] = identity
-            if renewed:
-                self._restart_feed(w, spec, desc)
+            if before != identity:   # a new epoch: the worker's old cache is gone
+                cache_gone = before is not None and before[0] != identity[0]
+                self._restart_feed(w, spec, desc, cache_gone)
             self.registry.mark_up(spec.name, desc)
             return self._check_worker(w, spec, desc)
 
@@ -131,7 +133,7 @@ class Router:
         for w in self.registry.all():
             feed = self._feeds.get(w.name)
             if w.up and feed is not None and feed.hasher is None:
-                self._restart_feed(w, w.spec, w.description)
+                self._restart_feed(w, w.spec, w.description, cache_gone=False)
 
     def deregister(self, name: str) -> bool:
         with self._lock:
@@ -150,14 +152,19 @@ class Router:
                 return
             self._stop_feed(name)
             self._epochs.pop(name, None)
-            dropped = self.index.clear_worker(name)
+            dropped = self.index.forget_worker(name)   # what other replicas see stays
         log.warning("worker %s is down (%s): %d index entries dropped; new requests go "
                     "to other workers", name, reason, dropped)
 
     def _restart_feed(self, w: WorkerState, spec: WorkerSpec,
-                      desc: WorkerDescription | None) -> None:
+                      desc: WorkerDescription | None, cache_gone: bool) -> None:
+        """A new subscription; the index forgets what this router knew of the worker (and,
+        when `cache_gone`, what any replica sharing the index knew)."""
         self._stop_feed(w.name)
-        self.index.clear_worker(w.name)
+        if cache_gone:
+            self.index.clear_worker(w.name)
+        else:
+            self.index.forget_worker(w.name)
         self.registry.restart_liveness(w.name)
         feed = EventFeed(w.name, self.index, self.hasher, w.events, self._on_mismatch,
                          self.registry.note_signal)
@@ -233,6 +240,13 @@ class Router:
         self._raise(name, CONFIG_MISMATCH, detail + " (seen in its KV events; refused)")
 
     # --- alarms ---------------------------------------------------------------------------
+    def raise_alarm(self, name: str, kind: str, detail: str) -> None:
+        """Raise alarm `kind` on worker `name` (a watcher's finding); logged once."""
+        self._raise(name, kind, detail)
+
+    def clear_alarm(self, name: str, kind: str) -> None:
+        self._clear(name, kind)
+
     def _raise(self, name: str, kind: str, detail: str) -> None:
         alarm = self.registry.raise_alarm(name, kind, detail)
         if alarm is not None:
@@ -251,6 +265,8 @@ class Router:
     def check_liveness(self) -> list[Alarm]:
         """Re-evaluate time- and verification-based alarms; returns the new ones."""
         raised, cleared = self.registry.evaluate()
+        for watch in self.watchers:
+            watch(self)
         for a in raised:
             self._announce(a)
         for a in cleared:

@@ -1,9 +1,12 @@
 """`kvloop router` at run time: bind, serve, announce, stop cleanly.
 
-    1. bind the HTTP socket (port 0 = ephemeral);
+    1. connect to the NATS event plane, if configured (kvloop.router.bus); bind the HTTP
+       socket (port 0 = ephemeral);
     2. start uvicorn; its lifespan registers the initial workers and starts the poller;
-    3. print "kvloop router on http://HOST:PORT" once it accepts connections;
-    4. on SIGTERM/SIGINT: stop accepting, end the poller and every KV-event subscription.
+    3. once it accepts connections: start discovery, if configured (kvloop.router.discovery),
+       and print "kvloop router on http://HOST:PORT";
+    4. on SIGTERM/SIGINT: stop accepting, end the poller, discovery, every KV-event
+       subscription, then the event plane.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 import signal
 from collections.abc import Callable
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
@@ -20,6 +24,10 @@ from kvloop.router.registry import WorkerSpec, event_source
 from kvloop.router.router import Router, SubscriberFactory
 from kvloop.server.front import FrontServer
 from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, bind_tcp, http_url
+
+if TYPE_CHECKING:
+    from kvloop.router.bus import RouterBus
+    from kvloop.router.discovery import Discovery
 
 log = logging.getLogger("kvloop.router")
 
@@ -36,9 +44,27 @@ class RouterServer:
             from kvloop.router.subscription import kv_event_subscription
 
             subscriber_factory = kv_event_subscription
+        self.bus: RouterBus | None = None
+        self.discovery: Discovery | None = None
+        if config.bus is not None:
+            from kvloop.router.bus import RouterBus
+
+            self.bus = RouterBus(config.bus).start()
+            subscriber_factory = self.bus.factory(subscriber_factory)
         self.router = Router(config, subscriber_factory)
         self.app = RouterApp(self.router, workers)
-        self.sock = bind_tcp(config.host, config.port)
+        if self.bus is not None:
+            self.router.watchers.append(self.bus.watch)
+            if self.bus.config.discover:
+                from kvloop.router.discovery import Discovery
+
+                self.discovery = Discovery(self.app, self.bus)
+        try:
+            self.sock = bind_tcp(config.host, config.port)
+        except OSError:
+            if self.bus is not None:
+                self.bus.stop()
+            raise
         self.url = http_url(self.sock)
         self._log_level = log_level
         self._server: FrontServer | None = None
@@ -48,11 +74,21 @@ class RouterServer:
         self._server = FrontServer(self.app.app, self.sock, self.router.config.http_limits,
                                    log_level=self._log_level,
                                    graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
-                                   on_ready=lambda url: on_ready(self) if on_ready else None)
+                                   on_ready=lambda url: self._ready(on_ready))
         try:
             await self._server.serve()
         finally:
             self.sock.close()
+            if self.discovery is not None:
+                await self.discovery.stop()
+            if self.bus is not None:
+                self.bus.stop()
+
+    def _ready(self, on_ready: Callable[[RouterServer], None] | None) -> None:
+        if self.discovery is not None:
+            self.discovery.start()
+        if on_ready is not None:
+            on_ready(self)
 
     def stop(self) -> None:
         if self._server is not None:
@@ -70,6 +106,10 @@ def announce(server: RouterServer) -> None:
               f"{events.endpoint if events else 'none'}"
               f"{' replay ' + events.replay_endpoint if events and events.replay_endpoint else ''}",
               flush=True)
+    if server.bus is not None:
+        print(f"  event plane {server.bus.config.plane.safe_url}: listening on "
+              f"{server.bus.plane.listening}"
+              f"{', discovering workers' if server.discovery else ''}", flush=True)
     print(f"{ROUTER_ANNOUNCEMENT.format(url=server.url)} (policy {server.router.config.policy})",
           flush=True)
 

