@@ -32,8 +32,11 @@ def nats(tmp_path_factory):
 
 
 def worker_args(nats, role: str, *extra: str, namespace: str = "dynamo") -> list[str]:
+    """A sim worker on the bus; prefix caching on for every role (a decode worker has it off
+    by default and would publish no blocks)."""
     return ["--model", "sim", "--event-plane", url_of(nats), "--role", role,
-            "--dyn-namespace", namespace, "--num-gpu-blocks-override", "64", *extra]
+            "--dyn-namespace", namespace, "--num-gpu-blocks-override", "64",
+            "--enable-prefix-caching", *extra]
 
 
 @pytest.fixture(scope="module")
