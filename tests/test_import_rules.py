@@ -47,7 +47,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                       ("fastapi", "starlette", "uvicorn", "h11", "pydantic", "typing_extensions",
                        "httpx", "jinja2", "tokenizers", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                       "kvloop.events", *ROUTER_SERVER_OK),
+                       "kvloop.events", "kvloop.sim.latency", *ROUTER_SERVER_OK),
                       ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq")),
     "kvloop.viz": ((), ("matplotlib",)),
     "kvloop.bench": (None, None),
