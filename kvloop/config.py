@@ -7,8 +7,11 @@ Every field keeps vLLM's name where the concept is the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 Role = Literal["both", "prefill", "decode"]   # what a router may send a worker (`--role`)
@@ -203,11 +206,178 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
 
+# --- prefill/decode disaggregation (docs/disaggregation.md section 1) ----------------------
+KV_CONNECTORS = ("KvloopConnector",)
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")     # vLLM's; "fail" is its default
+KV_TRANSPORTS = ("auto", "tcp", "shm")
+DEFAULT_KV_LEASE_DURATION = 30.0    # seconds, vLLM's NIXL `kv_lease_duration`
+DEFAULT_TRANSFER_TIMEOUT = 10.0     # seconds D waits for an answer from P
+DEFAULT_SIM_BANDWIDTH = 1.25e9      # bytes/s of a simulated transfer (10 Gb/s)
+# vLLM's NCCL-era keys of KVTransferConfig: accepted, ignored with a warning
+KV_IGNORED_KEYS = ("kv_ip", "kv_port", "kv_buffer_device", "kv_buffer_size", "kv_rank",
+                   "kv_parallel_size")
+_config_logger = logging.getLogger("kvloop.config")
+
+
+@dataclass(frozen=True)
+class KVConnectorExtraConfig:
+    """`kv_connector_extra_config` of KvloopConnector (docs/disaggregation.md section 1):
+
+    - `side_channel_host`: the address D is told to connect to (vLLM's
+      `VLLM_NIXL_SIDE_CHANNEL_HOST`), and the one P's side channel binds;
+    - `side_channel_port`: 0 is an ephemeral port, reported back in the engine's facts;
+    - `transport`: "auto" (shared memory when P and D share a host, else TCP), "tcp", "shm";
+    - `kv_lease_duration`: how long P holds a finished request's blocks without a heartbeat;
+    - `transfer_timeout`: how long D waits for an answer from P before the load fails;
+    - `sim_bandwidth`: bytes/s the simulator's transfers take.
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    transport: str = "auto"
+    kv_lease_duration: float = DEFAULT_KV_LEASE_DURATION
+    transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
+    sim_bandwidth: float = DEFAULT_SIM_BANDWIDTH
+
+    def __post_init__(self) -> None:
+        if not self.side_channel_host:
+            raise ValueError("kv_connector_extra_config.side_channel_host must not be empty")
+        if not 0 <= self.side_channel_port <= 65535:
+            raise ValueError(f"kv_connector_extra_config.side_channel_port must be in "
+                             f"[0, 65535], got {self.side_channel_port}")
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_connector_extra_config.transport must be one of "
+                             f"{', '.join(KV_TRANSPORTS)}, got {self.transport!r}")
+        for name in ("kv_lease_duration", "transfer_timeout", "sim_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kv_connector_extra_config.{name} must be > 0, "
+                                 f"got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config`: vLLM's `KVTransferConfig` keys for KvloopConnector.
+
+    `engine_id` defaults to a fresh UUID4 (vLLM's rule), so whoever builds the config (the
+    API server, at start) fixes it once and the engine process receives it. `kv_role` is a
+    placeholder as in vLLM's NIXL connector (each request's `kv_transfer_params` decide the
+    leg), except that `kv_producer` never loads and `kv_consumer` never holds. Build it from
+    the flag's JSON with `KVTransferConfig.from_json` (unknown keys are errors naming them).
+    """
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    kv_load_failure_policy: str = "fail"
+    kv_connector_extra_config: KVConnectorExtraConfig = field(
+        default_factory=KVConnectorExtraConfig)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ValueError(f"engine_id must be a non-empty string, got {self.engine_id!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of "
+                             f"{', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                             f"got {self.kv_load_failure_policy!r}")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        """May hold finished requests' blocks for a decode worker (vLLM's name)."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        """May load blocks from a prefill worker (vLLM's name)."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def extra(self) -> KVConnectorExtraConfig:
+        return self.kv_connector_extra_config
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVTransferConfig:
+        """Validate a decoded `--kv-transfer-config` object. ValueError (naming the key) on
+        anything unknown, missing or mistyped; vLLM's NCCL-era keys (`KV_IGNORED_KEYS`) are
+        dropped with a warning."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"--kv-transfer-config must be a JSON object, got "
+                             f"{type(raw).__name__}")
+        raw = dict(raw)
+        ignored = sorted(k for k in raw if k in KV_IGNORED_KEYS)
+        if ignored:
+            _config_logger.warning("--kv-transfer-config: ignoring %s (vLLM's NCCL-era keys; "
+                                   "KvloopConnector does not use them)", ", ".join(ignored))
+            for k in ignored:
+                del raw[k]
+        _check_keys("--kv-transfer-config", raw, cls, required=("kv_connector", "kv_role"))
+        extra = raw.pop("kv_connector_extra_config", None) or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")
+        _check_keys("kv_connector_extra_config", extra, KVConnectorExtraConfig)
+        _check_types("kv_connector_extra_config", extra,
+                     {"side_channel_host": str, "side_channel_port": int, "transport": str,
+                      "kv_lease_duration": float, "transfer_timeout": float,
+                      "sim_bandwidth": float})
+        _check_types("--kv-transfer-config", raw,
+                     {"kv_connector": str, "kv_role": str, "engine_id": str,
+                      "kv_load_failure_policy": str})
+        if raw.get("engine_id") is None:
+            raw.pop("engine_id", None)
+        return cls(**raw, kv_connector_extra_config=KVConnectorExtraConfig(**extra))
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """Parse `--kv-transfer-config`'s JSON (see `from_dict`)."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+
+def _check_keys(where: str, raw: dict[str, Any], cls: type,
+                required: tuple[str, ...] = ()) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(sorted(known))}")
+    missing = [k for k in required if raw.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: missing required key(s) {', '.join(map(repr, missing))}")
+
+
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number"}
+
+
+def _check_types(where: str, raw: dict[str, Any], types: dict[str, type]) -> None:
+    """Check (in place) that each present key has its type; numbers become floats."""
+    for key, want in types.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        number = want is float and isinstance(value, int | float)
+        if isinstance(value, bool) or not (number or isinstance(value, want)):
+            raise ValueError(f"{where}: {key} must be {_TYPE_WORDS[want]}, got {value!r}")
+        if number:
+            raw[key] = float(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine core needs: cache, scheduler, and debugging switches."""
+    """Everything the engine core needs: cache, scheduler, debugging switches, and the KV
+    connector (`kv_transfer`; None: no prefill/decode disaggregation)."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     check_invariants: bool = False
     log_stats: bool = True
+    kv_transfer: KVTransferConfig | None = None

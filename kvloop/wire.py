@@ -8,6 +8,8 @@ core's handshake (`EngineReady.wire_version`) against its own. `WorkerInfo` (the
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from msgspec import UNSET, UnsetType
 
@@ -15,7 +17,7 @@ from kvloop.config import EngineConfig, Role, RunnerConfig
 from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 
 class PrefixCacheStats(msgspec.Struct, omit_defaults=True):
@@ -30,6 +32,49 @@ class PrefixCacheStats(msgspec.Struct, omit_defaults=True):
     reset: bool = False
 
 
+# Why a KV load failed (`KVTransferStats.failures`, `kvloop:kv_transfer_failures_total{reason}`)
+KV_FAILURE_UNREACHABLE = "unreachable"   # no answer from P within transfer_timeout
+KV_FAILURE_MISMATCH = "mismatch"         # P's fingerprint or block size differs from D's
+KV_FAILURE_REFUSED = "refused"           # P refused the Read (unknown or expired request)
+KV_FAILURE_TRUNCATED = "truncated"       # P answered fewer blocks or bytes than asked for
+KV_FAILURE_ERROR = "error"               # anything else (a bad reply, a failed write)
+KV_FAILURE_REASONS = (KV_FAILURE_UNREACHABLE, KV_FAILURE_MISMATCH, KV_FAILURE_REFUSED,
+                      KV_FAILURE_TRUNCATED, KV_FAILURE_ERROR)
+
+
+class KVTransferStats(msgspec.Struct, omit_defaults=True):
+    """One step's KV-connector counters (docs/disaggregation.md section 5), and two gauges.
+
+    Send side (P): `transfers_sent` counts Reads served, `bytes_sent` their payload;
+    `expired_requests` leases released without a `Done` (vLLM's `nixl_num_kv_expired_reqs`);
+    `held_requests` (gauge) the leases open now. Receive side (D): `transfers_received` counts
+    loads finished with their blocks, `bytes_received` their payload, `transfer_seconds` one
+    duration per load (admission to completion: the histogram), `failures` failed loads by
+    reason (`KV_FAILURE_REASONS`); `loading_requests` (gauge) requests in
+    WAITING_FOR_REMOTE_KVS now. `external_prefix_cache_queries` / `_hits` are vLLM's connector
+    prefix stats, in tokens: queries = prompt tokens less the local hit, hits = tokens loaded.
+    """
+
+    transfers_sent: int = 0
+    transfers_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    transfer_seconds: list[float] = msgspec.field(default_factory=list)
+    failures: dict[str, int] = msgspec.field(default_factory=dict)
+    expired_requests: int = 0
+    held_requests: int = 0
+    loading_requests: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+
+    @property
+    def has_counts(self) -> bool:
+        """Whether any counter (not gauge) is non-zero: news for the API server."""
+        return bool(self.transfers_sent or self.transfers_received or self.transfer_seconds
+                    or self.failures or self.expired_requests
+                    or self.external_prefix_cache_queries)
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -39,6 +84,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0
     step_index: int = 0
+    kv_transfer: KVTransferStats | None = None     # None: the engine has no KV connector
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):
@@ -61,6 +107,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     new_logprobs: list[TopLogprobs] | None = None
     error: str | None = None          # the engine refused or failed this request
+    # what a finished request hands on (P -> proxy -> D); sent on the finishing output
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -121,6 +169,18 @@ class KVEventsInfo(msgspec.Struct, frozen=True, kw_only=True):
     recency: bool
 
 
+class KVTransferInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's KV connector, for a router and for the API server's logs: the engine id D
+    addresses P by, the role, the side channel's bound address (port 0 resolved) and the
+    configured transport ("auto", "tcp", "shm")."""
+
+    engine_id: str
+    kv_role: str
+    side_channel_host: str
+    side_channel_port: int
+    transport: str
+
+
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine reports once its runner is loaded, under the names they keep from the
     handshake (`EngineReady`) through `GET /kvloop/worker` (`WorkerInfo`) to the router's
@@ -137,6 +197,7 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     max_num_seqs: int
     epoch: str | None            # this worker incarnation's id (the KV-event epoch)
     kv_events: KVEventsInfo | None    # None: no KV events
+    kv_transfer: KVTransferInfo | None = None    # None: no KV connector
 
 
 class EngineReady(EngineFacts, frozen=True, kw_only=True, tag=True):

@@ -164,6 +164,17 @@ def test_chunked_prefill_flag_reaches_the_scheduler() -> None:
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
+    ([], True), (["--role", "prefill"], True), (["--role", "decode"], False),
+    (["--role", "decode", "--enable-prefix-caching"], True),
+    (["--no-enable-prefix-caching"], False),
+])
+def test_a_decode_worker_keeps_no_prefix_cache_unless_asked(argv: list[str], expected: bool
+                                                            ) -> None:
+    assert cli_args.engine_config(serve_args("sim", *argv)).cache.enable_prefix_caching \
+        is expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
     ([], True), (["--enable-log-requests"], True), (["--no-enable-log-requests"], False),
     (["--disable-log-requests"], False), (["--enable-log-requests", "--disable-log-requests"],
                                           False),

@@ -33,6 +33,7 @@ BLOCKS = 64
 BLOCK_SIZE = 32
 SEED = "facts-seed"
 WORKER_ARGS = ["--model", "sim", "--sim-speedup", "50", "--role", "decode",
+               "--enable-prefix-caching",   # a decode worker's default is off
                "--num-gpu-blocks-override", str(BLOCKS), "--block-size", str(BLOCK_SIZE),
                "--hash-seed", SEED, "--max-model-len", "512",
                "--enable-kv-cache-events", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",

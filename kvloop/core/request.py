@@ -82,6 +82,23 @@ def check_context_length(max_model_len: int, prompt_len: int,
             "max_tokens")
 
 
+KV_TRANSFER_PARAMS_KEY = "kv_transfer_params"   # vLLM's key in SamplingParams.extra_args
+
+
+def _check_extra_args(extra_args: dict[str, Any] | None) -> None:
+    if extra_args is None:
+        return
+    if not isinstance(extra_args, dict) or not all(isinstance(k, str) for k in extra_args):
+        raise ValueError("extra_args must be an object with string keys")
+    params = extra_args.get(KV_TRANSFER_PARAMS_KEY)
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    try:
+        msgspec.msgpack.encode(extra_args)
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"extra_args must be msgpack-serialisable: {e}") from e
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What to generate and when to stop; vLLM's names and defaults.
 
@@ -95,6 +112,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     `eos_token_id` is filled from the tokenizer by whoever builds the request; with
     `ignore_eos` it is not checked (it is still masked while `min_tokens` is not reached).
     `stop` (strings) is handled by the detokenizing frontend, not the engine.
+    `extra_args` is vLLM's bag of request extensions, msgpack-serialisable (integers within
+    int64/uint64); the engine reads `extra_args["kv_transfer_params"]` (a dict) as
+    `Request.kv_transfer_params` (docs/disaggregation.md section 2).
     """
 
     n: int = 1
@@ -119,8 +139,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        _check_extra_args(self.extra_args)
         if isinstance(self.stop, str):
             msgspec.structs.force_setattr(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -211,6 +233,11 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
+        extra = sampling_params.extra_args or {}
+        params = extra.get(KV_TRANSFER_PARAMS_KEY)   # a copy: the connector edits it
+        self.kv_transfer_params: dict[str, Any] | None = (
+            dict(params) if params is not None else None)
+        self.num_external_computed_tokens = 0   # tokens loaded from a remote prefill (vLLM)
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

@@ -31,6 +31,7 @@ from kvloop.config import (
     POLICIES,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     RunnerConfig,
     SchedulerConfig,
     SimSettings,
@@ -154,7 +155,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on one request's prompt tokens per step (0: none)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of common prompt prefixes")
+                   default=None,
+                   help="reuse the KV blocks of common prompt prefixes (default: on, except "
+                        "with --role decode: a decode worker then publishes no blocks a "
+                        "router could route on, unless this flag is given)")
     g.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
                    help="block hash function")
     g.add_argument("--hash-seed", default=None,
@@ -166,6 +170,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
                    help="check scheduler and block-pool invariants after every step")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="prefill/decode disaggregation, vLLM's KVTransferConfig as JSON, e.g. "
+                        "'{\"kv_connector\":\"KvloopConnector\",\"kv_role\":\"kv_both\"}' "
+                        "(keys: docs/disaggregation.md; engine_id: a UUID4 when unset) "
+                        "(default: none, no KV transfer)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -262,11 +271,20 @@ def max_num_batched_tokens(args: argparse.Namespace) -> int:
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
+def enable_prefix_caching(args: argparse.Namespace) -> bool:
+    """The flag when given; else on, except for `--role decode` (Dynamo's guidance: a decode
+    worker keeps no prefix cache, so it publishes no `BlockStored` a router would route on;
+    docs/disaggregation.md)."""
+    if args.enable_prefix_caching is not None:
+        return bool(args.enable_prefix_caching)
+    return bool(args.role != "decode")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     budget = max_num_batched_tokens(args)
     seqs = min(args.max_num_seqs, budget)
     cache = CacheConfig(block_size=args.block_size,
-                        enable_prefix_caching=args.enable_prefix_caching,
+                        enable_prefix_caching=enable_prefix_caching(args),
                         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
                         hash_seed=args.hash_seed)
     sched = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs,
@@ -275,7 +293,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             policy=args.scheduling_policy,
                             enable_chunked_prefill=args.enable_chunked_prefill)
     return EngineConfig(cache=cache, scheduler=sched,
-                        check_invariants=args.debug_check_invariants)
+                        check_invariants=args.debug_check_invariants,
+                        kv_transfer=kv_transfer_config(args))
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+    """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
+    when unset, fixed here once for the engine); ValueError naming the key at fault."""
+    if args.kv_transfer_config is None:
+        return None
+    return KVTransferConfig.from_json(args.kv_transfer_config)
 
 
 def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:

@@ -21,7 +21,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvloop.wire import SchedulerStats
+from kvloop.wire import KV_FAILURE_REASONS, KVTransferStats, SchedulerStats
 
 # vLLM serves its metrics through prometheus_client's multiprocess collector, which has no
 # `_created` series; a process-wide switch, so the router's exposition matches too.
@@ -37,6 +37,10 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+# kvloop:kv_transfer_time_seconds: the buckets of vLLM's vllm:nixl_xfer_time_seconds
+KV_TRANSFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
+                            5.0)
+KV_TRANSFER_SIDES = ("send", "recv")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -71,7 +75,7 @@ class ServerMetrics:
     """The metrics of one API server + engine (labels `model_name`, `engine`)."""
 
     def __init__(self, model_name: str, max_model_len: int, engine_index: int = 0,
-                 cache_info: dict[str, str] | None = None):
+                 cache_info: dict[str, str] | None = None, kv_transfer: bool = False):
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self._model_name = model_name
@@ -79,8 +83,14 @@ class ServerMetrics:
         self._build_gauges(names, cache_info or {}, str(engine_index))
         self._build_counters(names)
         self._build_histograms(names, max_model_len)
+        # the KV connector's metrics, on a server whose engine has one
+        self.kv_transfer = KVTransferMetrics(self) if kv_transfer else None
 
     # --- construction ---------------------------------------------------------------------
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._labels)
+
     def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
         return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="mostrecent")
 
@@ -204,6 +214,8 @@ class ServerMetrics:
             self.prefix_queries.inc(pcs.queries)
         if pcs.hits:
             self.prefix_hits.inc(pcs.hits)
+        if stats.kv_transfer is not None and self.kv_transfer is not None:
+            self.kv_transfer.observe(stats.kv_transfer)
 
     def observe_iteration(self, num_tokens: int) -> None:
         if num_tokens:
@@ -260,3 +272,63 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+class KVTransferMetrics:
+    """The KV connector's metrics (docs/disaggregation.md section 5): kvloop's names, and
+    vLLM's connector prefix-cache counters, in tokens. Every series exists from the start, at
+    0 (each side, each failure reason), so a dashboard's rate() sees the first transfer."""
+
+    def __init__(self, m: ServerMetrics):
+        lab, names = m.labels, list(m.labels)
+        transfers = m._counter("kvloop:kv_transfers", "KV transfers: Reads served (side send, "
+                               "prefill worker), loads finished with their blocks (side recv, "
+                               "decode worker).", names + ["side"])
+        nbytes = m._counter("kvloop:kv_transfer_bytes", "KV bytes transferred, by side.",
+                            names + ["side"])
+        self.transfers = {s: transfers.labels(**lab, side=s) for s in KV_TRANSFER_SIDES}
+        self.bytes = {s: nbytes.labels(**lab, side=s) for s in KV_TRANSFER_SIDES}
+        self._failures = m._counter("kvloop:kv_transfer_failures",
+                                    "Failed KV loads (decode worker), by reason.",
+                                    names + ["reason"])
+        self._labels = lab
+        for reason in KV_FAILURE_REASONS:
+            self._failures.labels(**lab, reason=reason)
+        self.expired = m._counter("kvloop:kv_expired_requests",
+                                  "Held requests whose lease expired before a decode worker "
+                                  "said Done (prefill worker).").labels(**lab)
+        self.h_time = m._hist("kvloop:kv_transfer_time_seconds",
+                              "Histogram of KV load time, admission to completion (decode "
+                              "worker), in seconds.", KV_TRANSFER_TIME_BUCKETS)
+        self.held = m._gauge("kvloop:kv_held_requests", "Finished requests whose blocks are "
+                             "held for a decode worker (prefill worker).", names).labels(**lab)
+        self.loading = m._gauge("kvloop:kv_loading_requests", "Requests waiting for their KV "
+                                "from a prefill worker (decode worker).", names).labels(**lab)
+        self.external_queries = m._counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from KV "
+            "connector cross-instance cache sharing, in terms of number of queried tokens."
+        ).labels(**lab)
+        self.external_hits = m._counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+            "cross-instance cache sharing, in terms of number of cached tokens.").labels(**lab)
+
+    def observe(self, kv: KVTransferStats) -> None:
+        """One step's connector counters, and its two gauges."""
+        self.held.set(kv.held_requests)
+        self.loading.set(kv.loading_requests)
+        for side, n, b in (("send", kv.transfers_sent, kv.bytes_sent),
+                           ("recv", kv.transfers_received, kv.bytes_received)):
+            if n:
+                self.transfers[side].inc(n)
+            if b:
+                self.bytes[side].inc(b)
+        for seconds in kv.transfer_seconds:
+            self.h_time.observe(max(seconds, 0.0))
+        for reason, n in kv.failures.items():
+            self._failures.labels(**self._labels, reason=reason).inc(n)
+        if kv.expired_requests:
+            self.expired.inc(kv.expired_requests)
+        if kv.external_prefix_cache_queries:
+            self.external_queries.inc(kv.external_prefix_cache_queries)
+        if kv.external_prefix_cache_hits:
+            self.external_hits.inc(kv.external_prefix_cache_hits)

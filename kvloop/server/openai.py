@@ -77,6 +77,9 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     request_id: str | None = None
+    # prefill/decode disaggregation (docs/disaggregation.md): handed to the engine as
+    # SamplingParams.extra_args["kv_transfer_params"]
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -207,6 +210,7 @@ class CompletionResponse(TypedDict):
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: None
+    kv_transfer_params: dict[str, Any] | None   # what a decode worker needs (P/D), else None
 
 
 class CompletionStreamResponse(TypedDict):
@@ -259,6 +263,7 @@ class ChatCompletionResponse(TypedDict):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: None
+    kv_transfer_params: dict[str, Any] | None   # what a decode worker needs (P/D), else None
     prompt_token_ids: NotRequired[list[int]]
 
 

@@ -138,6 +138,7 @@ class OutputState:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None   # from the finishing output
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._sent = 0
@@ -156,6 +157,8 @@ class OutputState:
             self.finish_reason = "error"
             return Delta(finish_reason="error", error=out.error)
         self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         delta = Delta()
         lps = out.new_logprobs or []
         n = len(out.new_token_ids)

@@ -159,7 +159,13 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
             logger.info("stopped before the engine core was ready")
             return 0
         client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
-                                       start.engine_index, _cache_info(ready))
+                                       start.engine_index, _cache_info(ready),
+                                       kv_transfer=ready.kv_transfer is not None)
+        if ready.kv_transfer is not None:
+            kv = ready.kv_transfer
+            logger.info("KV connector: engine_id %s, kv_role %s, side channel tcp://%s:%d "
+                        "(transport %s)", kv.engine_id, kv.kv_role, kv.side_channel_host,
+                        kv.side_channel_port, kv.transport)
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,

@@ -23,7 +23,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvloop import SamplingParams
-from kvloop.core.request import ContextLengthError, check_context_length
+from kvloop.core.request import (
+    KV_TRANSFER_PARAMS_KEY,
+    ContextLengthError,
+    check_context_length,
+)
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
@@ -147,6 +151,32 @@ def _check_supported(req: SamplingRequest) -> None:
                        param="stream_options")
 
 
+_MSGPACK_INTS = (-(2 ** 63), 2 ** 64 - 1)     # what msgpack can carry to the engine
+
+
+def check_kv_transfer_params(req: SamplingRequest, num_prompts: int) -> None:
+    """APIError(400) unless the request's `kv_transfer_params` (a JSON object, checked by
+    the schema) can reach the engine: integers msgpack carries, and one engine request
+    (n=1, one prompt), since the params name one request's blocks on one worker."""
+    params = req.kv_transfer_params
+    if params is None:
+        return
+    if req.n != 1 or num_prompts != 1:
+        raise APIError(400, f"kv_transfer_params needs one prompt and n=1 (they name one "
+                            f"request's KV blocks), got {num_prompts} prompt(s) and n={req.n}",
+                       param=KV_TRANSFER_PARAMS_KEY)
+    pending: list[Any] = [params]
+    while pending:
+        v = pending.pop()
+        if isinstance(v, dict):
+            pending.extend(v.values())
+        elif isinstance(v, list):
+            pending.extend(v)
+        elif isinstance(v, int) and not _MSGPACK_INTS[0] <= v <= _MSGPACK_INTS[1]:
+            raise APIError(400, f"kv_transfer_params: the integer {v} is out of the "
+                                f"int64/uint64 range", param=KV_TRANSFER_PARAMS_KEY)
+
+
 def _param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0]
     return word if word.isidentifier() else None
@@ -201,7 +231,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            priority=req.priority, cache_salt=req.cache_salt or None)
+            priority=req.priority, cache_salt=req.cache_salt or None,
+            extra_args=(None if req.kv_transfer_params is None
+                        else {KV_TRANSFER_PARAMS_KEY: req.kv_transfer_params}))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
     if req.n > ctx.config.max_n:
@@ -424,6 +456,13 @@ def usage(children: list[Child], prompts: list[list[int]]) -> Usage:
             "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def handed_on(children: list[Child]) -> dict[str, Any] | None:
+    """The `kv_transfer_params` a worker hands on (a prefill worker's, for the decode
+    worker), from the finishing output of the request's one engine request; None when it has
+    nothing to hand on."""
+    return children[0].state.kv_transfer_params if len(children) == 1 else None
+
+
 def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
                         prompt_ids: Sequence[int] = ()) -> CompletionLogprobs:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
@@ -482,6 +521,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     prompts = completion_prompts(ctx.tokenizer, req)
     for ids in prompts:
         ctx.check_token_ids(ids, "prompt")
+    check_kv_transfer_params(req, len(prompts))
     asked, default = completion_max_tokens(req)
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default)
               for ids in prompts]
@@ -498,7 +538,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     body: CompletionResponse = {
         "id": base, "object": "text_completion", "created": int(time.time()),
         "model": ctx.served_name(req.model), "choices": choices,
-        "usage": usage(gen.children, prompts), "system_fingerprint": None}
+        "usage": usage(gen.children, prompts), "system_fingerprint": None,
+        "kv_transfer_params": handed_on(gen.children)}
     return JSONResponse(body)
 
 
@@ -574,6 +615,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.tools:
         raise APIError(400, "tool calling is not supported by kvloop", param="tools")
     prompt = chat_prompt(ctx.tokenizer, req)
+    check_kv_transfer_params(req, 1)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = build_sampling_params(ctx, req, len(prompt), max_tokens,
@@ -599,7 +641,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     body: ChatCompletionResponse = {
         "id": base, "object": "chat.completion", "created": int(time.time()),
         "model": ctx.served_name(req.model), "choices": choices,
-        "usage": usage(gen.children, [prompt]), "system_fingerprint": None}
+        "usage": usage(gen.children, [prompt]), "system_fingerprint": None,
+        "kv_transfer_params": handed_on(gen.children)}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
     return JSONResponse(body)
