@@ -10,6 +10,7 @@ from kvloop.router.config import IndexConfig, LivenessConfig, PDConfig, RouterCo
 from kvloop.router.pd import (
     ALWAYS,
     CLIENT_PARAMS,
+    DECODE_CANNOT_LOAD,
     LOCAL_CHEAPER,
     MULTIPLE_PROMPTS,
     NEVER,
@@ -25,6 +26,7 @@ from kvloop.router.pd import (
 )
 from kvloop.router.pd_proxy import PREFILL_PARAMS, answer_params, local_reason, prefill_body
 from kvloop.router.registry import (
+    NO_KV_CONNECTOR,
     NO_STORED_BLOCKS,
     PREFILL_FAILING,
     WRONG_EVENT_SOURCE,
@@ -34,6 +36,7 @@ from kvloop.router.registry import (
 from kvloop.router.router import Router
 from kvloop.server.prometheus_text import metric_value
 from kvloop.sim.latency import LatencyModel, StepFeatures
+from kvloop.wire import KVTransferInfo
 
 from .conftest import FakeClock
 from .test_router_core import BS, FakeSub, desc, stored
@@ -152,6 +155,18 @@ def test_a_prefill_answer_is_usable_only_with_what_the_decode_worker_needs():
 
 
 # --- the router's decisions ----------------------------------------------------------------
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def pd_desc(role, epoch: str, caching: bool | None = None, connector: bool = True):
+    """A P/D worker's description: its KV connector; a decode worker caches nothing."""
+    kv = KVTransferInfo(engine_id=f"engine-{epoch}", kv_role=KV_ROLE[role],
+                        side_channel_host="127.0.0.1", side_channel_port=1, transport="tcp")
+    return msgspec.structs.replace(
+        desc(role=role, epoch=epoch), kv_transfer=kv if connector else None,
+        enable_prefix_caching=role != "decode" if caching is None else caching)
+
+
 def make_pd_router(policy: str = "cost", **liveness) -> tuple[Router, FakeClock,
                                                               dict[str, FakeSub]]:
     clock = FakeClock()
@@ -165,10 +180,8 @@ def make_pd_router(policy: str = "cost", **liveness) -> tuple[Router, FakeClock,
     cfg = RouterConfig(liveness=lv, index=IndexConfig(provisional_ttl_s=1.0),
                        pd=PDConfig(policy=policy, failures_to_skip=2))
     r = Router(cfg, factory, clock)
-    r.register(WorkerSpec("http://p:1", "prefill"), desc(role="prefill", epoch="ep"))
-    decode = msgspec.structs.replace(desc(role="decode", epoch="ed"),
-                                     enable_prefix_caching=False)
-    r.register(WorkerSpec("http://d:1", "decode"), decode)
+    r.register(WorkerSpec("http://p:1", "prefill"), pd_desc("prefill", "ep"))
+    r.register(WorkerSpec("http://d:1", "decode"), pd_desc("decode", "ed"))
     return r, clock, subs
 
 
@@ -223,7 +236,7 @@ def test_a_prompt_cached_on_the_prefill_worker_goes_remote_even_to_an_idle_decod
 
 def test_prefill_worker_choice_follows_its_prefix_index():
     r, _, subs = make_pd_router()
-    r.register(WorkerSpec("http://p:2", "prefill"), desc(role="prefill", epoch="ep2"))
+    r.register(WorkerSpec("http://p:2", "prefill"), pd_desc("prefill", "ep2"))
     prompt = list(range(7000, 8024))
     subs["p:2"].feed.on_batch(stored(prompt))
     _busy(r)
@@ -234,9 +247,7 @@ def test_prefill_worker_choice_follows_its_prefix_index():
 
 def test_decode_worker_is_chosen_by_load():
     r, _, _ = make_pd_router("never")
-    r.register(WorkerSpec("http://d:2", "decode"),
-               msgspec.structs.replace(desc(role="decode", epoch="ed2"),
-                                       enable_prefix_caching=False))
+    r.register(WorkerSpec("http://d:2", "decode"), pd_desc("decode", "ed2"))
     _busy(r, "d:1", 4)
     _busy(r, "d:2", 1)
     assert [r.route_pd([i] * 40).decode.worker.name for i in range(3)] == ["d:2"] * 3
@@ -305,8 +316,8 @@ def _epoch_router() -> tuple[Router, FakeClock, dict[str, EpochSub]]:
 
     r = Router(RouterConfig(liveness=LivenessConfig(window_s=5.0)), factory, clock)
     r.register(WorkerSpec("http://p:1", "prefill", events_endpoint="tcp://127.0.0.1:7"),
-               desc(role="prefill", epoch="ep"))
-    r.register(WorkerSpec("http://d:1", "decode"), desc(role="decode", epoch="ed"))
+               pd_desc("prefill", "ep"))
+    r.register(WorkerSpec("http://d:1", "decode"), pd_desc("decode", "ed", caching=True))
     return r, clock, subs
 
 
@@ -360,3 +371,22 @@ def test_a_prefill_worker_whose_events_store_nothing_raises_an_alarm():
     subs["p:1"].feed.on_batch(stored(list(range(2000))))
     r.check_liveness()
     assert NO_STORED_BLOCKS not in r.registry.get("p:1").alarms
+
+
+def test_workers_without_the_connector_their_role_needs_are_named_and_avoided():
+    r, _, _ = make_pd_router("always")
+    r.register(WorkerSpec("http://p:2", "prefill"), pd_desc("prefill", "e2", connector=False))
+    r.register(WorkerSpec("http://d:2", "decode"), msgspec.structs.replace(
+        pd_desc("decode", "e3"), kv_transfer=msgspec.structs.replace(
+            pd_desc("decode", "e3").kv_transfer, kv_role="kv_producer")))
+    p2, d2 = r.registry.get("p:2"), r.registry.get("d:2")
+    assert p2.alarms[NO_KV_CONNECTOR].message.startswith(
+        "worker p:2: no_kv_connector: prefill worker with no KV connector; it needs one that "
+        "holds blocks for a decode worker: no prefill leg goes to it")
+    assert "a kv_producer KV connector; it needs one that loads blocks" in \
+        d2.alarms[NO_KV_CONNECTOR].detail
+    _busy(r, "d:1", 8)               # d:2 is the idle one: chosen, and it cannot load
+    routed = r.route_pd(list(range(64)))
+    assert routed.decode.worker.name == "d:2" and routed.decision.reason == DECODE_CANNOT_LOAD
+    _busy(r, "d:2", 20)
+    assert {r.route_pd([i] * 64).prefill.worker.name for i in range(4)} == {"p:1"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
+from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.server.auth import AuthConfig, check_key
 from kvloop.server.http_limits import HttpLimits
@@ -17,9 +17,6 @@ POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
 DEFAULT_ROUTER_POLICY = "kv-aware"
 PD_POLICIES = ("cost", "always", "never")   # --pd-policy: the remote-prefill decision
 DEFAULT_PD_POLICY = "cost"
-# Bytes per second a KV transfer is assumed to take: docs/disaggregation.md's `sim_bandwidth`
-# default (10 Gb/s), what a simulated worker's transfers take.
-DEFAULT_TRANSFER_BANDWIDTH = 1.25e9
 # K and V bytes per token of the embedded model (SmolLM2-135M: 30 layers x 3 KV heads x
 # head_dim 64 x 2, in fp32 as the CPU runner holds them); the router uses what a prefill
 # worker's `kv_fingerprint` says once it answered.
@@ -163,8 +160,9 @@ class PDConfig:
     simulator's step-time model (`kvloop/sim/latency.py`) with the coefficients of
     `latency_file` (None: `kvloop/sim/latency_smollm2_cpu.json`, fitted on the embedded model
     on this machine's CPU), every time divided by `speedup` (a fleet of `--sim-speedup S`
-    workers: S). `transfer_bandwidth` (bytes/s) and `kv_bytes_per_token` (until a prefill
-    worker's answer tells) price the transfer of the blocks the decode worker lacks.
+    workers: S). `transfer_bandwidth` (bytes/s; default: what a simulated worker's transfers
+    take, its `sim_bandwidth`) and `kv_bytes_per_token` (until a prefill worker's answer
+    tells) price the transfer of the blocks the decode worker lacks.
     `failures_to_skip`: consecutive failed prefill legs after which a prefill worker is left
     out of remote prefills (alarm `prefill_failing`) until the liveness window passes.
     """
@@ -172,7 +170,7 @@ class PDConfig:
     policy: str = DEFAULT_PD_POLICY
     latency_file: str | None = None
     speedup: float = 1.0
-    transfer_bandwidth: float = DEFAULT_TRANSFER_BANDWIDTH
+    transfer_bandwidth: float = DEFAULT_SIM_BANDWIDTH
     kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
     failures_to_skip: int = 3
 

@@ -19,6 +19,9 @@ load-only until it clears):
                       no BlockStored reached the router for a window (heartbeats do not count)
     prefill_failing   its last prefill legs all failed: it is left out of remote prefills
                       until a window has passed
+    no_kv_connector   a prefill worker without a connector that holds blocks (no prefill leg
+                      goes to it), or a decode worker without one that loads them (it
+                      prefills everything itself)
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ UNPREDICTED_HITS = "unpredicted_hits"
 WRONG_EVENT_SOURCE = "wrong_event_source"
 NO_STORED_BLOCKS = "no_stored_blocks"
 PREFILL_FAILING = "prefill_failing"
+NO_KV_CONNECTOR = "no_kv_connector"
 ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS,
-          WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING)
+          WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING, NO_KV_CONNECTOR)
 
 _CAUSES = {
     SILENT: "its KV events do not reach the router: wrong --kv-events-endpoint (or a "
@@ -63,6 +67,8 @@ _CAUSES = {
                       "prefix caching",
     PREFILL_FAILING: "the prefill worker has no KV connector (started without "
                      "--kv-transfer-config) or its engine fails these requests",
+    NO_KV_CONNECTOR: "the worker was started without --kv-transfer-config, or with the "
+                     "wrong kv_role (`kvloop fleet --prefill N --decode M` sets both)",
 }
 
 
@@ -268,6 +274,15 @@ class WorkerState:
 
     def in_flight(self) -> int:
         return len(self.tickets)
+
+    @property
+    def kv_role(self) -> str | None:
+        """Its KV connector's kv_role; None: no connector. A worker that is no kvloop worker
+        does not say: it is taken to do what its role needs (`kv_both`)."""
+        d = self.description
+        if d is None:
+            return "kv_both"
+        return d.kv_transfer.kv_role if d.kv_transfer is not None else None
 
     @property
     def caches_prefixes(self) -> bool:

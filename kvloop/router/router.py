@@ -36,6 +36,9 @@ from kvloop.router.feed import EventFeed
 from kvloop.router.index import PrefixIndex
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.pd import (
+    DECODE_CANNOT_LOAD,
+    HOLDS,
+    LOADS,
     PDDecision,
     PDWorker,
     TransferModel,
@@ -47,6 +50,7 @@ from kvloop.router.pd import (
 from kvloop.router.registry import (
     CONFIG_MISMATCH,
     NO_EVENT_SOURCE,
+    NO_KV_CONNECTOR,
     PREFILL_FAILING,
     WRONG_EVENT_SOURCE,
     Alarm,
@@ -255,6 +259,12 @@ class Router:
             warnings.append(f"{w.name}: no KV-event endpoint")
         else:
             self._clear(w.name, NO_EVENT_SOURCE)
+        missing = _missing_connector(w)
+        if missing is not None:
+            self._raise(w.name, NO_KV_CONNECTOR, missing)
+            warnings.append(f"{w.name}: {missing}")
+        else:
+            self._clear(w.name, NO_KV_CONNECTOR)
         return warnings
 
     def hashing_mismatches(self, desc: WorkerDescription) -> list[str]:
@@ -384,7 +394,8 @@ class Router:
         if not decoders:
             raise NoWorkerError(self._no_worker_message())
         prefillers = [w for w in self.registry.usable(("prefill",))
-                      if w.name not in exclude and PREFILL_FAILING not in w.alarms]
+                      if w.name not in exclude and PREFILL_FAILING not in w.alarms
+                      and w.kv_role in HOLDS]
         hashes = self.block_hashes(token_ids, cache_salt)
         matches = self.index.match(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
@@ -394,6 +405,8 @@ class Router:
                  for w in decoders + prefillers}
         d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
                                          -rendezvous(req.prefix_key, w.name)))
+        if local_reason is None and d.kv_role not in LOADS:
+            local_reason = DECODE_CANNOT_LOAD
         p_choice, est = None, None
         if prefillers and local_reason is None and self.config.pd.policy != "never":
             p_choice = self.policy.choose(
@@ -626,6 +639,17 @@ def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
         return hashes[0]
     digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _missing_connector(w: WorkerState) -> str | None:
+    """The `no_kv_connector` detail of a P/D worker whose connector cannot serve its role."""
+    need = {"prefill": (HOLDS, "holds blocks for a decode worker: no prefill leg goes to it"),
+            "decode": (LOADS, "loads blocks from a prefill worker: it prefills every request "
+                              "itself")}.get(w.role)
+    if need is None or w.kv_role in need[0]:
+        return None
+    has = "no KV connector" if w.kv_role is None else f"a {w.kv_role} KV connector"
+    return f"{w.role} worker with {has}; it needs one that {need[1]}"
 
 
 def _capacity(desc: WorkerDescription | None) -> int | None:
