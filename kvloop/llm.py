@@ -11,6 +11,13 @@ What the engine does not do is done by the API server's output processing
 strings (detokenized incrementally, not before `min_tokens`; a hit aborts the request and
 truncates its text), text and logprobs; this module only shapes vLLM's `RequestOutput`.
 
+With `kv_transfer_config` (a `kvloop.config.KVTransferConfig`, or its dict or JSON) the engine
+gets a KV connector (`kvloop.kv_transfer`): requests whose `SamplingParams.extra_args` carry
+`kv_transfer_params` prefill for a decode worker or pull their prompt's KV from a prefill
+worker (docs/disaggregation.md), and each `RequestOutput` carries the `kv_transfer_params`
+its request handed on. `generate` returns when its requests finish; blocks a prefill worker
+still holds for a decode worker are freed by later steps (`wait_for_kv_transfers`).
+
 A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
 the server's message, before any request is added. `max_tokens` beyond the context is not an
 error here (the server answers 400 for it only when the client set it; SamplingParams always
@@ -20,6 +27,7 @@ carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("le
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +36,12 @@ from kvloop.config import (
     DEFAULT_BLOCK_SIZE,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     RunnerConfig,
     SchedulerConfig,
 )
 from kvloop.core.engine import EngineCore
+from kvloop.core.kv_connector import KVConnector
 from kvloop.core.request import SamplingParams, check_context_length
 from kvloop.core.runner import Runner
 from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
@@ -41,6 +51,7 @@ PromptType = str | dict[str, Any]
 Message = dict[str, Any]
 
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+_IDLE_WAIT_S = 0.05   # how long a step with nothing to do waits for connector news
 OFFLINE_MAX_NUM_SEQS = 256
 
 
@@ -73,6 +84,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -84,6 +96,7 @@ class _Sequence:
     sample_index: int
     params: SamplingParams
     state: OutputState
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class LLM:
@@ -97,7 +110,8 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, gpu_memory_utilization: float | None = None,
-                 check_invariants: bool = False):
+                 check_invariants: bool = False,
+                 kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
         each does) become one RunnerConfig, the engine's one EngineConfig."""
         from kvloop.model import load_runner
@@ -115,13 +129,15 @@ class LLM:
                                enable_prefix_caching=enable_prefix_caching,
                                enable_chunked_prefill=enable_chunked_prefill,
                                long_prefill_token_threshold=long_prefill_token_threshold,
-                               check_invariants=check_invariants)
+                               check_invariants=check_invariants,
+                               kv_transfer=kv_transfer_of(kv_transfer_config))
         self._init(runner, tok, config, runner.num_gpu_blocks)
 
     @classmethod
     def from_runner(cls, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
                     num_gpu_blocks: int) -> LLM:
-        """An LLM over an existing runner (tests and benchmarks share one loaded model)."""
+        """An LLM over an existing runner (tests and benchmarks share one loaded model);
+        `config.kv_transfer` builds a connector over the runner's block store."""
         llm = cls.__new__(cls)
         llm._init(runner, tokenizer, config, num_gpu_blocks)
         return llm
@@ -131,7 +147,16 @@ class LLM:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
-        self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks)
+        connector: KVConnector | None = None
+        self.kv_transfer_info = None
+        if config.kv_transfer is not None:
+            from kvloop.kv_transfer import make_connector
+
+            kv = make_connector(config.kv_transfer, runner)
+            self.kv_transfer_info = kv.start()
+            connector = kv
+        self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,
+                                 connector=connector)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
@@ -209,10 +234,14 @@ class LLM:
                   dynamic_ncols=True) as bar:
             while self.engine.has_unfinished_requests():
                 result = self.engine.step()
+                if not (result.executed or result.outputs):
+                    self.engine.wait_for_work(_IDLE_WAIT_S)   # loads in flight: do not spin
                 for out in result.outputs:
                     seq = live.get(out.request_id)
                     if seq is None:
                         continue
+                    if out.kv_transfer_params is not None:
+                        seq.kv_transfer_params = out.kv_transfer_params
                     if seq.state.process(out).stopped_locally:
                         self.engine.abort_requests([seq.request_id])
                     if seq.state.finished:
@@ -237,7 +266,8 @@ class LLM:
             results.append(RequestOutput(
                 request_id=mine[0].request_id, prompt=prompt, prompt_token_ids=ids,
                 outputs=outputs, finished=all(o.finish_reason for o in outputs),
-                num_cached_tokens=mine[0].state.num_cached_tokens))
+                num_cached_tokens=mine[0].state.num_cached_tokens,
+                kv_transfer_params=mine[0].kv_transfer_params))
         return results
 
     def _completion(self, seq: _Sequence) -> CompletionOutput:
@@ -249,6 +279,15 @@ class LLM:
             logprobs=[self._logprob_dict(e) for e in st.logprobs] if wanted else None,
             finish_reason=st.finish_reason, stop_reason=st.stop_reason)
 
+    def wait_for_kv_transfers(self, timeout: float) -> bool:
+        """Step until no request waits on a KV transfer (a prefill worker's held blocks
+        freed by Done or expiry), at most `timeout` seconds; True if none is left."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_transfers() and time.monotonic() < deadline:
+            if not self.engine.step().executed:
+                self.engine.wait_for_work(min(_IDLE_WAIT_S, max(deadline - time.monotonic(), 0)))
+        return not self.engine.has_transfers()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 
@@ -257,7 +296,8 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                   max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                  check_invariants: bool = False, num_gpu_blocks: int = 1024) -> EngineConfig:
+                  check_invariants: bool = False, num_gpu_blocks: int = 1024,
+                  kv_transfer: KVTransferConfig | None = None) -> EngineConfig:
     """The offline engine's config; `max_num_seqs` defaults to min(256, token budget)."""
     seqs = max_num_seqs or min(OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens)
     return EngineConfig(
@@ -267,7 +307,17 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                                   max_num_seqs=seqs, max_model_len=max_model_len,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   long_prefill_token_threshold=long_prefill_token_threshold),
-        check_invariants=check_invariants, log_stats=False)
+        check_invariants=check_invariants, log_stats=False, kv_transfer=kv_transfer)
+
+
+def kv_transfer_of(config: KVTransferConfig | dict[str, Any] | str | None
+                   ) -> KVTransferConfig | None:
+    """`LLM(kv_transfer_config=...)`: a KVTransferConfig, its dict, or its JSON."""
+    if config is None or isinstance(config, KVTransferConfig):
+        return config
+    if isinstance(config, str):
+        return KVTransferConfig.from_json(config)
+    return KVTransferConfig.from_dict(config)
 
 
 def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -1,14 +1,20 @@
 """EngineCore: the step, in full.
 
     out     = scheduler.schedule()
-    result  = runner.execute(out)
+    result  = runner.execute(out)   (with a KV connector: bind its metadata, start loads,
+                                     run, wait for saves, collect `get_finished`)
     apply pending aborts            (after the forward pass, before accounting)
     outputs = scheduler.update_from_output(out, result)
     events  = kv_cache_manager.take_events()     (one batch per step)
 
-Owner: the engine owns the scheduler, the KV cache manager, the block pool and the runner.
-Aborts may be requested from another thread (`abort_requests`); they are applied between
-steps or, for a step in flight, after its forward pass returns.
+Owner: the engine owns the scheduler, the KV cache manager, the block pool, the runner and
+the KV connector (built by whoever builds the engine: `kvloop.kv_transfer`). Aborts may be
+requested from another thread (`abort_requests`); they are applied between steps or, for a
+step in flight, after its forward pass returns.
+
+With a connector the engine also steps while requests only wait on transfers (held leases,
+loads in flight), but `has_work()` is then False until the connector has news, so an idle
+loop can sleep in `wait_for_work()` (or its own wait, woken by `set_wakeup`'s callback).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from kvloop.config import EngineConfig
 from kvloop.core.block_pool import BlockPool
 from kvloop.core.hashing import BlockHasher
 from kvloop.core.kv_cache_manager import KVCacheManager
-from kvloop.core.outputs import SchedulerOutput
+from kvloop.core.kv_connector import KVConnector
+from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 from kvloop.core.request import Request, RequestStatus, SamplingParams, check_context_length
 from kvloop.core.runner import Runner
 from kvloop.core.scheduler import Admission, Scheduler
@@ -47,7 +54,9 @@ class StepResult:
 class EngineCore:
     """Scheduler + KV cache + runner in one process, driven by `step()`."""
 
-    def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, runner: Runner, num_gpu_blocks: int | None = None,
+                 connector: KVConnector | None = None):
+        """`connector`: the KV connector (None: no disaggregation); the engine shuts it down."""
         self.config = config
         cc = config.cache
         self.num_gpu_blocks = num_gpu_blocks or cc.num_gpu_blocks
@@ -56,13 +65,19 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, cc.block_size, config.scheduler.max_model_len,
             cc.enable_prefix_caching, cc.watermark)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.log_stats)
+        policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "fail"
+        self.connector = connector
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.log_stats,
+                                   connector, policy)
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
         self._pending_aborts: list[str] = []
         self._abort_lock = threading.Lock()
         self._arrivals = 0
+        self._wake = threading.Event()
+        if connector is not None:
+            connector.set_wakeup(self._wake.set)
 
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -87,6 +102,7 @@ class EngineCore:
         """Thread-safe: queue aborts; they take effect at the next safe point."""
         with self._abort_lock:
             self._pending_aborts.extend(request_ids)
+        self._wake.set()
 
     def _apply_aborts(self) -> list[str]:
         with self._abort_lock:
@@ -99,7 +115,23 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or bool(self._pending_aborts)
+        """Whether a step now could do anything: pending aborts, schedulable requests, or
+        news from the connector (requests that only wait on transfers are not work)."""
+        if self._pending_aborts:
+            return True
+        if self.connector is None:
+            return self.scheduler.has_requests()
+        return self.scheduler.has_schedulable_work() or self.connector.has_news()
+
+    def has_transfers(self) -> bool:
+        """Whether requests wait on the connector (P's held blocks, D's loads)."""
+        return self.connector is not None and bool(self.connector.request_ids_in_transfer())
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Sleep until there is work (an abort, connector news) or `timeout` passes."""
+        if not self.has_work():
+            self._wake.wait(timeout)
+        self._wake.clear()
 
     # --- the step -------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -110,7 +142,7 @@ class EngineCore:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         admissions = self.scheduler.last_admissions
-        result = self.runner.execute(out)
+        result = self._execute(out)
         self._apply_aborts()
         outputs = self.scheduler.update_from_output(out, result)
         events = self.take_event_batch()
@@ -122,6 +154,19 @@ class EngineCore:
                                   self.block_pool, self.scheduler)
         return StepResult(outputs, events, stats, out, admissions, record,
                           executed=not out.is_empty)
+
+    def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """The runner's step, inside the connector's worker-side calls (vLLM's order)."""
+        connector = self.connector
+        if connector is None:
+            return self.runner.execute(out)
+        connector.bind_connector_metadata(out.kv_connector_metadata)
+        connector.start_load_kv()
+        result = self.runner.execute(out)
+        connector.wait_for_save()
+        result.kv_connector_output = connector.get_finished(out.finished_req_ids)
+        connector.clear_connector_metadata()
+        return result
 
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
@@ -136,4 +181,6 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
         self.runner.shutdown()

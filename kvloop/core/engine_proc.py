@@ -29,6 +29,12 @@ built interrupts the build (exit 0). Every thread is joined before the process e
 holds a stdio lock at interpreter shutdown. An exception in the loop sends `ENGINE_CORE_DEAD`
 and exits 1.
 
+With a KV connector (`EngineConfig.kv_transfer`, built here by
+`kvloop.kv_transfer.make_connector`) the loop also runs while requests only wait on
+transfers; it then sleeps on the input queue, which the connector's threads wake (a
+`_WAKE` item) when a Done, a finished load or a failure arrives, and looks at lease expiry at
+least every `_IDLE_WAIT_S`.
+
 Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
 This is the only core module that imports zmq.
 """
@@ -59,6 +65,7 @@ from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
 from kvloop.events.config import KVEventsConfig
+from kvloop.kv_transfer import make_connector
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
     WIRE_VERSION,
@@ -80,6 +87,7 @@ logger = logging.getLogger("kvloop.engine")
 ENGINE_IDENTITY = (0).to_bytes(2, "little")
 _POLL_MS = 100
 _IDLE_WAIT_S = 0.1   # an idle busy loop looks at its stop conditions this often
+_WAKE = b"wake"      # input-queue item: the KV connector has news
 
 
 def resolve_factory(name: str) -> Callable[..., Any]:
@@ -175,7 +183,15 @@ class EngineCoreProc:
         if cfg.kv_events is not None:
             econf = dataclasses.replace(
                 econf, cache=dataclasses.replace(econf.cache, enable_kv_cache_events=True))
-        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks)
+        connector = None
+        if econf.kv_transfer is not None:
+            connector = make_connector(econf.kv_transfer, runner)
+        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
+                                 connector=connector)
+        kv_transfer = None
+        if connector is not None:
+            connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
+            kv_transfer = connector.start()
         ready = EngineReady(
             wire_version=WIRE_VERSION, pid=os.getpid(),
             model_name=runner.model_name,
@@ -185,7 +201,8 @@ class EngineCoreProc:
             hash_algo=econf.cache.prefix_caching_hash_algo, hash_seed=econf.cache.hash_seed or "",
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
-            vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None)
+            vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None,
+            kv_transfer=kv_transfer)
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
@@ -402,13 +419,17 @@ class EngineCoreProc:
     def _make_outputs(self, result: StepResult) -> EngineCoreOutputs | None:
         """The message of one step, or None when it would tell the API server nothing new."""
         stats = result.stats
-        key = None
+        key: tuple[int, ...] | None = None
+        kv_counts = False
         if stats is not None:
             pcs = stats.prefix_cache_stats
             key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
                    stats.num_preemptions, pcs.requests, pcs.preempted_requests)
-        if not (result.executed or result.outputs or (key is not None
-                                                      and key != self._last_stats_key)):
+            if stats.kv_transfer is not None:
+                key += (stats.kv_transfer.held_requests, stats.kv_transfer.loading_requests)
+                kv_counts = stats.kv_transfer.has_counts
+        if not (result.executed or result.outputs or kv_counts
+                or (key is not None and key != self._last_stats_key)):
             return None
         self._last_stats_key = key
         out = result.scheduler_output
@@ -467,6 +488,8 @@ def engine_stats(engine: EngineCore) -> dict[str, bool | int | float | str | Non
         "num_requests": len(sched.requests),
         "num_preemptions_total": sched.num_preemptions_total,
         "step_index": sched.step_index,
+        "num_kv_transfers": (len(engine.connector.request_ids_in_transfer())
+                             if engine.connector is not None else 0),
     }
 
 

@@ -86,19 +86,25 @@ class KVCacheManager:
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_lookahead_tokens: int = 0, full_sequence_must_fit: bool = False,
-                       has_scheduled_reqs: bool = True) -> list[KVCacheBlock] | None:
+                       has_scheduled_reqs: bool = True, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Give `request` slots for `num_new_tokens` more tokens (after adopting prefix hits).
 
         Returns the newly allocated blocks, or None (and changes nothing) when they do not
         fit. On success: hit blocks are touched and adopted, new blocks are taken from the
         free-queue front, and every newly full block of known tokens is cached.
         With `full_sequence_must_fit` (admission), the whole current sequence must fit.
+        `num_external_computed_tokens` (a KV connector's load) count as computed but get
+        slots here; with `delay_cache_blocks` nothing is cached now (an asynchronous load
+        caches its blocks when it reports: `cache_blocks`). `num_new_tokens` may be 0 only
+        with external tokens.
         """
-        if num_new_tokens <= 0:
+        if num_new_tokens < 0 or (num_new_tokens == 0 and num_external_computed_tokens <= 0):
             raise ValueError("num_new_tokens must be greater than 0")
         hits = new_computed_blocks or []
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
-        total_computed = min(num_local_computed, self.max_model_len)
+        total_computed = min(num_local_computed + num_external_computed_tokens,
+                             self.max_model_len)
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING,
                                                      RequestStatus.PREEMPTED):
@@ -125,12 +131,15 @@ class KVCacheManager:
         num_new_blocks = cdiv(need_slot, self.block_size) - len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Cache the request's full blocks of its first `num_tokens` tokens."""
+        """Cache the request's full blocks of its first `num_tokens` tokens (a no-op without
+        prefix caching)."""
+        if not self.enable_caching:
+            return
         rid = request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
@@ -151,6 +160,11 @@ class KVCacheManager:
         self.num_cached_block.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def get_num_cached_blocks(self, request_id: str) -> int:
+        """How many of the request's leading blocks are in the prefix cache (for a request
+        waiting for remote KV: its local hit)."""
+        return self.num_cached_block.get(request_id, 0)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -10,7 +10,9 @@ The real model runner, the simulated runner and the tests speak only these two o
 - `num_scheduled_tokens[req_id]`: how many tokens to compute for it this step, starting at
   its `num_computed_tokens` (the value *before* this step);
 - `scheduled_spec_decode_tokens[req_id]`: draft tokens appended after the known tokens;
-- `finished_req_ids` / `preempted_req_ids`: requests whose state the runner must drop.
+- `finished_req_ids` / `preempted_req_ids`: requests whose state the runner must drop;
+- `kv_connector_metadata`: what the KV connector's worker side does this step (opaque to the
+  core: the connector's scheduler side builds it, its worker side reads it).
 
 Token ids to compute for request r this step are
 `all_token_ids[num_computed : num_computed + n]` for the known part (given explicitly in
@@ -57,6 +59,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # ids whose chunk reaches the end of their known tokens: they sample this step
     sampling_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +77,29 @@ class Logprobs:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the KV connector's worker side reports after a step (vLLM's names).
+
+    - `finished_sending`: requests whose held blocks may be freed now (P: `Done` arrived or
+      the lease expired);
+    - `finished_recving`: requests whose load ended, done or failed (D);
+    - `invalid_block_ids`: blocks a failed load did not fill (reported no later than the
+      request's id in `finished_recving`);
+    - `failed_recving`: request id -> why its load failed (a message for the log and for the
+      request's error output).
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
 class RunnerOutput:
     """What the runner returns for one `SchedulerOutput`.
 
@@ -87,6 +113,7 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    kv_connector_output: KVConnectorOutput | None = None   # set by the engine, not the runner
 
     def index(self) -> dict[str, int]:
         return {rid: i for i, rid in enumerate(self.req_ids)}

@@ -11,26 +11,41 @@ is `num_tokens_with_spec - num_computed_tokens`. Chunked prefill, prefix hits (a
 Preemption (recompute) frees the blocks, resets the counter to 0 and puts the request back
 at the front of the waiting queue. vLLM 0.33's rules are followed exactly
 (docs/vllm-facts.md#scheduler).
+
+With a KV connector (prefill/decode disaggregation, docs/vllm-facts.md#disaggregation) a
+remote load is one more case of the same subtraction: `num_computed = local hit + external`.
+A load that runs between steps puts the request in WAITING_FOR_REMOTE_KVS, holding all its
+blocks, costing no budget, skipped by the waiting loop until the connector reports it; then
+`num_computed_tokens` jumps to what was loaded (the last prompt token always recomputed) and
+it is scheduled as any waiting request. A finished request whose blocks the connector holds
+(P's delayed free, or an aborted load still being written) leaves the queues but stays in
+`requests` until the connector reports it (`finished_sending` / `finished_recving`).
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloop.config import SchedulerConfig
 from kvloop.core.block_pool import KVCacheBlock
 from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.kv_connector import KVConnector, cached_tokens_after_load
 from kvloop.core.outputs import (
     CachedRequestData,
+    KVConnectorOutput,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
 from kvloop.wire import EngineCoreOutput, SchedulerStats, TopLogprobs
+
+logger = logging.getLogger("kvloop.scheduler")
 
 
 class FCFSQueue:
@@ -119,8 +134,13 @@ class Scheduler:
     """vLLM's V1 scheduler, synchronous (no async placeholders), single KV-cache group."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 log_stats: bool = True):
+                 log_stats: bool = True, connector: KVConnector | None = None,
+                 kv_load_failure_policy: str = "fail"):
+        """`connector`: the KV connector (None: none); `kv_load_failure_policy`: what a failed
+        remote load does, "fail" (finish_reason "error") or "recompute" (prefill here)."""
         self.config = config
+        self.connector = connector
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.max_model_len = config.max_model_len
@@ -133,6 +153,8 @@ class Scheduler:
         self.last_admissions: list[Admission] = []
         self.num_preemptions_total = 0
         self._step_preemptions = 0
+        self._external_queries = 0     # connector prefix stats of this step, in tokens
+        self._external_hits = 0
         self.step_index = 0
 
     # --- requests in and out --------------------------------------------------------------
@@ -142,13 +164,16 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.connector is not None:
+            self.connector.on_new_request(request)
 
     def finish_requests(self, request_ids: str | Iterable[str] | None,
                         status: RequestStatus) -> list[Request]:
         """Finish requests from outside the loop (aborts). Unknown ids are ignored.
 
-        Removes them from the queues, sets `status`, frees their blocks; their ids reach the
-        runner in the next SchedulerOutput's `finished_req_ids`.
+        Removes them from the queues, sets `status`, frees their blocks (unless the connector
+        holds them: an aborted load); their ids reach the runner in the next
+        SchedulerOutput's `finished_req_ids`.
         """
         if request_ids is None:
             ids = list(self.requests)
@@ -174,16 +199,36 @@ class Scheduler:
             self._free_request(req)
         return finished
 
-    def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """A finished request leaves: the connector decides whether its blocks wait (delayed
+        free); returns the `kv_transfer_params` it hands on (None without)."""
+        delay_free, params = False, None
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
         self.finished_req_ids.add(request.request_id)
+        if not delay_free:
+            self._free_blocks(request)
+        return params
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv.free(request)
         del self.requests[request.request_id]
 
     def has_requests(self) -> bool:
+        """Anything to step for: requests (held ones included) or finished ids to report."""
         return bool(self.requests) or bool(self.finished_req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests not finished: running or waiting (loading ones included)."""
+        return bool(self.running) or bool(len(self.waiting))
+
+    def has_schedulable_work(self) -> bool:
+        """Whether a step could do something without news from the connector: running
+        requests, waiting ones not loading, or finished ids to report."""
+        if self.running or self.finished_req_ids:
+            return True
+        return any(r.status != RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
 
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
@@ -284,32 +329,80 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         cfg = self.config
+        skipped: list[Request] = []   # requests passed over this step, back at the front after
         while len(self.waiting) and plan.token_budget > 0:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.pop())   # its load has not reported yet
+                continue
             hits: list[KVCacheBlock] = []
             num_hit = 0
-            if request.num_computed_tokens == 0:
+            fresh = request.num_computed_tokens == 0
+            if fresh:
                 hits, num_hit = self.kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit
-            num_new_tokens = request.num_tokens - num_computed
+            num_external, load_async = self._num_external_tokens(request, num_hit, fresh)
+            if num_external is None:
+                skipped.append(self.waiting.pop())   # the connector asks again next step
+                continue
+            num_computed = request.num_computed_tokens + num_hit + num_external
+            num_new_tokens = 0 if load_async else request.num_tokens - num_computed
             if 0 < plan.threshold < num_new_tokens:
                 num_new_tokens = plan.threshold
             if not cfg.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
             num_new_tokens = min(num_new_tokens, plan.token_budget)
             new_blocks = self.kv.allocate_slots(
-                request, num_new_tokens, num_hit, hits, self.config.num_lookahead_tokens,
+                request, num_new_tokens, num_hit, hits,
+                0 if load_async else cfg.num_lookahead_tokens,
                 full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
-                has_scheduled_reqs=bool(self.running))
+                has_scheduled_reqs=bool(self.running),
+                num_external_computed_tokens=num_external, delay_cache_blocks=load_async)
             if new_blocks is None:
                 break
-            if self.log_stats:
-                self.kv.record_prefix_cache_stats(request, num_hit)
+            self._after_alloc(request, num_hit, num_external, fresh)
             self.waiting.pop()
+            if load_async:
+                self._wait_for_remote_kvs(request, num_hit)
+                skipped.append(request)
+                continue
             self._admit(request, num_new_tokens, num_computed, num_hit, plan)
             plan.new_blocks[request.request_id] = [b.block_id for b in new_blocks]
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _num_external_tokens(self, request: Request, num_hit: int,
+                             fresh: bool) -> tuple[int | None, bool]:
+        """The connector's tokens beyond the local hit (fresh requests only), and whether
+        they load between steps."""
+        if self.connector is None or not fresh:
+            return 0, False
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if num_external is None:
+            return None, False
+        return num_external, load_async and num_external > 0
+
+    def _after_alloc(self, request: Request, num_hit: int, num_external: int,
+                     fresh: bool) -> None:
+        """Tell the connector about the allocation; count the lookups (fresh ones only)."""
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external)
+        if fresh:
+            request.num_external_computed_tokens = num_external
+        if not (self.log_stats and fresh):
+            return
+        self.kv.record_prefix_cache_stats(request, num_hit)
+        if self.connector is not None:
+            self._external_queries += request.num_tokens - num_hit
+            self._external_hits += num_external
+
+    def _wait_for_remote_kvs(self, request: Request, num_hit: int) -> None:
+        """Park a request whose blocks are all allocated until its load reports (vLLM's
+        WAITING_FOR_REMOTE_KVS); its cached tokens are its hits, never the loaded ones."""
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
 
     def _admit(self, request: Request, num_new_tokens: int, num_computed: int, num_hit: int,
                plan: StepPlan) -> None:
@@ -354,6 +447,8 @@ class Scheduler:
             req.num_computed_tokens += plan.num_scheduled[req.request_id]
             if req.num_computed_tokens >= req.num_tokens:
                 out.sampling_req_ids.add(req.request_id)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self.finished_req_ids = set()
         self.last_admissions = plan.admitted
         self.step_index += 1
@@ -392,13 +487,90 @@ class Scheduler:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
                 stopped.add(rid)
-                self._free_request(request)
+                out.kv_transfer_params = self._free_request(request)
             outputs.append(out)
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
         if runner_output.draft_token_ids:
             self.update_draft_token_ids(runner_output.draft_token_ids, scheduler_output)
+        if runner_output.kv_connector_output is not None:
+            outputs.extend(self._update_from_kv_xfer_finished(runner_output.kv_connector_output))
         return outputs
+
+    # --- the connector's reports ----------------------------------------------------------
+    def _update_from_kv_xfer_finished(self, kv_out: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free held requests whose transfer ended; move finished loads on (or fail them).
+        Ids of requests already gone are ignored (an abort after the load reported).
+        Returns the error outputs of loads failed under the "fail" policy."""
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_out)
+        for rid in kv_out.finished_sending:
+            req = self.requests.get(rid)
+            if req is not None and req.is_finished:
+                self._free_blocks(req)
+        outputs: list[EngineCoreOutput] = []
+        for rid in kv_out.finished_recving:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.is_finished:
+                self._free_blocks(req)      # aborted while loading: the blocks are ours again
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                outputs.extend(self._end_remote_load(req, kv_out))
+        return outputs
+
+    def _end_remote_load(self, request: Request,
+                         kv_out: KVConnectorOutput) -> list[EngineCoreOutput]:
+        bad = self._first_invalid_block(request, kv_out)
+        if bad is None:
+            self._finish_remote_load(request)
+            return []
+        error = kv_out.failed_recving.get(request.request_id) or "invalid KV blocks"
+        return self._fail_remote_load(request, bad * self.block_size, error)
+
+    def _first_invalid_block(self, request: Request, kv_out: KVConnectorOutput) -> int | None:
+        """Index of the request's first block the load did not fill (None: all filled); a
+        failure reported without block ids invalidates everything past the local hit."""
+        ids = self.kv.get_block_ids(request.request_id)
+        bad = [i for i, b in enumerate(ids) if b in kv_out.invalid_block_ids]
+        if bad:
+            return bad[0]
+        if request.request_id in kv_out.failed_recving:
+            return self.kv.get_num_cached_blocks(request.request_id)
+        return None
+
+    def _finish_remote_load(self, request: Request) -> None:
+        """vLLM's rule: the loaded blocks count as computed, except the last prompt token,
+        always recomputed here (it produces the first output token's logits)."""
+        num_blocks = len(self.kv.get_block_ids(request.request_id))
+        n = min(num_blocks * self.block_size, request.num_tokens)
+        if n == request.num_tokens:
+            n -= 1
+        self.kv.cache_blocks(request, n)
+        request.num_computed_tokens = n
+        request.status = RequestStatus.WAITING
+
+    def _fail_remote_load(self, request: Request, num_valid: int,
+                          error: str) -> list[EngineCoreOutput]:
+        """Truncate at the first bad block, then the failure policy: "fail" finishes the
+        request with an error output; "recompute" prefills the rest here."""
+        rid = request.request_id
+        logger.warning("KV load of request %s failed (%s); %s", rid, error,
+                       "failing it" if self.kv_load_failure_policy == "fail"
+                       else f"recomputing from token {num_valid}")
+        if self.kv_load_failure_policy == "fail":
+            self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+            return [EngineCoreOutput(rid, [], finish_reason=finish_reason(request.status),
+                                     error=f"KV transfer failed: {error}")]
+        request.num_cached_tokens = min(request.num_cached_tokens or 0, num_valid)
+        if num_valid == 0:
+            self.kv.free(request)            # nothing valid: start over as a fresh request
+            request.num_cached_tokens = None
+        else:
+            self.kv.cache_blocks(request, num_valid)
+        request.num_computed_tokens = num_valid
+        request.status = RequestStatus.WAITING
+        return []
 
     def _append_and_check(self, request: Request, generated: list[int]) -> tuple[list[int], bool]:
         kept: list[int] = []
@@ -464,6 +636,11 @@ class Scheduler:
             prefix_cache_stats=self.kv.take_prefix_cache_stats(),
             num_preemptions=self._step_preemptions, step_index=self.step_index)
         self._step_preemptions = 0
+        if self.connector is not None:
+            stats.kv_transfer = self.connector.take_stats()
+            stats.kv_transfer.external_prefix_cache_queries = self._external_queries
+            stats.kv_transfer.external_prefix_cache_hits = self._external_hits
+            self._external_queries = self._external_hits = 0
         return stats
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -475,13 +652,24 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Queues disjoint and consistent with statuses; counters within bounds; blocks
-        cover the computed tokens; the KV cache manager's and pool's invariants."""
+        cover the computed tokens; a request loading holds blocks for its whole prompt; the
+        requests outside the queues are finished ones whose transfer the connector still
+        owns; the KV cache manager's and pool's invariants."""
         self.kv.check_invariants()
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
+        held_ids = {rid for rid, r in self.requests.items() if r.is_finished}
         assert len(set(running_ids)) == len(running_ids), "request twice in running"
         assert not set(running_ids) & set(waiting_ids), "request both running and waiting"
-        assert set(running_ids) | set(waiting_ids) == set(self.requests), "lost request"
+        assert set(running_ids) | set(waiting_ids) | held_ids == set(self.requests), \
+            "lost request"
+        loading = {r.request_id for r in self.waiting
+                   if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
+        if self.connector is None:
+            assert not held_ids and not loading, "held or loading requests without a connector"
+        else:
+            assert loading | held_ids == self.connector.request_ids_in_transfer(), \
+                "the scheduler's loading/held requests differ from the connector's transfers"
         assert len(self.running) <= self.config.max_num_seqs
         for r in self.running:
             assert r.status == RequestStatus.RUNNING, f"{r} in running"
@@ -489,7 +677,14 @@ class Scheduler:
             held = len(self.kv.req_to_blocks.get(r.request_id, ()))
             assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
         for r in self.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{r} waiting"
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                RequestStatus.WAITING_FOR_REMOTE_KVS), f"{r} waiting"
+            held = len(self.kv.req_to_blocks.get(r.request_id, ()))
             if r.status == RequestStatus.PREEMPTED:
                 assert r.num_computed_tokens == 0
                 assert r.request_id not in self.kv.req_to_blocks
+            elif r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                assert r.num_computed_tokens == 0, f"{r} loading with computed tokens"
+                assert held * self.block_size >= r.num_tokens, f"{r} loading without blocks"
+            else:
+                assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"

@@ -25,6 +25,7 @@ import torch
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
+from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
 from kvloop.model.sampler import Sampler, SamplingRow
@@ -86,6 +87,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
+        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -9,6 +9,8 @@
   (prompt, seed), an unseeded one on its id (different every time).
 - Logprobs are made up but well formed (sampled token first, descending values).
 - Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`.
+- Its KV blocks are modelled (`kvloop.sim.kv_store`): a KV connector moves no payload but
+  takes the time a real block would.
 
 `make_sim_runner` is the factory the engine core process calls (by name) with a
 `kvloop.config.RunnerConfig` whose `sim` is set.
@@ -20,10 +22,11 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvloop.config import DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
+from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
 from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
 from kvloop.core.request import SamplingParams
 from kvloop.sim.byte_vocab import PRINTABLE_IDS, VOCAB_SIZE
+from kvloop.sim.kv_store import SimKVBlockStore
 from kvloop.sim.latency import LatencyModel
 from kvloop.sim.runner import SimRunner
 
@@ -56,11 +59,13 @@ class SimWorkerRunner:
 
     def __init__(self, latency: LatencyModel | None, num_gpu_blocks: int, max_model_len: int,
                  seed: int = 0, *, vocab_size: int | None = None,
-                 text_token_ids: Sequence[int] = PRINTABLE_IDS):
+                 text_token_ids: Sequence[int] = PRINTABLE_IDS,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or VOCAB_SIZE
         self.model_name = "sim"
+        self.kv_block_store = SimKVBlockStore(block_size)
         self.text_token_ids = tuple(text_token_ids)
         if not self.text_token_ids or not all(0 <= t < self.vocab_size
                                               for t in self.text_token_ids):
@@ -120,4 +125,5 @@ def make_sim_runner(config: RunnerConfig) -> SimWorkerRunner:
     return SimWorkerRunner(latency, config.num_gpu_blocks_override or DEFAULT_SIM_BLOCKS,
                            config.max_model_len or DEFAULT_MAX_MODEL_LEN, config.seed,
                            vocab_size=sim.vocab_size,
-                           text_token_ids=sim.text_token_ids or PRINTABLE_IDS)
+                           text_token_ids=sim.text_token_ids or PRINTABLE_IDS,
+                           block_size=config.block_size)
