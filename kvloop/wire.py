@@ -40,6 +40,10 @@ KV_FAILURE_TRUNCATED = "truncated"       # P answered fewer blocks or bytes than
 KV_FAILURE_ERROR = "error"               # anything else (a bad reply, a failed write)
 KV_FAILURE_REASONS = (KV_FAILURE_UNREACHABLE, KV_FAILURE_MISMATCH, KV_FAILURE_REFUSED,
                       KV_FAILURE_TRUNCATED, KV_FAILURE_ERROR)
+# How the `EngineCoreOutput.error` of a request failed by its KV load (policy "fail") begins:
+# the API server answers it as vLLM answers finish_reason "error", 500, where an error the
+# engine refused a request with at admission is the client's (400).
+KV_LOAD_FAILED = "KV transfer failed"
 
 
 class KVTransferStats(msgspec.Struct, omit_defaults=True):

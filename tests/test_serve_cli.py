@@ -103,6 +103,8 @@ ERRORS = [
     (["sim", "--gpu-memory-utilization", "1.5"],
      "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (["sim", "--model", "other"], "two models given: 'sim' and --model 'other'; pass one"),
+    (["sim", "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+     "kv_connector must be one of KvloopConnector, got 'NixlConnector'"),
 ]
 
 

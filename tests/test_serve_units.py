@@ -4,7 +4,9 @@ processing, error shapes, metrics buckets, wire structs, CLI parsing."""
 from __future__ import annotations
 
 import argparse
+import re
 import socket
+import uuid
 
 import msgspec
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from kvloop.config import REAL_RUNNER_FACTORY, SIM_RUNNER_FACTORY
 from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
-from kvloop.server import cli_args
+from kvloop.server import cli_args, serving
 from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.client import EngineStartError, _decode_handshake
 from kvloop.server.config import ServeConfig
@@ -22,6 +24,7 @@ from kvloop.server.sim_model import SIM_TEXT, load_sim_model
 from kvloop.server.sockets import bind_tcp, http_url
 from kvloop.server.tokenizer import find_model_path
 from kvloop.wire import (
+    KV_LOAD_FAILED,
     WIRE_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,6 +33,7 @@ from kvloop.wire import (
     EngineStartConfig,
     EngineStartFailed,
     KVEventsInfo,
+    KVTransferStats,
     PrefixCacheStats,
     SchedulerStats,
     TopLogprobs,
@@ -203,7 +207,73 @@ def test_metrics_from_scheduler_stats() -> None:
         assert line in text, line
 
 
+def test_kv_transfer_metrics_only_with_a_connector() -> None:
+    assert "kvloop:kv_transfers" not in ServerMetrics("m", 1000).render().decode()
+    m = ServerMetrics("m", 1000, kv_transfer=True)
+    lab = 'engine="0",model_name="m"'
+    text = m.render().decode()
+    for line in (f'kvloop:kv_transfers_total{{{lab},side="send"}} 0.0',
+                 f'kvloop:kv_transfer_failures_total{{{lab},reason="unreachable"}} 0.0',
+                 f"kvloop:kv_held_requests{{{lab}}} 0.0"):
+        assert line in text, line
+    for _ in range(2):
+        m.observe_scheduler_stats(SchedulerStats(kv_transfer=KVTransferStats(
+            transfers_sent=1, bytes_sent=100, transfers_received=2, bytes_received=300,
+            transfer_seconds=[0.02, 0.3], failures={"mismatch": 1}, expired_requests=1,
+            held_requests=3, loading_requests=4, external_prefix_cache_queries=50,
+            external_prefix_cache_hits=40)))
+    text = m.render().decode()
+    for line in (f'kvloop:kv_transfers_total{{{lab},side="send"}} 2.0',
+                 f'kvloop:kv_transfers_total{{{lab},side="recv"}} 4.0',
+                 f'kvloop:kv_transfer_bytes_total{{{lab},side="send"}} 200.0',
+                 f'kvloop:kv_transfer_bytes_total{{{lab},side="recv"}} 600.0',
+                 'kvloop:kv_transfer_time_seconds_bucket{engine="0",le="0.025",model_name="m"} 2.0',
+                 f"kvloop:kv_transfer_time_seconds_count{{{lab}}} 4.0",
+                 f'kvloop:kv_transfer_failures_total{{{lab},reason="mismatch"}} 2.0',
+                 f"kvloop:kv_expired_requests_total{{{lab}}} 2.0",
+                 f"kvloop:kv_held_requests{{{lab}}} 3.0",
+                 f"kvloop:kv_loading_requests{{{lab}}} 4.0",
+                 f"vllm:external_prefix_cache_queries_total{{{lab}}} 100.0",
+                 f"vllm:external_prefix_cache_hits_total{{{lab}}} 80.0"):
+        assert line in text, line
+    m.observe_scheduler_stats(SchedulerStats(kv_transfer=KVTransferStats()))
+    assert m.value("kvloop:kv_held_requests") == 0   # a gauge follows the last stats
+
+
+def test_kv_load_failures_are_500_refusals_400() -> None:
+    assert serving.engine_error(f"{KV_LOAD_FAILED}: no answer from 127.0.0.1:9").status == 500
+    assert serving.engine_error("the prompt needs 9 KV blocks; the KV cache has 8").status == 400
+
+
 # --- CLI --------------------------------------------------------------------------------------
+def test_kv_transfer_config_flag() -> None:
+    none = cli_args.engine_config(cli_args_of())
+    assert none.kv_transfer is None
+    on = cli_args.engine_config(cli_args_of(
+        "--kv-transfer-config", '{"kv_connector": "KvloopConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"kv_lease_duration": 2}}')).kv_transfer
+    assert on is not None and on.kv_role == "kv_both" and on.extra.kv_lease_duration == 2.0
+    assert uuid.UUID(on.engine_id).version == 4     # vLLM's default, fixed by the API server
+    named = cli_args.kv_transfer_config(cli_args_of(
+        "--kv-transfer-config", '{"kv_connector": "KvloopConnector", "kv_role": "kv_producer", '
+        '"engine_id": "p0", "kv_load_failure_policy": "recompute"}'))
+    assert named is not None and (named.engine_id, named.kv_load_failure_policy) == \
+        ("p0", "recompute")
+    for text, message in (("{", "--kv-transfer-config is not valid JSON"),
+                          ("[]", "must be a JSON object"),
+                          ('{"kv_role": "kv_both"}', "missing required key(s) 'kv_connector'"),
+                          ('{"kv_connector": "KvloopConnector", "kv_role": "kv_both", '
+                           '"kv_conector_extra_config": {}}', "unknown key(s)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cli_args.build_configs(cli_args_of("--kv-transfer-config", text))
+
+
+def cli_args_of(*argv: str) -> argparse.Namespace:
+    from kvloop.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--model", "sim", *argv])
+
+
 def test_parse_size() -> None:
     assert cli_args.parse_size("512MiB") == 512 << 20
     assert cli_args.parse_size("2G") == 2 << 30

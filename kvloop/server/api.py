@@ -140,7 +140,7 @@ _ERRORS = {
          "key.",
     404: "No such model (the body's `model`, or the id in the path).",
     413: "Request body over the server's limit.",
-    500: "The engine died.",
+    500: "The engine died, or a KV transfer the request needed failed.",
     503: "Shutting down, the engine did not answer, or too many requests waiting (then with "
          "Retry-After).",
 }

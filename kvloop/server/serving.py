@@ -65,7 +65,7 @@ from kvloop.server.processor import (
     model_stops,
 )
 from kvloop.server.prompts import chat_prompt, completion_prompts
-from kvloop.wire import EngineCoreRequest, EngineReady
+from kvloop.wire import KV_LOAD_FAILED, EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -370,7 +370,7 @@ class Generation:
             async with contextlib.aclosing(self.deltas()) as it:
                 async for c, d in it:
                     if d.error is not None:
-                        self.end.error = APIError(400, d.error)
+                        self.end.error = engine_error(d.error)
                         return
                     yield c, d
         except ServerShuttingDown:
@@ -401,6 +401,13 @@ class GenerationStream(StreamingResponse):
             self._gen.abort_unfinished()
 
 
+def engine_error(message: str) -> APIError:
+    """The answer to a request the engine ended with an error: 500 when it failed while
+    running (its KV load failed, vLLM's finish_reason "error"), else 400 (the engine refused
+    it at admission: it can never run on this worker)."""
+    return APIError(500 if message.startswith(KV_LOAD_FAILED) else 400, message)
+
+
 def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
@@ -425,7 +432,7 @@ async def collect(request: Request, gen: Generation) -> None:
         async with contextlib.aclosing(gen.deltas()) as it:
             async for _, delta in it:
                 if delta.error is not None:
-                    raise APIError(400, delta.error)
+                    raise engine_error(delta.error)
     except ServerShuttingDown as e:
         raise APIError(503, str(e)) from e
     except EngineDeadError as e:
