@@ -440,3 +440,32 @@ def test_openai_errors_from_the_prefill_leg_reach_the_client(fleet):
             client.completions.create(model="sim", prompt=[1] * 20, max_tokens=1,
                                       extra_body={"temperature": -1})
         assert all(w.in_flight() == 0 for w in rt.router.registry.all())
+
+
+def test_real_model_output_through_p_and_d_equals_the_aggregated_output():
+    """The embedded model on a prefill and a decode worker: the router's P/D answer (greedy)
+    is the answer the decode worker gives alone, prefilling the prompt itself."""
+    from kvloop.locate import find_model_path
+
+    real = Fleet(FleetConfig(0, find_model_path(None), worker_args=("--max-model-len", "256"),
+                             num_prefill=1, num_decode=1, kv_connector_extra_config=EXTRA,
+                             start_timeout_s=300, echo_output=False))
+    real.start()
+    try:
+        p, d = real.specs()
+        body = {"prompt": "The capital of France is a city where", "max_tokens": 8,
+                "temperature": 0, "return_token_ids": True}
+        with RouterThread(pd_router(ALWAYS), real.specs()) as rt:
+            sent = metric_value(metrics(p.url), "kvloop:kv_transfers_total", side="send")
+            via_pd = httpx.post(rt.url + "/v1/completions", json=body, timeout=120)
+            assert via_pd.status_code == 200, via_pd.text
+            assert pd_decisions(rt, "remote", ALWAYS) == 1
+            assert metric_value(metrics(rt.url), "kvloop_router_pd_fallbacks_total") == 0
+        assert metric_value(metrics(p.url), "kvloop:kv_transfers_total", side="send") == sent + 1
+        alone = httpx.post(d.url + "/v1/completions", json=body, timeout=120)
+        assert alone.status_code == 200, alone.text
+        ids = [r.json()["choices"][0]["token_ids"] for r in (via_pd, alone)]
+        assert len(ids[0]) == 8 and ids[0] == ids[1]
+        assert via_pd.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    finally:
+        real.stop()
