@@ -390,3 +390,21 @@ def test_workers_without_the_connector_their_role_needs_are_named_and_avoided():
     assert routed.decode.worker.name == "d:2" and routed.decision.reason == DECODE_CANNOT_LOAD
     _busy(r, "d:2", 20)
     assert {r.route_pd([i] * 64).prefill.worker.name for i in range(4)} == {"p:1"}
+
+
+def test_router_flags_make_the_pd_config():
+    from kvloop.cli import build_parser
+    from kvloop.router.cli_args import router_config
+
+    args = build_parser().parse_args([
+        "router", "--worker", "http://h:1,prefill", "--pd-policy", "always", "--pd-speedup",
+        "40", "--pd-transfer-bandwidth", "2e9", "--pd-kv-bytes-per-token", "1024"])
+    assert router_config(args).pd == PDConfig(policy="always", speedup=40.0,
+                                              transfer_bandwidth=2e9, kv_bytes_per_token=1024)
+    assert router_config(build_parser().parse_args(["router"])).pd == PDConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--pd-policy", "sometimes"])
+    for bad in (dict(speedup=0), dict(transfer_bandwidth=-1), dict(policy="x"),
+                dict(failures_to_skip=0)):
+        with pytest.raises(ValueError):
+            PDConfig(**bad)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvloop.config import SchedulerConfig
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
 from kvloop.router.config import HashSpec, RouterConfig
@@ -427,7 +428,8 @@ class Router:
         decoding = tuple(t.prompt_tokens for t in w.tickets.values()
                          if t.first_token_at is not None)
         external = max(0, w.load.running + w.load.waiting - w.in_flight())
-        budget = w.description.max_num_batched_tokens if w.description is not None else 2048
+        budget = (w.description.max_num_batched_tokens if w.description is not None
+                  else SchedulerConfig.max_num_batched_tokens)   # not a kvloop worker: ours
         cached = 0 if w.load_only else hit_tokens(cached_blocks, req.prompt_tokens,
                                                   req.block_size)
         return PDWorker(
@@ -618,6 +620,9 @@ class Router:
                              "window": list(w.verifier.samples)},
             "load": {"running": w.load.running, "waiting": w.load.waiting,
                      "kv_usage": w.load.kv_usage},
+            "pd": {"kv_role": w.kv_role, "caches_prefixes": w.caches_prefixes,
+                   "prefill_failures": w.prefill_failures,
+                   "kv_bytes_per_token": w.kv_bytes_per_token},
         }
 
     def shutdown(self) -> None:
