@@ -43,7 +43,7 @@ from kvloop.core.outputs import (
     SchedulerOutput,
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
-from kvloop.wire import EngineCoreOutput, SchedulerStats, TopLogprobs
+from kvloop.wire import KV_LOAD_FAILED, EngineCoreOutput, SchedulerStats, TopLogprobs
 
 logger = logging.getLogger("kvloop.scheduler")
 
@@ -561,7 +561,7 @@ class Scheduler:
         if self.kv_load_failure_policy == "fail":
             self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
             return [EngineCoreOutput(rid, [], finish_reason=finish_reason(request.status),
-                                     error=f"KV transfer failed: {error}")]
+                                     error=f"{KV_LOAD_FAILED}: {error}")]
         request.num_cached_tokens = min(request.num_cached_tokens or 0, num_valid)
         if num_valid == 0:
             self.kv.free(request)            # nothing valid: start over as a fresh request

