@@ -62,19 +62,33 @@ def kv_config(role: str = "kv_both", policy: str = "fail", **extra: Any) -> KVTr
 
 
 def sim_engine(blocks: int = 20, *, caching: bool = True, budget: int = 512,
-               clock: Callable[[], float] = time.monotonic, store: SimKVBlockStore | None = None,
-               kv: KVTransferConfig | None = None, **extra: Any) -> EngineCore:
+               max_model_len: int | None = None, clock: Callable[[], float] = time.monotonic,
+               store: SimKVBlockStore | None = None, kv: KVTransferConfig | None = None,
+               **extra: Any) -> EngineCore:
     """A simulated engine with a KV connector (kv None and no extra: kv_both, defaults)."""
-    kv = kv or kv_config(**extra)
+    max_len = max_model_len or budget
+    return make_engine(SimWorkerRunner(None, blocks, max_len), store or SimKVBlockStore(BS),
+                       blocks, kv or kv_config(**extra), caching=caching, budget=budget,
+                       max_model_len=max_len, clock=clock)
+
+
+def make_engine(runner: Any, store: Any, blocks: int, kv: KVTransferConfig | None, *,
+                block_size: int = BS, caching: bool = True, budget: int = 512,
+                max_model_len: int | None = None, chunked: bool = True,
+                clock: Callable[[], float] = time.monotonic) -> EngineCore:
+    """An engine over `runner` checking its invariants every step, with a started
+    KvloopConnector over `store` (kv None: no connector)."""
     config = EngineConfig(
-        cache=CacheConfig(block_size=BS, num_gpu_blocks=blocks, enable_prefix_caching=caching,
-                          enable_kv_cache_events=True),
+        cache=CacheConfig(block_size=block_size, num_gpu_blocks=blocks,
+                          enable_prefix_caching=caching, enable_kv_cache_events=True),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8,
-                                  max_model_len=budget),
+                                  max_model_len=max_model_len or budget,
+                                  enable_chunked_prefill=chunked),
         check_invariants=True, kv_transfer=kv)
-    runner = SimWorkerRunner(None, blocks, budget)
-    connector = KvloopConnector(kv, store or SimKVBlockStore(BS), clock)
-    connector.start()
+    connector = None
+    if kv is not None:
+        connector = KvloopConnector(kv, store, clock)
+        connector.start()
     return EngineCore(config, runner, blocks, connector=connector)
 
 

@@ -62,6 +62,12 @@ class SideChannelServer:
             raise OSError(f"cannot bind the KV side channel on {host}:{port}: {e}") from e
         endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(endpoint.rsplit(":", 1)[1])
+        wake = f"inproc://kv-side-channel-{id(self)}"
+        self._wake_pull = ctx.socket(zmq.PULL)
+        self._wake_pull.bind(wake)
+        self._wake_push = ctx.socket(zmq.PUSH)
+        self._wake_push.setsockopt(zmq.LINGER, 0)
+        self._wake_push.connect(wake)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-side-channel", daemon=True)
 
@@ -71,15 +77,19 @@ class SideChannelServer:
     def shutdown(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
+            self._wake_push.send(b"", zmq.NOBLOCK)
             self._thread.join(timeout=5.0)
         self._sock.close()
+        self._wake_push.close()
+        self._wake_pull.close()
 
     # --- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_pull, zmq.POLLIN)   # shutdown
         while not self._stop.is_set():
-            if not poller.poll(_POLL_MS):
+            if self._sock not in dict(poller.poll(_POLL_MS)):
                 continue
             frames = self._sock.recv_multipart(copy=False)
             if len(frames) != 2:
