@@ -1,7 +1,7 @@
 """The P/D flow through the router with real workers (`kvloop serve --model sim`, prefill and
 decode roles, KvloopConnector) on 127.0.0.1; routers run in-process on ephemeral ports.
 
-One fleet of 2 prefill + 2 decode workers serves this module (leases of 5 s; simulated
+One fleet of 2 prefill + 2 decode workers serves this module (leases of 15 s; simulated
 transfers at 1.25e11 bytes/s, which the routers' cost model is told, with the workers'
 --sim-speedup). Tests that break a worker start their own.
 """
@@ -43,12 +43,13 @@ pytestmark = pytest.mark.processes   # a fleet of real workers; routers on threa
 SPEEDUP = 40
 BANDWIDTH = 1.25e11
 SIM_ARGS = ("--sim-speedup", str(SPEEDUP), "--max-num-batched-tokens", "512")
-EXTRA = json.dumps({"kv_lease_duration": 5, "sim_bandwidth": BANDWIDTH})
+LEASE_S = 15   # long enough for a loaded machine's router to hand P's answer to D in time
+EXTRA = json.dumps({"kv_lease_duration": LEASE_S, "sim_bandwidth": BANDWIDTH})
 BS = 16
 
 
 def pd_fleet(num_prefill: int, num_decode: int, *extra: str,
-             speedup: int = SPEEDUP) -> Fleet:
+             speedup: float = SPEEDUP) -> Fleet:
     args = ("--sim-speedup", str(speedup), *SIM_ARGS[2:], *extra)
     fleet = Fleet(FleetConfig(0, "sim", worker_args=args, num_prefill=num_prefill,
                               num_decode=num_decode, kv_connector_extra_config=EXTRA,
@@ -86,16 +87,25 @@ def pd_decisions(rt: RouterThread, decision: str, reason: str) -> float:
                         decision=decision, reason=reason)
 
 
-def _quiet(fleet: Fleet) -> bool:
-    """No request, lease or load left on any worker."""
+QUIET = ("kvloop:kv_held_requests", "kvloop:kv_loading_requests", "vllm:num_requests_running",
+         "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def busy(fleet: Fleet) -> list[tuple[str, str, float]]:
+    """(worker, series, value) of every request, lease or used block left on the fleet."""
+    out = []
     for w in fleet.workers:
         text = metrics(w.url)
-        for name in ("kvloop:kv_held_requests", "kvloop:kv_loading_requests",
-                     "vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:kv_cache_usage_perc"):
-            if metric_value(text, name) != 0:
-                return False
-    return True
+        out += [(w.url, name, metric_value(text, name)) for name in QUIET
+                if metric_value(text, name) != 0]
+    return out
+
+
+def wait_quiet(fleet: Fleet, timeout: float) -> None:
+    try:
+        wait_until(lambda: not busy(fleet), timeout, "every worker to hold nothing")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {busy(fleet)}") from None
 
 
 # --- X-Request-Id on both legs: a tap in front of the real workers -------------------------
@@ -305,7 +315,7 @@ def _finished(url: str, reason: str) -> float:
 def test_a_client_disconnect_cancels_both_legs(fleet):
     """Gone during the prefill leg: P aborts it and D never sees it. Gone during D's stream:
     D aborts it, and P holds nothing."""
-    slow = pd_fleet(1, 0, speedup=1)   # a 2000-token prefill takes seconds here
+    slow = pd_fleet(1, 0, speedup=0.2)   # a 2000-token prefill takes about 8 s there
     try:
         p = slow.workers[0]
         d_spec = [s for s in fleet.specs() if s.role == "decode"][0]
@@ -334,7 +344,7 @@ def test_a_client_disconnect_cancels_both_legs(fleet):
                     pass
             wait_until(lambda: sum(_finished(u, "abort") for u in d_urls) == d_aborted + 1,
                        10, "the decode worker to abort the stream")
-            wait_until(lambda: _quiet(fleet), 15, "every worker to hold nothing")
+            wait_quiet(fleet, 2 * LEASE_S)
     finally:
         slow.stop()
 
@@ -421,8 +431,8 @@ def test_soak_200_concurrent_requests_with_cancels_leave_nothing_held(fleet):
         for rt in (cost, always):
             wait_until(lambda rt=rt: all(w.in_flight() == 0 for w in rt.router.registry.all()),
                        10, "the router's tickets to close")
-        # cancelled after P answered and before D asked: P's lease (5 s) frees those blocks
-        wait_until(lambda: _quiet(fleet), 30, "every worker to hold nothing")
+        # cancelled after P answered and before D asked: P's lease frees those blocks
+        wait_quiet(fleet, 3 * LEASE_S)
         held = fleet_sum(fleet, "kvloop:kv_held_requests")
         assert held == 0
         for rt in (cost, always):
