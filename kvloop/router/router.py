@@ -485,13 +485,12 @@ class Router:
         if learned is not None:
             self.registry.set_kv_bytes_per_token(p.worker.name, learned)
 
-    def prefill_failed(self, r: PDRouted, reason: str, detail: str,
-                       outcome: str = "worker_error") -> None:
+    def prefill_failed(self, r: PDRouted, reason: str, detail: str) -> None:
         """The prefill leg failed (`reason`, a `pd.FALLBACK_REASONS` label): the request is
         served decode-only. Counted, logged, and shown in /health."""
         assert r.prefill is not None
         name = r.prefill.worker.name
-        self.finish(r.prefill.ticket, None, outcome)
+        self.finish(r.prefill.ticket, None, "worker_error")
         self.registry.prefill_leg_done(name, False)
         self.registry.serve_locally(r.decode.ticket)
         self.metrics.pd_fallbacks.labels(name, reason).inc()
