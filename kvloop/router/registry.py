@@ -20,8 +20,8 @@ load-only until it clears):
     prefill_failing   its last prefill legs all failed: it is left out of remote prefills
                       until a window has passed
     no_kv_connector   a prefill worker without a connector that holds blocks (no prefill leg
-                      goes to it), or a decode worker without one that loads them (it
-                      prefills everything itself)
+                      goes to it; a decode worker without one that loads them is only
+                      warned about: it serves, prefilling everything itself)
 """
 
 from __future__ import annotations

@@ -262,10 +262,13 @@ class Router:
             self._clear(w.name, NO_EVENT_SOURCE)
         missing = _missing_connector(w)
         if missing is not None:
-            self._raise(w.name, NO_KV_CONNECTOR, missing)
             warnings.append(f"{w.name}: {missing}")
+        if missing is not None and w.role == "prefill":
+            self._raise(w.name, NO_KV_CONNECTOR, missing)
         else:
             self._clear(w.name, NO_KV_CONNECTOR)
+            if missing is not None:   # it serves, prefilling locally: a warning, no alarm
+                log.warning("worker %s: %s", w.name, missing)
         return warnings
 
     def hashing_mismatches(self, desc: WorkerDescription) -> list[str]:
