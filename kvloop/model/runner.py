@@ -1,7 +1,9 @@
 """ModelRunner: SchedulerOutput -> one forward pass -> sampled tokens (the Runner protocol).
 
-Owner: the runner alone owns the KV tensors and its per-request state (`RequestState`:
-known tokens, block ids, sampling params). It learns about requests only through
+Owner: the runner alone owns the KV tensors (which a KV connector reads and writes block by
+block through `kv_block_store`, `kvloop.model.kv_store`, only for blocks no step computes)
+and its per-request state (`RequestState`: known tokens, block ids, sampling params). It
+learns about requests only through
 `SchedulerOutput`: new (or resumed after preemption: state rebuilt from `all_token_ids`),
 cached (new blocks appended, this step's tokens written at `num_computed_tokens`), finished
 and preempted (dropped).
