@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation through real `kvloop serve` processes on 127.0.0.1
 (docs/disaggregation.md): vLLM's toy proxy flow, written here from its description
-(docs/vllm-facts.md#disaggregation), not kvloop's router.
+(docs/vllm-facts.md#openai-server), not kvloop's router.
 
     proxy -> P: the body + kv_transfer_params {do_remote_decode: true, ...}, max_tokens=1,
                 min_tokens=1, stream=false, no stream_options
@@ -25,6 +25,7 @@ import httpx
 import msgspec
 import pytest
 
+from kvloop.router.registry import WorkerDescription
 from kvloop.server.launcher import ServeProcess
 from kvloop.wire import WorkerInfo
 
@@ -41,6 +42,7 @@ SLOW_BANDWIDTH = 5e7
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
                   "remote_port": None}
+GENERATE = "/inference/v1/generate"
 SIM = ["--model", "sim", "--sim-speedup", "5", "--num-gpu-blocks-override", "400",
        "--max-model-len", str(MAX_LEN), "--debug-check-invariants"]
 
@@ -184,6 +186,9 @@ def aggregated(ref: ServeProcess, body: dict[str, Any], path: str = "/v1/complet
 def test_the_connector_is_in_the_workers_facts(p: ServeProcess, d: ServeProcess) -> None:
     pi, di = worker_info(p), worker_info(d)
     assert pi.kv_transfer is not None and di.kv_transfer is not None
+    routers_view = msgspec.json.decode(   # what a router's registry decodes, strictly
+        httpx.get(p.url + "/kvloop/worker", timeout=10).content, type=WorkerDescription)
+    assert routers_view.kv_transfer == pi.kv_transfer
     assert pi.kv_transfer.engine_id != di.kv_transfer.engine_id
     for info in (pi.kv_transfer, di.kv_transfer):
         assert uuid.UUID(info.engine_id).version == 4        # filled by the API server
@@ -326,6 +331,51 @@ def test_streaming_decode_leg(p: ServeProcess, d: ServeProcess,
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == reference
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    idle(d)
+    idle(p)
+
+
+def test_token_in_route_through_the_toy_proxy(p: ServeProcess, d: ServeProcess,
+                                             d_recompute: ServeProcess) -> None:
+    """vLLM's POST /inference/v1/generate: token ids in and out, both legs."""
+    prompt = tokens(50, 1401)
+    reference = token_ids(aggregated(d_recompute, completion(prompt, 6)))
+    sampling = {"max_tokens": 6, "temperature": 0, "logprobs": 1}
+
+    def p_leg() -> dict[str, Any]:
+        r = httpx.post(p.url + GENERATE, timeout=30, json={
+            "token_ids": prompt, "kv_transfer_params": PREFILL_PARAMS,
+            "sampling_params": {**sampling, "max_tokens": 1, "min_tokens": 1}})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference[:1]
+        params: dict[str, Any] = r.json()["kv_transfer_params"]
+        assert params["remote_num_tokens"] == 50
+        return params
+
+    r = httpx.post(d.url + GENERATE, timeout=30, json={
+        "request_id": "pd-1", "token_ids": prompt, "sampling_params": sampling,
+        "kv_transfer_params": p_leg()})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    (choice,) = answer["choices"]
+    assert answer["request_id"] == "pd-1" and answer["kv_transfer_params"] is None
+    assert choice["token_ids"] == reference and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["content"]) == 6
+    with httpx.stream("POST", d.url + GENERATE, timeout=30, json={
+            "token_ids": prompt, "sampling_params": sampling, "stream": True,
+            "kv_transfer_params": p_leg()}) as s:
+        assert s.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(list(s.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == reference
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    for bad, param in (({"token_ids": []}, "token_ids"),
+                       ({"token_ids": [10 ** 6]}, "token_ids"),
+                       ({"token_ids": [5], "sampling_params": {"max_tokens": 1,
+                                                               "min_tokens": 2}}, "min_tokens"),
+                       ({"token_ids": [5], "kv_transfer_params": 3}, "kv_transfer_params")):
+        r = httpx.post(d.url + GENERATE, json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].endswith(param), r.text
     idle(d)
     idle(p)
 

@@ -9,9 +9,9 @@ reference C, which answers each prompt once. Flow 1 prefills on A and decodes on
 the other way round, on the same prompts, both prefix caches reset in between.
 
 D recomputes only the last prompt token on top of P's KV; the aggregated worker computes it
-in the same pass as the rest (docs/vllm-facts.md#disaggregation). The equality asked for is
-of the token ids; the logprobs of the chosen tokens agree to a relative 1e-5 (fp32 sums in
-another order: 1.2e-5 absolute was seen on a logprob of -2.7)."""
+in the same pass as the rest (docs/vllm-facts.md#openai-server, P/D numerics). The equality
+asked for is of the token ids; the logprobs of the chosen tokens agree to a relative 1e-5
+(fp32 sums in another order: 1.2e-5 absolute was seen on a logprob of -2.7)."""
 
 from __future__ import annotations
 

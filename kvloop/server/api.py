@@ -45,6 +45,9 @@ from kvloop.server.openai import (
     DetokenizeResponse,
     EngineStats,
     ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateStreamResponse,
     LoadResponse,
     ModelCard,
     ModelList,
@@ -61,6 +64,7 @@ from kvloop.server.serving import (
     ServerContext,
     create_chat_completion,
     create_completion,
+    create_generate,
 )
 from kvloop.wire import EngineFacts, KVEventsInfo, WorkerInfo
 
@@ -145,7 +149,8 @@ _ERRORS = {
          "Retry-After).",
 }
 _GENERATION_ERRORS = (400, 404, 413, 500, 503)
-_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse)
+_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse)
+GENERATE_PATH = "/inference/v1/generate"   # vLLM's token-in route
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                 "schema": {"type": "string"}}}
 
@@ -251,6 +256,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                                                  stream=ChatCompletionStreamResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
+
+    @app.post(GENERATE_PATH, **_answers(GenerateResponse, *_GENERATION_ERRORS,
+                                        stream=GenerateStreamResponse))
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        return await create_generate(ctx, body, request)
 
     @app.get("/v1/models", **_answers(ModelList))
     async def models(request: Request) -> ModelList:

@@ -38,6 +38,7 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # kvloop:kv_transfer_time_seconds: the buckets of vLLM's vllm:nixl_xfer_time_seconds
+# (docs/vllm-facts.md#openai-server)
 KV_TRANSFER_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0,
                             5.0)
 KV_TRANSFER_SIDES = ("send", "recv")

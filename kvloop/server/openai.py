@@ -132,6 +132,32 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
 
 
+class GenerateSamplingParams(SamplingRequest):
+    """`sampling_params` of the token-in route: vLLM's SamplingParams fields (those kvloop
+    has; the unsupported ones are refused as on the OpenAI routes)."""
+
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+
+
+class GenerateRequest(OpenAIModel):
+    """vLLM's token-in request (`POST /inference/v1/generate`): token ids in, token ids out,
+    nothing tokenized on the way, so a prefill and a decode worker see the same ids."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0}}]})
+
+    request_id: str | None = None
+    token_ids: TokenIds
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
 class TokenizeRequest(OpenAIModel):
     """Text (`prompt`) or a chat (`messages`, which wins when both are given)."""
 
@@ -290,6 +316,29 @@ class ChatCompletionStreamResponse(TypedDict):
     model: str
     choices: list[ChatStreamChoice]
     usage: NotRequired[Usage]
+
+
+class GenerateChoice(TypedDict):
+    """A choice of the token-in route, and of its stream's chunks (then the new tokens)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class GenerateResponse(TypedDict):
+    request_id: str
+    choices: list[GenerateChoice]
+    prompt_logprobs: None
+    kv_transfer_params: dict[str, Any] | None
+
+
+class GenerateStreamResponse(TypedDict):
+    """One `data:` event of a token-in stream."""
+
+    request_id: str
+    choices: list[GenerateChoice]
 
 
 class ModelCard(TypedDict):

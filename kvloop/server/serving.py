@@ -51,6 +51,11 @@ from kvloop.server.openai import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateSamplingParams,
+    GenerateStreamResponse,
     SamplingRequest,
     TopLogprob,
     Usage,
@@ -403,8 +408,8 @@ class GenerationStream(StreamingResponse):
 
 def engine_error(message: str) -> APIError:
     """The answer to a request the engine ended with an error: 500 when it failed while
-    running (its KV load failed, vLLM's finish_reason "error"), else 400 (the engine refused
-    it at admission: it can never run on this worker)."""
+    running (its KV load failed: vLLM's finish_reason "error", docs/vllm-facts.md#openai-server),
+    else 400 (the engine refused it at admission: it can never run on this worker)."""
     return APIError(500 if message.startswith(KV_LOAD_FAILED) else 400, message)
 
 
@@ -511,7 +516,8 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
 
 
 # --- completions -------------------------------------------------------------------------------
-def completion_max_tokens(req: CompletionRequest) -> tuple[int | None, int | None]:
+def completion_max_tokens(req: CompletionRequest | GenerateSamplingParams
+                          ) -> tuple[int | None, int | None]:
     """(what the client asked for, the default otherwise): the completions default of 16
     applies only when the body has no max_tokens; an explicit null asks for nothing."""
     if "max_tokens" in req.model_fields_set:
@@ -685,6 +691,72 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
         yield chunk(choice)
     async for b in _stream_tail(ctx, req, gen, base, created, [prompt], "chat.completion.chunk"):
         yield b
+
+
+# --- token-in: vLLM's POST /inference/v1/generate ---------------------------------------------
+def _generate_sampling(req: GenerateRequest) -> GenerateSamplingParams:
+    """The request's sampling parameters with its top-level fields folded in (those win)."""
+    sp = req.sampling_params
+    return sp.model_copy(update={
+        "model": req.model, "stream": req.stream, "stream_options": req.stream_options,
+        "cache_salt": req.cache_salt or sp.cache_salt, "priority": req.priority or sp.priority,
+        "kv_transfer_params": (sp.kv_transfer_params if req.kv_transfer_params is None
+                               else req.kv_transfer_params)})
+
+
+async def create_generate(ctx: ServerContext, req: GenerateRequest,
+                          request: Request) -> Response:
+    ctx.check_model(req.model)
+    sp = _generate_sampling(req)
+    _check_supported(sp)
+    ids = list(req.token_ids)
+    if not ids:
+        raise APIError(400, "token_ids must not be empty", param="token_ids")
+    ctx.check_token_ids(ids, "token_ids")
+    check_kv_transfer_params(sp, 1)
+    asked, default = completion_max_tokens(sp)
+    params = build_sampling_params(ctx, sp, len(ids), asked, sp.logprobs, default)
+    base = f"gen-{uuid.uuid4().hex}"
+    gen = Generation(ctx, make_children(ctx, base, [ids], [params]))
+    gen.submit()
+    log_received(ctx, base, [ids], [params])
+    rid = req.request_id or base
+    if sp.stream:
+        return GenerationStream(_stream_generate(ctx, sp, gen, rid), gen)
+    await collect(request, gen)
+    body: GenerateResponse = {
+        "request_id": rid, "prompt_logprobs": None, "kv_transfer_params": handed_on(gen.children),
+        "choices": [_generate_choice(ctx, sp, c.index, c.state.token_ids, c.state.logprobs,
+                                     c.state.finish_reason) for c in gen.children]}
+    return JSONResponse(body)
+
+
+def _generate_choice(ctx: ServerContext, sp: GenerateSamplingParams, index: int,
+                     token_ids: list[int], logprobs: list[TokenLogprob],
+                     finish_reason: str | None) -> GenerateChoice:
+    lp = chat_logprobs(ctx, logprobs, sp.logprobs) if sp.logprobs is not None else None
+    return {"index": index, "token_ids": token_ids, "logprobs": lp,
+            "finish_reason": finish_reason}
+
+
+async def _stream_generate(ctx: ServerContext, sp: GenerateSamplingParams, gen: Generation,
+                           rid: str) -> AsyncIterator[bytes]:
+    def chunk(choice: GenerateChoice) -> bytes:
+        event: GenerateStreamResponse = {"request_id": rid, "choices": [choice]}
+        return sse(event)
+
+    async for c, d in gen.stream_deltas():
+        if d.token_ids or d.finish_reason:
+            yield chunk(_generate_choice(ctx, sp, c.index, d.token_ids, d.logprobs,
+                                         d.finish_reason))
+    if gen.end.error is not None:
+        e = gen.end.error
+        yield sse(error_body(e.message, e.status, e.param))
+    elif gen.end.aborted:
+        for c in gen.unfinished():
+            yield chunk({"index": c.index, "token_ids": [], "logprobs": None,
+                         "finish_reason": "abort"})
+    yield SSE_DONE
 
 
 # --- streaming common --------------------------------------------------------------------------
