@@ -81,6 +81,10 @@ def test_the_cost_model_keeps_short_prompts_local_and_sends_long_ones_remote():
     assert decide("cost", long_).reason == REMOTE_CHEAPER and decide("cost", long_).remote
     # the transfer is priced: 125 blocks of 16 tokens of 46080 bytes at 1.25 GB/s
     assert long_.transfer_s == pytest.approx(125 * 16 * 46080 / 1.25e9)
+    # ... only the blocks D reads: not a last block with only the last token, nor D's hit
+    for n, d_hit, blocks in ((17, 0, 1), (16, 0, 1), (1, 0, 0), (33, 16, 1), (33, 32, 0)):
+        got = _est(n, PDWorker("d", BUDGET, cached_tokens=d_hit)).transfer_s
+        assert got == pytest.approx(blocks * 16 * 46080 / 1.25e9), (n, d_hit)
     # an idle decode worker prefills a long prompt as fast as P, without the transfer
     assert decide("cost", _est(2000)).reason == LOCAL_CHEAPER
     # ... unless P holds the prompt's prefix: then the remote prefill is cheap

@@ -143,7 +143,9 @@ def estimate(model: LatencyModel, transfer: TransferModel, d: PDWorker, p: PDWor
     p_lacks = prompt_tokens - p.cached_tokens
     on_p = prefill_seconds(model, p.queued_prefill_tokens + p_lacks, p.cached_tokens,
                            p.budget, p.decoding_contexts)
-    blocks = math.ceil(prompt_tokens / block_size) - d.cached_tokens // block_size
+    # D reads the blocks holding prompt tokens past its own hit, but not a last block that
+    # holds only the last prompt token (it recomputes that one)
+    blocks = math.ceil(max(0, prompt_tokens - 1) / block_size) - d.cached_tokens // block_size
     moved = transfer.seconds(max(0, blocks), block_size)
     d_queue = prefill_seconds(model, d.queued_prefill_tokens, 0, d.budget,
                               d.decoding_contexts)
