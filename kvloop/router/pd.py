@@ -12,7 +12,7 @@ For each request, in this order (docs/disaggregation.md section 6):
     local  = prefill(D's queued prefill tokens + the prompt tokens D lacks; on D, every step
                      shared with D's running decodes)
     remote = max(prefill(P's queued prefill tokens + the prompt tokens P lacks; on P)
-                 + bytes of the blocks D lacks / transfer bandwidth,
+                 + bytes of the blocks D reads / transfer bandwidth,
                  prefill(D's queued prefill tokens; on D))
              + one step on D (its last prompt token, recomputed, with D's running decodes)
 
