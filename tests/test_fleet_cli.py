@@ -84,6 +84,33 @@ def test_fleet_config_builds_worker_command_lines():
         raise AssertionError(f"{bad} accepted")
 
 
+def test_fleet_config_of_a_pd_fleet():
+    import json
+
+    from kvloop.config import KVTransferConfig
+
+    cfg = FleetConfig(1, "sim", num_prefill=2, num_decode=1,
+                      kv_connector_extra_config='{"kv_lease_duration": 5}')
+    assert cfg.total == 4 and [cfg.role_of(i) for i in range(4)] == [
+        "both", "prefill", "prefill", "decode"]
+    assert "--kv-transfer-config" not in cfg.argv(0)
+    for i, kv_role in ((1, "kv_producer"), (3, "kv_consumer")):
+        argv = cfg.argv(i)
+        assert argv[argv.index("--role") + 1] == cfg.role_of(i)
+        text = argv[argv.index("--kv-transfer-config") + 1]
+        assert json.loads(text) == {"kv_connector": "KvloopConnector", "kv_role": kv_role,
+                                    "kv_connector_extra_config": {"kv_lease_duration": 5}}
+        parsed = KVTransferConfig.from_json(text)   # what `kvloop serve` will make of it
+        assert parsed.kv_role == kv_role and parsed.extra.kv_lease_duration == 5
+    for bad, message in ((dict(num_workers=0), "at least one worker"),
+                         (dict(num_workers=0, num_decode=-1), "--decode must be >= 0"),
+                         (dict(num_workers=0, num_prefill=1, kv_connector_extra_config="[1]"),
+                          "must be a JSON object"),
+                         (dict(num_workers=1, kv_connector_extra_config="{"), "is not JSON")):
+        with pytest.raises(ValueError, match=message):
+            FleetConfig(**bad)
+
+
 def test_fleet_splits_cores_between_real_workers(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})

@@ -55,7 +55,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "httpx", "jinja2", "tokenizers", "msgspec", "prometheus_client", "zmq",
                        "nats")),
     "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                       "kvloop.events", *ROUTER_SERVER_OK),
+                       "kvloop.events", "kvloop.sim.latency", *ROUTER_SERVER_OK),
                       ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq",
                        "redis")),
     "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.server.tokenizer"),

@@ -2,8 +2,10 @@
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
     kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
-    kvloop fleet --workers N [--model sim|PATH] [--port P] [--policy NAME] [--roles R,...]
-                 [--api-key KEY] [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
+                  [--pd-policy cost|always|never]
+    kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
+                 [--policy NAME] [--roles R,...] [--api-key KEY]
+                 [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from kvloop.events.cli_args import add_event_plane_args, event_plane_from_args
 from kvloop.events.config import NatsPlaneConfig
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
+    PD_POLICIES,
     POLICIES,
     BusConfig,
     CostConfig,
     HashSpec,
     IndexConfig,
     LivenessConfig,
+    PDConfig,
     RouterConfig,
 )
 from kvloop.router.registry import WorkerSpec
@@ -43,7 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "host. --event-plane nats starts a nats-server of "
                                           "its own and puts the KV events on it "
                                           "(--event-plane nats://HOST:PORT: a running one).")
-    f.add_argument("--workers", type=int, required=True, help="number of workers")
+    f.add_argument("--workers", type=int, default=0,
+                   help="number of workers of --roles (default: none besides --prefill and "
+                        "--decode)")
+    f.add_argument("--prefill", type=int, default=0,
+                   help="prefill workers: --role prefill with a kv_producer KvloopConnector")
+    f.add_argument("--decode", type=int, default=0,
+                   help="decode workers: --role decode with a kv_consumer KvloopConnector")
+    f.add_argument("--kv-connector-extra-config", default=None, metavar="JSON",
+                   help="kv_connector_extra_config of every P/D worker's "
+                        "--kv-transfer-config (e.g. '{\"kv_lease_duration\": 5}')")
     f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
     f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
@@ -77,6 +90,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--saturation-floor", type=int, default=d.saturation_floor,
                    help="fewest in-flight requests that can make a worker saturated")
     c.add_argument("--eviction-weight", type=float, default=d.eviction_weight)
+    pd = p.add_argument_group("prefill/decode disaggregation (docs/router.md)")
+    dp = PDConfig()
+    pd.add_argument("--pd-policy", choices=PD_POLICIES, default=dp.policy,
+                    help="remote prefill: by the estimated-TTFT cost model, always, or never")
+    pd.add_argument("--pd-latency-file", default=None, metavar="JSON",
+                    help="step-time coefficients of the cost model (default: the simulator's "
+                         "fitted SmolLM2 CPU file)")
+    pd.add_argument("--pd-speedup", type=float, default=dp.speedup,
+                    help="divides the cost model's compute times (a fleet of --sim-speedup S "
+                         "workers: S)")
+    pd.add_argument("--pd-transfer-bandwidth", type=float, default=dp.transfer_bandwidth,
+                    metavar="BYTES_PER_S", help="KV transfer bandwidth the cost model assumes")
+    pd.add_argument("--pd-kv-bytes-per-token", type=float, default=dp.kv_bytes_per_token,
+                    help="K and V bytes per token until a prefill worker's answer says")
     i = p.add_argument_group("index")
     di = IndexConfig()
     i.add_argument("--index-max-blocks", type=int, default=di.max_blocks)
@@ -167,7 +194,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                 verify_miss_ratio=args.verify_miss_ratio,
                                 request_timeout_s=args.request_timeout),
         auth=auth, worker_api_key=args.worker_api_key or next(iter(auth.api_keys), None),
-        http_limits=http_limits(args), bus=bus_config(args))
+        http_limits=http_limits(args), bus=bus_config(args),
+        pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
+                    speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
+                    kv_bytes_per_token=args.pd_kv_bytes_per_token))
 
 
 def _setup_logging(level: str) -> None:
@@ -225,7 +255,9 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
                             start_timeout_s=args.worker_start_timeout,
                             worker_api_key=cfg.worker_api_key,
                             event_plane=cfg.bus.plane if cfg.bus is not None else None,
-                            nats_port=nats_port)
+                            nats_port=nats_port, num_prefill=args.prefill,
+                            num_decode=args.decode,
+                            kv_connector_extra_config=args.kv_connector_extra_config)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO
+from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.server.auth import AuthConfig, check_key
@@ -17,6 +17,12 @@ from kvloop.server.http_limits import HttpLimits
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
 DEFAULT_ROUTER_POLICY = "kv-aware"
+PD_POLICIES = ("cost", "always", "never")   # --pd-policy: the remote-prefill decision
+DEFAULT_PD_POLICY = "cost"
+# K and V bytes per token of the embedded model (SmolLM2-135M: 30 layers x 3 KV heads x
+# head_dim 64 x 2, in fp32 as the CPU runner holds them); the router uses what a prefill
+# worker's `kv_fingerprint` says once it answered.
+DEFAULT_KV_BYTES_PER_TOKEN = 46080.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,41 @@ class HashSpec:
 
 
 @dataclass(frozen=True)
+class PDConfig:
+    """Prefill/decode disaggregation: whether a request's prompt is prefilled on a prefill
+    worker and pulled by its decode worker (remote), or prefilled by the decode worker
+    (local). `kvloop/router/pd.py` has the cost model.
+
+    `policy`: `cost` (the estimated-TTFT cost model), `always` (remote whenever a prefill
+    worker is up), `never` (every request decode-only). The cost model evaluates the
+    simulator's step-time model (`kvloop/sim/latency.py`) with the coefficients of
+    `latency_file` (None: `kvloop/sim/latency_smollm2_cpu.json`, fitted on the embedded model
+    on this machine's CPU), every time divided by `speedup` (a fleet of `--sim-speedup S`
+    workers: S). `transfer_bandwidth` (bytes/s; default: what a simulated worker's transfers
+    take, its `sim_bandwidth`) and `kv_bytes_per_token` (until a prefill worker's answer
+    tells) price the transfer of the blocks the decode worker lacks.
+    `failures_to_skip`: consecutive failed prefill legs after which a prefill worker is left
+    out of remote prefills (alarm `prefill_failing`) until the liveness window passes.
+    """
+
+    policy: str = DEFAULT_PD_POLICY
+    latency_file: str | None = None
+    speedup: float = 1.0
+    transfer_bandwidth: float = DEFAULT_SIM_BANDWIDTH
+    kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
+    failures_to_skip: int = 3
+
+    def __post_init__(self) -> None:
+        if self.policy not in PD_POLICIES:
+            raise ValueError(f"pd policy must be one of {PD_POLICIES}, got {self.policy!r}")
+        for name in ("speedup", "transfer_bandwidth", "kv_bytes_per_token"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.failures_to_skip < 1:
+            raise ValueError("failures_to_skip must be >= 1")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs. `port` 0 binds an ephemeral port.
 
@@ -194,6 +235,7 @@ class RouterConfig:
     worker_api_key: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     bus: BusConfig | None = None
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:

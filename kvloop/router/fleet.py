@@ -2,7 +2,9 @@
 
     1. start every worker at once: `kvloop serve --model M --port 0 --kv-events-endpoint
        tcp://HOST:0 --kv-events-replay-endpoint tcp://HOST:0 --role R [WORKER FLAGS]`
-       (flags after `--` come last, so they override these);
+       (flags after `--` come last, so they override these); a prefill worker (`--prefill
+       N`) also gets `--kv-transfer-config` with a kv_producer KvloopConnector, a decode
+       worker (`--decode M`) one with a kv_consumer, so a P/D fleet runs with one command;
     2. read each worker's "kvloop serving on URL" line from its log (`kvloop.server.launcher`
        starts, watches and stops them; their other output is relayed, prefixed with the
        worker's number);
@@ -21,6 +23,7 @@ Owner: `Fleet` owns the worker processes; the router owns nothing of theirs.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -42,13 +45,19 @@ from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
 if TYPE_CHECKING:
     from kvloop.router.services import LocalService
 
+# kv_role of each P/D role's KvloopConnector (docs/disaggregation.md section 1)
+KV_ROLE_OF = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
 
 @dataclass(frozen=True)
 class FleetConfig:
-    """The workers of a fleet. `roles` are cycled over the workers. With `worker_api_key`,
-    every worker requires that key: it is handed to them as $VLLM_API_KEY (not on their
-    command lines), and the router presents it (its `worker_api_key`). `log_dir` keeps the
-    workers' logs (`workerI.log`; None: a temporary folder, removed when they stop)."""
+    """The workers of a fleet: `num_workers` with `roles` cycled over them, then
+    `num_prefill` prefill and `num_decode` decode workers, each of those with a KvloopConnector
+    (`kv_connector_extra_config`: the JSON object of its extra config, None: `{}`). With
+    `worker_api_key`, every worker requires that key: it is handed to them as $VLLM_API_KEY
+    (not on their command lines), and the router presents it (its `worker_api_key`).
+    `log_dir` keeps the workers' logs (`workerI.log`; None: a temporary folder, removed when
+    they stop)."""
 
     num_workers: int
     model: str = "sim"
@@ -62,15 +71,45 @@ class FleetConfig:
     log_dir: str | None = None
     event_plane: NatsPlaneConfig | None = None
     nats_port: int | None = None       # start a nats-server on host:nats_port first
+    num_prefill: int = 0
+    num_decode: int = 0
+    kv_connector_extra_config: str | None = None
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.num_workers}")
+        for flag, n in (("--workers", self.num_workers), ("--prefill", self.num_prefill),
+                        ("--decode", self.num_decode)):
+            if n < 0:
+                raise ValueError(f"{flag} must be >= 0, got {n}")
+        if self.total < 1:
+            raise ValueError("a fleet needs at least one worker (--workers, --prefill or "
+                             "--decode)")
         if not self.roles or any(r not in ROLES for r in self.roles):
             raise ValueError(f"roles must be chosen from {ROLES}, got {self.roles}")
+        if self.kv_connector_extra_config is not None:
+            try:
+                extra = json.loads(self.kv_connector_extra_config)
+            except ValueError as e:
+                raise ValueError(f"--kv-connector-extra-config is not JSON: {e}") from None
+            if not isinstance(extra, dict):
+                raise ValueError("--kv-connector-extra-config must be a JSON object")
+
+    @property
+    def total(self) -> int:
+        return self.num_workers + self.num_prefill + self.num_decode
 
     def role_of(self, i: int) -> str:
-        return self.roles[i % len(self.roles)]
+        if i < self.num_workers:
+            return self.roles[i % len(self.roles)]
+        return "prefill" if i < self.num_workers + self.num_prefill else "decode"
+
+    def kv_transfer_config(self, i: int) -> str | None:
+        """Worker `i`'s --kv-transfer-config (None: it is no P/D worker)."""
+        if i < self.num_workers:
+            return None
+        extra = json.loads(self.kv_connector_extra_config or "{}")
+        return json.dumps({"kv_connector": "KvloopConnector",
+                           "kv_role": KV_ROLE_OF[self.role_of(i)],
+                           "kv_connector_extra_config": extra})
 
     def threads_per_worker(self) -> int | None:
         """Real models share this host's cores: each worker gets its slice (at least 1),
@@ -80,7 +119,7 @@ class FleetConfig:
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else (os.cpu_count() or 1)
-        return max(1, cores // self.num_workers)
+        return max(1, cores // self.total)
 
     def env(self) -> dict[str, str] | None:
         """What the workers' environment adds to this process's (None: nothing)."""
@@ -91,9 +130,11 @@ class FleetConfig:
     def argv(self, i: int) -> list[str]:
         h = self.host
         threads = self.threads_per_worker()
+        kv = self.kv_transfer_config(i)
         return kvloop_command(
             "serve", "--model", self.model, "--host", h, "--port", "0", *self.events_args(),
             "--role", self.role_of(i), *(["--num-threads", str(threads)] if threads else []),
+            *(["--kv-transfer-config", kv] if kv else []),
             *self.worker_args, die_with_parent=True)
 
     def events_args(self) -> list[str]:
@@ -120,7 +161,7 @@ class Fleet:
         self.config = config
         self._own_dir = config.log_dir is None
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvloop-fleet-"))
-        self.workers = [self.worker(i) for i in range(config.num_workers)]
+        self.workers = [self.worker(i) for i in range(config.total)]
         self.nats: LocalService | None = None
 
     def worker(self, i: int, *extra_args: str) -> UrlProcess:
@@ -190,7 +231,9 @@ def run_fleet(fleet_cfg: FleetConfig, router_cfg: RouterConfig, log_level: str) 
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     try:
-        print(f"kvloop fleet: starting {fleet_cfg.num_workers} workers "
+        pd = (f", {fleet_cfg.num_prefill} prefill + {fleet_cfg.num_decode} decode"
+              if fleet_cfg.num_prefill or fleet_cfg.num_decode else "")
+        print(f"kvloop fleet: starting {fleet_cfg.total} workers{pd} "
               f"(model {fleet_cfg.model})", flush=True)
         specs = fleet.start()
         server = RouterServer(router_cfg, specs, log_level=log_level)

@@ -33,6 +33,7 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 P = "kvloop_router_"
 FRACTION_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
@@ -56,6 +57,15 @@ class RouterMetrics:
                                   ["worker"], registry=r)
         self.alarms_raised = Counter(P + "alarms_raised", "Alarms raised",
                                      ["worker", "alarm"], registry=r)
+        self.pd_decisions = Counter(P + "pd_decisions",
+                                    "P/D: requests prefilled remotely or locally, and why",
+                                    ["decision", "reason"], registry=r)
+        self.pd_fallbacks = Counter(P + "pd_fallbacks",
+                                    "P/D: prefill legs that failed, so the request was "
+                                    "served decode-only", ["worker", "reason"], registry=r)
+        self.pd_prefill_seconds = Histogram(P + "pd_prefill_seconds",
+                                            "P/D: time of each prefill leg (request to answer)",
+                                            buckets=PREFILL_BUCKETS, registry=r)
         self.match_fraction = Histogram(P + "match_fraction",
                                         "Predicted cached share of each routed prompt",
                                         buckets=FRACTION_BUCKETS, registry=r)
@@ -66,6 +76,16 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.prom)
+
+    @staticmethod
+    def pd_counts(counter: Counter) -> dict[str, float]:
+        """A counter's samples as {"label/label": value} (for /health)."""
+        out: dict[str, float] = {}
+        for metric in counter.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out["/".join(sample.labels.values())] = sample.value
+        return out
 
 
 class _StateCollector(Collector):

@@ -15,6 +15,9 @@ run time is probed first and refused (4xx, with the reason) unless it answers /k
 with a body that decodes as `WorkerDescription` (the server's `WorkerInfo`), with the fleet's
 hashing (block size, algorithm, seed), and accepts the router's key.
 
+With decode workers and no `both` worker up, requests take the P/D flow (`pd_proxy.py`):
+a prefill leg on a prefill worker when the cost model says it pays, then the decode leg.
+
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
 `usage.prompt_tokens_details.cached_tokens` on a stream, the router asks for
@@ -118,6 +121,9 @@ class RouterApp:
                                                         ClientDisconnect: _client_gone})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
+        from kvloop.router.pd_proxy import PDFlow  # it builds on this module
+
+        self.pd = PDFlow(self)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
 
@@ -272,6 +278,9 @@ class RouterApp:
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         headers.update(self.worker_headers)   # the router's key to the worker, if it has one
         headers["accept-encoding"] = "identity"
+        if self.router.pd_mode():
+            return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
+                                      strip_usage)
         return await self._send(path, raw, body, tokens or [], headers, stream, strip_usage)
 
     def _fleet_model(self) -> str | None:

@@ -13,6 +13,15 @@ load-only until it clears):
     silent            it served traffic but sent no event and no heartbeat for a window
     predictions_miss  hits the router predicted keep not happening
     unpredicted_hits  the worker keeps reporting hits the router did not predict
+    wrong_event_source  the events on its KV-event endpoint are another worker's (their
+                      publisher's epoch is not this worker's)
+    no_stored_blocks  a prefill worker served prefills that should have stored blocks, but
+                      no BlockStored reached the router for a window (heartbeats do not count)
+    prefill_failing   its last prefill legs all failed: it is left out of remote prefills
+                      until a window has passed
+    no_kv_connector   a prefill worker without a connector that holds blocks (no prefill leg
+                      goes to it; a decode worker without one that loads them is only
+                      warned about: it serves, prefilling everything itself)
 """
 
 from __future__ import annotations
@@ -36,8 +45,12 @@ SILENT = "silent"
 PREDICTIONS_MISS = "predictions_miss"
 UNPREDICTED_HITS = "unpredicted_hits"
 WRONG_SUBJECT = "wrong_subject"
+WRONG_EVENT_SOURCE = "wrong_event_source"
+NO_STORED_BLOCKS = "no_stored_blocks"
+PREFILL_FAILING = "prefill_failing"
+NO_KV_CONNECTOR = "no_kv_connector"
 ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS,
-          WRONG_SUBJECT)
+          WRONG_SUBJECT, WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING, NO_KV_CONNECTOR)
 
 _CAUSES = {
     SILENT: "its KV events do not reach the router: wrong --kv-events-endpoint (or a "
@@ -52,6 +65,15 @@ _CAUSES = {
                    "on: its component changed (aggregated `backend` vs disaggregated "
                    "`prefill` / `decode`) or its namespace differs (--dyn-component, "
                    "--dyn-namespace, DYN_COMPONENT, DYN_NAMESPACE)",
+    WRONG_EVENT_SOURCE: "the router subscribes to another worker's KV-event endpoint (a "
+                        "wrong events= override, or two workers' addresses swapped)",
+    NO_STORED_BLOCKS: "the router subscribes to another worker's KV-event endpoint (a "
+                      "decode worker's, which stores nothing), or the worker runs without "
+                      "prefix caching",
+    PREFILL_FAILING: "the prefill worker has no KV connector (started without "
+                     "--kv-transfer-config) or its engine fails these requests",
+    NO_KV_CONNECTOR: "the worker was started without --kv-transfer-config, or with the "
+                     "wrong kv_role (`kvloop fleet --prefill N --decode M` sets both)",
 }
 
 
@@ -166,6 +188,7 @@ class Ticket:
     predicted_tokens: int
     sent_at: float
     first_token_at: float | None = None
+    verify: bool = True   # False: the worker's reported hit is not its own (a pulled prompt)
 
 
 class Verifier:
@@ -242,6 +265,12 @@ class WorkerState:
         self.events = EventCounters()
         self.subscribed_at = now
         self.first_unsignalled_send: float | None = None
+        self.first_unstored_send: float | None = None   # prefill role: awaiting a BlockStored
+        self.stored_at_unstored_send = 0
+        self.epoch_mismatch_since: float | None = None
+        self.prefill_failures = 0                        # consecutive failed prefill legs
+        self.last_prefill_failure: float | None = None
+        self.kv_bytes_per_token: float | None = None     # from its kv_fingerprint, once seen
         self.served = 0
         self.failed = 0
         self.subscriber_stats: Callable[[], dict[str, Any]] | None = None
@@ -258,6 +287,20 @@ class WorkerState:
     def in_flight(self) -> int:
         return len(self.tickets)
 
+    @property
+    def kv_role(self) -> str | None:
+        """Its KV connector's kv_role; None: no connector. A worker that is no kvloop worker
+        does not say: it is taken to do what its role needs (`kv_both`)."""
+        d = self.description
+        if d is None:
+            return "kv_both"
+        return d.kv_transfer.kv_role if d.kv_transfer is not None else None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether its blocks are cached and published (unknown for a non-kvloop worker)."""
+        return self.description is None or self.description.enable_prefix_caching
+
     def prefilling(self) -> list[Ticket]:
         return [t for t in self.tickets.values() if t.first_token_at is None]
 
@@ -265,8 +308,10 @@ class WorkerState:
 class Registry:
     """The set of workers and their states; thread-safe."""
 
-    def __init__(self, cfg: LivenessConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: LivenessConfig, clock: Callable[[], float] = time.monotonic,
+                 pd_failures_to_skip: int = 3):
         self.cfg = cfg
+        self.pd_failures_to_skip = pd_failures_to_skip
         self._clock = clock
         self._lock = threading.RLock()
         self._workers: dict[str, WorkerState] = {}
@@ -321,6 +366,7 @@ class Registry:
             w.up = False
             w.down_reason = reason
             w.first_unsignalled_send = None
+            w.first_unstored_send = None
             w.verifier.reset()
             w.alarms.pop(SILENT, None)
             return True
@@ -348,24 +394,42 @@ class Registry:
         if w is not None:
             w.subscribed_at = self._clock()
             w.first_unsignalled_send = None
+            w.first_unstored_send = None
+            w.epoch_mismatch_since = None
             w.verifier.reset()
 
     # --- tickets --------------------------------------------------------------------------
     def open_ticket(self, name: str, prompt_tokens: int, uncached_tokens: int,
-                    predicted_tokens: int, expects_event: bool) -> Ticket:
+                    predicted_tokens: int, expects_event: bool, verify: bool = True) -> Ticket:
         with self._lock:
             w = self._workers[name]
             now = self._clock()
             t = Ticket(next(self._ids), name, prompt_tokens, uncached_tokens,
-                       predicted_tokens, now)
+                       predicted_tokens, now, verify=verify)
             w.tickets[t.request_id] = t
             if expects_event and w.first_unsignalled_send is None:
                 w.first_unsignalled_send = now
+            if expects_event and w.role == "prefill" and w.first_unstored_send is None:
+                w.first_unstored_send = now
+                w.stored_at_unstored_send = w.events.stored_blocks
             return t
 
     def first_token(self, t: Ticket) -> None:
         if t.first_token_at is None:
             t.first_token_at = self._clock()
+
+    def serve_locally(self, t: Ticket) -> None:
+        """A decode leg whose prompt will not be pulled: it prefills what it lacks itself,
+        and its reported hit is its own again."""
+        t.uncached_tokens = t.prompt_tokens - t.predicted_tokens
+        t.verify = True
+
+    def drop_ticket(self, t: Ticket) -> None:
+        """A leg that was never sent: forget its ticket without counting it."""
+        with self._lock:
+            w = self._workers.get(t.worker)
+            if w is not None:
+                w.tickets.pop(t.request_id, None)
 
     def close_ticket(self, t: Ticket, ok: bool) -> None:
         with self._lock:
@@ -403,10 +467,16 @@ class Registry:
         raised: list[Alarm] = []
         cleared: list[Alarm] = []
         now = self._clock()
+        epochs = {w.description.epoch: w for w in self.all()
+                  if w.up and w.description is not None and w.description.epoch}
         for w in self.all():
             if not w.up:
                 continue
+            self._judge(w, WRONG_EVENT_SOURCE, self._foreign_events(w, now, epochs), raised,
+                        cleared)
             self._judge(w, SILENT, self._silence(w, now), raised, cleared)
+            self._judge(w, NO_STORED_BLOCKS, self._unstored(w, now), raised, cleared)
+            self._judge(w, PREFILL_FAILING, self._failing(w, now), raised, cleared)
             verdict = w.verifier.verdict()
             for kind in (PREDICTIONS_MISS, UNPREDICTED_HITS):
                 detail = verdict[1] if verdict is not None and verdict[0] == kind else None
@@ -436,3 +506,77 @@ class Registry:
         ago = "never" if last is None else f"{now - last:.1f}s ago"
         return (f"served traffic but sent no KV event or heartbeat for {quiet:.1f}s "
                 f"(window {self.cfg.window_s:g}s; last signal: {ago})")
+
+    def _foreign_events(self, w: WorkerState, now: float,
+                        epochs: dict[str, WorkerState]) -> str | None:
+        """Detail of `wrong_event_source`, or None. A kvloop publisher names its worker's
+        epoch in every heartbeat: another registered worker's epoch is wrong wiring at once;
+        an unknown one counts after a window (a restart shows its new epoch to the
+        subscriber before the poller re-reads the worker)."""
+        stats = w.subscriber_stats() if w.subscriber_stats is not None else {}
+        heard = stats.get("current_epoch")
+        own = w.description.epoch if w.description is not None else None
+        if heard is None or own is None or heard == own:
+            w.epoch_mismatch_since = None
+            return None
+        other = epochs.get(heard)
+        if other is None:
+            if w.epoch_mismatch_since is None:
+                w.epoch_mismatch_since = now
+            if now - w.epoch_mismatch_since < self.cfg.window_s:
+                return None
+            whose = f"an unknown publisher's (epoch {heard})"
+        else:
+            whose = f"worker {other.name}'s (role {other.role}, epoch {heard})"
+        return (f"{w.role} worker: the KV events it is subscribed to are {whose}, not its "
+                f"own (epoch {own}); they are refused, so routing to it is load-only")
+
+    def _unstored(self, w: WorkerState, now: float) -> str | None:
+        """Detail of `no_stored_blocks` (a prefill worker whose events store nothing), or
+        None. A silent worker has the stronger alarm; a BlockStored since the first prefill
+        that awaited one clears it."""
+        if w.first_unstored_send is None or SILENT in w.alarms:
+            return None
+        if w.events.stored_blocks > w.stored_at_unstored_send:
+            w.first_unstored_send = None
+            return None
+        quiet = now - max(w.first_unstored_send, w.subscribed_at)
+        if quiet < self.cfg.window_s:
+            return None
+        storing = sorted(x.name for x in self.all()
+                         if x.role != "prefill" and x.up and x.events.stored_blocks)
+        also = (f"; BlockStored events arrive only from {', '.join(storing)} (not prefill "
+                "workers)" if storing else "")
+        return (f"prefill worker served prefills for {quiet:.1f}s but none of its KV events "
+                f"stored a block (window {self.cfg.window_s:g}s; {w.events.batches} event "
+                f"batches, none storing){also}: the prefill role's index stays empty, so "
+                "prefill routing to it is load-only")
+
+    def _failing(self, w: WorkerState, now: float) -> str | None:
+        """Detail of `prefill_failing` while its failure streak is recent, else None."""
+        last = w.last_prefill_failure
+        limit = self.pd_failures_to_skip
+        if w.prefill_failures < limit or last is None:
+            return None
+        if now - last >= self.cfg.window_s:
+            w.prefill_failures = limit - 1   # one more try; one more failure re-raises
+            return None
+        return (f"its last {w.prefill_failures} prefill legs failed; requests are served "
+                f"decode-only without it for {self.cfg.window_s:g}s")
+
+    # --- P/D ------------------------------------------------------------------------------
+    def set_kv_bytes_per_token(self, name: str, value: float) -> None:
+        w = self._workers.get(name)
+        if w is not None:
+            w.kv_bytes_per_token = value
+
+    def prefill_leg_done(self, name: str, ok: bool) -> None:
+        """A prefill leg on `name` ended: a success ends its failure streak."""
+        w = self._workers.get(name)
+        if w is None:
+            return
+        if ok:
+            w.prefill_failures = 0
+        else:
+            w.prefill_failures += 1
+            w.last_prefill_failure = self._clock()

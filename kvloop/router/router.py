@@ -12,6 +12,11 @@ Request lifecycle:
     2. first_token(ticket): its prefill is done; its tokens leave the worker's queue.
     3. finish(ticket, cached_tokens): compare the reported hit with the prediction
        (self-verification); close the ticket.
+
+With decode workers and no `both` worker up (P/D mode, `pd_mode()`), `route_pd()` replaces
+step 1: it picks the decode worker, decides remote or local prefill (`pd.py`) and, for a
+remote one, the prefill worker, with a ticket on each; `prefill_done()` or
+`prefill_failed()` (a fallback to decode-only, counted and visible) closes the prefill leg.
 """
 
 from __future__ import annotations
@@ -24,15 +29,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvloop.config import SchedulerConfig
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
 from kvloop.router.config import HashSpec, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.index import BlockIndex, make_index
 from kvloop.router.metrics import RouterMetrics
+from kvloop.router.pd import (
+    DECODE_CANNOT_LOAD,
+    HOLDS,
+    LOADS,
+    PDDecision,
+    PDWorker,
+    TransferModel,
+    decide,
+    decode_order,
+    estimate,
+    fingerprint_bytes_per_token,
+)
 from kvloop.router.registry import (
     CONFIG_MISMATCH,
     NO_EVENT_SOURCE,
+    NO_KV_CONNECTOR,
+    PREFILL_FAILING,
+    WRONG_EVENT_SOURCE,
     Alarm,
     EventSource,
     Registry,
@@ -42,7 +63,16 @@ from kvloop.router.registry import (
     WorkerState,
     event_source,
 )
-from kvloop.router.scorer import Candidate, Decision, RouteRequest, hit_tokens, make_policy
+from kvloop.router.scorer import (
+    DECODE_LOAD,
+    Candidate,
+    Decision,
+    RouteRequest,
+    hit_tokens,
+    make_policy,
+    rendezvous,
+)
+from kvloop.sim.latency import LatencyModel
 
 log = logging.getLogger("kvloop.router")
 
@@ -75,6 +105,26 @@ class Routed:
     num_blocks: int
 
 
+@dataclass(frozen=True)
+class PDRouted:
+    """The outcome of `route_pd()`: the decode leg, the prefill leg (None: decode-only) and
+    the decision between them."""
+
+    decode: Routed
+    prefill: Routed | None
+    decision: PDDecision
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """The last prefill leg that fell back to decode-only (for /health)."""
+
+    worker: str
+    reason: str
+    detail: str
+    at: float
+
+
 class Router:
     """Index + registry + policy + feeds; thread-safe for one event loop plus feeds."""
 
@@ -84,8 +134,12 @@ class Router:
         self.config = config or RouterConfig()
         self.clock = clock
         self.index: BlockIndex = make_index(self.config.index, clock)
-        self.registry = Registry(self.config.liveness, clock)
+        self.registry = Registry(self.config.liveness, clock,
+                                 self.config.pd.failures_to_skip)
         self.metrics = RouterMetrics(self.registry, self.index, clock)
+        self.latency = LatencyModel.from_file(self.config.pd.latency_file,
+                                              self.config.pd.speedup)
+        self.last_fallback: Fallback | None = None
         self.policy = make_policy(self.config.policy, self.config.cost,
                                   self.config.random_seed)
         self.hash_spec: HashSpec | None = self.config.hash_spec
@@ -208,11 +262,20 @@ class Router:
             warnings.append(f"{w.name}: {detail}")
         else:
             self._clear(w.name, CONFIG_MISMATCH)
-        if event_source(spec, desc) is None:
+        if event_source(spec, desc) is None and (desc is None or desc.enable_prefix_caching):
             self._raise(w.name, NO_EVENT_SOURCE, "it advertises no KV-event endpoint")
             warnings.append(f"{w.name}: no KV-event endpoint")
         else:
             self._clear(w.name, NO_EVENT_SOURCE)
+        missing = _missing_connector(w)
+        if missing is not None:
+            warnings.append(f"{w.name}: {missing}")
+        if missing is not None and w.role == "prefill":
+            self._raise(w.name, NO_KV_CONNECTOR, missing)
+        else:
+            self._clear(w.name, NO_KV_CONNECTOR)
+            if missing is not None:   # it serves, prefilling locally: a warning, no alarm
+                log.warning("worker %s: %s", w.name, missing)
         return warnings
 
     def hashing_mismatches(self, desc: WorkerDescription) -> list[str]:
@@ -268,6 +331,9 @@ class Router:
         for watch in self.watchers:
             watch(self)
         for a in raised:
+            feed = self._feeds.get(a.worker)
+            if a.kind == WRONG_EVENT_SOURCE and feed is not None:
+                feed.refuse(a.detail)
             self._announce(a)
         for a in cleared:
             log.warning("worker %s: %s cleared; cache-aware routing to it resumes",
@@ -288,11 +354,9 @@ class Router:
         return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
 
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
-        """Who serves a request end to end: `both` workers; if none is up, `decode`
-        workers (they prefill locally); `prefill` workers only when nothing else is up.
-
-        (Prefill on one worker and decode on another needs a KV transfer the engine does
-        not have; until it does, one worker serves each request.)
+        """Who serves a request end to end (aggregated): `both` workers; if none is up,
+        `decode` workers (they prefill locally); `prefill` workers only when nothing else is
+        up. With decode workers and no `both` worker up, the HTTP front uses `route_pd()`.
         """
         for roles in SERVING_ORDER:
             pool = [w for w in self.registry.usable(roles) if w.name not in exclude]
@@ -317,13 +381,154 @@ class Router:
         chosen = self.registry.get(decision.worker)
         assert chosen is not None
         predicted = hit_tokens(matches.get(chosen.name, 0), len(token_ids), bs)
-        self.index.add_provisional(chosen.name, hashes)
-        expects_event = len(hashes) * bs > predicted
-        ticket = self.registry.open_ticket(chosen.name, len(token_ids),
-                                           len(token_ids) - predicted, predicted,
-                                           expects_event)
+        ticket = self._open(chosen, hashes, len(token_ids), predicted,
+                            len(token_ids) - predicted)
         self._count_decision(decision, chosen.name, len(token_ids), predicted, t0)
         return Routed(chosen, decision, ticket, predicted, len(hashes))
+
+    def _open(self, w: WorkerState, hashes: list[int], prompt_tokens: int, predicted: int,
+              uncached: int, verify: bool = True) -> Ticket:
+        """Provisional entries (where the worker caches) and a ticket for one leg."""
+        bs = self.hash_spec.block_size if self.hash_spec else 16
+        caches = w.caches_prefixes
+        if caches:
+            self.index.add_provisional(w.name, hashes)
+        expects_event = caches and len(hashes) * bs > predicted
+        return self.registry.open_ticket(w.name, prompt_tokens, uncached, predicted,
+                                         expects_event, verify)
+
+    # --- prefill/decode disaggregation ----------------------------------------------------
+    def pd_mode(self) -> bool:
+        """True while decode workers and no `both` worker are up: requests take the P/D
+        flow (`route_pd`); `both` workers keep the aggregated routing of `route()`."""
+        return not self.registry.usable(("both",)) and bool(self.registry.usable(("decode",)))
+
+    def route_pd(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
+                 cache_salt: str | None = None, expected_output_tokens: int = 16,
+                 local_reason: str | None = None) -> PDRouted:
+        """The decode worker (load first), remote or local prefill (the cost model, or
+        `local_reason` when the request cannot take a remote prefill) and the prefill
+        worker, each leg with its ticket. Raises NoWorkerError without a decode worker."""
+        t0 = time.perf_counter()
+        decoders = [w for w in self.registry.usable(("decode",)) if w.name not in exclude]
+        if not decoders:
+            raise NoWorkerError(self._no_worker_message())
+        prefillers = [w for w in self.registry.usable(("prefill",))
+                      if w.name not in exclude and PREFILL_FAILING not in w.alarms
+                      and w.kv_role in HOLDS]
+        hashes = self.block_hashes(token_ids, cache_salt)
+        matches = self.index.match(hashes, [w.name for w in decoders + prefillers]) \
+            if hashes else {}
+        n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
+        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens)
+        snaps = {w.name: self._pd_worker(w, matches.get(w.name, 0), req)
+                 for w in decoders + prefillers}
+        d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
+                                         -rendezvous(req.prefix_key, w.name)))
+        if local_reason is None and d.kv_role not in LOADS:
+            local_reason = DECODE_CANNOT_LOAD
+        p_choice, est = None, None
+        if prefillers and local_reason is None and self.config.pd.policy != "never":
+            p_choice = self.policy.choose(
+                [self._candidate(w, matches.get(w.name, 0)) for w in prefillers], req)
+            p = self.registry.get(p_choice.worker)
+            assert p is not None
+            est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name], n,
+                           bs)
+        decision = PDDecision(False, local_reason) if local_reason else decide(
+            self.config.pd.policy, est)
+        routed = self._open_pd(d, p_choice if decision.remote else None, hashes, snaps, req,
+                               decision)
+        self._count_pd(routed, t0)
+        return routed
+
+    def _pd_worker(self, w: WorkerState, cached_blocks: int, req: RouteRequest) -> PDWorker:
+        prefilling = w.prefilling()
+        decoding = tuple(t.prompt_tokens for t in w.tickets.values()
+                         if t.first_token_at is not None)
+        external = max(0, w.load.running + w.load.waiting - w.in_flight())
+        budget = (w.description.max_num_batched_tokens if w.description is not None
+                  else SchedulerConfig.max_num_batched_tokens)   # not a kvloop worker: ours
+        cached = 0 if w.load_only else hit_tokens(cached_blocks, req.prompt_tokens,
+                                                  req.block_size)
+        return PDWorker(
+            w.name, budget, sum(t.uncached_tokens for t in prefilling)
+            + min(w.load.waiting, external) * req.prompt_tokens,
+            decoding + (req.prompt_tokens,) * max(0, external - w.load.waiting), cached,
+            w.in_flight() + external, w.load.kv_usage)
+
+    def _transfer(self, prefill: WorkerState) -> TransferModel:
+        cfg = self.config.pd
+        return TransferModel(cfg.transfer_bandwidth,
+                             prefill.kv_bytes_per_token or cfg.kv_bytes_per_token)
+
+    def _open_pd(self, d: WorkerState, p_choice: Decision | None, hashes: list[int],
+                 snaps: dict[str, PDWorker], req: RouteRequest,
+                 decision: PDDecision) -> PDRouted:
+        n = req.prompt_tokens
+        d_hit = snaps[d.name].cached_tokens
+        d_decision = Decision(d.name, DECODE_LOAD)
+        if p_choice is None:
+            ticket = self._open(d, hashes, n, d_hit, n - d_hit)
+            return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes)), None, decision)
+        p = self.registry.get(p_choice.worker)
+        assert p is not None
+        p_hit = snaps[p.name].cached_tokens
+        p_ticket = self._open(p, hashes, n, p_hit, n - p_hit)
+        d_ticket = self._open(d, hashes, n, d_hit, min(1, n), verify=False)
+        return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes)),
+                        Routed(p, p_choice, p_ticket, p_hit, len(hashes)), decision)
+
+    def _count_pd(self, r: PDRouted, t0: float) -> None:
+        m, d = self.metrics, r.decision
+        m.pd_decisions.labels("remote" if d.remote else "local", d.reason).inc()
+        n = r.decode.ticket.prompt_tokens
+        if r.prefill is not None:
+            p = r.prefill
+            m.decisions.labels(self.policy.name, p.decision.reason).inc()
+            m.prompt_tokens.labels(p.worker.name).inc(n)
+            m.predicted_hit.labels(p.worker.name).inc(p.predicted_tokens)
+        self._count_decision(r.decode.decision, r.decode.worker.name, n,
+                             r.decode.predicted_tokens, t0)
+
+    def prefill_done(self, r: PDRouted, cached_tokens: int | None,
+                     params: dict[str, Any]) -> None:
+        """The prefill leg answered with usable `params`: close its ticket, verify its hit,
+        learn its KV bytes per token from its `kv_fingerprint`."""
+        assert r.prefill is not None
+        p = r.prefill
+        self.registry.first_token(p.ticket)
+        self.finish(p.ticket, cached_tokens, "ok")
+        self.registry.prefill_leg_done(p.worker.name, True)
+        learned = fingerprint_bytes_per_token(params.get("kv_fingerprint"))
+        if learned is not None:
+            self.registry.set_kv_bytes_per_token(p.worker.name, learned)
+
+    def prefill_failed(self, r: PDRouted, reason: str, detail: str) -> None:
+        """The prefill leg failed (`reason`, a `pd.FALLBACK_REASONS` label): the request is
+        served decode-only. Counted, logged, and shown in /health."""
+        assert r.prefill is not None
+        name = r.prefill.worker.name
+        self.finish(r.prefill.ticket, None, "worker_error")
+        self.registry.prefill_leg_done(name, False)
+        self.registry.serve_locally(r.decode.ticket)
+        self.metrics.pd_fallbacks.labels(name, reason).inc()
+        self.last_fallback = Fallback(name, reason, detail, self.clock())
+        log.warning("prefill worker %s: %s (%s); request served decode-only by %s", name,
+                    reason, detail, r.decode.worker.name)
+
+    def prefill_refused(self, r: PDRouted) -> None:
+        """P answered 4xx: the request itself is bad; its answer goes to the client, and the
+        decode leg is never sent."""
+        assert r.prefill is not None
+        self.finish(r.prefill.ticket, None, "client_error")
+        self.registry.drop_ticket(r.decode.ticket)
+
+    def prefill_abandoned(self, r: PDRouted) -> None:
+        """The client left during the prefill leg: close both legs' tickets."""
+        if r.prefill is not None:
+            self.finish(r.prefill.ticket, None, "disconnected")
+        self.finish(r.decode.ticket, None, "disconnected")
 
     def _candidate(self, w: WorkerState, cached_blocks: int) -> Candidate:
         prefilling = w.prefilling()
@@ -361,8 +566,8 @@ class Router:
         with a reported hit, verify the prediction."""
         self.registry.close_ticket(ticket, outcome == "ok")
         self.metrics.requests.labels(ticket.worker, outcome).inc()
-        if cached_tokens is None:
-            return
+        if cached_tokens is None or not ticket.verify:
+            return   # a pulled prompt's hit is its prefill worker's, counted on that leg
         self.metrics.actual_hit.labels(ticket.worker).inc(cached_tokens)
         w = self.registry.get(ticket.worker)
         if w is not None and w.up:
@@ -375,13 +580,39 @@ class Router:
         workers = self.registry.all()
         reasons = [a.message for w in workers if w.up for a in w.alarms.values()]
         reasons += [f"worker {w.name} is down: {w.down_reason}" for w in workers if not w.up]
+        fallback = self._recent_fallback()
+        if fallback is not None:
+            reasons.append(fallback)
         usable = [w for w in workers if w.up]
         status = "ok" if not reasons else "degraded"
         if not usable:
             status = "unavailable"
         body = {"status": status, "reasons": reasons,
                 "workers": {w.name: self.describe_worker(w) for w in workers}}
+        if any(w.role != "both" for w in workers):
+            body["pd"] = self.describe_pd()
         return (200 if usable else 503), body
+
+    def _recent_fallback(self) -> str | None:
+        """A /health reason while the last fallback to decode-only is within the window."""
+        f = self.last_fallback
+        if f is None or self.clock() - f.at >= self.config.liveness.window_s:
+            return None
+        return (f"prefill worker {f.worker}: a prefill leg failed ({f.reason}: {f.detail}) "
+                f"{self.clock() - f.at:.1f}s ago; that request was served decode-only")
+
+    def describe_pd(self) -> dict[str, Any]:
+        """P/D mode, decisions and fallbacks so far (the `pd` part of /health)."""
+        m, f = self.metrics, self.last_fallback
+        return {
+            "mode": "disaggregated" if self.pd_mode() else "aggregated",
+            "policy": self.config.pd.policy,
+            "decisions": m.pd_counts(m.pd_decisions),
+            "fallbacks": m.pd_counts(m.pd_fallbacks),
+            "last_fallback": None if f is None else {
+                "worker": f.worker, "reason": f.reason, "detail": f.detail,
+                "age_s": self.clock() - f.at},
+        }
 
     def describe_worker(self, w: WorkerState) -> dict[str, Any]:
         now = self.clock()
@@ -407,6 +638,9 @@ class Router:
                              "window": list(w.verifier.samples)},
             "load": {"running": w.load.running, "waiting": w.load.waiting,
                      "kv_usage": w.load.kv_usage},
+            "pd": {"kv_role": w.kv_role, "caches_prefixes": w.caches_prefixes,
+                   "prefill_failures": w.prefill_failures,
+                   "kv_bytes_per_token": w.kv_bytes_per_token},
         }
 
     def shutdown(self) -> None:
@@ -428,6 +662,17 @@ def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
         return hashes[0]
     digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def _missing_connector(w: WorkerState) -> str | None:
+    """The `no_kv_connector` detail of a P/D worker whose connector cannot serve its role."""
+    need = {"prefill": (HOLDS, "holds blocks for a decode worker: no prefill leg goes to it"),
+            "decode": (LOADS, "loads blocks from a prefill worker: it prefills every request "
+                              "itself")}.get(w.role)
+    if need is None or w.kv_role in need[0]:
+        return None
+    has = "no KV connector" if w.kv_role is None else f"a {w.kv_role} KV connector"
+    return f"{w.role} worker with {has}; it needs one that {need[1]}"
 
 
 def _capacity(desc: WorkerDescription | None) -> int | None:

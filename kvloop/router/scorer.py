@@ -48,8 +48,9 @@ LOAD_ONLY = "load_only"                # chosen worker's cache signal is distrus
 ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 RANDOM = "random"
+DECODE_LOAD = "decode_load"            # P/D: a decode worker, chosen load first (pd.py)
 REASONS = (COLD, PREFIX_HIT, LOAD_OVERRIDE, HOT_PREFIX_REPLICA, BOUNDED_LOAD, LOAD_ONLY,
-           ROUND_ROBIN, LEAST_LOADED, RANDOM)
+           ROUND_ROBIN, LEAST_LOADED, RANDOM, DECODE_LOAD)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,223 @@
+"""The router's P/D flow over HTTP (docs/disaggregation.md sections 2 and 6).
+
+    1. route_pd: the decode worker D, remote or local prefill, the prefill worker P;
+    2. remote: POST the prefill leg to P: the client's body with `kv_transfer_params`
+       {do_remote_decode: true, ...}, max_tokens 1 (and max_completion_tokens 1 where the
+       client set it or on chat), min_tokens 1, stream false, no stream_options; read P's
+       answer whole and take its top-level `kv_transfer_params`;
+    3. POST the decode leg to D: the client's body plus P's `kv_transfer_params`, verbatim
+       (local: the client's body alone); D's answer, streamed or not, goes back with D's
+       status and Content-Type (`RouterApp._relay` / `_whole`).
+
+Both legs carry one `X-Request-Id` (the client's, else a new uuid4). A client that
+disconnects during the prefill leg closes P's connection (P aborts it) and D is never asked;
+during the decode leg it closes D's (D aborts, and tells P it is done with the blocks). A
+prefill leg that fails (5xx, no connection, or a 200 without usable `kv_transfer_params`)
+falls back to decode-only: D prefills the prompt itself; the fallback is counted
+(`kvloop_router_pd_fallbacks_total{worker,reason}`), logged and shown in /health. A 4xx from
+P is the client's error: it goes back to the client as P sent it. A decode worker that refuses
+the connection is marked down and the request is routed again (nothing reached it; a prefill
+leg done for it is left to its lease).
+
+Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP client, the relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kvloop.router.pd import (
+    CLIENT_PARAMS,
+    MULTIPLE_PROMPTS,
+    NO_KV_TRANSFER_PARAMS,
+    PREFILL_CONNECTION,
+    PREFILL_HTTP_ERROR,
+)
+from kvloop.router.proxy import (
+    RouterApp,
+    _cached_tokens,
+    _json_or_none,
+    _response_headers,
+    error_response,
+)
+from kvloop.router.router import NoWorkerError, PDRouted
+
+T = TypeVar("T")
+
+# The prefill leg's kv_transfer_params (vLLM's proxy sends exactly these).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# What D needs in P's answer (otherwise D logs "invalid kv_transfer_params" and prefills).
+REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+CHAT_PATH = "/v1/chat/completions"
+REQUEST_ID = "x-request-id"
+
+
+class _Disconnected:
+    """The client went away while a leg ran."""
+
+
+DISCONNECTED = _Disconnected()
+
+
+def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
+    """The prefill leg's body: the client's, made a one-token, non-streamed prefill whose
+    blocks P holds for a decode worker. The client's min_tokens goes to D only."""
+    out = {k: v for k, v in body.items()
+           if k not in ("stream_options", "min_completion_tokens")}
+    out.update(kv_transfer_params=dict(PREFILL_PARAMS), stream=False, max_tokens=1,
+               min_tokens=1)
+    if path == CHAT_PATH or "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def local_reason(body: dict[str, Any]) -> str | None:
+    """Why this request cannot take a remote prefill (None: it can). One prefill leg hands
+    on one prompt's blocks: several choices or prompts stay local, and a client's own
+    `kv_transfer_params` are its business (passed to D as they are)."""
+    if body.get("kv_transfer_params") is not None:
+        return CLIENT_PARAMS
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    if batch or (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+        return MULTIPLE_PROMPTS
+    return None
+
+
+def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
+    """P's `kv_transfer_params` if D can use them, else (None, what is wrong)."""
+    params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+    if not isinstance(params, dict):
+        return None, "its answer has no kv_transfer_params (a worker without a KV connector?)"
+    missing = [k for k in REQUIRED_PARAMS if params.get(k) is None]
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not blocks:
+        missing.append("remote_block_ids")
+    if missing:
+        return None, f"its kv_transfer_params lack {', '.join(missing)}"
+    return params, ""
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | _Disconnected:
+    """Await `leg`; if the client disconnects first, cancel it (closing its connection)."""
+    task = asyncio.ensure_future(leg)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return DISCONNECTED
+
+
+class PDFlow:
+    """The P/D flow of one `RouterApp`."""
+
+    def __init__(self, app: RouterApp):
+        self.app = app
+        self.router = app.router
+
+    async def send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
+                   tokens: list[int], headers: dict[str, str], stream: bool,
+                   strip_usage: bool) -> Response:
+        client = self.app.client
+        assert client is not None
+        headers = {**headers, REQUEST_ID: headers.get(REQUEST_ID) or uuid.uuid4().hex}
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        tried: list[str] = []
+        while True:
+            try:
+                routed = self.router.route_pd(tokens, tried, body.get("cache_salt"),
+                                              int(max_tokens), local_reason(body))
+            except NoWorkerError as e:
+                return error_response(str(e), 503)
+            decode_raw = raw
+            if routed.prefill is not None:
+                got = await unless_disconnected(request, self._prefill(path, body, headers,
+                                                                       routed))
+                if isinstance(got, _Disconnected):
+                    self.router.prefill_abandoned(routed)
+                    return Response(status_code=499)
+                if isinstance(got, Response):
+                    return got
+                if got is not None:
+                    decode_raw = json.dumps({**body, "kv_transfer_params": got}).encode()
+            d = routed.decode
+            req = client.build_request("POST", d.worker.spec.url + path, content=decode_raw,
+                                       headers=headers)
+            try:
+                upstream = await client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self.router.finish(d.ticket, None, "worker_error")
+                self.router.worker_down(d.worker.name, f"connection failed: {e!r}")
+                tried.append(d.worker.name)
+                continue
+            return await self._answer(request, upstream, routed, stream, strip_usage)
+
+    async def _answer(self, request: Request, upstream: httpx.Response, routed: PDRouted,
+                      stream: bool, strip_usage: bool) -> Response:
+        """D's answer to the client: relayed as it streams, or read whole."""
+        d = routed.decode
+        if stream and upstream.status_code == 200:
+            return StreamingResponse(self.app._relay(upstream, d, strip_usage),
+                                     status_code=200, headers=_response_headers(upstream))
+        whole = await unless_disconnected(request, self.app._whole(upstream, d))
+        if isinstance(whole, _Disconnected):
+            self.router.finish(d.ticket, None, "disconnected")
+            return Response(status_code=499)
+        return whole
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                       routed: PDRouted) -> dict[str, Any] | Response | None:
+        """The prefill leg: P's kv_transfer_params, P's own 4xx answer, or None (fallen
+        back to decode-only)."""
+        client = self.app.client
+        assert client is not None and routed.prefill is not None
+        p = routed.prefill.worker
+        t0 = time.perf_counter()
+        try:
+            r = await client.post(p.spec.url + path, headers=headers,
+                                  content=json.dumps(prefill_body(body, path)).encode())
+        except httpx.TransportError as e:
+            self.router.prefill_failed(routed, PREFILL_CONNECTION, repr(e))
+            if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                self.router.worker_down(p.name, f"connection failed: {e!r}")
+            return None
+        finally:
+            self.router.metrics.pd_prefill_seconds.observe(time.perf_counter() - t0)
+        if r.status_code >= 500:
+            self.router.prefill_failed(routed, PREFILL_HTTP_ERROR,
+                                       f"HTTP {r.status_code}: {r.text[:200]}")
+            return None
+        if r.status_code >= 400:
+            self.router.prefill_refused(routed)
+            return Response(r.content, status_code=r.status_code, headers=_response_headers(r))
+        payload = _json_or_none(r.content)
+        params, problem = answer_params(payload)
+        if params is None:
+            self.router.prefill_failed(routed, NO_KV_TRANSFER_PARAMS, problem)
+            return None
+        self.router.prefill_done(routed, _cached_tokens(payload), params)
+        return params
