@@ -134,8 +134,11 @@ def zmq_workers(tmp_path_factory):
 def replica(srv, workers) -> RouterThread:
     from kvloop.router.registry import WorkerSpec
 
+    # one poll at start, none during the test: both replicas then see the same load (their
+    # own tickets), so only the shared index could make their decisions differ; with frequent
+    # polls each replica samples the workers' queues at other moments (flaky under load)
     cfg = RouterConfig(index=IndexConfig(url=redis_url(srv)),
-                       liveness=LivenessConfig(poll_interval_s=0.2))
+                       liveness=LivenessConfig(poll_interval_s=60.0))
     return RouterThread(cfg, [WorkerSpec(w.url) for w in workers])
 
 

@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV blocks per worker (--num-gpu-blocks-override)")
     fl.add_argument("--worker-args", default="", help="more `kvloop serve` flags")
     fl.add_argument("--json-out", help="write every run's figures here")
+    fl.add_argument("--event-plane", choices=("zmq", "nats"), default="zmq",
+                    help="how KV events reach the router: each worker's ZMQ publisher, or a "
+                         "nats-server the benchmark starts (workers and router on it)")
     args = ap.parse_args(argv)
     if args.mode == "fleet":
         return run_fleet_bench(args)
@@ -235,8 +238,11 @@ WORKLOAD_ARGS = {
 }
 
 
-def _start_router(policy: str, workers: list[str], log_path: Path) -> UrlProcess:
+def _start_router(policy: str, workers: list[str], log_path: Path,
+                  event_plane: str | None = None) -> UrlProcess:
     args = ["router", "--port", "0", "--policy", policy, "--poll-interval", "0.5"]
+    if event_plane is not None:
+        args += ["--event-plane", event_plane]
     for url in workers:
         args += ["--worker", url]
     return UrlProcess(kvloop_command(*args), log_path, ROUTER_URL_LINE, name="kvloop router")
@@ -268,24 +274,38 @@ def _bench_once(router_url: str, workload: str, concurrency: int, seed: int) -> 
     return data["runs"][0] if "runs" in data else data
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_fleet_bench(args: argparse.Namespace) -> int:
+    from kvloop.events.config import NatsPlaneConfig
     from kvloop.router.fleet import Fleet, FleetConfig
 
+    nats_port = _free_port() if args.event_plane == "nats" else None
+    plane_url = f"nats://127.0.0.1:{nats_port}" if nats_port is not None else None
     worker_args = ("--sim-speedup", str(args.sim_speedup),
                    "--num-gpu-blocks-override", str(args.gpu_blocks),
                    *args.worker_args.split())
     admin_key = secrets.token_urlsafe(16)   # the workers' admin key, for cache resets
     fleet = Fleet(FleetConfig(args.workers, "sim", ("both",),
-                              (*worker_args, "--admin-api-key", admin_key), echo_output=False))
+                              (*worker_args, "--admin-api-key", admin_key), echo_output=False,
+                              event_plane=NatsPlaneConfig(plane_url) if plane_url else None,
+                              nats_port=nats_port))
     results: list[dict] = []
     try:
         urls = [s.url for s in fleet.start()]
-        print(f"{args.workers} simulated workers: {' '.join(worker_args)}", flush=True)
+        print(f"{args.workers} simulated workers: {' '.join(worker_args)}; KV events over "
+              f"{plane_url or 'ZMQ'}", flush=True)
         for workload in args.workloads.split(","):
             for run in range(args.runs):
                 for policy in args.policies.split(","):
                     results.append(_one_run(urls, policy, workload, args.concurrency, run,
-                                            admin_key))
+                                            admin_key, plane_url))
     finally:
         fleet.stop()
     if args.json_out:
@@ -296,10 +316,11 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
 
 
 def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int,
-             admin_key: str) -> dict:
+             admin_key: str, event_plane: str | None = None) -> dict:
     _fresh_caches(urls, admin_key)
     with tempfile.TemporaryDirectory(prefix="kvloop-bench-router-") as tmp, \
-            _start_router(policy, urls, Path(tmp) / "router.log").start() as router:
+            _start_router(policy, urls, Path(tmp) / "router.log",
+                          event_plane).start() as router:
         s = _bench_once(router.url, workload, concurrency, seed=run)
     row = {"policy": policy, "workload": workload, "run": run,
            "failed": s["failed"], "req_s": s["request_throughput"],
