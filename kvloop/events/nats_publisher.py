@@ -21,13 +21,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from kvloop.events import protocol as proto
-from kvloop.events.batch_log import OVERFLOWED, QUEUED, BatchLog, BatchQueue
+from kvloop.events.batch_log import BatchLog
 from kvloop.events.config import KVEventsConfig, NatsPlaneConfig
 from kvloop.events.nats_plane import (
     CMD_INFO,
@@ -46,32 +45,28 @@ from kvloop.events.nats_plane import (
     headers,
     worker_id_of,
 )
-from kvloop.events.publisher import PublisherStats, new_epoch, touch_notices
+from kvloop.events.publisher import QueuedPublisher, new_epoch, touch_notices
 from kvloop.events.types import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
 
-class NatsEventPublisher:
+class NatsEventPublisher(QueuedPublisher):
     """Publishes one engine step's events on NATS; see the module docstring."""
+
+    NAME = "NatsEventPublisher"
 
     def __init__(self, config: KVEventsConfig, epoch: str | None = None):
         if config.nats is None:
             raise ValueError("NatsEventPublisher needs KVEventsConfig(nats=...)")
-        self.config = config
+        super().__init__(config)
         self.plane: NatsPlaneConfig = config.nats
         self._epoch = epoch or new_epoch()
         self.worker_id = worker_id_of(self._epoch)
         self.subjects = Subjects.of(self.plane)
-        self.stats = PublisherStats()
-        self._queue = BatchQueue(config.max_queue_size)
         self._log = BatchLog(config.buffer_steps, keep_mirror=config.snapshot)
-        self._touches: list[bytes] = []
-        self._touch_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
-        self._started = self._closed = False
         self._stopping = False
-        self._sleeping = False
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -113,27 +108,6 @@ class NatsEventPublisher:
             raise OSError(f"KV events: cannot reach the NATS server {self.endpoint}: "
                           f"{self._failure or 'timed out'}")
         return self
-
-    def publish(self, batch: KVEventBatch) -> None:
-        """Queue one batch (one engine step). Never blocks; after `shutdown()` a no-op."""
-        if not self._started:
-            raise RuntimeError("NatsEventPublisher.publish() before start()")
-        if self._closed:
-            return
-        outcome = self._queue.put(batch)
-        if outcome != QUEUED:
-            self.stats.dropped += 1
-            if outcome == OVERFLOWED:
-                logger.warning("KV events: queue full (%d), dropping batches",
-                               self.config.max_queue_size)
-        if self._sleeping:
-            self._wake()
-
-    def publish_touches(self, hashes: Sequence[bytes]) -> None:
-        if not self.config.recency or not hashes or self._closed:
-            return
-        with self._touch_lock:
-            self._touches.extend(hashes)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Send what is queued, close the connection, stop the thread. Idempotent."""

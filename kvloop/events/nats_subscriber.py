@@ -71,6 +71,7 @@ from kvloop.events.subscriber import (
     BatchCallback,
     SubscriberStats,
     WorkerBatch,
+    count_delivery,
 )
 from kvloop.events.types import AllBlocksCleared, KVEventBatch
 
@@ -468,14 +469,7 @@ class WorkerStream:
     def _deliver(self, batch: KVEventBatch, seq: int | None, source: str,
                  reason: str | None = None) -> None:
         st = self._stats
-        if source == RESET:
-            st.resets += 1
-        else:
-            st.batches_received += 1
-            st.events_received += len(batch.events)
-            st.last_event_time = time.time()
-            if source != SNAPSHOT:
-                st.last_seq = seq
+        count_delivery(st, batch, seq, source)
         try:
             self._on_batch(WorkerBatch(self.name, batch, seq, st.current_epoch, source,
                                        reason))

@@ -81,20 +81,66 @@ class PublisherStats:
     bad_requests: int = 0
 
 
-class ZmqEventPublisher:
-    """Publishes one KVEventBatch per engine step; see the module docstring."""
+class QueuedPublisher:
+    """What every KV-event publisher shares (ZMQ's and NATS's): the engine loop's side. The
+    loop calls `publish(batch)` once per step and `publish_touches(hashes)` for cache hits;
+    both only queue (never block) and wake the publisher thread (`_wake`, the subclass's).
+    Subclasses set `config` and call `__init__`; `start` sets `_started`, `shutdown`
+    `_closed`."""
 
-    def __init__(self, config: KVEventsConfig, epoch: str | None = None):
+    NAME = "publisher"
+    config: KVEventsConfig
+
+    def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
-        self._epoch = epoch or new_epoch()
-        self._topic = config.topic.encode("utf-8")
+        self.stats = PublisherStats()
         self._queue = BatchQueue(config.max_queue_size)
         self._touches: list[bytes] = []
         self._touch_lock = threading.Lock()
-        self._stop = threading.Event()
         self._sleeping = False
         self._started = False
         self._closed = False
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue one batch (one engine step). Never blocks; after `shutdown()` a no-op.
+
+        Raises RuntimeError before `start()`. When the queue is full the batch is dropped,
+        counted in `stats.dropped`, and an AllBlocksCleared takes its place (module docstring).
+        """
+        if not self._started:
+            raise RuntimeError(f"{self.NAME}.publish() before start()")
+        if self._closed:
+            return
+        outcome = self._queue.put(batch)
+        if outcome != QUEUED:
+            self.stats.dropped += 1
+            if outcome == OVERFLOWED:
+                logger.warning("KV events: queue full (%d), dropping batches",
+                               self.config.max_queue_size)
+        if self._sleeping:
+            self._wake()
+
+    def publish_touches(self, hashes: Sequence[bytes]) -> None:
+        """Record cache-hit block hashes for the next recency notice (no-op unless recency)."""
+        if not self.config.recency or not hashes or self._closed:
+            return
+        with self._touch_lock:
+            self._touches.extend(hashes)
+
+
+class ZmqEventPublisher(QueuedPublisher):
+    """Publishes one KVEventBatch per engine step; see the module docstring."""
+
+    NAME = "ZmqEventPublisher"
+
+    def __init__(self, config: KVEventsConfig, epoch: str | None = None):
+        super().__init__(config)
+        self._epoch = epoch or new_epoch()
+        self._topic = config.topic.encode("utf-8")
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
@@ -104,7 +150,6 @@ class ZmqEventPublisher:
         self._failed_addr = ""
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
-        self.stats = PublisherStats()
         # Publisher-thread state.
         keep = config.snapshot and config.replay_endpoint is not None
         self._log = BatchLog(config.buffer_steps, keep_mirror=keep)
@@ -152,32 +197,6 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvloop-kv-events", daemon=True)
         self._thread.start()
         return self
-
-    def publish(self, batch: KVEventBatch) -> None:
-        """Queue one batch (one engine step). Never blocks; after `shutdown()` a no-op.
-
-        Raises RuntimeError before `start()`. When the queue is full the batch is dropped,
-        counted in `stats.dropped`, and an AllBlocksCleared takes its place (module docstring).
-        """
-        if not self._started:
-            raise RuntimeError("ZmqEventPublisher.publish() before start()")
-        if self._closed:
-            return
-        outcome = self._queue.put(batch)
-        if outcome != QUEUED:
-            self.stats.dropped += 1
-            if outcome == OVERFLOWED:
-                logger.warning("KV events: queue full (%d), dropping batches",
-                               self.config.max_queue_size)
-        if self._sleeping:
-            self._wake()
-
-    def publish_touches(self, hashes: Sequence[bytes]) -> None:
-        """Record cache-hit block hashes for the next recency notice (no-op unless recency)."""
-        if not self.config.recency or not hashes or self._closed:
-            return
-        with self._touch_lock:
-            self._touches.extend(hashes)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Send what is queued, close the sockets, stop the thread. Idempotent."""

@@ -106,6 +106,20 @@ class SubscriberStats:
     kvloop_publisher: bool | None = None
 
 
+def count_delivery(st: SubscriberStats, batch: KVEventBatch, seq: int | None,
+                   source: str) -> None:
+    """Count one batch handed on: a reset as such, any other as received (its events, the
+    time; its sequence number unless it came from a snapshot)."""
+    if source == RESET:
+        st.resets += 1
+        return
+    st.batches_received += 1
+    st.events_received += len(batch.events)
+    st.last_event_time = time.time()
+    if source != SNAPSHOT:
+        st.last_seq = seq
+
+
 BatchCallback = Callable[[WorkerBatch], None]
 TouchCallback = Callable[[str, list[int | bytes]], None]
 InfoCallback = Callable[[str, proto.PublisherInfo], None]
@@ -403,14 +417,7 @@ class KVEventSubscriber:
     def _deliver(self, batch: KVEventBatch, seq: int | None, source: str,
                  reason: str | None = None) -> None:
         st = self._stats
-        if source == RESET:
-            st.resets += 1
-        else:
-            st.batches_received += 1
-            st.events_received += len(batch.events)
-            st.last_event_time = time.time()
-            if source != SNAPSHOT:
-                st.last_seq = seq
+        count_delivery(st, batch, seq, source)
         if self._on_batch is not None:
             item = WorkerBatch(self.worker_id, batch, seq, st.current_epoch, source, reason)
             try:
