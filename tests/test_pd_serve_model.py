@@ -4,9 +4,11 @@ worker's, token for token, for prompts of 1, 15, 16, 17, 48 and 2,000 tokens, wi
 prefill worker computing the prompt in chunks and in one pass.
 
 Three real workers for the module: A (chunked prefill, 256-token steps: the long prompt takes
-8), B (no chunked prefill: the long prompt in one step), both `kv_both`, and the aggregated
-reference C, which answers each prompt once. Flow 1 prefills on A and decodes on B, flow 2
-the other way round, on the same prompts, both prefix caches reset in between.
+8; `--role prefill`), B (no chunked prefill: the long prompt in one step; `--role decode`),
+both `kv_both`, and the aggregated reference C, which answers each prompt once. Flow 1
+prefills on A and decodes on B, flow 2 the other way round, on the same prompts, both prefix
+caches reset in between; a third run sends the prompts through kvloop's router (P/D policy
+`always`) in front of A and B: the same tokens again.
 
 D recomputes only the last prompt token on top of P's KV; the aggregated worker computes it
 in the same pass as the rest (docs/vllm-facts.md#openai-server, P/D numerics). The equality
@@ -24,7 +26,7 @@ import pytest
 
 from kvloop.server.launcher import ServeProcess
 
-from .conftest import serving
+from .conftest import RouterThread, serving, wait_until
 from .test_pd_serve import BS, idle, kv_config, pd, tokens
 
 pytestmark = [pytest.mark.processes, pytest.mark.skipif(
@@ -48,13 +50,13 @@ def _worker(tmp_path_factory: pytest.TempPathFactory, name: str,
 @pytest.fixture(scope="module")
 def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     yield from _worker(tmp_path_factory, "pd_model_a", "--max-num-batched-tokens", "256",
-                       "--kv-transfer-config", kv_config())
+                       "--role", "prefill", "--kv-transfer-config", kv_config())
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     yield from _worker(tmp_path_factory, "pd_model_b", "--no-enable-chunked-prefill",
-                       "--kv-transfer-config", kv_config())
+                       "--role", "decode", "--kv-transfer-config", kv_config())
 
 
 def body(n: int) -> dict[str, Any]:
@@ -107,3 +109,31 @@ def test_decode_output_equals_aggregated(
         assert r.json()["usage"]["prompt_tokens"] == n
     idle(p)
     idle(d)
+
+
+def test_router_pd_output_equals_aggregated(
+        reference: dict[int, tuple[list[int], list[float]]],
+        chunked: ServeProcess, whole: ServeProcess) -> None:
+    """kvloop's router in front of A (prefill) and B (decode), every prefill remote: each
+    prompt's blocks move A -> B and B's greedy tokens equal the aggregated worker's."""
+    from kvloop.router.config import PDConfig, RouterConfig
+    from kvloop.router.registry import WorkerSpec
+
+    for w in (chunked, whole):
+        idle(w)
+        reset_prefix_cache(w)
+    loads = whole.metric("kvloop:kv_transfers_total", side="recv")
+    specs = [WorkerSpec(chunked.url, role="prefill"), WorkerSpec(whole.url, role="decode")]
+    with RouterThread(RouterConfig(pd=PDConfig(policy="always")), specs) as rt:
+        wait_until(lambda: sum(w.up for w in rt.router.registry.all()) == 2, 30, "both up")
+        for n in LENGTHS:
+            ids, lps = ids_and_logprobs(httpx.post(rt.url + "/v1/completions", json=body(n),
+                                                   timeout=300))
+            ref_ids, ref_lps = reference[n]
+            assert ids == ref_ids, (n, ids, ref_ids)
+            assert lps == pytest.approx(ref_lps, rel=1e-5), n
+    # every prompt longer than one token was loaded from A (a 1-token prompt has no block
+    # to move: its one token is the one D recomputes)
+    assert whole.metric("kvloop:kv_transfers_total", side="recv") - loads >= len(LENGTHS) - 1
+    idle(chunked)
+    idle(whole)

@@ -208,11 +208,17 @@ def bench_nats(url: str, batches: list[KVEventBatch], snapshot_blocks: int,
     pub = NatsEventPublisher(KVEventsConfig(nats=plane_cfg, buffer_steps=len(batches))).start()
     consumer = NatsEventPlane(NatsPlaneConfig(url, component="*")).start()
     try:
+        live_view = CacheView()
+        live = consumer.attach(pub.worker_id, "live", "backend",
+                               lambda wb: live_view.apply(wb.batch), block_size=BLOCK_SIZE)
+        wait_for(lambda: live.stats.snapshots + live.stats.resets >= 1, 60)
         t0 = time.perf_counter()
         for b in batches:
             pub.publish(b)
         wait_for(lambda: pub.stats.published == len(batches), 120)
         rate = len(batches) / (time.perf_counter() - t0)
+        wait_for(lambda: live.stats.batches_received >= len(batches), 120)
+        sub_rate = len(batches) / (time.perf_counter() - t0)
         extra = make_batches(max(0, snapshot_blocks // BLOCKS_PER_BATCH - len(batches)), 3)
         for b in extra:
             pub.publish(b)
@@ -232,7 +238,7 @@ def bench_nats(url: str, batches: list[KVEventBatch], snapshot_blocks: int,
     finally:
         consumer.stop()
         pub.shutdown()
-    return {"batches_per_s": rate, "snapshot_s": snapshot_s,
+    return {"batches_per_s": rate, "subscriber_batches_per_s": sub_rate, "snapshot_s": snapshot_s,
             "snapshot_blocks": float(len(view)), "replay_s": replay_s}
 
 
@@ -251,6 +257,9 @@ def run_nats(args: argparse.Namespace, batches: list[KVEventBatch]) -> None:
                 for _ in range(max(1, args.runs // 2))]
     print(f"NATS publisher            : {_median(runs, 'batches_per_s'):9.0f} batches/s "
           f"{_median(runs, 'batches_per_s') * BLOCKS_PER_BATCH:10.0f} blocks/s")
+    print(f"NATS subscriber (+CacheView): {_median(runs, 'subscriber_batches_per_s'):6.0f} "
+          f"batches/s {_median(runs, 'subscriber_batches_per_s') * BLOCKS_PER_BATCH:10.0f} "
+          f"blocks/s (publish to the last batch applied)")
     print(f"NATS snapshot of {_median(runs, 'snapshot_blocks'):.0f} blocks to a late joiner: "
           f"{_median(runs, 'snapshot_s'):.2f} s")
     print(f"NATS replay of the last {replay} batches ({replay * BLOCKS_PER_BATCH} blocks): "
