@@ -261,7 +261,7 @@ BAD = [
      "Invalid regex for structured output: Regex parsing error"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/no"}}}}}},
-     "response_format", "Invalid JSON schema for structured output: Cannot find field no"),
+     "response_format", "Invalid JSON schema for structured output: Cannot find field"),
     ({"structured_outputs": {"json": {"type": "wrong"}}}, "structured_outputs",
      "Invalid JSON schema for structured output"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar",

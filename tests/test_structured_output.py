@@ -152,7 +152,7 @@ def test_a_choice_with_quotes_and_newlines_is_matched_exactly(backend, tiny_toke
 
 @pytest.mark.parametrize("fields, message", [
     ({"json": {"type": 5}}, r"^Invalid JSON schema for structured output: .*string"),
-    ({"json": {"properties": {"a": {"$ref": "#/nope"}}}}, r"Cannot find field nope"),
+    ({"json": {"properties": {"a": {"$ref": "#/nope"}}}}, r"Cannot find field '?nope"),
     ({"regex": "(ab"}, r"^Invalid regex for structured output: .*parenthesis is not closed"),
     ({"grammar": "root ::= foo"}, r"^Invalid grammar for structured output: .*\"foo\""),
 ])
