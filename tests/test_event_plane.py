@@ -227,6 +227,10 @@ def test_heartbeats_and_recency_travel_on_the_plane(nats):
         wait_until(lambda: (w.subscriber_stats() or {}).get("touches", 0) > 0, 10,
                    "recency notices")
         wait_until(lambda: router.index.hashes_of(w.name) == worker.cached(), 10, "in sync")
+        stats = w.subscriber_stats() or {}
+        assert stats.get("heartbeats", 0) >= 1, stats
+        assert stats.get("touches", 0) > 0, stats
+        assert router.index.hashes_of(w.name) == worker.cached()
     finally:
         router.shutdown()
         bus.stop()
