@@ -117,7 +117,10 @@ class RunnerConfig:
     - `max_model_len`: cap on the context length (default: the model's, capped by the KV
       cache);
     - `num_threads`: torch intra-op threads on CPU (default: OMP_NUM_THREADS if set, else
-      the cores the process may use).
+      the cores the process may use);
+    - `low_bit_max_tokens`: steps of at most this many tokens run a GGUF's 4-bit (and Q8_0)
+      weights as they are, larger ones the dense copy (CPU only; None: the crossover measured
+      at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons).
     """
 
     model: str | None = None
@@ -130,6 +133,7 @@ class RunnerConfig:
     seed: int = 0
     num_threads: int | None = None
     gpu_memory_utilization: float | None = None
+    low_bit_max_tokens: int | None = None
     sim: SimSettings | None = None
 
     def __post_init__(self) -> None:
@@ -144,6 +148,9 @@ class RunnerConfig:
             raise ValueError(f"--num-threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.low_bit_max_tokens is not None and self.low_bit_max_tokens < 0:
+            raise ValueError(f"--low-bit-max-tokens must be >= 0, got "
+                             f"{self.low_bit_max_tokens}")
         blocks = self.num_gpu_blocks_override
         if blocks is not None and blocks < 2:
             raise ValueError(f"--num-gpu-blocks-override must be >= 2 (one is the null "

@@ -1,4 +1,5 @@
-"""Paged attention over a flattened batch: write K/V by `slot_mapping`, read by block table.
+"""Paged attention over a flattened batch: K/V written by `slot_mapping` (the layer's
+`cpu_ops.rope_and_cache`, before attention runs), read by block table.
 
 The KV cache of one layer is one tensor `[2, num_kv_heads, num_blocks, block_size, head_dim]`
 (K then V; head-major, so gathering a request's blocks with one `index_select` yields
@@ -12,10 +13,10 @@ A step's tokens are laid out decodes first, then prefill chunks (vLLM's order):
       one query token    q_len tokens of one request each,
       per request        after `context_len` computed ones
 
-- decodes (q_len == 1) attend together: their blocks are gathered into a padded
-  `[kv_heads * D, L, head_dim]` copy, then two batched matmuls with an fp32 masked softmax
-  between them (all query heads of a KV head at once, no repeat of K/V for GQA; CPU SDPA
-  with a mask is 10-30x slower on these shapes);
+- decodes (q_len == 1) attend together in one `cpu_ops.decode_attention` call: keys and
+  values read in place through a block table `[D, max_blocks]`, all query heads of a KV
+  head at once (no repeat of K/V for GQA), fp32 softmax (CPU SDPA with a mask is 10-30x
+  slower on these shapes; the op's pure-torch twin gathers the blocks into a padded copy);
 - each prefill chunk attends with SDPA: `is_causal` when it has no computed context, else
   an explicit lower-right causal mask over `context_len + q_len` keys gathered from the cache
   (SDPA's `is_causal` is top-left aligned, wrong once a prefix is cached).
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvloop.model import cpu_ops
 
 
 @dataclass
@@ -49,18 +52,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor                   # [num_tokens] int64: where each token's K/V goes
     num_decodes: int = 0                         # the first num_decodes tokens are decodes
-    decode_block_ids: torch.Tensor | None = None  # [D * max_blocks] int64, rows 0-padded
-    decode_bias: torch.Tensor | None = None      # [1, D, 1, max_blocks * block_size] fp32:
-                                                 # 0 where a key exists, -inf past seq_len
+    decode_block_table: torch.Tensor | None = None  # [D, max_blocks] int64, rows 0-padded
+    decode_seq_lens: torch.Tensor | None = None     # [D] int64: keys of each decode
     prefills: list[PrefillChunk] = field(default_factory=list)
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values.  k, v: [T, kv_heads, head_dim]."""
-    _, kv_heads, _, _, head_dim = kv_cache.shape
-    kv_cache[0].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    kv_cache[1].view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -82,21 +76,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float) -> torch.Tensor:
     """q: [D, heads, head_dim] -> [D, heads * head_dim]; one query per request."""
-    assert meta.decode_block_ids is not None and meta.decode_bias is not None
-    num_reqs, heads, head_dim = q.shape
-    kv_heads = kv_cache.shape[1]
-    group = heads // kv_heads
-    keys = _gather(kv_cache[0], meta.decode_block_ids, num_reqs)    # [K*D, L, hd]
-    values = _gather(kv_cache[1], meta.decode_block_ids, num_reqs)
-    length = keys.shape[1]
-    queries = (q.view(num_reqs, kv_heads, group, head_dim).transpose(0, 1)
-               .reshape(kv_heads * num_reqs, group, head_dim))        # [K*D, G, hd]
-    scores = torch.bmm(queries, keys.transpose(1, 2))                 # [K*D, G, L]
-    scores = scores.view(kv_heads, num_reqs, group, length).float() * scale + meta.decode_bias
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads * num_reqs, group, length)
-    out = torch.bmm(probs, values)                                    # [K*D, G, hd]
-    return out.view(kv_heads, num_reqs, group * head_dim).transpose(0, 1).reshape(
-        num_reqs, heads * head_dim)
+    assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+    return cpu_ops.decode_attention(q.contiguous(), kv_cache, meta.decode_block_table,
+                                    meta.decode_seq_lens, scale)
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

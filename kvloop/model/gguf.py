@@ -1,21 +1,97 @@
 """GGUF files: metadata and dequantized tensors (the `gguf` package does the format work).
 
 Scope: open a GGUF file, expose its metadata as plain Python values, and yield each tensor
-as a float32 numpy array in PyTorch's (row-major, out x in) shape. Dequantization of the
-common types (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and the others `gguf`
-knows) is `gguf.quants.dequantize`. Mapping names to a model and undoing llama.cpp's Q/K
-permutation is `loader.py`'s job.
+as a float32 numpy array in PyTorch's (row-major, out x in) shape; for the 4-bit and Q8_0
+types also the undecoded blocks (`RawTensor`) and, for the 4-bit ones, the nibbles with
+their per-32 scale and offset (`unpack_q4`), which `kvloop.model.quant` runs as they are.
+Dequantization of the common types (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+Q6_K and the others `gguf` knows) is `gguf.quants.dequantize`. Mapping names to a model and
+undoing llama.cpp's Q/K permutation is `loader.py`'s job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
+
+
+GROUP = 32                                  # weights per scale/zero group (all 4-bit types)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0",)
+_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34)}
+
+
+@dataclass
+class RawTensor:
+    """One GGUF tensor's undecoded blocks: `data` uint8 [rows, row_bytes], PyTorch shape."""
+
+    kind: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def permute_rows(self, order: np.ndarray) -> RawTensor:
+        """The same tensor with its rows reordered (blocks never cross rows)."""
+        return RawTensor(self.kind, self.data[order], self.shape)
+
+
+def is_raw_quantizable(kind: str, shape: tuple[int, ...]) -> bool:
+    """True for a 2-D tensor of a type kvloop runs quantized (`RawTensor`)."""
+    if kind not in _BLOCK_BYTES or len(shape) != 2:
+        return False
+    return shape[1] % _BLOCK_BYTES[kind][0] == 0
+
+
+def unpack_q4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> q uint8 [rows, cols] in 0..15, scale and offset float32 [rows, cols / 32];
+    weight[r, c] = q[r, c] * scale[r, c // 32] + offset[r, c // 32]."""
+    rows, cols = raw.shape
+    per_block, nbytes = _BLOCK_BYTES[raw.kind]
+    blocks = raw.data.reshape(rows * cols // per_block, nbytes)
+    if raw.kind == "Q4_K":
+        q, scale, offset = _unpack_q4_k(blocks)
+    else:
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        if raw.kind == "Q4_1":
+            offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+            nibbles = blocks[:, 4:]
+        else:
+            offset = -8.0 * d
+            nibbles = blocks[:, 2:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)      # [blocks, 32]
+        scale = d
+    groups = cols // GROUP
+    return (q.reshape(rows, cols), scale.reshape(rows, groups).astype(np.float32),
+            offset.reshape(rows, groups).astype(np.float32))
+
+
+def dequantize_raw(raw: RawTensor) -> np.ndarray:
+    """The tensor as float32 [rows, cols] (`gguf`'s dequantization)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(raw.data, GGMLQuantizationType[raw.kind])
+    return np.ascontiguousarray(values.reshape(raw.shape), dtype=np.float32)
+
+
+def _unpack_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [n, 144] -> q [n * 8, 32], scale and offset [n * 8, 1]."""
+    from gguf.quants import Q4_K
+
+    n = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)          # [n, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])                             # [n, 8] each
+    qs = blocks[:, 16:].reshape(n, 4, 32)            # chunk j: sub-blocks 2j (low), 2j+1 (high)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n * 8, 32)
+    scale = (d * sc.astype(np.float32)).reshape(n * 8, 1)
+    offset = (-dmin * mn.astype(np.float32)).reshape(n * 8, 1)
+    return q, scale, offset
 
 
 class GGUFFile:
@@ -55,6 +131,15 @@ class GGUFFile:
         """Yield (name, float32 array) for every tensor, dequantized, in file order."""
         for t in self._reader.tensors:
             yield t.name, dequantize_tensor(t)
+
+    def raw_tensors(self) -> Iterator[tuple[str, RawTensor]]:
+        """Yield (name, undecoded blocks) for every 2-D tensor of a type `kvloop.model.quant`
+        keeps quantized (the 4-bit and Q8_0 ones), in file order."""
+        for t in self._reader.tensors:
+            kind = t.tensor_type.name
+            rows, cols = (int(d) for d in reversed(t.shape)) if len(t.shape) == 2 else (0, 0)
+            if rows and is_raw_quantizable(kind, (rows, cols)):
+                yield t.name, RawTensor(kind, np.asarray(t.data).reshape(rows, -1), (rows, cols))
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:

@@ -22,8 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloop.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvloop.model import cpu_ops
+from kvloop.model.attention import AttentionMetadata, paged_attention
+from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
+from kvloop.model.quant import LowBitPolicy, LowBitWeight, low_bit_weight
 
 
 class Linear(nn.Module):
@@ -32,17 +35,24 @@ class Linear(nn.Module):
     On CPU in bf16 the weight is reordered once into oneDNN's blocked layout and applied
     with `mkldnn._linear_pointwise` (no per-call reorder, 1.1-2x faster than `F.linear` for
     the skinny matmuls of decode); elsewhere it is `F.linear`. Both give identical results.
+    `low_bit` (optional): the same weight kept 4- or 8-bit (`kvloop.model.quant`), used when
+    the caller asks for it (`forward(x, low_bit=True)`: a step with few tokens).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 low_bit: LowBitWeight | None = None):
         super().__init__()
         self.packed = _can_pack(weight)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.low_bit = low_bit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, low_bit: bool = False) -> torch.Tensor:
+        if low_bit and self.low_bit is not None:
+            y = self.low_bit.matmul(x)
+            return y if self.bias is None else y + self.bias
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -71,9 +81,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
+    def add_(self, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """residual += x, x = norm(residual), in place (residual None: x = norm(x)); one
+        fused op (`cpu_ops.add_rms_norm`)."""
+        cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Rotary(nn.Module):
-    """RoPE tables for positions [0, max_positions): cos, sin [max_positions, D/2] (fp32)."""
+    """RoPE tables for positions [0, max_positions): cos, sin [max_positions, D/2] (fp32),
+    applied with `cpu_ops.rope_and_cache` (half-split pairs: Hugging Face's rotate_half)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -89,11 +105,6 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin [T, 1, D/2] in `dtype`, broadcasting over heads."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -122,12 +133,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: fl
     return torch.where(medium, ramp, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D], halves rotated (Hugging Face's rotate_half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear):
         super().__init__()
@@ -140,16 +145,16 @@ class Attention(nn.Module):
         d = self.head_dim
         self.split = [(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, low_bit: bool) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split(self.split, dim=-1)          # [T, (H + 2K) * D]
-        qk = apply_rope(qk.view(num_tokens, -1, self.head_dim), cos, sin)   # [T, H + K, D]
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        qkv = self.qkv_proj(x, low_bit).contiguous()                 # [T, (H + 2K) * D]
+        cpu_ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, kv_cache,
+                               meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
+        q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
-        return self.o_proj(out)                                      # [T, hidden]
+        return self.o_proj(out, low_bit)                             # [T, hidden]
 
 
 class MLP(nn.Module):
@@ -160,9 +165,9 @@ class MLP(nn.Module):
         self.gate_up_proj = gate_up
         self.down_proj = down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)             # [T, 2 * ffn]
-        return self.down_proj(F.silu(gate) * up)                     # [T, hidden]
+    def forward(self, x: torch.Tensor, low_bit: bool) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, low_bit).contiguous()          # [T, 2 * ffn]
+        return self.down_proj(cpu_ops.silu_and_mul(gate_up), low_bit)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -173,28 +178,48 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = post_norm
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                low_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output (the embedding for layer 0, residual None);
+        residual: the stream so far. -> (this layer's MLP output, the stream before it); the
+        stream after the layer is their sum, which the next layer's norm adds first."""
+        if residual is None:
+            residual, h = h, h.clone()
+            self.input_layernorm.add_(h, None)        # h = norm(h)
+        else:
+            self.input_layernorm.add_(h, residual)    # residual += h; h = norm(residual)
+        h = self.self_attn(h, positions, rotary, kv_cache, meta, low_bit)
+        self.post_attention_layernorm.add_(h, residual)
+        return self.mlp(h, low_bit), residual
 
 
 class LlamaModel(nn.Module):
-    """Embedding -> N decoder layers -> final norm -> LM head (tied or not)."""
+    """Embedding -> N decoder layers -> final norm -> LM head (tied or not).
+
+    `quantized` (a GGUF's undecoded 4-bit / Q8_0 blocks, `LoadedModel.quantized`) gives the
+    linear layers a low-bit copy beside the dense one, where the device runs it
+    (`kvloop.model.quant.low_bit_supported`); `low_bit` (a `LowBitPolicy`, owned here, set
+    once at start-up, default: never) says which steps use it, by their token count.
+    """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_positions: int):
+                 dtype: torch.dtype, device: torch.device, max_positions: int,
+                 quantized: dict[str, RawTensor] | None = None):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        get = _WeightGetter(weights, dtype, device)
+        self.low_bit = LowBitPolicy()
+        get = _WeightGetter(weights, dtype, device, quantized or {})
         self.embed_tokens = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
         self.layers = nn.ModuleList(
             [_build_layer(config, get, f"model.layers.{i}.")
              for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed_tokens.data if tied else get("lm_head.weight"))
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = Linear(self.embed_tokens.data if tied else get(head),
+                              low_bit=get.low_bit(head))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
 
@@ -203,19 +228,31 @@ class LlamaModel(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32."""
         h = F.embedding(input_ids, self.embed_tokens)                # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)                   # [T, 1, D/2]
+        residual: torch.Tensor | None = None
+        low_bit = self.low_bit.layers(input_ids.shape[0])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        h = self.norm(h[logits_indices])                             # [S, hidden]
-        return self.lm_head(h).float()                               # [S, vocab]
+            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, low_bit)
+        assert residual is not None
+        h = self.norm(residual[logits_indices] + h[logits_indices])  # [S, hidden]
+        return self.lm_head(h, self.low_bit.head(h.shape[0])).float()  # [S, vocab]
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer, the LM head last."""
+        return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head
+                ] + [self.lm_head]
 
 
 class _WeightGetter:
-    """Fetch a named parameter, cast and moved; a clear error when it is missing."""
+    """Fetch a named parameter, cast and moved; a clear error when it is missing. `low_bit`:
+    the low-bit copy of the named weights, stacked by rows (None where any lacks one)."""
 
     def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantized: dict[str, RawTensor]):
         self.weights, self.dtype, self.device = weights, dtype, device
+        self.quantized = quantized
+
+    def low_bit(self, *names: str) -> LowBitWeight | None:
+        return low_bit_weight([self.quantized.get(n) for n in names], self.device)
 
     def __call__(self, *names: str) -> torch.Tensor:
         missing = [n for n in names if n not in self.weights]
@@ -233,13 +270,16 @@ class _WeightGetter:
 def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str) -> DecoderLayer:
     a = prefix + "self_attn."
     qkv_names = [f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"]
-    qkv = Linear(get(*[n + ".weight" for n in qkv_names]),
-                 get.optional(*[n + ".bias" for n in qkv_names]))
+    qkv_weights = [n + ".weight" for n in qkv_names]
+    qkv = Linear(get(*qkv_weights), get.optional(*[n + ".bias" for n in qkv_names]),
+                 get.low_bit(*qkv_weights))
     attn = Attention(config, qkv, Linear(get(a + "o_proj.weight"),
-                                         get.optional(a + "o_proj.bias")))
+                                         get.optional(a + "o_proj.bias"),
+                                         get.low_bit(a + "o_proj.weight")))
     m = prefix + "mlp."
-    mlp = MLP(Linear(get(m + "gate_proj.weight", m + "up_proj.weight")),
-              Linear(get(m + "down_proj.weight")))
+    gate_up = (m + "gate_proj.weight", m + "up_proj.weight")
+    mlp = MLP(Linear(get(*gate_up), low_bit=get.low_bit(*gate_up)),
+              Linear(get(m + "down_proj.weight"), low_bit=get.low_bit(m + "down_proj.weight")))
     eps = config.rms_norm_eps
     return DecoderLayer(attn, mlp, RMSNorm(get(prefix + "input_layernorm.weight"), eps),
                         RMSNorm(get(prefix + "post_attention_layernorm.weight"), eps))

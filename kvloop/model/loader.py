@@ -12,13 +12,14 @@ GGUF notes: llama.cpp's converter permutes the rows of Q and K for the "llama" a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
+from kvloop.model.gguf import RawTensor
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "Qwen2ForCausalLM": "qwen2"}
@@ -73,10 +74,14 @@ class ModelConfig:
 
 @dataclass
 class LoadedModel:
+    """Parameters under Hugging Face names; `quantized`: the same names' undecoded GGUF
+    blocks for the tensors stored in a type `kvloop.model.quant` runs (4-bit, Q8_0)."""
+
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     path: str
     name: str
+    quantized: dict[str, RawTensor] = field(default_factory=dict)
 
 
 # --- locating -------------------------------------------------------------------------------
@@ -93,11 +98,12 @@ def resolve_model_path(model: str | None) -> str:
 def load_model(model: str | None) -> LoadedModel:
     """Read the config and all parameters (float tensors, not yet cast or fused)."""
     path = resolve_model_path(model)
+    quantized: dict[str, RawTensor] = {}
     if path.endswith(".gguf"):
-        config, weights = load_gguf(path)
+        config, weights, quantized = load_gguf(path)
     else:
         config, weights = load_hf_folder(path)
-    return LoadedModel(config, weights, path, model_name_for(model))
+    return LoadedModel(config, weights, path, model_name_for(model), quantized)
 
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -117,23 +123,34 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "rope_freqs.weight": "rope_freq_factors"}
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: str
+              ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, RawTensor]]:
+    """(config, dequantized weights, undecoded blocks of the 4-bit and Q8_0 tensors), all
+    under Hugging Face names, Q and K rows in Hugging Face's order."""
     from kvloop.model.gguf import GGUFFile
 
     f = GGUFFile(path)
     config = gguf_config(f)
+    permuted = config.architecture in _GGUF_PERMUTED_QK
     weights: dict[str, torch.Tensor] = {}
     for name, array in f.tensors():
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
             continue
         tensor = torch.from_numpy(array)
-        if config.architecture in _GGUF_PERMUTED_QK:
-            tensor = _maybe_unpermute(hf_name, tensor, config)
-        weights[hf_name] = tensor
+        weights[hf_name] = _maybe_unpermute(hf_name, tensor, config) if permuted else tensor
+    quantized: dict[str, RawTensor] = {}
+    for name, raw in f.raw_tensors():
+        hf_name = _gguf_to_hf_name(name)
+        if hf_name is None:
+            continue
+        if permuted:
+            order = _maybe_unpermute(hf_name, torch.arange(raw.shape[0])[:, None], config)
+            raw = raw.permute_rows(order[:, 0].numpy())
+        quantized[hf_name] = raw
     if "lm_head.weight" not in weights:
         config = _replace_tied(config, True)
-    return config, weights
+    return config, weights, quantized
 
 
 def gguf_config(f: Any) -> ModelConfig:

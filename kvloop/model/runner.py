@@ -260,7 +260,7 @@ class ModelRunner:
         decodes = [i for i in items if i.num_tokens == 1]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
         if decodes:
-            meta.decode_block_ids, meta.decode_bias = self._decode_tables(decodes)
+            meta.decode_block_table, meta.decode_seq_lens = self._decode_tables(decodes)
         start = len(decodes)
         for item in items[len(decodes):]:
             meta.prefills.append(self._chunk(item, start))
@@ -268,21 +268,13 @@ class ModelRunner:
         return meta
 
     def _decode_tables(self, decodes: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block ids [D * nb] (each row 0-padded to the longest) and the key bias
-        [1, D, 1, nb * block_size] (0 for keys < seq_len, -inf after)."""
+        """Block table [D, nb] (each row 0-padded to the longest) and seq_lens [D]."""
         bs = self.block_size
         num_blocks = max(-(-d.seq_len // bs) for d in decodes)
-        ids: list[int] = []
-        for d in decodes:
-            row = d.state.block_ids[:num_blocks]
-            ids.extend(row)
-            ids.extend([0] * (num_blocks - len(row)))
-        block_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        seq_lens = torch.tensor([d.seq_len for d in decodes], device=self.device)
-        beyond = torch.arange(num_blocks * bs, device=self.device) >= seq_lens.unsqueeze(1)
-        bias = torch.zeros(beyond.shape, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(beyond, float("-inf"))
-        return block_ids, bias[None, :, None, :]
+        table = [d.state.block_ids[:num_blocks] + [0] * (num_blocks - min(
+            num_blocks, len(d.state.block_ids))) for d in decodes]
+        return (torch.tensor(table, dtype=torch.long, device=self.device),
+                torch.tensor([d.seq_len for d in decodes], dtype=torch.long, device=self.device))
 
     def _chunk(self, item: _Scheduled, start: int) -> PrefillChunk:
         end = start + item.num_tokens

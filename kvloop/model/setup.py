@@ -23,8 +23,10 @@ from kvloop.config import (
     check_dtype,
 )
 from kvloop.model import DEFAULT_KV_CACHE_MEMORY
+from kvloop.model.crossover import measure_policy
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
+from kvloop.model.quant import LowBitPolicy
 from kvloop.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -52,13 +54,25 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
                                rc.num_gpu_blocks_override)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
     torch.manual_seed(rc.seed)
-    net = LlamaModel(config, loaded.weights, torch_dtype, dev, max_positions=max_len + 1)
-    del loaded.weights
+    net = LlamaModel(config, loaded.weights, torch_dtype, dev, max_positions=max_len + 1,
+                     quantized=loaded.quantized)
+    del loaded.weights, loaded.quantized
+    net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
                 loaded.name, config.architecture, torch_dtype, dev, num_blocks, rc.block_size,
                 max_len)
     return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
                        max_model_len=max_len, device=dev, model_name=loaded.name, seed=rc.seed)
+
+
+def low_bit_policy(net: LlamaModel, max_tokens: int | None) -> LowBitPolicy:
+    """`RunnerConfig.low_bit_max_tokens`: a fixed threshold for layers and LM head alike,
+    else (None) the measured crossover; never where the model has no low-bit weights."""
+    if not any(m.low_bit is not None for m in net.linears()):
+        return LowBitPolicy()
+    if max_tokens is not None:
+        return LowBitPolicy(max_tokens, max_tokens)
+    return measure_policy(net)
 
 
 def resolve_device(device: str) -> torch.device:
