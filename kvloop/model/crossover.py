@@ -12,6 +12,7 @@ largest count where it is faster at that count and every smaller one (`crossover
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -67,14 +68,18 @@ def _time_sizes(linears: list[Linear], sizes: tuple[int, ...], dtype: torch.dtyp
         for size in sizes:
             inputs = [torch.randn(size, m.low_bit.in_features, dtype=dtype)
                       for m in linears if m.low_bit is not None]
-            dense, low = _best_of_interleaved(
-                lambda xs=inputs: [m(x) for m, x in zip(linears, xs, strict=True)],
-                lambda xs=inputs: [m(x, True) for m, x in zip(linears, xs, strict=True)])
+            dense, low = _best_of_interleaved(functools.partial(_run, linears, inputs, False),
+                                              functools.partial(_run, linears, inputs, True))
             out[size] = (dense, low)
             losses += low >= dense
             if losses >= 2:
                 break
     return out
+
+
+def _run(linears: list[Linear], inputs: list[torch.Tensor], low_bit: bool) -> None:
+    for m, x in zip(linears, inputs, strict=True):
+        m(x, low_bit)
 
 
 def _best_of_interleaved(a: Callable[[], object], b: Callable[[], object]
