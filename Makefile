@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip install -q --disable-pip-version-check
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: serve test test-fast install install-test lint typecheck clean
+.PHONY: serve test test-fast install install-test cpu-ops lint typecheck clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
-install-test: $(VENV)/.installed-test
+# kvloop's fused C++ CPU ops, built for this CPU (a no-op when built; without a compiler
+# kvloop says so and runs its pure-torch twins).
+cpu-ops: $(VENV)/.installed
+	$(PY) -m kvloop.model.cpu_ops
+
+install: $(VENV)/.installed cpu-ops
+install-test: $(VENV)/.installed-test cpu-ops
 	# Headless Chromium opens the schedule page in tests (Debian package; no-op when present).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo 'warning: chromium could not be installed; the HTML page test will be skipped'

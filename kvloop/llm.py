@@ -136,6 +136,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  kv_cache_memory: int | None = None, num_gpu_blocks_override: int | None = None,
                  num_threads: int | None = None, gpu_memory_utilization: float | None = None,
+                 low_bit_max_tokens: int | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  disable_log_stats: bool = True, check_invariants: bool = False,
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None):
@@ -150,7 +151,8 @@ class LLM:
             model=model, dtype=dtype, device=device, block_size=block_size,
             kv_cache_memory=kv_cache_memory, num_gpu_blocks_override=num_gpu_blocks_override,
             max_model_len=max_model_len, seed=seed, num_threads=num_threads,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization,
+            low_bit_max_tokens=low_bit_max_tokens)
         runner = load_runner(rc)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
         config = engine_config(runner.max_model_len, block_size=rc.block_size,

@@ -73,12 +73,14 @@ class Int8Weight:
     """W [out, in] as int8 with one scale per row: `matmul(x)` = x @ W.T."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE):
-        """weight: float [out, in], quantized per row (round to nearest, symmetric)."""
+        """weight: float [out, in], quantized per row (round to nearest, symmetric) with the
+        scale as the kernel holds it (in `dtype`, rounded up so no |q| passes 127)."""
         w = weight.float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        exact = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        self.scale = (exact * (1 + 2.0 ** -7)).to(dtype)
+        q = torch.round(w / self.scale.float()[:, None]).clamp_(-127, 127)
+        self.q = q.to(torch.int8).contiguous()
         self.out_features, self.in_features = self.q.shape
-        self.scale = scale.to(dtype)
         self.dtype = dtype
 
     @property

@@ -126,6 +126,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (default: OMP_NUM_THREADS if "
                         "set, else the cores it may use)")
+    g.add_argument("--low-bit-max-tokens", type=int, default=None,
+                   help="CPU: steps of at most this many tokens run a GGUF's 4-bit (and Q8_0) "
+                        "weights as stored, larger ones the dense copy (default: the "
+                        "crossover measured at start-up; 0: dense only)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, capped by the KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
@@ -337,7 +341,8 @@ def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
                         num_gpu_blocks_override=args.num_gpu_blocks_override,
                         max_model_len=args.max_model_len, seed=args.seed,
                         num_threads=args.num_threads,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        low_bit_max_tokens=args.low_bit_max_tokens)
 
 
 def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,

@@ -1,0 +1,86 @@
+"""kvloop's fused C++ CPU ops against their pure-torch twins (the oracle), fp32 and bf16.
+
+Shapes: SmolLM2's (9 heads, 3 KV heads, head_dim 64) and a tiny GQA one (4/2/16), blocks
+of 16 and 4, ragged decode lengths, slots scattered over the pool. The ops are built by
+`python -m kvloop.model.cpu_ops` (the Makefile's install step); where they are not built
+the test says so and skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloop.model import cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
+                                reason="kvloop's CPU ops are not built (python -m "
+                                       "kvloop.model.cpu_ops)")
+SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4)]     # heads, kv heads, head_dim, blocks, bs
+DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 0.0)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    scale = max(b.abs().max().item(), 1.0)
+    assert (a.float() - b.float()).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(dtype, tol, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    res = torch.randn(7, 576, generator=g).to(dtype) if with_residual else None
+    w = torch.rand(576, generator=g).to(dtype)
+    x1, r1 = x.clone(), None if res is None else res.clone()
+    x2, r2 = x.clone(), None if res is None else res.clone()
+    cpu_ops.load().add_rms_norm(x1, r1, w, 1e-5)
+    cpu_ops.torch_add_rms_norm(x2, r2, w, 1e-5)
+    _close(x1, x2, tol * 4)
+    if res is not None:
+        assert torch.equal(r1, r2)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
+def test_rope_and_cache(dtype, tol, heads, kv_heads, dim, blocks, bs):
+    g = torch.Generator().manual_seed(1)
+    tokens = 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    positions = torch.randint(0, 300, (tokens,), generator=g)
+    angles = torch.outer(torch.arange(300.0), torch.rand(dim // 2, generator=g))
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    caches = [torch.zeros(2, kv_heads, blocks, bs, dim, dtype=dtype) for _ in range(2)]
+    outs = [qkv.clone(), qkv.clone()]
+    cpu_ops.load().rope_and_cache(outs[0], positions, angles.cos(), angles.sin(), caches[0],
+                                  slots, heads, kv_heads)
+    cpu_ops.torch_rope_and_cache(outs[1], positions, angles.cos(), angles.sin(), caches[1],
+                                 slots, heads, kv_heads)
+    _close(outs[0], outs[1], tol)
+    _close(caches[0], caches[1], tol)
+    assert caches[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
+def test_decode_attention(dtype, tol, heads, kv_heads, dim, blocks, bs):
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, kv_heads, blocks, bs, dim, generator=g).to(dtype)
+    table = torch.randint(1, blocks, (4, 5), generator=g)
+    seq_lens = torch.tensor([1, bs + 1, 5 * bs, 3 * bs - 2])
+    q = torch.randn(4, heads, dim, generator=g).to(dtype)
+    got = cpu_ops.load().decode_attention(q, cache, table, seq_lens, dim ** -0.5)
+    want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, dim ** -0.5)
+    assert got.shape == (4, heads * dim) and got.dtype == dtype
+    _close(got, want, tol + (8e-3 if dtype == torch.bfloat16 else 0))
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_silu_and_mul(dtype, tol):
+    x = torch.randn(5, 3072, generator=torch.Generator().manual_seed(3)).to(dtype)
+    _close(cpu_ops.load().silu_and_mul(x), cpu_ops.torch_silu_and_mul(x), tol)
+
+
+def test_the_build_is_keyed_by_source_torch_and_cpu():
+    name = cpu_ops.extension_name()
+    assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()

