@@ -19,6 +19,7 @@ from kvloop.core.budget import (
     non_chunked_budget,
     resolve_budget,
     step_timings,
+    timings_until,
 )
 from kvloop.llm import engine_config
 from kvloop.sim.latency import LatencyModel
@@ -89,6 +90,25 @@ def test_candidates_floor_and_cap() -> None:
     assert budget_cap(1000, 4096, 16) == 1000 and budget_cap(10**6, 10**6, 16) == 8192
     with pytest.raises(ValueError, match="--target-tpot-ms must be > 0, got 0"):
         AutoBudget(target_tpot_ms=0)
+
+
+def test_measuring_stops_over_the_target_and_before_the_time_limit() -> None:
+    calls: list[int] = []
+
+    def step(b: int) -> float:
+        calls.append(b)
+        return LINEAR[b]
+
+    sizes = sorted(LINEAR)
+    assert timings_until(step, sizes, 0.1, 10.0) == [(b, LINEAR[b]) for b in sizes[:4]]
+    assert calls == [256, 512, 1024, 2048, 2048]    # the one over the target: timed twice
+    noisy = iter([0.05, 0.3, 0.08, 0.2, 0.25])       # 512 is slow once, then within
+    assert timings_until(lambda b: next(noisy), [256, 512, 1024], 0.1, 10.0) == [
+        (256, 0.05), (512, 0.08), (1024, 0.2)]
+    # spent 22.8 + 35.6 ms; 1024 is predicted at 71.2 ms (35.6 per 512): past 0.1 s, not run
+    assert timings_until(LINEAR.__getitem__, sizes, 1.0, 0.1) == [(256, LINEAR[256]),
+                                                                  (512, LINEAR[512])]
+    assert timings_until(LINEAR.__getitem__, sizes, 1.0, 0.0) == [(256, LINEAR[256])]
 
 
 # --- the simulator: its latency model, no clock ----------------------------------------------

@@ -11,9 +11,10 @@ after the model is loaded and before any request:
    least of `AUTO_BUDGET_CAP`, the context length and what the KV cache holds);
 2. timings (`step_timings`): one real step of the runner per candidate, smallest first,
    until one exceeds the target (that one measured twice, the faster kept: noise only adds
-   time) or `CALIBRATION_TIME_LIMIT_S` has passed; so no large step runs once a smaller one
-   is over. A `ModelledRunner` (the simulator) is asked its modelled time instead: nothing
-   runs and no clock is read, so a simulated worker's budget is deterministic;
+   time), or until the next, predicted from the last one's time per token, would take the
+   steps past `CALIBRATION_TIME_LIMIT_S`; so no large step runs once a smaller one is over.
+   A `ModelledRunner` (the simulator) is asked its modelled time instead: nothing runs and
+   no clock is read, so a simulated worker's budget is deterministic;
 3. choice (`choose_budget`): the largest candidate within the target on a monotone
    (isotonic) fit of the timings; the floor, flagged, when even the floor's step is over.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -44,7 +46,7 @@ from kvloop.core.runner import LoadedRunner, ModelledRunner
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_TIME_LIMIT_S = 2.0   # measuring stops at the first candidate done after this
+CALIBRATION_TIME_LIMIT_S = 2.0   # measured steps stop before their total would pass this
 DECODE_CONTEXT = 31              # tokens computed for the decode that rides along
 _PREFIX = "kvloop-budget-"       # ids of the synthetic requests
 _DECODE_ID = _PREFIX + "decode"
@@ -87,7 +89,8 @@ class BudgetChoice:
                     f"cache), within the {target}")
         if over:
             return f"the largest within the {target} ({over[0][0]} is over)"
-        return f"the largest measured in {CALIBRATION_TIME_LIMIT_S:g} s, within the {target}"
+        return (f"the largest measured (the next would pass the {CALIBRATION_TIME_LIMIT_S:g} s "
+                f"calibration limit), within the {target}")
 
 
 def monotone_fit(values: Sequence[float]) -> list[float]:
@@ -148,32 +151,42 @@ def step_timings(runner: LoadedRunner, sizes: Sequence[int], target_s: float, *,
                  block_size: int, time_limit_s: float = CALIBRATION_TIME_LIMIT_S,
                  seed: int = 0) -> list[tuple[int, float]]:
     """(tokens, seconds) of one step per size in `sizes` (ascending, each >= 2), stopping
-    after the first over `target_s` or once `time_limit_s` has passed (the module docstring).
-    Runs real steps through `runner.execute`, or asks a `ModelledRunner`; leaves the runner
-    with no synthetic request."""
+    after the first over `target_s`, or before one that would take the measured steps past
+    `time_limit_s` (the module docstring). Runs real steps through `runner.execute` (the
+    first after an untimed warm-up step), or asks a `ModelledRunner` (no limit: nothing
+    runs); leaves the runner with no synthetic request."""
     if not sizes:
         return []
     steps = _SyntheticSteps(runner.vocab_size, block_size, random.Random(seed))
-    if isinstance(runner, ModelledRunner):
-        return _timings(runner.modelled_step_time, steps, sizes, target_s, time_limit_s)
+    if isinstance(runner, ModelledRunner):   # nothing runs: no time to limit
+        modelled = runner.modelled_step_time
+        return timings_until(lambda b: modelled(steps.step(b)), sizes, target_s, math.inf)
     runner.execute(steps.warm_up())
     try:
-        return _timings(lambda so: _timed(runner, so), steps, sizes, target_s, time_limit_s)
+        return timings_until(lambda b: _timed(runner, steps.step(b)), sizes, target_s,
+                             time_limit_s)
     finally:
         runner.execute(steps.finish())
 
 
-def _timings(step_time: Callable[[SchedulerOutput], float], steps: _SyntheticSteps,
-             sizes: Sequence[int], target_s: float, time_limit_s: float
-             ) -> list[tuple[int, float]]:
-    deadline = time.monotonic() + time_limit_s
+def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], target_s: float,
+                  time_limit_s: float) -> list[tuple[int, float]]:
+    """(b, step_time(b)) for `sizes` in order, until one is over `target_s` (timed twice, the
+    faster kept), or before one that would take the total time past `time_limit_s`
+    (predicted from the last step's time per token)."""
     out: list[tuple[int, float]] = []
+    spent = 0.0
     for b in sizes:
-        t = step_time(steps.step(b))
+        if out and spent + out[-1][1] * b / out[-1][0] > time_limit_s:
+            break
+        t = step_time(b)
+        spent += t
         if t > target_s:
-            t = min(t, step_time(steps.step(b)))   # confirm: noise only adds time
+            again = step_time(b)   # confirm: noise only adds time
+            spent += again
+            t = min(t, again)
         out.append((b, t))
-        if t > target_s or time.monotonic() >= deadline:
+        if t > target_s:
             break
     return out
 
