@@ -26,6 +26,13 @@ DEFAULT_HASH_ALGO = "sha256"
 DEFAULT_POLICY = "fcfs"
 DEFAULT_ROLE: Role = "both"
 DEFAULT_MAX_MODEL_LEN = 8192   # until a model says otherwise (the engine's runner facts win)
+# `--max-num-batched-tokens auto` (kvloop.core.budget): the step budget from the runner's step
+# time. Never below the floor (a prefill chunk that still makes progress, and room for a token
+# of every running request), never above the cap (nor the context length or the KV cache).
+AUTO_BUDGET = "auto"
+AUTO_BUDGET_FLOOR = 256
+AUTO_BUDGET_CAP = 8192
+DEFAULT_TARGET_TPOT_MS = 100.0
 
 # The model runner's dtypes (alias -> torch name) and devices; torch-free, so the API server
 # checks `--dtype` and `--device` (for `--model sim` too) before an engine starts.
@@ -227,6 +234,31 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+def budget_floor(max_num_seqs: int) -> int:
+    """The smallest budget `--max-num-batched-tokens auto` picks: `AUTO_BUDGET_FLOOR`, or
+    `max_num_seqs` if larger (a step must have a token for every request it runs)."""
+    return max(AUTO_BUDGET_FLOOR, max_num_seqs)
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """`--max-num-batched-tokens auto`: the owner of the runner (the engine core process;
+    `LLM` in process) times the runner's steps once it is loaded, before any request, and
+    picks the largest budget whose step stays within `target_tpot_ms` (every decode riding
+    in a step waits for the whole step): `kvloop.core.budget.resolve_budget`. Until then the
+    template's `SchedulerConfig.max_num_batched_tokens` holds the floor (`budget_floor`)."""
+
+    target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_tpot_ms, bool) or not self.target_tpot_ms > 0:
+            raise ValueError(f"--target-tpot-ms must be > 0, got {self.target_tpot_ms}")
+
+    @property
+    def target_s(self) -> float:
+        return self.target_tpot_ms / 1000.0
 
 
 # Speculative decoding (`--speculative-config`, `LLM(speculative_config=...)`): the methods
@@ -487,8 +519,9 @@ def _check_types(where: str, raw: dict[str, Any], types: dict[str, type]) -> Non
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
-    debugging switches, and the KV connector (`kv_transfer`; None: no prefill/decode
-    disaggregation)."""
+    debugging switches, the KV connector (`kv_transfer`; None: no prefill/decode
+    disaggregation), and `auto_budget` (None: `scheduler.max_num_batched_tokens` as given;
+    else the runner's owner resolves it before building the engine, `AutoBudget`)."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -496,3 +529,4 @@ class EngineConfig:
     log_stats: bool = True
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    auto_budget: AutoBudget | None = None

@@ -31,6 +31,7 @@ carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("le
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -39,14 +40,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloop.config import (
+    AUTO_BUDGET,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_TARGET_TPOT_MS,
+    AutoBudget,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    budget_floor,
 )
+from kvloop.core.budget import resolve_budget
 from kvloop.core.engine import EngineCore
 from kvloop.core.kv_connector import KVConnector
 from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_context_length
@@ -130,7 +136,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  dtype: str = "auto", device: str = "auto", seed: int = 0,
-                 max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                 max_num_batched_tokens: int | str = OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                 target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
@@ -142,7 +149,9 @@ class LLM:
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
         each does) become one RunnerConfig, the engine's one EngineConfig
-        (`speculative_config`: `SpeculativeConfig.from_dict`'s keys)."""
+        (`speculative_config`: `SpeculativeConfig.from_dict`'s keys).
+        `max_num_batched_tokens="auto"` measures the loaded runner's steps and takes the
+        largest budget whose step stays within `target_tpot_ms` (`kvloop.core.budget`)."""
         spec = (SpeculativeConfig.from_dict(speculative_config)
                 if isinstance(speculative_config, dict) else speculative_config)
         from kvloop.model import load_runner
@@ -163,7 +172,11 @@ class LLM:
                                long_prefill_token_threshold=long_prefill_token_threshold,
                                check_invariants=check_invariants, speculative=spec,
                                log_stats=not disable_log_stats,
-                               kv_transfer=kv_transfer_of(kv_transfer_config))
+                               kv_transfer=kv_transfer_of(kv_transfer_config),
+                               target_tpot_ms=target_tpot_ms)
+        if config.auto_budget is not None:
+            config = dataclasses.replace(config, scheduler=resolve_budget(
+                config.scheduler, config.auto_budget, runner, rc.block_size))
         self._init(runner, tok, config, runner.num_gpu_blocks)
 
     @classmethod
@@ -361,24 +374,40 @@ class LLM:
 
 
 def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                  max_num_batched_tokens: int = OFFLINE_MAX_NUM_BATCHED_TOKENS,
+                  max_num_batched_tokens: int | str = OFFLINE_MAX_NUM_BATCHED_TOKENS,
                   max_num_seqs: int | None = None, enable_prefix_caching: bool = True,
                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                   check_invariants: bool = False, num_gpu_blocks: int = 1024,
                   speculative: SpeculativeConfig | None = None,
                   log_stats: bool = False,
-                  kv_transfer: KVTransferConfig | None = None) -> EngineConfig:
-    """The offline engine's config; `max_num_seqs` defaults to min(256, token budget)."""
-    seqs = max_num_seqs or min(OFFLINE_MAX_NUM_SEQS, max_num_batched_tokens)
+                  kv_transfer: KVTransferConfig | None = None,
+                  target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS) -> EngineConfig:
+    """The offline engine's config; `max_num_seqs` defaults to min(256, token budget).
+    `max_num_batched_tokens="auto"`: `auto_budget` set, the budget the floor until
+    `resolve_budget` replaces it."""
+    budget, auto = _offline_budget(max_num_batched_tokens, max_num_seqs, target_tpot_ms)
+    seqs = max_num_seqs or min(OFFLINE_MAX_NUM_SEQS, budget)
     return EngineConfig(
         cache=CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                           enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget,
                                   max_num_seqs=seqs, max_model_len=max_model_len,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   long_prefill_token_threshold=long_prefill_token_threshold),
         check_invariants=check_invariants, log_stats=log_stats, speculative=speculative,
-        kv_transfer=kv_transfer)
+        kv_transfer=kv_transfer, auto_budget=auto)
+
+
+def _offline_budget(budget: int | str, max_num_seqs: int | None, target_tpot_ms: float
+                    ) -> tuple[int, AutoBudget | None]:
+    """(the budget, or with "auto" the floor; `AutoBudget` for "auto", else None)."""
+    if budget == AUTO_BUDGET:
+        return (budget_floor(max_num_seqs or OFFLINE_MAX_NUM_SEQS),
+                AutoBudget(target_tpot_ms=target_tpot_ms))
+    if isinstance(budget, str):
+        raise ValueError(f"max_num_batched_tokens must be a number of tokens or "
+                         f"{AUTO_BUDGET!r}, got {budget!r}")
+    return budget, None
 
 
 def kv_transfer_of(config: KVTransferConfig | dict[str, Any] | str | None

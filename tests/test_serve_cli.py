@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 import kvloop
 from kvloop.cli import build_parser, main
-from kvloop.config import SIM_RUNNER_FACTORY
+from kvloop.config import SIM_RUNNER_FACTORY, AutoBudget
 from kvloop.server import cli_args
 from kvloop.server.launcher import ServeProcess
+from kvloop.wire import EngineStartConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,17 +154,31 @@ def test_default_ports_are_vllms_8000() -> None:
 
 
 def test_chunked_prefill_flag_reaches_the_scheduler() -> None:
-    on = cli_args.engine_config(serve_args("sim")).scheduler
-    assert on.enable_chunked_prefill and on.max_num_batched_tokens == 512
-    off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill")).scheduler
-    # without chunked prefill vLLM raises the default budget to hold a whole context
-    assert not off.enable_chunked_prefill and off.max_num_batched_tokens == 8192
+    on = cli_args.engine_config(serve_args("sim"))
+    # auto by default: the engine process measures the budget; until then the floor
+    assert on.auto_budget == AutoBudget(target_tpot_ms=100.0)
+    assert on.scheduler.enable_chunked_prefill and on.scheduler.max_num_batched_tokens == 256
+    # without chunked prefill auto covers the context (kvloop.core.budget.non_chunked_budget)
+    off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill"))
+    assert not off.scheduler.enable_chunked_prefill and off.auto_budget is not None
     off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill",
-                                            "--max-model-len", "1000")).scheduler
-    assert off.max_num_batched_tokens == 1000
-    off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill",
-                                            "--max-num-batched-tokens", "64")).scheduler
-    assert off.max_num_batched_tokens == 64 and off.max_num_seqs == 64
+                                            "--max-num-batched-tokens", "64"))
+    assert off.auto_budget is None
+    assert off.scheduler.max_num_batched_tokens == 64 and off.scheduler.max_num_seqs == 64
+
+
+def test_the_budget_flags() -> None:
+    cfg = cli_args.engine_config(serve_args("sim", "--max-num-batched-tokens", "AUTO",
+                                            "--target-tpot-ms", "40", "--max-num-seqs", "300"))
+    assert cfg.auto_budget == AutoBudget(target_tpot_ms=40.0)
+    assert (cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs) == (300, 300)
+    _, start, _ = cli_args.build_configs(serve_args("sim"))
+    back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
+    assert back.engine.auto_budget == AutoBudget()
+    with pytest.raises(ValueError, match=r"^--target-tpot-ms must be > 0, got 0.0$"):
+        cli_args.build_configs(serve_args("sim", "--target-tpot-ms", "0"))
+    with pytest.raises(SystemExit):
+        serve_args("sim", "--max-num-batched-tokens", "lots")
 
 
 @pytest.mark.parametrize(("argv", "expected"), [

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
 BLOCKS = 256
 MAX_LEN = 1024
 VOCAB = 49152                      # SmolLM2's
+TARGET_TPOT_MS = 10                # the modelled 512-token step: 7.9 ms, 1024: 15.4 ms
 SMOL = Tokenizer.from_model(None)  # the reference: what a real SmolLM2 server tokenizes
 WORDS = re.compile(r"( [a-z]+)+")  # what the simulator generates
 
@@ -47,7 +48,8 @@ ADMIN_KEY = "serve-sim-admin"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     with serving(tmp_path_factory, "serve_sim", [
             "--model", "sim", "--sim-speedup", "50", "--num-gpu-blocks-override", str(BLOCKS),
-            "--max-model-len", str(MAX_LEN), "--debug-check-invariants",
+            "--max-model-len", str(MAX_LEN), "--debug-check-invariants", "--target-tpot-ms",
+            str(TARGET_TPOT_MS),
             "--served-model-name", "sim", "alias", "--admin-api-key", ADMIN_KEY]) as srv:
         yield srv
 
@@ -405,6 +407,20 @@ def test_worker_description(server: ServeProcess) -> None:
         "kv_events", "api_pid", "engine_pid", "version", "api_key_required",
         "api_key_accepted", "kv_transfer"}
     assert w["kv_transfer"] is None                 # no KV connector configured
+
+
+def test_the_token_budget_is_auto_by_default(server: ServeProcess) -> None:
+    """No --max-num-batched-tokens: the engine picks the largest budget whose modelled step
+    stays within --target-tpot-ms (kvloop.core.budget), reports it and logs why."""
+    w = httpx.get(server.url + "/kvloop/worker").json()
+    assert (w["max_num_batched_tokens"], w["max_num_seqs"]) == (512, 128)
+    log = server.log()
+    assert ("max_num_batched_tokens auto: step time per token budget (modelled) 256 -> 4.2 ms, "
+            "512 -> 7.9 ms, 1024 -> 15.4 ms; chose 512, the largest within the target TPOT "
+            "10 ms (1024 is over)") in log
+    assert (f"engine config: max_num_batched_tokens 512 (auto), max_num_seqs 128, "
+            f"max_model_len {MAX_LEN}, chunked prefill on, num_gpu_blocks {BLOCKS} of 16 "
+            f"tokens, prefix caching on") in log
 
 
 def test_metric_names_types_and_labels(server: ServeProcess, client: openai.OpenAI) -> None:

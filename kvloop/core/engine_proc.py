@@ -61,6 +61,7 @@ import msgspec
 import zmq
 
 from kvloop.config import GRAMMAR_BACKEND, EngineConfig
+from kvloop.core.budget import resolve_budget
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
@@ -100,7 +101,8 @@ def resolve_factory(name: str) -> Callable[..., Any]:
 
 
 def _engine_config_for(template: EngineConfig, runner: LoadedRunner) -> EngineConfig:
-    """The template with the runner's facts: KV capacity, context length, resolved hash seed.
+    """The template with the runner's facts: KV capacity, context length, resolved hash seed,
+    and with `auto_budget` the step budget measured on the runner (`kvloop.core.budget`).
 
     `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish,
     and without chunked prefill to the step budget, so every prompt fits in one step.
@@ -112,6 +114,9 @@ def _engine_config_for(template: EngineConfig, runner: LoadedRunner) -> EngineCo
         logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
                        "using %d", max_len, num_blocks - 1, cache.block_size, capacity, capacity)
         max_len = capacity
+    if template.auto_budget is not None:
+        sched = resolve_budget(dataclasses.replace(sched, max_model_len=max_len),
+                               template.auto_budget, runner, cache.block_size)
     budget = sched.max_num_batched_tokens
     if not sched.enable_chunked_prefill and budget < max_len:
         logger.warning("max_model_len %d exceeds max_num_batched_tokens %d without chunked "
@@ -123,6 +128,17 @@ def _engine_config_for(template: EngineConfig, runner: LoadedRunner) -> EngineCo
         template,
         cache=dataclasses.replace(cache, num_gpu_blocks=num_blocks, hash_seed=seed),
         scheduler=dataclasses.replace(sched, max_model_len=max_len))
+
+
+def _log_engine_config(config: EngineConfig) -> None:
+    """The engine's step and cache settings, once, as it starts serving."""
+    sched, cache = config.scheduler, config.cache
+    logger.info("engine config: max_num_batched_tokens %d%s, max_num_seqs %d, max_model_len "
+                "%d, chunked prefill %s, num_gpu_blocks %d of %d tokens, prefix caching %s",
+                sched.max_num_batched_tokens, " (auto)" if config.auto_budget else "",
+                sched.max_num_seqs, sched.max_model_len,
+                "on" if sched.enable_chunked_prefill else "off", cache.num_gpu_blocks,
+                cache.block_size, "on" if cache.enable_prefix_caching else "off")
 
 
 class EngineCoreProc:
@@ -192,6 +208,7 @@ class EngineCoreProc:
             connector = make_connector(econf.kv_transfer, runner)
         self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
                                  grammar_backend=grammar, connector=connector)
+        _log_engine_config(econf)
         kv_transfer = None
         if connector is not None:
             connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))

@@ -9,6 +9,7 @@ with a `kvloop.config.RunnerConfig`) returns a `LoadedRunner`: a Runner that als
 the facts found while building it, which the engine and the API server take from it rather
 than from any config. A runner whose KV blocks can move between engines (prefill/decode
 disaggregation) also has `kv_block_store`, a `kvloop.core.kv_connector.KVBlockStore`.
+A runner whose step time is a model (the simulator) is a `ModelledRunner`.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ class LoadedRunner(Runner, Protocol):
     max_model_len: int    # the longest sequence it serves (the engine clamps it to the KV cache)
     vocab_size: int       # token ids it accepts: 0 .. vocab_size - 1
     model_name: str       # what it loaded ("sim" for the simulator)
+
+
+@runtime_checkable
+class ModelledRunner(Runner, Protocol):
+    """A runner whose step time comes from a model, not a clock (the simulator): what
+    `--max-num-batched-tokens auto` asks instead of timing steps (`kvloop.core.budget`)."""
+
+    def modelled_step_time(self, scheduler_output: SchedulerOutput) -> float:
+        """Seconds the step `scheduler_output` describes would take (nothing runs)."""
+        ...

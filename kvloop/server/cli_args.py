@@ -18,17 +18,21 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from kvloop.config import (
+    AUTO_BUDGET,
+    AUTO_BUDGET_FLOOR,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_HASH_ALGO,
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_POLICY,
     DEFAULT_ROLE,
+    DEFAULT_TARGET_TPOT_MS,
     DEVICES,
     DTYPE_ALIASES,
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
     HASH_ALGOS,
     POLICIES,
+    AutoBudget,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -36,6 +40,7 @@ from kvloop.config import (
     SchedulerConfig,
     SimSettings,
     SpeculativeConfig,
+    budget_floor,
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.server.auth import add_auth_args, auth_config
@@ -60,7 +65,6 @@ SIM = "sim"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512   # CPU steps: docs/serving.md
 
 
 def parse_size(text: str) -> int:
@@ -70,6 +74,17 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB)")
     power = " KMGT".index(m.group(2).upper() or " ")
     return int(float(m.group(1)) * 1024 ** power)
+
+
+def budget_arg(text: str) -> int | str:
+    """`--max-num-batched-tokens`: a number of tokens, or "auto"."""
+    if text.strip().lower() == AUTO_BUDGET:
+        return AUTO_BUDGET
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens nor {AUTO_BUDGET!r}: "
+                                         f"{text!r}") from None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -157,10 +172,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"token budget of one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, "
-                        f"this CPU engine's choice, see docs/serving.md; without chunked "
-                        f"prefill at least the context length, as vLLM)")
+    g.add_argument("--max-num-batched-tokens", type=budget_arg, default=AUTO_BUDGET,
+                   metavar="N|auto",
+                   help=f"token budget of one step; auto: the largest whose step the engine "
+                        f"measures within --target-tpot-ms at start-up (never below "
+                        f"{AUTO_BUDGET_FLOOR} nor --max-num-seqs; without chunked prefill the "
+                        f"context length, as vLLM); docs/serving.md (default: auto)")
+    g.add_argument("--target-tpot-ms", type=float, default=DEFAULT_TARGET_TPOT_MS,
+                   help="--max-num-batched-tokens auto: the time per output token a step may "
+                        "take (every decode in a step waits for all of it)")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in one step (at most the token budget)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -288,13 +308,18 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def max_num_batched_tokens(args: argparse.Namespace) -> int:
-    """The step budget: the flag; else ours, raised without chunked prefill to the context
-    length (a prompt must then fit in one step; vLLM's rule)."""
-    if args.max_num_batched_tokens is not None:
-        return int(args.max_num_batched_tokens)
-    if args.enable_chunked_prefill:
-        return DEFAULT_MAX_NUM_BATCHED_TOKENS
-    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_model_len or DEFAULT_MAX_MODEL_LEN)
+    """The step budget of the flag's N; with auto the floor, which the engine process raises
+    to the budget it measures (`auto_budget`)."""
+    if args.max_num_batched_tokens == AUTO_BUDGET:
+        return budget_floor(args.max_num_seqs)
+    return int(args.max_num_batched_tokens)
+
+
+def auto_budget(args: argparse.Namespace) -> AutoBudget | None:
+    """`--max-num-batched-tokens auto`'s settings (None for a number); `--target-tpot-ms` is
+    checked either way."""
+    auto = AutoBudget(target_tpot_ms=args.target_tpot_ms)
+    return auto if args.max_num_batched_tokens == AUTO_BUDGET else None
 
 
 def enable_prefix_caching(args: argparse.Namespace) -> bool:
@@ -322,7 +347,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             if args.speculative_config is not None else None)
     return EngineConfig(cache=cache, scheduler=sched,
                         check_invariants=args.debug_check_invariants, speculative=spec,
-                        kv_transfer=kv_transfer_config(args))
+                        kv_transfer=kv_transfer_config(args), auto_budget=auto_budget(args))
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:

@@ -8,7 +8,8 @@
   model's: greedy (temperature 0) output depends on the prompt only, a seeded request on
   (prompt, seed), an unseeded one on its id (different every time).
 - Logprobs are made up but well formed (sampled token first, descending values).
-- Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`.
+- Each step lasts what the latency model says (`kvloop.sim.latency`), divided by `speedup`;
+  `modelled_step_time` says it without running (`--max-num-batched-tokens auto` asks it).
 - Speculative drafts are verified against these tokens, which copy from the context at
   `copy_rate` (`kvloop.sim.runner`), so acceptance follows the workload.
 - Its KV blocks are modelled (`kvloop.sim.kv_store`): a KV connector moves no payload but
@@ -73,6 +74,7 @@ class SimWorkerRunner:
                                               for t in self.text_token_ids):
             raise ValueError("text_token_ids must be non-empty ids of the vocabulary")
         self._seed = seed
+        self._latency = latency
         self._keys: dict[str, _Key] = {}
         self._logprobs: dict[str, int] = {}
         self._sim = SimRunner(token_source=self._token,
@@ -97,6 +99,11 @@ class SimWorkerRunner:
             out.logprobs = [self._fake_logprobs(rid, toks)
                             for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True)]
         return out
+
+    def modelled_step_time(self, scheduler_output: SchedulerOutput) -> float:
+        """What a step of `scheduler_output` lasts (`kvloop.core.runner.ModelledRunner`); 0
+        without a latency model."""
+        return self._latency.step_time(scheduler_output) if self._latency else 0.0
 
     def _fake_logprobs(self, request_id: str, tokens: list[int]) -> list[Logprobs] | None:
         num_top = self._logprobs.get(request_id)
