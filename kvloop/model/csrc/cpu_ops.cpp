@@ -166,6 +166,52 @@ void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f) {
   });
 }
 
+// y [M, N] = x [M, K] @ W.T for 4-bit W: per row, per group of 32 weights, 16 bytes whose
+// byte i holds weight i (low nibble) and weight i + 16 (high nibble), and an fp32 scale and
+// offset (w = q * scale + offset). Each group is decoded once into fp32 and used for up to
+// `kRows` rows of x (the skinny matmuls of decode steps), accumulating 32 lanes per row.
+constexpr int64_t kRows = 8;
+
+template <typename T>
+void q4_matmul_kernel(const T* x, const uint8_t* qs, const float* scale, const float* offset,
+                      T* y, int64_t rows, int64_t n_out, int64_t k_in) {
+  const int64_t groups = k_in / 32;
+  std::vector<float> xf(rows * k_in);
+  for (int64_t i = 0; i < rows * k_in; ++i) xf[i] = to_f(x[i]);
+  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kRows][32];
+    alignas(64) float w[32];
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+      const int64_t mb = std::min<int64_t>(kRows, rows - m0);
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t m = 0; m < mb; ++m)
+          for (int i = 0; i < 32; ++i) acc[m][i] = 0.f;
+        const uint8_t* row = qs + n * (k_in / 2);
+        const float* sc = scale + n * groups;
+        const float* of = offset + n * groups;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* b = row + g * 16;
+          const float s = sc[g], o = of[g];
+          for (int i = 0; i < 16; ++i) {
+            w[i] = static_cast<float>(b[i] & 15) * s + o;
+            w[i + 16] = static_cast<float>(b[i] >> 4) * s + o;
+          }
+          for (int64_t m = 0; m < mb; ++m) {
+            const float* xm = xf.data() + (m0 + m) * k_in + g * 32;
+            float* am = acc[m];
+            for (int i = 0; i < 32; ++i) am[i] += w[i] * xm[i];
+          }
+        }
+        for (int64_t m = 0; m < mb; ++m) {
+          float total = 0.f;
+          for (int i = 0; i < 32; ++i) total += acc[m][i];
+          y[(m0 + m) * n_out + n] = static_cast<T>(total);
+        }
+      }
+    }
+  });
+}
+
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -235,7 +281,23 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                     const at::Tensor& offset) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(qs, "qs");
+  const int64_t rows = x.size(0), k_in = x.size(1), n_out = qs.size(0);
+  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) * 2 == k_in, "q4_matmul: shapes disagree");
+  auto y = at::empty({rows, n_out}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q4_matmul", [&] {
+    q4_matmul_kernel<scalar_t>(x.data_ptr<scalar_t>(), qs.data_ptr<uint8_t>(),
+                               scale.data_ptr<float>(), offset.data_ptr<float>(),
+                               y.data_ptr<scalar_t>(), rows, n_out, k_in);
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
