@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvloop.config import RunnerConfig
-from kvloop.model import load_runner
+from kvloop.model import cpu_ops, load_runner
 from kvloop.model.crossover import crossover
 from kvloop.model.gguf import GGUFFile, RawTensor, dequantize_raw, unpack_q4
 from kvloop.model.quant import Int4Weight, Int8Weight, LowBitPolicy, low_bit_supported
@@ -57,12 +57,17 @@ def test_unpacked_nibbles_equal_gguf_dequantization(kind):
 
 
 # relative Frobenius error of x @ W.T: bf16 activations and bf16 scale/zero (~2^-9 each)
+KERNELS = ["torch"] + (["kvloop"] if cpu_ops.load() is not None else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind,tolerance", [("Q4_0", 8e-3), ("Q4_1", 8e-3), ("Q4_K", 8e-3)])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-def test_int4_matmul_matches_the_dequantized_weight(kind, tolerance, tokens):
+def test_int4_matmul_matches_the_dequantized_weight(kind, tolerance, tokens, kernel):
+    """bf16 activations (torch's kernel) or int16 ones per 32 (kvloop's): ~2^-9 at worst."""
     rng = np.random.default_rng(1)
     raws = [random_blocks(kind, 96, 512, rng), random_blocks(kind, 32, 512, rng)]
-    weight = Int4Weight.from_raw(raws)                     # two tensors stacked, as QKV is
+    weight = Int4Weight.from_raw(raws, kernel=kernel)      # two tensors stacked, as QKV is
     dense = torch.from_numpy(np.concatenate([dequantize_raw(r) for r in raws]))
     x = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(2))
     got, want = weight.matmul(x), x @ dense.T
@@ -262,7 +267,7 @@ def test_low_bit_greedy_output_stays_within_top5_of_fp32():
         low = _greedy(llm, LowBitPolicy(1 << 20, 1 << 20))
     finally:
         llm.shutdown()
-    same = 0
+    agree = []
     for (a, a_top), (b, b_top) in zip(dense, low, strict=True):
         assert len(a) == len(b) == FIDELITY_TOKENS
         for pos, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -271,5 +276,7 @@ def test_low_bit_greedy_output_stays_within_top5_of_fp32():
                     f"position {pos}: fp32 {x} (top-5 {a_top[pos]}), 4-bit {y} "
                     f"(top-5 {b_top[pos]})")
                 break
-        same += a == b
-    assert same >= 1          # the paths agree entirely on some prompts, not by construction
+        agree.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a)))
+    print("tokens before the first difference:", agree)
+    # the paths differ (two kernels), but not from the start: most answers share a prefix
+    assert sum(agree) / len(agree) >= 8, agree

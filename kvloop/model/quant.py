@@ -6,10 +6,11 @@ matmuls, and run them; which matmul a step uses is `llama.Linear`'s choice.
 - 4-bit (Q4_0, Q4_1, Q4_K): every group of 32 weights along a row is `q * scale + offset`
   with q in 0..15 (Q4_0: scale d, offset -8d; Q4_1: scale d, offset m; Q4_K: per 32-weight
   sub-block scale d * sc and offset -dmin * mn, from the super-block's 6-bit codes). That is
-  exactly the group-32 asymmetric format of `aten._weight_int4pack_mm_for_cpu`, which computes
-  `x @ ((q - 8) * scale + zero).T` with zero = offset + 8 * scale: the GGUF's own nibbles are
-  used, no re-quantization. `Int4Weight` holds the packed nibbles and the scales and zeros in
-  the activation dtype (bf16: the kernel's fast path on CPU; its fp32 path is scalar).
+  what kvloop's own kernel (`cpu_ops.q4_matmul`: int16 activations per group, integer dot
+  products, as llama.cpp's Q4 x Q8 but finer) runs, and exactly the group-32 asymmetric format of
+  `aten._weight_int4pack_mm_for_cpu`, `x @ ((q - 8) * scale + zero).T` with
+  zero = offset + 8 * scale (used where kvloop's CPU ops are not built): the GGUF's own
+  nibbles either way, no re-quantization of the weights.
 - 8-bit (Q8_0, used for the tied embedding / LM head): Q8_0 scales each 32 weights, torch's
   `aten._weight_int8pack_mm` one scale per output row, so the dequantized rows are
   re-quantized per row (round(w / s), s = max|w| / 127): at most half a per-row step off the
@@ -25,47 +26,71 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvloop.model import cpu_ops
 from kvloop.model.gguf import GROUP, INT4_TYPES, INT8_TYPES, RawTensor, dequantize_raw, unpack_q4
 
 # Activations enter torch's low-bit CPU kernels in bf16: their fast path (the fp32 one is
 # scalar, ~100x slower on these shapes).
 KERNEL_DTYPE = torch.bfloat16
 
+KERNELS = ("kvloop", "torch")
+
+
 class Int4Weight:
-    """W [out, in] as packed nibbles + per-group (scale, zero): `matmul(x)` = x @ W.T."""
+    """W [out, in] as 4-bit groups of 32 with a scale and offset each: `matmul(x)` = x @ W.T.
+
+    Two kernels: "kvloop" (`cpu_ops.q4_matmul`, the default where kvloop's CPU ops are
+    built: the GGUF's byte layout, fp32 scale and offset, activations quantized to int16 per
+    group, integer dot products; any activation dtype) and "torch"
+    (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
+    """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                 dtype: torch.dtype = KERNEL_DTYPE):
+                 dtype: torch.dtype = KERNEL_DTYPE, kernel: str | None = None):
         """q uint8 [out, in] (0..15); scale, offset fp32 [out, in / 32]."""
         self.out_features, self.in_features = q.shape
         self.dtype = dtype
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        zero = offset + 8.0 * scale
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        self._ops = cpu_ops.load()
+        self.kernel = kernel or ("kvloop" if self._ops is not None else "torch")
+        self.tensors: tuple[torch.Tensor, ...]
+        if self.kernel not in KERNELS or (self.kernel == "kvloop" and self._ops is None):
+            raise ValueError(f"4-bit kernel {self.kernel!r} is not available")
+        if self.kernel == "kvloop":
+            groups = q.view(self.out_features, -1, 2, GROUP // 2)       # [out, G, 2, 16]
+            self.tensors = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
+                self.out_features, -1).contiguous(), scale.contiguous(), offset.contiguous())
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            zero = offset + 8.0 * scale
+            self.tensors = (packed, torch.stack([scale.t(), zero.t()], dim=-1).to(dtype)
+                            .contiguous())
 
     @classmethod
-    def from_raw(cls, parts: list[RawTensor], dtype: torch.dtype = KERNEL_DTYPE
-                 ) -> Int4Weight:
+    def from_raw(cls, parts: list[RawTensor], dtype: torch.dtype = KERNEL_DTYPE,
+                 kernel: str | None = None) -> Int4Weight:
         """Rows of several raw tensors stacked (a fused QKV or gate/up projection)."""
         unpacked = [unpack_q4(p) for p in parts]
         q, scale, offset = (torch.from_numpy(np.concatenate([u[i] for u in unpacked]))
                             for i in range(3))
-        return cls(q, scale, offset, dtype)
+        return cls(q, scale, offset, dtype, kernel)
 
     @property
     def nbytes(self) -> int:
-        return (self.packed.numel() * self.packed.element_size()
-                + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size())
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) -> [T, out] in x's dtype."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), self.packed, GROUP,
-                                                       self.scales_and_zeros)
+        if self.kernel == "kvloop":
+            return self._ops.q4_matmul(x.contiguous(), *self.tensors)
+        packed, scales_and_zeros = self.tensors
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), packed, GROUP,
+                                                       scales_and_zeros)
         return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel sees it (for tests)."""
-        eye = torch.eye(self.in_features, dtype=self.dtype)
+        eye = torch.eye(self.in_features, dtype=torch.float32 if self.kernel == "kvloop"
+                        else self.dtype)
         return self.matmul(eye).float().t().contiguous()
 
 

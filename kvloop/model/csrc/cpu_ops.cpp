@@ -9,7 +9,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -166,49 +171,120 @@ void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f) {
   });
 }
 
-// y [M, N] = x [M, K] @ W.T for 4-bit W: per row, per group of 32 weights, 16 bytes whose
-// byte i holds weight i (low nibble) and weight i + 16 (high nibble), and an fp32 scale and
-// offset (w = q * scale + offset). Each group is decoded once into fp32 and used for up to
-// `kRows` rows of x (the skinny matmuls of decode steps), accumulating 32 lanes per row.
-constexpr int64_t kRows = 8;
+// y [M, N] = x [M, K] @ W.T for 4-bit W, with integer dot products (llama.cpp's recipe for
+// Q4 x Q8, with 16-bit activations: as fast here, and 256x finer).
+// W: per row, per group of 32 weights, 16 bytes whose byte i holds weight i (low nibble) and
+// weight i + 16 (high nibble), with an fp32 scale and offset: w = q * scale + offset.
+// x is quantized per row and group to int16 (dx = max|x| / 32767), so a group's dot product
+// is integer: sum(q * xq), 32 products in two `madd` instructions on AVX2, and
+//   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq) + offset[n, g] dx[m, g] sum(xq).
+// Each group's nibbles are unpacked once for all rows of x. Without AVX2: the same in scalar.
+constexpr float kQMax = 32767.f;
+
+struct QuantizedRows {
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> d;       // [M, G]: dx
+  std::vector<float> s;       // [M, G]: dx * sum(xq)
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
+  const int64_t groups = k_in / 32;
+  QuantizedRows out{std::vector<int16_t>(rows * k_in), std::vector<float>(rows * groups),
+                    std::vector<float>(rows * groups)};
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* xg = x + m * k_in + g * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(to_f(xg[i])));
+      const float d = amax / kQMax, inv = d > 0.f ? 1.f / d : 0.f;
+      int64_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(to_f(xg[i]) * inv));
+        out.q[m * k_in + g * 32 + i] = static_cast<int16_t>(v);
+        sum += v;
+      }
+      out.d[m * groups + g] = d;
+      out.s[m * groups + g] = d * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+inline int32_t group_dot(const uint8_t* b, const int16_t* xq) {
+  int32_t total = 0;
+  for (int i = 0; i < 16; ++i)
+    total += static_cast<int32_t>(b[i] & 15) * xq[i] + static_cast<int32_t>(b[i] >> 4) * xq[i + 16];
+  return total;
+}
+
+// One output column n for MB rows of x starting at r0 (MB a constant: the accumulators
+// stay in registers).
+template <int MB, typename T>
+inline void q4_column(const uint8_t* row, const float* sc, const float* of,
+                      const QuantizedRows& xq, int64_t r0, int64_t k_in, int64_t groups,
+                      T* y, int64_t n_out, int64_t n) {
+  float tail[MB];
+  for (int m = 0; m < MB; ++m) tail[m] = 0.f;
+#ifdef __AVX2__
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m128i low_mask = _mm_set1_epi8(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
+    const __m256i q_lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));   // w0..15
+    const __m256i q_hi = _mm256_cvtepu8_epi16(
+        _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));                       // w16..31
+    for (int m = 0; m < MB; ++m) {
+      const int64_t r = r0 + m;
+      const int16_t* xg = xq.q.data() + r * k_in + g * 32;
+      const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
+      const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16));
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(q_lo, x_lo),
+                                           _mm256_madd_epi16(q_hi, x_hi));
+      const float sd = sc[g] * xq.d[r * groups + g];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sd), acc[m]);
+      tail[m] += of[g] * xq.s[r * groups + g];
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+    v = _mm_hadd_ps(v, v);
+    v = _mm_hadd_ps(v, v);
+    y[(r0 + m) * n_out + n] = static_cast<T>(_mm_cvtss_f32(v) + tail[m]);
+  }
+#else
+  float acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int m = 0; m < MB; ++m) {
+      const int64_t r = r0 + m;
+      const int32_t dot = group_dot(row + g * 16, xq.q.data() + r * k_in + g * 32);
+      acc[m] += sc[g] * xq.d[r * groups + g] * static_cast<float>(dot);
+      tail[m] += of[g] * xq.s[r * groups + g];
+    }
+  }
+  for (int m = 0; m < MB; ++m) y[(r0 + m) * n_out + n] = static_cast<T>(acc[m] + tail[m]);
+#endif
+}
 
 template <typename T>
 void q4_matmul_kernel(const T* x, const uint8_t* qs, const float* scale, const float* offset,
                       T* y, int64_t rows, int64_t n_out, int64_t k_in) {
   const int64_t groups = k_in / 32;
-  std::vector<float> xf(rows * k_in);
-  for (int64_t i = 0; i < rows * k_in; ++i) xf[i] = to_f(x[i]);
-  at::parallel_for(0, n_out, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kRows][32];
-    alignas(64) float w[32];
-    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const int64_t mb = std::min<int64_t>(kRows, rows - m0);
-      for (int64_t n = begin; n < end; ++n) {
-        for (int64_t m = 0; m < mb; ++m)
-          for (int i = 0; i < 32; ++i) acc[m][i] = 0.f;
-        const uint8_t* row = qs + n * (k_in / 2);
-        const float* sc = scale + n * groups;
-        const float* of = offset + n * groups;
-        for (int64_t g = 0; g < groups; ++g) {
-          const uint8_t* b = row + g * 16;
-          const float s = sc[g], o = of[g];
-          for (int i = 0; i < 16; ++i) {
-            w[i] = static_cast<float>(b[i] & 15) * s + o;
-            w[i + 16] = static_cast<float>(b[i] >> 4) * s + o;
-          }
-          for (int64_t m = 0; m < mb; ++m) {
-            const float* xm = xf.data() + (m0 + m) * k_in + g * 32;
-            float* am = acc[m];
-            for (int i = 0; i < 32; ++i) am[i] += w[i] * xm[i];
-          }
-        }
-        for (int64_t m = 0; m < mb; ++m) {
-          float total = 0.f;
-          for (int i = 0; i < 32; ++i) total += acc[m][i];
-          y[(m0 + m) * n_out + n] = static_cast<T>(total);
-        }
-      }
-    }
+  const QuantizedRows xq = quantize_rows(x, rows, k_in);
+  at::parallel_for(0, n_out, 32, [&](int64_t begin, int64_t end) {
+    int64_t r0 = 0;
+    auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
+      constexpr int MB = decltype(mb)::value;
+      for (int64_t n = begin; n < end; ++n)
+        q4_column<MB, T>(qs + n * (k_in / 2), scale + n * groups, offset + n * groups, xq, r0,
+                         k_in, groups, y, n_out, n);
+      r0 += MB;
+    };
+    while (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
+    if (rows - r0 >= 2) pass(std::integral_constant<int, 2>{});
+    if (rows - r0 >= 1) pass(std::integral_constant<int, 1>{});
   });
 }
 
