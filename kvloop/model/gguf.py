@@ -70,6 +70,15 @@ def unpack_q4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             offset.reshape(rows, groups).astype(np.float32))
 
 
+def unpack_q8(raw: RawTensor) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 -> q int8 [rows, cols], scale float32 [rows, cols / 32]; weight = q * scale."""
+    rows, cols = raw.shape
+    blocks = raw.data.reshape(rows * cols // GROUP, 34)
+    scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 2:].copy().view(np.int8)
+    return q.reshape(rows, cols), scale.reshape(rows, cols // GROUP)
+
+
 def dequantize_raw(raw: RawTensor) -> np.ndarray:
     """The tensor as float32 [rows, cols] (`gguf`'s dequantization)."""
     from gguf import GGMLQuantizationType

@@ -11,10 +11,10 @@ matmuls, and run them; which matmul a step uses is `llama.Linear`'s choice.
   `aten._weight_int4pack_mm_for_cpu`, `x @ ((q - 8) * scale + zero).T` with
   zero = offset + 8 * scale (used where kvloop's CPU ops are not built): the GGUF's own
   nibbles either way, no re-quantization of the weights.
-- 8-bit (Q8_0, used for the tied embedding / LM head): Q8_0 scales each 32 weights, torch's
-  `aten._weight_int8pack_mm` one scale per output row, so the dequantized rows are
-  re-quantized per row (round(w / s), s = max|w| / 127): at most half a per-row step off the
-  file's values; the fidelity test (8 chat prompts, greedy, top-5 rule) covers it.
+- 8-bit (Q8_0, used for the tied embedding / LM head): kvloop's kernel
+  (`cpu_ops.q8_matmul`) runs the file's int8 values and per-32 scales as they are; torch's
+  `aten._weight_int8pack_mm` (the fallback) has one scale per output row, so there the rows
+  are re-quantized (at most half a per-row step off the file's values).
 
 `kvloop.model.gguf.unpack_q4` reads (q, scale, offset) out of the blocks.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvloop.model import cpu_ops
-from kvloop.model.gguf import GROUP, INT4_TYPES, INT8_TYPES, RawTensor, dequantize_raw, unpack_q4
+from kvloop.model.gguf import GROUP, INT4_TYPES, INT8_TYPES, RawTensor, unpack_q4, unpack_q8
 
 # Activations enter torch's low-bit CPU kernels in bf16: their fast path (the fp32 one is
 # scalar, ~100x slower on these shapes).
@@ -95,29 +95,61 @@ class Int4Weight:
 
 
 class Int8Weight:
-    """W [out, in] as int8 with one scale per row: `matmul(x)` = x @ W.T."""
+    """W [out, in] as int8 groups of 32 with a scale each (Q8_0): `matmul(x)` = x @ W.T.
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE):
-        """weight: float [out, in], quantized per row (round to nearest, symmetric) with the
-        scale as the kernel holds it (in `dtype`, rounded up so no |q| passes 127)."""
-        w = weight.float()
-        exact = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.scale = (exact * (1 + 2.0 ** -7)).to(dtype)
-        q = torch.round(w / self.scale.float()[:, None]).clamp_(-127, 127)
-        self.q = q.to(torch.int8).contiguous()
-        self.out_features, self.in_features = self.q.shape
+    Kernels: "kvloop" (`cpu_ops.q8_matmul`: the file's int8 values and scales, exactly;
+    int16 activations per group) or "torch" (`aten._weight_int8pack_mm`, one scale per row:
+    the rows re-quantized, round(w / s) with s = max|w| / 127 rounded up to a bf16 number, at
+    most half a step off the file's values).
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE,
+                 kernel: str | None = None):
+        """q int8 [out, in]; scale fp32 [out, in / 32]."""
+        self.out_features, self.in_features = q.shape
         self.dtype = dtype
+        self._ops = cpu_ops.load()
+        self.kernel = kernel or ("kvloop" if self._ops is not None else "torch")
+        if self.kernel not in KERNELS or (self.kernel == "kvloop" and self._ops is None):
+            raise ValueError(f"8-bit kernel {self.kernel!r} is not available")
+        self.tensors: tuple[torch.Tensor, ...]
+        if self.kernel == "kvloop":
+            self.tensors = (q.contiguous(), scale.float().contiguous())
+        else:
+            self.tensors = _per_row_int8(q.float() * scale.float().repeat_interleave(GROUP, 1),
+                                         dtype)
+
+    @classmethod
+    def from_raw(cls, raw: RawTensor, dtype: torch.dtype = KERNEL_DTYPE,
+                 kernel: str | None = None) -> Int8Weight:
+        q, scale = unpack_q8(raw)
+        return cls(torch.from_numpy(q), torch.from_numpy(scale), dtype, kernel)
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.q, self.scale)
-        return y.to(x.dtype)
+        if self.kernel == "kvloop":
+            return self._ops.q8_matmul(x.contiguous(), *self.tensors)
+        q, scale = self.tensors
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), q, scale).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale.float()[:, None]
+        """The weight [out, in] in fp32 as the kernel holds it (for tests)."""
+        q, scale = self.tensors
+        if self.kernel == "kvloop":
+            return q.float() * scale.repeat_interleave(GROUP, 1)
+        return q.float() * scale.float()[:, None]
+
+
+def _per_row_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(q int8 [out, in], scale [out] in `dtype`): symmetric per row, the scale rounded up in
+    `dtype` so no |q| passes 127."""
+    exact = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    scale = (exact * (1 + 2.0 ** -7)).to(dtype)
+    q = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8).contiguous(), scale
 
 
 LowBitWeight = Int4Weight | Int8Weight
@@ -139,7 +171,7 @@ def low_bit_weight(parts: list[RawTensor | None], device: torch.device) -> LowBi
     if all(r.kind in INT4_TYPES for r in raws):
         return Int4Weight.from_raw(raws)
     if len(raws) == 1 and raws[0].kind in INT8_TYPES:
-        return Int8Weight(torch.from_numpy(dequantize_raw(raws[0])))
+        return Int8Weight.from_raw(raws[0])
     return None
 
 

@@ -211,30 +211,44 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
-inline int32_t group_dot(const uint8_t* b, const int16_t* xq) {
-  int32_t total = 0;
-  for (int i = 0; i < 16; ++i)
-    total += static_cast<int32_t>(b[i] & 15) * xq[i] + static_cast<int32_t>(b[i] >> 4) * xq[i + 16];
-  return total;
+// A group's 32 weights as integers, in x's order: 4-bit (16 bytes, byte i = weights i and
+// i + 16) or 8-bit (32 signed bytes).
+template <int Bits>
+inline int32_t weight_at(const uint8_t* group, int i) {
+  if constexpr (Bits == 4) return i < 16 ? (group[i] & 15) : (group[i - 16] >> 4);
+  else return static_cast<int8_t>(group[i]);
 }
 
+#ifdef __AVX2__
+template <int Bits>
+inline void load_group(const uint8_t* group, __m256i& lo, __m256i& hi) {
+  if constexpr (Bits == 4) {
+    const __m128i mask = _mm_set1_epi8(15);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group));
+    lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));                       // w0..15
+    hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));    // w16..31
+  } else {
+    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16)));
+  }
+}
+#endif
+
 // One output column n for MB rows of x starting at r0 (MB a constant: the accumulators
-// stay in registers).
-template <int MB, typename T>
-inline void q4_column(const uint8_t* row, const float* sc, const float* of,
-                      const QuantizedRows& xq, int64_t r0, int64_t k_in, int64_t groups,
-                      T* y, int64_t n_out, int64_t n) {
+// stay in registers). `of` (4-bit only; nullptr for 8-bit): per-group offsets.
+template <int Bits, int MB, typename T>
+inline void quant_column(const uint8_t* row, const float* sc, const float* of,
+                         const QuantizedRows& xq, int64_t r0, int64_t k_in, int64_t groups,
+                         T* y, int64_t n_out, int64_t n) {
+  constexpr int64_t kGroupBytes = Bits * 4;
   float tail[MB];
   for (int m = 0; m < MB; ++m) tail[m] = 0.f;
 #ifdef __AVX2__
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  const __m128i low_mask = _mm_set1_epi8(15);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16));
-    const __m256i q_lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, low_mask));   // w0..15
-    const __m256i q_hi = _mm256_cvtepu8_epi16(
-        _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));                       // w16..31
+    __m256i q_lo, q_hi;
+    load_group<Bits>(row + g * kGroupBytes, q_lo, q_hi);
     for (int m = 0; m < MB; ++m) {
       const int64_t r = r0 + m;
       const int16_t* xg = xq.q.data() + r * k_in + g * 32;
@@ -244,7 +258,7 @@ inline void q4_column(const uint8_t* row, const float* sc, const float* of,
                                            _mm256_madd_epi16(q_hi, x_hi));
       const float sd = sc[g] * xq.d[r * groups + g];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sd), acc[m]);
-      tail[m] += of[g] * xq.s[r * groups + g];
+      if (of) tail[m] += of[g] * xq.s[r * groups + g];
     }
   }
   for (int m = 0; m < MB; ++m) {
@@ -257,29 +271,36 @@ inline void q4_column(const uint8_t* row, const float* sc, const float* of,
   float acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group = row + g * kGroupBytes;
     for (int m = 0; m < MB; ++m) {
       const int64_t r = r0 + m;
-      const int32_t dot = group_dot(row + g * 16, xq.q.data() + r * k_in + g * 32);
+      const int16_t* xg = xq.q.data() + r * k_in + g * 32;
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) dot += weight_at<Bits>(group, i) * xg[i];
       acc[m] += sc[g] * xq.d[r * groups + g] * static_cast<float>(dot);
-      tail[m] += of[g] * xq.s[r * groups + g];
+      if (of) tail[m] += of[g] * xq.s[r * groups + g];
     }
   }
   for (int m = 0; m < MB; ++m) y[(r0 + m) * n_out + n] = static_cast<T>(acc[m] + tail[m]);
 #endif
 }
 
-template <typename T>
-void q4_matmul_kernel(const T* x, const uint8_t* qs, const float* scale, const float* offset,
-                      T* y, int64_t rows, int64_t n_out, int64_t k_in) {
+// y [M, N] = x @ W.T, W [N, K] in groups of 32 (Bits 4: qs [N, K/2], scale and offset
+// [N, K/32]; Bits 8: qs [N, K] signed, scale [N, K/32], offset nullptr).
+template <int Bits, typename T>
+void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
+                         const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
   const int64_t groups = k_in / 32;
+  const int64_t row_bytes = k_in * Bits / 8;
   const QuantizedRows xq = quantize_rows(x, rows, k_in);
   at::parallel_for(0, n_out, 32, [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
       for (int64_t n = begin; n < end; ++n)
-        q4_column<MB, T>(qs + n * (k_in / 2), scale + n * groups, offset + n * groups, xq, r0,
-                         k_in, groups, y, n_out, n);
+        quant_column<Bits, MB, T>(qs + n * row_bytes, scale + n * groups,
+                                  offset ? offset + n * groups : nullptr, xq, r0, k_in,
+                                  groups, y, n_out, n);
       r0 += MB;
     };
     while (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
@@ -357,23 +378,40 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                     const at::Tensor& offset) {
+template <int Bits>
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                        const float* offset) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qs, "qs");
+  check_cpu_contiguous(scale, "scale");
   const int64_t rows = x.size(0), k_in = x.size(1), n_out = qs.size(0);
-  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) * 2 == k_in, "q4_matmul: shapes disagree");
+  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) == k_in * Bits / 8 &&
+              scale.size(0) == n_out && scale.size(1) == k_in / 32,
+              "quantized matmul: shapes disagree");
   auto y = at::empty({rows, n_out}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q4_matmul", [&] {
-    q4_matmul_kernel<scalar_t>(x.data_ptr<scalar_t>(), qs.data_ptr<uint8_t>(),
-                               scale.data_ptr<float>(), offset.data_ptr<float>(),
-                               y.data_ptr<scalar_t>(), rows, n_out, k_in);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_matmul",
+                                  [&] {
+    quant_matmul_kernel<Bits, scalar_t>(x.data_ptr<scalar_t>(),
+                                        static_cast<const uint8_t*>(qs.data_ptr()),
+                                        scale.data_ptr<float>(), offset,
+                                        y.data_ptr<scalar_t>(), rows, n_out, k_in);
   });
   return y;
 }
 
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                     const at::Tensor& offset) {
+  check_cpu_contiguous(offset, "offset");
+  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>());
+}
+
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
+  return quant_matmul<8>(x, qs, scale, nullptr);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x)");
+  m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
