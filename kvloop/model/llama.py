@@ -11,7 +11,8 @@ Deviations from Hugging Face's LlamaForCausalLM (same math otherwise):
 - the final norm and the LM head run on the sampled rows only; logits come back in fp32;
 - no dropout, no training path, no sliding window.
 Classes appear in forward order; shapes in comments use T = tokens in the step,
-H = heads, K = kv heads, D = head_dim.
+H = heads, K = kv heads, D = head_dim. Inside the forward pass submodules are called through
+`.forward` (no hooks are used; nn.Module's call wrapper costs ~200 calls per step).
 """
 
 from __future__ import annotations
@@ -148,13 +149,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, low_bit: bool) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, low_bit).contiguous()                 # [T, (H + 2K) * D]
+        qkv = self.qkv_proj.forward(x, low_bit).contiguous()        # [T, (H + 2K) * D]
         cpu_ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, kv_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
         rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
         q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
-        return self.o_proj(out, low_bit)                             # [T, hidden]
+        return self.o_proj.forward(out, low_bit)                     # [T, hidden]
 
 
 class MLP(nn.Module):
@@ -166,8 +167,8 @@ class MLP(nn.Module):
         self.down_proj = down
 
     def forward(self, x: torch.Tensor, low_bit: bool) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, low_bit).contiguous()          # [T, 2 * ffn]
-        return self.down_proj(cpu_ops.silu_and_mul(gate_up), low_bit)  # [T, hidden]
+        gate_up = self.gate_up_proj.forward(x, low_bit).contiguous()  # [T, 2 * ffn]
+        return self.down_proj.forward(cpu_ops.silu_and_mul(gate_up), low_bit)  # [T, hid]
 
 
 class DecoderLayer(nn.Module):
@@ -189,9 +190,9 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.add_(h, None)        # h = norm(h)
         else:
             self.input_layernorm.add_(h, residual)    # residual += h; h = norm(residual)
-        h = self.self_attn(h, positions, rotary, kv_cache, meta, low_bit)
+        h = self.self_attn.forward(h, positions, rotary, kv_cache, meta, low_bit)
         self.post_attention_layernorm.add_(h, residual)
-        return self.mlp(h, low_bit), residual
+        return self.mlp.forward(h, low_bit), residual
 
 
 class LlamaModel(nn.Module):
@@ -231,10 +232,11 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         low_bit = self.low_bit.layers(input_ids.shape[0])
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, positions, self.rotary, kv_cache, meta, low_bit)
+            h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache, meta,
+                                        low_bit)
         assert residual is not None
         h = self.norm(residual[logits_indices] + h[logits_indices])  # [S, hidden]
-        return self.lm_head(h, self.low_bit.head(h.shape[0])).float()  # [S, vocab]
+        return self.lm_head.forward(h, self.low_bit.head(h.shape[0])).float()  # [S, V]
 
     def linears(self) -> list[Linear]:
         """Every linear layer, the LM head last."""
