@@ -272,7 +272,6 @@ class Case:
 ENGINE_CASE = Case("engine", "the engine alone", ())
 
 
-
 @dataclass
 class Record:
     """One measured run of one side: the figures it gave and the load average before it."""
@@ -286,7 +285,7 @@ class Record:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def alternate(repeats: int, cases: list[Any]) -> Iterator[tuple[int, Any, str]]:
+def alternate(repeats: int, cases: list[Case]) -> Iterator[tuple[int, Case, str]]:
     """(rep, case, server) in run order: every case on kvloop then llama.cpp, rep by rep."""
     for rep in range(repeats):
         for case in cases:
@@ -309,7 +308,7 @@ def medians(records: list[Record]) -> dict[str, dict[str, dict[str, float | None
             for case, by_server in grouped.items()}
 
 
-def measured(settings: Settings, run_one: Callable[[int, Any, str], dict[str, Any]],
+def measured(settings: Settings, run_one: Callable[[int, Case, str], dict[str, Any]],
              cases: list[Case], phase: str) -> list[Record]:
     """Run every (rep, case, server) of `alternate`, noting the load average before each."""
     records = []
@@ -361,7 +360,7 @@ def engine_records(settings: Settings, paths: BuildPaths) -> list[Record]:
     """offline (kvloop) and llama-bench, one measurement each per repetition, alternating."""
     lens, gguf = engine_lengths(settings.quick), settings.gguf()
 
-    def run_one(rep: int, _case: Any, server: str) -> dict[str, Any]:
+    def run_one(rep: int, _case: Case, server: str) -> dict[str, Any]:
         if server == LLAMA:
             return parse_llama_bench(run_output(
                 llama_bench_cmd(paths, gguf, lens, settings.threads), 1800))
