@@ -186,3 +186,22 @@ def test_stop_group_terms_then_kills_the_whole_group(tmp_path: Path) -> None:
     assert not proc.alive()
     assert lc.group_members(proc.pid) == []   # the SIGTERM-ignoring child is gone too
     assert proc.proc is not None and proc.proc.returncode == -signal.SIGTERM
+
+
+@pytest.mark.processes
+def test_one_case_runs_as_kvloop_bench_runs_it() -> None:
+    from tests.test_bench_fakeserver import FakeServer
+
+    case = lc.serving_cases(quick=True)[3]   # shared-prefix 4 x 256 + 16, 16 out, c=16
+    settings = lc.Settings(build_dir=Path("x"), warmup=1)
+    with FakeServer() as server:
+        got = lc.bench_once(case, 5, server.url, "kvloop", settings)
+    s = got["summary"]
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (16, 0, 16 * 16)
+    assert got["expected_output_tokens"] == 256 and s["concurrency"] == 16
+    assert s["workload_params"] == {"num_groups": 4, "prefix_len": 256, "suffix_len": 16,
+                                    "output_len": 16, "num_requests": 16, "seed": 5}
+    assert got["figures"] == {"output tok/s": s["output_throughput"],
+                              "TTFT p50 ms": s["ttft_ms"]["p50"],
+                              "TPOT p50 ms": s["tpot_ms"]["p50"]}
+    assert len(server.prompts) == 1 + 16   # the warm-up request, then the case

@@ -434,8 +434,11 @@ def bench_once(case: Case, seed: int, url: str, label: str,
 
     ns = bench_namespace(case, seed)
     workload = build_workload(ns)
-    cfg = BenchConfig(url, concurrency=ns.concurrency, warmup=settings.warmup, label=label,
-                      timeout_s=settings.request_timeout_s, progress=False, seed=seed)
+    cfg = BenchConfig(url, concurrency=ns.concurrency, ignore_eos=ns.ignore_eos,
+                      temperature=ns.temperature, return_token_ids=ns.return_token_ids,
+                      warmup=settings.warmup, timeout_s=settings.request_timeout_s,
+                      progress=False, seed=seed, label=label,
+                      token_range=tuple(ns.token_range))
     summary = summarize(run_bench_sync(workload, cfg))
     expected = sum(t.max_tokens for s in workload.sessions for t in s.turns)
     if summary["failed"] or summary["output_tokens"] != expected:
@@ -583,7 +586,7 @@ def report(settings: Settings, info: dict[str, Any], records: list[Record]) -> d
     titles = {c.key: c.title for c in serving_cases(settings.quick, settings.scale)}
     meds = medians(records)
     rows = table_rows(meds, titles, lens)
-    text = (f"kvloop vs llama.cpp {info['version']} (commit {info['commit']}), model "
+    text = (f"kvloop vs llama.cpp (commit {info['commit']}, {info['version']}), model "
             f"{settings.gguf()}, {settings.threads} threads, {settings.repeats} repetition(s), "
             f"medians{' (--quick)' if settings.quick else ''}\n\n{format_table(rows)}\n\n"
             f"Load average before each run:\n\n{format_loads(records)}\n")
