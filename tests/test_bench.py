@@ -323,8 +323,11 @@ def test_figures_median_table_and_distinct_case_seeds() -> None:
     assert len(set(prompts)) == len(prompts)  # no case or repetition reuses another's prompts
 
 
-def _raw_server_run(response: bytes, n_requests: int = 2) -> list[RequestResult]:
-    """Stream `response` verbatim to each request, over one kept-alive connection."""
+def _raw_server_run(response: bytes, n_requests: int = 2,
+                    answers_per_connection: int | None = None) -> list[RequestResult]:
+    """Stream `response` verbatim to each request, over one kept-alive connection (the server
+    closes a connection after `answers_per_connection` answers, at the next request, without
+    a word: llama-server does so after each streamed answer)."""
     import asyncio
 
     from kvloop.bench.client import Connection, Endpoint, stream_completion
@@ -335,12 +338,16 @@ def _raw_server_run(response: bytes, n_requests: int = 2) -> list[RequestResult]
         async def handle(reader, writer) -> None:
             nonlocal connections
             connections += 1
+            answers = 0
             while await reader.readline():
                 length = 0
                 while (h := await reader.readline()) not in (b"\r\n", b""):
                     if h.lower().startswith(b"content-length:"):
                         length = int(h.split(b":")[1])
                 await reader.readexactly(length)
+                if answers == answers_per_connection:
+                    break
+                answers += 1
                 writer.write(response)
                 await writer.drain()
                 if b"Connection: close" in response:
@@ -393,3 +400,13 @@ def test_client_reads_close_delimited_streams_and_sized_errors() -> None:
     assert [r.error for r in _raw_server_run(sized)] == ["HTTP 503: nope"] * 2
     cut = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + body[:20]
     assert _raw_server_run(cut, 1)[0].error == "the stream ended without [DONE]"
+
+
+@pytest.mark.processes
+def test_client_resends_once_when_a_kept_alive_connection_was_closed_unannounced() -> None:
+    body = b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n'
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+               b"Keep-Alive: timeout=5, max=100\r\n\r\n" + _chunk(body) + b"0\r\n\r\n")
+    results = _raw_server_run(chunked, 3, answers_per_connection=1)
+    assert [(r.ok, r.output_tokens) for r in results] == [(True, 1)] * 3
+    assert results[0].session_id == 3  # one connection per answer, no request lost

@@ -38,6 +38,7 @@ RUN_TIME_NAMES = frozenset({
     "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
     "figures.md", "c8.json", "TRACE.json", "STEPLOG.json",
     "test_inner.py",   # a module tests/test_markers.py writes into pytester's folder
+    "build-info.json",   # what `python -m kvloop.bench.llamacpp build` writes
 })
 
 REF = re.compile(

@@ -30,6 +30,10 @@ class HttpError(Exception):
     """A transport or protocol failure (not an HTTP error status)."""
 
 
+class ClosedBeforeAnswer(HttpError):
+    """The server closed the connection before a byte of the answer came."""
+
+
 # --- the fields we read from the server's events ---------------------------------------------
 
 class _PromptDetails(msgspec.Struct):
@@ -108,10 +112,31 @@ class Connection:
 
     async def request(self, method: str, path: str, body: bytes | None = None,
                       accept: str = "application/json") -> Response:
-        """Send one request; return the status, headers and an unread body."""
-        if self._writer is None or not self._reusable or self._writer.is_closing():
+        """Send one request; return the status, headers and an unread body.
+
+        A kept-alive connection the server has closed meanwhile without saying so
+        (llama-server closes one after every streamed answer) is reopened, and the request
+        sent once more when the server closed it before answering."""
+        reused = self._kept_alive()
+        if not reused:
             await self.close()
             await self._open()
+        try:
+            return await self._send(method, path, body, accept)
+        except (ClosedBeforeAnswer, ConnectionResetError, BrokenPipeError):
+            if not reused:
+                raise
+        await self.close()
+        await self._open()
+        return await self._send(method, path, body, accept)
+
+    def _kept_alive(self) -> bool:
+        """Open, its last answer read to the end, and no end of stream seen from the server."""
+        return (self._writer is not None and self._reader is not None and self._reusable
+                and not self._writer.is_closing() and not self._reader.at_eof())
+
+    async def _send(self, method: str, path: str, body: bytes | None,
+                    accept: str) -> Response:
         assert self._reader is not None and self._writer is not None
         head = (f"{method} {self.endpoint.prefix}{path} HTTP/1.1\r\n"
                 f"Accept: {accept}\r\n").encode() + self._fixed_headers
@@ -150,7 +175,7 @@ class Response:
     async def read_head(cls, conn: Connection, reader: asyncio.StreamReader) -> Response:
         status_line = await reader.readline()
         if not status_line:
-            raise HttpError("the server closed the connection before answering")
+            raise ClosedBeforeAnswer("the server closed the connection before answering")
         parts = status_line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
             raise HttpError(f"not an HTTP/1.x response: {status_line[:80]!r}")

@@ -7,7 +7,8 @@ Prints, for each side, in one run (medians over `--repeats` runs of each figure)
 - single-stream decode tok/s: one request, `--decode-tokens` (128) tokens after the first;
 - throughput: `--num-requests` (64) requests of `--input-len` (256) random tokens in and
   `--output-len` (128) out, output tokens per second of wall time;
-then the kvloop / transformers ratio of each. transformers runs `LlamaForCausalLM` built from
+then the kvloop / transformers ratio of each (`--skip-throughput` leaves the third out;
+`--json-out FILE` also writes the figures as JSON). transformers runs `LlamaForCausalLM` built from
 kvloop's own dequantized weights, in the same dtype, with `generate()` (greedy, EOS ignored;
 its throughput figure is one batch of all requests, all the same length). Both models stay
 loaded and the runs alternate (kvloop, HF, kvloop, HF...), so drifting load on a shared
@@ -18,10 +19,11 @@ prefix-cache hit flatters kvloop.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 
@@ -29,7 +31,7 @@ from typing import Any
 class Figures:
     prefill: float
     decode: float
-    throughput: float
+    throughput: float | None   # None: not measured (--skip-throughput)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes")
     p.add_argument("--skip-hf", action="store_true", help="kvloop figures only")
+    p.add_argument("--skip-throughput", action="store_true",
+                   help="prefill and single-stream decode only")
+    p.add_argument("--json-out", help="write the setup and the figures as JSON here")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -177,12 +182,14 @@ def measure(args: argparse.Namespace, sides: list[dict[str, Callable[[], float]]
             ) -> list[Figures]:
     """Medians of `repeats` runs per figure; the sides alternate run by run, so a change in
     the machine's load hits both alike."""
+    keys = ("prefill", "decode") if args.skip_throughput else ("prefill", "decode", "throughput")
     results: list[dict[str, list[float]]] = [{} for _ in sides]
-    for key in ("prefill", "decode", "throughput"):
+    for key in keys:
         for _ in range(args.repeats):
             for side, out in zip(sides, results, strict=True):
                 out.setdefault(key, []).append(side[key]())
-    return [Figures(*(statistics.median(r[k]) for k in ("prefill", "decode", "throughput")))
+    return [Figures(statistics.median(r["prefill"]), statistics.median(r["decode"]),
+                    statistics.median(r["throughput"]) if "throughput" in r else None)
             for r in results]
 
 
@@ -199,6 +206,8 @@ def report(args: argparse.Namespace, setup: dict[str, Any], ours: Figures,
              f"{args.output_len} out)", "throughput")]
     for label, key in rows:
         ours_v = getattr(ours, key)
+        if ours_v is None:
+            continue
         if theirs is None:
             lines.append(f"{label:<44}{ours_v:>10.1f}{'-':>10}{'-':>8}")
         else:
@@ -226,6 +235,21 @@ def main(argv: list[str] | None = None) -> None:
         sides.append(hf_measures(args, build_hf_model(args.model, runner.dtype), prompts))
     figures = measure(args, sides)
     print(report(args, setup, figures[0], figures[1] if len(figures) > 1 else None))
+    if args.json_out:
+        write_json(args.json_out, args, setup, figures)
+
+
+def write_json(path: str, args: argparse.Namespace, setup: dict[str, Any],
+               figures: list[Figures]) -> None:
+    """{"setup": ..., "kvloop": {prefill, decode, throughput}, "hf": ... (when measured)};
+    figures in tokens per second, None where not measured."""
+    run = {k: getattr(args, k) for k in ("prefill_len", "decode_tokens", "repeats")}
+    doc: dict[str, Any] = {"setup": {**setup, **run}, "kvloop": asdict(figures[0])}
+    if len(figures) > 1:
+        doc["hf"] = asdict(figures[1])
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":
