@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 CACHE_ROOT = Path(os.environ.get("KVLOOP_CACHE", Path.home() / ".cache" / "kvloop"))
 ENV_SWITCH = "KVLOOP_CPU_OPS"          # "0": never use the extension
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is a header template that runs serially unless _OPENMP is
+# defined; the extension then links libgomp, which resolves to the one torch has loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 
 _module: Any = None
 _tried = False
@@ -107,7 +109,8 @@ def _compile(name: str, directory: Path) -> Any:
 
     directory.mkdir(parents=True, exist_ok=True)
     return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS,
-                          build_directory=str(directory), verbose=False)
+                          build_directory=str(directory),
+                          verbose=False)
 
 
 def available(device: torch.device) -> bool:

@@ -23,16 +23,24 @@ namespace {
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
-// Rows per task so that a task has about `work` elementwise operations.
-inline int64_t grain(int64_t row_cost, int64_t work = 16384) {
-  return std::max<int64_t>(1, work / std::max<int64_t>(1, row_cost));
+// at::parallel_for's grain for `rows` rows of `row_cost` operations each: the calling thread
+// alone below kParallelWork operations in all (waking torch's other OpenMP threads costs
+// more than it saves there: measured, a decode step of single-row ops ran 20 ms serial and
+// 27-40 ms with every op parallel), else tasks of at least kTaskWork operations.
+constexpr int64_t kParallelWork = 1 << 22;
+constexpr int64_t kTaskWork = 1 << 18;
+
+inline int64_t grain(int64_t rows, int64_t row_cost) {
+  row_cost = std::max<int64_t>(1, row_cost);
+  if (rows * row_cost < kParallelWork) return rows + 1;
+  return std::max<int64_t>(1, kTaskWork / row_cost);
 }
 
 // residual += x (when residual is given); x = residual / rms(residual) * weight.
 template <typename T>
 void add_rms_norm_kernel(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
                          float eps) {
-  at::parallel_for(0, rows, grain(dim * 4), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, dim * 4), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
@@ -67,7 +75,7 @@ void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, c
                            int64_t kv_heads, int64_t dim, int64_t cache_tokens) {
   const int64_t half = dim / 2;
   const int64_t row = (heads + 2 * kv_heads) * dim;
-  at::parallel_for(0, tokens, grain(row * 3), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain(tokens, row * 3), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* base = qkv + t * row;
       const float* c = cos + positions[t] * half;
@@ -103,7 +111,7 @@ void decode_attention_kernel(const T* q, const T* cache, const int64_t* block_ta
   int64_t longest = 1;
   for (int64_t r = 0; r < reqs; ++r) longest = std::max(longest, seq_lens[r]);
   const T* values = cache + kv_heads * cache_tokens * dim;
-  at::parallel_for(0, reqs * kv_heads, grain(longest * dim * group * 2, 32768),
+  at::parallel_for(0, reqs * kv_heads, grain(reqs * kv_heads, longest * dim * group * 2),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores;
     for (int64_t w = begin; w < end; ++w) {
@@ -156,7 +164,7 @@ void decode_attention_kernel(const T* q, const T* cache, const int64_t* block_ta
 // out[t, i] = silu(x[t, i]) * x[t, F + i] for x [T, 2F].
 template <typename T>
 void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f) {
-  at::parallel_for(0, rows, grain(f * 8), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(rows, f * 8), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * f;
       const T* up = gate + f;
@@ -293,7 +301,7 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
   const int64_t groups = k_in / 32;
   const int64_t row_bytes = k_in * Bits / 8;
   const QuantizedRows xq = quantize_rows(x, rows, k_in);
-  at::parallel_for(0, n_out, 32, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_out, grain(n_out, rows * k_in), [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
