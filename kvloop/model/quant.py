@@ -36,7 +36,27 @@ KERNEL_DTYPE = torch.bfloat16
 KERNELS = ("kvloop", "torch")
 
 
-class Int4Weight:
+class _QuantWeight:
+    """What both low-bit weights share: shape, activation dtype, the kernel (validated:
+    "kvloop" only where kvloop's CPU ops are built; default: kvloop's where built) and the
+    tensors the kernel reads."""
+
+    tensors: tuple[torch.Tensor, ...]
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, kernel: str | None, bits: int):
+        self.out_features, self.in_features = shape
+        self.dtype = dtype
+        self._ops = cpu_ops.load()
+        self.kernel = kernel or ("kvloop" if self._ops is not None else "torch")
+        if self.kernel not in KERNELS or (self.kernel == "kvloop" and self._ops is None):
+            raise ValueError(f"{bits}-bit kernel {self.kernel!r} is not available")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Int4Weight(_QuantWeight):
     """W [out, in] as 4-bit groups of 32 with a scale and offset each: `matmul(x)` = x @ W.T.
 
     Two kernels: "kvloop" (`cpu_ops.q4_matmul`, the default where kvloop's CPU ops are
@@ -48,13 +68,7 @@ class Int4Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                  dtype: torch.dtype = KERNEL_DTYPE, kernel: str | None = None):
         """q uint8 [out, in] (0..15); scale, offset fp32 [out, in / 32]."""
-        self.out_features, self.in_features = q.shape
-        self.dtype = dtype
-        self._ops = cpu_ops.load()
-        self.kernel = kernel or ("kvloop" if self._ops is not None else "torch")
-        self.tensors: tuple[torch.Tensor, ...]
-        if self.kernel not in KERNELS or (self.kernel == "kvloop" and self._ops is None):
-            raise ValueError(f"4-bit kernel {self.kernel!r} is not available")
+        super().__init__(q.shape, dtype, kernel, 4)
         if self.kernel == "kvloop":
             groups = q.view(self.out_features, -1, 2, GROUP // 2)       # [out, G, 2, 16]
             self.tensors = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
@@ -74,10 +88,6 @@ class Int4Weight:
                             for i in range(3))
         return cls(q, scale, offset, dtype, kernel)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) -> [T, out] in x's dtype."""
         if self.kernel == "kvloop":
@@ -94,7 +104,7 @@ class Int4Weight:
         return self.matmul(eye).float().t().contiguous()
 
 
-class Int8Weight:
+class Int8Weight(_QuantWeight):
     """W [out, in] as int8 groups of 32 with a scale each (Q8_0): `matmul(x)` = x @ W.T.
 
     Kernels: "kvloop" (`cpu_ops.q8_matmul`: the file's int8 values and scales, exactly;
@@ -106,13 +116,7 @@ class Int8Weight:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE,
                  kernel: str | None = None):
         """q int8 [out, in]; scale fp32 [out, in / 32]."""
-        self.out_features, self.in_features = q.shape
-        self.dtype = dtype
-        self._ops = cpu_ops.load()
-        self.kernel = kernel or ("kvloop" if self._ops is not None else "torch")
-        if self.kernel not in KERNELS or (self.kernel == "kvloop" and self._ops is None):
-            raise ValueError(f"8-bit kernel {self.kernel!r} is not available")
-        self.tensors: tuple[torch.Tensor, ...]
+        super().__init__(q.shape, dtype, kernel, 8)
         if self.kernel == "kvloop":
             self.tensors = (q.contiguous(), scale.float().contiguous())
         else:
@@ -124,10 +128,6 @@ class Int8Weight:
                  kernel: str | None = None) -> Int8Weight:
         q, scale = unpack_q8(raw)
         return cls(torch.from_numpy(q), torch.from_numpy(scale), dtype, kernel)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "kvloop":
