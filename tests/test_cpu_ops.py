@@ -78,7 +78,9 @@ def test_decode_attention(dtype, tol, heads, kv_heads, dim, blocks, bs):
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_silu_and_mul(dtype, tol):
     x = torch.randn(5, 3072, generator=torch.Generator().manual_seed(3)).to(dtype)
-    _close(cpu_ops.load().silu_and_mul(x), cpu_ops.torch_silu_and_mul(x), tol)
+    got = cpu_ops.load().silu_and_mul(x)
+    assert got.shape == (5, 1536) and got.dtype == dtype
+    _close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
 def test_the_build_is_keyed_by_source_torch_and_cpu():
