@@ -86,3 +86,59 @@ def test_silu_and_mul(dtype, tol):
 def test_the_build_is_keyed_by_source_torch_and_cpu():
     name = cpu_ops.extension_name()
     assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()
+
+
+# --- kvloop's thread pool (csrc/pool.h) -----------------------------------------------------
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_pool_runs_every_chunk_exactly_once(threads):
+    """`pool_run_ids` fails inside if a chunk runs twice or never; on every size, also more
+    threads than cores."""
+    ops = cpu_ops.load()
+    try:
+        ops.set_pool_threads(threads)
+        assert ops.pool_threads() == threads
+        for n in [0, 1, 2, 7, 1000, 100_000]:
+            assert (ops.pool_run_ids(n) >= 0).all()
+    finally:
+        ops.set_pool_threads(torch.get_num_threads())
+
+
+def test_concurrent_callers_share_the_pool_without_deadlock():
+    """One caller at a time runs on the workers; another meanwhile runs its chunks itself."""
+    import threading
+
+    ops = cpu_ops.load()
+    ops.set_pool_threads(2)
+    errors: list[BaseException] = []
+
+    def hammer():
+        try:
+            for _ in range(200):
+                ops.pool_run_ids(500)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.processes
+def test_a_forked_child_rebuilds_the_pool():
+    """The workers do not survive fork(); the child's first call builds a fresh pool."""
+    import os
+
+    ops = cpu_ops.load()
+    ops.set_pool_threads(2)
+    ops.pool_run_ids(1000)                    # the parent's workers exist
+    pid = os.fork()
+    if pid == 0:                              # child: must not hang or fail
+        try:
+            ok = bool((ops.pool_run_ids(1000) >= 0).all()) and ops.pool_threads() == 2
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0

@@ -209,6 +209,7 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
             q4_runner._update_states(_finish(so))
         return steps
 
+    fused, model.fused_decode = model.fused_decode, None   # the layer loop's choice alone
     try:
         dense = run(LowBitPolicy(0, 0))
         assert seen == {"layers": [], "head": []}
@@ -222,6 +223,7 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
         mixed = run(LowBitPolicy(threshold, 2))
     finally:
         model.low_bit = LowBitPolicy(0, 0)
+        model.fused_decode = fused
         for weight, _ in spied:
             del weight.matmul
     assert seen["layers"] == [t for t in tokens if t <= threshold]
@@ -233,6 +235,48 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
         assert torch.equal(m, d)
     elif t <= threshold and rows <= 2:
         assert torch.equal(m, q)
+
+
+@pytest.mark.skipif(not cpu_ops.available(torch.device("cpu")), reason="CPU ops not built")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_decode_stack_equals_the_layer_loop(q4_runner, threads):
+    """A low-bit step of decodes runs every layer in one `decode_stack` call (steps with a
+    prefill chunk keep the loop), with logits exactly the layer loop's, on 1 or 2 threads."""
+    from tests.test_model_tiny import mixed_batch_steps
+
+    model = q4_runner.model
+    fused = model.fused_decode
+    assert fused is not None
+    calls: list[int] = []
+    forward = fused.forward
+
+    def spy(embedded, *args):
+        calls.append(embedded.shape[0])
+        return forward(embedded, *args)
+
+    def run(use_fused):
+        model.fused_decode = fused if use_fused else None
+        logits = []
+        for so, _ in mixed_batch_steps(np.random.default_rng(9)):
+            logits.append(q4_runner.forward(so)[1])
+        for so, _ in mixed_batch_steps(np.random.default_rng(9)):
+            q4_runner._update_states(_finish(so))
+        return logits
+
+    cpu_ops.set_pool_threads(threads)
+    fused.forward = spy
+    model.low_bit = LowBitPolicy(1000, 1000)
+    try:
+        loop, stack = run(False), run(True)
+    finally:
+        model.low_bit = LowBitPolicy(0, 0)
+        model.fused_decode = fused
+        del fused.forward
+        cpu_ops.set_pool_threads(torch.get_num_threads())
+    assert calls == [3]                   # step 3 alone is all decodes (A, B, C)
+    assert len(loop) == len(stack) == 3
+    for a, b in zip(loop, stack, strict=True):
+        assert torch.equal(a, b)
 
 
 def _recording(matmul, rows: list[int]):

@@ -12,7 +12,10 @@ the twins run where the extension is absent (no compiler, another device, or
   K and V into the layer's cache [2, K, blocks, block_size, D] at `slots`;
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
-- `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:].
+- `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
+- `decode_stack(...)` (extension only, no twin: its oracle is the Python layer loop, see
+  `kvloop.model.llama.FusedDecode`): every decoder layer of a step of decodes in one call,
+  with the 4-bit weights, on kvloop's own thread pool (csrc/pool.h).
 
 Building: `python -m kvloop.model.cpu_ops` (the Makefile's install step) compiles it with
 `torch.utils.cpp_extension` (-O3 -march=native) into `.venv`-independent cache
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+HEADERS = [Path(__file__).parent / "csrc" / "pool.h"]
 CACHE_ROOT = Path(os.environ.get("KVLOOP_CACHE", Path.home() / ".cache" / "kvloop"))
 ENV_SWITCH = "KVLOOP_CPU_OPS"          # "0": never use the extension
 # -fopenmp: at::parallel_for is a header template that runs serially unless _OPENMP is
@@ -50,7 +54,8 @@ _tried = False
 def extension_name() -> str:
     """Name of this source's build for this torch and this CPU."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for path in [SOURCE, *HEADERS]:
+        key.update(path.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_FLAGS).encode())
     key.update(_cpu_flags().encode())
@@ -150,6 +155,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if ops is not None:
         return ops.silu_and_mul(x)
     return torch_silu_and_mul(x)
+
+
+def set_pool_threads(threads: int) -> None:
+    """Size kvloop's own thread pool (csrc/pool.h: the low-bit matmuls and the fused decode
+    stack run on it), caller included; a no-op without the extension."""
+    ops = load()
+    if ops is not None:
+        ops.set_pool_threads(threads)
 
 
 # --- the pure-torch twins -------------------------------------------------------------------

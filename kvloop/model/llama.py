@@ -18,6 +18,7 @@ H = heads, K = kv heads, D = head_dim. Inside the forward pass submodules are ca
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata, paged_attention
 from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
-from kvloop.model.quant import LowBitPolicy, LowBitWeight, low_bit_weight
+from kvloop.model.quant import Int4Weight, LowBitPolicy, LowBitWeight, low_bit_weight
 
 
 class Linear(nn.Module):
@@ -223,6 +224,8 @@ class LlamaModel(nn.Module):
                               low_bit=get.low_bit(head))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
+        self.fused_decode = FusedDecode.build(config, cast(list[DecoderLayer],
+                                                           list(self.layers)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -230,10 +233,14 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32."""
         h = F.embedding(input_ids, self.embed_tokens)                # [T, hidden]
         residual: torch.Tensor | None = None
-        low_bit = self.low_bit.layers(input_ids.shape[0])
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache, meta,
-                                        low_bit)
+        num_tokens = input_ids.shape[0]
+        low_bit = self.low_bit.layers(num_tokens)
+        if low_bit and self.fused_decode is not None and meta.num_decodes == num_tokens:
+            h, residual = self.fused_decode.forward(h, positions, self.rotary, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache,
+                                            meta, low_bit)
         assert residual is not None
         h = self.norm(residual[logits_indices] + h[logits_indices])  # [S, hidden]
         return self.lm_head.forward(h, self.low_bit.head(h.shape[0])).float()  # [S, V]
@@ -242,6 +249,55 @@ class LlamaModel(nn.Module):
         """Every linear layer, the LM head last."""
         return [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head
                 ] + [self.lm_head]
+
+
+class FusedDecode:
+    """Every decoder layer of a step of decodes (one query token per request) in one
+    `decode_stack` call of kvloop's CPU ops, with the 4-bit weights: the same kernels in the
+    same order as the layer loop with `low_bit`, so the same results, without ~250 Python
+    calls and thread hand-offs per step; it runs on kvloop's own thread pool, whose workers
+    stay awake through the step (csrc/pool.h).
+
+    `build` returns None (the layer loop serves) unless the CPU ops are built and every
+    linear layer has a 4-bit copy on kvloop's kernel and no bias.
+    """
+
+    def __init__(self, ops: object, config: ModelConfig, norms: list[torch.Tensor],
+                 quantized: list[torch.Tensor]):
+        self.ops = ops
+        self.config = config
+        self.norms = norms
+        self.quantized = quantized
+
+    @classmethod
+    def build(cls, config: ModelConfig, layers: list[DecoderLayer]) -> FusedDecode | None:
+        ops = cpu_ops.load()
+        if ops is None or not layers:
+            return None
+        quantized: list[torch.Tensor] = []
+        for layer in layers:
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                weight = linear.low_bit
+                if not (isinstance(weight, Int4Weight) and weight.kernel == "kvloop"
+                        and linear.bias is None):
+                    return None
+                quantized.extend(weight.tensors)
+        norms = [w for layer in layers for w in (layer.input_layernorm.weight.data,
+                                                 layer.post_attention_layernorm.weight.data)]
+        return cls(ops, config, norms, quantized)
+
+    def forward(self, embedded: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embedded [T, hidden] of T decodes -> (h, residual) as the layer loop returns them."""
+        assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+        c = self.config
+        return self.ops.decode_stack(  # type: ignore[attr-defined,no-any-return]
+            embedded, self.norms, self.quantized, kv_caches, positions, meta.slot_mapping,
+            rotary.cos, rotary.sin, meta.decode_block_table, meta.decode_seq_lens,
+            c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
+            c.rms_norm_eps, c.head_dim ** -0.5)
 
 
 class _WeightGetter:

@@ -22,7 +22,7 @@ from kvloop.config import (
     check_device,
     check_dtype,
 )
-from kvloop.model import DEFAULT_KV_CACHE_MEMORY
+from kvloop.model import DEFAULT_KV_CACHE_MEMORY, cpu_ops
 from kvloop.model.crossover import measure_policy
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
@@ -111,15 +111,17 @@ def cpu_has_native_bf16() -> bool:
 
 def set_cpu_threads(num_threads: int | None = None) -> None:
     """torch intra-op threads = `num_threads`; by default OMP_NUM_THREADS when the user set
-    it (torch already read it), else the cores this process may use."""
+    it (torch already read it), else the cores this process may use. kvloop's own thread
+    pool (`cpu_ops.set_pool_threads`) gets as many."""
     if num_threads is not None and num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-    if num_threads is None and os.environ.get("OMP_NUM_THREADS"):
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = num_threads or cores
-    if threads and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    if num_threads is not None or not os.environ.get("OMP_NUM_THREADS"):
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+        threads = num_threads or cores
+        if threads and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    cpu_ops.set_pool_threads(torch.get_num_threads())   # kvloop's own pool: as many
 
 
 def _elem_size(dtype: torch.dtype) -> int:

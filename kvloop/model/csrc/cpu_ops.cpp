@@ -5,9 +5,13 @@
 // dispatch and thread wake-ups than in arithmetic. These ops do one layer's norm, RoPE + KV
 // write, decode attention and SwiGLU in one call each, looping in plain C++ (fp32 math,
 // vectorised by the compiler), parallel over rows with at::parallel_for (torch's own thread
-// pool: no second OpenMP runtime).
+// pool: no second OpenMP runtime) or, for the low-bit decode path, on kvloop's pool
+// (pool.h): the quantized matmuls and `decode_stack`, the whole decoder for a step of
+// decodes in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "pool.h"
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -36,11 +40,29 @@ inline int64_t grain(int64_t rows, int64_t row_cost) {
   return std::max<int64_t>(1, kTaskWork / row_cost);
 }
 
+// On kvloop's pool (`pooled`) the break-even is far lower: its workers are awake during a
+// decode step, so a region costs a few atomics, not a futex wake-up.
+constexpr int64_t kPoolWork = 1 << 16;
+constexpr int64_t kPoolTask = 1 << 15;
+
+// fn(begin, end) over `rows` rows of `row_cost` operations each: on kvloop's pool or torch's.
+template <typename Fn>
+void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn) {
+  row_cost = std::max<int64_t>(1, row_cost);
+  if (!pooled) {
+    at::parallel_for(0, rows, grain(rows, row_cost), fn);
+  } else if (rows * row_cost < kPoolWork) {
+    if (rows > 0) fn(0, rows);
+  } else {
+    kvloop::pool_for(rows, std::max<int64_t>(1, kPoolTask / row_cost), fn);
+  }
+}
+
 // residual += x (when residual is given); x = residual / rms(residual) * weight.
 template <typename T>
 void add_rms_norm_kernel(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
-                         float eps) {
-  at::parallel_for(0, rows, grain(rows, dim * 4), [&](int64_t begin, int64_t end) {
+                         float eps, bool pooled) {
+  par_for(pooled, rows, dim * 4, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
@@ -72,10 +94,10 @@ void add_rms_norm_kernel(T* x, T* residual, const T* weight, int64_t rows, int64
 template <typename T>
 void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, const float* sin,
                            T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t cache_tokens) {
+                           int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled) {
   const int64_t half = dim / 2;
   const int64_t row = (heads + 2 * kv_heads) * dim;
-  at::parallel_for(0, tokens, grain(tokens, row * 3), [&](int64_t begin, int64_t end) {
+  par_for(pooled, tokens, row * 3, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* base = qkv + t * row;
       const float* c = cos + positions[t] * half;
@@ -102,17 +124,19 @@ void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, c
 
 // One query token per request: out[r, h] = softmax(q[r, h] . K[r]^T * scale) V[r], keys read
 // in place from the paged cache through block_table; the query heads of a KV head together.
+// q's rows are `q_row` elements apart (heads * dim when contiguous; more when q is the first
+// part of a fused qkv row).
 template <typename T>
-void decode_attention_kernel(const T* q, const T* cache, const int64_t* block_table,
-                             const int64_t* seq_lens, T* out, int64_t reqs, int64_t heads,
-                             int64_t kv_heads, int64_t dim, int64_t block_size,
-                             int64_t cache_tokens, int64_t max_blocks, float scale) {
+void decode_attention_kernel(const T* q, int64_t q_row, const T* cache,
+                             const int64_t* block_table, const int64_t* seq_lens, T* out,
+                             int64_t reqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                             int64_t block_size, int64_t cache_tokens, int64_t max_blocks,
+                             float scale, bool pooled) {
   const int64_t group = heads / kv_heads;
   int64_t longest = 1;
   for (int64_t r = 0; r < reqs; ++r) longest = std::max(longest, seq_lens[r]);
   const T* values = cache + kv_heads * cache_tokens * dim;
-  at::parallel_for(0, reqs * kv_heads, grain(reqs * kv_heads, longest * dim * group * 2),
-                   [&](int64_t begin, int64_t end) {
+  par_for(pooled, reqs * kv_heads, longest * dim * group * 2, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
@@ -120,7 +144,7 @@ void decode_attention_kernel(const T* q, const T* cache, const int64_t* block_ta
       scores.assign(group * len, 0.f);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < dim; ++i)
-          qf[g * dim + i] = to_f(q[(r * heads + kh * group + g) * dim + i]) * scale;
+          qf[g * dim + i] = to_f(q[r * q_row + (kh * group + g) * dim + i]) * scale;
       const T* keys = cache + kh * cache_tokens * dim;
       for (int64_t t = 0; t < len; ++t) {
         const T* k = keys + (blocks[t / block_size] * block_size + t % block_size) * dim;
@@ -163,8 +187,8 @@ void decode_attention_kernel(const T* q, const T* cache, const int64_t* block_ta
 
 // out[t, i] = silu(x[t, i]) * x[t, F + i] for x [T, 2F].
 template <typename T>
-void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f) {
-  at::parallel_for(0, rows, grain(rows, f * 8), [&](int64_t begin, int64_t end) {
+void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f, bool pooled) {
+  par_for(pooled, rows, f * 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * 2 * f;
       const T* up = gate + f;
@@ -301,7 +325,7 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
   const int64_t groups = k_in / 32;
   const int64_t row_bytes = k_in * Bits / 8;
   const QuantizedRows xq = quantize_rows(x, rows, k_in);
-  at::parallel_for(0, n_out, grain(n_out, rows * k_in), [&](int64_t begin, int64_t end) {
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
@@ -322,6 +346,66 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The decoder stack for a step of decodes (one query token per request), every layer in one
+// call on kvloop's pool; the same kernels, in the same order, as the Python layer loop of
+// kvloop/model/llama.py with low-bit weights, so the results are identical.
+struct QuantOperand {
+  const uint8_t* qs;
+  const float* scale;
+  const float* offset;
+  int64_t n_out;
+};
+
+struct StackShape {
+  int64_t tokens, hidden, heads, kv_heads, dim, ffn, layers;
+};
+
+template <typename T>
+void q4_into(const T* x, const QuantOperand& w, T* y, int64_t rows, int64_t k_in) {
+  quant_matmul_kernel<4, T>(x, w.qs, w.scale, w.offset, y, rows, w.n_out, k_in);
+}
+
+template <typename T>
+void stack_layer(const StackShape& s, int64_t l, T* h, T* residual, T* qkv, T* attn, T* gu,
+                 T* act, const std::vector<at::Tensor>& norms, const QuantOperand* w,
+                 at::Tensor& cache, const int64_t* positions, const int64_t* slots,
+                 const float* cos, const float* sin, const int64_t* block_table,
+                 int64_t max_blocks, const int64_t* seq_lens, float eps, float scale) {
+  const int64_t T_ = s.tokens, qkv_row = (s.heads + 2 * s.kv_heads) * s.dim;
+  const int64_t cache_tokens = cache.size(2) * cache.size(3);
+  T* kv = cache.data_ptr<T>();
+  add_rms_norm_kernel<T>(h, l == 0 ? nullptr : residual, norms[2 * l].data_ptr<T>(), T_,
+                         s.hidden, eps, true);
+  q4_into<T>(h, w[0], qkv, T_, s.hidden);
+  rope_and_cache_kernel<T>(qkv, positions, cos, sin, kv, slots, T_, s.heads, s.kv_heads,
+                           s.dim, cache_tokens, true);
+  decode_attention_kernel<T>(qkv, qkv_row, kv, block_table, seq_lens, attn, T_, s.heads,
+                             s.kv_heads, s.dim, cache.size(3), cache_tokens, max_blocks,
+                             scale, true);
+  q4_into<T>(attn, w[1], h, T_, s.heads * s.dim);
+  add_rms_norm_kernel<T>(h, residual, norms[2 * l + 1].data_ptr<T>(), T_, s.hidden, eps,
+                         true);
+  q4_into<T>(h, w[2], gu, T_, s.hidden);
+  silu_and_mul_kernel<T>(gu, act, T_, s.ffn, true);
+  q4_into<T>(act, w[3], h, T_, s.ffn);
+}
+
+std::vector<QuantOperand> quant_operands(const std::vector<at::Tensor>& quant, int64_t layers) {
+  TORCH_CHECK(static_cast<int64_t>(quant.size()) == 12 * layers,
+              "decode_stack: 12 quantized tensors per layer (qs, scale, offset of qkv, o, "
+              "gate_up, down)");
+  std::vector<QuantOperand> out;
+  for (int64_t i = 0; i < 4 * layers; ++i) {
+    const at::Tensor &qs = quant[3 * i], &sc = quant[3 * i + 1], &of = quant[3 * i + 2];
+    check_cpu_contiguous(qs, "qs");
+    check_cpu_contiguous(sc, "scale");
+    check_cpu_contiguous(of, "offset");
+    out.push_back({static_cast<const uint8_t*>(qs.data_ptr()), sc.data_ptr<float>(),
+                   of.data_ptr<float>(), qs.size(0)});
+  }
+  return out;
+}
+
 }  // namespace
 
 void add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight,
@@ -336,7 +420,7 @@ void add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, const at::Te
       res = residual->data_ptr<scalar_t>();
     }
     add_rms_norm_kernel<scalar_t>(x.data_ptr<scalar_t>(), res, weight.data_ptr<scalar_t>(),
-                                  x.numel() / dim, dim, static_cast<float>(eps));
+                                  x.numel() / dim, dim, static_cast<float>(eps), false);
   });
 }
 
@@ -352,7 +436,7 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
     rope_and_cache_kernel<scalar_t>(
         qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
         sin.data_ptr<float>(), cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-        qkv.size(0), heads, kv_heads, dim, cache_tokens);
+        qkv.size(0), heads, kv_heads, dim, cache_tokens, false);
   });
 }
 
@@ -367,10 +451,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     decode_attention_kernel<scalar_t>(
-        q.data_ptr<scalar_t>(), cache.data_ptr<scalar_t>(), block_table.data_ptr<int64_t>(),
-        seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), reqs, heads, cache.size(1), dim,
-        cache.size(3), cache.size(2) * cache.size(3), block_table.size(1),
-        static_cast<float>(scale));
+        q.data_ptr<scalar_t>(), heads * dim, cache.data_ptr<scalar_t>(),
+        block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+        out.data_ptr<scalar_t>(), reqs, heads, cache.size(1), dim, cache.size(3),
+        cache.size(2) * cache.size(3), block_table.size(1), static_cast<float>(scale), false);
   });
   return out;
 }
@@ -381,7 +465,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   auto out = at::empty({x.numel() / (2 * f), f}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_kernel<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
-                                  x.numel() / (2 * f), f);
+                                  x.numel() / (2 * f), f, false);
   });
   return out;
 }
@@ -417,6 +501,65 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return quant_matmul<8>(x, qs, scale, nullptr);
 }
 
+// h [T, hidden]: the embedded tokens of a step of T decodes -> (h, residual) after the last
+// layer (the stream is their sum), as the Python layer loop returns them. norms: 2 per layer
+// (input, post-attention); quant: 12 per layer; caches: one per layer.
+std::tuple<at::Tensor, at::Tensor> decode_stack(
+    const at::Tensor& embedded, const std::vector<at::Tensor>& norms,
+    const std::vector<at::Tensor>& quant, std::vector<at::Tensor> caches,
+    const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    int64_t heads, int64_t kv_heads, int64_t ffn, double eps, double scale) {
+  check_cpu_contiguous(embedded, "embedded");
+  check_cpu_contiguous(block_table, "block_table");
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers, "decode_stack: 2 norms a layer");
+  const auto w = quant_operands(quant, layers);
+  for (const auto& c : caches) check_cpu_contiguous(c, "cache");
+  const StackShape s{embedded.size(0), embedded.size(1), heads, kv_heads, caches[0].size(-1),
+                     ffn, layers};
+  TORCH_CHECK(block_table.size(0) == s.tokens && seq_lens.size(0) == s.tokens,
+              "decode_stack: one block-table row and sequence length per token");
+  auto h = embedded.clone(), residual = embedded.clone();
+  auto qkv = at::empty({s.tokens, (heads + 2 * kv_heads) * s.dim}, embedded.options());
+  auto attn = at::empty({s.tokens, heads * s.dim}, embedded.options());
+  auto gu = at::empty({s.tokens, 2 * ffn}, embedded.options());
+  auto act = at::empty({s.tokens, ffn}, embedded.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "decode_stack", [&] {
+    for (int64_t l = 0; l < layers; ++l)
+      stack_layer<scalar_t>(s, l, h.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                            qkv.data_ptr<scalar_t>(), attn.data_ptr<scalar_t>(),
+                            gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), norms,
+                            w.data() + 4 * l, caches[l], positions.data_ptr<int64_t>(),
+                            slots.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                            sin.data_ptr<float>(), block_table.data_ptr<int64_t>(),
+                            block_table.size(1), seq_lens.data_ptr<int64_t>(),
+                            static_cast<float>(eps), static_cast<float>(scale));
+  });
+  return {h, residual};
+}
+
+void set_pool_threads(int64_t threads) {
+  TORCH_CHECK(threads >= 1, "pool threads must be >= 1");
+  kvloop::Pool::get(static_cast<int>(threads));
+}
+
+int64_t pool_threads() { return kvloop::Pool::get().threads(); }
+
+// fn(i) for i in [0, n) on the pool, recording which thread ran each (tests of the pool).
+at::Tensor pool_run_ids(int64_t n) {
+  auto out = at::full({n}, -1, at::kLong);
+  int64_t* ids = out.data_ptr<int64_t>();
+  std::vector<std::atomic<int64_t>> hits(n);
+  kvloop::Pool::get().run(n, [&](int64_t i) {
+    hits[i].fetch_add(1);
+    ids[i] = static_cast<int64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()) & 0x7fffffff);
+  });
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(hits[i].load() == 1, "pool ran chunk ", i, " ", hits[i].load(), " times");
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x)");
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
@@ -424,4 +567,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("decode_stack", &decode_stack, "every decoder layer for a step of decodes, low-bit");
+  m.def("set_pool_threads", &set_pool_threads, "threads of kvloop's pool (caller included)");
+  m.def("pool_threads", &pool_threads, "threads of kvloop's pool (caller included)");
+  m.def("pool_run_ids", &pool_run_ids, "run n chunks on the pool; the thread of each");
 }
