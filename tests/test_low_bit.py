@@ -113,9 +113,15 @@ def test_crossover_from_a_timing_table():
     assert crossover({}) == 0
     with pytest.raises(ValueError):
         LowBitPolicy(-1, 0)
+    with pytest.raises(ValueError):
+        LowBitPolicy(1, 1, -1)
     policy = LowBitPolicy(8, 2)
     assert [policy.layers(n) for n in (1, 8, 9)] == [True, True, False]
     assert [policy.head(n) for n in (2, 3)] == [True, False]
+    assert [policy.fused_decode(n) for n in (8, 9)] == [True, False]   # None: as the layers
+    fused_further = LowBitPolicy(8, 2, 32)
+    assert [fused_further.fused_decode(n) for n in (32, 33)] == [True, False]
+    assert not LowBitPolicy(8, 2, 0).fused_decode(1)
 
 
 # --- a tiny GGUF with Q4_1 layers -----------------------------------------------------------
@@ -277,6 +283,30 @@ def test_fused_decode_stack_equals_the_layer_loop(q4_runner, threads):
     assert len(loop) == len(stack) == 3
     for a, b in zip(loop, stack, strict=True):
         assert torch.equal(a, b)
+    calls.clear()
+    fused.forward = spy
+    model.low_bit = LowBitPolicy(1000, 1000, 2)          # 3 decodes: over the fused limit
+    try:
+        unfused = run(True)
+    finally:
+        model.low_bit = LowBitPolicy(0, 0)
+        del fused.forward
+    assert calls == [] and torch.equal(unfused[2], loop[2])
+
+
+def test_measured_policy_times_fused_decode_steps_too(q4_runner, caplog):
+    """On the tiny model (where every count is cheap) the start-up measurement yields a
+    policy for all three paths and logs each table."""
+    import logging
+
+    from kvloop.model.crossover import measure_policy
+
+    with caplog.at_level(logging.INFO, logger="kvloop.model.crossover"):
+        policy = measure_policy(q4_runner.model, sizes=(1, 2, 4))
+    assert policy.max_decode_tokens is not None
+    line = caplog.records[-1].getMessage()
+    assert "decode steps dense/fused 1: " in line and "layers 1: " in line
+    assert q4_runner.model.low_bit == LowBitPolicy(0, 0)     # measuring does not set it
 
 
 def _recording(matmul, rows: list[int]):

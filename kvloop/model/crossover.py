@@ -8,6 +8,12 @@ depends on the CPU's vector units and memory, so it is measured: for growing tok
 the dense and the low-bit matmuls of a few layers (enough weights to stream from memory, as a
 real step does) and of the LM head are timed, and the policy keeps the low-bit path up to the
 largest count where it is faster at that count and every smaller one (`crossover`).
+
+Steps of decodes alone can run every layer fused (`llama.FusedDecode`: the low-bit kernels
+with no Python between them, on kvloop's own thread pool), which wins up to larger counts
+than the matmuls alone say; so those steps are timed too, whole (norms, RoPE, attention over
+a one-token context, both ways alike) on the same layers: the dense layer loop against the
+fused stack, giving `LowBitPolicy.max_decode_tokens`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvloop.model.llama import Linear, LlamaModel
+from kvloop.model.attention import AttentionMetadata
+from kvloop.model.llama import DecoderLayer, FusedDecode, Linear, LlamaModel
 from kvloop.model.quant import LowBitPolicy
 
 logger = logging.getLogger(__name__)
@@ -49,10 +56,14 @@ def measure_policy(model: LlamaModel, sizes: tuple[int, ...] = SIZES) -> LowBitP
     head = [model.lm_head] if model.lm_head.low_bit is not None else []
     layer_times = _time_sizes(layers, sizes, model.dtype) if layers else {}
     head_times = _time_sizes(head, sizes, model.dtype) if head else {}
-    policy = LowBitPolicy(crossover(layer_times), crossover(head_times))
-    logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows "
-                "(measured ms dense/low-bit: layers %s; head %s)", policy.max_tokens,
-                policy.max_logits_rows, _fmt(layer_times), _fmt(head_times))
+    decode_times = _time_decode_steps(model, sizes) if model.fused_decode else {}
+    policy = LowBitPolicy(crossover(layer_times), crossover(head_times),
+                          crossover(decode_times) if decode_times else None)
+    logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows, "
+                "decode steps fused up to %s (measured ms dense/low-bit: layers %s; head %s;"
+                " decode steps dense/fused %s)", policy.max_tokens, policy.max_logits_rows,
+                policy.max_decode_tokens, _fmt(layer_times), _fmt(head_times),
+                _fmt(decode_times))
     return policy
 
 
@@ -75,6 +86,52 @@ def _time_sizes(linears: list[Linear], sizes: tuple[int, ...], dtype: torch.dtyp
             if losses >= 2:
                 break
     return out
+
+
+def _time_decode_steps(model: LlamaModel, sizes: tuple[int, ...]
+                       ) -> dict[int, tuple[float, float]]:
+    """Steps of `size` decodes on the first layers: the dense layer loop against the fused
+    stack (each request one cached token in a block of its own)."""
+    layers = [layer for layer in list(model.layers)[:LAYERS_TIMED]
+              if isinstance(layer, DecoderLayer)]
+    fused = FusedDecode.build(model.config, layers)
+    if fused is None:
+        return {}
+    out: dict[int, tuple[float, float]] = {}
+    losses = 0
+    with torch.inference_mode():
+        for size in sizes:
+            x, positions, caches, meta = _decode_inputs(model, len(layers), size)
+            dense = functools.partial(_dense_decode, layers, x, positions, model, caches, meta)
+            stack = functools.partial(fused.forward, x, positions, model.rotary, caches, meta)
+            out[size] = _best_of_interleaved(dense, stack)
+            losses += out[size][1] >= out[size][0]
+            if losses >= 2:
+                break
+    return out
+
+
+def _decode_inputs(model: LlamaModel, num_layers: int, size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+    """Hidden states, positions, KV caches (blocks of one token) and metadata for `size`
+    decodes with one cached token each."""
+    c = model.config
+    x = torch.randn(size, c.hidden_size, dtype=model.dtype)
+    caches = [torch.zeros(2, c.num_key_value_heads, size + 1, 1, c.head_dim, dtype=model.dtype)
+              for _ in range(num_layers)]
+    blocks = torch.arange(1, size + 1, dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=blocks, num_decodes=size,
+                             decode_block_table=blocks.view(size, 1).contiguous(),
+                             decode_seq_lens=torch.ones(size, dtype=torch.int64))
+    return x, torch.zeros(size, dtype=torch.int64), caches, meta
+
+
+def _dense_decode(layers: list[DecoderLayer], x: torch.Tensor, positions: torch.Tensor,
+                  model: LlamaModel, caches: list[torch.Tensor], meta: AttentionMetadata
+                  ) -> None:
+    h, residual = x, None
+    for layer, cache in zip(layers, caches, strict=True):
+        h, residual = layer.forward(h, residual, positions, model.rotary, cache, meta, False)
 
 
 def _run(linears: list[Linear], inputs: list[torch.Tensor], low_bit: bool) -> None:

@@ -235,7 +235,8 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         num_tokens = input_ids.shape[0]
         low_bit = self.low_bit.layers(num_tokens)
-        if low_bit and self.fused_decode is not None and meta.num_decodes == num_tokens:
+        if (self.fused_decode is not None and meta.num_decodes == num_tokens
+                and self.low_bit.fused_decode(num_tokens)):
             h, residual = self.fused_decode.forward(h, positions, self.rotary, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

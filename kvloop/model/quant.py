@@ -178,13 +178,16 @@ def low_bit_weight(parts: list[RawTensor | None], device: torch.device) -> LowBi
 @dataclass(frozen=True)
 class LowBitPolicy:
     """Which steps use the low-bit weights: the decoder layers when the step has at most
-    `max_tokens` tokens, the LM head when at most `max_logits_rows` rows sample (0: never)."""
+    `max_tokens` tokens, the LM head when at most `max_logits_rows` rows sample (0: never);
+    a step of decodes alone (one token per request) with at most `max_decode_tokens` tokens
+    runs every layer fused (`llama.FusedDecode`, low-bit; None: as `max_tokens` says)."""
 
     max_tokens: int = 0
     max_logits_rows: int = 0
+    max_decode_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0 or self.max_logits_rows < 0:
+        if self.max_tokens < 0 or self.max_logits_rows < 0 or (self.max_decode_tokens or 0) < 0:
             raise ValueError("low-bit thresholds must be >= 0")
 
     def layers(self, num_tokens: int) -> bool:
@@ -192,3 +195,7 @@ class LowBitPolicy:
 
     def head(self, num_rows: int) -> bool:
         return num_rows <= self.max_logits_rows
+
+    def fused_decode(self, num_tokens: int) -> bool:
+        limit = self.max_tokens if self.max_decode_tokens is None else self.max_decode_tokens
+        return num_tokens <= limit
