@@ -116,6 +116,35 @@ def test_table_of_fixed_figures_has_ratios_targets_and_verdicts() -> None:
                         "| >= 1.25 | - |")
 
 
+def test_contention_runs_quiet_then_busy_and_compares_the_shares_kept() -> None:
+    assert list(lc.contention_order(2)) == [
+        (rep, cond, server) for rep in (0, 1) for cond in ("quiet", "busy")
+        for server in ("kvloop", "llama.cpp")]
+    meds = {"contention quiet": {"kvloop": {"output tok/s": 100.0},
+                                 "llama.cpp": {"output tok/s": 60.0}},
+            "contention busy": {"kvloop": {"output tok/s": 90.0},
+                                "llama.cpp": {"output tok/s": 30.0}}}
+    rows = lc.contention_rows(meds)
+    assert [(r["server"], r["share"], r["met"]) for r in rows] == [
+        ("kvloop", 0.9, True), ("llama.cpp", 0.5, None)]
+    meds["contention busy"]["kvloop"]["output tok/s"] = 40.0      # 40% < llama's 50%
+    assert lc.contention_rows(meds)[0]["met"] is False
+    del meds["contention busy"]["llama.cpp"]                      # llama never measured
+    assert lc.contention_rows(meds)[0]["met"] is None
+    table = lc.format_contention(rows).splitlines()
+    assert table[2] == "| kvloop | 100 | 90 | 90% | yes |"
+    case = lc.contention_case(quick=False)
+    assert case.bench_args[:6] == ("--workload", "random", "--num-requests", "16",
+                                   "--concurrency", "8")
+
+
+@pytest.mark.processes
+def test_the_busy_core_is_a_process_that_ends_with_the_block() -> None:
+    with lc.busy_core() as proc:
+        assert proc.args[-1] == lc.SPIN_LOOP and proc.poll() is None
+    assert proc.poll() is not None
+
+
 def test_load_table_lists_every_run() -> None:
     text = lc.format_loads([_record("random c=1", 0, "kvloop", tps=1.0)])
     assert text.splitlines()[2] == "| serving | 1 | random c=1 | kvloop | 1.00 | 2.00 | 3.00 |"

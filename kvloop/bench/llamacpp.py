@@ -16,7 +16,11 @@ nothing when both binaries are there, and writes the llama.cpp commit it built t
    both up, then every case of `serving_cases` run as `kvloop bench` would run it against
    kvloop, then against llama-server, then kvloop again..., `--repeats` times, fresh prompts
    in every repetition (the same for both servers);
-3. a markdown table of medians with the ratio kvloop / llama.cpp and the target of each
+3. with `--contention`: random 256/128 at c=8 on each server, quiet and then with another
+   process keeping one core busy (a Python spin loop), alternating, `--repeats` times; the
+   share of its quiet throughput each server keeps (issue 15: kvloop's share must be at least
+   llama-server's); requests of the busy runs time out after `--contention-timeout` s;
+4. a markdown table of medians with the ratio kvloop / llama.cpp and the target of each
    figure, the machine's load average before every run, and (`--json-out`) all of it as JSON.
 
 Both servers run in their own process groups and are stopped (SIGTERM, then SIGKILL) when
@@ -37,7 +41,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +82,8 @@ class Settings:
     llama_args: tuple[str, ...] = ()
     engine: bool = True
     serving: bool = True
+    contention: bool = False
+    contention_timeout_s: float = 300.0
     json_out: str | None = None
 
     def __post_init__(self) -> None:
@@ -276,7 +282,7 @@ ENGINE_CASE = Case("engine", "the engine alone", ())
 class Record:
     """One measured run of one side: the figures it gave and the load average before it."""
 
-    phase: str            # "engine" or "serving"
+    phase: str            # "engine", "serving" or "contention"
     case: str             # Case.key, or "engine"
     rep: int
     server: str           # KVLOOP or LLAMA
@@ -483,6 +489,83 @@ def servers(settings: Settings, paths: BuildPaths) -> Iterator[dict[str, str]]:
             stop_group(proc, settings.stop_timeout_s)
 
 
+# --- contention -----------------------------------------------------------------------------
+
+QUIET, BUSY = "quiet", "busy"
+SPIN_LOOP = "while True: pass"     # the other process: one core kept busy
+
+
+def contention_case(quick: bool, scale: float = 1.0) -> Case:
+    """random 256/128 at c=8 (issue 15's contention workload), 16 requests at scale 1."""
+    return _random(max(1, round(2 * scale)), 8, 64, 16) if quick else \
+        _random(max(1, round(16 * scale)), 8, 256, 128)
+
+
+@contextlib.contextmanager
+def busy_core() -> Iterator[subprocess.Popen[bytes]]:
+    """Another process spinning on one core while inside (killed on the way out)."""
+    proc = subprocess.Popen([sys.executable, "-c", SPIN_LOOP])
+    try:
+        time.sleep(1.0)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def contention_order(repeats: int) -> Iterator[tuple[int, str, str]]:
+    """(rep, condition, server): each repetition quiet on both servers, then busy on both."""
+    for rep in range(repeats):
+        for condition in (QUIET, BUSY):
+            for server in SERVERS:
+                yield rep, condition, server
+
+
+def contention_records(settings: Settings, paths: BuildPaths) -> list[Record]:
+    case = contention_case(settings.quick, settings.scale)
+    busy_settings = replace(settings, request_timeout_s=settings.contention_timeout_s)
+    records = []
+    with servers(settings, paths) as urls:
+        for rep, condition, server in contention_order(settings.repeats):
+            with busy_core() if condition == BUSY else contextlib.nullcontext():
+                load = os.getloadavg()
+                print(f"[contention] rep {rep + 1}/{settings.repeats} {condition} on {server} "
+                      f"(load {load[0]:.1f})", flush=True)
+                out = bench_once(case, 500 + rep, urls[server], server,
+                                 busy_settings if condition == BUSY else settings)
+            records.append(Record("contention", f"contention {condition}", rep, server, load,
+                                  out.pop("figures"), out))
+    return records
+
+
+def contention_rows(meds: dict[str, dict[str, dict[str, float | None]]]
+                    ) -> list[dict[str, Any]]:
+    """Per server: quiet and busy median output tok/s and the share kept; kvloop's row says
+    whether its share is at least llama.cpp's."""
+    figure = "output tok/s"
+    rows: list[dict[str, Any]] = []
+    for server in SERVERS:
+        quiet = meds.get(f"contention {QUIET}", {}).get(server, {}).get(figure)
+        busy = meds.get(f"contention {BUSY}", {}).get(server, {}).get(figure)
+        share = None if quiet is None or busy is None or not quiet else busy / quiet
+        rows.append({"server": server, QUIET: quiet, BUSY: busy, "share": share})
+    ours, theirs = rows[0]["share"], rows[1]["share"]
+    rows[0]["met"] = None if ours is None or theirs is None else ours >= theirs
+    rows[1]["met"] = None
+    return rows
+
+
+def format_contention(rows: list[dict[str, Any]]) -> str:
+    lines = ["| server | quiet tok/s | one core busy tok/s | share kept | at least llama's |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        share = "-" if r["share"] is None else f"{100 * r['share']:.0f}%"
+        met = {True: "yes", False: "no", None: "-"}[r["met"]]
+        lines.append(f"| {r['server']} | {_fmt(r[QUIET])} | {_fmt(r[BUSY])} | {share} | "
+                     f"{met} |")
+    return "\n".join(lines)
+
+
 def serving_records(settings: Settings, paths: BuildPaths) -> list[Record]:
     cases = serving_cases(settings.quick, settings.scale)
     with servers(settings, paths) as urls:
@@ -586,13 +669,18 @@ def report(settings: Settings, info: dict[str, Any], records: list[Record]) -> d
     titles = {c.key: c.title for c in serving_cases(settings.quick, settings.scale)}
     meds = medians(records)
     rows = table_rows(meds, titles, lens)
+    contention = contention_rows(meds) if settings.contention else None
     text = (f"kvloop vs llama.cpp (commit {info['commit']}, {info['version']}), model "
             f"{settings.gguf()}, {settings.threads} threads, {settings.repeats} repetition(s), "
-            f"medians{' (--quick)' if settings.quick else ''}\n\n{format_table(rows)}\n\n"
-            f"Load average before each run:\n\n{format_loads(records)}\n")
+            f"medians{' (--quick)' if settings.quick else ''}\n\n{format_table(rows)}\n\n")
+    if contention is not None:
+        text += (f"Under contention ({contention_case(settings.quick, settings.scale).title}, "
+                 f"another process spinning on one core):\n\n{format_contention(contention)}"
+                 f"\n\n")
+    text += f"Load average before each run:\n\n{format_loads(records)}\n"
     doc = {"settings": {k: str(v) if isinstance(v, Path) else v
                         for k, v in asdict(settings).items()},
-           "build": info, "medians": meds, "table": rows,
+           "build": info, "medians": meds, "table": rows, "contention": contention,
            "runs": [asdict(r) for r in records]}
     return {"text": text, "doc": doc}
 
@@ -619,6 +707,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-args", default="", help="extra llama-server arguments")
     p.add_argument("--skip-engine", action="store_true", help="no offline / llama-bench runs")
     p.add_argument("--skip-serving", action="store_true", help="no served workloads")
+    p.add_argument("--contention", action="store_true",
+                   help="also c=8 with one core kept busy by another process")
+    p.add_argument("--contention-timeout", type=float, default=300.0,
+                   help="seconds per request of a busy run")
     p.add_argument("--json-out", help="write settings, every run, medians and table here")
     return p.parse_args(argv)
 
@@ -634,7 +726,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         warmup=min(args.warmup, 1) if args.quick else args.warmup,
         serve_args=tuple(shlex.split(args.serve_args)),
         llama_args=tuple(shlex.split(args.llama_args)),
-        engine=not args.skip_engine, serving=not args.skip_serving, json_out=args.json_out)
+        engine=not args.skip_engine, serving=not args.skip_serving,
+        contention=args.contention, contention_timeout_s=args.contention_timeout,
+        json_out=args.json_out)
 
 
 def run(settings: Settings) -> dict[str, Any]:
@@ -643,6 +737,8 @@ def run(settings: Settings) -> dict[str, Any]:
     records = engine_records(settings, paths) if settings.engine else []
     if settings.serving:
         records += serving_records(settings, paths)
+    if settings.contention:
+        records += contention_records(settings, paths)
     out = report(settings, info, records)
     print("\n" + out["text"])
     if settings.json_out:
