@@ -246,7 +246,7 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
 @pytest.mark.skipif(not cpu_ops.available(torch.device("cpu")), reason="CPU ops not built")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_decode_stack_equals_the_layer_loop(q4_runner, threads):
-    """A low-bit step of decodes runs every layer in one `decode_stack` call (steps with a
+    """A low-bit step of decodes runs every layer in one `DecodeStack` call (steps with a
     prefill chunk keep the loop), with logits exactly the layer loop's, on 1 or 2 threads."""
     from tests.test_model_tiny import mixed_batch_steps
 

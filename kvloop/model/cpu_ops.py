@@ -13,9 +13,10 @@ the twins run where the extension is absent (no compiler, another device, or
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
-- `decode_stack(...)` (extension only, no twin: its oracle is the Python layer loop, see
-  `kvloop.model.llama.FusedDecode`): every decoder layer of a step of decodes in one call,
-  with the 4-bit weights, on kvloop's own thread pool (csrc/pool.h).
+- `DecodeStack(norms, quantized, ...)` (extension only, no twin: its oracle is the Python
+  layer loop, see `kvloop.model.llama.FusedDecode`): built once from the weights, its
+  `forward` runs every decoder layer of a step of decodes in one call, with the 4-bit
+  weights, on kvloop's own thread pool (csrc/pool.h).
 
 Building: `python -m kvloop.model.cpu_ops` (the Makefile's install step) compiles it with
 `torch.utils.cpp_extension` (-O3 -march=native) into `.venv`-independent cache
@@ -114,8 +115,7 @@ def _compile(name: str, directory: Path) -> Any:
 
     directory.mkdir(parents=True, exist_ok=True)
     return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS,
-                          build_directory=str(directory),
-                          verbose=False)
+                          build_directory=str(directory), verbose=False)
 
 
 def available(device: torch.device) -> bool:

@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -73,38 +74,40 @@ def _layer_linears(layer: torch.nn.Module) -> list[Linear]:
 
 def _time_sizes(linears: list[Linear], sizes: tuple[int, ...], dtype: torch.dtype
                 ) -> dict[int, tuple[float, float]]:
-    out: dict[int, tuple[float, float]] = {}
-    losses = 0
-    with torch.inference_mode():
-        for size in sizes:
-            inputs = [torch.randn(size, m.low_bit.in_features, dtype=dtype)
-                      for m in linears if m.low_bit is not None]
-            dense, low = _best_of_interleaved(functools.partial(_run, linears, inputs, False),
-                                              functools.partial(_run, linears, inputs, True))
-            out[size] = (dense, low)
-            losses += low >= dense
-            if losses >= 2:
-                break
-    return out
+    def pair(size: int) -> tuple[Callable[[], object], Callable[[], object]]:
+        inputs = [torch.randn(size, m.low_bit.in_features, dtype=dtype)
+                  for m in linears if m.low_bit is not None]
+        return (functools.partial(_run, linears, inputs, False),
+                functools.partial(_run, linears, inputs, True))
+    return _time_until_lost(sizes, pair)
 
 
 def _time_decode_steps(model: LlamaModel, sizes: tuple[int, ...]
                        ) -> dict[int, tuple[float, float]]:
     """Steps of `size` decodes on the first layers: the dense layer loop against the fused
     stack (each request one cached token in a block of its own)."""
-    layers = [layer for layer in list(model.layers)[:LAYERS_TIMED]
-              if isinstance(layer, DecoderLayer)]
+    layers = cast(list[DecoderLayer], list(model.layers)[:LAYERS_TIMED])
     fused = FusedDecode.build(model.config, layers)
     if fused is None:
         return {}
+
+    def pair(size: int) -> tuple[Callable[[], object], Callable[[], object]]:
+        x, positions, caches, meta = _decode_inputs(model, len(layers), size)
+        return (functools.partial(_dense_decode, layers, x, positions, model, caches, meta),
+                functools.partial(fused.forward, x, positions, model.rotary, caches, meta))
+    return _time_until_lost(sizes, pair)
+
+
+def _time_until_lost(sizes: tuple[int, ...],
+                     pair: Callable[[int], tuple[Callable[[], object], Callable[[], object]]]
+                     ) -> dict[int, tuple[float, float]]:
+    """size -> (dense, low-bit) best times of the two callables `pair(size)` makes, for
+    growing sizes until the low-bit side has lost twice."""
     out: dict[int, tuple[float, float]] = {}
     losses = 0
     with torch.inference_mode():
         for size in sizes:
-            x, positions, caches, meta = _decode_inputs(model, len(layers), size)
-            dense = functools.partial(_dense_decode, layers, x, positions, model, caches, meta)
-            stack = functools.partial(fused.forward, x, positions, model.rotary, caches, meta)
-            out[size] = _best_of_interleaved(dense, stack)
+            out[size] = _best_of_interleaved(*pair(size))
             losses += out[size][1] >= out[size][0]
             if losses >= 2:
                 break

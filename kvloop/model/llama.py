@@ -257,22 +257,19 @@ class LlamaModel(nn.Module):
 
 
 class FusedDecode:
-    """Every decoder layer of a step of decodes (one query token per request) in one
-    `decode_stack` call of kvloop's CPU ops, with the 4-bit weights: the same kernels in the
-    same order as the layer loop with `low_bit`, so the same results, without ~250 Python
-    calls and thread hand-offs per step; it runs on kvloop's own thread pool, whose workers
-    stay awake through the step (csrc/pool.h).
+    """Every decoder layer of a step of decodes (one query token per request) in one call of
+    kvloop's CPU ops (`DecodeStack`, csrc/cpu_ops.cpp), with the 4-bit weights: the same
+    kernels in the same order as the layer loop with `low_bit`, so the same results, without
+    ~250 Python calls and thread hand-offs per step; it runs on kvloop's own thread pool,
+    whose workers stay awake through the step (csrc/pool.h). The weights are handed over
+    once, at `build`; a step passes only its own tensors.
 
     `build` returns None (the layer loop serves) unless the CPU ops are built and every
     linear layer has a 4-bit copy on kvloop's kernel and no bias.
     """
 
-    def __init__(self, ops: object, config: ModelConfig, norms: list[torch.Tensor],
-                 quantized: list[torch.Tensor]):
-        self.ops = ops
-        self.config = config
-        self.norms = norms
-        self.quantized = quantized
+    def __init__(self, stack: object):
+        self.stack = stack
 
     @classmethod
     def build(cls, config: ModelConfig, layers: list[DecoderLayer]) -> FusedDecode | None:
@@ -290,19 +287,18 @@ class FusedDecode:
                 quantized.extend(weight.tensors)
         norms = [w for layer in layers for w in (layer.input_layernorm.weight.data,
                                                  layer.post_attention_layernorm.weight.data)]
-        return cls(ops, config, norms, quantized)
+        return cls(ops.DecodeStack(norms, quantized, config.num_attention_heads,
+                                   config.num_key_value_heads, config.intermediate_size,
+                                   config.rms_norm_eps, config.head_dim ** -0.5))
 
     def forward(self, embedded: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """embedded [T, hidden] of T decodes -> (h, residual) as the layer loop returns them."""
         assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
-        c = self.config
-        return self.ops.decode_stack(  # type: ignore[attr-defined,no-any-return]
-            embedded, self.norms, self.quantized, kv_caches, positions, meta.slot_mapping,
-            rotary.cos, rotary.sin, meta.decode_block_table, meta.decode_seq_lens,
-            c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
-            c.rms_norm_eps, c.head_dim ** -0.5)
+        return self.stack.forward(  # type: ignore[attr-defined,no-any-return]
+            embedded, kv_caches, positions, meta.slot_mapping, rotary.cos, rotary.sin,
+            meta.decode_block_table, meta.decode_seq_lens)
 
 
 class _WeightGetter:

@@ -6,7 +6,7 @@
 // write, decode attention and SwiGLU in one call each, looping in plain C++ (fp32 math,
 // vectorised by the compiler), parallel over rows with at::parallel_for (torch's own thread
 // pool: no second OpenMP runtime) or, for the low-bit decode path, on kvloop's pool
-// (pool.h): the quantized matmuls and `decode_stack`, the whole decoder for a step of
+// (pool.h): the quantized matmuls and `DecodeStack`, the whole decoder for a step of
 // decodes in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -346,66 +346,6 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// The decoder stack for a step of decodes (one query token per request), every layer in one
-// call on kvloop's pool; the same kernels, in the same order, as the Python layer loop of
-// kvloop/model/llama.py with low-bit weights, so the results are identical.
-struct QuantOperand {
-  const uint8_t* qs;
-  const float* scale;
-  const float* offset;
-  int64_t n_out;
-};
-
-struct StackShape {
-  int64_t tokens, hidden, heads, kv_heads, dim, ffn, layers;
-};
-
-template <typename T>
-void q4_into(const T* x, const QuantOperand& w, T* y, int64_t rows, int64_t k_in) {
-  quant_matmul_kernel<4, T>(x, w.qs, w.scale, w.offset, y, rows, w.n_out, k_in);
-}
-
-template <typename T>
-void stack_layer(const StackShape& s, int64_t l, T* h, T* residual, T* qkv, T* attn, T* gu,
-                 T* act, const std::vector<at::Tensor>& norms, const QuantOperand* w,
-                 at::Tensor& cache, const int64_t* positions, const int64_t* slots,
-                 const float* cos, const float* sin, const int64_t* block_table,
-                 int64_t max_blocks, const int64_t* seq_lens, float eps, float scale) {
-  const int64_t T_ = s.tokens, qkv_row = (s.heads + 2 * s.kv_heads) * s.dim;
-  const int64_t cache_tokens = cache.size(2) * cache.size(3);
-  T* kv = cache.data_ptr<T>();
-  add_rms_norm_kernel<T>(h, l == 0 ? nullptr : residual, norms[2 * l].data_ptr<T>(), T_,
-                         s.hidden, eps, true);
-  q4_into<T>(h, w[0], qkv, T_, s.hidden);
-  rope_and_cache_kernel<T>(qkv, positions, cos, sin, kv, slots, T_, s.heads, s.kv_heads,
-                           s.dim, cache_tokens, true);
-  decode_attention_kernel<T>(qkv, qkv_row, kv, block_table, seq_lens, attn, T_, s.heads,
-                             s.kv_heads, s.dim, cache.size(3), cache_tokens, max_blocks,
-                             scale, true);
-  q4_into<T>(attn, w[1], h, T_, s.heads * s.dim);
-  add_rms_norm_kernel<T>(h, residual, norms[2 * l + 1].data_ptr<T>(), T_, s.hidden, eps,
-                         true);
-  q4_into<T>(h, w[2], gu, T_, s.hidden);
-  silu_and_mul_kernel<T>(gu, act, T_, s.ffn, true);
-  q4_into<T>(act, w[3], h, T_, s.ffn);
-}
-
-std::vector<QuantOperand> quant_operands(const std::vector<at::Tensor>& quant, int64_t layers) {
-  TORCH_CHECK(static_cast<int64_t>(quant.size()) == 12 * layers,
-              "decode_stack: 12 quantized tensors per layer (qs, scale, offset of qkv, o, "
-              "gate_up, down)");
-  std::vector<QuantOperand> out;
-  for (int64_t i = 0; i < 4 * layers; ++i) {
-    const at::Tensor &qs = quant[3 * i], &sc = quant[3 * i + 1], &of = quant[3 * i + 2];
-    check_cpu_contiguous(qs, "qs");
-    check_cpu_contiguous(sc, "scale");
-    check_cpu_contiguous(of, "offset");
-    out.push_back({static_cast<const uint8_t*>(qs.data_ptr()), sc.data_ptr<float>(),
-                   of.data_ptr<float>(), qs.size(0)});
-  }
-  return out;
-}
-
 }  // namespace
 
 void add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight,
@@ -501,43 +441,121 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
   return quant_matmul<8>(x, qs, scale, nullptr);
 }
 
-// h [T, hidden]: the embedded tokens of a step of T decodes -> (h, residual) after the last
-// layer (the stream is their sum), as the Python layer loop returns them. norms: 2 per layer
-// (input, post-attention); quant: 12 per layer; caches: one per layer.
-std::tuple<at::Tensor, at::Tensor> decode_stack(
-    const at::Tensor& embedded, const std::vector<at::Tensor>& norms,
-    const std::vector<at::Tensor>& quant, std::vector<at::Tensor> caches,
-    const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    int64_t heads, int64_t kv_heads, int64_t ffn, double eps, double scale) {
-  check_cpu_contiguous(embedded, "embedded");
-  check_cpu_contiguous(block_table, "block_table");
-  const int64_t layers = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers, "decode_stack: 2 norms a layer");
-  const auto w = quant_operands(quant, layers);
-  for (const auto& c : caches) check_cpu_contiguous(c, "cache");
-  const StackShape s{embedded.size(0), embedded.size(1), heads, kv_heads, caches[0].size(-1),
-                     ffn, layers};
-  TORCH_CHECK(block_table.size(0) == s.tokens && seq_lens.size(0) == s.tokens,
-              "decode_stack: one block-table row and sequence length per token");
-  auto h = embedded.clone(), residual = embedded.clone();
-  auto qkv = at::empty({s.tokens, (heads + 2 * kv_heads) * s.dim}, embedded.options());
-  auto attn = at::empty({s.tokens, heads * s.dim}, embedded.options());
-  auto gu = at::empty({s.tokens, 2 * ffn}, embedded.options());
-  auto act = at::empty({s.tokens, ffn}, embedded.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "decode_stack", [&] {
-    for (int64_t l = 0; l < layers; ++l)
-      stack_layer<scalar_t>(s, l, h.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
-                            qkv.data_ptr<scalar_t>(), attn.data_ptr<scalar_t>(),
-                            gu.data_ptr<scalar_t>(), act.data_ptr<scalar_t>(), norms,
-                            w.data() + 4 * l, caches[l], positions.data_ptr<int64_t>(),
-                            slots.data_ptr<int64_t>(), cos.data_ptr<float>(),
-                            sin.data_ptr<float>(), block_table.data_ptr<int64_t>(),
-                            block_table.size(1), seq_lens.data_ptr<int64_t>(),
-                            static_cast<float>(eps), static_cast<float>(scale));
-  });
-  return {h, residual};
-}
+// The decoder for a step of decodes (one query token per request), every layer in one call
+// on kvloop's pool: the same kernels, in the same order, as the Python layer loop of
+// kvloop/model/llama.py with low-bit weights, so the results are identical. Built once from
+// the weights (checked then); a step passes only what changes per step.
+class DecodeStack {
+ public:
+  // norms: 2 per layer (input, post-attention); quant: 12 per layer (qs, scale, offset of
+  // qkv, o, gate_up, down).
+  DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> quant, int64_t heads,
+              int64_t kv_heads, int64_t ffn, double eps, double scale)
+      : norms_(std::move(norms)), quant_(std::move(quant)), layers_(norms_.size() / 2),
+        heads_(heads), kv_heads_(kv_heads), ffn_(ffn), eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(layers_ > 0 && norms_.size() == 2 * layers_, "DecodeStack: 2 norms a layer");
+    TORCH_CHECK(quant_.size() == 12 * layers_,
+                "DecodeStack: 12 quantized tensors per layer (qs, scale, offset of qkv, o, "
+                "gate_up, down)");
+    for (const auto& t : norms_) check_cpu_contiguous(t, "norm");
+    for (size_t i = 0; i < quant_.size(); i += 3) {
+      check_cpu_contiguous(quant_[i], "qs");
+      check_cpu_contiguous(quant_[i + 1], "scale");
+      check_cpu_contiguous(quant_[i + 2], "offset");
+      weights_.push_back({static_cast<const uint8_t*>(quant_[i].data_ptr()),
+                          quant_[i + 1].data_ptr<float>(), quant_[i + 2].data_ptr<float>(),
+                          quant_[i].size(0)});
+    }
+  }
+
+  // embedded [T, hidden] -> (h, residual) after the last layer (the stream is their sum), as
+  // the Python layer loop returns them; caches: one per layer.
+  std::tuple<at::Tensor, at::Tensor> forward(
+      const at::Tensor& embedded, const std::vector<at::Tensor>& caches,
+      const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& cos,
+      const at::Tensor& sin, const at::Tensor& block_table, const at::Tensor& seq_lens) {
+    check_cpu_contiguous(embedded, "embedded");
+    check_cpu_contiguous(block_table, "block_table");
+    TORCH_CHECK(caches.size() == layers_, "DecodeStack: one KV cache per layer");
+    for (const auto& c : caches) check_cpu_contiguous(c, "cache");
+    const int64_t tokens = embedded.size(0), dim = caches[0].size(-1);
+    TORCH_CHECK(block_table.size(0) == tokens && seq_lens.size(0) == tokens,
+                "DecodeStack: one block-table row and sequence length per token");
+    auto h = embedded.clone(), residual = embedded.clone();
+    auto qkv = at::empty({tokens, (heads_ + 2 * kv_heads_) * dim}, embedded.options());
+    auto attn = at::empty({tokens, heads_ * dim}, embedded.options());
+    auto gu = at::empty({tokens, 2 * ffn_}, embedded.options());
+    auto act = at::empty({tokens, ffn_}, embedded.options());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "DecodeStack",
+                                    [&] {
+      const Step<scalar_t> step{tokens, embedded.size(1), dim, h.data_ptr<scalar_t>(),
+                                residual.data_ptr<scalar_t>(), qkv.data_ptr<scalar_t>(),
+                                attn.data_ptr<scalar_t>(), gu.data_ptr<scalar_t>(),
+                                act.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(),
+                                slots.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                                sin.data_ptr<float>(), block_table.data_ptr<int64_t>(),
+                                block_table.size(1), seq_lens.data_ptr<int64_t>()};
+      for (size_t l = 0; l < layers_; ++l) layer<scalar_t>(step, l, caches[l]);
+    });
+    return {h, residual};
+  }
+
+ private:
+  template <typename T>
+  struct Step {            // one step's shapes, buffers and metadata
+    int64_t tokens, hidden, dim;
+    T *h, *residual, *qkv, *attn, *gu, *act;
+    const int64_t* positions;
+    const int64_t* slots;
+    const float* cos;
+    const float* sin;
+    const int64_t* block_table;
+    int64_t max_blocks;
+    const int64_t* seq_lens;
+  };
+
+  template <typename T>
+  void q4(const T* x, size_t w, T* y, int64_t rows, int64_t k_in) const {
+    const QuantOperand& op = weights_[w];
+    quant_matmul_kernel<4, T>(x, op.qs, op.scale, op.offset, y, rows, op.n_out, k_in);
+  }
+
+  template <typename T>
+  void layer(const Step<T>& s, size_t l, const at::Tensor& cache) const {
+    const int64_t n = s.tokens, qkv_row = (heads_ + 2 * kv_heads_) * s.dim;
+    const int64_t block_size = cache.size(3), cache_tokens = cache.size(2) * block_size;
+    T* kv = cache.data_ptr<T>();
+    const size_t w = 4 * l;
+    add_rms_norm_kernel<T>(s.h, l == 0 ? nullptr : s.residual, norms_[2 * l].data_ptr<T>(), n,
+                           s.hidden, eps_, true);
+    q4<T>(s.h, w, s.qkv, n, s.hidden);
+    rope_and_cache_kernel<T>(s.qkv, s.positions, s.cos, s.sin, kv, s.slots, n, heads_,
+                             kv_heads_, s.dim, cache_tokens, true);
+    decode_attention_kernel<T>(s.qkv, qkv_row, kv, s.block_table, s.seq_lens, s.attn, n,
+                               heads_, kv_heads_, s.dim, block_size, cache_tokens,
+                               s.max_blocks, scale_, true);
+    q4<T>(s.attn, w + 1, s.h, n, heads_ * s.dim);
+    add_rms_norm_kernel<T>(s.h, s.residual, norms_[2 * l + 1].data_ptr<T>(), n, s.hidden, eps_,
+                           true);
+    q4<T>(s.h, w + 2, s.gu, n, s.hidden);
+    silu_and_mul_kernel<T>(s.gu, s.act, n, ffn_, true);
+    q4<T>(s.act, w + 3, s.h, n, ffn_);
+  }
+
+  struct QuantOperand {
+    const uint8_t* qs;
+    const float* scale;
+    const float* offset;
+    int64_t n_out;
+  };
+
+  std::vector<at::Tensor> norms_, quant_;   // held: weights_ points into quant_
+  size_t layers_;
+  int64_t heads_, kv_heads_, ffn_;
+  float eps_, scale_;
+  std::vector<QuantOperand> weights_;
+};
 
 void set_pool_threads(int64_t threads) {
   TORCH_CHECK(threads >= 1, "pool threads must be >= 1");
@@ -546,17 +564,17 @@ void set_pool_threads(int64_t threads) {
 
 int64_t pool_threads() { return kvloop::Pool::get().threads(); }
 
-// fn(i) for i in [0, n) on the pool, recording which thread ran each (tests of the pool).
+// fn(i) for i in [0, n) on the pool, counting the runs of each (tests of the pool: fails
+// unless each ran exactly once).
 at::Tensor pool_run_ids(int64_t n) {
-  auto out = at::full({n}, -1, at::kLong);
-  int64_t* ids = out.data_ptr<int64_t>();
   std::vector<std::atomic<int64_t>> hits(n);
-  kvloop::Pool::get().run(n, [&](int64_t i) {
-    hits[i].fetch_add(1);
-    ids[i] = static_cast<int64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id()) & 0x7fffffff);
-  });
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(hits[i].load() == 1, "pool ran chunk ", i, " ", hits[i].load(), " times");
+  kvloop::Pool::get().run(n, [&](int64_t i) { hits[i].fetch_add(1); });
+  auto out = at::empty({n}, at::kLong);
+  int64_t* runs = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    runs[i] = hits[i].load();
+    TORCH_CHECK(runs[i] == 1, "pool ran chunk ", i, " ", runs[i], " times");
+  }
   return out;
 }
 
@@ -567,8 +585,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("decode_stack", &decode_stack, "every decoder layer for a step of decodes, low-bit");
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "every decoder layer of a step of decodes, "
+                                "low-bit, in one call")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                          int64_t, double, double>())
+      .def("forward", &DecodeStack::forward);
   m.def("set_pool_threads", &set_pool_threads, "threads of kvloop's pool (caller included)");
   m.def("pool_threads", &pool_threads, "threads of kvloop's pool (caller included)");
-  m.def("pool_run_ids", &pool_run_ids, "run n chunks on the pool; the thread of each");
+  m.def("pool_run_ids", &pool_run_ids, "run n chunks on the pool; the runs of each");
 }

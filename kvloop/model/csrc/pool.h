@@ -1,5 +1,5 @@
 // kvloop's thread pool for the low-bit decode path (see cpu_ops.cpp: the quantized matmuls
-// and `decode_stack` run on it; everything else keeps torch's OpenMP team).
+// and `DecodeStack` run on it; everything else keeps torch's OpenMP team).
 //
 // Why not OpenMP: kvloop sets GOMP_SPINCOUNT low (an idle OpenMP thread must not hold a core
 // another process wants), so between two of a decode step's ~150 small parallel regions
@@ -14,11 +14,12 @@
 //   then sleeping on a condition variable until the next job.
 // One caller at a time: a second thread calling `run` meanwhile runs its chunks serially.
 // A forked child rebuilds the pool (its workers did not survive the fork).
+// Resizing (`get(n)`, at start-up) must not race a `run` on the same pool.
 #pragma once
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -26,7 +27,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
-#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -49,19 +49,26 @@ class Pool {
   using Fn = std::function<void(int64_t)>;
 
   // The process's pool with `threads` threads in all (caller included), built on first use
-  // (and again after a fork, or when `threads` changes); threads < 1: keep the current size.
+  // and again when `threads` changes (threads < 1: keep the current size). After a fork the
+  // child builds a fresh one (its workers did not survive: the old one is leaked). Without
+  // a resize the pool is read from an atomic pointer: no lock, no system call per job.
   static Pool& get(int threads = 0) {
+    if (threads < 1) {
+      if (Pool* pool = current().load(std::memory_order_acquire)) return *pool;
+    }
     static std::mutex guard;
-    static std::unique_ptr<Pool> pool;
-    static int size = 0;
-    static pid_t owner = 0;
     std::lock_guard<std::mutex> lock(guard);
-    if (threads < 1) threads = size > 0 ? size : default_threads();
-    if (!pool || owner != getpid() || size != threads) {
-      if (pool && owner != getpid()) (void)pool.release();   // its threads are gone: leak
-      pool.reset(new Pool(threads));
-      size = threads;
-      owner = getpid();
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] {
+      pthread_atfork(nullptr, nullptr, [] { current().store(nullptr); });
+    });
+    Pool* pool = current().load(std::memory_order_acquire);
+    if (threads < 1) threads = pool ? pool->threads() : default_threads();
+    if (!pool || pool->threads() != threads) {
+      Pool* fresh = new Pool(threads);
+      current().store(fresh, std::memory_order_release);
+      delete pool;                 // joins its workers; set at start-up, not mid-step
+      pool = fresh;
     }
     return *pool;
   }
@@ -99,6 +106,11 @@ class Pool {
   }
 
  private:
+  static std::atomic<Pool*>& current() {
+    static std::atomic<Pool*> pool{nullptr};
+    return pool;
+  }
+
   explicit Pool(int threads) : spin_us_(spin_from_env()) {
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
   }
