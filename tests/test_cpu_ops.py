@@ -83,6 +83,54 @@ def test_silu_and_mul(dtype, tol):
     _close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
+def test_decode_attention_over_long_contexts_and_every_tile_tail():
+    """The vectorised fp32 path (head_dim a multiple of 64) at lengths around its 8-key
+    tiles and far past a block, where the scores span many tiles."""
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 3, 90, 16, 64, generator=g) * 3      # large scores: real softmax
+    lens = [1, 7, 8, 9, 15, 16, 17, 300, 1400]
+    table = torch.stack([torch.randperm(89, generator=g)[:88] + 1 for _ in lens])
+    q = torch.randn(len(lens), 9, 64, generator=g)
+    seq_lens = torch.tensor(lens)
+    got = cpu_ops.load().decode_attention(q, cache, table, seq_lens, 0.125)
+    _close(got, cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125), 2e-6)
+
+
+def _random_q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    return qs, scale, -8 * scale + torch.rand(n, k // 32, generator=g) * 0.01
+
+
+def _dequantized_q4(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    n = qs.shape[0]      # byte i of a group: weight i (low nibble), weight i + 16 (high)
+    q = torch.cat([(qs & 15).view(n, -1, 16), (qs >> 4).view(n, -1, 16)], -1).double()
+    return (q * scale.double()[..., None] + offset.double()[..., None]).view(n, -1)
+
+
+@pytest.mark.parametrize("k", [576, 96])            # 18 groups (8 + 8 + 2), 3 groups
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_quantized_matmuls_on_every_path(rows, k):
+    """q4 and q8 matmuls against their dequantized weights in fp64, on each kernel: 1-2 rows
+    (int16 activations, 8 groups' sums in one vector, then the groups left over), 3 and more
+    (q4: fp32 rows against weights dequantized in registers; q8: 4-row integer tiles). The
+    integer kernels round x to 16 bits per group (~2^-16 of its largest value); the fp32
+    one only sums in another order. 200 columns: from K = 576 the pool splits them in chunks."""
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    ops = cpu_ops.load()
+    x = torch.randn(rows, k, generator=g)
+    qs, scale, offset = _random_q4(200, k, g)
+    want = x.double() @ _dequantized_q4(qs, scale, offset).T
+    got = ops.q4_matmul(x, qs, scale, offset)
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < (1e-6 if rows >= 3 else 1e-4), err
+    q8 = torch.randint(-127, 128, (200, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(200, k // 32, generator=g) * 0.01
+    want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
+    got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
+    assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-4
+
+
 def test_the_build_is_keyed_by_source_torch_and_cpu():
     name = cpu_ops.extension_name()
     assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()

@@ -442,6 +442,78 @@ inline void quant_column(const uint8_t* row, const float* sc, const float* of,
 }
 
 #ifdef __AVX2__
+// sum(q * xq) of one group in 8 int32 lanes (w_lo, w_hi: the group's 32 weights as int16).
+inline __m256i group_dot(__m256i w_lo, __m256i w_hi, const int16_t* xg) {
+  return _mm256_add_epi32(
+      _mm256_madd_epi16(w_lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))),
+      _mm256_madd_epi16(w_hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))));
+}
+
+// quant_column for 1-2 rows, 8 groups at a time: their 8 integer dot products are reduced
+// into one vector (lane j: group j's sum, by three rounds of hadd), converted once and scaled
+// by 8 scales at once; the offsets' term is 8 products in one FMA. Measured here, every
+// 4-bit matmul of a one-row decode step: 10.6 -> 9.1 ms on one thread, 5.0 -> 4.7 on two.
+// Groups past the last multiple of 8 take quant_column's way, one at a time.
+template <int Bits, int MB, typename T>
+inline void lanes_column(const uint8_t* row, const float* sc, const float* of,
+                         const QuantizedRows& xq, int64_t r0, int64_t k_in, int64_t groups,
+                         T* y, int64_t n_out, int64_t n) {
+  constexpr int64_t kGroupBytes = Bits * 4;
+  __m256 acc[MB], tail[MB];
+  float tail_rest[MB];
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = tail[m] = _mm256_setzero_ps();
+    tail_rest[m] = 0.f;
+  }
+  const int16_t* xrow[MB];
+  for (int m = 0; m < MB; ++m) xrow[m] = xq.q.data() + (r0 + m) * k_in;
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    __m256i quad[2][MB];                 // lanes: groups g..g+3 (quad 0) or g+4..g+7 (1)
+    for (int half = 0; half < 2; ++half) {
+      __m256i pair[2][MB];
+      for (int p = 0; p < 2; ++p) {
+        const int64_t j = g + half * 4 + p * 2;
+        __m256i lo0, hi0, lo1, hi1;
+        load_group<Bits>(row + j * kGroupBytes, lo0, hi0);
+        load_group<Bits>(row + (j + 1) * kGroupBytes, lo1, hi1);
+        for (int m = 0; m < MB; ++m)
+          pair[p][m] = _mm256_hadd_epi32(group_dot(lo0, hi0, xrow[m] + j * 32),
+                                         group_dot(lo1, hi1, xrow[m] + (j + 1) * 32));
+      }
+      for (int m = 0; m < MB; ++m) quad[half][m] = _mm256_hadd_epi32(pair[0][m], pair[1][m]);
+    }
+    const __m256 scales = _mm256_loadu_ps(sc + g);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t r = r0 + m;
+      const __m256i sums =
+          _mm256_add_epi32(_mm256_permute2x128_si256(quad[0][m], quad[1][m], 0x20),
+                           _mm256_permute2x128_si256(quad[0][m], quad[1][m], 0x31));
+      const __m256 sd = _mm256_mul_ps(scales, _mm256_loadu_ps(xq.d.data() + r * groups + g));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc[m]);
+      if (of)
+        tail[m] = _mm256_fmadd_ps(_mm256_loadu_ps(of + g),
+                                  _mm256_loadu_ps(xq.s.data() + r * groups + g), tail[m]);
+    }
+  }
+  for (; g < groups; ++g) {
+    __m256i lo, hi;
+    load_group<Bits>(row + g * kGroupBytes, lo, hi);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t r = r0 + m;
+      const __m256 sd = _mm256_set1_ps(sc[g] * xq.d[r * groups + g]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(lo, hi, xrow[m] + g * 32)), sd,
+                               acc[m]);
+      if (of) tail_rest[m] += of[g] * xq.s[r * groups + g];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    y[(r0 + m) * n_out + n] =
+        static_cast<T>(hsum(_mm256_add_ps(acc[m], tail[m])) + tail_rest[m]);
+}
+#endif
+
+#ifdef __AVX2__
 // From 3 rows of x on, 4-bit weights go faster another way: each group's 32 weights are
 // dequantized to fp32 in registers once (q * scale + offset, as `Int4Weight.dequantize`) and
 // shared by up to 4 rows, whose fp32 values multiply them with FMAs (no rounding of x at
@@ -523,10 +595,18 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
-      for (int64_t n = begin; n < end; ++n)
-        quant_column<Bits, MB, T>(qs + n * row_bytes, scale + n * groups,
-                                  offset ? offset + n * groups : nullptr, xq, r0, k_in,
-                                  groups, y, n_out, n);
+      for (int64_t n = begin; n < end; ++n) {
+        const uint8_t* w = qs + n * row_bytes;
+        const float* sc = scale + n * groups;
+        const float* of = offset ? offset + n * groups : nullptr;
+#ifdef __AVX2__
+        if constexpr (MB <= 2) {
+          lanes_column<Bits, MB, T>(w, sc, of, xq, r0, k_in, groups, y, n_out, n);
+          continue;
+        }
+#endif
+        quant_column<Bits, MB, T>(w, sc, of, xq, r0, k_in, groups, y, n_out, n);
+      }
       r0 += MB;
     };
     while (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
