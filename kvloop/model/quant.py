@@ -6,11 +6,12 @@ matmuls, and run them; which matmul a step uses is `llama.Linear`'s choice.
 - 4-bit (Q4_0, Q4_1, Q4_K): every group of 32 weights along a row is `q * scale + offset`
   with q in 0..15 (Q4_0: scale d, offset -8d; Q4_1: scale d, offset m; Q4_K: per 32-weight
   sub-block scale d * sc and offset -dmin * mn, from the super-block's 6-bit codes). That is
-  what kvloop's own kernel (`cpu_ops.q4_matmul`: int16 activations per group, integer dot
-  products, as llama.cpp's Q4 x Q8 but finer) runs, and exactly the group-32 asymmetric format of
-  `aten._weight_int4pack_mm_for_cpu`, `x @ ((q - 8) * scale + zero).T` with
-  zero = offset + 8 * scale (used where kvloop's CPU ops are not built): the GGUF's own
-  nibbles either way, no re-quantization of the weights.
+  what kvloop's own kernel (`cpu_ops.q4_matmul`: for 1-2 rows int16 activations per group
+  and integer dot products, as llama.cpp's Q4 x Q8 but finer; from 3 rows the groups
+  dequantized to fp32 in registers against fp32 rows) runs, and exactly the group-32
+  asymmetric format of `aten._weight_int4pack_mm_for_cpu`, `x @ ((q - 8) * scale + zero).T`
+  with zero = offset + 8 * scale (used where kvloop's CPU ops are not built): the GGUF's
+  own nibbles either way, no re-quantization of the weights.
 - 8-bit (Q8_0, used for the tied embedding / LM head): kvloop's kernel
   (`cpu_ops.q8_matmul`) runs the file's int8 values and per-32 scales as they are; torch's
   `aten._weight_int8pack_mm` (the fallback) has one scale per output row, so there the rows
@@ -60,8 +61,9 @@ class Int4Weight(_QuantWeight):
     """W [out, in] as 4-bit groups of 32 with a scale and offset each: `matmul(x)` = x @ W.T.
 
     Two kernels: "kvloop" (`cpu_ops.q4_matmul`, the default where kvloop's CPU ops are
-    built: the GGUF's byte layout, fp32 scale and offset, activations quantized to int16 per
-    group, integer dot products; any activation dtype) and "torch"
+    built: the GGUF's byte layout, fp32 scale and offset; 1-2 rows of activations quantized
+    to int16 per group with integer dot products, more rows in fp32 against weights
+    dequantized in registers; any activation dtype) and "torch"
     (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
     """
 

@@ -852,6 +852,22 @@ at::Tensor pool_run_ids(int64_t n) {
   return out;
 }
 
+// `jobs` jobs of alternately few and many chunks back to back (a worker still leaving one
+// job while the next is published: the pool's hardest case), each chunk counted; returns
+// how many chunks ran other than exactly once (0), or never returns if a job is lost.
+int64_t pool_stress(int64_t jobs) {
+  constexpr int64_t kSizes[] = {2, 37, 3, 64, 5, 19};
+  std::vector<std::atomic<int64_t>> hits(64);
+  int64_t wrong = 0;
+  for (int64_t j = 0; j < jobs; ++j) {
+    const int64_t n = kSizes[j % 6];
+    for (int64_t i = 0; i < n; ++i) hits[i].store(0, std::memory_order_relaxed);
+    kvloop::Pool::get().run(n, [&](int64_t i) { hits[i].fetch_add(1); });
+    for (int64_t i = 0; i < n; ++i) wrong += hits[i].load() != 1;
+  }
+  return wrong;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x)");
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
@@ -867,4 +883,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_pool_threads", &set_pool_threads, "threads of kvloop's pool (caller included)");
   m.def("pool_threads", &pool_threads, "threads of kvloop's pool (caller included)");
   m.def("pool_run_ids", &pool_run_ids, "run n chunks on the pool; the runs of each");
+  m.def("pool_stress", &pool_stress, "jobs of mixed sizes back to back; chunks run wrongly");
 }

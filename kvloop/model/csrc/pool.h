@@ -83,6 +83,13 @@ class Pool {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;
     }
+    // Close the last job before changing what its chunks refer to: a worker still in it may
+    // hold a stale state (old generation, next chunk) that it checked against the new n_
+    // (larger than the old one); its claim, a CAS on that state, now fails. (Without this,
+    // such a claim ran a chunk of the new job with the old state and counted it twice: the
+    // caller then waited forever for done_ to equal n.) The closed state has a generation of
+    // its own, so a worker that sees it still finds the job that follows new.
+    state_.store((++generation_ << 32) | kClosed, std::memory_order_seq_cst);
     done_.store(0, std::memory_order_relaxed);
     fn_.store(&fn, std::memory_order_relaxed);
     n_.store(n, std::memory_order_relaxed);
@@ -126,6 +133,7 @@ class Pool {
     return v ? std::max<int64_t>(0, std::atoll(v)) : kDefaultSpinUs;
   }
 
+  static constexpr uint64_t kClosed = 0xffffffffu;   // a next chunk past any job's end
   static uint64_t gen_of(uint64_t s) { return s >> 32; }
   static int64_t index_of(uint64_t s) { return static_cast<int64_t>(s & 0xffffffffu); }
 
