@@ -3,8 +3,9 @@
 //
 // Why: a decode step of a small model is ~10 eager ops per layer that each cost more in
 // dispatch and thread wake-ups than in arithmetic. These ops do one layer's norm, RoPE + KV
-// write, decode attention and SwiGLU in one call each, looping in plain C++ (fp32 math,
-// vectorised by the compiler), parallel over rows with at::parallel_for (torch's own thread
+// write, decode attention and SwiGLU in one call each, in fp32 math (plain C++ vectorised by
+// the compiler; AVX2 intrinsics for the quantized matmuls, fp32 decode attention and the
+// exp of softmax and SiLU), parallel over rows with at::parallel_for (torch's own thread
 // pool: no second OpenMP runtime) or, for the low-bit decode path, on kvloop's pool
 // (pool.h): the quantized matmuls and `DecodeStack`, the whole decoder for a step of
 // decodes in one call.
@@ -340,6 +341,8 @@ void silu_and_mul_kernel(const T* x, T* out, int64_t rows, int64_t f, bool poole
 // is integer: sum(q * xq), 32 products in two `madd` instructions on AVX2, and
 //   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq) + offset[n, g] dx[m, g] sum(xq).
 // Each group's nibbles are unpacked once for all rows of x. Without AVX2: the same in scalar.
+// (This integer way serves 1-2 rows of 4-bit weights and every row count of 8-bit ones;
+// from 3 rows 4-bit weights take `dequant_matmul_kernel`, below.)
 constexpr float kQMax = 32767.f;
 
 struct QuantizedRows {
