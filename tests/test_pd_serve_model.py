@@ -12,8 +12,10 @@ caches reset in between; a third run sends the prompts through kvloop's router (
 
 D recomputes only the last prompt token on top of P's KV; the aggregated worker computes it
 in the same pass as the rest (docs/vllm-facts.md#openai-server, P/D numerics). The equality
-asked for is of the token ids; the logprobs of the chosen tokens agree to a relative 1e-5
-(fp32 sums in another order: 1.2e-5 absolute was seen on a logprob of -2.7)."""
+asked for is of the token ids; the logprobs of the chosen tokens agree to LOGPROB_TOL: the
+recomputed token's attention is the decode kernel's, the reference's the prefill's, fp32 sums
+in other orders (seen: 1.2e-5 absolute on a logprob of -2.7 with the scalar decode kernel,
+1.4e-5 on one of -1.2 with the vectorised one, ~1e-6 of logits of ~10-20)."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ MODEL = ["--low-bit-max-tokens", "0", "--max-model-len", "2048", "--block-size",
          "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
 LENGTHS = (1, 15, 16, 17, 48, 2000)
+LOGPROB_TOL = {"rel": 1e-5, "abs": 4e-5}
 MAX_TOKENS = 6
 
 
@@ -106,7 +109,7 @@ def test_decode_output_equals_aggregated(
         ids, lps = ids_and_logprobs(r)
         ref_ids, ref_lps = reference[n]
         assert ids == ref_ids, (n, ids, ref_ids)
-        assert lps == pytest.approx(ref_lps, rel=1e-5), n
+        assert lps == pytest.approx(ref_lps, **LOGPROB_TOL), n
         # P's one (discarded) token is D's first: both sampled from the same prompt
         assert p_answer["choices"][0]["token_ids"] == ids[:1], n
         assert r.json()["usage"]["prompt_tokens"] == n
@@ -134,7 +137,7 @@ def test_router_pd_output_equals_aggregated(
                                                    timeout=300))
             ref_ids, ref_lps = reference[n]
             assert ids == ref_ids, (n, ids, ref_ids)
-            assert lps == pytest.approx(ref_lps, rel=1e-5), n
+            assert lps == pytest.approx(ref_lps, **LOGPROB_TOL), n
     # every prompt longer than one token was loaded from A (a 1-token prompt has no block
     # to move: its one token is the one D recomputes)
     assert whole.metric("kvloop:kv_transfers_total", side="recv") - loads >= len(LENGTHS) - 1
