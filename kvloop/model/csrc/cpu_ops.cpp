@@ -55,31 +55,24 @@ constexpr int64_t kPoolWork = 1 << 16;
 constexpr int64_t kPoolTask = 1 << 15;
 
 // fn(begin, end) over `rows` rows of `row_cost` operations each: on kvloop's pool or torch's.
+// `align` (pool only): every chunk but the last a multiple of it.
 template <typename Fn>
-void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn) {
+void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn, int64_t align = 1) {
   row_cost = std::max<int64_t>(1, row_cost);
   if (!pooled) {
     at::parallel_for(0, rows, grain(rows, row_cost), fn);
   } else if (rows * row_cost < kPoolWork) {
     if (rows > 0) fn(0, rows);
   } else {
-    kvloop::pool_for(rows, std::max<int64_t>(1, kPoolTask / row_cost), fn);
+    const int64_t chunk = std::max<int64_t>(1, kPoolTask / row_cost);
+    kvloop::pool_for(rows, (chunk + align - 1) / align * align, fn);
   }
 }
 
-// The columns of a quantized matmul, split among the pool's threads in whole cache lines of
-// y (16 columns), so two threads never write one line (measured: with unaligned chunks the
-// second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
-template <typename Fn>
-void column_for(int64_t n_out, int64_t column_cost, const Fn& fn) {
-  column_cost = std::max<int64_t>(1, column_cost);
-  if (n_out * column_cost < kPoolWork) {
-    if (n_out > 0) fn(0, n_out);
-    return;
-  }
-  const int64_t chunk = std::max<int64_t>(1, kPoolTask / column_cost);
-  kvloop::pool_for(n_out, (chunk + 15) / 16 * 16, fn);
-}
+// The output columns of a quantized matmul go to the pool's threads in whole cache lines of
+// y (16 fp32 columns), so two threads never write one line (measured: with unaligned chunks
+// the second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
+constexpr int64_t kColumnsPerLine = 16;
 
 // residual += x (when residual is given); x = residual / rms(residual) * weight.
 template <typename T>
@@ -241,7 +234,8 @@ void decode_attention_kernel(const T* q, int64_t q_row, const T* cache,
   const T* values = cache + kv_heads * cache_tokens * dim;
   par_for(pooled, reqs * kv_heads, longest * dim * group * 2, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores;
-    std::vector<int64_t> slot;
+    std::vector<int64_t> slot;            // the request's cache slots (shared by its KV heads)
+    int64_t slot_request = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
       const int64_t* blocks = block_table + r * max_blocks;
@@ -251,9 +245,12 @@ void decode_attention_kernel(const T* q, int64_t q_row, const T* cache,
 #ifdef __AVX2__
       if constexpr (std::is_same_v<T, float>) {
         if (dim % 64 == 0) {
-          slot.resize(len);
-          for (int64_t t = 0; t < len; ++t)
-            slot[t] = blocks[t / block_size] * block_size + t % block_size;
+          if (slot_request != r) {
+            slot.resize(len);
+            for (int64_t t = 0; t < len; ++t)
+              slot[t] = blocks[t / block_size] * block_size + t % block_size;
+            slot_request = r;
+          }
           scores.resize(group * ((len + 7) / 8 * 8));
           attend_fp32(qf.data(), group, dim, cache + kh * cache_tokens * dim,
                       values + kh * cache_tokens * dim, slot, scores.data(),
@@ -565,7 +562,7 @@ void dequant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
   const int64_t groups = k_in / 32, row_bytes = k_in / 2;
   std::vector<float> xf(rows * k_in);
   for (int64_t i = 0; i < rows * k_in; ++i) xf[i] = to_f(x[i]);
-  column_for(n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
@@ -578,7 +575,7 @@ void dequant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
     if (rows - r0 == 3) pass(std::integral_constant<int, 3>{});
     else if (rows - r0 == 2) pass(std::integral_constant<int, 2>{});
     else if (rows - r0 == 1) pass(std::integral_constant<int, 1>{});
-  });
+  }, kColumnsPerLine);
 }
 #endif
 
@@ -594,7 +591,7 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
   const int64_t groups = k_in / 32;
   const int64_t row_bytes = k_in * Bits / 8;
   const QuantizedRows xq = quantize_rows(x, rows, k_in);
-  column_for(n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
       constexpr int MB = decltype(mb)::value;
@@ -615,7 +612,7 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
     while (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
     if (rows - r0 >= 2) pass(std::integral_constant<int, 2>{});
     if (rows - r0 >= 1) pass(std::integral_constant<int, 1>{});
-  });
+  }, kColumnsPerLine);
 }
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
