@@ -133,6 +133,38 @@ def test_quantized_matmuls_on_every_path(rows, k):
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-4
 
 
+def _huge_page_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds `address` (smaps)."""
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(part, 16) for part in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages():
+    tensors = [torch.randint(0, 256, (3072, 288), dtype=torch.uint8),
+               torch.randn(3072, 18), torch.randint(-128, 128, (7, 5), dtype=torch.int8),
+               torch.randn(4096, 144)]
+    copies = cpu_ops.huge_page_copies(tensors)
+    for t, c in zip(tensors, copies, strict=True):
+        assert c.dtype == t.dtype and c.shape == t.shape and c.is_contiguous()
+        assert torch.equal(c, t) and c.data_ptr() % 64 == 0
+    base = copies[0].untyped_storage().data_ptr()
+    assert all(c.untyped_storage().data_ptr() == base for c in copies)   # one buffer
+    assert base % (2 << 20) == 0
+    with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+        thp = f.read()
+    if "[never]" not in thp:      # the kernel grants 2 MiB pages on request here
+        assert _huge_page_bytes_at(base) >= 2 << 20
+    assert cpu_ops.huge_page_copies([]) == []
+
+
 def test_the_build_is_keyed_by_source_torch_and_cpu():
     name = cpu_ops.extension_name()
     assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()

@@ -190,6 +190,10 @@ def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):
             dense = linear.forward(torch.eye(linear.low_bit.in_features)).t()
             assert torch.allclose(linear.low_bit.dequantize(), dense, rtol=1e-2, atol=2e-3)
     assert isinstance(model.lm_head.low_bit, Int8Weight)
+    if cpu_ops.available(torch.device("cpu")):   # all of them in one buffer of huge pages
+        storages = {t.untyped_storage().data_ptr() for linear in model.linears()
+                    for t in linear.low_bit.tensors}
+        assert len(storages) == 1 and storages.pop() % (2 << 20) == 0
 
 
 def test_each_step_takes_the_path_its_token_count_picks(q4_runner):

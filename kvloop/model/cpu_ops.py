@@ -165,6 +165,30 @@ def set_pool_threads(threads: int) -> None:
         ops.set_pool_threads(threads)
 
 
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of CPU `tensors` (equal values, shapes, dtypes; contiguous), all in one buffer
+    in 2 MiB pages (`huge_page_buffer`, csrc/cpu_ops.cpp: why), each at a 64-byte line; the
+    buffer lives as long as any copy. Without the extension, or for none, `tensors` as
+    they are."""
+    ops = load()
+    if ops is None or not tensors:
+        return tensors
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // _LINE) * _LINE
+    buffer = ops.huge_page_buffer(end)
+    copies = []
+    for t, start in zip(tensors, offsets, strict=True):
+        nbytes = t.numel() * t.element_size()
+        copy = buffer[start:start + nbytes].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+    return copies
+
+
+_LINE = 64
+
+
 # --- the pure-torch twins -------------------------------------------------------------------
 def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                        eps: float) -> None:

@@ -28,7 +28,13 @@ from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata, paged_attention
 from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
-from kvloop.model.quant import Int4Weight, LowBitPolicy, LowBitWeight, low_bit_weight
+from kvloop.model.quant import (
+    Int4Weight,
+    LowBitPolicy,
+    LowBitWeight,
+    low_bit_weight,
+    rehome_low_bit,
+)
 
 
 class Linear(nn.Module):
@@ -228,6 +234,9 @@ class LlamaModel(nn.Module):
                               low_bit=get.low_bit(head))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
+        low_bit = [linear.low_bit for linear in self.linears() if linear.low_bit is not None]
+        if device.type == "cpu":
+            rehome_low_bit(low_bit)
         self.fused_decode = FusedDecode.build(config, cast(list[DecoderLayer],
                                                            list(self.layers)))
 
@@ -247,7 +256,9 @@ class LlamaModel(nn.Module):
                 h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache,
                                             meta, low_bit)
         assert residual is not None
-        h = self.norm(residual[logits_indices] + h[logits_indices])  # [S, hidden]
+        if logits_indices.shape[0] != num_tokens:    # else every row samples, in order
+            h, residual = h[logits_indices], residual[logits_indices]
+        self.norm.add_(h, residual)                  # h = norm(residual + h): [S, hidden]
         return self.lm_head.forward(h, self.low_bit.head(h.shape[0])).float()  # [S, V]
 
     def linears(self) -> list[Linear]:

@@ -177,6 +177,14 @@ def low_bit_weight(parts: list[RawTensor | None], device: torch.device) -> LowBi
     return None
 
 
+def rehome_low_bit(weights: list[LowBitWeight]) -> None:
+    """Move the CPU tensors of every weight into one buffer of 2 MiB pages
+    (`cpu_ops.huge_page_copies`: a decode step streams them all); same values."""
+    copies = iter(cpu_ops.huge_page_copies([t for w in weights for t in w.tensors]))
+    for w in weights:
+        w.tensors = tuple(next(copies) for _ in w.tensors)
+
+
 @dataclass(frozen=True)
 class LowBitPolicy:
     """Which steps use the low-bit weights: the decoder layers when the step has at most
