@@ -117,6 +117,8 @@ def test_table_of_fixed_figures_has_ratios_targets_and_verdicts() -> None:
 
 
 def test_contention_runs_quiet_then_busy_and_compares_the_shares_kept() -> None:
+    seeds = [lc.contention_seed(rep, condition) for rep, condition, _ in lc.contention_order(3)]
+    assert len(set(seeds)) == 6 and len(seeds) == 12   # both servers share a run's prompts
     assert list(lc.contention_order(2)) == [
         (rep, cond, server) for rep in (0, 1) for cond in ("quiet", "busy")
         for server in ("kvloop", "llama.cpp")]

@@ -513,6 +513,13 @@ def busy_core() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
+def contention_seed(rep: int, condition: str) -> int:
+    """The prompts' seed of one contention run: the same for both servers, fresh for every
+    (rep, condition), so no run finds prompts that an earlier run left in a prefix cache
+    (with one seed per rep, kvloop's busy runs hit the quiet runs' cached prompts)."""
+    return 500 + 2 * rep + (condition == BUSY)
+
+
 def contention_order(repeats: int) -> Iterator[tuple[int, str, str]]:
     """(rep, condition, server): each repetition quiet on both servers, then busy on both."""
     for rep in range(repeats):
@@ -531,7 +538,7 @@ def contention_records(settings: Settings, paths: BuildPaths) -> list[Record]:
                 load = os.getloadavg()
                 print(f"[contention] rep {rep + 1}/{settings.repeats} {condition} on {server} "
                       f"(load {load[0]:.1f})", flush=True)
-                out = bench_once(case, 500 + rep, urls[server], server,
+                out = bench_once(case, contention_seed(rep, condition), urls[server], server,
                                  busy_settings if condition == BUSY else settings)
             records.append(Record("contention", f"contention {condition}", rep, server, load,
                                   out.pop("figures"), out))
