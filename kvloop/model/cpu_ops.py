@@ -173,17 +173,13 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     ops = load()
     if ops is None or not tensors:
         return tensors
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += -(-t.numel() * t.element_size() // _LINE) * _LINE
-    buffer = ops.huge_page_buffer(end)
-    copies = []
-    for t, start in zip(tensors, offsets, strict=True):
-        nbytes = t.numel() * t.element_size()
-        copy = buffer[start:start + nbytes].view(t.dtype).view(t.shape)
-        copies.append(copy.copy_(t))
-    return copies
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    starts = [0]
+    for nbytes in sizes:
+        starts.append(starts[-1] + -(-nbytes // _LINE) * _LINE)
+    buffer = ops.huge_page_buffer(starts[-1])
+    return [buffer[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            for t, start, nbytes in zip(tensors, starts, sizes, strict=False)]
 
 
 _LINE = 64

@@ -234,9 +234,9 @@ class LlamaModel(nn.Module):
                               low_bit=get.low_bit(head))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
-        low_bit = [linear.low_bit for linear in self.linears() if linear.low_bit is not None]
         if device.type == "cpu":
-            rehome_low_bit(low_bit)
+            rehome_low_bit([linear.low_bit for linear in self.linears()
+                            if linear.low_bit is not None])
         self.fused_decode = FusedDecode.build(config, cast(list[DecoderLayer],
                                                            list(self.layers)))
 

@@ -878,7 +878,7 @@ class DecodeStack {
 // huge pages on request, `madvise`; else ordinary pages): the home of the low-bit weights,
 // which every decode step streams end to end. In 4 KiB pages their ~110 MB span ~27,000 TLB
 // entries a step, so the step's other work (torch's dispatch, Python) finds its own
-// translations evicted; in 2 MiB pages, ~55. Measured here (`kvloop.model.cpu_ops.Arena`).
+// translations evicted; in 2 MiB pages, ~55. Filled by `kvloop.model.cpu_ops.huge_page_copies`; measured in docs/cpu-performance.md.
 at::Tensor huge_page_buffer(int64_t nbytes) {
   TORCH_CHECK(nbytes > 0, "huge_page_buffer: nbytes must be > 0");
   constexpr size_t kHuge = size_t(2) << 20;
