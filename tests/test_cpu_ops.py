@@ -83,19 +83,24 @@ def test_silu_and_mul(dtype, tol):
     _close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
-def test_decode_attention_over_long_contexts_and_every_tile_tail():
-    """The vectorised fp32 path (head_dim a multiple of 64) at lengths around its 8-key
-    tiles and far past a block, where the scores span many tiles."""
-    g = torch.Generator().manual_seed(4)
-    cache = torch.randn(2, 3, 90, 16, 64, generator=g) * 3      # large scores: real softmax
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_decode_attention_over_long_contexts_and_every_tile_tail(dtype, tol, group):
+    """The vectorised path (head_dim a multiple of 64; fp32 or bf16 cache) at lengths around
+    its 8-key tiles and far past a block, where the scores span many tiles; for every group
+    of query heads per KV head: 2-4 share each key's load where AVX-512 gives the registers,
+    1 and 5 take a head at a time."""
+    g = torch.Generator().manual_seed(4 + group)
+    cache = (torch.randn(2, 3, 90, 16, 64, generator=g) * 3).to(dtype)   # large scores
     lens = [1, 7, 8, 9, 15, 16, 17, 300, 1400]
     table = torch.stack([torch.randperm(89, generator=g)[:88] + 1 for _ in lens])
-    q = torch.randn(len(lens), 9, 64, generator=g)
+    q = torch.randn(len(lens), 3 * group, 64, generator=g).to(dtype)
     seq_lens = torch.tensor(lens)
     got = cpu_ops.load().decode_attention(q, cache, table, seq_lens, 0.125)
     want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125)
-    assert got.shape == want.shape == (len(lens), 9 * 64)
-    assert (got - want).abs().max().item() <= 2e-6 * max(want.abs().max().item(), 1.0)
+    assert got.shape == want.shape == (len(lens), 3 * group * 64)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
 
 
 def _random_q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -131,6 +136,29 @@ def test_quantized_matmuls_on_every_path(rows, k):
     want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
     got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("k", [576, 96])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+def test_quantized_matmuls_on_bf16_rows(rows, k):
+    """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows the integer
+    kernel (x rounded to int16 per group, y to bf16); 3 and more, where the CPU has
+    AVX512_BF16, weights dequantized to bf16 in registers and `dpbf16ps` in 8-, 2- and 1-row
+    passes (11 = 8 + 2 + 1), else the fp32 kernel. Each y is rounded to bf16 (2^-9), and
+    the weights on the bf16 kernel too, as the dense bf16 weights are."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + 7)
+    ops = cpu_ops.load()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    qs, scale, offset = _random_q4(200, k, g)
+    want = x.double() @ _dequantized_q4(qs, scale, offset).T
+    got = ops.q4_matmul(x, qs, scale, offset)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    q8 = torch.randint(-127, 128, (200, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(200, k // 32, generator=g) * 0.01
+    want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
+    got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
+    assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-2
 
 
 def _huge_page_bytes_at(address: int) -> int:

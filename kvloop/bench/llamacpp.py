@@ -48,9 +48,15 @@ from typing import Any
 LLAMA_CPP_PYTHON = "0.3.36"   # the sdist whose vendored llama.cpp is built
 DEFAULT_BUILD_DIR = "~/.cache/kvloop/llama.cpp"
 BINARIES = ("llama-server", "llama-bench")
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_SERVER=ON")
+               "-DLLAMA_BUILD_SERVER=ON",
+               # llama.cpp 0c1e570's AMX kernels die of SIGILL on the Xeon guests here
+               # (`tileloadd` in tinygemm_kernel_amx<block_q8_1, block_q4_1>, on any prompt of
+               # more than one token): built without them it runs its AVX-512 VNNI kernels.
+               # Explicit -mno-* flags win over -march=native's, whatever their order.
+               f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 LLAMA_SERVER_ARGS = ("--no-webui", "-np", "32", "-c", "65536")   # 32 slots of 2048 tokens
 LLAMA_LISTENING = r"listening on (http://\S+)"
 KVLOOP, LLAMA = "kvloop", "llama.cpp"
@@ -213,8 +219,14 @@ class BuildPaths:
     def binary(self, name: str) -> Path:
         return self.bin_dir / name
 
+    @property
+    def flags_file(self) -> Path:
+        return self.root / "cmake-flags.txt"
+
     def built(self) -> bool:
-        return all(self.binary(b).is_file() for b in BINARIES)
+        """The binaries exist and were built with today's CMAKE_FLAGS."""
+        return (all(self.binary(b).is_file() for b in BINARIES) and self.flags_file.is_file()
+                and self.flags_file.read_text() == "\n".join(CMAKE_FLAGS))
 
 
 def download_sdist(paths: BuildPaths) -> Path:
@@ -258,6 +270,7 @@ def build(paths: BuildPaths, jobs: int) -> dict[str, str | None]:
         run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], paths.source, paths.log)
         run_logged(["cmake", "--build", "build", f"-j{jobs}", "--target", *BINARIES],
                    paths.source, paths.log)
+        paths.flags_file.write_text("\n".join(CMAKE_FLAGS))
     info = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": vendored_commit(paths.source),
             "version": binary_version(paths), "bin_dir": str(paths.bin_dir)}
     paths.info_file.write_text(json.dumps(info, indent=2) + "\n")

@@ -163,13 +163,35 @@ inline __m256 exp8(__m256 x) {
 
 // scores[t] = q . key[t] for the 8 keys at key[0..7] (dim a multiple of 8): eight
 // accumulators, then one horizontal reduction for all eight.
-inline __m256 dot8(const float* q, const float* const* key, int64_t dim) {
+// 8 values of a cache row as fp32: fp32 as they are, bf16 widened (exactly: its bits are
+// the fp32 value's upper half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  float f[8];
+  _mm256_storeu_ps(f, v);
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(f[i]);
+}
+
+inline __m256 reduce8(const __m256* a);
+
+template <typename T>
+inline __m256 dot8(const float* q, const T* const* key, int64_t dim) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t c = 0; c < dim; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[j] + c), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, load8(key[j] + c), a[j]);
   }
+  return reduce8(a);
+}
+
+// Lane j: the sum of a[j]'s lanes.
+inline __m256 reduce8(const __m256* a) {
   // hadd twice: [t0..t3 | t0..t3] partial sums of the low and high halves of each chunk
   const __m256 s03 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 s47 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -177,15 +199,17 @@ inline __m256 dot8(const float* q, const float* const* key, int64_t dim) {
                        _mm256_permute2f128_ps(s03, s47, 0x31));
 }
 
-// The fp32 decode attention of one request and KV head, vectorised (dim a multiple of 64):
-// scores 8 keys at a time (the keys stay in L1 across the group's query heads), a vector
-// exp, and P V with 64 dims of each head's output in registers.
-inline void attend_fp32(const float* qf, int64_t group, int64_t dim, const float* keys,
-                        const float* vals, const std::vector<int64_t>& slot, float* scores,
-                        float* out, int64_t out_stride) {
+// The decode attention of one request and KV head, vectorised (dim a multiple of 64; an
+// fp32 or bf16 cache, fp32 math): scores 8 keys at a time (the keys stay in L1 across the
+// group's query heads), a vector exp, and P V with 64 dims of each head's output in
+// registers.
+template <typename T>
+inline void attend_vec(const float* qf, int64_t group, int64_t dim, const T* keys,
+                       const T* vals, const std::vector<int64_t>& slot, float* scores,
+                       T* out, int64_t out_stride) {
   const int64_t len = static_cast<int64_t>(slot.size()), stride = (len + 7) / 8 * 8;
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
-    const float* key[8];
+    const T* key[8];
     for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
     for (int64_t g = 0; g < group; ++g)
       _mm256_storeu_ps(scores + g * stride + t0, dot8(qf + g * dim, key, dim));
@@ -211,13 +235,91 @@ inline void attend_fp32(const float* qf, int64_t group, int64_t dim, const float
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
       for (int64_t t = 0; t < len; ++t) {
         const __m256 pt = _mm256_set1_ps(s[t]);
-        const float* v = vals + slot[t] * dim + part;
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * j), a[j]);
+        const T* v = vals + slot[t] * dim + part;
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pt, load8(v + 8 * j), a[j]);
       }
       for (int j = 0; j < 8; ++j)
-        _mm256_storeu_ps(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[j], inv));
+        store8(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[j], inv));
     }
   }
+}
+
+#ifdef __AVX512VL__
+// attend_vec for a group of G query heads (G a constant, 2-4), where AVX-512 gives 32
+// vector registers: each key and value is loaded (and widened, for bf16) once for all G
+// heads instead of once per head, 8 x G accumulators in registers. Measured on a bf16 cache,
+// 8 requests x 270 tokens, 30 layers of SmolLM2 (G = 3), ... (docs/cpu-performance.md).
+template <typename T, int G>
+inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
+                           const std::vector<int64_t>& slot, float* scores, T* out,
+                           int64_t out_stride) {
+  const int64_t len = static_cast<int64_t>(slot.size()), stride = (len + 7) / 8 * 8;
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const T* key[8];
+    for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
+    __m256 a[G][8];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 8) {
+      __m256 qc[G];
+      for (int g = 0; g < G; ++g) qc[g] = _mm256_loadu_ps(qf + g * dim + c);
+      for (int j = 0; j < 8; ++j) {
+        const __m256 k = load8(key[j] + c);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(qc[g], k, a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores + g * stride + t0, reduce8(a[g]));
+  }
+  __m256 inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * stride;
+    for (int64_t t = len; t < stride; ++t) s[t] = -INFINITY;    // the last tile's padding
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < stride; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+    float tops[8];
+    _mm256_storeu_ps(tops, top);
+    const __m256 m = _mm256_set1_ps(*std::max_element(tops, tops + 8));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < stride; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      _mm256_storeu_ps(s + t, e);
+      total = _mm256_add_ps(total, e);
+    }
+    inv[g] = _mm256_set1_ps(1.f / hsum(total));
+  }
+  for (int64_t part = 0; part < dim; part += 64) {
+    __m256 a[G][8];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      __m256 pt[G];
+      for (int g = 0; g < G; ++g) pt[g] = _mm256_set1_ps(scores[g * stride + t]);
+      const T* v = vals + slot[t] * dim + part;
+      for (int j = 0; j < 8; ++j) {
+        const __m256 vj = load8(v + 8 * j);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_fmadd_ps(pt[g], vj, a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 8; ++j)
+        store8(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[g][j], inv[g]));
+  }
+}
+#endif
+
+// attend_vec, or attend_grouped where G has an instance.
+template <typename T>
+inline void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+                   const std::vector<int64_t>& slot, float* scores, T* out, int64_t out_stride) {
+#ifdef __AVX512VL__
+  switch (group) {
+    case 2: return attend_grouped<T, 2>(qf, dim, keys, vals, slot, scores, out, out_stride);
+    case 3: return attend_grouped<T, 3>(qf, dim, keys, vals, slot, scores, out, out_stride);
+    case 4: return attend_grouped<T, 4>(qf, dim, keys, vals, slot, scores, out, out_stride);
+    default: break;
+  }
+#endif
+  attend_vec<T>(qf, group, dim, keys, vals, slot, scores, out, out_stride);
 }
 #endif
 
@@ -246,7 +348,7 @@ void decode_attention_kernel(const T* q, int64_t q_row, const T* cache,
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = to_f(q[r * q_row + (kh * group + g) * dim + i]) * scale;
 #ifdef __AVX2__
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
         if (dim % 64 == 0) {
           if (slot_request != r) {
             slot.resize(len);
@@ -255,7 +357,7 @@ void decode_attention_kernel(const T* q, int64_t q_row, const T* cache,
             slot_request = r;
           }
           scores.resize(group * ((len + 7) / 8 * 8));
-          attend_fp32(qf.data(), group, dim, cache + kh * cache_tokens * dim,
+          attend<T>(qf.data(), group, dim, cache + kh * cache_tokens * dim,
                       values + kh * cache_tokens * dim, slot, scores.data(),
                       out + (r * heads + kh * group) * dim, dim);
           continue;
@@ -381,6 +483,25 @@ inline void quantize_group_fp32(const float* xg, int16_t* q, float& d, float& s)
 }
 #endif
 
+#if defined(__AVX512BW__)
+// One group of 32 bf16 values as quantize_rows' scalar loop does it (bf16 widens to fp32
+// exactly; cvtps rounds to nearest even, as nearbyint does).
+inline void quantize_group_bf16(const at::BFloat16* xg, int16_t* q, float& d, float& s) {
+  __m512 v[2];
+  for (int h = 0; h < 2; ++h)
+    v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * h))), 16));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  d = amax / kQMax;
+  const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
+  const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(a));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(b));
+  s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
+}
+#endif
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
   const int64_t groups = k_in / 32;
@@ -389,6 +510,13 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const T* xg = x + m * k_in + g * 32;
+#if defined(__AVX512BW__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {   // the same numbers, 16 at a time
+        quantize_group_bf16(xg, out.q.data() + m * k_in + g * 32, out.d[m * groups + g],
+                            out.s[m * groups + g]);
+        continue;
+      }
+#endif
 #ifdef __AVX2__
       if constexpr (std::is_same_v<T, float>) {      // the same numbers, 8 at a time
         quantize_group_fp32(xg, out.q.data() + m * k_in + g * 32, out.d[m * groups + g],
@@ -622,11 +750,178 @@ void dequant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
 }
 #endif
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KVLOOP_VNNI 1
+// The 1-2 row integer kernel on AVX-512 VNNI: `dpwssd` multiplies 32 int16 pairs and adds
+// them into 16 int32 lanes in one instruction, where AVX2 needs a `madd` and an `add` per
+// 16. Two 4-bit groups fill one register: their 32 bytes widen to 32 16-bit lanes, whose low
+// nibbles are weights 0-15 of both groups and whose high nibbles weights 16-31, so x is read
+// in that order (`PairOrder`, made once per call). The products of a pair land in 16 lanes,
+// 8 per group: converted once and scaled by a vector holding each group's scale in its 8
+// lanes (a permute of 16 groups' scales, loaded together). 8-bit groups are 32 signed bytes,
+// one register each, in x's own order. Same integer sums as the AVX2 kernel; the float sums
+// run in another order.
+
+// x's int16 values with each pair of groups (g, g + 1) as [x_g 0-15, x_g+1 0-15,
+// x_g 16-31, x_g+1 16-31]; an odd last group stays as it is.
+std::vector<int16_t> pair_order(const QuantizedRows& xq, int64_t rows, int64_t k_in) {
+  std::vector<int16_t> out(xq.q.size());
+  const int64_t pairs = k_in / 64;
+  for (int64_t m = 0; m < rows; ++m) {
+    const int16_t* src = xq.q.data() + m * k_in;
+    int16_t* dst = out.data() + m * k_in;
+    for (int64_t p = 0; p < pairs; ++p, src += 64, dst += 64) {
+      std::copy(src, src + 16, dst);
+      std::copy(src + 32, src + 48, dst + 16);
+      std::copy(src + 16, src + 32, dst + 32);
+      std::copy(src + 48, src + 64, dst + 48);
+    }
+    std::copy(src, xq.q.data() + (m + 1) * k_in, dst);
+  }
+  return out;
+}
+
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+}
+
+// One output column n for MB rows of x from r0 (xp: x in pair order for 4-bit, xq.q for
+// 8-bit).
+template <int Bits, int MB, typename T>
+inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
+                        const QuantizedRows& xq, const int16_t* xp, int64_t r0, int64_t k_in,
+                        int64_t groups, T* y, int64_t n_out, int64_t n) {
+  __m512 acc[MB], tail[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = tail[m] = _mm512_setzero_ps();
+  const int16_t* xrow[MB];
+  for (int m = 0; m < MB; ++m) xrow[m] = xp + (r0 + m) * k_in;
+  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = std::min<int64_t>(16, groups - g);
+    const __mmask16 mask = first_lanes(left);
+    const __m512 scales = _mm512_maskz_loadu_ps(mask, sc + g);
+    __m512 sd[MB];
+    for (int m = 0; m < MB; ++m) {
+      const int64_t r = r0 + m;
+      sd[m] = _mm512_mul_ps(scales, _mm512_maskz_loadu_ps(mask, xq.d.data() + r * groups + g));
+      if (of)
+        tail[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, of + g),
+                                  _mm512_maskz_loadu_ps(mask, xq.s.data() + r * groups + g),
+                                  tail[m]);
+    }
+    if constexpr (Bits == 4) {
+      int64_t j = 0;
+      for (; j + 2 <= left; j += 2) {
+        const __m512i bytes = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 16)));
+        const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+        const __m512i hi = _mm512_srli_epi16(bytes, 4);
+        const __m512i pick = _mm512_add_epi32(two_groups, _mm512_set1_epi32(static_cast<int>(j)));
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* xg = xrow[m] + (g + j) * 32;
+          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+          dot = _mm512_dpwssd_epi32(dot, hi, _mm512_loadu_si512(xg + 32));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
+                                   acc[m]);
+        }
+      }
+      if (j < left) {                     // an odd last group: 16 lanes, half of them zero
+        const __m256i bytes = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (g + j) * 16)));
+        const __m512i lo = _mm512_zextsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15)));
+        const __m512i hi = _mm512_zextsi256_si512(_mm256_srli_epi16(bytes, 4));
+        const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
+        for (int m = 0; m < MB; ++m) {
+          const int16_t* xg = xrow[m] + (g + j) * 32;
+          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo,
+                                            _mm512_maskz_loadu_epi16(0xffff, xg));
+          dot = _mm512_dpwssd_epi32(dot, hi, _mm512_maskz_loadu_epi16(0xffff, xg + 16));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
+                                   acc[m]);
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < left; ++j) {
+        const __m512i w = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 32)));
+        const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
+        for (int m = 0; m < MB; ++m) {
+          const __m512i dot = _mm512_dpwssd_epi32(
+              _mm512_setzero_si512(), w, _mm512_loadu_si512(xrow[m] + (g + j) * 32));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
+                                   acc[m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    y[(r0 + m) * n_out + n] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc[m], tail[m])));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVLOOP_BF16_DOT 1
+// From 3 rows of bf16 x on, with AVX512_BF16: each 4-bit group is dequantized once in
+// registers (q * scale + offset in fp32, as `Int4Weight.dequantize`, then rounded to bf16 as
+// the dense bf16 weights are) and shared by up to 8 rows, each of which takes the group's 32
+// products in one `dpbf16ps` (fp32 sums), reading x as it is (bf16: no conversion).
+inline __m512bh dequant_q4_bf16(const uint8_t* group, __m512 scale, __m512 offset) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+  const __m512 lo = _mm512_fmadd_ps(
+      _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), scale, offset);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale, offset);
+  return _mm512_cvtne2ps_pbh(hi, lo);       // lanes 0-15: lo (w0-15), 16-31: hi (w16-31)
+}
+
+template <int MB>
+inline void bf16_column(const uint8_t* row, const float* sc, const float* of,
+                        const at::BFloat16* x, int64_t r0, int64_t k_in, int64_t groups,
+                        at::BFloat16* y, int64_t n_out, int64_t n) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512bh w = dequant_q4_bf16(row + g * 16, _mm512_set1_ps(sc[g]), _mm512_set1_ps(of[g]));
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + m) * k_in + g * 32);
+      acc[m] = _mm512_dpbf16_ps(acc[m], w, xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    y[(r0 + m) * n_out + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
+}
+
+void bf16_dequant_matmul_kernel(const at::BFloat16* x, const uint8_t* qs, const float* scale,
+                                const float* offset, at::BFloat16* y, int64_t rows,
+                                int64_t n_out, int64_t k_in) {
+  const int64_t groups = k_in / 32, row_bytes = k_in / 2;
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+    int64_t r0 = 0;
+    auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
+      constexpr int MB = decltype(mb)::value;
+      for (int64_t n = begin; n < end; ++n)
+        bf16_column<MB>(qs + n * row_bytes, scale + n * groups, offset + n * groups, x, r0,
+                        k_in, groups, y, n_out, n);
+      r0 += MB;
+    };
+    while (rows - r0 >= 8) pass(std::integral_constant<int, 8>{});
+    if (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
+    if (rows - r0 >= 2) pass(std::integral_constant<int, 2>{});
+    if (rows - r0 >= 1) pass(std::integral_constant<int, 1>{});
+  }, kColumnsPerLine);
+}
+#endif
+
 // y [M, N] = x @ W.T, W [N, K] in groups of 32 (Bits 4: qs [N, K/2], scale and offset
 // [N, K/32]; Bits 8: qs [N, K] signed, scale [N, K/32], offset nullptr).
 template <int Bits, typename T>
 void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
+#ifdef KVLOOP_BF16_DOT
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (Bits == 4 && rows >= kDequantRows)
+      return bf16_dequant_matmul_kernel(x, qs, scale, offset, y, rows, n_out, k_in);
+  }
+#endif
 #ifdef __AVX2__
   if (Bits == 4 && rows >= kDequantRows)
     return dequant_matmul_kernel<T>(x, qs, scale, offset, y, rows, n_out, k_in);
@@ -634,6 +929,10 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
   const int64_t groups = k_in / 32;
   const int64_t row_bytes = k_in * Bits / 8;
   const QuantizedRows xq = quantize_rows(x, rows, k_in);
+#ifdef KVLOOP_VNNI
+  const std::vector<int16_t> xp = Bits == 4 ? pair_order(xq, rows, k_in) : std::vector<int16_t>();
+  const int16_t* xv = Bits == 4 ? xp.data() : xq.q.data();
+#endif
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     int64_t r0 = 0;
     auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
@@ -642,7 +941,10 @@ void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
         const uint8_t* w = qs + n * row_bytes;
         const float* sc = scale + n * groups;
         const float* of = offset ? offset + n * groups : nullptr;
-#ifdef __AVX2__
+#if defined(KVLOOP_VNNI)
+        vnni_column<Bits, MB, T>(w, sc, of, xq, xv, r0, k_in, groups, y, n_out, n);
+        continue;
+#elif defined(__AVX2__)
         if constexpr (MB <= 2) {
           lanes_column<Bits, MB, T>(w, sc, of, xq, r0, k_in, groups, y, n_out, n);
           continue;
