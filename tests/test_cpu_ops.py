@@ -141,11 +141,10 @@ def test_quantized_matmuls_on_every_path(rows, k):
 @pytest.mark.parametrize("k", [576, 96])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
 def test_quantized_matmuls_on_bf16_rows(rows, k):
-    """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows the integer
-    kernel (x rounded to int16 per group, y to bf16); 3 and more, where the CPU has
-    AVX512_BF16, weights dequantized to bf16 in registers and `dpbf16ps` in 8-, 2- and 1-row
-    passes (11 = 8 + 2 + 1), else the fp32 kernel. Each y is rounded to bf16 (2^-9), and
-    the weights on the bf16 kernel too, as the dense bf16 weights are."""
+    """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows (and q8 at
+    every count) the integer kernel, x rounded to int16 per group (on AVX-512 VNNI, the
+    `dpwssd` one); 3 and more q4 rows the fp32 kernel on x widened exactly (11 = 4 + 4 + 3
+    rows). Each y is rounded to bf16 (2^-9 relative)."""
     g = torch.Generator().manual_seed(rows * 1000 + k + 7)
     ops = cpu_ops.load()
     x = torch.randn(rows, k, generator=g).bfloat16()

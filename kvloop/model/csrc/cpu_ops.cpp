@@ -859,69 +859,12 @@ inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define KVLOOP_BF16_DOT 1
-// From 3 rows of bf16 x on, with AVX512_BF16: each 4-bit group is dequantized once in
-// registers (q * scale + offset in fp32, as `Int4Weight.dequantize`, then rounded to bf16 as
-// the dense bf16 weights are) and shared by up to 8 rows, each of which takes the group's 32
-// products in one `dpbf16ps` (fp32 sums), reading x as it is (bf16: no conversion).
-inline __m512bh dequant_q4_bf16(const uint8_t* group, __m512 scale, __m512 offset) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
-  const __m512 lo = _mm512_fmadd_ps(
-      _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), scale, offset);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), scale, offset);
-  return _mm512_cvtne2ps_pbh(hi, lo);       // lanes 0-15: lo (w0-15), 16-31: hi (w16-31)
-}
-
-template <int MB>
-inline void bf16_column(const uint8_t* row, const float* sc, const float* of,
-                        const at::BFloat16* x, int64_t r0, int64_t k_in, int64_t groups,
-                        at::BFloat16* y, int64_t n_out, int64_t n) {
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m512bh w = dequant_q4_bf16(row + g * 16, _mm512_set1_ps(sc[g]), _mm512_set1_ps(of[g]));
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r0 + m) * k_in + g * 32);
-      acc[m] = _mm512_dpbf16_ps(acc[m], w, xv);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    y[(r0 + m) * n_out + n] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[m]));
-}
-
-void bf16_dequant_matmul_kernel(const at::BFloat16* x, const uint8_t* qs, const float* scale,
-                                const float* offset, at::BFloat16* y, int64_t rows,
-                                int64_t n_out, int64_t k_in) {
-  const int64_t groups = k_in / 32, row_bytes = k_in / 2;
-  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
-    int64_t r0 = 0;
-    auto pass = [&](auto mb) {        // all columns of this task for rows r0 .. r0 + mb
-      constexpr int MB = decltype(mb)::value;
-      for (int64_t n = begin; n < end; ++n)
-        bf16_column<MB>(qs + n * row_bytes, scale + n * groups, offset + n * groups, x, r0,
-                        k_in, groups, y, n_out, n);
-      r0 += MB;
-    };
-    while (rows - r0 >= 8) pass(std::integral_constant<int, 8>{});
-    if (rows - r0 >= 4) pass(std::integral_constant<int, 4>{});
-    if (rows - r0 >= 2) pass(std::integral_constant<int, 2>{});
-    if (rows - r0 >= 1) pass(std::integral_constant<int, 1>{});
-  }, kColumnsPerLine);
-}
-#endif
 
 // y [M, N] = x @ W.T, W [N, K] in groups of 32 (Bits 4: qs [N, K/2], scale and offset
 // [N, K/32]; Bits 8: qs [N, K] signed, scale [N, K/32], offset nullptr).
 template <int Bits, typename T>
 void quant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
-#ifdef KVLOOP_BF16_DOT
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (Bits == 4 && rows >= kDequantRows)
-      return bf16_dequant_matmul_kernel(x, qs, scale, offset, y, rows, n_out, k_in);
-  }
-#endif
 #ifdef __AVX2__
   if (Bits == 4 && rows >= kDequantRows)
     return dequant_matmul_kernel<T>(x, qs, scale, offset, y, rows, n_out, k_in);
