@@ -194,6 +194,21 @@ def test_the_commit_is_read_from_the_vendored_submodule(tmp_path: Path) -> None:
     assert not paths.built()
 
 
+def test_binaries_built_with_other_flags_are_rebuilt(tmp_path: Path) -> None:
+    """`built` only when the binaries exist and `cmake-flags.txt` holds today's
+    CMAKE_FLAGS (which turn llama.cpp's AMX kernels off: they die of SIGILL here)."""
+    paths = lc.BuildPaths(tmp_path)
+    paths.bin_dir.mkdir(parents=True)
+    for name in lc.BINARIES:
+        paths.binary(name).write_text("")
+    assert not paths.built()                         # no record of the flags: an old build
+    paths.flags_file.write_text("-DGGML_NATIVE=ON")
+    assert not paths.built()
+    paths.flags_file.write_text("\n".join(lc.CMAKE_FLAGS))
+    assert paths.built()
+    assert any("-mno-amx-tile" in f for f in lc.CMAKE_FLAGS)
+
+
 # A "server" that announces a URL, then starts a child that ignores SIGTERM.
 _STUBBORN = ("import subprocess, sys, time\n"
              "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "

@@ -39,6 +39,7 @@ RUN_TIME_NAMES = frozenset({
     "figures.md", "c8.json", "TRACE.json", "STEPLOG.json",
     "test_inner.py",   # a module tests/test_markers.py writes into pytester's folder
     "build-info.json",   # what `python -m kvloop.bench.llamacpp build` writes
+    "cmake-flags.txt",   # likewise: the flags its binaries were built with
 })
 
 REF = re.compile(
