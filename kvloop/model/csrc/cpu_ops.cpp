@@ -199,6 +199,25 @@ inline __m256 reduce8(const __m256* a) {
                        _mm256_permute2f128_ps(s03, s47, 0x31));
 }
 
+// s[0, len) -> e^(s - max s) in place (s padded to `stride`, a multiple of 8, with -inf);
+// returns 1 / their sum in every lane, for the caller to scale by once at the end.
+inline __m256 softmax_unscaled(float* s, int64_t len, int64_t stride) {
+  for (int64_t t = len; t < stride; ++t) s[t] = -INFINITY;    // the last tile's padding
+  __m256 top = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < stride; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
+  float tops[8];
+  _mm256_storeu_ps(tops, top);
+  const __m256 m = _mm256_set1_ps(*std::max_element(tops, tops + 8));
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < stride; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  // (the padding adds (stride - len) e^-87 to a total of at least 1: below its last bit)
+  return _mm256_set1_ps(1.f / hsum(total));
+}
+
 // The decode attention of one request and KV head, vectorised (dim a multiple of 64; an
 // fp32 or bf16 cache, fp32 math): scores 8 keys at a time (the keys stay in L1 across the
 // group's query heads), a vector exp, and P V with 64 dims of each head's output in
@@ -216,20 +235,7 @@ inline void attend_vec(const float* qf, int64_t group, int64_t dim, const T* key
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * stride;
-    for (int64_t t = len; t < stride; ++t) s[t] = -INFINITY;    // the last tile's padding
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < stride; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
-    float tops[8];
-    _mm256_storeu_ps(tops, top);
-    const __m256 m = _mm256_set1_ps(*std::max_element(tops, tops + 8));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < stride; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-      _mm256_storeu_ps(s + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    // (the padding adds (stride - len) e^-87 to a total of at least 1: below its last bit)
-    const __m256 inv = _mm256_set1_ps(1.f / hsum(total));
+    const __m256 inv = softmax_unscaled(s, len, stride);
     for (int64_t part = 0; part < dim; part += 64) {
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
@@ -247,8 +253,7 @@ inline void attend_vec(const float* qf, int64_t group, int64_t dim, const T* key
 #ifdef __AVX512VL__
 // attend_vec for a group of G query heads (G a constant, 2-4), where AVX-512 gives 32
 // vector registers: each key and value is loaded (and widened, for bf16) once for all G
-// heads instead of once per head, 8 x G accumulators in registers. Measured on a bf16 cache,
-// 8 requests x 270 tokens, 30 layers of SmolLM2 (G = 3), ... (docs/cpu-performance.md).
+// heads instead of once per head, 8 x G accumulators in registers (docs/cpu-performance.md).
 template <typename T, int G>
 inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
                            const std::vector<int64_t>& slot, float* scores, T* out,
@@ -272,20 +277,7 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
   }
   __m256 inv[G];
   for (int g = 0; g < G; ++g) {
-    float* s = scores + g * stride;
-    for (int64_t t = len; t < stride; ++t) s[t] = -INFINITY;    // the last tile's padding
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < stride; t += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + t));
-    float tops[8];
-    _mm256_storeu_ps(tops, top);
-    const __m256 m = _mm256_set1_ps(*std::max_element(tops, tops + 8));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t t = 0; t < stride; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-      _mm256_storeu_ps(s + t, e);
-      total = _mm256_add_ps(total, e);
-    }
-    inv[g] = _mm256_set1_ps(1.f / hsum(total));
+    inv[g] = softmax_unscaled(scores + g * stride, len, stride);
   }
   for (int64_t part = 0; part < dim; part += 64) {
     __m256 a[G][8];
