@@ -57,6 +57,7 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                # more than one token): built without them it runs its AVX-512 VNNI kernels.
                # Explicit -mno-* flags win over -march=native's, whatever their order.
                f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+FLAGS_RECORD = "\n".join(CMAKE_FLAGS)   # what `cmake-flags.txt` holds after a build
 LLAMA_SERVER_ARGS = ("--no-webui", "-np", "32", "-c", "65536")   # 32 slots of 2048 tokens
 LLAMA_LISTENING = r"listening on (http://\S+)"
 KVLOOP, LLAMA = "kvloop", "llama.cpp"
@@ -226,7 +227,7 @@ class BuildPaths:
     def built(self) -> bool:
         """The binaries exist and were built with today's CMAKE_FLAGS."""
         return (all(self.binary(b).is_file() for b in BINARIES) and self.flags_file.is_file()
-                and self.flags_file.read_text() == "\n".join(CMAKE_FLAGS))
+                and self.flags_file.read_text() == FLAGS_RECORD)
 
 
 def download_sdist(paths: BuildPaths) -> Path:
@@ -270,7 +271,7 @@ def build(paths: BuildPaths, jobs: int) -> dict[str, str | None]:
         run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], paths.source, paths.log)
         run_logged(["cmake", "--build", "build", f"-j{jobs}", "--target", *BINARIES],
                    paths.source, paths.log)
-        paths.flags_file.write_text("\n".join(CMAKE_FLAGS))
+        paths.flags_file.write_text(FLAGS_RECORD)
     info = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": vendored_commit(paths.source),
             "version": binary_version(paths), "bin_dir": str(paths.bin_dir)}
     paths.info_file.write_text(json.dumps(info, indent=2) + "\n")

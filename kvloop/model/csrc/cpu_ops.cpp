@@ -161,8 +161,6 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
 }
 
-// scores[t] = q . key[t] for the 8 keys at key[0..7] (dim a multiple of 8): eight
-// accumulators, then one horizontal reduction for all eight.
 // 8 values of a cache row as fp32: fp32 as they are, bf16 widened (exactly: its bits are
 // the fp32 value's upper half).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -175,19 +173,6 @@ inline void store8(at::BFloat16* p, __m256 v) {
   float f[8];
   _mm256_storeu_ps(f, v);
   for (int i = 0; i < 8; ++i) p[i] = static_cast<at::BFloat16>(f[i]);
-}
-
-inline __m256 reduce8(const __m256* a);
-
-template <typename T>
-inline __m256 dot8(const float* q, const T* const* key, int64_t dim) {
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < dim; c += 8) {
-    const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, load8(key[j] + c), a[j]);
-  }
-  return reduce8(a);
 }
 
 // Lane j: the sum of a[j]'s lanes.
@@ -218,42 +203,11 @@ inline __m256 softmax_unscaled(float* s, int64_t len, int64_t stride) {
   return _mm256_set1_ps(1.f / hsum(total));
 }
 
-// The decode attention of one request and KV head, vectorised (dim a multiple of 64; an
-// fp32 or bf16 cache, fp32 math): scores 8 keys at a time (the keys stay in L1 across the
-// group's query heads), a vector exp, and P V with 64 dims of each head's output in
-// registers.
-template <typename T>
-inline void attend_vec(const float* qf, int64_t group, int64_t dim, const T* keys,
-                       const T* vals, const std::vector<int64_t>& slot, float* scores,
-                       T* out, int64_t out_stride) {
-  const int64_t len = static_cast<int64_t>(slot.size()), stride = (len + 7) / 8 * 8;
-  for (int64_t t0 = 0; t0 < len; t0 += 8) {
-    const T* key[8];
-    for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
-    for (int64_t g = 0; g < group; ++g)
-      _mm256_storeu_ps(scores + g * stride + t0, dot8(qf + g * dim, key, dim));
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * stride;
-    const __m256 inv = softmax_unscaled(s, len, stride);
-    for (int64_t part = 0; part < dim; part += 64) {
-      __m256 a[8];
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int64_t t = 0; t < len; ++t) {
-        const __m256 pt = _mm256_set1_ps(s[t]);
-        const T* v = vals + slot[t] * dim + part;
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pt, load8(v + 8 * j), a[j]);
-      }
-      for (int j = 0; j < 8; ++j)
-        store8(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[j], inv));
-    }
-  }
-}
-
-#ifdef __AVX512VL__
-// attend_vec for a group of G query heads (G a constant, 2-4), where AVX-512 gives 32
-// vector registers: each key and value is loaded (and widened, for bf16) once for all G
-// heads instead of once per head, 8 x G accumulators in registers (docs/cpu-performance.md).
+// The decode attention of G query heads (G a constant) sharing one request's KV head,
+// vectorised (dim a multiple of 64; an fp32 or bf16 cache, fp32 math): scores 8 keys at a
+// time, each key loaded (and widened, for bf16) once for all G heads into 8 x G
+// accumulators, a vector exp, and P V with 64 dims of each head's output in registers, each
+// value loaded once for all G heads (docs/cpu-performance.md).
 template <typename T, int G>
 inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
                            const std::vector<int64_t>& slot, float* scores, T* out,
@@ -297,9 +251,9 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
         store8(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[g][j], inv[g]));
   }
 }
-#endif
 
-// attend_vec, or attend_grouped where G has an instance.
+// A KV head's `group` query heads: together where AVX-512 gives the 32 vector registers
+// that 8 x G accumulators need (G 2-4), else one head at a time.
 template <typename T>
 inline void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
                    const std::vector<int64_t>& slot, float* scores, T* out, int64_t out_stride) {
@@ -311,7 +265,9 @@ inline void attend(const float* qf, int64_t group, int64_t dim, const T* keys, c
     default: break;
   }
 #endif
-  attend_vec<T>(qf, group, dim, keys, vals, slot, scores, out, out_stride);
+  for (int64_t g = 0; g < group; ++g)
+    attend_grouped<T, 1>(qf + g * dim, dim, keys, vals, slot, scores, out + g * out_stride,
+                         out_stride);
 }
 #endif
 
@@ -475,25 +431,6 @@ inline void quantize_group_fp32(const float* xg, int16_t* q, float& d, float& s)
 }
 #endif
 
-#if defined(__AVX512BW__)
-// One group of 32 bf16 values as quantize_rows' scalar loop does it (bf16 widens to fp32
-// exactly; cvtps rounds to nearest even, as nearbyint does).
-inline void quantize_group_bf16(const at::BFloat16* xg, int16_t* q, float& d, float& s) {
-  __m512 v[2];
-  for (int h = 0; h < 2; ++h)
-    v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16 * h))), 16));
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-  d = amax / kQMax;
-  const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-  const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
-  const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtsepi32_epi16(a));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtsepi32_epi16(b));
-  s = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(a, b)));
-}
-#endif
-
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
   const int64_t groups = k_in / 32;
@@ -502,16 +439,14 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k_in) {
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const T* xg = x + m * k_in + g * 32;
-#if defined(__AVX512BW__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {   // the same numbers, 16 at a time
-        quantize_group_bf16(xg, out.q.data() + m * k_in + g * 32, out.d[m * groups + g],
-                            out.s[m * groups + g]);
-        continue;
-      }
-#endif
 #ifdef __AVX2__
-      if constexpr (std::is_same_v<T, float>) {      // the same numbers, 8 at a time
-        quantize_group_fp32(xg, out.q.data() + m * k_in + g * 32, out.d[m * groups + g],
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+        // the same numbers, 8 at a time (bf16 widened to fp32 first, exactly)
+        float wide[32];
+        const float* xf = wide;
+        if constexpr (std::is_same_v<T, float>) xf = xg;
+        else for (int i = 0; i < 32; i += 8) _mm256_storeu_ps(wide + i, load8(xg + i));
+        quantize_group_fp32(xf, out.q.data() + m * k_in + g * 32, out.d[m * groups + g],
                             out.s[m * groups + g]);
         continue;
       }
@@ -748,7 +683,7 @@ void dequant_matmul_kernel(const T* x, const uint8_t* qs, const float* scale,
 // them into 16 int32 lanes in one instruction, where AVX2 needs a `madd` and an `add` per
 // 16. Two 4-bit groups fill one register: their 32 bytes widen to 32 16-bit lanes, whose low
 // nibbles are weights 0-15 of both groups and whose high nibbles weights 16-31, so x is read
-// in that order (`PairOrder`, made once per call). The products of a pair land in 16 lanes,
+// in that order (`pair_order`, made once per call). The products of a pair land in 16 lanes,
 // 8 per group: converted once and scaled by a vector holding each group's scale in its 8
 // lanes (a permute of 16 groups' scales, loaded together). 8-bit groups are 32 signed bytes,
 // one register each, in x's own order. Same integer sums as the AVX2 kernel; the float sums
@@ -775,6 +710,15 @@ std::vector<int16_t> pair_order(const QuantizedRows& xq, int64_t rows, int64_t k
 
 inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+}
+
+// acc += dot's sums times the scales that `pick` selects from sd (one per lane).
+inline __m512 add_scaled(__m512 acc, __m512i dot, __m512i pick, __m512 sd) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd), acc);
+}
+
+inline __m512i load_epi16x16(const int16_t* p) {      // 16 values, the upper lanes zero
+  return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // One output column n for MB rows of x from r0 (xp: x in pair order for 4-bit, xq.q for
@@ -813,8 +757,7 @@ inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
           const int16_t* xg = xrow[m] + (g + j) * 32;
           __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
           dot = _mm512_dpwssd_epi32(dot, hi, _mm512_loadu_si512(xg + 32));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
-                                   acc[m]);
+          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
         }
       }
       if (j < left) {                     // an odd last group: 16 lanes, half of them zero
@@ -825,11 +768,9 @@ inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
         const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
         for (int m = 0; m < MB; ++m) {
           const int16_t* xg = xrow[m] + (g + j) * 32;
-          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo,
-                                            _mm512_maskz_loadu_epi16(0xffff, xg));
-          dot = _mm512_dpwssd_epi32(dot, hi, _mm512_maskz_loadu_epi16(0xffff, xg + 16));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
-                                   acc[m]);
+          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, load_epi16x16(xg));
+          dot = _mm512_dpwssd_epi32(dot, hi, load_epi16x16(xg + 16));
+          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
         }
       }
     } else {
@@ -840,8 +781,7 @@ inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
         for (int m = 0; m < MB; ++m) {
           const __m512i dot = _mm512_dpwssd_epi32(
               _mm512_setzero_si512(), w, _mm512_loadu_si512(xrow[m] + (g + j) * 32));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd[m]),
-                                   acc[m]);
+          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
         }
       }
     }
@@ -850,7 +790,6 @@ inline void vnni_column(const uint8_t* row, const float* sc, const float* of,
     y[(r0 + m) * n_out + n] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc[m], tail[m])));
 }
 #endif
-
 
 // y [M, N] = x @ W.T, W [N, K] in groups of 32 (Bits 4: qs [N, K/2], scale and offset
 // [N, K/32]; Bits 8: qs [N, K] signed, scale [N, K/32], offset nullptr).
@@ -1115,7 +1054,8 @@ class DecodeStack {
 // huge pages on request, `madvise`; else ordinary pages): the home of the low-bit weights,
 // which every decode step streams end to end. In 4 KiB pages their ~110 MB span ~27,000 TLB
 // entries a step, so the step's other work (torch's dispatch, Python) finds its own
-// translations evicted; in 2 MiB pages, ~55. Filled by `kvloop.model.cpu_ops.huge_page_copies`; measured in docs/cpu-performance.md.
+// translations evicted; in 2 MiB pages, ~55. Filled by `kvloop.model.cpu_ops.
+// huge_page_copies`; measured in docs/cpu-performance.md.
 at::Tensor huge_page_buffer(int64_t nbytes) {
   TORCH_CHECK(nbytes > 0, "huge_page_buffer: nbytes must be > 0");
   constexpr size_t kHuge = size_t(2) << 20;
