@@ -21,6 +21,7 @@ Importing it loads no zmq.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
 import logging
@@ -249,6 +250,22 @@ def _read_secret_file(path: str) -> str:
         raise ValueError(f"the fleet secret file {path} is readable by other users "
                          f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 600 it")
     return text
+
+
+def add_fleet_secret_arg(g: argparse._ArgumentGroup) -> None:
+    """--fleet-secret-file (the same flag on `kvloop serve`, `router` and `fleet`)."""
+    g.add_argument("--fleet-secret-file", default=None, metavar="PATH",
+                   help="the fleet secret (a file only its owner may read; default: "
+                        f"${FLEET_SECRET_FILE_ENV}, else the secret itself in "
+                        f"${FLEET_SECRET_ENV}). It signs bus messages, authorizes the "
+                        "router's kv_transfer_params and keys the KV side channel "
+                        "(docs/security.md)")
+
+
+def fleet_secret_from_args(args: argparse.Namespace,
+                           environ: Mapping[str, str] = os.environ) -> FleetSecret | None:
+    """The secret --fleet-secret-file or the environment names (ValueError: unreadable)."""
+    return load_fleet_secret(getattr(args, "fleet_secret_file", None), environ)
 
 
 def write_secret_file(path: str, secret: FleetSecret) -> None:

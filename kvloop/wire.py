@@ -16,6 +16,7 @@ from msgspec import UNSET, UnsetType
 from kvloop.config import EngineConfig, Role, RunnerConfig
 from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
+from kvloop.trust import FleetSecret
 
 WIRE_VERSION = 3
 
@@ -326,6 +327,7 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     publisher (None: no KV events).
     `shutdown_timeout_s` is how long a SIGTERM lets the engine go on serving (the API server
     drains its requests meanwhile and then closes the pipe); 0 stops it at once.
+    `fleet_secret` travels on the stdin pipe only (kvloop/trust.py: never on a command line).
     """
 
     engine: EngineConfig
@@ -338,6 +340,13 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     engine_index: int = 0
     log_level: str = "INFO"
     shutdown_timeout_s: float = 0.0
+    fleet_secret: str | None = None   # the fleet secret's text (kvloop.trust); never printed
+
+    def __repr__(self) -> str:
+        return f"EngineStartConfig(engine_index={self.engine_index}, epoch={self.epoch!r}, ...)"
+
+    def secret(self) -> FleetSecret | None:
+        return None if self.fleet_secret is None else FleetSecret.from_text(self.fleet_secret)
 
     def __post_init__(self) -> None:
         if self.runner.block_size != self.engine.cache.block_size:

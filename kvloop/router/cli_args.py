@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
@@ -32,6 +33,7 @@ from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.server.sockets import DEFAULT_PORT
+from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -158,6 +160,7 @@ def bus_config(args: argparse.Namespace) -> BusConfig | None:
 def _add_security_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("API keys and HTTP limits (the router's front)")
     add_auth_args(g)
+    add_fleet_secret_arg(g)
     g.add_argument("--worker-api-key", default=None, metavar="KEY",
                    help="the key the router sends to every worker (default: its first API "
                         "key; `kvloop fleet` starts its workers with it); with no key at all "
@@ -197,7 +200,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         http_limits=http_limits(args), bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
-                    kv_bytes_per_token=args.pd_kv_bytes_per_token))
+                    kv_bytes_per_token=args.pd_kv_bytes_per_token),
+        fleet_secret=fleet_secret_from_args(args))
 
 
 def _setup_logging(level: str) -> None:
@@ -250,6 +254,8 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
             extra = extra[1:]
         nats_port = _local_nats_port(args)
         cfg = router_config(args)
+        if cfg.fleet_secret is None:   # a fleet of its own: a secret of its own
+            cfg = dataclasses.replace(cfg, fleet_secret=FleetSecret.generate())
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
                             start_timeout_s=args.worker_start_timeout,
@@ -257,7 +263,8 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
                             event_plane=cfg.bus.plane if cfg.bus is not None else None,
                             nats_port=nats_port, num_prefill=args.prefill,
                             num_decode=args.decode,
-                            kv_connector_extra_config=args.kv_connector_extra_config)
+                            kv_connector_extra_config=args.kv_connector_extra_config,
+                            fleet_secret=cfg.fleet_secret)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):

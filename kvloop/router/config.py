@@ -14,6 +14,7 @@ from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.server.auth import AuthConfig, check_key
 from kvloop.server.http_limits import HttpLimits
+from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
 DEFAULT_ROUTER_POLICY = "kv-aware"
@@ -220,7 +221,8 @@ class RouterConfig:
     the router presents to every worker (polls and forwarded requests; without it a client's
     Authorization header is passed through); `http_limits`: body size and read timeouts of
     the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
-    themselves) on a NATS event plane.
+    themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
+    (kvloop/trust.py), which the router's bus and P/D legs prove membership with.
     """
 
     host: str = "127.0.0.1"
@@ -236,6 +238,7 @@ class RouterConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
+    fleet_secret: FleetSecret | None = None
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:

@@ -41,6 +41,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import API_KEY_ENV
 from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
+from kvloop.trust import FleetSecret, secret_env
 
 if TYPE_CHECKING:
     from kvloop.router.services import LocalService
@@ -56,6 +57,7 @@ class FleetConfig:
     (`kv_connector_extra_config`: the JSON object of its extra config, None: `{}`). With
     `worker_api_key`, every worker requires that key: it is handed to them as $VLLM_API_KEY
     (not on their command lines), and the router presents it (its `worker_api_key`).
+    `fleet_secret` goes to every worker as $KVLOOP_FLEET_SECRET (kvloop/trust.py).
     `log_dir` keeps the workers' logs (`workerI.log`; None: a temporary folder, removed when
     they stop)."""
 
@@ -74,6 +76,7 @@ class FleetConfig:
     num_prefill: int = 0
     num_decode: int = 0
     kv_connector_extra_config: str | None = None
+    fleet_secret: FleetSecret | None = None
 
     def __post_init__(self) -> None:
         for flag, n in (("--workers", self.num_workers), ("--prefill", self.num_prefill),
@@ -122,10 +125,12 @@ class FleetConfig:
         return max(1, cores // self.total)
 
     def env(self) -> dict[str, str] | None:
-        """What the workers' environment adds to this process's (None: nothing)."""
-        if self.worker_api_key is None:
-            return None
-        return {API_KEY_ENV: self.worker_api_key}
+        """What the workers' environment adds to this process's (None: nothing): the worker
+        key and the fleet secret, which never go on a command line."""
+        env = secret_env(self.fleet_secret)
+        if self.worker_api_key is not None:
+            env[API_KEY_ENV] = self.worker_api_key
+        return env or None
 
     def argv(self, i: int) -> list[str]:
         h = self.host

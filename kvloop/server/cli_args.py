@@ -54,6 +54,7 @@ from kvloop.server.config import (
 from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.sim.byte_vocab import BYTE_VOCAB
+from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
 from kvloop.wire import EngineStartConfig
 
 if TYPE_CHECKING:
@@ -266,6 +267,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 def _add_security_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("API keys and HTTP limits")
     add_auth_args(g)
+    add_fleet_secret_arg(g)
     add_limit_args(g)
 
 
@@ -400,12 +402,14 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                                              (tokenizer.model_name or model)])
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
+    secret = fleet_secret_from_args(args)
     start = EngineStartConfig(engine=engine, runner=runner,
                               input_address="", output_address="",
                               trace_file=args.trace_file,
                               kv_events=publisher_config_from_args(args),
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
-                              shutdown_timeout_s=args.shutdown_timeout)
+                              shutdown_timeout_s=args.shutdown_timeout,
+                              fleet_secret=None if secret is None else secret.to_text())
     model_path = sim.source if sim is not None else (model or None)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         port=args.port, role=args.role,
@@ -420,7 +424,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_stats_interval_s=log_stats_interval(),
                         auth=auth_config(args), http_limits=http_limits(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, fleet_secret=secret)
     return serve, start, tokenizer
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.server.auth import AuthConfig
 from kvloop.server.http_limits import HttpLimits
+from kvloop.trust import FleetSecret
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TOOL_CALL_PARSERS = ("hermes",)   # the formats kvloop/server/tools.py reads
@@ -46,6 +47,8 @@ class ServeConfig:
     long a SIGTERM lets requests in flight finish (0: they end at once).
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
+    `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
+    peer).
     """
 
     served_model_names: tuple[str, ...]
@@ -71,6 +74,7 @@ class ServeConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    fleet_secret: FleetSecret | None = None
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
