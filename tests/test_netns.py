@@ -138,7 +138,7 @@ def test_routing_events_discovery_and_alarms_across_three_hosts(tmp_path):
                                   "--nats-user", NATS_USER, "--nats-password", NATS_PASSWORD,
                                   "--index", f"redis://{bus_to_route}:{REDIS_PORT}",
                                   "--liveness-window", "3", "--poll-interval", "0.2",
-                                  "--discovery-ttl", "3", *pin)
+                                  "--discovery-ttl", "3", "--allow-unsigned-bus", *pin)
             r = _process(h, "route", argv, tmp_path / f"router-{name}.log", ROUTER_URL_LINE)
             stack.callback(r.stop)
             r.launch()

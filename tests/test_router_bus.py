@@ -70,7 +70,7 @@ def bus_router(nats, component: str = "*", window: float = 30.0, ttl: float = 5.
     cfg = NatsPlaneConfig(f"nats://{nats.host}:{nats.port}", namespace=namespace,
                           component=component, user=NATS_USER, password=NATS_PASSWORD)
     return RouterConfig(bus=BusConfig(plane=cfg, discover=True, discovery_ttl_s=ttl,
-                                      probe_s=2.0),
+                                      probe_s=2.0, allow_unsigned=True),   # unsigned workers
                         liveness=LivenessConfig(window_s=window, poll_interval_s=0.2))
 
 

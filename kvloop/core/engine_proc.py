@@ -236,7 +236,8 @@ class EngineCoreProc:
         try:
             if ev_cfg.nats is not None:
                 from kvloop.events.nats_publisher import NatsEventPublisher
-                self.publisher = NatsEventPublisher(ev_cfg, epoch=self.config.epoch)
+                self.publisher = NatsEventPublisher(ev_cfg, epoch=self.config.epoch,
+                                                    secret=self.config.secret())
             else:
                 from kvloop.events.publisher import ZmqEventPublisher
                 self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)

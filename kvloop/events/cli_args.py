@@ -9,7 +9,9 @@
 - `add_event_plane_args(group, consumer)` / `event_plane_from_args(args, component)`: the
   NATS event plane's flags (`--event-plane`, `--dyn-namespace`, `--dyn-component`,
   `--event-plane-format`, `--nats-user`, `--nats-password`, `--nats-token`), for a worker
-  (`kvloop serve`, through `add_publisher_args`) and a router alike.
+  (`kvloop serve`, through `add_publisher_args`) and a router alike. NATS credentials also
+  come from the environment (`NATS_CREDENTIAL_ENV`: $KVLOOP_NATS_USER, $KVLOOP_NATS_PASSWORD,
+  $KVLOOP_NATS_TOKEN), where `ps` does not show them: what `kvloop fleet` hands its workers.
 
 Nothing heavy is imported here: the subscriber and zmq load only when a command runs.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvloop.events.config import (
@@ -30,6 +33,18 @@ from kvloop.events.config import (
     KVEventsConfig,
     NatsPlaneConfig,
 )
+
+# Flag -> environment variable of each NATS credential (the flag wins when both are given).
+NATS_CREDENTIAL_ENV = {"nats_user": "KVLOOP_NATS_USER", "nats_password": "KVLOOP_NATS_PASSWORD",
+                       "nats_token": "KVLOOP_NATS_TOKEN"}
+
+
+def nats_credential_env(plane: NatsPlaneConfig) -> dict[str, str]:
+    """The environment that hands `plane`'s credentials (its fields, not its URL) to a child
+    `kvloop serve` or `kvloop router`, instead of its command line."""
+    values = {"nats_user": plane.user, "nats_password": plane.password,
+              "nats_token": plane.token}
+    return {NATS_CREDENTIAL_ENV[k]: v for k, v in values.items() if v is not None}
 
 
 def register(subparsers: Any) -> None:
@@ -112,24 +127,31 @@ def add_event_plane_args(g: Any, consumer: bool) -> None:
     g.add_argument("--event-plane-format", choices=PAYLOAD_FORMATS, default=PAYLOAD_VLLM,
                    help="payload on the event plane: vLLM's msgpack batches, or Dynamo's "
                         "RouterEvent JSON (one per event)")
-    g.add_argument("--nats-user", default=None, help="NATS user (with --nats-password)")
-    g.add_argument("--nats-password", default=None, help="NATS password (never logged)")
-    g.add_argument("--nats-token", default=None, help="NATS token (never logged)")
+    env = NATS_CREDENTIAL_ENV
+    g.add_argument("--nats-user", default=None,
+                   help=f"NATS user (with a password; default: ${env['nats_user']})")
+    g.add_argument("--nats-password", default=None,
+                   help=f"NATS password, never logged (prefer ${env['nats_password']}: a "
+                        "command line is visible to every local user)")
+    g.add_argument("--nats-token", default=None,
+                   help=f"NATS token, never logged (prefer ${env['nats_token']})")
 
 
-def event_plane_from_args(args: argparse.Namespace, component: str
-                          ) -> NatsPlaneConfig | None:
+def event_plane_from_args(args: argparse.Namespace, component: str,
+                          environ: Mapping[str, str] = os.environ) -> NatsPlaneConfig | None:
     """The `NatsPlaneConfig` of `add_event_plane_args`' flags (None without --event-plane);
-    `component` is used unless --dyn-component or $DYN_COMPONENT says otherwise. Raises
-    ValueError for a value NATS cannot use."""
+    `component` is used unless --dyn-component or $DYN_COMPONENT says otherwise; credentials
+    not given as flags come from `NATS_CREDENTIAL_ENV`. Raises ValueError for a value NATS
+    cannot use."""
     if args.event_plane is None:
         return None
+    cred = {k: getattr(args, k) or environ.get(v) or None for k, v in NATS_CREDENTIAL_ENV.items()}
     return NatsPlaneConfig(
         url=args.event_plane,
-        namespace=args.dyn_namespace or os.environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE,
-        component=args.dyn_component or os.environ.get(COMPONENT_ENV) or component,
-        payload_format=args.event_plane_format, user=args.nats_user,
-        password=args.nats_password, token=args.nats_token)
+        namespace=args.dyn_namespace or environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE,
+        component=args.dyn_component or environ.get(COMPONENT_ENV) or component,
+        payload_format=args.event_plane_format, user=cred["nats_user"],
+        password=cred["nats_password"], token=cred["nats_token"])
 
 
 def publisher_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:

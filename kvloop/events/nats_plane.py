@@ -29,12 +29,22 @@ Payloads on the data subject (`NatsPlaneConfig.payload_format`):
 Query replies go to the request's reply inbox: a `header` message (PublisherInfo), the data
 messages (`Kvloop-Seq`: replay, their own numbers; snapshot, all the snapshot's `next_seq`),
 then an `end` message. A replay whose start is no longer buffered gets the header and the end.
+
+Identity (docs/security.md): a member holding the fleet secret signs every message it sends
+(announcements, withdrawals, data, heartbeats, recency notices, queries and their replies:
+`kvloop.trust.sign_message` headers, `signed_headers`); a consumer holding it admits only
+messages a `MessageGate` passes: signed by a member, fresh, never seen before. Messages
+refused are counted by reason (`Refusals`), never delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -51,6 +61,9 @@ from kvloop.events.types import (
     KVEvent,
     KVEventBatch,
 )
+from kvloop.trust import FleetSecret, MessageVerifier, sign_message
+
+logger = logging.getLogger(__name__)
 
 DATA_TOKEN = "kv-events"
 H_WORKER = "Kvloop-Worker"
@@ -182,6 +195,67 @@ def headers(worker_id: int, epoch: str, seq: int | None = None,
     if kind is not None:
         h[H_KIND] = kind
     return h
+
+
+# --- identity: signed messages ---------------------------------------------------------------
+def signed_headers(secret: FleetSecret | None, subject: str, payload: bytes,
+                   hdrs: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`hdrs` plus, with `secret`, the signature of `payload` on `subject` (kvloop.trust)."""
+    out = dict(hdrs or {})
+    if secret is not None:
+        out.update(sign_message(secret, subject, payload))
+    return out
+
+
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+@dataclass
+class Refusals:
+    """Messages a consumer refused for want of a valid signature: counts by reason, the last
+    one, and a warning at most once per `log_every_s` (an attacker cannot flood the log)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    last: str | None = None
+    log_every_s: float = REFUSAL_LOG_EVERY_S
+    _logged_at: float = float("-inf")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def note(self, subject: str, reason: str) -> None:
+        key = reason.split(" (")[0]          # "stale (+75.0s old)" counts as "stale"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.last = f"{reason} on {subject}"
+        now = time.monotonic()
+        if now - self._logged_at >= self.log_every_s:
+            self._logged_at = now
+            logger.warning("NATS: refused a message on %s: %s (%d refused so far; only "
+                           "messages signed with the fleet secret are admitted)", subject,
+                           reason, self.total)
+
+    def describe(self) -> dict[str, Any]:
+        return {"refused": self.total, "by_reason": dict(self.counts), "last": self.last}
+
+
+class MessageGate:
+    """What one subscription admits: with a fleet secret, only messages signed by a member,
+    fresh and never seen before (its own `MessageVerifier`); without one, everything. Not
+    thread-safe: one owner, the thread that receives."""
+
+    def __init__(self, secret: FleetSecret | None, refusals: Refusals):
+        self.verifier = None if secret is None else MessageVerifier(secret)
+        self.refusals = refusals
+
+    def admits(self, subject: str, payload: bytes, hdrs: Mapping[str, str] | None) -> bool:
+        if self.verifier is None:
+            return True
+        reason = self.verifier.refusal(subject, payload, hdrs)
+        if reason is None:
+            return True
+        self.refusals.note(subject, reason)
+        return False
 
 
 def header_int(hdrs: dict[str, str] | None, name: str) -> int | None:

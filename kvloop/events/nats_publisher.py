@@ -10,7 +10,9 @@ Threads and ownership:
   and the query service (info, replay, snapshot on `...kvloop.query.{worker_id}`), so a
   snapshot is exact at a sequence number, as on ZMQ.
 
-Subjects, headers and payloads: `kvloop.events.nats_plane`. A message the client cannot send
+Subjects, headers and payloads: `kvloop.events.nats_plane`. With a fleet secret every message
+is signed, and queries are answered only when a fleet member signed them (a stranger on the
+bus gets no snapshot of this worker's cache). A message the client cannot send
 (the server is down, the reconnect buffer is full) is still numbered and kept: consumers see
 the gap and replay it once the client has reconnected.
 """
@@ -37,16 +39,20 @@ from kvloop.events.nats_plane import (
     KIND_DATA,
     KIND_END,
     KIND_HEADER,
+    MessageGate,
+    Refusals,
     Subjects,
     connect_options,
     encode_messages,
     first_connect,
     header_int,
     headers,
+    signed_headers,
     worker_id_of,
 )
 from kvloop.events.publisher import QueuedPublisher, new_epoch, touch_notices
 from kvloop.events.types import KVEventBatch
+from kvloop.trust import FleetSecret
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +62,8 @@ class NatsEventPublisher(QueuedPublisher):
 
     NAME = "NatsEventPublisher"
 
-    def __init__(self, config: KVEventsConfig, epoch: str | None = None):
+    def __init__(self, config: KVEventsConfig, epoch: str | None = None,
+                 secret: FleetSecret | None = None):
         if config.nats is None:
             raise ValueError("NatsEventPublisher needs KVEventsConfig(nats=...)")
         super().__init__(config)
@@ -73,6 +80,9 @@ class NatsEventPublisher(QueuedPublisher):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_event: asyncio.Event | None = None
         self._nc: Any = None
+        self.secret = secret
+        self.refusals = Refusals()
+        self._query_gate = MessageGate(secret, self.refusals)
 
     # --- public surface -------------------------------------------------------------------
     @property
@@ -248,7 +258,8 @@ class NatsEventPublisher(QueuedPublisher):
     async def _publish(self, subject: str, payload: bytes, hdrs: dict[str, str],
                        reply: str = "") -> bool:
         try:
-            await self._nc.publish(subject, payload, reply=reply, headers=hdrs)
+            await self._nc.publish(subject, payload, reply=reply,
+                                   headers=signed_headers(self.secret, subject, payload, hdrs))
             return True
         except Exception as e:  # disconnected with a full buffer: consumers replay the gap
             logger.debug("KV events: publish on %s failed: %s", subject, e)
@@ -271,7 +282,7 @@ class NatsEventPublisher(QueuedPublisher):
     async def _on_query(self, msg: Any) -> None:
         """Answer info / replay / snapshot. What the answer holds is taken at once, before
         the first send, so it is exact at one sequence number."""
-        if not msg.reply:
+        if not msg.reply or not self._query_gate.admits(msg.subject, msg.data, msg.headers):
             self.stats.bad_requests += 1
             return
         cmd = (msg.headers or {}).get(H_CMD)

@@ -21,6 +21,10 @@ How a worker's stream stays whole (`WorkerStream`):
 - Deliveries are `kvloop.events.subscriber.WorkerBatch`es, as the ZMQ subscriber makes: a
   reset (`[AllBlocksCleared()]`, reason join / gap / epoch / reconnect) before each snapshot.
 
+Identity: a plane given the fleet secret admits only messages signed by a fleet member, fresh
+and never seen before (one `MessageGate` per subscription; refused ones are counted in
+`stats.refusals`, never delivered), and signs its own queries (workers answer no others).
+
 The bus watch (`probe`): for a few seconds, listen to everything published in the namespace
 (`namespace.{ns}.>`) and to every namespace's data and heartbeat subjects, and report on which
 subjects one worker's messages actually travel.
@@ -56,12 +60,15 @@ from kvloop.events.nats_plane import (
     KIND_DATA,
     KIND_END,
     KIND_HEADER,
+    MessageGate,
+    Refusals,
     Subjects,
     connect_options,
     decode_dynamo,
     first_connect,
     header_int,
     payload_worker_id,
+    signed_headers,
 )
 from kvloop.events.subscriber import (
     LIVE,
@@ -74,6 +81,7 @@ from kvloop.events.subscriber import (
     count_delivery,
 )
 from kvloop.events.types import AllBlocksCleared, KVEventBatch
+from kvloop.trust import FleetSecret
 
 logger = logging.getLogger(__name__)
 
@@ -96,14 +104,16 @@ class PlaneStats:
     disconnects: int = 0
     connected: bool = False
     unattached_workers: dict[int, str] = field(default_factory=dict)   # id -> last subject
+    refusals: Refusals = field(default_factory=Refusals)   # unsigned, forged, stale, replayed
 
 
 class NatsEventPlane:
     """A consumer's connection to the event plane; see the module docstring."""
 
     def __init__(self, config: NatsPlaneConfig, name: str = "kvloop-router",
-                 request_timeout_s: float = 2.0):
+                 request_timeout_s: float = 2.0, secret: FleetSecret | None = None):
         self.config = config
+        self.secret = secret
         self.subjects = Subjects.of(config)
         self.name = name
         self.request_timeout_s = request_timeout_s
@@ -116,6 +126,12 @@ class NatsEventPlane:
         self._done: asyncio.Event | None = None
         self._failure: BaseException | None = None
         self.nc: Any = None
+        self._data_gate, self._heartbeat_gate, self._touch_gate, self._reply_gate = (
+            self.gate() for _ in range(4))
+
+    def gate(self) -> MessageGate:
+        """A new subscription's gate (its own verifier; refusals counted in `stats`)."""
+        return MessageGate(self.secret, self.stats.refusals)
 
     # --- lifecycle ------------------------------------------------------------------------
     @property
@@ -222,8 +238,12 @@ class NatsEventPlane:
     def subscribe(self, subject: str, callback: MessageCallback) -> None:
         """Call `callback(subject, payload, headers)` on the plane's thread for every message
         on `subject` (kept across reconnections)."""
+        gate = self.gate()
+
         async def _sub() -> None:
             async def cb(msg: Any) -> None:
+                if not gate.admits(msg.subject, msg.data, msg.headers):
+                    return
                 try:
                     callback(msg.subject, msg.data, dict(msg.headers or {}))
                 except Exception:
@@ -233,8 +253,10 @@ class NatsEventPlane:
         self._call(_sub()).result(timeout=5.0)
 
     # --- routing messages to streams ------------------------------------------------------
-    def _stream_of(self, msg: Any) -> WorkerStream | None:
+    def _stream_of(self, msg: Any, gate: MessageGate) -> WorkerStream | None:
         self.stats.messages += 1
+        if not gate.admits(msg.subject, msg.data, msg.headers):
+            return None
         wid = header_int(msg.headers, H_WORKER)
         if wid is None:
             wid = payload_worker_id(msg.data)
@@ -250,17 +272,17 @@ class NatsEventPlane:
         return stream
 
     async def _on_data(self, msg: Any) -> None:
-        stream = self._stream_of(msg)
+        stream = self._stream_of(msg, self._data_gate)
         if stream is not None:
             stream.put((_DATA, msg.data, dict(msg.headers or {})))
 
     async def _on_heartbeat(self, msg: Any) -> None:
-        stream = self._stream_of(msg)
+        stream = self._stream_of(msg, self._heartbeat_gate)
         if stream is not None:
             stream.put((_HEARTBEAT, msg.data, dict(msg.headers or {})))
 
     async def _on_touch(self, msg: Any) -> None:
-        stream = self._stream_of(msg)
+        stream = self._stream_of(msg, self._touch_gate)
         if stream is not None:
             stream.put((_TOUCH, msg.data, dict(msg.headers or {})))
 
@@ -293,7 +315,8 @@ class NatsEventPlane:
         if start is not None:
             hdrs[H_START] = str(start)
         try:
-            await self.nc.publish(subject, b"", reply=inbox, headers=hdrs)
+            await self.nc.publish(subject, b"", reply=inbox,
+                                  headers=signed_headers(self.secret, subject, b"", hdrs))
             return await self._collect(replies)
         except Exception as e:  # disconnected meanwhile: the caller retries on reconnect
             logger.debug("NATS request on %s failed: %s", subject, e)
@@ -318,6 +341,9 @@ class NatsEventPlane:
                     return None
             hdrs = msg.headers or {}
             kind = hdrs.get(H_KIND)
+            if kind in (KIND_HEADER, KIND_DATA, KIND_END) and \
+                    not self._reply_gate.admits(msg.subject, msg.data, hdrs):
+                continue   # a forged answer: wait for the worker's own
             if kind == KIND_HEADER:
                 try:
                     info = proto.decode_info(msg.data)
@@ -341,8 +367,11 @@ class NatsEventPlane:
     async def _probe(self, worker_id: int, seconds: float) -> dict[str, int]:
         seen: dict[str, int] = {}
         found = asyncio.Event()
+        gate = self.gate()
 
         async def cb(msg: Any) -> None:
+            if not gate.admits(msg.subject, msg.data, msg.headers):
+                return
             wid = header_int(msg.headers, H_WORKER)
             if wid is None:
                 wid = payload_worker_id(msg.data)

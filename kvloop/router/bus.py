@@ -6,6 +6,9 @@
   `Kvloop-Worker` header, or a Dynamo payload's `worker_id`). Workers on ZMQ keep their ZMQ
   subscriptions (`fallback`).
 - Discovery (`--discover`): `kvloop.router.discovery.Discovery` on the same connection.
+- Identity: with the fleet secret (`RouterConfig.fleet_secret`) the plane admits only
+  messages signed by fleet members (`kvloop.events.nats_plane.MessageGate`); what it refused
+  is in /health's `bus` details (`describe`).
 - The bus watch: a worker that serves traffic but whose events do not reach the index for
   half the liveness window makes the router listen to what is actually published in its
   namespace (and on every namespace's data and heartbeat subjects) for `probe_s`; when that
@@ -29,6 +32,7 @@ from kvloop.router.config import BusConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.registry import WRONG_SUBJECT, EventSource, WorkerState, event_source
 from kvloop.router.subscription import deliver, router_stats
+from kvloop.trust import FleetSecret
 
 if TYPE_CHECKING:
     from kvloop.router.router import Router, SubscriberFactory, Subscription
@@ -65,9 +69,10 @@ class NatsSubscription:
 class RouterBus:
     """The router's NATS connection and what runs on it (see the module docstring)."""
 
-    def __init__(self, config: BusConfig):
+    def __init__(self, config: BusConfig, secret: FleetSecret | None = None):
         self.config = config
-        self.plane = NatsEventPlane(config.plane, name="kvloop-router")
+        self.plane = NatsEventPlane(config.plane, name="kvloop-router", secret=secret)
+        self.signed = secret is not None
         self._probing: dict[str, concurrent.futures.Future[dict[str, int]]] = {}
         self._last_probe: dict[str, float] = {}
         self.probes = 0
@@ -81,6 +86,17 @@ class RouterBus:
 
     def stop(self) -> None:
         self.plane.stop()
+
+    @property
+    def connected(self) -> bool:
+        return self.plane.stats.connected
+
+    def describe(self) -> dict[str, Any]:
+        """The `bus` part of /health: the connection and what it refused."""
+        st = self.plane.stats
+        return {"url": self.config.plane.safe_url, "connected": st.connected,
+                "signed_only": self.signed, "disconnects": st.disconnects,
+                "reconnects": st.reconnects, **st.refusals.describe()}
 
     def factory(self, fallback: SubscriberFactory) -> Callable[[EventSource, EventFeed],
                                                                  Subscription]:

@@ -13,9 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
-from kvloop.events.cli_args import add_event_plane_args, event_plane_from_args
+from kvloop.events.cli_args import (
+    NATS_CREDENTIAL_ENV,
+    add_event_plane_args,
+    event_plane_from_args,
+)
 from kvloop.events.config import NatsPlaneConfig
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
@@ -34,6 +39,8 @@ from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.http_limits import add_limit_args, http_limits
 from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
+
+WORKER_API_KEY_ENV = "KVLOOP_WORKER_API_KEY"   # the key the router presents to workers
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -135,7 +142,11 @@ def _add_bus_args(p: argparse.ArgumentParser) -> None:
                         "(no --worker needed); also the event plane unless --event-plane")
     g.add_argument("--discovery-ttl", type=float, default=d.discovery_ttl_s,
                    help="seconds without an announcement after which a discovered worker "
-                        "is removed")
+                        "is removed, unless its /health still answers")
+    g.add_argument("--allow-unsigned-bus", action="store_true",
+                   help="INSECURE: run on the bus without the fleet secret, admitting "
+                        "announcements, withdrawals and KV events nobody signed (anyone who "
+                        "can publish there adds or removes workers and writes the index)")
     g.add_argument("--bus-probe", type=float, default=d.probe_s,
                    help="seconds the bus watch listens to the namespace for a worker whose "
                         "events do not arrive")
@@ -154,7 +165,8 @@ def bus_config(args: argparse.Namespace) -> BusConfig | None:
     plane = event_plane_from_args(args, "*")
     assert plane is not None
     return BusConfig(plane=plane, discover=args.discover is not None,
-                     discovery_ttl_s=args.discovery_ttl, probe_s=args.bus_probe)
+                     discovery_ttl_s=args.discovery_ttl, probe_s=args.bus_probe,
+                     allow_unsigned=args.allow_unsigned_bus)
 
 
 def _add_security_args(p: argparse.ArgumentParser) -> None:
@@ -162,15 +174,19 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     add_auth_args(g)
     add_fleet_secret_arg(g)
     g.add_argument("--worker-api-key", default=None, metavar="KEY",
-                   help="the key the router sends to every worker (default: its first API "
-                        "key; `kvloop fleet` starts its workers with it); with no key at all "
-                        "a client's Authorization header is passed through")
+                   help=f"the key the router sends to every worker (default: "
+                        f"${WORKER_API_KEY_ENV}, else none: the router's own keys are never "
+                        "sent to workers; `kvloop fleet` makes one for its workers). Without "
+                        "one, a client's Authorization header is passed through only when "
+                        "the router itself requires no key")
     add_limit_args(g)
 
 
-def router_config(args: argparse.Namespace) -> RouterConfig:
+def router_config(args: argparse.Namespace,
+                  default_secret: FleetSecret | None = None) -> RouterConfig:
     """Validated, frozen config from the parsed flags (raises ValueError). The key sent to
-    workers is --worker-api-key, else the router's first API key."""
+    workers is --worker-api-key, else $KVLOOP_WORKER_API_KEY, else none (never a key of the
+    router's own: a worker, or anything posing as one, must not learn it)."""
     auth = auth_config(args)
     spec = None
     if args.block_size is not None or args.hash_algo is not None or args.hash_seed is not None:
@@ -196,12 +212,13 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                                 verify_min_samples=args.verify_min_samples,
                                 verify_miss_ratio=args.verify_miss_ratio,
                                 request_timeout_s=args.request_timeout),
-        auth=auth, worker_api_key=args.worker_api_key or next(iter(auth.api_keys), None),
+        auth=auth,
+        worker_api_key=args.worker_api_key or os.environ.get(WORKER_API_KEY_ENV) or None,
         http_limits=http_limits(args), bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token),
-        fleet_secret=fleet_secret_from_args(args))
+        fleet_secret=fleet_secret_from_args(args) or default_secret)
 
 
 def _setup_logging(level: str) -> None:
@@ -231,17 +248,31 @@ LOCAL_NATS = "nats"   # `kvloop fleet --event-plane nats`: start a nats-server o
 
 
 def _local_nats_port(args: argparse.Namespace) -> int | None:
-    """With `--event-plane nats`: a free port for the fleet's own nats-server, and the event
-    plane set to it (None otherwise)."""
+    """With `--event-plane nats`: a free port for the fleet's own nats-server, the event
+    plane set to it, and credentials for it (generated unless given; None otherwise)."""
     if args.event_plane != LOCAL_NATS:
         return None
+    import secrets
     import socket
 
     with socket.socket() as s:
         s.bind((args.host, 0))
         port = int(s.getsockname()[1])
     args.event_plane = f"nats://{args.host}:{port}"
+    given = any(getattr(args, k) or os.environ.get(v) for k, v in NATS_CREDENTIAL_ENV.items())
+    if not given:
+        args.nats_user, args.nats_password = "kvloop-fleet", secrets.token_urlsafe(24)
     return port
+
+
+def _fleet_worker_key(cfg: RouterConfig) -> RouterConfig:
+    """A fleet whose router requires keys gets a worker key of its own (never the router's
+    keys: its workers, or anything posing as one, must not learn those)."""
+    if cfg.worker_api_key is not None or not cfg.auth.api_keys:
+        return cfg
+    import secrets
+
+    return dataclasses.replace(cfg, worker_api_key=secrets.token_urlsafe(32))
 
 
 def run_fleet_cmd(args: argparse.Namespace) -> int:
@@ -253,9 +284,8 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         if extra and extra[0] == "--":
             extra = extra[1:]
         nats_port = _local_nats_port(args)
-        cfg = router_config(args)
-        if cfg.fleet_secret is None:   # a fleet of its own: a secret of its own
-            cfg = dataclasses.replace(cfg, fleet_secret=FleetSecret.generate())
+        # a fleet of its own: a secret of its own (unless given)
+        cfg = _fleet_worker_key(router_config(args, default_secret=FleetSecret.generate()))
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
                             worker_args=tuple(extra),
                             start_timeout_s=args.worker_start_timeout,

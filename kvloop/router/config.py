@@ -148,18 +148,24 @@ class BusConfig:
 
     `plane`: the server and what to listen to (`component` "*": every component of the
     namespace). `discover`: register the workers that announce themselves there and drop
-    those that withdraw or whose announcements stop for `discovery_ttl_s`. `probe_s`: how
-    long the bus watch listens to the namespace when a worker serving traffic sends nothing.
+    those that withdraw, or whose announcements stop for `discovery_ttl_s` and whose /health
+    does not answer within `health_timeout_s`. `probe_s`: how long the bus watch listens to
+    the namespace when a worker serving traffic sends nothing. `allow_unsigned`: admit
+    messages nobody signed with the fleet secret (insecure: anyone who can publish on the
+    bus adds workers and writes the index; RouterConfig refuses a bus without the secret
+    unless this is set).
     """
 
     plane: NatsPlaneConfig
     discover: bool = False
     discovery_ttl_s: float = 5.0
     probe_s: float = 3.0
+    health_timeout_s: float = 2.0
+    allow_unsigned: bool = False
 
     def __post_init__(self) -> None:
-        if self.discovery_ttl_s <= 0 or self.probe_s <= 0:
-            raise ValueError("discovery_ttl_s and probe_s must be > 0")
+        if self.discovery_ttl_s <= 0 or self.probe_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError("discovery_ttl_s, probe_s and health_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
@@ -247,3 +253,10 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.bus is not None and self.fleet_secret is None and not self.bus.allow_unsigned:
+            raise ValueError(
+                "a router on a NATS bus (--discover, --event-plane) needs the fleet secret "
+                "(--fleet-secret-file, $KVLOOP_FLEET_SECRET_FILE or $KVLOOP_FLEET_SECRET) to "
+                "admit only the workers' signed messages; --allow-unsigned-bus admits unsigned "
+                "ones (insecure: anyone who can publish on the bus then adds workers, withdraws "
+                "them and writes the index; docs/security.md)")

@@ -8,8 +8,17 @@ Workers announce (kvloop.server.announce) a `WorkerAnnouncement` every `interval
 - known, with another epoch: registered again at once (its feed restarts), and with another
   role: removed and registered anew with the new one;
 - withdrawn: removed (its index entries dropped);
-- no announcement for `discovery_ttl_s` (a worker that vanished without withdrawing): aged
-  out, removed likewise. Workers named with `--worker` are never aged out.
+- no announcement for `discovery_ttl_s`: asked `GET /health` (with the worker key only,
+  within `health_timeout_s`); kept while it answers 200 (the bus is a signal, not the data
+  path: a NATS outage takes no healthy worker offline), aged out (removed likewise) once it
+  does not. While the router's own NATS connection is down nobody ages out for silence: the
+  clock of every worker restarts when it comes back. Workers named with `--worker` are
+  never aged out.
+
+Only what the plane admits reaches `Discovery`: with the fleet secret, announcements and
+withdrawals signed by a fleet member, fresh and never seen (kvloop.events.nats_plane), so a
+stranger on the bus can neither add a worker (nor learn any key from the router's probe of
+one) nor withdraw one.
 
 Owner: `Discovery` runs on the router's event loop; the plane's thread only hands it
 announcements.
@@ -20,8 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import msgspec
 
 from kvloop.events.nats_plane import discovery_subject
@@ -47,6 +57,7 @@ class Discovery:
         self.subject = discovery_subject(bus.config.plane.namespace)
         self.last_heard: dict[str, float] = {}       # discovered worker -> monotonic time
         self.joined = self.left = self.aged_out = self.malformed = 0
+        self.kept_silent = 0     # silent past the TTL but answering /health: kept
         self._busy: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -110,17 +121,51 @@ class Discovery:
     async def _age_out_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.ttl_s / 4))
-            self.age_out()
+            await self.age_out()
 
-    def age_out(self) -> list[str]:
-        """Remove discovered workers not heard from for `ttl_s`; returns their names."""
+    async def age_out(self) -> list[str]:
+        """Remove the discovered workers silent for `ttl_s` whose /health does not answer
+        200; returns their names. Silent ones that answer are kept (their clock restarts);
+        while the bus is down, every clock restarts and nobody is asked."""
         router = self.app.router
         now = router.clock()
-        gone = [n for n, t in self.last_heard.items() if now - t > self.ttl_s]
-        for name in gone:
+        if not self.bus.connected:
+            self.last_heard = dict.fromkeys(self.last_heard, now)
+            return []
+        silent = [n for n, t in self.last_heard.items() if now - t > self.ttl_s]
+        answers = await asyncio.gather(*(self._healthy(n) for n in silent))
+        gone = []
+        for name, healthy in zip(silent, answers, strict=True):
+            if name not in self.last_heard or self.last_heard[name] > now:
+                continue   # announced, or withdrew, while we asked
+            if healthy:
+                self.last_heard[name] = router.clock()
+                self.kept_silent += 1
+                continue
             del self.last_heard[name]
+            gone.append(name)
             if router.deregister(name):
                 self.aged_out += 1
-                log.warning("discovery: worker %s aged out (no announcement for %.1fs)",
-                            name, self.ttl_s)
+                log.warning("discovery: worker %s aged out (no announcement for %.1fs and "
+                            "no answer on /health)", name, self.ttl_s)
         return gone
+
+    async def _healthy(self, name: str) -> bool:
+        """Does the worker answer `GET /health` 200 within `health_timeout_s`? (The router's
+        client presents only the worker key.)"""
+        w = self.app.router.registry.get(name)
+        client = self.app.client
+        if w is None or client is None:
+            return False
+        try:
+            r = await client.get(w.spec.url + "/health",
+                                 timeout=self.bus.config.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def describe(self) -> dict[str, Any]:
+        """The `discovery` part of /health."""
+        return {"workers": sorted(self.last_heard), "joined": self.joined, "left": self.left,
+                "aged_out": self.aged_out, "kept_silent": self.kept_silent,
+                "malformed": self.malformed, "ttl_s": self.ttl_s}

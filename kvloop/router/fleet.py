@@ -15,7 +15,12 @@
 With `--event-plane nats` (a local nats-server, started first on `nats_port` and stopped
 last) or `--event-plane nats://HOST:PORT` (a running one), the workers publish their KV
 events there (`--event-plane URL` instead of the ZMQ endpoints) and the router reads them
-from it.
+from it. The local nats-server refuses anonymous clients: it gets a generated user and
+password in a config file only this user can read.
+
+Secrets never go on a command line (`ps` shows every process's): the worker key, the fleet
+secret and the NATS credentials (those of the URL included) reach the workers in their
+environment (`FleetConfig.env`).
 
 Owner: `Fleet` owns the worker processes; the router owns nothing of theirs.
 """
@@ -36,7 +41,8 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvloop.config import ROLES
-from kvloop.events.config import NatsPlaneConfig
+from kvloop.events.cli_args import nats_credential_env
+from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.auth import API_KEY_ENV
@@ -88,6 +94,11 @@ class FleetConfig:
                              "--decode)")
         if not self.roles or any(r not in ROLES for r in self.roles):
             raise ValueError(f"roles must be chosen from {ROLES}, got {self.roles}")
+        plane = self.event_plane
+        if plane is not None and redact_url(plane.url) != plane.url:
+            raise ValueError("give the fleet's NATS credentials in $KVLOOP_NATS_USER and "
+                             "$KVLOOP_NATS_PASSWORD or $KVLOOP_NATS_TOKEN, not in the "
+                             "--event-plane URL: its workers' command lines would show it")
         if self.kv_connector_extra_config is not None:
             try:
                 extra = json.loads(self.kv_connector_extra_config)
@@ -130,6 +141,8 @@ class FleetConfig:
         env = secret_env(self.fleet_secret)
         if self.worker_api_key is not None:
             env[API_KEY_ENV] = self.worker_api_key
+        if self.event_plane is not None:
+            env.update(nats_credential_env(self.event_plane))
         return env or None
 
     def argv(self, i: int) -> list[str]:
@@ -149,13 +162,8 @@ class FleetConfig:
             h = self.host
             return ["--kv-events-endpoint", f"tcp://{h}:0",
                     "--kv-events-replay-endpoint", f"tcp://{h}:0"]
-        out = ["--event-plane", plane.url, "--dyn-namespace", plane.namespace,
-               "--event-plane-format", plane.payload_format]
-        if plane.user is not None:
-            out += ["--nats-user", plane.user, "--nats-password", plane.password or ""]
-        if plane.token is not None:
-            out += ["--nats-token", plane.token]
-        return out
+        return ["--event-plane", plane.url, "--dyn-namespace", plane.namespace,
+                "--event-plane-format", plane.payload_format]
 
 
 class Fleet:
@@ -196,7 +204,12 @@ class Fleet:
             return
         from kvloop.router.services import local_nats
 
-        self.nats = local_nats(cfg.host, cfg.nats_port, self.log_dir / "nats.log").start()
+        plane = cfg.event_plane
+        self.nats = local_nats(cfg.host, cfg.nats_port, self.log_dir / "nats.log",
+                               user=plane.user if plane else None,
+                               password=plane.password if plane else None,
+                               token=plane.token if plane else None,
+                               conf_path=self.log_dir / "nats.conf").start()
         print(f"kvloop fleet: nats-server on nats://{cfg.host}:{cfg.nats_port}", flush=True)
 
     def specs(self) -> list[WorkerSpec]:
@@ -212,6 +225,7 @@ class Fleet:
             w.wait_or_kill(deadline - time.monotonic())
         if self.nats is not None:
             self.nats.stop()
+        (self.log_dir / "nats.conf").unlink(missing_ok=True)
         if self._own_dir:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

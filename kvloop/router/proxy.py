@@ -9,8 +9,10 @@
 
 Keys (`kvloop.server.auth`, checked by the same middleware as the API server's): with
 --api-key every route but /health and /metrics needs one; POST and DELETE /workers need the
---admin-api-key. The router presents --worker-api-key to every worker, on polls and forwarded
-requests (the client's Authorization header is then not passed on). A worker registered at
+--admin-api-key. The router presents --worker-api-key to every worker, on polls, probes and
+forwarded requests, and no other key: a client's Authorization header is passed on only when
+neither the router requires keys nor it has a worker key (a key for the router is no key
+for a worker). A worker registered at
 run time is probed first and refused (4xx, with the reason) unless it answers /kvloop/worker
 with a body that decodes as `WorkerDescription` (the server's `WorkerInfo`), with the fleet's
 hashing (block size, algorithm, seed), and accepts the router's key.
@@ -276,6 +278,8 @@ class RouterApp:
                 body = {**body, "stream_options": {**opts, "include_usage": True}}
             raw = json.dumps(body).encode()
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        if self.router.config.auth.any_key:
+            headers.pop("authorization", None)   # the client's key is the router's
         headers.update(self.worker_headers)   # the router's key to the worker, if it has one
         headers["accept-encoding"] = "identity"
         if self.router.pd_mode():

@@ -150,6 +150,7 @@ class Router:
         self._epochs: dict[str, tuple[str | None, EventSource | None]] = {}
         self._lock = threading.RLock()
         self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
+        self.details: dict[str, Callable[[], dict[str, Any]]] = {}   # more of /health
 
     @staticmethod
     def _make_hasher(spec: HashSpec | None) -> BlockHasher | None:
@@ -591,6 +592,7 @@ class Router:
                 "workers": {w.name: self.describe_worker(w) for w in workers}}
         if any(w.role != "both" for w in workers):
             body["pd"] = self.describe_pd()
+        body.update({name: describe() for name, describe in self.details.items()})
         return (200 if usable else 503), body
 
     def _recent_fallback(self) -> str | None:

@@ -49,16 +49,18 @@ class RouterServer:
         if config.bus is not None:
             from kvloop.router.bus import RouterBus
 
-            self.bus = RouterBus(config.bus).start()
+            self.bus = RouterBus(config.bus, config.fleet_secret).start()
             subscriber_factory = self.bus.factory(subscriber_factory)
         self.router = Router(config, subscriber_factory)
         self.app = RouterApp(self.router, workers)
         if self.bus is not None:
             self.router.watchers.append(self.bus.watch)
+            self.router.details["bus"] = self.bus.describe
             if self.bus.config.discover:
                 from kvloop.router.discovery import Discovery
 
                 self.discovery = Discovery(self.app, self.bus)
+                self.router.details["discovery"] = self.discovery.describe
         try:
             self.sock = bind_tcp(config.host, config.port)
         except OSError:

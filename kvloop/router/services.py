@@ -8,6 +8,7 @@ Owner: a `LocalService` owns its process; `stop()` ends it (SIGTERM, then SIGKIL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -108,15 +109,36 @@ REDIS_READY = "Ready to accept connections"
 
 def local_nats(host: str, port: int, log_path: Path | None = None, user: str | None = None,
                password: str | None = None, token: str | None = None,
-               prefix: Sequence[str] = (), ready_line: str | None = None) -> LocalService:
-    """A `nats-server` on `host:port` (not started), with user/password or token auth.
-    (Its credentials travel on its command line: for local and test servers only.)"""
+               prefix: Sequence[str] = (), ready_line: str | None = None,
+               conf_path: Path | None = None) -> LocalService:
+    """A `nats-server` on `host:port` (not started), with user/password or token auth: in a
+    config file only its owner can read when `conf_path` is given (what `kvloop fleet`
+    does), else on its command line (for test servers only: `ps` shows it)."""
     argv = [find_binary(NATS_SERVER), "-a", host, "-p", str(port)]
-    if user is not None:
+    if conf_path is not None and (user is not None or token is not None):
+        write_nats_auth(conf_path, user, password, token)
+        argv += ["-c", str(conf_path)]
+    elif user is not None:
         argv += ["--user", user, "--pass", password or ""]
-    if token is not None:
+    elif token is not None:
         argv += ["--auth", token]
     return LocalService(argv, host, port, log_path, prefix, ready_line)
+
+
+def write_nats_auth(path: Path, user: str | None, password: str | None,
+                    token: str | None) -> None:
+    """A nats-server config file (mode 600) refusing clients without these credentials."""
+    fields = {"user": user, "password": password} if user is not None else {"token": token}
+    for value in fields.values():
+        if value is None or not value.isprintable() or '"' in value or "\\" in value:
+            raise ValueError("NATS credentials must be printable, without quotes or "
+                             "backslashes")
+    body = "".join(f'  {k}: "{v}"\n' for k, v in fields.items())
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)        # O_EXCL below: a file someone else made is never reused
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"authorization {{\n{body}}}\n")
 
 
 def local_redis(host: str, port: int, log_path: Path | None = None,

@@ -6,6 +6,10 @@ it, and the id its KV-event messages carry) on `namespace.{ns}.kvloop.workers`; 
 it publishes the same with `withdrawn` set. A router started with `--discover` registers what
 it hears and ages out a worker whose announcements stop (kvloop.router.discovery).
 
+With the fleet secret (`ServeConfig.fleet_secret`) each announcement and the withdrawal carry
+its signature (`kvloop.events.nats_plane.signed_headers`): a router holding the secret admits
+no other, so nobody without it can add a worker or withdraw one.
+
 Owner: the API server's event loop runs the announcer; the NATS client is its own.
 """
 
@@ -20,7 +24,13 @@ from typing import Any
 import msgspec
 
 from kvloop.events.config import NatsPlaneConfig
-from kvloop.events.nats_plane import connect_options, discovery_subject, first_connect
+from kvloop.events.nats_plane import (
+    connect_options,
+    discovery_subject,
+    first_connect,
+    signed_headers,
+)
+from kvloop.trust import FleetSecret
 from kvloop.wire import WorkerAnnouncement, WorkerInfo
 
 logger = logging.getLogger("kvloop.server")
@@ -30,8 +40,9 @@ class WorkerAnnouncer:
     """Announces one worker on the event plane until `stop()`."""
 
     def __init__(self, plane: NatsPlaneConfig, url: str, worker_id: int,
-                 describe: Callable[[], WorkerInfo]):
+                 describe: Callable[[], WorkerInfo], secret: FleetSecret | None = None):
         self.plane = plane
+        self.secret = secret
         self.url = url
         self.worker_id = worker_id
         self.describe = describe
@@ -57,13 +68,20 @@ class WorkerAnnouncer:
                          self.plane.safe_url, e)
             return
         self._task = asyncio.create_task(self._loop(), name="kvloop-announcer")
-        logger.info("discovery: announcing %s on %s every %gs", self.url, self.subject,
-                    self.plane.announce_interval_s)
+        logger.info("discovery: announcing %s on %s every %gs%s", self.url, self.subject,
+                    self.plane.announce_interval_s,
+                    "" if self.secret else " UNSIGNED (no fleet secret: routers that hold "
+                    "one ignore this worker)")
+
+    async def _publish(self, withdrawn: bool) -> None:
+        payload = self.announcement(withdrawn)
+        await self._nc.publish(self.subject, payload,
+                               headers=signed_headers(self.secret, self.subject, payload))
 
     async def _loop(self) -> None:
         while True:
             try:
-                await self._nc.publish(self.subject, self.announcement())
+                await self._publish(withdrawn=False)
                 self.sent += 1
             except Exception as e:  # reconnecting: the next announcement will do
                 logger.debug("discovery: announcement failed: %s", e)
@@ -78,7 +96,7 @@ class WorkerAnnouncer:
         if self._nc is None:
             return
         try:
-            await self._nc.publish(self.subject, self.announcement(withdrawn=True))
+            await self._publish(withdrawn=True)
             await self._nc.flush(timeout=1)
         except Exception as e:
             logger.warning("discovery: the withdrawal of %s was not sent: %s", self.url, e)

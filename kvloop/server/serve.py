@@ -109,7 +109,8 @@ def _announcer(ctx: ServerContext, start: EngineStartConfig, url: str
     if plane is None or ev is None or ev.worker_id is None:
         return None
     return WorkerAnnouncer(plane, url, ev.worker_id,
-                           lambda: describe_worker(ctx, private=False, key_accepted=False))
+                           lambda: describe_worker(ctx, private=False, key_accepted=False),
+                           ctx.config.fleet_secret)
 
 
 def _cache_info(ready: EngineReady) -> dict[str, str]:
