@@ -26,6 +26,7 @@ from kvloop.server.tokenizer import find_model_path
 
 from .conftest import RouterThread, bearer, sdk, wait_until
 from .test_router_fleet import ADMIN, SIM_ARGS, router_config
+from .test_security_bus import descendants, environ_of
 from .test_serve_auth import (
     _connect,
     _head,
@@ -161,8 +162,9 @@ def test_the_router_front_limits_bodies_and_times_out_half_sent_requests(fleet: 
 
 
 def test_fleet_api_key_reaches_router_and_workers(tmp_path: Path) -> None:
-    """`kvloop fleet --api-key K`: clients and the workers' own API both need K; the key is
-    not on any worker's command line."""
+    """`kvloop fleet --api-key K`: clients of the router need K; the workers need a key of
+    their own that the fleet made (K opens nothing on them: the router never presents its
+    own key); no key is on any worker's command line."""
     cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "1", "--port", "0",
            "--api-key", "fleet-key", "--", "--sim-speedup", "40"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -190,10 +192,15 @@ def test_fleet_api_key_reaches_router_and_workers(tmp_path: Path) -> None:
         assert httpx.post(url + "/v1/completions", json={"prompt": [5]}).status_code == 401
         (worker,) = httpx.get(url + "/workers", headers=key).json().values()
         assert httpx.get(worker["url"] + "/v1/models").status_code == 401
-        info = httpx.get(worker["url"] + "/kvloop/worker", headers=key).json()
-        assert info["api_key_accepted"] is True
-        cmdline = Path(f"/proc/{info['api_pid']}/cmdline").read_bytes()
-        assert b"fleet-key" not in cmdline
+        assert httpx.get(worker["url"] + "/v1/models", headers=key).status_code == 401
+        (pid,) = [p for p in descendants(proc.pid)
+                  if b"\0serve\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        worker_key = environ_of(pid)["VLLM_API_KEY"]
+        assert worker_key != "fleet-key"
+        info = httpx.get(worker["url"] + "/kvloop/worker", headers=bearer(worker_key)).json()
+        assert info["api_key_accepted"] is True and info["api_pid"] == pid
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"fleet-key" not in cmdline and worker_key.encode() not in cmdline
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -10,12 +10,13 @@
 Keys (`kvloop.server.auth`, checked by the same middleware as the API server's): with
 --api-key every route but /health and /metrics needs one; POST and DELETE /workers need the
 --admin-api-key. The router presents --worker-api-key to every worker, on polls, probes and
-forwarded requests, and no other key: a client's Authorization header is passed on only when
-neither the router requires keys nor it has a worker key (a key for the router is no key
-for a worker). A worker registered at
-run time is probed first and refused (4xx, with the reason) unless it answers /kvloop/worker
-with a body that decodes as `WorkerDescription` (the server's `WorkerInfo`), with the fleet's
-hashing (block size, algorithm, seed), and accepts the router's key.
+forwarded requests, and no key of its own: a client's Authorization header is passed on only
+when the router has no worker key and the header holds none of the router's keys (with
+--api-key, every key a client may send is the router's: nothing is passed on).
+A worker registered at run time is probed first and refused (4xx, with the reason) unless
+it answers /kvloop/worker with a body that decodes as `WorkerDescription` (the server's
+`WorkerInfo`), with the fleet's hashing (block size, algorithm, seed), and accepts the
+router's key.
 
 With decode workers and no `both` worker up, requests take the P/D flow (`pd_proxy.py`):
 a prefill leg on a prefill worker when the cost model says it pays, then the decode leg.
@@ -62,7 +63,7 @@ from kvloop.router.registry import (
     event_source,
 )
 from kvloop.router.router import NoWorkerError, Routed, Router
-from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
+from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.server.guard import install
 from kvloop.server.openai import error_body, http_error_body
 from kvloop.server.prometheus_text import metric_value
@@ -76,6 +77,7 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
                 "content-encoding", "date", "server"}
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
+_ROUTER_KEYS = (Caller.API, Caller.ADMIN)
 
 
 def error_response(message: str, code: int) -> JSONResponse:
@@ -278,8 +280,8 @@ class RouterApp:
                 body = {**body, "stream_options": {**opts, "include_usage": True}}
             raw = json.dumps(body).encode()
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
-        if self.router.config.auth.any_key:
-            headers.pop("authorization", None)   # the client's key is the router's
+        if self.router.config.auth.identify(headers.get("authorization")) in _ROUTER_KEYS:
+            headers.pop("authorization")   # a key of the router's is no key for a worker
         headers.update(self.worker_headers)   # the router's key to the worker, if it has one
         headers["accept-encoding"] = "identity"
         if self.router.pd_mode():
