@@ -33,6 +33,9 @@ import pytest
 from kvloop.events.cli_args import NATS_CREDENTIAL_ENV, event_plane_from_args
 from kvloop.events.config import NatsPlaneConfig
 from kvloop.events.nats_plane import (
+    H_EPOCH,
+    H_SEQ,
+    H_WORKER,
     MessageGate,
     Refusals,
     connect_options,
@@ -41,6 +44,7 @@ from kvloop.events.nats_plane import (
     signed_headers,
 )
 from kvloop.events.nats_subscriber import NatsEventPlane
+from kvloop.events.types import BlockStored, KVEventBatch
 from kvloop.router.cli_args import WORKER_API_KEY_ENV, router_config
 from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.fleet import FleetConfig
@@ -436,6 +440,51 @@ def test_forged_withdrawals_do_not_remove_a_worker(nats: Any, worker: ServeProce
             assert refused.get("unsigned") == 1 and refused.get("bad signature") == 2
     finally:
         capture.stop()
+
+
+@pytest.mark.processes
+def test_forged_kv_events_never_reach_the_index(nats: Any, worker: ServeProcess) -> None:
+    """A client with the NATS credentials publishes KV events in the real worker's name (its
+    worker id, epoch and next sequence numbers: a block it never cached), unsigned and signed
+    with its own key: the router's index never holds the forged block, and still equals the
+    worker's cache."""
+    seen: list[dict[str, str]] = []
+    eavesdropper = NatsEventPlane(plane_config(nats, component="*"), name="eavesdropper").start()
+    eavesdropper.subscribe("namespace.dynamo.component.*.kv-events",
+                           lambda s, d, h: seen.append(h))
+    ref = NatsEventPlane(plane_config(nats, component="*"), secret=SECRET).start()
+    try:
+        with discovering_router(nats) as rt:
+            name = name_of(worker)
+            wait_until(lambda: names(rt) == {name}, 20, "the real worker")
+            assert complete(rt, 77).status_code == 200
+            last = wait_until(lambda: seen and seen[-1], 10, "a genuine data message")
+            forged_hash = 0x5EED_F00D_DEAD_BEEF
+            batch = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[forged_hash], parent_block_hash=None, token_ids=[1] * 16,
+                block_size=16, lora_id=None, medium="GPU", lora_name=None)]))
+            subject = "namespace.dynamo.component.backend.kv-events"
+            messages = []
+            for i in range(1, 4):
+                hdrs = {H_WORKER: last[H_WORKER], H_EPOCH: last[H_EPOCH],
+                        H_SEQ: str(int(last[H_SEQ]) + i)}
+                messages += [(subject, batch, hdrs),
+                             (subject, batch, {**hdrs, **sign_message(
+                                 FleetSecret.generate(), subject, batch)})]
+            publish(nats, messages)
+            assert complete(rt, 78).status_code == 200
+            wid = int(last[H_WORKER])
+
+            def index_equals_cache() -> bool:
+                mine = rt.router.index.hashes_of(name)
+                return bool(mine) and mine == snapshot_view(ref, wid, "backend").hashes()
+            wait_until(index_equals_cache, 15, "the index to equal the worker's cache")
+            assert forged_hash not in rt.router.index.hashes_of(name)
+            refused = rt.router.health()[1]["bus"]["by_reason"]
+            assert refused.get("unsigned", 0) >= 3 and refused.get("bad signature", 0) >= 3
+    finally:
+        ref.stop()
+        eavesdropper.stop()
 
 
 @pytest.mark.processes
