@@ -239,13 +239,16 @@ WORKLOAD_ARGS = {
 
 
 def _start_router(policy: str, workers: list[str], log_path: Path,
-                  event_plane: str | None = None) -> UrlProcess:
+                  event_plane: str | None = None,
+                  env: dict[str, str] | None = None) -> UrlProcess:
+    """`env`: the fleet's secret and NATS credentials (never on the command line)."""
     args = ["router", "--port", "0", "--policy", policy, "--poll-interval", "0.5"]
     if event_plane is not None:
         args += ["--event-plane", event_plane]
     for url in workers:
         args += ["--worker", url]
-    return UrlProcess(kvloop_command(*args), log_path, ROUTER_URL_LINE, name="kvloop router")
+    return UrlProcess(kvloop_command(*args), log_path, ROUTER_URL_LINE, env,
+                      name="kvloop router")
 
 
 def _fresh_caches(workers: list[str], admin_key: str) -> None:
@@ -285,6 +288,7 @@ def _free_port() -> int:
 def run_fleet_bench(args: argparse.Namespace) -> int:
     from kvloop.events.config import NatsPlaneConfig
     from kvloop.router.fleet import Fleet, FleetConfig
+    from kvloop.trust import FleetSecret
 
     nats_port = _free_port() if args.event_plane == "nats" else None
     plane_url = f"nats://127.0.0.1:{nats_port}" if nats_port is not None else None
@@ -294,8 +298,10 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
     admin_key = secrets.token_urlsafe(16)   # the workers' admin key, for cache resets
     fleet = Fleet(FleetConfig(args.workers, "sim", ("both",),
                               (*worker_args, "--admin-api-key", admin_key), echo_output=False,
-                              event_plane=NatsPlaneConfig(plane_url) if plane_url else None,
-                              nats_port=nats_port))
+                              event_plane=NatsPlaneConfig(
+                                  plane_url, user="kvloop-bench",
+                                  password=secrets.token_urlsafe(16)) if plane_url else None,
+                              nats_port=nats_port, fleet_secret=FleetSecret.generate()))
     results: list[dict] = []
     try:
         urls = [s.url for s in fleet.start()]
@@ -305,7 +311,7 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
             for run in range(args.runs):
                 for policy in args.policies.split(","):
                     results.append(_one_run(urls, policy, workload, args.concurrency, run,
-                                            admin_key, plane_url))
+                                            admin_key, plane_url, fleet.config.env()))
     finally:
         fleet.stop()
     if args.json_out:
@@ -316,11 +322,12 @@ def run_fleet_bench(args: argparse.Namespace) -> int:
 
 
 def _one_run(urls: list[str], policy: str, workload: str, concurrency: int, run: int,
-             admin_key: str, event_plane: str | None = None) -> dict:
+             admin_key: str, event_plane: str | None = None,
+             env: dict[str, str] | None = None) -> dict:
     _fresh_caches(urls, admin_key)
     with tempfile.TemporaryDirectory(prefix="kvloop-bench-router-") as tmp, \
             _start_router(policy, urls, Path(tmp) / "router.log",
-                          event_plane).start() as router:
+                          event_plane, env).start() as router:
         s = _bench_once(router.url, workload, concurrency, seed=run)
     row = {"policy": policy, "workload": workload, "run": run,
            "failed": s["failed"], "req_s": s["request_throughput"],
