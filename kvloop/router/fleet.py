@@ -19,8 +19,8 @@ from it. The local nats-server refuses anonymous clients: it gets a generated us
 password in a config file only this user can read.
 
 Secrets never go on a command line (`ps` shows every process's): the worker key, the fleet
-secret and the NATS credentials (those of the URL included) reach the workers in their
-environment (`FleetConfig.env`).
+secret and the NATS credentials reach the workers in their environment (`FleetConfig.env`);
+an --event-plane URL carrying credentials is refused.
 
 Owner: `Fleet` owns the worker processes; the router owns nothing of theirs.
 """
