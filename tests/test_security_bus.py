@@ -551,7 +551,8 @@ def test_a_30s_nats_outage_takes_no_healthy_worker_offline(tmp_path: Path) -> No
         t_back = rt.router.clock()
         wait_until(lambda: disc.last_heard.get(name, 0) > t_back, 15,
                    "an announcement after NATS returned")
-        assert httpx.get(rt.url + "/health").json()["bus"]["connected"] is True
+        wait_until(lambda: httpx.get(rt.url + "/health").json()["bus"]["connected"], 10,
+                   "the router's NATS connection back")
         for j in range(3):
             assert complete(rt, 1000 + j).status_code == 200
         ref = NatsEventPlane(plane_config(srv, component="*"), secret=SECRET).start()

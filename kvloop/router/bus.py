@@ -110,7 +110,9 @@ class RouterBus:
     # --- the bus watch --------------------------------------------------------------------
     def watch(self, router: Router) -> None:
         """Run by `Router.check_liveness`: probe the bus for quiet NATS workers, clear the
-        alarm of workers whose events arrive again."""
+        alarm of workers whose events arrive again (nothing while the bus is down)."""
+        if not self.connected:
+            return   # with the bus down, a probe would only hear silence
         now = router.clock()
         window = router.config.liveness.window_s
         for w in router.registry.all():
