@@ -403,10 +403,13 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
+    kv_events = publisher_config_from_args(args)
+    if kv_events is not None and kv_events.curve and secret is None:
+        raise ValueError("--kv-events-curve needs the fleet secret: --fleet-secret-file PATH "
+                         "(or $KVLOOP_FLEET_SECRET_FILE / $KVLOOP_FLEET_SECRET)")
     start = EngineStartConfig(engine=engine, runner=runner,
                               input_address="", output_address="",
-                              trace_file=args.trace_file,
-                              kv_events=publisher_config_from_args(args),
+                              trace_file=args.trace_file, kv_events=kv_events,
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout,
                               fleet_secret=None if secret is None else secret.to_text())
