@@ -289,3 +289,33 @@ def test_the_router_routes_by_prefix_on_events_without_token_ids() -> None:
                 assert cached == 128 and predicted == cached
     finally:
         fleet.stop()
+
+
+# --- a consumer without the secret --------------------------------------------------------------
+def test_a_router_without_the_secret_says_why_it_does_not_subscribe(caplog) -> None:
+    from kvloop.router.feed import EventFeed
+    from kvloop.router.index import PrefixIndex
+    from kvloop.router.registry import EventCounters, EventSource
+    from kvloop.router.subscription import NoSubscription, subscription_factory
+
+    feed = EventFeed("w:1", PrefixIndex(), None, EventCounters(), lambda *a: None,
+                     lambda *a: None)
+    source = EventSource("tcp://127.0.0.1:9", "tcp://127.0.0.1:10", curve=True)
+    with caplog.at_level("ERROR", logger="kvloop.router"):
+        sub = subscription_factory(None)(source, feed)
+    assert isinstance(sub, NoSubscription)
+    assert "require CURVE keys" in caplog.text and "--fleet-secret-file" in caplog.text
+
+
+def test_tail_curve_needs_the_secret(monkeypatch) -> None:
+    import argparse
+
+    from kvloop.events.cli_args import _tail_keys
+
+    monkeypatch.delenv("KVLOOP_FLEET_SECRET", raising=False)
+    monkeypatch.delenv("KVLOOP_FLEET_SECRET_FILE", raising=False)
+    with pytest.raises(SystemExit, match="--curve needs the fleet secret"):
+        _tail_keys(argparse.Namespace(curve=True, fleet_secret_file=None))
+    monkeypatch.setenv("KVLOOP_FLEET_SECRET", SECRET.to_text())
+    keys = _tail_keys(argparse.Namespace(curve=True, fleet_secret_file=None))
+    assert keys is not None and keys.client_public == KEYS.client_public
