@@ -521,7 +521,9 @@ class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
     debugging switches, the KV connector (`kv_transfer`; None: no prefill/decode
     disaggregation), and `auto_budget` (None: `scheduler.max_num_batched_tokens` as given;
-    else the runner's owner resolves it before building the engine, `AutoBudget`)."""
+    else the runner's owner resolves it before building the engine, `AutoBudget`).
+    `grammar_compile_timeout_s`: a structured-output grammar still compiling after this long
+    fails its requests (`kvloop.core.compile_queue`)."""
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -530,3 +532,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     auto_budget: AutoBudget | None = None
+    grammar_compile_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")

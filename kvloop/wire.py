@@ -201,7 +201,10 @@ class KVEventsInfo(msgspec.Struct, frozen=True, kw_only=True):
 
     On a NATS event plane (`kvloop.events.nats_plane`): `endpoint` is the server's URL without
     credentials, `replay_endpoint` the worker's query subject, `subject` its data subject,
-    `worker_id` the id its messages carry, `payload_format` "vllm" or "dynamo"."""
+    `worker_id` the id its messages carry, `payload_format` "vllm" or "dynamo".
+    `curve`: the ZMQ sockets admit only CURVE clients with the fleet secret's KV-event keys;
+    `token_ids`: False when BlockStored events carry no token ids (`omit_token_ids`).
+    A caller the worker does not admit (`kvloop.server.api`) sees neither address."""
 
     endpoint: str | None
     replay_endpoint: str | None
@@ -210,6 +213,8 @@ class KVEventsInfo(msgspec.Struct, frozen=True, kw_only=True):
     subject: str | None = None
     worker_id: int | None = None
     payload_format: str | None = None
+    curve: bool = False
+    token_ids: bool = True
 
 
 class KVTransferInfo(msgspec.Struct, frozen=True, kw_only=True):

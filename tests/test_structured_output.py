@@ -247,7 +247,7 @@ def test_grammars_compile_once_per_key_and_failures_are_not_kept(backend):
         with pytest.raises(ValueError, match="Invalid regex"):
             manager.validate(bad)
         failed = manager._compiled(bad)
-        assert failed.exception() is not None
+        assert failed.future.exception() is not None
         assert manager._compiled(bad) is not failed     # a failure is compiled again
         assert built == [1]
     finally:

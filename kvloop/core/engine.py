@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from kvloop.config import EngineConfig
 from kvloop.core.block_pool import BlockPool
+from kvloop.core.compile_queue import CompileLimits
 from kvloop.core.hashing import BlockHasher
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.kv_connector import KVConnector
@@ -50,7 +51,11 @@ from kvloop.core.request import (
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
 from kvloop.core.spec_decode import NgramProposer
-from kvloop.core.structured_output import GrammarBackend, StructuredOutputManager
+from kvloop.core.structured_output import (
+    GrammarBackend,
+    StructuredOutputManager,
+    default_num_workers,
+)
 from kvloop.core.trace import StepRecord, StepTiming, make_step_record
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
@@ -100,7 +105,9 @@ class EngineCore:
         if grammar_backend is not None and self._split_runner is None:
             raise ValueError("structured output needs a runner with execute_model and "
                              "sample_tokens (a SplitRunner)")
-        self.structured_output = (StructuredOutputManager(grammar_backend)
+        limits = CompileLimits(default_num_workers(),
+                               timeout_s=config.grammar_compile_timeout_s)
+        self.structured_output = (StructuredOutputManager(grammar_backend, limits=limits)
                                   if grammar_backend is not None else None)
         spec = config.speculative
         self.proposer = (NgramProposer(spec, config.scheduler.max_model_len)

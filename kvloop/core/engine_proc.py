@@ -68,6 +68,7 @@ from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
 from kvloop.events.config import KVEventsConfig
 from kvloop.kv_transfer import make_connector
+from kvloop.trust import PURPOSE_KV_EVENTS, CurveKeys
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
     WIRE_VERSION,
@@ -240,7 +241,8 @@ class EngineCoreProc:
                                                     secret=self.config.secret())
             else:
                 from kvloop.events.publisher import ZmqEventPublisher
-                self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch)
+                self.publisher = ZmqEventPublisher(ev_cfg, epoch=self.config.epoch,
+                                                   curve_keys=self._events_keys(ev_cfg))
         except ImportError as e:
             raise RuntimeError(f"KV events were asked for but the publisher is not available "
                                f"({e})") from e
@@ -250,6 +252,13 @@ class EngineCoreProc:
             self.engine.block_pool.track_touches = True
         return msgspec.structs.replace(ready, kv_events=_events_info(self.publisher, ev_cfg),
                                        epoch=self.publisher.epoch)
+
+    def _events_keys(self, ev_cfg: KVEventsConfig) -> CurveKeys | None:
+        """The fleet's KV-event CURVE keys when the events require CURVE (else None)."""
+        secret = self.config.secret()
+        if not ev_cfg.curve or secret is None:
+            return None   # without a secret, the publisher refuses a CURVE config
+        return secret.curve_keys(PURPOSE_KV_EVENTS)
 
     # --- threads --------------------------------------------------------------------------
     def _input_loop(self) -> None:
@@ -491,9 +500,11 @@ def _events_info(publisher: Any, cfg: KVEventsConfig) -> KVEventsInfo:
     if cfg.nats is None:
         return KVEventsInfo(endpoint=publisher.endpoint,
                             replay_endpoint=publisher.replay_endpoint, topic=cfg.topic,
-                            recency=cfg.recency)
+                            recency=cfg.recency, curve=cfg.curve,
+                            token_ids=not cfg.omit_token_ids)
     return KVEventsInfo(endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint,
-                        topic="", recency=cfg.recency, subject=publisher.subjects.data,
+                        topic="", recency=cfg.recency, token_ids=not cfg.omit_token_ids,
+                        subject=publisher.subjects.data,
                         worker_id=publisher.worker_id, payload_format=cfg.nats.payload_format)
 
 

@@ -215,6 +215,8 @@ class Scheduler:
         """A finished request leaves: the connector decides whether its blocks wait (delayed
         free); returns the `kv_transfer_params` it hands on (None without)."""
         delay_free, params = False, None
+        if request.structured_output_request is not None:
+            request.structured_output_request.release()   # its compile, if still wanted
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(
                 request, self.kv.get_block_ids(request.request_id))

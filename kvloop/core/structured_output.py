@@ -10,11 +10,15 @@ The life of a constrained request:
 
 1. `grammar_init` (from `EngineCore.add_request`): its grammar, keyed by
    `StructuredOutputsParams.key` (kind, spec, whitespace), is taken from the cache or its
-   compile is submitted to the pool (max(1, (cpus + 1) // 2) threads, as vLLM); the
-   scheduler queues the request as WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.
+   compile is submitted to the `CompileQueue` (`kvloop.core.compile_queue`: smallest spec
+   first, max(1, (cpus + 1) // 2) compiles at once as vLLM's pool, a slow compile yields its
+   slot, a time limit); the scheduler queues the request as
+   WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR.
 2. `schedule()` skips it while its grammar compiles (the requests behind it are admitted
    meanwhile), makes it WAITING once compiled (then it is admitted like any request), and
-   finishes it with an error output if the compile failed.
+   finishes it with an error output if the compile failed or timed out. A request that
+   finishes (aborted: its client left) `release`s its compile, which is dropped if it has
+   not started and nobody else waits for it.
 3. A step in which it samples gives it one bitmask row per sampled position (1 + its drafts,
    which the scheduler has cut to the longest prefix the grammar accepts, `valid_prefix`),
    filled by `grammar_bitmask` on the engine thread while the forward pass runs.
@@ -27,14 +31,16 @@ imports none, and builds the backend lazily (in a pool thread) on the first comp
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
+from kvloop.core.compile_queue import CompileJob, CompileLimits, CompileQueue
 from kvloop.core.outputs import GrammarOutput, SchedulerOutput
 from kvloop.core.request import Request, StructuredOutputsParams
 
@@ -90,30 +96,40 @@ class StructuredOutputRequest:
     """A request's grammar: compiling, failed (`error`) or ready (`grammar`).
 
     Created by the manager; `poll()` (engine thread) turns a finished compile into the
-    request's own grammar state.
+    request's own grammar state; `release()` says the request no longer waits for it.
     """
 
-    def __init__(self, params: StructuredOutputsParams, compiled: Future[Any],
-                 new_matcher: Callable[[Any], Grammar]):
+    def __init__(self, params: StructuredOutputsParams, job: CompileJob,
+                 new_matcher: Callable[[Any], Grammar],
+                 release: Callable[[CompileJob], None]):
         self.params = params
-        self._compiled = compiled
+        self._job: CompileJob | None = job
         self._new_matcher = new_matcher
+        self._release = release
         self.grammar: Grammar | None = None
         self.error: str | None = None
 
     def poll(self) -> bool:
         """True once the grammar is ready; sets `error` (and stays False) when the compile
-        failed."""
+        failed or timed out."""
         if self.grammar is not None:
             return True
-        if self.error is not None or not self._compiled.done():
+        job = self._job
+        if self.error is not None or job is None or not job.future.done():
             return False
-        exc = self._compiled.exception()
+        self._job = None
+        exc = compile_exception(job)
         if exc is not None:
             self.error = compile_error_message(exc)
             return False
-        self.grammar = self._new_matcher(self._compiled.result())
+        self.grammar = self._new_matcher(job.future.result())
         return True
+
+    def release(self) -> None:
+        """The request finished: it no longer waits for its compile. Idempotent."""
+        job, self._job = self._job, None
+        if job is not None:
+            self._release(job)
 
     def accept_token(self, token_id: int) -> bool:
         assert self.grammar is not None, "a request samples only once its grammar is ready"
@@ -136,6 +152,14 @@ class StructuredOutputRequest:
         return list(tokens[:accepted])
 
 
+def compile_exception(job: CompileJob) -> BaseException | None:
+    """A finished compile's exception (a cancelled one's too), None when it succeeded."""
+    try:
+        return job.future.exception()
+    except CancelledError as e:
+        return e
+
+
 def compile_error_message(exc: BaseException) -> str:
     """What a failed compile tells the client: the backend's message for an invalid spec
     (ValueError), the exception's type and text otherwise."""
@@ -147,19 +171,22 @@ def compile_error_message(exc: BaseException) -> str:
 class StructuredOutputManager:
     """Compiles grammars in a thread pool, caches them, fills the step's bitmask.
 
-    `backend_factory` builds the `GrammarBackend` (once, on the first compile, in a pool
-    thread: importing a grammar engine takes a second).
+    `backend_factory` builds the `GrammarBackend` (once, on the first compile, in a compile
+    thread: importing a grammar engine takes a second). `limits`: how compiles share the
+    CPU (default: `num_workers`, else `default_num_workers()`, at once, and
+    `kvloop.core.compile_queue`'s times).
     """
 
     def __init__(self, backend_factory: Callable[[], GrammarBackend],
                  num_workers: int | None = None,
-                 cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE):
+                 cache_size: int = DEFAULT_GRAMMAR_CACHE_SIZE,
+                 limits: CompileLimits | None = None):
         self._backend_factory = backend_factory
         self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
-        self._num_workers = num_workers or default_num_workers()
-        self._pool: ThreadPoolExecutor | None = None
-        self._cache: OrderedDict[tuple[Any, ...], Future[Any]] = OrderedDict()
+        self.compiles = CompileQueue(
+            limits or CompileLimits(num_workers or default_num_workers()))
+        self._cache: OrderedDict[tuple[Any, ...], CompileJob] = OrderedDict()
         self._cache_size = cache_size
         self._bitmask: Any = None      # reused buffer, grown as needed
         self._bitmask_rows = 0
@@ -179,19 +206,22 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None, "grammar_init is for constrained requests"
         request.structured_output_request = StructuredOutputRequest(
-            params, self._compiled(params), self._matcher)
+            params, self._compiled(params), self._matcher, self.compiles.release)
 
-    def _compiled(self, params: StructuredOutputsParams) -> Future[Any]:
+    def _compiled(self, params: StructuredOutputsParams) -> CompileJob:
+        """The compile of `params`, one more waiter counted: the cached one unless it
+        failed (or was dropped), else a new one."""
         key = params.key
-        future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
+        job = self._cache.get(key)
+        if job is not None and not (job.future.done() and compile_exception(job) is not None):
             self._cache.move_to_end(key)
-            return future
-        future = self._get_pool().submit(self._compile, params)
-        self._cache[key] = future
+            self.compiles.retain(job)
+            return job
+        job = self.compiles.submit(len(params.spec), functools.partial(self._compile, params))
+        self._cache[key] = job
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
-        return future
+        return job
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         return self.backend.compile(params)
@@ -199,17 +229,12 @@ class StructuredOutputManager:
     def _matcher(self, compiled: Any) -> Grammar:
         return self.backend.matcher(compiled)
 
-    def _get_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._num_workers,
-                                            thread_name_prefix="kvloop-grammar")
-        return self._pool
-
     def validate(self, params: StructuredOutputsParams) -> None:
-        """Compile `params` now (on the caller's thread, into the cache): ValueError naming
-        the problem when it is invalid. For callers that can wait (the offline `LLM`)."""
-        future = self._compiled(params)
-        exc = future.exception()
+        """Compile `params` now (waiting for it, into the cache): ValueError naming the
+        problem when it is invalid. For callers that can wait (the offline `LLM`)."""
+        job = self._compiled(params)
+        exc = compile_exception(job)   # waits for the compile
+        self.compiles.release(job)
         if exc is not None:
             raise ValueError(compile_error_message(exc)) from None
 
@@ -242,8 +267,7 @@ class StructuredOutputManager:
         return self._bitmask
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.compiles.shutdown()
 
 
 def fill_rows(grammar: Grammar, drafts: Sequence[int], bitmask: Any, first: int) -> None:

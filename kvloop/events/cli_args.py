@@ -33,6 +33,12 @@ from kvloop.events.config import (
     KVEventsConfig,
     NatsPlaneConfig,
 )
+from kvloop.trust import (
+    PURPOSE_KV_EVENTS,
+    CurveKeys,
+    add_fleet_secret_arg,
+    fleet_secret_from_args,
+)
 
 # Flag -> environment variable of each NATS credential (the flag wins when both are given).
 NATS_CREDENTIAL_ENV = {"nats_user": "KVLOOP_NATS_USER", "nats_password": "KVLOOP_NATS_PASSWORD",
@@ -68,6 +74,10 @@ def register(subparsers: Any) -> None:
                         "seconds, then keep waiting; 0 = never (default 10)")
     t.add_argument("--exit-on-idle", action="store_true",
                    help="exit with status 1 after the --idle-warn warning")
+    t.add_argument("--curve", action="store_true",
+                   help="the worker's event sockets require CURVE (its /kvloop/worker says "
+                        "kv_events.curve): connect with the fleet secret's keys")
+    add_fleet_secret_arg(t)
     t.set_defaults(func=_cmd_tail)
 
 
@@ -83,7 +93,21 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     return run_tail(args.endpoint, args.replay_endpoint, args.topic, as_json=args.json,
                     count=args.count, timeout=args.timeout, heartbeats=args.heartbeats,
                     recency=args.recency, idle_warn=args.idle_warn or None,
-                    exit_on_idle=args.exit_on_idle)
+                    exit_on_idle=args.exit_on_idle, curve_keys=_tail_keys(args))
+
+
+def _tail_keys(args: argparse.Namespace) -> CurveKeys | None:
+    """The fleet's KV-event CURVE keys when --curve asks for them (SystemExit: no secret)."""
+    if not args.curve:
+        return None
+    try:
+        secret = fleet_secret_from_args(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if secret is None:
+        raise SystemExit("--curve needs the fleet secret: --fleet-secret-file PATH (or "
+                         "$KVLOOP_FLEET_SECRET_FILE / $KVLOOP_FLEET_SECRET)")
+    return secret.curve_keys(PURPOSE_KV_EVENTS)
 
 
 def add_publisher_args(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +129,13 @@ def add_publisher_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
                    default=None, help="heartbeats on their own topic (default: on when "
                                       "--kv-events-topic is not empty)")
+    g.add_argument("--kv-events-curve", action="store_true",
+                   help="the event sockets (PUB and replay) admit only CURVE clients holding "
+                        "the fleet secret (--fleet-secret-file); others receive nothing. On "
+                        "in kvloop fleet")
+    g.add_argument("--kv-events-omit-token-ids", action="store_true",
+                   help="publish BlockStored events with empty token_ids (block hashes only; "
+                        "docs/events.md says which consumers still work)")
     add_event_plane_args(g, consumer=False)
 
 
@@ -164,4 +195,6 @@ def publisher_config_from_args(args: argparse.Namespace) -> KVEventsConfig | Non
     return KVEventsConfig(endpoint=args.kv_events_endpoint,
                           replay_endpoint=args.kv_events_replay_endpoint,
                           topic=args.kv_events_topic, recency=args.kv_events_recency,
-                          heartbeat=args.kv_events_heartbeat, nats=nats)
+                          heartbeat=args.kv_events_heartbeat, nats=nats,
+                          curve=args.kv_events_curve,
+                          omit_token_ids=args.kv_events_omit_token_ids)

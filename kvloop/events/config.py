@@ -110,6 +110,10 @@ class KVEventsConfig:
     `int_block_hashes`: recency notices carry 64-bit ints (as events do by default) or bytes.
     `nats`: publish on a NATS server instead of ZMQ (then `endpoint` and `replay_endpoint`
     must be None: replay and snapshots go over NATS request/reply, heartbeats are on).
+    `curve`: the PUB and replay sockets admit only CURVE clients holding the fleet secret's
+    KV-event keys (`kvloop.trust.PURPOSE_KV_EVENTS`); anyone else receives nothing.
+    `omit_token_ids`: BlockStored events carry empty `token_ids` (vLLM's format kept): the
+    prompt's tokens never leave the worker, only block hashes (docs/events.md).
     """
 
     endpoint: str | None = None
@@ -127,11 +131,16 @@ class KVEventsConfig:
     int_block_hashes: bool = True
     snapshot_blocks_per_message: int = 1024
     nats: NatsPlaneConfig | None = None
+    curve: bool = False
+    omit_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.nats is not None and (self.endpoint or self.replay_endpoint):
             raise ValueError("KV events go either to ZMQ endpoints or to a NATS event plane, "
                              "not both")
+        if self.nats is not None and self.curve:
+            raise ValueError("CURVE keys protect the ZMQ event sockets; a NATS event plane "
+                             "has its own credentials")
         for name in ("endpoint", "replay_endpoint"):
             ep = getattr(self, name)
             if ep is not None:

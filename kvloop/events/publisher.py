@@ -24,6 +24,14 @@ Extensions (see `protocol.py`), none of which a vLLM consumer sees unless it ask
 
 If the queue overflows (the publisher thread cannot keep up), the newest batches are dropped
 and, in their place, one `AllBlocksCleared` is published (`batch_log.BatchQueue`).
+
+Events carry the prompt's token ids, so they are as private as the prompts:
+- `curve`: both sockets are CURVE servers keyed by the fleet secret
+  (`kvloop.trust.PURPOSE_KV_EVENTS`), and a ZAP authenticator on the publisher's context
+  admits only the fleet's client key: a subscriber without the secret completes no
+  handshake and receives nothing, live or replayed;
+- `omit_token_ids`: BlockStored events are published with empty `token_ids` (and no
+  `lookahead_token_ids`), in the publisher's log and snapshots too (`without_token_ids`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -42,7 +51,8 @@ import zmq
 from kvloop.events import protocol as proto
 from kvloop.events.batch_log import OVERFLOWED, QUEUED, BatchLog, BatchQueue
 from kvloop.events.config import DEFAULT_ENDPOINT, KVEventsConfig
-from kvloop.events.types import KVEventBatch, event_int
+from kvloop.events.types import BlockStored, KVEventBatch, event_int
+from kvloop.trust import CurveKeys, curve_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,14 @@ def endpoint_for_rank(addr: str, rank: int) -> str:
             return addr
         return f"{host}:{int(port) + rank}"
     return f"{addr}_dp{rank}"
+
+
+def without_token_ids(batch: KVEventBatch) -> KVEventBatch:
+    """`batch` with every BlockStored's `token_ids` emptied (hashes, parent and the rest
+    kept): what a worker started with `omit_token_ids` publishes."""
+    events = [msgspec.structs.replace(ev, token_ids=[], lookahead_token_ids=None)
+              if isinstance(ev, BlockStored) else ev for ev in batch.events]
+    return msgspec.structs.replace(batch, events=events)
 
 
 def new_epoch() -> str:
@@ -114,6 +132,8 @@ class QueuedPublisher:
             raise RuntimeError(f"{self.NAME}.publish() before start()")
         if self._closed:
             return
+        if self.config.omit_token_ids:
+            batch = without_token_ids(batch)
         outcome = self._queue.put(batch)
         if outcome != QUEUED:
             self.stats.dropped += 1
@@ -136,8 +156,16 @@ class ZmqEventPublisher(QueuedPublisher):
 
     NAME = "ZmqEventPublisher"
 
-    def __init__(self, config: KVEventsConfig, epoch: str | None = None):
+    def __init__(self, config: KVEventsConfig, epoch: str | None = None,
+                 curve_keys: CurveKeys | None = None):
+        """`curve_keys`: the fleet's KV-event keys, required when `config.curve` is set
+        (ValueError without them)."""
         super().__init__(config)
+        if config.curve and curve_keys is None:
+            raise ValueError("KV events with CURVE need the fleet secret (--fleet-secret-file "
+                             "or $KVLOOP_FLEET_SECRET)")
+        self._curve_keys = curve_keys if config.curve else None
+        self._auth: Any = None    # the ZAP authenticator thread (CURVE only)
         self._epoch = epoch or new_epoch()
         self._topic = config.topic.encode("utf-8")
         self._stop = threading.Event()
@@ -184,10 +212,13 @@ class ZmqEventPublisher(QueuedPublisher):
         if self._started:
             raise RuntimeError("ZmqEventPublisher.start() called twice")
         self._ctx = zmq.Context()
+        if self._curve_keys is not None:
+            self._auth = curve_authenticator(self._ctx, [self._curve_keys])
         try:
             self._open_sockets()
         except zmq.ZMQError as e:
             self._close_sockets(linger=0)
+            self._stop_auth()
             self._ctx.term()
             raise OSError(f"KV events: cannot open {self._failed_addr}: {e}") from e
         self._pipe = os.pipe()
@@ -210,6 +241,7 @@ class ZmqEventPublisher(QueuedPublisher):
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.warning("KV events: publisher thread did not stop in %.1fs", timeout)
+        self._stop_auth()
         if self._thread is not None and self._thread.is_alive():
             if self._ctx is not None:
                 self._ctx.destroy(linger=0)
@@ -220,6 +252,11 @@ class ZmqEventPublisher(QueuedPublisher):
             for fd in self._pipe or ():
                 os.close(fd)
             self._pipe = None
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def mirror_hashes(self) -> set[int | bytes] | None:
         """The mirror's hashes (for tests; only meaningful when the thread is idle)."""
@@ -239,14 +276,13 @@ class ZmqEventPublisher(QueuedPublisher):
 
     # --- sockets --------------------------------------------------------------------------
     def _open_sockets(self) -> None:
-        cfg, ctx = self.config, self._ctx
-        assert ctx is not None
+        cfg = self.config
         rank = cfg.data_parallel_rank
         ep = cfg.endpoint or DEFAULT_ENDPOINT
         connect = ep.startswith(">")
         addr = endpoint_for_rank(ep.lstrip("@>"), rank)
         self._failed_addr = addr
-        self._pub = ctx.socket(zmq.PUB)
+        self._pub = self._socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, cfg.hwm)
         self._pub.setsockopt(zmq.LINGER, 500)
         if connect:
@@ -258,11 +294,19 @@ class ZmqEventPublisher(QueuedPublisher):
         if cfg.replay_endpoint is not None:
             raddr = endpoint_for_rank(cfg.replay_endpoint.lstrip("@"), rank)
             self._failed_addr = raddr
-            self._router = ctx.socket(zmq.ROUTER)
+            self._router = self._socket(zmq.ROUTER)
             self._router.setsockopt(zmq.SNDHWM, max(2 * (cfg.buffer_steps + 1), _ROUTER_MIN_HWM))
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(raddr)
             self._replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        """A new socket of the context, a CURVE server when `curve` is on."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        if self._curve_keys is not None:
+            self._curve_keys.make_server(sock)
+        return sock
 
     def _close_sockets(self, linger: int | None = None) -> None:
         for sock in (self._pub, self._router):

@@ -40,6 +40,7 @@ import zmq
 
 from kvloop.events import protocol as proto
 from kvloop.events.types import AllBlocksCleared, KVEvent, KVEventBatch
+from kvloop.trust import CurveKeys
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,8 @@ class KVEventSubscriber:
                  on_touch: TouchCallback | None = None,
                  on_heartbeat: InfoCallback | None = None,
                  probe_interval_s: float = 1.0, request_timeout_s: float = 2.0,
-                 rcvhwm: int = 100_000, dedup_window: int = 4096):
+                 rcvhwm: int = 100_000, dedup_window: int = 4096,
+                 curve_keys: CurveKeys | None = None):
         if probe_interval_s <= 0 or request_timeout_s <= 0:
             raise ValueError("probe_interval_s and request_timeout_s must be > 0")
         if dedup_window < 1:
@@ -150,6 +152,7 @@ class KVEventSubscriber:
         self._timeout_ms = max(1, int(request_timeout_s * 1000))
         self._rcvhwm = rcvhwm
         self._window_size = dedup_window
+        self._curve_keys = curve_keys   # the fleet's KV-event keys: a CURVE client of both
         self._decoder = proto.BatchDecoder()
         self._stats = SubscriberStats()
         self._cv = threading.Condition()
@@ -222,7 +225,7 @@ class KVEventSubscriber:
     # --- sockets --------------------------------------------------------------------------
     def _open_sockets(self) -> None:
         assert self._ctx is not None
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -241,13 +244,21 @@ class KVEventSubscriber:
         if self._dealer is not None:
             self._poller.unregister(self._dealer)
             self._dealer.close(linger=0)
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
         dealer.connect(self.replay_endpoint)
         self._dealer = dealer
         self._poller.register(dealer, zmq.POLLIN)
         self._probe_sent = None
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        """A new socket, a CURVE client of the fleet's publisher when keys were given."""
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        if self._curve_keys is not None:
+            self._curve_keys.make_client(sock)
+        return sock
 
     def _close_sockets(self) -> None:
         for sock in (self._sub, self._dealer):

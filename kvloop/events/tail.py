@@ -27,6 +27,7 @@ import msgspec
 from kvloop.events.protocol import PublisherInfo
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
 from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvloop.trust import CurveKeys
 
 
 def fmt_hash(h: int | bytes | None) -> str:
@@ -145,13 +146,15 @@ def idle_message(sub: KVEventSubscriber, seconds: float, exiting: bool) -> str:
 def run_tail(endpoint: str, replay_endpoint: str | None, topic: str, *, as_json: bool = False,
              count: int | None = None, timeout: float | None = None, heartbeats: bool = False,
              recency: bool = False, idle_warn: float | None = None, exit_on_idle: bool = False,
-             out: TextIO | None = None) -> int:
+             out: TextIO | None = None, curve_keys: CurveKeys | None = None) -> int:
     """Subscribe and print until done; returns the exit status: 0, or 1 when
-    `exit_on_idle` stopped it after `idle_warn` seconds without a batch."""
+    `exit_on_idle` stopped it after `idle_warn` seconds without a batch. `curve_keys`: the
+    fleet's KV-event keys, for a worker started with --kv-events-curve."""
     tail = Tail(out or sys.stdout, as_json, count)
     sub = KVEventSubscriber(endpoint, replay_endpoint, topic, tail.on_batch,
                             on_heartbeat=tail.on_heartbeat if heartbeats else None,
-                            on_touch=tail.on_touch if recency else None)
+                            on_touch=tail.on_touch if recency else None,
+                            curve_keys=curve_keys)
     restore = _install_signal_handlers(tail.done)
     sub.start()
     try:

@@ -156,12 +156,14 @@ class FleetConfig:
             *self.worker_args, die_with_parent=True)
 
     def events_args(self) -> list[str]:
-        """Where the workers publish their KV events: ZMQ on ephemeral ports, or the plane."""
+        """Where the workers publish their KV events: ZMQ on ephemeral ports (CURVE-keyed by
+        the fleet secret when there is one), or the plane."""
         plane = self.event_plane
         if plane is None:
             h = self.host
+            curve = ["--kv-events-curve"] if self.fleet_secret is not None else []
             return ["--kv-events-endpoint", f"tcp://{h}:0",
-                    "--kv-events-replay-endpoint", f"tcp://{h}:0"]
+                    "--kv-events-replay-endpoint", f"tcp://{h}:0", *curve]
         return ["--event-plane", plane.url, "--dyn-namespace", plane.namespace,
                 "--event-plane-format", plane.payload_format]
 

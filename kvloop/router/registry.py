@@ -92,6 +92,7 @@ class EventSource:
     subject: str | None = None
     worker_id: int | None = None
     payload_format: str | None = None
+    curve: bool = False    # its ZMQ sockets admit only the fleet's CURVE keys
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def event_source(spec: WorkerSpec, desc: WorkerDescription | None) -> EventSourc
     if ev is None:
         return EventSource(endpoint, replay)
     return EventSource(endpoint, replay, ev.topic, ev.subject, ev.worker_id,
-                       ev.payload_format)
+                       ev.payload_format, ev.curve)
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ class RouterServer:
                  subscriber_factory: SubscriberFactory | None = None,
                  log_level: str = "warning"):
         if subscriber_factory is None:
-            from kvloop.router.subscription import kv_event_subscription
+            from kvloop.router.subscription import subscription_factory
 
-            subscriber_factory = kv_event_subscription
+            subscriber_factory = subscription_factory(config.fleet_secret)
         self.bus: RouterBus | None = None
         self.discovery: Discovery | None = None
         if config.bus is not None:

@@ -3,7 +3,9 @@
 With --api-key every route needs a key except the public ones (`SERVER_RULES`); the admin
 route (POST /reset_prefix_cache) needs --admin-api-key (`kvloop.server.auth`). /kvloop/worker
 is public for routers, but process ids and file paths appear in it (and in /v1/models'
-`root`) only for a caller `AuthConfig.sees_private` admits.
+`root`) only for a caller `AuthConfig.sees_private` admits, and the worker's internal
+addresses (the KV-event PUB and replay endpoints, which carry prompts' token ids, and the
+KV side channel) only for a caller the api routes admit (with --api-key: a key holder).
 
 Every error, including request-validation errors, is answered with vLLM's shape
 `{"error": {"message", "type", "param", "code"}}`; validation errors are 400 (not FastAPI's
@@ -66,7 +68,7 @@ from kvloop.server.serving import (
     create_completion,
     create_generate,
 )
-from kvloop.wire import EngineFacts, KVEventsInfo, WorkerInfo
+from kvloop.wire import EngineFacts, KVEventsInfo, KVTransferInfo, WorkerInfo
 
 logger = logging.getLogger("kvloop.server")
 
@@ -377,17 +379,30 @@ def _public(address: str | None) -> str | None:
     return None if (address or "").startswith("ipc://") else address
 
 
-def _kv_events(events: KVEventsInfo | None, private: bool) -> KVEventsInfo | None:
+def _kv_events(events: KVEventsInfo | None, private: bool,
+               admitted: bool = True) -> KVEventsInfo | None:
+    """The events' description for a caller: no address at all unless `admitted`, no
+    ipc:// (file) address unless `private`."""
     if events is None or private:
         return events
+    if not admitted:
+        return msgspec.structs.replace(events, endpoint=None, replay_endpoint=None)
     return msgspec.structs.replace(events, endpoint=_public(events.endpoint),
                                    replay_endpoint=_public(events.replay_endpoint))
+
+
+def _kv_transfer(kv: KVTransferInfo | None, admitted: bool) -> KVTransferInfo | None:
+    """The KV connector's description; its side channel's address only if `admitted`."""
+    if kv is None or admitted:
+        return kv
+    return msgspec.structs.replace(kv, side_channel_host="", side_channel_port=0)
 
 
 def worker_description(ctx: ServerContext, request: Request) -> WorkerInfo:
     """What a router reads when this worker registers: the engine's facts from its handshake
     and the server's. A caller who may not see private facts (`sees_private`) gets no
-    process ids, model path or ipc:// event endpoints."""
+    process ids, model path or ipc:// event endpoints; one the worker does not admit (with
+    --api-key: no key) no event or side-channel address."""
     caller = ctx.config.auth.identify(request.headers.get("authorization"))
     return describe_worker(ctx, sees_private(ctx, request), caller in (Caller.API, Caller.ADMIN))
 
@@ -396,8 +411,10 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     """`worker_description` for a caller who may see private facts or not, and whose key
     was accepted or not (what discovery announces: neither)."""
     r, cfg = ctx.ready, ctx.config
+    admitted = key_accepted or not cfg.auth.api_keys
     facts = {name: getattr(r, name) for name in EngineFacts.__struct_fields__}
-    facts["kv_events"] = _kv_events(r.kv_events, private)
+    facts["kv_events"] = _kv_events(r.kv_events, private, admitted)
+    facts["kv_transfer"] = _kv_transfer(r.kv_transfer, admitted)
     hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
                               "engine_pid": r.pid}
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,

@@ -45,6 +45,8 @@ from kvloop.config import (
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
 from kvloop.server.auth import add_auth_args, auth_config
 from kvloop.server.config import (
+    DEFAULT_MAX_SPEC_BYTES,
+    MAX_SPEC_FLAG,
     ROLES,
     TOOL_CALL_PARSERS,
     UVICORN_LOG_LEVELS,
@@ -245,6 +247,12 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the tool-call format of the model's text (hermes: "
                         "<tool_call>{json}</tool_call>)")
+    g.add_argument(MAX_SPEC_FLAG, type=int, default=DEFAULT_MAX_SPEC_BYTES, metavar="N",
+                   help="the largest JSON schema, regex, grammar or tool schema a request may "
+                        "constrain its output with (bytes; larger: 400)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0,
+                   metavar="S", help="a grammar still compiling after S seconds fails its "
+                                     "requests (400)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -349,7 +357,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             if args.speculative_config is not None else None)
     return EngineConfig(cache=cache, scheduler=sched,
                         check_invariants=args.debug_check_invariants, speculative=spec,
-                        kv_transfer=kv_transfer_config(args), auto_budget=auto_budget(args))
+                        kv_transfer=kv_transfer_config(args), auto_budget=auto_budget(args),
+                        grammar_compile_timeout_s=args.structured_outputs_compile_timeout)
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
@@ -403,10 +412,13 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
+    kv_events = publisher_config_from_args(args)
+    if kv_events is not None and kv_events.curve and secret is None:
+        raise ValueError("--kv-events-curve needs the fleet secret: --fleet-secret-file PATH "
+                         "(or $KVLOOP_FLEET_SECRET_FILE / $KVLOOP_FLEET_SECRET)")
     start = EngineStartConfig(engine=engine, runner=runner,
                               input_address="", output_address="",
-                              trace_file=args.trace_file,
-                              kv_events=publisher_config_from_args(args),
+                              trace_file=args.trace_file, kv_events=kv_events,
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout,
                               fleet_secret=None if secret is None else secret.to_text())
@@ -424,7 +436,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_stats_interval_s=log_stats_interval(),
                         auth=auth_config(args), http_limits=http_limits(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser, fleet_secret=secret)
+                        tool_call_parser=args.tool_call_parser, fleet_secret=secret,
+                        max_structured_output_bytes=args.structured_outputs_max_spec_bytes)
     return serve, start, tokenizer
 
 

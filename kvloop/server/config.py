@@ -15,6 +15,8 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 TOOL_CALL_PARSERS = ("hermes",)   # the formats kvloop/server/tools.py reads
 DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 LOG_STATS_INTERVAL_ENV = "VLLM_LOG_STATS_INTERVAL"
+DEFAULT_MAX_SPEC_BYTES = 64 * 1024   # the largest structured-output constraint compiled
+MAX_SPEC_FLAG = "--structured-outputs-max-spec-bytes"
 
 
 def log_stats_interval(environ: Mapping[str, str] | None = None) -> float:
@@ -48,7 +50,9 @@ class ServeConfig:
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
     `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
-    peer).
+    peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
+    choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
+    it (kvloop/server/structured.py).
     """
 
     served_model_names: tuple[str, ...]
@@ -75,8 +79,11 @@ class ServeConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     fleet_secret: FleetSecret | None = None
+    max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
 
     def __post_init__(self) -> None:
+        if self.max_structured_output_bytes < 1:
+            raise ValueError(f"{MAX_SPEC_FLAG} must be >= 1")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

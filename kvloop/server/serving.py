@@ -73,7 +73,7 @@ from kvloop.server.processor import (
     model_stops,
 )
 from kvloop.server.prompts import chat_prompt, completion_prompts
-from kvloop.server.structured import ConstraintError, requested_constraint
+from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
 from kvloop.wire import KV_LOAD_FAILED, EngineCoreOutput, EngineCoreRequest, EngineReady
 
@@ -195,13 +195,15 @@ class Constraint:
 def request_constraint(ctx: ServerContext, req: SamplingRequest,
                        tools: ToolPlan | None = None) -> Constraint | None:
     """The constraint `req` asks for (response_format, structured_outputs, guided_*, or its
-    tools); APIError(400) for a malformed one, two of them, or an engine without a grammar
-    backend."""
+    tools); APIError(400) for a malformed one, two of them, one over the size limit, or an
+    engine without a grammar backend."""
     extra = None
     if tools is not None and tools.constraint is not None:
         extra = ("tool_choice", tools.constraint)
     try:
         found = requested_constraint(req, extra)
+        if found is not None:
+            check_size(*found, ctx.config.max_structured_output_bytes)
     except ConstraintError as e:
         raise APIError(400, str(e), param=e.param) from e
     if found is None:

@@ -13,9 +13,11 @@ Three ways to ask, as vLLM (docs/vllm-facts.md#structured-output), on /v1/comple
 
 A chat's `tools` with `tool_choice` "required" or a named function add their own constraint
 (`kvloop.server.tools`). More than one of these in a request is a 400; so is a malformed
-one (naming the field). Whether a schema, regex or grammar compiles is the engine's grammar
-backend's verdict: the handler waits for the engine's first answer before it answers
-(streaming or not), so a spec that does not compile is a 400 too, with the backend's reason.
+one (naming the field), and one larger than the server's limit (`check_size`: compiles grow
+steeply with the spec, and the engine compiles only what fits). Whether a schema, regex or
+grammar compiles is the engine's grammar backend's verdict: the handler waits for the
+engine's first answer before it answers (streaming or not), so a spec that does not compile
+(or does not within the engine's time limit) is a 400 too, with the backend's reason.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 from typing import Any
 
 from kvloop.core.request import StructuredOutputsParams
+from kvloop.server.config import MAX_SPEC_FLAG
 from kvloop.server.openai import SamplingRequest
 
 logger = logging.getLogger("kvloop.server")
@@ -65,6 +68,16 @@ def requested_constraint(req: SamplingRequest, extra: tuple[str, dict[str, Any]]
         return StructuredOutputsParams(**fields, **options), param
     except ValueError as e:
         raise ConstraintError(str(e), param) from None
+
+
+def check_size(params: StructuredOutputsParams, param: str, max_bytes: int) -> None:
+    """ConstraintError naming the limit and its flag when the constraint's text (the
+    schema's JSON, the regex, the grammar, the choices) is longer than `max_bytes`."""
+    size = len(params.spec.encode())
+    if size > max_bytes:
+        raise ConstraintError(f"The structured-output constraint of {param} is {size} bytes; "
+                              f"this server compiles at most {max_bytes} bytes "
+                              f"({MAX_SPEC_FLAG}).", param)
 
 
 def _from_response_format(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:

