@@ -12,9 +12,10 @@
 Both legs carry one `X-Request-Id` (the client's, else a new uuid4). A client that
 disconnects during the prefill leg closes P's connection (P aborts it) and D is never asked;
 during the decode leg it closes D's (D aborts, and tells P it is done with the blocks). A
-prefill leg that fails (5xx, no connection, or a 200 without usable `kv_transfer_params`)
-falls back to decode-only: D prefills the prompt itself; the fallback is counted
-(`kvloop_router_pd_fallbacks_total{worker,reason}`), logged and shown in /health. A 4xx from
+prefill leg that fails (5xx, no connection, no answer within --prefill-timeout, or a 200
+without usable `kv_transfer_params`) falls back to decode-only: D prefills the prompt
+itself; the fallback is counted (`kvloop_router_pd_fallbacks_total{worker,reason}`), logged
+and shown in /health; a timed-out P gets no prefill leg for one liveness window. A 4xx from
 P is the client's error: it goes back to the client as P sent it. A decode worker that refuses
 the connection is marked down and the request is routed again (nothing reached it; a prefill
 leg done for it is left to its lease).

@@ -18,14 +18,21 @@ hashing (block size, algorithm, seed), and accepts the router's key.
 With decode workers and no `both` worker up, requests take the P/D flow (`pd_proxy.py`):
 a prefill leg on a prefill worker when the cost model says it pays, then the decode leg.
 
+Before anything is routed, the body is read with the API server's schema (a malformed field
+type gets the worker's own 400) and a client's `kv_transfer_params` are refused (400: they
+are the router's to set, unless the caller presents the fleet token). With a fleet secret,
+every forwarded request carries the fleet token (`kvloop.trust.INTERNAL_TOKEN_HEADER`).
+
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
 `usage.prompt_tokens_details.cached_tokens` on a stream, the router asks for
 `stream_options.include_usage`, and strips that usage chunk again when the client did not
 ask for it. A client that disconnects closes the upstream connection, so the worker aborts
 the request. A worker that dies mid-stream ends the stream with an OpenAI-shaped error
-event naming the worker; a worker that refuses the connection is marked down and the
-request is routed again to another worker (nothing reached the first one).
+event naming the worker; one that fails before its headers answers a JSON 502; a worker
+that refuses the connection is marked down and the request is routed again to another worker
+(nothing reached the first one). Each request's ticket (its worker's in-flight count) is
+closed in a `finally` on every path.
 
 Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
 /metrics, worker identity from /kvloop/worker, liveness alarms).
@@ -104,6 +111,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                         status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in the router still answers the documented JSON error (and is logged)."""
+    log.error("internal error serving %s %s", request.method, request.url.path,
+              exc_info=exc)
+    return error_response(f"router internal error: {type(exc).__name__}: {exc}", 500)
+
+
 async def _client_gone(request: Request, exc: Exception) -> Response:
     """The client left (or timed out) while sending its body: nobody reads an answer."""
     return Response(status_code=499)
@@ -135,7 +149,8 @@ class RouterApp:
             Route("/workers", self.remove_worker, methods=["DELETE"]),
             Route("/router/index", self.index_dump, methods=["GET"]),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error,
-                                                        ClientDisconnect: _client_gone})
+                                                        ClientDisconnect: _client_gone,
+                                                        Exception: _internal_error})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
         from kvloop.router.pd_proxy import PDFlow  # it builds on this module
