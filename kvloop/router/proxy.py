@@ -556,6 +556,9 @@ async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | _Disco
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:   # this request itself is cancelled: so is its leg
+        task.cancel()
+        raise
     finally:
         watch.cancel()
     if task.done():
