@@ -109,8 +109,10 @@ def test_a_frozen_redis_stalls_no_request_and_is_named(redis, workers):
                 predicted, reported = _send(rt.url, p)
                 took.append(time.monotonic() - t0)
                 assert reported > 0
-            assert max(took) < 1.5 and sum(took) < 4.0, took
+            assert max(took) < 1.0 and sum(took) < 3.0, took
+            t0 = time.monotonic()
             health = httpx.get(rt.url + "/health", timeout=5)
+            assert time.monotonic() - t0 < 0.5   # the event loop never waits on Redis
             assert health.status_code == 200 and health.json()["status"] == "degraded"
             assert any("shared index" in r and DOWN in r for r in health.json()["reasons"])
             text = httpx.get(rt.url + "/metrics", timeout=5).text

@@ -86,6 +86,7 @@ class BlockIndex(Protocol):
     see; an index of one router clears."""
 
     config: IndexConfig
+    remote: bool   # its lookups do network I/O (a shared index): decide off the event loop
 
     def add_worker(self, name: str, capacity_blocks: int | None = None) -> None: ...
     def remove_worker(self, name: str) -> int: ...
@@ -125,6 +126,8 @@ class PrefixIndex:
 
     Every change of which workers hold a hash goes through `_set` (a worker now holds it) and
     `_unset` (no longer): the transitions a subclass mirrors elsewhere (RedisIndex)."""
+
+    remote = False
 
     def __init__(self, config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):

@@ -118,8 +118,9 @@ class PDFlow:
         tried: list[str] = []
         while True:
             try:
-                routed = self.router.route_pd(tokens, tried, body.get("cache_salt"),
-                                              expected_output(body), local_reason(body))
+                routed = await self.app.decide(self.router.route_pd, tokens, tried,
+                                               body.get("cache_salt"), expected_output(body),
+                                               local_reason(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             try:

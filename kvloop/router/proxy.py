@@ -41,9 +41,11 @@ Owner: `RouterApp` owns the HTTP client and the background poller (worker load f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -67,7 +69,7 @@ from kvloop.router.registry import (
     WorkerState,
     event_source,
 )
-from kvloop.router.router import NoWorkerError, Routed, Router
+from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, RouteRules
 from kvloop.server.guard import install
 from kvloop.server.openai import (
@@ -89,6 +91,7 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 T = TypeVar("T")
+D = TypeVar("D", Routed, PDRouted)
 
 
 def fleet_headers(cfg: RouterConfig) -> dict[str, str]:
@@ -134,6 +137,7 @@ class RouterApp:
         self.prompts = prompts or PromptTokenizer()
         self.describe_every = describe_every
         self.client: httpx.AsyncClient | None = None
+        self._decider: ThreadPoolExecutor | None = None
         self._poller: asyncio.Task[None] | None = None
         self._polls = 0
         self._poll_failures: dict[str, int] = {}
@@ -175,6 +179,8 @@ class RouterApp:
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             headers=self.worker_headers)
+        if self.router.index.remote:
+            self._decider = ThreadPoolExecutor(1, thread_name_prefix="kvloop-router-decide")
         for spec in self.initial_workers:
             await self.register(spec)
         self._poller = asyncio.create_task(self._poll_loop())
@@ -188,6 +194,8 @@ class RouterApp:
                 pass
         if self.client is not None:
             await self.client.aclose()
+        if self._decider is not None:
+            self._decider.shutdown(wait=False)
         self.router.shutdown()
 
     # --- workers --------------------------------------------------------------------------
@@ -334,9 +342,8 @@ class RouterApp:
         tried: list[str] = []
         while True:
             try:
-                routed = self.router.route(tokens, exclude=tried,
-                                           cache_salt=body.get("cache_salt"),
-                                           expected_output_tokens=expected_output(body))
+                routed = await self.decide(self.router.route, tokens, tried,
+                                           body.get("cache_salt"), expected_output(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
@@ -348,6 +355,25 @@ class RouterApp:
                 return upstream
             assert isinstance(upstream, httpx.Response)
             return await self.answer(request, upstream, routed, stream, strip_usage)
+
+    async def decide(self, route: Callable[..., D], *args: Any) -> D:
+        """`route(*args)`: on the event loop, or, with an index that does network I/O (Redis),
+        on the router's one decision thread, so decisions stay serial and a frozen Redis
+        stalls that thread, never the loop. A request cancelled meanwhile closes the tickets
+        its decision opens."""
+        if self._decider is None:
+            return route(*args)
+        loop = asyncio.get_running_loop()
+        decision = loop.run_in_executor(self._decider, functools.partial(route, *args))
+        try:
+            return await asyncio.shield(decision)
+        except asyncio.CancelledError:
+            decision.add_done_callback(self._abandon)
+            raise
+
+    def _abandon(self, decision: asyncio.Future[Any]) -> None:
+        if not decision.cancelled() and decision.exception() is None:
+            self.router.abandon(decision.result())
 
     async def open_upstream(self, routed: Routed, path: str, raw: bytes,
                             headers: dict[str, str]) -> httpx.Response | Response | _Retry:

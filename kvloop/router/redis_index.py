@@ -87,6 +87,8 @@ class RedisIndex(PrefixIndex):
     """A `PrefixIndex` whose block -> workers map lives in Redis; see the module docstring.
     Raises OSError when Redis cannot be reached at construction."""
 
+    remote = True
+
     def __init__(self, config: IndexConfig, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         import redis

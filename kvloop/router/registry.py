@@ -303,7 +303,11 @@ class WorkerState:
         return self.description is None or self.description.enable_prefix_caching
 
     def prefilling(self) -> list[Ticket]:
-        return [t for t in self.tickets.values() if t.first_token_at is None]
+        return [t for t in self.open_tickets() if t.first_token_at is None]
+
+    def open_tickets(self) -> list[Ticket]:
+        """Its tickets now (a copy: decisions may run on another thread than the closes)."""
+        return list(self.tickets.values())
 
 
 class Registry:

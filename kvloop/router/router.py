@@ -446,7 +446,7 @@ class Router:
 
     def _pd_worker(self, w: WorkerState, cached_blocks: int, req: RouteRequest) -> PDWorker:
         prefilling = w.prefilling()
-        decoding = tuple(t.prompt_tokens for t in w.tickets.values()
+        decoding = tuple(t.prompt_tokens for t in w.open_tickets()
                          if t.first_token_at is not None)
         external = max(0, w.load.running + w.load.waiting - w.in_flight())
         budget = (w.description.max_num_batched_tokens if w.description is not None
@@ -536,6 +536,14 @@ class Router:
         assert r.prefill is not None
         self.finish(r.prefill.ticket, None, "client_error")
         self.registry.drop_ticket(r.decode.ticket)
+
+    def abandon(self, r: Routed | PDRouted) -> None:
+        """A decision nobody will act on (its request was cancelled meanwhile): close every
+        ticket it opened."""
+        legs = [r] if isinstance(r, Routed) else [r.decode, r.prefill]
+        for leg in legs:
+            if leg is not None:
+                self.finish(leg.ticket, None, "disconnected")
 
     def prefill_abandoned(self, r: PDRouted) -> None:
         """The client left during the prefill leg: close both legs' tickets."""
