@@ -100,6 +100,25 @@ def test_a_worker_killed_before_its_headers_gives_json_502_and_releases_in_fligh
                             outcome="worker_error") == 1
 
 
+def test_clients_that_leave_release_in_flight_on_every_path(one_worker):
+    """Streamed (gone right after the headers) and not streamed (gone while the worker is
+    still computing): the worker's in-flight count returns to 0 each time."""
+    spec = one_worker.specs()[0]
+    body = {"prompt": [9] * 32, "max_tokens": 2000, "ignore_eos": True}
+    with RouterThread(_router(), [spec]) as rt:
+        w = rt.router.registry.get(spec.name)
+        with httpx.stream("POST", rt.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=30) as r:
+            assert r.status_code == 200
+        wait_until(lambda: w.in_flight() == 0, 5, "the stream's ticket to close")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(rt.url + "/v1/completions", json=body, timeout=0.5)
+        wait_until(lambda: w.in_flight() == 0, 5, "the request's ticket to close")
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric_value(text, "kvloop_router_requests_total", worker=spec.name,
+                            outcome="disconnected") == 2
+
+
 BAD_BODIES = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "abc"}, "body.max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream_options": "x"},

@@ -152,7 +152,8 @@ class PDFlow:
                 return got
             if got is not None:
                 decode_raw = json.dumps({**body, "kv_transfer_params": got}).encode()
-        upstream = await self.app.open_upstream(routed.decode, path, decode_raw, headers)
+        upstream = await self.app.open_upstream(request, routed.decode, path, decode_raw,
+                                                headers)
         if not isinstance(upstream, httpx.Response):
             return upstream
         return await self.app.answer(request, upstream, routed.decode, stream, strip_usage)

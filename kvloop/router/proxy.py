@@ -347,7 +347,7 @@ class RouterApp:
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
-            upstream = await self.open_upstream(routed, path, raw, headers)
+            upstream = await self.open_upstream(request, routed, path, raw, headers)
             if upstream is RETRY:
                 tried.append(name)
                 continue
@@ -375,18 +375,21 @@ class RouterApp:
         if not decision.cancelled() and decision.exception() is None:
             self.router.abandon(decision.result())
 
-    async def open_upstream(self, routed: Routed, path: str, raw: bytes,
+    async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
                             headers: dict[str, str]) -> httpx.Response | Response | _Retry:
-        """Send the request to the routed worker and wait for its headers. A worker that
-        refuses the connection is marked down (`RETRY`: nothing reached it); any other
-        failure before the headers closes the ticket and answers the documented JSON 502."""
+        """Send the request to the routed worker and wait for its headers (a client that
+        leaves meanwhile closes the connection: 499). A worker that refuses the connection is
+        marked down (`RETRY`: nothing reached it); any other failure before the headers
+        closes the ticket and answers the documented JSON 502."""
         assert self.client is not None
         w = routed.worker
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
                                         headers=headers)
         sent = False
         try:
-            upstream = await self.client.send(req, stream=True)
+            upstream = await unless_disconnected(request, self.client.send(req, stream=True))
+            if isinstance(upstream, _Disconnected):
+                return Response(status_code=499)
             sent = True
             return upstream
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
