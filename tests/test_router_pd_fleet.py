@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -34,6 +35,7 @@ from kvloop.router.pd import (
 )
 from kvloop.router.registry import WRONG_EVENT_SOURCE, WorkerSpec
 from kvloop.server.prometheus_text import metric_value
+from kvloop.trust import FleetSecret
 
 from .conftest import RouterThread, sdk, wait_until
 from .test_router_fleet import ADMIN, random_ids, router_config
@@ -267,13 +269,18 @@ def test_a_failed_prefill_leg_falls_back_to_decode_only_counted_and_visible(flee
     agg = Fleet(FleetConfig(1, "sim", ("both",), SIM_ARGS, start_timeout_s=120,
                             echo_output=False))
     agg.start()
-    inner = RouterThread(router_config(), agg.specs()).__enter__()
+    # the outer router's prefill legs carry kv_transfer_params: the inner router takes them
+    # from a router of its fleet only (one fleet secret)
+    secret = FleetSecret.generate()
+    inner = RouterThread(replace(router_config(), fleet_secret=secret),
+                         agg.specs()).__enter__()
     try:
         decode = [s for s in fleet.specs() if s.role == "decode"]
         p = WorkerSpec(inner.url, "prefill")
         body = {"prompt": [5] * 60, "max_tokens": 3, "ignore_eos": True}
         # a poller that does not look again: every request tries the prefill leg
-        with RouterThread(pd_router(ALWAYS, poll_interval_s=600), [p, *decode]) as rt:
+        with RouterThread(replace(pd_router(ALWAYS, poll_interval_s=600),
+                                  fleet_secret=secret), [p, *decode]) as rt:
             def fallbacks(reason: str) -> float:
                 return metric_value(metrics(rt.url), "kvloop_router_pd_fallbacks_total",
                                     worker=p.name, reason=reason)

@@ -113,6 +113,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                     metavar="BYTES_PER_S", help="KV transfer bandwidth the cost model assumes")
     pd.add_argument("--pd-kv-bytes-per-token", type=float, default=dp.kv_bytes_per_token,
                     help="K and V bytes per token until a prefill worker's answer says")
+    pd.add_argument("--prefill-timeout", type=float, default=dp.prefill_timeout_s,
+                    metavar="SECONDS", help="a prefill leg unanswered this long falls back to "
+                                            "decode-only; its prefill worker is left out for "
+                                            "one liveness window")
     i = p.add_argument_group("index")
     di = IndexConfig()
     i.add_argument("--index-max-blocks", type=int, default=di.max_blocks)
@@ -154,6 +158,10 @@ def _add_bus_args(p: argparse.ArgumentParser) -> None:
                    help="keep block -> workers in Redis (llm-d's layout), shared by router "
                         "replicas (default: in this process)")
     g.add_argument("--redis-password", default=None, help="Redis password (never logged)")
+    g.add_argument("--index-timeout", type=float, default=IndexConfig().read_timeout_s,
+                   metavar="SECONDS", help="a decision's read of the Redis index; on a "
+                                           "timeout or error the router decides from its own "
+                                           "view until Redis answers again")
 
 
 def bus_config(args: argparse.Namespace) -> BusConfig | None:
@@ -200,7 +208,7 @@ def router_config(args: argparse.Namespace,
         hash_spec=spec,
         index=IndexConfig(max_blocks=args.index_max_blocks,
                           provisional_ttl_s=args.provisional_ttl, url=args.index,
-                          password=args.redis_password),
+                          password=args.redis_password, read_timeout_s=args.index_timeout),
         cost=CostConfig(decode_token_cost=args.decode_token_cost,
                         marginal_work_weight=args.marginal_work_weight,
                         load_bound=args.load_bound,
@@ -217,7 +225,8 @@ def router_config(args: argparse.Namespace,
         http_limits=http_limits(args), bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
-                    kv_bytes_per_token=args.pd_kv_bytes_per_token),
+                    kv_bytes_per_token=args.pd_kv_bytes_per_token,
+                    prefill_timeout_s=args.prefill_timeout),
         fleet_secret=fleet_secret_from_args(args) or default_secret)
 
 

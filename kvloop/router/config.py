@@ -43,6 +43,7 @@ class IndexConfig:
     provisional_ttl_s: float = 2.0
     url: str | None = None            # redis://... : block -> workers shared in Redis
     password: str | None = None       # Redis password, unless the URL carries one
+    read_timeout_s: float = 0.25      # a decision's Redis read; then this router's own view
 
     def __post_init__(self) -> None:
         if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss",
@@ -59,6 +60,8 @@ class IndexConfig:
             raise ValueError(f"capacity_slack must be >= 1, got {self.capacity_slack}")
         if self.provisional_ttl_s < 0:
             raise ValueError("provisional_ttl_s must be >= 0")
+        if self.read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,8 @@ class PDConfig:
     tells) price the transfer of the blocks the decode worker lacks.
     `failures_to_skip`: consecutive failed prefill legs after which a prefill worker is left
     out of remote prefills (alarm `prefill_failing`) until the liveness window passes.
+    `prefill_timeout_s`: how long a prefill leg may go unanswered; then the request falls
+    back to decode-only and the prefill worker is left out at once (a frozen worker).
     """
 
     policy: str = DEFAULT_PD_POLICY
@@ -208,11 +213,13 @@ class PDConfig:
     transfer_bandwidth: float = DEFAULT_SIM_BANDWIDTH
     kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
     failures_to_skip: int = 3
+    prefill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in PD_POLICIES:
             raise ValueError(f"pd policy must be one of {PD_POLICIES}, got {self.policy!r}")
-        for name in ("speedup", "transfer_bandwidth", "kv_bytes_per_token"):
+        for name in ("speedup", "transfer_bandwidth", "kv_bytes_per_token",
+                     "prefill_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.failures_to_skip < 1:

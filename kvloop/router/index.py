@@ -86,6 +86,7 @@ class BlockIndex(Protocol):
     see; an index of one router clears."""
 
     config: IndexConfig
+    remote: bool   # its lookups do network I/O (a shared index): decide off the event loop
 
     def add_worker(self, name: str, capacity_blocks: int | None = None) -> None: ...
     def remove_worker(self, name: str) -> int: ...
@@ -106,6 +107,9 @@ class BlockIndex(Protocol):
     def worker_evictions(self, name: str) -> int: ...
     def hashes_of(self, name: str) -> set[int]: ...
     def check_invariants(self) -> None: ...
+    def alarms(self) -> list[str]: ...
+    def on_lost(self, resync: Callable[[], None]) -> None: ...
+    def close(self) -> None: ...
 
 
 def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
@@ -122,6 +126,8 @@ class PrefixIndex:
 
     Every change of which workers hold a hash goes through `_set` (a worker now holds it) and
     `_unset` (no longer): the transitions a subclass mirrors elsewhere (RedisIndex)."""
+
+    remote = False
 
     def __init__(self, config: IndexConfig | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -430,3 +436,15 @@ class PrefixIndex:
         flat = {h: m for s in self._shards for h, m in s.blocks.items()}
         assert flat == seen, "shard bitmasks disagree with per-worker entries"
         assert total == self._total, f"total {self._total} != entries {total}"
+
+    def alarms(self) -> list[str]:
+        """What is wrong with the index itself, for /health (an index in memory: nothing)."""
+        return []
+
+    def on_lost(self, resync: Callable[[], None]) -> None:
+        """`resync` is called (from another thread) when the index lost entries it cannot
+        restore by itself (a shared store that restarted): the router then asks every worker
+        for its blocks again. An index in memory loses nothing."""
+
+    def close(self) -> None:
+        """Stop what the index runs in the background (nothing here)."""

@@ -103,6 +103,9 @@ class _StateCollector(Collector):
                      [([], self.index.num_hashes())])
         yield _gauge("index_provisional", "Provisional (not yet confirmed) entries",
                      [([], self.index.num_provisional())])
+        yield _gauge("index_degraded", "1 while the index reports a problem (/health "
+                     "names it: a shared index unreachable, resyncing or empty)",
+                     [([], float(bool(self.index.alarms())))])
         workers = self.registry.all()
         yield from self._worker_gauges(workers)
         yield from self._event_counters(workers)

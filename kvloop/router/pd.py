@@ -53,7 +53,9 @@ LOADS = ("kv_consumer", "kv_both")       # connector roles that load them
 PREFILL_HTTP_ERROR = "prefill_http_error"        # P answered 5xx
 PREFILL_CONNECTION = "prefill_connection"        # P could not be reached or failed mid-answer
 NO_KV_TRANSFER_PARAMS = "no_kv_transfer_params"  # P answered 200 without usable params
-FALLBACK_REASONS = (PREFILL_HTTP_ERROR, PREFILL_CONNECTION, NO_KV_TRANSFER_PARAMS)
+PREFILL_TIMEOUT = "prefill_timeout"              # P did not answer within --prefill-timeout
+FALLBACK_REASONS = (PREFILL_HTTP_ERROR, PREFILL_CONNECTION, NO_KV_TRANSFER_PARAMS,
+                    PREFILL_TIMEOUT)
 
 
 @dataclass(frozen=True)

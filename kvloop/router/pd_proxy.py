@@ -12,9 +12,10 @@
 Both legs carry one `X-Request-Id` (the client's, else a new uuid4). A client that
 disconnects during the prefill leg closes P's connection (P aborts it) and D is never asked;
 during the decode leg it closes D's (D aborts, and tells P it is done with the blocks). A
-prefill leg that fails (5xx, no connection, or a 200 without usable `kv_transfer_params`)
-falls back to decode-only: D prefills the prompt itself; the fallback is counted
-(`kvloop_router_pd_fallbacks_total{worker,reason}`), logged and shown in /health. A 4xx from
+prefill leg that fails (5xx, no connection, no answer within --prefill-timeout, or a 200
+without usable `kv_transfer_params`) falls back to decode-only: D prefills the prompt
+itself; the fallback is counted (`kvloop_router_pd_fallbacks_total{worker,reason}`), logged
+and shown in /health; a timed-out P gets no prefill leg for one liveness window. A 4xx from
 P is the client's error: it goes back to the client as P sent it. A decode worker that refuses
 the connection is marked down and the request is routed again (nothing reached it; a prefill
 leg done for it is left to its lease).
@@ -24,16 +25,14 @@ Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP clie
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvloop.router.pd import (
     CLIENT_PARAMS,
@@ -43,15 +42,18 @@ from kvloop.router.pd import (
     PREFILL_HTTP_ERROR,
 )
 from kvloop.router.proxy import (
+    RETRY,
     RouterApp,
     _cached_tokens,
+    _Disconnected,
     _json_or_none,
     _response_headers,
+    _Retry,
     error_response,
+    expected_output,
+    unless_disconnected,
 )
 from kvloop.router.router import NoWorkerError, PDRouted
-
-T = TypeVar("T")
 
 # The prefill leg's kv_transfer_params (vLLM's proxy sends exactly these).
 PREFILL_PARAMS: dict[str, Any] = {
@@ -61,13 +63,6 @@ PREFILL_PARAMS: dict[str, Any] = {
 REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_ID = "x-request-id"
-
-
-class _Disconnected:
-    """The client went away while a leg ran."""
-
-
-DISCONNECTED = _Disconnected()
 
 
 def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
@@ -109,29 +104,6 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
     return params, ""
 
 
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | _Disconnected:
-    """Await `leg`; if the client disconnects first, cancel it (closing its connection)."""
-    task = asyncio.ensure_future(leg)
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return DISCONNECTED
-
-
 class PDFlow:
     """The P/D flow of one `RouterApp`."""
 
@@ -142,52 +114,49 @@ class PDFlow:
     async def send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
                    tokens: list[int], headers: dict[str, str], stream: bool,
                    strip_usage: bool) -> Response:
-        client = self.app.client
-        assert client is not None
         headers = {**headers, REQUEST_ID: headers.get(REQUEST_ID) or uuid.uuid4().hex}
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         tried: list[str] = []
         while True:
             try:
-                routed = self.router.route_pd(tokens, tried, body.get("cache_salt"),
-                                              int(max_tokens), local_reason(body))
+                routed = await self.app.decide(self.router.route_pd, tokens, tried,
+                                               body.get("cache_salt"), expected_output(body),
+                                               local_reason(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
-            decode_raw = raw
-            if routed.prefill is not None:
-                got = await unless_disconnected(request, self._prefill(path, body, headers,
-                                                                       routed))
-                if isinstance(got, _Disconnected):
-                    self.router.prefill_abandoned(routed)
-                    return Response(status_code=499)
-                if isinstance(got, Response):
-                    return got
-                if got is not None:
-                    decode_raw = json.dumps({**body, "kv_transfer_params": got}).encode()
-            d = routed.decode
-            req = client.build_request("POST", d.worker.spec.url + path, content=decode_raw,
-                                       headers=headers)
             try:
-                upstream = await client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                self.router.finish(d.ticket, None, "worker_error")
-                self.router.worker_down(d.worker.name, f"connection failed: {e!r}")
-                tried.append(d.worker.name)
+                answer = await self._legs(request, path, raw, body, headers, routed, stream,
+                                          strip_usage)
+            except BaseException:   # cancelled or a bug: no leg's ticket stays open
+                if routed.prefill is not None:
+                    self.router.finish(routed.prefill.ticket, None, "disconnected")
+                self.router.finish(routed.decode.ticket, None, "disconnected")
+                raise
+            if answer is RETRY:
+                tried.append(routed.decode.worker.name)
                 continue
-            return await self._answer(request, upstream, routed, stream, strip_usage)
+            assert isinstance(answer, Response)
+            return answer
 
-    async def _answer(self, request: Request, upstream: httpx.Response, routed: PDRouted,
-                      stream: bool, strip_usage: bool) -> Response:
-        """D's answer to the client: relayed as it streams, or read whole."""
-        d = routed.decode
-        if stream and upstream.status_code == 200:
-            return StreamingResponse(self.app._relay(upstream, d, strip_usage),
-                                     status_code=200, headers=_response_headers(upstream))
-        whole = await unless_disconnected(request, self.app._whole(upstream, d))
-        if isinstance(whole, _Disconnected):
-            self.router.finish(d.ticket, None, "disconnected")
-            return Response(status_code=499)
-        return whole
+    async def _legs(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
+                    headers: dict[str, str], routed: PDRouted, stream: bool,
+                    strip_usage: bool) -> Response | _Retry:
+        """The prefill leg (if remote), then the decode leg and D's answer to the client."""
+        decode_raw = raw
+        if routed.prefill is not None:
+            got = await unless_disconnected(request, self._prefill(path, body, headers,
+                                                                   routed))
+            if isinstance(got, _Disconnected):
+                self.router.prefill_abandoned(routed)
+                return Response(status_code=499)
+            if isinstance(got, Response):
+                return got
+            if got is not None:
+                decode_raw = json.dumps({**body, "kv_transfer_params": got}).encode()
+        upstream = await self.app.open_upstream(request, routed.decode, path, decode_raw,
+                                                headers)
+        if not isinstance(upstream, httpx.Response):
+            return upstream
+        return await self.app.answer(request, upstream, routed.decode, stream, strip_usage)
 
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
                        routed: PDRouted) -> dict[str, Any] | Response | None:
@@ -197,13 +166,22 @@ class PDFlow:
         assert client is not None and routed.prefill is not None
         p = routed.prefill.worker
         t0 = time.perf_counter()
+        cfg = self.router.config
+        timeout = httpx.Timeout(cfg.pd.prefill_timeout_s,
+                                connect=cfg.liveness.connect_timeout_s)
         try:
-            r = await client.post(p.spec.url + path, headers=headers,
+            r = await client.post(p.spec.url + path, headers=headers, timeout=timeout,
                                   content=json.dumps(prefill_body(body, path)).encode())
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            self.router.prefill_failed(routed, PREFILL_CONNECTION, repr(e))
+            self.router.worker_down(p.name, f"connection failed: {e!r}")
+            return None
+        except httpx.TimeoutException as e:   # a frozen or swamped prefill worker
+            self.router.prefill_timed_out(routed, f"no answer within --prefill-timeout "
+                                                  f"{cfg.pd.prefill_timeout_s:g}s ({e!r})")
+            return None
         except httpx.TransportError as e:
             self.router.prefill_failed(routed, PREFILL_CONNECTION, repr(e))
-            if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
-                self.router.worker_down(p.name, f"connection failed: {e!r}")
             return None
         finally:
             self.router.metrics.pd_prefill_seconds.observe(time.perf_counter() - t0)

@@ -21,14 +21,21 @@ router's key.
 With decode workers and no `both` worker up, requests take the P/D flow (`pd_proxy.py`):
 a prefill leg on a prefill worker when the cost model says it pays, then the decode leg.
 
+Before anything is routed, the body is read with the API server's schema (a malformed field
+type gets the worker's own 400) and a client's `kv_transfer_params` are refused (400: they
+are the router's to set, unless the caller presents the fleet token). With a fleet secret,
+every forwarded request carries the fleet token (`kvloop.trust.INTERNAL_TOKEN_HEADER`).
+
 Passthrough rules: the worker's status, content type and body reach the client untouched
 (errors included); SSE events are relayed as they arrive. To see
 `usage.prompt_tokens_details.cached_tokens` on a stream, the router asks for
 `stream_options.include_usage`, and strips that usage chunk again when the client did not
 ask for it. A client that disconnects closes the upstream connection, so the worker aborts
 the request. A worker that dies mid-stream ends the stream with an OpenAI-shaped error
-event naming the worker; a worker that refuses the connection is marked down and the
-request is routed again to another worker (nothing reached the first one).
+event naming the worker; one that fails before its headers answers a JSON 502; a worker
+that refuses the connection is marked down and the request is routed again to another worker
+(nothing reached the first one). Each request's ticket (its worker's in-flight count) is
+closed in a `finally` on every path.
 
 Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
 /metrics, worker identity from /kvloop/worker, liveness alarms).
@@ -37,11 +44,13 @@ Owner: `RouterApp` owns the HTTP client and the background poller (worker load f
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -54,6 +63,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
+from kvloop.router.config import RouterConfig
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
     LoadSnapshot,
@@ -62,11 +72,17 @@ from kvloop.router.registry import (
     WorkerState,
     event_source,
 )
-from kvloop.router.router import NoWorkerError, Routed, Router
+from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.server.guard import install
-from kvloop.server.openai import error_body, http_error_body
+from kvloop.server.openai import (
+    SamplingRequest,
+    error_body,
+    http_error_body,
+    validate_body,
+)
 from kvloop.server.prometheus_text import metric_value
+from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 
 log = logging.getLogger("kvloop.router")
 
@@ -78,6 +94,17 @@ _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 _ROUTER_KEYS = (Caller.API, Caller.ADMIN)
+T = TypeVar("T")
+D = TypeVar("D", Routed, PDRouted)
+
+
+def fleet_headers(cfg: RouterConfig) -> dict[str, str]:
+    """With a fleet secret, the fleet's internal-HTTP token, sent on every request forwarded
+    to a registered worker (workers accept `kv_transfer_params` only with it); never on a
+    probe, so a worker not yet verified never sees it."""
+    if cfg.fleet_secret is None:
+        return {}
+    return {INTERNAL_TOKEN_HEADER: cfg.fleet_secret.token(PURPOSE_INTERNAL_HTTP)}
 
 
 def error_response(message: str, code: int) -> JSONResponse:
@@ -89,6 +116,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return JSONResponse(http_error_body(exc.status_code, exc.detail),
                         status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug in the router still answers the documented JSON error (and is logged)."""
+    log.error("internal error serving %s %s", request.method, request.url.path,
+              exc_info=exc)
+    return error_response(f"router internal error: {type(exc).__name__}: {exc}", 500)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -107,6 +141,7 @@ class RouterApp:
         self.prompts = prompts or PromptTokenizer()
         self.describe_every = describe_every
         self.client: httpx.AsyncClient | None = None
+        self._decider: ThreadPoolExecutor | None = None
         self._poller: asyncio.Task[None] | None = None
         self._polls = 0
         self._poll_failures: dict[str, int] = {}
@@ -122,7 +157,8 @@ class RouterApp:
             Route("/workers", self.remove_worker, methods=["DELETE"]),
             Route("/router/index", self.index_dump, methods=["GET"]),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: _http_error,
-                                                        ClientDisconnect: _client_gone})
+                                                        ClientDisconnect: _client_gone,
+                                                        Exception: _internal_error})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
         from kvloop.router.pd_proxy import PDFlow  # it builds on this module
@@ -130,6 +166,7 @@ class RouterApp:
         self.pd = PDFlow(self)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
+        self.fleet_headers = fleet_headers(cfg)
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -146,6 +183,8 @@ class RouterApp:
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
             headers=self.worker_headers)
+        if self.router.index.remote:
+            self._decider = ThreadPoolExecutor(1, thread_name_prefix="kvloop-router-decide")
         for spec in self.initial_workers:
             await self.register(spec)
         self._poller = asyncio.create_task(self._poll_loop())
@@ -159,6 +198,8 @@ class RouterApp:
                 pass
         if self.client is not None:
             await self.client.aclose()
+        if self._decider is not None:
+            self._decider.shutdown(wait=False)
         self.router.shutdown()
 
     # --- workers --------------------------------------------------------------------------
@@ -264,30 +305,33 @@ class RouterApp:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            return error_response(f"invalid JSON body: {e}", 400)
+        read = read_body(raw, path, self._fleet_member(request))
+        if isinstance(read, Response):
+            return read
+        body, stream, strip_usage = read
         tokens = self.prompts.token_ids(path, body, self._fleet_model())
-        stream = bool(body.get("stream"))
-        strip_usage = False
-        if stream:
-            opts = body.get("stream_options") or {}
-            if not opts.get("include_usage"):
-                strip_usage = True
-                body = {**body, "stream_options": {**opts, "include_usage": True}}
-            raw = json.dumps(body).encode()
+        if stream and strip_usage:
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}),
+                                               "include_usage": True}}
+        raw = json.dumps(body).encode()
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         if self.router.config.auth.identify(headers.get("authorization")) in _ROUTER_KEYS:
             headers.pop("authorization")   # a key of the router's is no key for a worker
         headers.update(self.worker_headers)   # the router's key to the worker, if it has one
+        headers.update(self.fleet_headers)
         headers["accept-encoding"] = "identity"
         if self.router.pd_mode():
             return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
                                       strip_usage)
-        return await self._send(path, raw, body, tokens or [], headers, stream, strip_usage)
+        return await self._send(request, path, raw, body, tokens or [], headers, stream,
+                                strip_usage)
+
+    def _fleet_member(self, request: Request) -> bool:
+        """Does the caller present this fleet's internal-HTTP token (another router of the
+        fleet, in front of this one)?"""
+        secret = self.router.config.fleet_secret
+        return secret is not None and secret.check_token(
+            PURPOSE_INTERNAL_HTTP, request.headers.get(INTERNAL_TOKEN_HEADER))
 
     def _fleet_model(self) -> str | None:
         """The model whose tokenizer the workers use (its path when they report one)."""
@@ -297,32 +341,96 @@ class RouterApp:
                 return d.model_path or d.model
         return None
 
-    async def _send(self, path: str, raw: bytes, body: dict[str, Any], tokens: list[int],
-                    headers: dict[str, str], stream: bool, strip_usage: bool) -> Response:
+    async def _send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
+                    tokens: list[int], headers: dict[str, str], stream: bool,
+                    strip_usage: bool) -> Response:
         assert self.client is not None
         tried: list[str] = []
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         while True:
             try:
-                routed = self.router.route(tokens, exclude=tried,
-                                           cache_salt=body.get("cache_salt"),
-                                           expected_output_tokens=int(max_tokens))
+                routed = await self.decide(self.router.route, tokens, tried,
+                                           body.get("cache_salt"), expected_output(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
-            req = self.client.build_request("POST", routed.worker.spec.url + path,
-                                            content=raw, headers=headers)
-            try:
-                upstream = await self.client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                self.router.finish(routed.ticket, None, "worker_error")
-                self.router.worker_down(routed.worker.name, f"connection failed: {e!r}")
-                tried.append(routed.worker.name)
+            name = routed.worker.name
+            upstream = await self.open_upstream(request, routed, path, raw, headers)
+            if upstream is RETRY:
+                tried.append(name)
                 continue
-            break
+            if isinstance(upstream, Response):
+                return upstream
+            assert isinstance(upstream, httpx.Response)
+            return await self.answer(request, upstream, routed, stream, strip_usage)
+
+    async def decide(self, route: Callable[..., D], *args: Any) -> D:
+        """`route(*args)`: on the event loop, or, with an index that does network I/O (Redis),
+        on the router's one decision thread, so decisions stay serial and a frozen Redis
+        stalls that thread, never the loop. A request cancelled meanwhile closes the tickets
+        its decision opens."""
+        if self._decider is None:
+            return route(*args)
+        loop = asyncio.get_running_loop()
+        decision = loop.run_in_executor(self._decider, functools.partial(route, *args))
+        try:
+            return await asyncio.shield(decision)
+        except asyncio.CancelledError:
+            decision.add_done_callback(self._abandon)
+            raise
+
+    def _abandon(self, decision: asyncio.Future[Any]) -> None:
+        if not decision.cancelled() and decision.exception() is None:
+            self.router.abandon(decision.result())
+
+    async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
+                            headers: dict[str, str]) -> httpx.Response | Response | _Retry:
+        """Send the request to the routed worker and wait for its headers (a client that
+        leaves meanwhile closes the connection: 499). A worker that refuses the connection is
+        marked down (`RETRY`: nothing reached it); any other failure before the headers
+        closes the ticket and answers the documented JSON 502."""
+        assert self.client is not None
+        w = routed.worker
+        req = self.client.build_request("POST", w.spec.url + path, content=raw,
+                                        headers=headers)
+        sent = False
+        try:
+            upstream = await unless_disconnected(request, self.client.send(req, stream=True))
+            if isinstance(upstream, _Disconnected):
+                return Response(status_code=499)
+            sent = True
+            return upstream
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            self.router.finish(routed.ticket, None, "worker_error")
+            self.router.worker_down(w.name, f"connection failed: {e!r}")
+            return RETRY
+        except httpx.TransportError as e:
+            self.router.finish(routed.ticket, None, "worker_error")
+            if not isinstance(e, httpx.TimeoutException):   # slow is not dead
+                self.router.worker_down(w.name, f"failed before answering: {e!r}")
+            return error_response(f"worker {w.name} failed before answering: {e!r}", 502)
+        finally:   # cancelled (the client left) or a bug: the ticket never stays open
+            if not sent:
+                self.router.finish(routed.ticket, None, "disconnected")
+
+    async def answer(self, request: Request, upstream: httpx.Response, routed: Routed,
+                     stream: bool, strip_usage: bool) -> Response:
+        """The worker's answer to the client: relayed as it streams, or read whole (a client
+        that leaves meanwhile closes the upstream connection). The ticket is closed on every
+        path (`_RelayResponse` closes it even when the stream never starts)."""
         if stream and upstream.status_code == 200:
-            return StreamingResponse(self._relay(upstream, routed, strip_usage),
-                                     status_code=200, headers=_response_headers(upstream))
-        return await self._whole(upstream, routed)
+            return _RelayResponse(self._relay(upstream, routed, strip_usage),
+                                  on_close=lambda: self._close(upstream, routed),
+                                  status_code=200, headers=_response_headers(upstream))
+        try:
+            whole = await unless_disconnected(request, self._whole(upstream, routed))
+        finally:
+            await self._close(upstream, routed)
+        return whole if isinstance(whole, Response) else Response(status_code=499)
+
+    async def _close(self, upstream: httpx.Response, routed: Routed) -> None:
+        """Close the upstream connection and the ticket, if still open (idempotent)."""
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        self.router.finish(routed.ticket, None, "disconnected")
 
     async def _whole(self, upstream: httpx.Response, routed: Routed) -> Response:
         """A non-streamed answer (or an error status): read it, account, pass it on."""
@@ -331,10 +439,12 @@ class RouterApp:
             content = await upstream.aread()
         except httpx.TransportError as e:
             self.router.finish(routed.ticket, None, "worker_error")
-            self.router.worker_down(name, f"failed mid-request: {e!r}")
+            if not isinstance(e, httpx.TimeoutException):
+                self.router.worker_down(name, f"failed mid-request: {e!r}")
             return error_response(f"worker {name} failed while serving the request: {e!r}", 502)
         finally:
-            await upstream.aclose()
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
         cached = None
         outcome = "ok" if upstream.status_code < 400 else (
             "client_error" if upstream.status_code < 500 else "worker_error")
@@ -461,6 +571,99 @@ class RouterApp:
         idx = self.router.index
         return JSONResponse({"num_blocks": idx.num_blocks(),
                              "workers": {n: sorted(idx.hashes_of(n)) for n in idx.workers()}})
+
+
+class _Disconnected:
+    """The client went away while a leg ran."""
+
+
+DISCONNECTED = _Disconnected()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | _Disconnected:
+    """Await `leg`; if the client disconnects first, cancel it (closing its connection)."""
+    task = asyncio.ensure_future(leg)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:   # this request itself is cancelled: so is its leg
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return DISCONNECTED
+
+
+class _Retry:
+    """`open_upstream`'s answer when the worker refused the connection: route again."""
+
+
+RETRY = _Retry()
+
+
+class _RelayResponse(StreamingResponse):
+    """A relayed stream whose `on_close` runs however the response ends, even when the
+    client leaves before the first chunk (an async generator that never started runs no
+    `finally`)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]],
+                 status_code: int, headers: dict[str, str]):
+        super().__init__(content, status_code=status_code, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
+
+
+def expected_output(body: dict[str, Any]) -> int:
+    """Output tokens the request asks for (a validated body's max_tokens; 16 by default)."""
+    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+    return int(value)
+
+
+def read_body(raw: bytes, path: str, fleet_member: bool = False
+              ) -> tuple[dict[str, Any], bool, bool] | Response:
+    """The client's body as the worker will read it, with whether it streams and whether the
+    usage chunk the router asks for must be stripped again; or the 400 a worker would answer
+    (the API server's own schema, `kvloop.server.openai`). `kv_transfer_params` are the
+    router's to set: a client's are refused, unless the caller is a `fleet_member` (it
+    presented the fleet's token: a router in front of this one)."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return error_response(f"invalid JSON body: {e}", 400)
+    checked = validate_body(path, body)
+    if not isinstance(checked, SamplingRequest):
+        return JSONResponse(checked, status_code=400)
+    if checked.kv_transfer_params is not None and not fleet_member:
+        return JSONResponse(error_body(
+            "kv_transfer_params are set by the router (prefill/decode disaggregation), "
+            "never by a client", 400, "kv_transfer_params"), status_code=400)
+    assert isinstance(body, dict)
+    read = checked.model_dump(include=_READ_FIELDS, exclude_unset=True)
+    body = {**body, **read}   # the fields the router reads, as the worker reads them
+    opts = checked.stream_options
+    stream = bool(checked.stream)
+    return body, stream, stream and not (opts is not None and opts.include_usage)
+
+
+_READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",
+                "max_completion_tokens", "cache_salt"}
 
 
 class _SseRelay:

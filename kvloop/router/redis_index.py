@@ -25,8 +25,17 @@ only the local view: Redis keeps what the others see, so a replica that restarts
 the shared view at once. `clear_worker` (the worker's cache is gone) clears it in Redis too. A
 `BlockRemoved` of a block this replica never saw stored still removes it from Redis.
 
-A Redis error never fails a decision: `match` falls back to the local view, writes are
-dropped (counted in `errors`, logged once a minute).
+A Redis error never fails a decision, and a frozen Redis never stalls one for long: a
+decision reads with a short timeout (`IndexConfig.read_timeout_s`); after a failure the
+index is marked down and decisions use the local view, writes are dropped (counted in
+`errors`, logged once a minute), until the watcher thread (one `PING` every
+`WATCH_INTERVAL_S`) sees Redis answer again. Redis then no longer holds what the workers
+told this replica, so the index asks the router to resync (`on_lost`: every worker's
+subscription restarts, its entries are cleared in Redis and re-stored from its snapshot).
+The same happens when Redis lost its data without the watcher noticing an outage (a restart
+between two pings, a flush): the marker key `kvloop:index:epoch` is gone or changed, or
+Redis holds none of a worker's blocks while this replica's view holds some. `alarms()`
+names each state for /health (down, resynced, empty).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -48,6 +58,10 @@ log = logging.getLogger("kvloop.router")
 DEVICE_TIER = "gpu"
 POD_SET_PREFIX = "kvloop:pod:"
 ENGINE_PREFIX = "engine:"
+EPOCH_KEY = "kvloop:index:epoch"   # set once per Redis dataset: gone or changed = data lost
+WATCH_INTERVAL_S = 0.5             # the watcher's PING period
+RESYNC_NOTICE_S = 10.0             # /health names a resync this long
+WRITE_TIMEOUT_S = 2.0              # writes, off the event loop (feed and watcher threads)
 _UNSET = """
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[2])
@@ -73,6 +87,8 @@ class RedisIndex(PrefixIndex):
     """A `PrefixIndex` whose block -> workers map lives in Redis; see the module docstring.
     Raises OSError when Redis cannot be reached at construction."""
 
+    remote = True
+
     def __init__(self, config: IndexConfig, clock: Callable[[], float] = time.monotonic):
         super().__init__(config, clock)
         import redis
@@ -80,17 +96,33 @@ class RedisIndex(PrefixIndex):
         assert config.url is not None
         self.url = redact_url(config.url)
         self._redis_errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
-        self.client = redis.Redis.from_url(redis_url(config.url), password=config.password,
-                                           socket_timeout=2.0, socket_connect_timeout=2.0)
+        url = redis_url(config.url)
+        self.client = redis.Redis.from_url(url, password=config.password,
+                                           socket_timeout=WRITE_TIMEOUT_S,
+                                           socket_connect_timeout=WRITE_TIMEOUT_S)
+        self.reader = redis.Redis.from_url(url, password=config.password,
+                                           socket_timeout=config.read_timeout_s,
+                                           socket_connect_timeout=config.read_timeout_s)
         try:
             self.client.ping()
+            self._epoch = self._dataset_epoch()
         except self._redis_errors as e:
             raise OSError(f"cannot reach the shared index {self.url}: {e}") from e
         self._unset_script = self.client.register_script(_UNSET)
         self._local = threading.local()
         self._fields: dict[bytes, str] = {}
         self.errors = 0
+        self.resyncs = 0
         self._last_error_log = float("-inf")
+        self._down: str | None = None          # why Redis is not used now (None: it is)
+        self._down_since = 0.0
+        self._last_resync: tuple[float, str] | None = None
+        self._resync: Callable[[], None] | None = None
+        self._empty_seen: set[str] = set()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         name="kvloop-router-redis-watch")
+        self._watcher.start()
 
     # --- mirroring the holder changes -----------------------------------------------------
     def _ops(self) -> list[tuple[bool, str, int]]:
@@ -134,10 +166,15 @@ class RedisIndex(PrefixIndex):
         self._run(pipe)
 
     def _run(self, pipe: Any) -> list[Any] | None:
+        """Execute `pipe`; None when Redis is down or fails (then it is marked down)."""
+        if self._down is not None:
+            self.errors += 1
+            return None
         try:
             return pipe.execute()   # type: ignore[no-any-return]
         except self._redis_errors as e:
             self._note_error(e)
+            self._mark_down(f"{type(e).__name__}: {e}")
             return None
 
     def _note_error(self, e: Exception) -> None:
@@ -147,6 +184,88 @@ class RedisIndex(PrefixIndex):
             self._last_error_log = now
             log.warning("shared index %s: %s (%d errors so far; deciding from this "
                         "router's own view meanwhile)", self.url, e, self.errors)
+
+    # --- health: the watcher thread -----------------------------------------------------
+    def on_lost(self, resync: Callable[[], None]) -> None:
+        self._resync = resync
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=5)
+
+    def alarms(self) -> list[str]:
+        """Why decisions do not (fully) come from Redis now, for /health."""
+        now = time.monotonic()
+        out = []
+        if self._down is not None:
+            out.append(f"shared index {self.url}: unreachable for {now - self._down_since:.1f}s"
+                       f" ({self._down}); decisions use this router's own view, writes are "
+                       "dropped, and every worker is re-read once it answers")
+        if self._last_resync is not None and now - self._last_resync[0] < RESYNC_NOTICE_S:
+            at, why = self._last_resync
+            out.append(f"shared index {self.url}: {why}; resynced from the workers "
+                       f"{now - at:.1f}s ago")
+        return out
+
+    def _mark_down(self, why: str) -> None:
+        if self._down is None:
+            self._down_since = time.monotonic()
+            log.warning("shared index %s is down (%s): deciding from this router's own "
+                        "view until it answers", self.url, why)
+        self._down = why
+
+    def _dataset_epoch(self) -> object:
+        """The marker of Redis's current dataset (set here if it has none)."""
+        self.client.set(EPOCH_KEY, uuid.uuid4().hex, nx=True)
+        return self.client.get(EPOCH_KEY)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            try:
+                self._check()
+            except Exception:  # the watcher must outlive any single failure
+                log.exception("shared index %s: the watcher failed once", self.url)
+
+    def _check(self) -> None:
+        """One look at Redis: up or down, its data lost or not (then resync)."""
+        try:
+            self.reader.ping()
+            epoch = self._dataset_epoch()
+            empty = self._emptied_workers()
+        except self._redis_errors as e:
+            self._mark_down(f"{type(e).__name__}: {e}")
+            return
+        lost = None
+        if self._down is not None:
+            lost = f"it was unreachable for {time.monotonic() - self._down_since:.1f}s"
+        elif epoch != self._epoch:
+            lost = "it lost its data (restarted or flushed)"
+        elif empty:
+            lost = (f"it holds none of the blocks this router's view has for "
+                    f"{', '.join(empty)}")
+        self._epoch = epoch
+        if lost is None:
+            return
+        log.warning("shared index %s: %s; resyncing from the workers", self.url, lost)
+        self._last_resync = (time.monotonic(), lost)
+        self._down = None
+        self.resyncs += 1
+        if self._resync is not None:
+            self._resync()
+
+    def _emptied_workers(self) -> list[str]:
+        """Workers of which this replica holds blocks while Redis holds none, at this look and
+        the one before (Redis lost them)."""
+        names = [n for n in list(self._workers) if self.worker_blocks(n) > 0]
+        if not names:
+            return []
+        pipe = self.reader.pipeline(transaction=False)
+        for n in names:
+            pipe.scard(POD_SET_PREFIX + n)
+        counts = pipe.execute()
+        empty = {n for n, c in zip(names, counts, strict=True) if not c}
+        twice, self._empty_seen = empty & self._empty_seen, empty   # not a write in flight
+        return sorted(twice)
 
     # --- writes ---------------------------------------------------------------------------
     def store(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
@@ -177,10 +296,13 @@ class RedisIndex(PrefixIndex):
         """`name`'s cache is gone: forget it here and remove it from Redis."""
         dropped = self.forget_worker(name)
         pods = POD_SET_PREFIX + name
+        if self._down is not None:   # the resync after the outage clears it
+            return dropped
         try:
             members = self.client.smembers(pods)
         except self._redis_errors as e:
             self._note_error(e)
+            self._mark_down(f"{type(e).__name__}: {e}")
             return dropped
         pipe = self.client.pipeline(transaction=False)
         field = pod_entry(name)
@@ -200,7 +322,7 @@ class RedisIndex(PrefixIndex):
         if not hashes:
             return {}
         candidates = set(self._workers if workers is None else workers)
-        pipe = self.client.pipeline(transaction=False)
+        pipe = self.reader.pipeline(transaction=False)
         for h in hashes:
             pipe.hkeys(str(h))
         holders = self._run(pipe)

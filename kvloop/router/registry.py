@@ -190,6 +190,7 @@ class Ticket:
     sent_at: float
     first_token_at: float | None = None
     verify: bool = True   # False: the worker's reported hit is not its own (a pulled prompt)
+    closed: bool = False  # closed or dropped: it counts no longer (closing twice is a no-op)
 
 
 class Verifier:
@@ -303,7 +304,11 @@ class WorkerState:
         return self.description is None or self.description.enable_prefix_caching
 
     def prefilling(self) -> list[Ticket]:
-        return [t for t in self.tickets.values() if t.first_token_at is None]
+        return [t for t in self.open_tickets() if t.first_token_at is None]
+
+    def open_tickets(self) -> list[Ticket]:
+        """Its tickets now (a copy: decisions may run on another thread than the closes)."""
+        return list(self.tickets.values())
 
 
 class Registry:
@@ -428,20 +433,26 @@ class Registry:
     def drop_ticket(self, t: Ticket) -> None:
         """A leg that was never sent: forget its ticket without counting it."""
         with self._lock:
+            t.closed = True
             w = self._workers.get(t.worker)
             if w is not None:
                 w.tickets.pop(t.request_id, None)
 
-    def close_ticket(self, t: Ticket, ok: bool) -> None:
+    def close_ticket(self, t: Ticket, ok: bool) -> bool:
+        """Close `t` (its worker's in-flight count drops); False if it was closed already."""
         with self._lock:
+            if t.closed:
+                return False
+            t.closed = True
             w = self._workers.get(t.worker)
             if w is None:
-                return
+                return True
             w.tickets.pop(t.request_id, None)
             if ok:
                 w.served += 1
             else:
                 w.failed += 1
+            return True
 
     # --- alarms ---------------------------------------------------------------------------
     def raise_alarm(self, name: str, kind: str, detail: str) -> Alarm | None:
@@ -570,6 +581,14 @@ class Registry:
         w = self._workers.get(name)
         if w is not None:
             w.kv_bytes_per_token = value
+
+    def prefill_frozen(self, name: str) -> None:
+        """A prefill leg on `name` timed out: its failure streak reaches the limit at once,
+        so it is left out of remote prefills for one window (`prefill_failing`)."""
+        w = self._workers.get(name)
+        if w is not None:
+            w.prefill_failures = max(w.prefill_failures, self.pd_failures_to_skip)
+            w.last_prefill_failure = self._clock()
 
     def prefill_leg_done(self, name: str, ok: bool) -> None:
         """A prefill leg on `name` ended: a success ends its failure streak."""

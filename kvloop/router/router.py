@@ -40,6 +40,7 @@ from kvloop.router.pd import (
     DECODE_CANNOT_LOAD,
     HOLDS,
     LOADS,
+    PREFILL_TIMEOUT,
     PDDecision,
     PDWorker,
     TransferModel,
@@ -151,6 +152,7 @@ class Router:
         self._lock = threading.RLock()
         self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
         self.details: dict[str, Callable[[], dict[str, Any]]] = {}   # more of /health
+        self.index.on_lost(self.resync_index)
 
     @staticmethod
     def _make_hasher(spec: HashSpec | None) -> BlockHasher | None:
@@ -445,7 +447,7 @@ class Router:
 
     def _pd_worker(self, w: WorkerState, cached_blocks: int, req: RouteRequest) -> PDWorker:
         prefilling = w.prefilling()
-        decoding = tuple(t.prompt_tokens for t in w.tickets.values()
+        decoding = tuple(t.prompt_tokens for t in w.open_tickets()
                          if t.first_token_at is not None)
         external = max(0, w.load.running + w.load.waiting - w.in_flight())
         budget = (w.description.max_num_batched_tokens if w.description is not None
@@ -518,12 +520,31 @@ class Router:
         log.warning("prefill worker %s: %s (%s); request served decode-only by %s", name,
                     reason, detail, r.decode.worker.name)
 
+    def prefill_timed_out(self, r: PDRouted, detail: str) -> None:
+        """The prefill leg went unanswered for --prefill-timeout: a fallback (as
+        `prefill_failed`), and its prefill worker gets no prefill leg for one window from
+        now (`prefill_failing`, raised at once: new requests must not wait on it too)."""
+        assert r.prefill is not None
+        name = r.prefill.worker.name
+        self.prefill_failed(r, PREFILL_TIMEOUT, detail)
+        self.registry.prefill_frozen(name)
+        self._raise(name, PREFILL_FAILING, f"a prefill leg timed out ({detail}); requests "
+                    f"are served decode-only without it for {self.config.liveness.window_s:g}s")
+
     def prefill_refused(self, r: PDRouted) -> None:
         """P answered 4xx: the request itself is bad; its answer goes to the client, and the
         decode leg is never sent."""
         assert r.prefill is not None
         self.finish(r.prefill.ticket, None, "client_error")
         self.registry.drop_ticket(r.decode.ticket)
+
+    def abandon(self, r: Routed | PDRouted) -> None:
+        """A decision nobody will act on (its request was cancelled meanwhile): close every
+        ticket it opened."""
+        legs = [r] if isinstance(r, Routed) else [r.decode, r.prefill]
+        for leg in legs:
+            if leg is not None:
+                self.finish(leg.ticket, None, "disconnected")
 
     def prefill_abandoned(self, r: PDRouted) -> None:
         """The client left during the prefill leg: close both legs' tickets."""
@@ -564,8 +585,10 @@ class Router:
 
     def finish(self, ticket: Ticket, cached_tokens: int | None, outcome: str = "ok") -> None:
         """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected);
-        with a reported hit, verify the prediction."""
-        self.registry.close_ticket(ticket, outcome == "ok")
+        with a reported hit, verify the prediction. Closing a closed ticket does nothing, so
+        every path of a request may close it in its `finally`."""
+        if not self.registry.close_ticket(ticket, outcome == "ok"):
+            return
         self.metrics.requests.labels(ticket.worker, outcome).inc()
         if cached_tokens is None or not ticket.verify:
             return   # a pulled prompt's hit is its prefill worker's, counted on that leg
@@ -584,10 +607,13 @@ class Router:
         fallback = self._recent_fallback()
         if fallback is not None:
             reasons.append(fallback)
+        reasons += self.index.alarms()
         usable = [w for w in workers if w.up]
         status = "ok" if not reasons else "degraded"
         if not usable:
             status = "unavailable"
+            if not reasons:   # never unavailable without saying why
+                reasons.append(self._no_worker_message())
         body = {"status": status, "reasons": reasons,
                 "workers": {w.name: self.describe_worker(w) for w in workers}}
         if any(w.role != "both" for w in workers):
@@ -645,10 +671,22 @@ class Router:
                    "kv_bytes_per_token": w.kv_bytes_per_token},
         }
 
+    def resync_index(self) -> None:
+        """The index lost what the workers told it (a shared Redis that restarted or missed
+        writes): every live worker's subscription starts again, and its snapshot or replay
+        re-stores its blocks (what Redis still holds of it is cleared first: it may be
+        stale)."""
+        with self._lock:
+            workers = [w for w in self.registry.all() if w.up and w.name in self._feeds]
+            for w in workers:
+                self._restart_feed(w, w.spec, w.description, cache_gone=True)
+        log.warning("index resync: %d workers asked for their blocks again", len(workers))
+
     def shutdown(self) -> None:
         with self._lock:
             for name in list(self._subs):
                 self._stop_feed(name, wait=True)
+        self.index.close()
 
 
 def _stop_quietly(name: str, sub: Subscription) -> None:

@@ -59,6 +59,7 @@ from kvloop.server.openai import (
     VersionResponse,
     error_body,
     http_error_body,
+    validation_error_body,
 )
 from kvloop.server.prompts import PromptError, encode, render_chat
 from kvloop.server.serving import (
@@ -78,23 +79,8 @@ KVEventSources = dict[str, KVEventsInfo | None]   # GET /kv_event_sources: engin
 # bodies encoded by msgspec: their schema is msgspec's (`msgspec.json.schema_components`)
 WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources)
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
-              "function-before", "list[int]", "list[str]", "list[list[int]]"}
-
-
-def _clean_loc(loc: tuple[Any, ...]) -> str:
-    """Dotted location of a validation error, without pydantic's union-member tags."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
-    return ".".join(parts)
-
-
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
-    errors = list(exc.errors())
-    lines = [f"  {_clean_loc(tuple(e.get('loc', ())))}: {e.get('msg', '')}" for e in errors[:10]]
-    noun = "error" if len(errors) == 1 else "errors"
-    message = f"{len(errors)} validation {noun}:\n" + "\n".join(lines)
-    param = _clean_loc(tuple(errors[0].get("loc", ()))) if errors else None
-    return JSONResponse(error_body(message, 400, param), status_code=400)
+    return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
 
 
 def _allowed_methods(request: Request) -> str:

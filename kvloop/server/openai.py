@@ -15,6 +15,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, NotRequired
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only on 3.12+
 
@@ -519,3 +520,40 @@ def http_error_body(status_code: int, detail: object) -> ErrorResponse:
     """The error object of an HTTP-level failure (unknown path, wrong method, a body that is
     not UTF-8)."""
     return error_body(str(detail), status_code)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
+              "function-before", "list[int]", "list[str]", "list[list[int]]"}
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> str:
+    """Dotted location of a validation error, without pydantic's union-member tags."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    return ".".join(parts)
+
+
+def validation_error_body(errors: list[Any]) -> ErrorResponse:
+    """The 400 body of a request that fails its schema (pydantic's `errors()`, locations
+    starting with `body`), as the API server answers it."""
+    lines = [f"  {_clean_loc(tuple(e.get('loc', ())))}: {e.get('msg', '')}" for e in errors[:10]]
+    noun = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {noun}:\n" + "\n".join(lines)
+    param = _clean_loc(tuple(errors[0].get("loc", ()))) if errors else None
+    return error_body(message, 400, param)
+
+
+def request_schema(path: str) -> type[SamplingRequest]:
+    """The request model of an OpenAI route: chat completions, else completions."""
+    return ChatCompletionRequest if path.endswith("/chat/completions") else CompletionRequest
+
+
+def validate_body(path: str, body: Any) -> SamplingRequest | ErrorResponse:
+    """`body` (parsed JSON) read with the schema of `path`, or the 400 body the API server
+    answers it with (the same model, the same message: FastAPI validates with
+    `from_attributes`, which changes pydantic's wording of some errors)."""
+    try:
+        return request_schema(path).model_validate(body, from_attributes=True)
+    except pydantic.ValidationError as e:
+        return validation_error_body([{**err, "loc": ("body", *err.get("loc", ()))}
+                                      for err in e.errors()])
+
