@@ -310,7 +310,9 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
 _HEALTH: dict[str, Any] = {
     "response_class": Response, "response_model": None,
     "responses": {200: {"description": "The engine is alive (empty body)."},
-                  503: {"description": "The engine died (empty body)."}}}
+                  503: {"description": "The engine died, or the server is stopping (empty "
+                                       "body); or an internal thread died (a JSON body, "
+                                       "`{\"status\": \"unhealthy\", \"reasons\": [...]}`)."}}}
 
 
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -318,6 +320,9 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health() -> Response:
         if ctx.client.dead or ctx.client.shutting_down:   # dead, draining or stopping
             return Response(status_code=503)
+        if ctx.client.faults:        # alive, but a thread it needs died (the KV transfer's)
+            return JSONResponse({"status": "unhealthy", "reasons": ctx.client.faults},
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/ping", **_HEALTH)
