@@ -16,12 +16,14 @@ from kvloop.events.nats_subscriber import NatsEventPlane
 from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WRONG_SUBJECT
 from kvloop.server.launcher import ServeProcess
+from kvloop.trust import FleetSecret, secret_env
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view, url_of
 from .conftest import RouterThread, sdk, serving, wait_until
 
 pytestmark = pytest.mark.processes
 
+WORKER_ENV = secret_env(FleetSecret.generate())   # a KV connector needs the fleet secret
 ROLES = {"both": "backend", "prefill": "prefill", "decode": "decode"}
 
 
@@ -49,7 +51,7 @@ def workers(nats, tmp_path_factory):
 
     with ExitStack() as stack:
         procs = {role: stack.enter_context(serving(tmp_path_factory, f"w-{role}",
-                                                   worker_args(nats, role)))
+                                                   worker_args(nats, role), env=WORKER_ENV))
                  for role in ROLES}
         yield procs
     for p in procs.values():
@@ -183,7 +185,7 @@ def test_the_switch_to_disaggregated_raises_wrong_subject_within_the_window(nats
             rt.router.check_liveness()
             assert not w.alarms
         with ServeProcess(worker_args(nats, "decode", *args, namespace="switch"),
-                          tmp_path / "dis.log"
+                          tmp_path / "dis.log", WORKER_ENV
                           ).start(timeout_s=60):
             wait_until(lambda: any(x.up and x.role == "decode" for x in reg.all()), 20,
                        "the worker back as decode")

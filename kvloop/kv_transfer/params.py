@@ -79,7 +79,7 @@ def bounds_refusal(params: dict[str, Any], num_prompt_tokens: int,
     else None. Only fields present are checked; a missing one is `parse_remote_prefill`'s."""
     ids = params.get("remote_block_ids")
     theirs = params.get("block_size")       # P's blocks may be smaller (a mismatch, later)
-    if _is_int(theirs) and 0 < theirs < block_size:
+    if isinstance(theirs, int) and not isinstance(theirs, bool) and 0 < theirs < block_size:
         block_size = theirs
     if isinstance(ids, list):
         cap = max_prompt_blocks(num_prompt_tokens, block_size)
