@@ -18,9 +18,11 @@ Trust and bounds (docs/security.md): every DEALER is a CURVE client with the fle
 open, least recently used first out (an idle one if any; a busy one's loads fail
 "unreachable"), and a P that fails to answer is dropped and its socket closed; each frame's
 checksum is checked before a block is written (a mismatch fails the load: its blocks are
-never cached); for shared memory D names the file (`shm.new_name`), opens only that name and
-unlinks it when the load ends, whatever P answered. If the thread dies, `fault` says why and
-every load, queued or in flight, fails at once (none waits forever with its blocks held).
+never cached); for shared memory D names the file (`shm.new_name`), opens only that name,
+never one P's reply names, and unlinks it when the load ends unless P answered that it wrote
+no such file (a squatter's file of that name is neither read nor removed). If the thread
+dies, `fault` says why and every load, queued or in flight, fails at once (none waits forever
+with its blocks held).
 """
 
 from __future__ import annotations
@@ -221,6 +223,8 @@ class TransferClient:
         self._wake_pull.close()
 
     def _command(self, *cmd: Any) -> None:
+        if self.fault is not None:
+            return          # the thread is dead: its loads already failed
         self._commands.append(cmd)
         try:
             self._wake_push.send(b"", zmq.NOBLOCK)
@@ -277,6 +281,7 @@ class TransferClient:
         while self._commands:
             kind, *args = self._commands.popleft()
             if kind == "submit":
+                self._loads[args[0].request_id] = args[0]   # reported even if this raises
                 self._start_load(args[0])
             elif kind == "cancel":
                 self._cancel(args[0])
@@ -409,7 +414,8 @@ class TransferClient:
         error = self._check_meta(peer.key, reply)
         waiting, peer.waiting = peer.waiting, []
         if error is not None:
-            logger.warning("KV transfer: refusing prefill engine %s: %s", peer.key[0], error)
+            self._warn.warning("KV transfer: refusing prefill engine %s: %s", peer.key[0],
+                               error)
             peer.meta_error = error
             for load in waiting:
                 self._fail(load, _Failed(KV_FAILURE_MISMATCH, error))
@@ -438,6 +444,8 @@ class TransferClient:
         return "; ".join(diffs)
 
     def _on_read(self, load: Load, reply: Any, frames: list[Any]) -> None:
+        if not (isinstance(reply, ReadReply) and reply.shm_name == load.shm_name):
+            load.shm_name = None    # P wrote no file of D's name: nothing of D's to remove
         if load.cancelled:
             self._finish_cancelled(load)
             return
