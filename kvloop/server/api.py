@@ -141,14 +141,15 @@ _ERRORS = {
     401: "Missing or wrong API key (only on a server started with one; the admin routes need "
          "the admin key).",
     403: "An admin route without --admin-api-key, or called with an API key, not the admin "
-         "key.",
+         "key; on the generation routes, `kv_transfer_params` asking to hold or load KV "
+         "blocks without the fleet token or the admin key.",
     404: "No such model (the body's `model`, or the id in the path).",
     413: "Request body over the server's limit.",
     500: "The engine died, or a KV transfer the request needed failed.",
     503: "Shutting down, the engine did not answer, or too many requests waiting (then with "
          "Retry-After).",
 }
-_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+_GENERATION_ERRORS = (400, 403, 404, 413, 500, 503)
 _STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse)
 GENERATE_PATH = "/inference/v1/generate"   # vLLM's token-in route
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
