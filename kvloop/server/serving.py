@@ -166,10 +166,11 @@ _MSGPACK_INTS = (-(2 ** 63), 2 ** 64 - 1)     # what msgpack can carry to the en
 
 def authorize_kv_transfer(ctx: ServerContext, request: Request,
                           params: dict[str, Any] | None) -> None:
-    """APIError(403) when `params` ask this worker to hold or load KV blocks and the caller
-    presents neither the fleet token (`INTERNAL_TOKEN_HEADER`: a router of this fleet) nor
-    the admin key. Checked before any other work for the request (docs/security.md)."""
-    if not asks_for_kv(params):
+    """APIError(403) when `params` ask this worker (one with a KV connector: without one
+    they do nothing) to hold or load KV blocks and the caller presents neither the fleet
+    token (`INTERNAL_TOKEN_HEADER`: a router of this fleet) nor the admin key. Checked
+    before any other work for the request (docs/security.md)."""
+    if ctx.ready.kv_transfer is None or not asks_for_kv(params):
         return
     secret = ctx.config.fleet_secret
     token = request.headers.get(INTERNAL_TOKEN_HEADER)
