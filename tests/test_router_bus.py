@@ -16,14 +16,12 @@ from kvloop.events.nats_subscriber import NatsEventPlane
 from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WRONG_SUBJECT
 from kvloop.server.launcher import ServeProcess
-from kvloop.trust import FleetSecret, secret_env
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view, url_of
 from .conftest import RouterThread, sdk, serving, wait_until
 
 pytestmark = pytest.mark.processes
 
-WORKER_ENV = secret_env(FleetSecret.generate())   # a KV connector needs the fleet secret
 ROLES = {"both": "backend", "prefill": "prefill", "decode": "decode"}
 
 
@@ -35,10 +33,12 @@ def nats(tmp_path_factory):
 
 def worker_args(nats, role: str, *extra: str, namespace: str = "dynamo") -> list[str]:
     """A sim worker on the bus; prefix caching on for every role (a decode worker has it off
-    by default and would publish no blocks), a KV connector for prefill and decode."""
+    by default and would publish no blocks), a KV connector for prefill and decode (without
+    a fleet secret: these workers are unsigned on the bus, so the connector opts out)."""
     connector = ([] if role == "both" else
                  ["--kv-transfer-config", '{"kv_connector": "KvloopConnector", '
-                  '"kv_role": "kv_both"}'])
+                  '"kv_role": "kv_both", "kv_connector_extra_config": '
+                  '{"insecure_side_channel": true}}'])
     return ["--model", "sim", "--event-plane", url_of(nats), "--role", role,
             "--dyn-namespace", namespace, "--num-gpu-blocks-override", "64",
             "--enable-prefix-caching", *connector, *extra]
@@ -51,7 +51,7 @@ def workers(nats, tmp_path_factory):
 
     with ExitStack() as stack:
         procs = {role: stack.enter_context(serving(tmp_path_factory, f"w-{role}",
-                                                   worker_args(nats, role), env=WORKER_ENV))
+                                                   worker_args(nats, role)))
                  for role in ROLES}
         yield procs
     for p in procs.values():
@@ -185,7 +185,7 @@ def test_the_switch_to_disaggregated_raises_wrong_subject_within_the_window(nats
             rt.router.check_liveness()
             assert not w.alarms
         with ServeProcess(worker_args(nats, "decode", *args, namespace="switch"),
-                          tmp_path / "dis.log", WORKER_ENV
+                          tmp_path / "dis.log"
                           ).start(timeout_s=60):
             wait_until(lambda: any(x.up and x.role == "decode" for x in reg.all()), 20,
                        "the worker back as decode")
