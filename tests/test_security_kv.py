@@ -269,6 +269,24 @@ def test_a_client_chosen_peer_gets_no_connection_and_no_kv(
         rogue.close()
 
 
+@pytest.mark.parametrize("client", ["plaintext", "other-fleet"])
+def test_p_s_side_channel_answers_no_stranger(p: ServeProcess, client: str) -> None:
+    """The issue's anonymous `Meta` (engine id, hostname, boot id to anyone): a client
+    without the fleet's keys gets no answer to Meta, nor to a Read of held blocks."""
+    port = worker_info(p).kv_transfer.side_channel_port   # type: ignore[union-attr]
+    params = pd_params(p, tokens(40, 2650))
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        if client == "other-fleet":
+            FleetSecret.generate().curve_keys(PURPOSE_KV_SIDE_CHANNEL).make_client(sock)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(encode(Meta()))
+        sock.send(encode(Read(remote_request_id=params["remote_request_id"],
+                              block_ids=params["remote_block_ids"])))
+        assert not sock.poll(1500), "P answered a stranger"
+    idle(p)
+
+
 # --- 3. bounded peers --------------------------------------------------------------------------
 def test_1100_distinct_engine_ids_leave_the_transfer_thread_alive_and_fds_bounded(
         p: ServeProcess, d: ServeProcess) -> None:
@@ -537,8 +555,8 @@ class FleetFake:
                 msg = decode_request(payload)
                 if isinstance(msg, Meta):
                     self.sock.send_multipart([identity, encode(meta)])
-                elif isinstance(msg, Read):
-                    self.sock.send_multipart([identity, *self.reply(msg)])
+                elif isinstance(msg, Read) and (frames := self.reply(msg)):
+                    self.sock.send_multipart([identity, *frames])
 
     def close(self) -> None:
         self._stop.set()
@@ -578,6 +596,27 @@ def test_a_peer_s_bad_blocks_or_foreign_shm_name_fail_the_load(
         assert res.reason == ("error" if answer == "victim-shm" else "truncated"), res
         assert [list(layer) for layer in pair.d_store.data] == marker      # nothing written
         assert victim.read_bytes() == b"precious"
+    finally:
+        fake.close()
+
+
+def test_a_file_written_by_a_p_that_died_mid_read_is_removed_by_d(pair: Pair) -> None:
+    """P creates the file D named, writes part of it and dies (never answers): when the
+    load fails ("unreachable", after transfer_timeout) D unlinks its name."""
+    written: list[Path] = []
+
+    def reply(read: Read) -> list[bytes]:
+        assert read.shm_name is not None and shm.is_valid_name(read.shm_name)
+        written.append(Path(shm.shm_path(read.shm_name)))
+        written[-1].write_bytes(b"half a frame")
+        return []
+
+    fake = FleetFake(reply)
+    try:
+        pair.load(port=fake.port)
+        (res,) = pair.results()
+        assert (res.ok, res.reason) == (False, "unreachable")
+        assert len(written) == 1 and not written[0].exists()
     finally:
         fake.close()
 

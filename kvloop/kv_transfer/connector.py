@@ -56,6 +56,7 @@ from kvloop.trust import (
     FLEET_SECRET_ENV,
     FLEET_SECRET_FILE_ENV,
     PURPOSE_KV_SIDE_CHANNEL,
+    CurveKeys,
     FleetSecret,
     curve_authenticator,
 )
@@ -334,7 +335,8 @@ def _nothing() -> None:
     pass
 
 
-def _side_channel_keys(config: KVTransferConfig, secret: FleetSecret | None) -> Any:
+def _side_channel_keys(config: KVTransferConfig,
+                       secret: FleetSecret | None) -> CurveKeys | None:
     """The side channel's CURVE keys; None for the insecure opt-out; ValueError when there
     is no secret and no opt-out."""
     if secret is not None:
