@@ -562,7 +562,7 @@ class TransferClient:
     def _report(self, result: LoadResult) -> None:
         load = self._loads.pop(result.request_id, None)
         if load is not None and load.shm_name is not None:
-            shm.unlink_own(load.shm_name)    # D's own name: gone whatever P answered
+            shm.unlink_own(load.shm_name)    # D's name, which P wrote or may have written
         with self._results_lock:
             self._results.append(result)
         self.wakeup()
@@ -585,11 +585,12 @@ class TransferClient:
         self._send_to(key, Done(remote_request_id=remote_request_id))
 
     def _send_heartbeats(self, now: float) -> None:
-        for key, ids in self._watches.items():
-            if self._next_heartbeat.get(key, now) > now:
+        for key, ids in list(self._watches.items()):   # opening a DEALER may evict a peer
+            if key not in self._watches or self._next_heartbeat.get(key, now) > now:
                 continue
             self._send_to(key, Heartbeat(engine_id=key[0], remote_request_ids=sorted(ids)))
-            self._next_heartbeat[key] = now + min(ids.values())
+            if key in self._watches:
+                self._next_heartbeat[key] = now + min(ids.values())
 
 
 def _dead_result(load: Load, fault: str) -> LoadResult:
