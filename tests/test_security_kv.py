@@ -665,6 +665,21 @@ def test_a_dead_transfer_thread_fails_loads_in_flight_and_later(
     assert res.invalid_block_ids == [5, 6, 7]
 
 
+def test_a_dead_side_channel_thread_is_named_and_its_loads_fail(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P's side-channel thread dies on a message: `fault` names the cause (the connector
+    reports it; the worker's /health turns 503); D's load fails instead of hanging."""
+    def boom(*args: Any) -> None:
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(pair.server, "_handle", boom)
+    pair.load()
+    wait_until(lambda: pair.server.fault is not None, 5, "the side channel's fault")
+    assert pair.server.fault == "the KV side-channel thread died: MemoryError: injected"
+    (res,) = pair.results()
+    assert (res.ok, res.reason) == (False, "unreachable")
+
+
 def test_orphans_of_dead_processes_are_swept(tmp_path: Path) -> None:
     """Files of kvloop's form whose naming process is gone are removed; a live process's,
     another form's and a symlink are kept."""
