@@ -31,6 +31,7 @@ import zmq
 from kvloop.config import KVConnectorExtraConfig, KVTransferConfig
 from kvloop.core.kv_connector import KV_BLOCK_LAYOUT, KVFingerprint
 from kvloop.kv_transfer import KvloopConnector, shm
+from kvloop.kv_transfer import server as side_channel
 from kvloop.kv_transfer.client import Load, LoadResult, TransferClient
 from kvloop.kv_transfer.leases import LeaseTable
 from kvloop.kv_transfer.params import MIN_LEASE_S, parse_remote_prefill
@@ -54,11 +55,19 @@ from kvloop.trust import PURPOSE_KV_SIDE_CHANNEL, FleetSecret, curve_authenticat
 
 from .conftest import serving, wait_until
 from .test_pd_engine import (
+    PREFILL,
+    Stats,
     engines,  # noqa: F401  (a fixture)
     generate,
     settle,
 )
 from .test_pd_engine import prefill as engine_prefill
+from .test_pd_model import (
+    assert_same_greedy,
+    greedy,
+    model_engine,
+    tiny,  # noqa: F401  (a fixture)
+)
 from .test_pd_serve import (
     BS,
     FLEET,
@@ -594,6 +603,7 @@ def test_a_peer_s_bad_blocks_or_foreign_shm_name_fail_the_load(
         (res,) = pair.results()
         assert not res.ok and res.invalid_block_ids == [5, 6, 7], res
         assert res.reason == ("error" if answer == "victim-shm" else "truncated"), res
+        assert res.recompute == (answer != "victim-shm")      # a checksum failure: a miss
         assert [list(layer) for layer in pair.d_store.data] == marker      # nothing written
         assert victim.read_bytes() == b"precious"
     finally:
@@ -725,3 +735,25 @@ def test_loaded_kv_is_cached_under_d_s_own_hashes(engines: Any) -> None:  # noqa
     _, hit_b = generate(d, "b-again", b, 1)
     _, hit_a = generate(d, "a-on-d", a, 1)
     assert (hit_b.num_cached_tokens, hit_a.num_cached_tokens) == (32, 0)
+
+
+def test_blocks_that_fail_their_checksum_are_a_miss_recomputed_on_d(
+        tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Real KV whose checksums do not match (bytes changed on the way): D, under policy
+    "fail", treats the load as a miss, prefills the prompt itself and answers exactly as an
+    aggregated engine; none of P's blocks is cached."""
+    monkeypatch.setattr(side_channel, "frame_checksum", lambda frame: 0)
+    p, d = (model_engine(tiny, 12, pd=True, transport="tcp") for _ in range(2))
+    agg = model_engine(tiny, 12, pd=False)
+    try:
+        prompt = list(range(20, 60))
+        ref, _ = greedy(agg, "agg", prompt, 3)
+        _, p_last = greedy(p, "p", prompt, 1, dict(PREFILL))
+        stats = Stats()
+        got, last = greedy(d, "d", prompt, 3, p_last.kv_transfer_params, stats)
+        assert (last.finish_reason, last.error) == ("length", None)
+        assert stats.total.failures == {"truncated": 1} and stats.total.bytes_received == 0
+        assert_same_greedy(ref, got)
+    finally:
+        for engine in (p, d, agg):
+            engine.shutdown()

@@ -97,6 +97,7 @@ class LoadResult:
     nbytes: int = 0
     seconds: float = 0.0
     invalid_block_ids: list[int] = field(default_factory=list)
+    recompute: bool = False       # a cache miss whatever the policy (a checksum failed)
 
 
 class ThrottledLog:
@@ -120,9 +121,10 @@ class ThrottledLog:
 
 
 class _Failed(Exception):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, recompute: bool = False):
         super().__init__(message)
         self.reason = reason
+        self.recompute = recompute
 
 
 @dataclass
@@ -502,7 +504,8 @@ class TransferClient:
                if i >= len(checksums) or frame_checksum(f) != checksums[i]]
         if bad or len(checksums) != len(frames):
             raise _Failed(KV_FAILURE_TRUNCATED, f"the blocks' checksums do not match in "
-                                                f"frame(s) {bad or 'count'}: not cached")
+                                                f"frame(s) {bad or 'count'}: not cached",
+                          recompute=True)
         self.store.write_blocks(load.local_block_ids, frames)
 
     def _complete_delayed(self, now: float) -> None:
@@ -554,7 +557,8 @@ class TransferClient:
         self.counters.add_failure(error.reason)
         self._report(LoadResult(load.request_id, ok=False, reason=error.reason,
                                 message=str(error),
-                                invalid_block_ids=list(load.local_block_ids)))
+                                invalid_block_ids=list(load.local_block_ids),
+                                recompute=error.recompute))
 
     def _finish_cancelled(self, load: Load) -> None:
         self._report(LoadResult(load.request_id, ok=False, cancelled=True))

@@ -281,6 +281,8 @@ class KvloopConnector:
             if not (r.ok or r.cancelled):
                 out.invalid_block_ids.update(r.invalid_block_ids)
                 out.failed_recving[r.request_id] = f"{r.reason}: {r.message}"
+                if r.recompute:
+                    out.recompute_recving.add(r.request_id)
         return out
 
     def _release_leases(self, out: KVConnectorOutput) -> None:
