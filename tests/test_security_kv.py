@@ -722,6 +722,13 @@ def test_the_connector_refuses_to_start_without_the_fleet_secret() -> None:
                                     "kv_connector_extra_config": {"insecure_side_channel": 1}})
 
 
+def test_a_p_d_worker_without_the_secret_does_not_start(tmp_path: Path) -> None:
+    no_secret = {"KVLOOP_FLEET_SECRET": "", "KVLOOP_FLEET_SECRET_FILE": ""}
+    with pytest.raises(RuntimeError, match="KvloopConnector needs the fleet secret"):
+        ServeProcess([*SIM, "--kv-transfer-config", kv_config()], tmp_path / "w.log",
+                     no_secret).start(timeout_s=60)
+
+
 def test_loaded_kv_is_cached_under_d_s_own_hashes(engines: Any) -> None:  # noqa: F811
     """Params for prompt A used with prompt B (a caller naming another request's blocks):
     the blocks D loads are cached under B's hashes, computed by D from B's tokens, never A's:
