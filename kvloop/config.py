@@ -375,7 +375,9 @@ class KVConnectorExtraConfig:
     - `transport`: "auto" (shared memory when P and D share a host, else TCP), "tcp", "shm";
     - `kv_lease_duration`: how long P holds a finished request's blocks without a heartbeat;
     - `transfer_timeout`: how long D waits for an answer from P before the load fails;
-    - `sim_bandwidth`: bytes/s the simulator's transfers take.
+    - `sim_bandwidth`: bytes/s the simulator's transfers take;
+    - `insecure_side_channel`: run the side channel without the fleet secret's CURVE keys
+      (plaintext, unauthenticated; trusted networks only: docs/security.md).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -384,6 +386,7 @@ class KVConnectorExtraConfig:
     kv_lease_duration: float = DEFAULT_KV_LEASE_DURATION
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
     sim_bandwidth: float = DEFAULT_SIM_BANDWIDTH
+    insecure_side_channel: bool = False
 
     def __post_init__(self) -> None:
         if not self.side_channel_host:
@@ -470,7 +473,7 @@ class KVTransferConfig:
         _check_types("kv_connector_extra_config", extra,
                      {"side_channel_host": str, "side_channel_port": int, "transport": str,
                       "kv_lease_duration": float, "transfer_timeout": float,
-                      "sim_bandwidth": float})
+                      "sim_bandwidth": float, "insecure_side_channel": bool})
         _check_types("--kv-transfer-config", raw,
                      {"kv_connector": str, "kv_role": str, "engine_id": str,
                       "kv_load_failure_policy": str})
@@ -500,7 +503,7 @@ def _check_keys(where: str, raw: dict[str, Any], cls: type,
         raise ValueError(f"{where}: missing required key(s) {', '.join(map(repr, missing))}")
 
 
-_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number"}
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
 
 def _check_types(where: str, raw: dict[str, Any], types: dict[str, type]) -> None:
@@ -510,7 +513,7 @@ def _check_types(where: str, raw: dict[str, Any], types: dict[str, type]) -> Non
         if value is None:
             continue
         number = want is float and isinstance(value, int | float)
-        if isinstance(value, bool) or not (number or isinstance(value, want)):
+        if isinstance(value, bool) != (want is bool) or not (number or isinstance(value, want)):
             raise ValueError(f"{where}: {key} must be {_TYPE_WORDS[want]}, got {value!r}")
         if number:
             raw[key] = float(value)

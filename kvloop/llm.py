@@ -21,7 +21,9 @@ gets a KV connector (`kvloop.kv_transfer`): requests whose `SamplingParams.extra
 `kv_transfer_params` prefill for a decode worker or pull their prompt's KV from a prefill
 worker (docs/disaggregation.md), and each `RequestOutput` carries the `kv_transfer_params`
 its request handed on. `generate` returns when its requests finish; blocks a prefill worker
-still holds for a decode worker are freed by later steps (`wait_for_kv_transfers`).
+still holds for a decode worker are freed by later steps (`wait_for_kv_transfers`). The side
+channel needs the fleet secret (`fleet_secret`, else $KVLOOP_FLEET_SECRET_FILE or
+$KVLOOP_FLEET_SECRET; kvloop/trust.py), the same in both engines.
 
 A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
 the server's message, before any request is added. `max_tokens` beyond the context is not an
@@ -59,6 +61,7 @@ from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_contex
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.server.tokenizer import Tokenizer
+from kvloop.trust import FleetSecret, load_fleet_secret
 from kvloop.wire import SpecDecodingStats
 
 PromptType = str | dict[str, Any]
@@ -146,7 +149,8 @@ class LLM:
                  low_bit_max_tokens: int | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  disable_log_stats: bool = True, check_invariants: bool = False,
-                 kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None):
+                 kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
+                 fleet_secret: FleetSecret | None = None):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
         each does) become one RunnerConfig, the engine's one EngineConfig
         (`speculative_config`: `SpeculativeConfig.from_dict`'s keys).
@@ -177,19 +181,19 @@ class LLM:
         if config.auto_budget is not None:
             config = dataclasses.replace(config, scheduler=resolve_budget(
                 config.scheduler, config.auto_budget, runner, rc.block_size))
-        self._init(runner, tok, config, runner.num_gpu_blocks)
+        self._init(runner, tok, config, runner.num_gpu_blocks, fleet_secret)
 
     @classmethod
     def from_runner(cls, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
-                    num_gpu_blocks: int) -> LLM:
+                    num_gpu_blocks: int, fleet_secret: FleetSecret | None = None) -> LLM:
         """An LLM over an existing runner (tests and benchmarks share one loaded model);
         `config.kv_transfer` builds a connector over the runner's block store."""
         llm = cls.__new__(cls)
-        llm._init(runner, tokenizer, config, num_gpu_blocks)
+        llm._init(runner, tokenizer, config, num_gpu_blocks, fleet_secret)
         return llm
 
     def _init(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
-              num_gpu_blocks: int) -> None:
+              num_gpu_blocks: int, fleet_secret: FleetSecret | None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -198,7 +202,8 @@ class LLM:
         if config.kv_transfer is not None:
             from kvloop.kv_transfer import make_connector
 
-            kv = make_connector(config.kv_transfer, runner)
+            kv = make_connector(config.kv_transfer, runner,
+                                secret=fleet_secret or load_fleet_secret())
             self.kv_transfer_info = kv.start()
             connector = kv
         self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,

@@ -309,7 +309,8 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     `timestamp` is `time.monotonic()` at the end of the step (one clock per host, so the API
     server compares it with its own arrival times). `scheduled` lists requests admitted for the
     first time this step, `preempted` those preempted; `iteration_tokens` counts the tokens the
-    step computed.
+    step computed. `faults` (sent when they change, `[]` once cleared; None: unchanged) name
+    the engine's internal threads that died (the KV connector's): the worker is unhealthy.
     """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
@@ -320,6 +321,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     preempted: list[str] | None = None
     iteration_tokens: int = 0
     utility_output: UtilityOutput | None = None
+    faults: list[str] | None = None
 
 
 class EngineStartConfig(msgspec.Struct, omit_defaults=True):

@@ -138,13 +138,13 @@ GOOD = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id":
 
 
 def test_d_reads_p_s_params():
-    remote = parse_remote_prefill(GOOD, 20)
+    remote = parse_remote_prefill(GOOD, 20, 16)
     assert remote == RemotePrefill(engine_id="p", request_id="r", host="127.0.0.1", port=5600,
                                    block_ids=[4, 5], num_tokens=20, block_size=16, lease_s=30.0)
     assert remote.peer == ("p", "127.0.0.1", 5600)
     minimal = {k: GOOD[k] for k in ("remote_engine_id", "remote_request_id", "remote_host",
                                     "remote_port", "remote_block_ids")}
-    assert isinstance(parse_remote_prefill(minimal, 7), RemotePrefill)   # vLLM's keys only
+    assert isinstance(parse_remote_prefill(minimal, 20, 16), RemotePrefill)   # vLLM's keys only
 
 
 @pytest.mark.parametrize("change, why", [
@@ -157,7 +157,7 @@ def test_d_reads_p_s_params():
     ({"remote_num_tokens": 19}, "remote_num_tokens is 19 but the prompt has 20 tokens"),
 ])
 def test_invalid_params_say_why(change, why):
-    assert why in parse_remote_prefill({**GOOD, **change}, 20)
+    assert why in parse_remote_prefill({**GOOD, **change}, 20, 16)
 
 
 def test_cached_tokens_on_d_count_each_hit_once_and_never_the_load():

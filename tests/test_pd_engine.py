@@ -44,6 +44,7 @@ from kvloop.kv_transfer.protocol import (
 )
 from kvloop.sim.kv_store import SIM_KV_BYTES_PER_TOKEN, SimKVBlockStore
 from kvloop.sim.worker import SimWorkerRunner
+from kvloop.trust import PURPOSE_KV_SIDE_CHANNEL, FleetSecret, curve_authenticator
 from kvloop.wire import EngineCoreOutput, KVTransferStats
 from tests.conftest import FakeClock, wait_until
 
@@ -72,6 +73,9 @@ def sim_engine(blocks: int = 20, *, caching: bool = True, budget: int = 512,
                        max_model_len=max_len, clock=clock)
 
 
+SECRET = FleetSecret.generate()   # every engine of these tests is one fleet's member
+
+
 def make_engine(runner: Any, store: Any, blocks: int, kv: KVTransferConfig | None, *,
                 block_size: int = BS, caching: bool = True, budget: int = 512,
                 max_model_len: int | None = None, chunked: bool = True,
@@ -87,7 +91,7 @@ def make_engine(runner: Any, store: Any, blocks: int, kv: KVTransferConfig | Non
         check_invariants=True, kv_transfer=kv)
     connector = None
     if kv is not None:
-        connector = KvloopConnector(kv, store, clock)
+        connector = KvloopConnector(kv, store, clock, secret=SECRET)
         connector.start()
     return EngineCore(config, runner, blocks, connector=connector)
 
@@ -463,11 +467,15 @@ def test_invalid_params_prefill_locally(engines, caplog):
 
 
 class FakePrefill:
-    """A P that speaks the protocol but answers Reads as the test says (a faulty peer)."""
+    """A P that speaks the protocol but answers Reads as the test says (a faulty peer of the
+    fleet: it holds the secret's CURVE keys)."""
 
     def __init__(self, ctx: zmq.Context, reply: Callable[[Read], list[bytes]]):
+        keys = SECRET.curve_keys(PURPOSE_KV_SIDE_CHANNEL)
+        self.auth = curve_authenticator(ctx, [keys])
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keys.make_server(self.sock)
         self.sock.bind("tcp://127.0.0.1:*")
         self.port = int(self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self.reply = reply
@@ -525,6 +533,7 @@ def test_a_truncated_or_garbled_read_fails_the_load(engines, answer):
         assert free(d) == usable(d)
     finally:
         fake.sock.close()
+        fake.auth.stop()
         ctx.term()
 
 

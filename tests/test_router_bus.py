@@ -33,10 +33,12 @@ def nats(tmp_path_factory):
 
 def worker_args(nats, role: str, *extra: str, namespace: str = "dynamo") -> list[str]:
     """A sim worker on the bus; prefix caching on for every role (a decode worker has it off
-    by default and would publish no blocks), a KV connector for prefill and decode."""
+    by default and would publish no blocks), a KV connector for prefill and decode (without
+    a fleet secret: these workers are unsigned on the bus, so the connector opts out)."""
     connector = ([] if role == "both" else
                  ["--kv-transfer-config", '{"kv_connector": "KvloopConnector", '
-                  '"kv_role": "kv_both"}'])
+                  '"kv_role": "kv_both", "kv_connector_extra_config": '
+                  '{"insecure_side_channel": true}}'])
     return ["--model", "sim", "--event-plane", url_of(nats), "--role", role,
             "--dyn-namespace", namespace, "--num-gpu-blocks-override", "64",
             "--enable-prefix-caching", *connector, *extra]

@@ -48,6 +48,7 @@ SIM_ARGS = ("--sim-speedup", str(SPEEDUP), "--max-num-batched-tokens", "512")
 LEASE_S = 15   # long enough for a loaded machine's router to hand P's answer to D in time
 EXTRA = json.dumps({"kv_lease_duration": LEASE_S, "sim_bandwidth": BANDWIDTH})
 BS = 16
+SECRET = FleetSecret.generate()   # the fleets' and routers' (a P/D worker needs one)
 
 
 def pd_fleet(num_prefill: int, num_decode: int, *extra: str,
@@ -55,7 +56,8 @@ def pd_fleet(num_prefill: int, num_decode: int, *extra: str,
     args = ("--sim-speedup", str(speedup), *SIM_ARGS[2:], *extra)
     fleet = Fleet(FleetConfig(0, "sim", worker_args=args, num_prefill=num_prefill,
                               num_decode=num_decode, kv_connector_extra_config=EXTRA,
-                              start_timeout_s=120, stop_timeout_s=10, echo_output=False))
+                              start_timeout_s=120, stop_timeout_s=10, echo_output=False,
+                              fleet_secret=SECRET))
     fleet.start()
     return fleet
 
@@ -64,7 +66,7 @@ def pd_router(policy: str = "cost", **liveness: Any) -> RouterConfig:
     lv = {"window_s": 30.0, "poll_interval_s": 0.2, **liveness}
     return RouterConfig(liveness=LivenessConfig(**lv), index=IndexConfig(provisional_ttl_s=2.0),
                         pd=PDConfig(policy=policy, speedup=SPEEDUP,
-                                    transfer_bandwidth=BANDWIDTH))
+                                    transfer_bandwidth=BANDWIDTH), fleet_secret=SECRET)
 
 
 @pytest.fixture(scope="module")
@@ -466,7 +468,7 @@ def test_real_model_output_through_p_and_d_equals_the_aggregated_output():
 
     real = Fleet(FleetConfig(0, find_model_path(None), worker_args=("--max-model-len", "256"),
                              num_prefill=1, num_decode=1, kv_connector_extra_config=EXTRA,
-                             start_timeout_s=300, echo_output=False))
+                             start_timeout_s=300, echo_output=False, fleet_secret=SECRET))
     real.start()
     try:
         p, d = real.specs()

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvloop.bench.router import _fresh_caches
 from kvloop.server.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
+from kvloop.trust import FleetSecret, secret_env
 
 SETUPS = ("aggregated", "pd-cost", "pd-always", "pd-never")
 
@@ -79,12 +80,14 @@ def _bench(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
 
 
 def _router(urls: list[tuple[str, str]], pd_policy: str, speedup: float,
-            log: Path) -> UrlProcess:
+            log: Path, secret: FleetSecret) -> UrlProcess:
+    """The router, with the fleet's secret in its environment (never on its command line)."""
     flags = ["router", "--port", "0", "--poll-interval", "0.5", "--pd-policy", pd_policy,
              "--pd-speedup", str(speedup)]
     for url, role in urls:
         flags += ["--worker", f"{url},{role}"]
-    return UrlProcess(kvloop_command(*flags), log, ROUTER_URL_LINE, name="kvloop router")
+    return UrlProcess(kvloop_command(*flags), log, ROUTER_URL_LINE, secret_env(secret),
+                      name="kvloop router")
 
 
 def _row(setup: str, run: int, s: dict[str, Any]) -> dict[str, Any]:
@@ -104,12 +107,15 @@ def _run_fleet(args: argparse.Namespace, setups: list[str], aggregated: bool
     from kvloop.router.fleet import Fleet, FleetConfig
 
     admin = secrets.token_urlsafe(16)
+    secret = FleetSecret.generate()     # the workers' and the router's (P/D needs one)
     worker_args = ("--sim-speedup", str(args.sim_speedup), "--num-gpu-blocks-override",
                    str(args.gpu_blocks), *args.worker_args.split(), "--admin-api-key", admin)
-    cfg = (FleetConfig(args.aggregated, "sim", ("both",), worker_args, echo_output=False)
+    cfg = (FleetConfig(args.aggregated, "sim", ("both",), worker_args, echo_output=False,
+                       fleet_secret=secret)
            if aggregated else
            FleetConfig(0, "sim", worker_args=worker_args, echo_output=False,
-                       num_prefill=args.prefill, num_decode=args.decode))
+                       num_prefill=args.prefill, num_decode=args.decode,
+                       fleet_secret=secret))
     fleet = Fleet(cfg)
     rows = []
     try:
@@ -121,7 +127,7 @@ def _run_fleet(args: argparse.Namespace, setups: list[str], aggregated: bool
                 policy = setup.removeprefix("pd-") if setup != "aggregated" else "cost"
                 with tempfile.TemporaryDirectory(prefix="kvloop-bench-pd-") as tmp, \
                         _router(workers, policy, args.sim_speedup,
-                                Path(tmp) / "router.log").start() as router:
+                                Path(tmp) / "router.log", secret).start() as router:
                     row = _row(setup, run, _bench(router.url, args, seed=run))
                 rows.append(row)
                 print(_line(row), flush=True)

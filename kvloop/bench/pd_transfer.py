@@ -24,9 +24,12 @@ import httpx
 
 from kvloop.config import DEFAULT_BLOCK_SIZE
 from kvloop.server.launcher import ServeProcess
+from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
 
 TIME = "kvloop:kv_transfer_time_seconds"
 BYTES = "kvloop:kv_transfer_bytes_total"
+SECRET = FleetSecret.generate()     # the two workers' fleet secret (in their environment)
+FLEET = {INTERNAL_TOKEN_HEADER: SECRET.token(PURPOSE_INTERNAL_HTTP)}   # a router's proof
 P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -41,14 +44,14 @@ def _worker_args(model: str | None, transport: str, extra: list[str]) -> list[st
 def _one(p: ServeProcess, d: ServeProcess, prompt: list[int]) -> tuple[float, float]:
     """One proxy flow; (seconds, bytes) of the decode worker's load."""
     t0, b0 = d.metric(TIME + "_sum"), d.metric(BYTES, side="recv")
-    r = httpx.post(p.url + "/v1/completions", timeout=600, json={
+    r = httpx.post(p.url + "/v1/completions", timeout=600, headers=FLEET, json={
         "prompt": prompt, "max_tokens": 1, "min_tokens": 1, "temperature": 0,
         "kv_transfer_params": P_PARAMS})
     r.raise_for_status()
     params = r.json()["kv_transfer_params"]
     if not params:
         raise RuntimeError(f"the prefill worker handed on nothing: {r.text}")
-    r = httpx.post(d.url + "/v1/completions", timeout=600, json={
+    r = httpx.post(d.url + "/v1/completions", timeout=600, headers=FLEET, json={
         "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params})
     r.raise_for_status()
     return d.metric(TIME + "_sum") - t0, d.metric(BYTES, side="recv") - b0
@@ -61,9 +64,9 @@ def run(args: argparse.Namespace) -> None:
     for transport in args.transports.split(","):
         with tempfile.TemporaryDirectory(prefix="kvloop-pd-transfer-") as tmp, \
                 ServeProcess(_worker_args(args.model, transport, extra),
-                             Path(tmp) / "p.log").start() as p, \
+                             Path(tmp) / "p.log", secret_env(SECRET)).start() as p, \
                 ServeProcess(_worker_args(args.model, transport, extra),
-                             Path(tmp) / "d.log").start() as d:
+                             Path(tmp) / "d.log", secret_env(SECRET)).start() as d:
             _one(p, d, [rng.randrange(1000, 40000) for _ in range(32)])   # handshake
             print(f"\ntransport {transport}")
             print(f"{'tokens':>7s} {'blocks':>7s} {'MB':>8s} {'load ms':>9s} "

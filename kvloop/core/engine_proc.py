@@ -164,6 +164,7 @@ class EngineCoreProc:
         self.publisher: Any = None
         self.trace: TraceWriter | None = None
         self._last_stats_key: tuple[Any, ...] | None = None
+        self._faults: list[str] = []     # the faults last sent to the API server
 
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> bool:
@@ -206,7 +207,7 @@ class EngineCoreProc:
                                      runner.vocab_size) if grammar_factory else None)
         connector = None
         if econf.kv_transfer is not None:
-            connector = make_connector(econf.kv_transfer, runner)
+            connector = make_connector(econf.kv_transfer, runner, secret=cfg.secret())
         self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
                                  grammar_backend=grammar, connector=connector)
         _log_engine_config(econf)
@@ -437,6 +438,7 @@ class EngineCoreProc:
         outputs = self._make_outputs(result)
         if outputs is not None:
             self.output_queue.put(outputs)
+        self._send_faults(engine)
         if not result.executed and engine.has_unfinished_requests():
             time.sleep(0.001)  # waiting requests that cannot be admitted yet: do not spin
 
@@ -473,6 +475,15 @@ class EngineCoreProc:
             scheduled=[a.request_id for a in result.admissions if not a.resumed] or None,
             preempted=list(out.preempted_req_ids) or None if out else None,
             iteration_tokens=out.total_num_scheduled_tokens if out else 0)
+
+    def _send_faults(self, engine: EngineCore) -> None:
+        """Tell the API server when the connector's threads' faults change."""
+        faults = engine.connector.faults() if engine.connector is not None else []
+        if faults != self._faults:
+            self._faults = faults
+            self.output_queue.put(EngineCoreOutputs(timestamp=time.monotonic(),
+                                                    engine_index=self.config.engine_index,
+                                                    faults=faults))
 
     # --- shutdown -------------------------------------------------------------------------
     def send_dead(self) -> None:

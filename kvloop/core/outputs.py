@@ -120,13 +120,16 @@ class KVConnectorOutput:
     - `invalid_block_ids`: blocks a failed load did not fill (reported no later than the
       request's id in `finished_recving`);
     - `failed_recving`: request id -> why its load failed (a message for the log and for the
-      request's error output).
+      request's error output);
+    - `recompute_recving`: failed loads that are a cache miss whatever the load-failure
+      policy (their bytes failed a checksum): the request prefills here.
     """
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     failed_recving: dict[str, str] = field(default_factory=dict)
+    recompute_recving: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -586,7 +586,8 @@ class Scheduler:
             self._finish_remote_load(request)
             return []
         error = kv_out.failed_recving.get(request.request_id) or "invalid KV blocks"
-        return self._fail_remote_load(request, bad * self.block_size, error)
+        miss = request.request_id in kv_out.recompute_recving
+        return self._fail_remote_load(request, bad * self.block_size, error, miss)
 
     def _first_invalid_block(self, request: Request, kv_out: KVConnectorOutput) -> int | None:
         """Index of the request's first block the load did not fill (None: all filled); a
@@ -610,15 +611,17 @@ class Scheduler:
         request.num_computed_tokens = n
         request.status = RequestStatus.WAITING
 
-    def _fail_remote_load(self, request: Request, num_valid: int,
-                          error: str) -> list[EngineCoreOutput]:
+    def _fail_remote_load(self, request: Request, num_valid: int, error: str,
+                          miss: bool) -> list[EngineCoreOutput]:
         """Truncate at the first bad block, then the failure policy: "fail" finishes the
-        request with an error output; "recompute" prefills the rest here."""
+        request with an error output; "recompute" prefills the rest here (as does a `miss`:
+        blocks that failed a checksum, whatever the policy)."""
         rid = request.request_id
+        policy = "recompute" if miss else self.kv_load_failure_policy
         logger.warning("KV load of request %s failed (%s); %s", rid, error,
-                       "failing it" if self.kv_load_failure_policy == "fail"
+                       "failing it" if policy == "fail"
                        else f"recomputing from token {num_valid}")
-        if self.kv_load_failure_policy == "fail":
+        if policy == "fail":
             self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
             return [EngineCoreOutput(rid, [], finish_reason=finish_reason(request.status),
                                      error=f"{KV_LOAD_FAILED}: {error}")]

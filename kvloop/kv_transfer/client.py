@@ -12,6 +12,17 @@ the blocks D lacks, the blocks written into D's store (raw frames after the repl
 A simulated store takes `nbytes / sim_bandwidth` seconds before the load completes (no
 payload moves). Heartbeats go to each P for every request watched, from `watch` (the request
 entered D's scheduler) until its Done.
+
+Trust and bounds (docs/security.md): every DEALER is a CURVE client with the fleet's keys
+(`keys`), so D talks only to a P holding the fleet secret; at most `max_peers` DEALERs are
+open, least recently used first out (an idle one if any; a busy one's loads fail
+"unreachable"), and a P that fails to answer is dropped and its socket closed; each frame's
+checksum is checked before a block is written (a mismatch fails the load: its blocks are
+never cached); for shared memory D names the file (`shm.new_name`), opens only that name,
+never one P's reply names, and unlinks it when the load ends unless P answered that it wrote
+no such file (a squatter's file of that name is neither read nor removed). If the thread
+dies, `fault` says why and every load, queued or in flight, fails at once (none waits forever
+with its blocks held).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +52,11 @@ from kvloop.kv_transfer.protocol import (
     ReadReply,
     decode_reply,
     encode,
+    frame_checksum,
     host_id,
 )
 from kvloop.kv_transfer.stats import TransferCounters
+from kvloop.trust import CurveKeys
 from kvloop.wire import (
     KV_FAILURE_ERROR,
     KV_FAILURE_MISMATCH,
@@ -55,6 +68,8 @@ from kvloop.wire import (
 logger = logging.getLogger("kvloop.kv_transfer")
 PeerKey = tuple[str, str, int]     # (P's engine id, host, port)
 _MAX_POLL_S = 0.1
+DEFAULT_MAX_PEERS = 64          # DEALERs open at once (one per prefill engine)
+_WARN_EVERY_S = 10.0            # one line per kind of repeated warning per this many seconds
 
 
 @dataclass
@@ -69,6 +84,7 @@ class Load:
     started: float
     state: str = "new"          # new -> meta (waiting for the handshake) -> read -> delayed
     cancelled: bool = False
+    shm_name: str | None = None  # the shared-memory file D named for its Read
 
 
 @dataclass
@@ -81,12 +97,34 @@ class LoadResult:
     nbytes: int = 0
     seconds: float = 0.0
     invalid_block_ids: list[int] = field(default_factory=list)
+    recompute: bool = False       # a cache miss whatever the policy (a checksum failed)
+
+
+class ThrottledLog:
+    """Warnings of one kind at most once per `every` seconds, with a count of those held back
+    (a peer that misbehaves in a loop cannot fill the log)."""
+
+    def __init__(self, log: logging.Logger, every: float = _WARN_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.every, self.clock = log, every, clock
+        self._last: dict[str, tuple[float, int]] = {}   # format -> (last logged, held back)
+
+    def warning(self, fmt: str, *args: Any) -> None:
+        now = self.clock()
+        last, held = self._last.get(fmt, (-float("inf"), 0))
+        if now - last < self.every:
+            self._last[fmt] = (last, held + 1)
+            return
+        self._last[fmt] = (now, 0)
+        suffix = f" ({held} more like this in the last {self.every:g} s)" if held else ""
+        self.log.warning(fmt + suffix, *args)
 
 
 class _Failed(Exception):
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, recompute: bool = False):
         super().__init__(message)
         self.reason = reason
+        self.recompute = recompute
 
 
 @dataclass
@@ -105,8 +143,16 @@ class TransferClient:
 
     def __init__(self, ctx: zmq.Context, store: KVBlockStore, *, transport: str,
                  transfer_timeout: float, sim_bandwidth: float, wakeup: Callable[[], None],
-                 counters: TransferCounters, clock: Callable[[], float] = time.monotonic):
+                 counters: TransferCounters, keys: CurveKeys | None,
+                 max_peers: int = DEFAULT_MAX_PEERS,
+                 clock: Callable[[], float] = time.monotonic):
+        """`keys`: the side channel's CURVE keys (None: plaintext, the insecure opt-out)."""
         self.ctx = ctx
+        self.keys = keys
+        self.max_peers = max_peers
+        self.fault: str | None = None   # why the thread died (None: alive or stopped)
+        self._fault_lock = threading.Lock()
+        self._warn = ThrottledLog(logger, clock=clock)
         self.store = store
         self.transport = transport
         self.transfer_timeout = transfer_timeout
@@ -127,7 +173,7 @@ class TransferClient:
         self._thread = threading.Thread(target=self._run, name="kv-transfer", daemon=True)
         # owned by the thread:
         self._poller = zmq.Poller()
-        self._peers: dict[PeerKey, _Peer] = {}
+        self._peers: OrderedDict[PeerKey, _Peer] = OrderedDict()   # least recently used first
         self._by_sock: dict[zmq.Socket, _Peer] = {}
         self._loads: dict[str, Load] = {}
         self._delayed: dict[str, tuple[Load, float, int]] = {}   # sim: (load, ready at, bytes)
@@ -139,7 +185,13 @@ class TransferClient:
         self._thread.start()
 
     def submit(self, load: Load) -> None:
-        self._command("submit", load)
+        """Start `load` (its result comes from `take_results`; at once when the thread is
+        dead)."""
+        with self._fault_lock:
+            if self.fault is None:
+                self._command("submit", load)
+                return
+        self._report(_dead_result(load, self.fault))
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: send Done now; its result comes when the Read ends."""
@@ -173,6 +225,8 @@ class TransferClient:
         self._wake_pull.close()
 
     def _command(self, *cmd: Any) -> None:
+        if self.fault is not None:
+            return          # the thread is dead: its loads already failed
         self._commands.append(cmd)
         try:
             self._wake_push.send(b"", zmq.NOBLOCK)
@@ -181,6 +235,23 @@ class TransferClient:
 
     # --- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # recorded, logged, reported by /health: never silent
+            self._die(f"the KV transfer thread died: {type(e).__name__}: {e}")
+
+    def _die(self, fault: str) -> None:
+        """Fail every load, in flight or queued, and refuse new ones (`submit`)."""
+        logger.exception("KV transfer: %s", fault)
+        with self._fault_lock:
+            self.fault = fault
+            queued = [cmd[1] for cmd in self._commands if cmd[0] == "submit"]
+            self._commands.clear()
+        for load in [*self._loads.values(), *queued]:
+            self._report(_dead_result(load, fault))
+        self.wakeup()
+
+    def _loop(self) -> None:
         self._poller.register(self._wake_pull, zmq.POLLIN)
         while not self._stop.is_set():
             for sock, _ in self._poller.poll(int(self._poll_timeout() * 1000)):
@@ -212,6 +283,7 @@ class TransferClient:
         while self._commands:
             kind, *args = self._commands.popleft()
             if kind == "submit":
+                self._loads[args[0].request_id] = args[0]   # reported even if this raises
                 self._start_load(args[0])
             elif kind == "cancel":
                 self._cancel(args[0])
@@ -222,29 +294,59 @@ class TransferClient:
 
     # --- peers ----------------------------------------------------------------------------
     def _peer(self, key: PeerKey) -> _Peer:
+        """P's DEALER, opened on first use (CURVE client); the most recently used now.
+        Raises zmq.ZMQError when no socket can be opened."""
         peer = self._peers.get(key)
-        if peer is None:
-            sock = self.ctx.socket(zmq.DEALER)
+        if peer is not None:
+            self._peers.move_to_end(key)
+            return peer
+        if len(self._peers) >= self.max_peers:
+            self._evict()
+        sock = self.ctx.socket(zmq.DEALER)
+        try:
             sock.setsockopt(zmq.LINGER, 0)
+            if self.keys is not None:
+                self.keys.make_client(sock)
             host = f"[{key[1]}]" if ":" in key[1] else key[1]
             if ":" in key[1]:
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(f"tcp://{host}:{key[2]}")
-            peer = self._peers[key] = _Peer(key, sock)
-            self._by_sock[sock] = peer
-            self._poller.register(sock, zmq.POLLIN)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        peer = self._peers[key] = _Peer(key, sock)
+        self._by_sock[sock] = peer
+        self._poller.register(sock, zmq.POLLIN)
         return peer
+
+    def _evict(self) -> None:
+        """Close the least recently used idle DEALER (else the least recently used one)."""
+        idle = next((p for p in self._peers.values() if not (p.expect or p.waiting)), None)
+        peer = idle or next(iter(self._peers.values()))
+        self._drop_peer(peer, f"closing the connection to prefill engine {peer.key[0]} at "
+                              f"{peer.key[1]}:{peer.key[2]}: more than {self.max_peers} "
+                              f"prefill engines at once", quiet=idle is not None)
 
     def _send(self, peer: _Peer, msg: Any) -> None:
         try:
             peer.sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:
-            logger.warning("KV transfer: the queue to %s:%d is full; dropping a %s",
-                           peer.key[1], peer.key[2], type(msg).__name__)
+            self._warn.warning("KV transfer: the queue to %s:%d is full; dropping a %s",
+                               peer.key[1], peer.key[2], type(msg).__name__)
 
-    def _drop_peer(self, peer: _Peer, message: str) -> None:
-        """P did not answer in time: fail everything waiting on it, forget its socket."""
-        logger.warning("KV transfer: %s", message)
+    def _send_to(self, key: PeerKey, msg: Any) -> None:
+        """Send a Done or Heartbeat, opening P's DEALER if needed (a failure is logged)."""
+        try:
+            self._send(self._peer(key), msg)
+        except zmq.ZMQError as e:
+            self._warn.warning("KV transfer: cannot reach prefill engine at %s:%d: %s",
+                               key[1], key[2], e)
+
+    def _drop_peer(self, peer: _Peer, message: str, quiet: bool = False) -> None:
+        """P did not answer in time (or its DEALER is evicted): fail everything waiting on
+        it, close and forget its socket."""
+        if not quiet:
+            self._warn.warning("KV transfer: %s", message)
         loads = [load for load, _ in peer.expect if load is not None] + peer.waiting
         del self._peers[peer.key]
         del self._by_sock[peer.sock]
@@ -259,7 +361,12 @@ class TransferClient:
         if not load.remote_block_ids:
             self._succeed(load, 0)          # a full local hit: nothing to read, P frees
             return
-        peer = self._peer(load.peer)
+        try:
+            peer = self._peer(load.peer)
+        except zmq.ZMQError as e:
+            self._fail(load, _Failed(KV_FAILURE_UNREACHABLE, f"cannot open a connection to "
+                                     f"{load.peer[1]}:{load.peer[2]}: {e}"), send_done=False)
+            return
         if peer.meta_error is not None:
             self._fail(load, _Failed(KV_FAILURE_MISMATCH, peer.meta_error))
         elif peer.meta is not None:
@@ -278,8 +385,11 @@ class TransferClient:
         same_host = peer.meta.host_id == host_id()
         transport = "shm" if self.transport == "shm" or (
             self.transport == "auto" and same_host) else "tcp"
+        if transport == "shm" and self.store.has_payload:
+            load.shm_name = shm.new_name()
         self._send(peer, Read(remote_request_id=load.remote_request_id,
-                              block_ids=load.remote_block_ids, transport=transport))
+                              block_ids=load.remote_block_ids, transport=transport,
+                              shm_name=load.shm_name))
         peer.expect.append((load, self.clock() + self.transfer_timeout))
 
     def _on_replies(self, peer: _Peer) -> None:
@@ -289,7 +399,8 @@ class TransferClient:
             except zmq.Again:
                 return
             if not peer.expect:
-                logger.warning("KV transfer: an unexpected reply from %s:%d", *peer.key[1:])
+                self._warn.warning("KV transfer: an unexpected reply from %s:%d",
+                                   *peer.key[1:])
                 continue
             load, _ = peer.expect.popleft()
             try:
@@ -305,7 +416,8 @@ class TransferClient:
         error = self._check_meta(peer.key, reply)
         waiting, peer.waiting = peer.waiting, []
         if error is not None:
-            logger.warning("KV transfer: refusing prefill engine %s: %s", peer.key[0], error)
+            self._warn.warning("KV transfer: refusing prefill engine %s: %s", peer.key[0],
+                               error)
             peer.meta_error = error
             for load in waiting:
                 self._fail(load, _Failed(KV_FAILURE_MISMATCH, error))
@@ -334,6 +446,8 @@ class TransferClient:
         return "; ".join(diffs)
 
     def _on_read(self, load: Load, reply: Any, frames: list[Any]) -> None:
+        if not (isinstance(reply, ReadReply) and reply.shm_name == load.shm_name):
+            load.shm_name = None    # P wrote no file of D's name: nothing of D's to remove
         if load.cancelled:
             self._finish_cancelled(load)
             return
@@ -369,19 +483,29 @@ class TransferClient:
         if not store.has_payload:
             return expected
         if reply.shm_name is not None:
-            with shm.mapped_frames(reply.shm_name, reply.num_frames, expected) as views:
-                self._write_frames(load, views, expected)
+            if load.shm_name is None or reply.shm_name != load.shm_name:
+                raise _Failed(KV_FAILURE_ERROR, f"P names the shared-memory file "
+                                                f"{reply.shm_name[:80]!r}, which D did not ask for")
+            with shm.mapped_frames(load.shm_name, reply.num_frames, expected) as views:
+                self._write_frames(load, views, expected, reply.checksums)
         else:
-            self._write_frames(load, [f.buffer for f in frames], expected)
+            self._write_frames(load, [f.buffer for f in frames], expected, reply.checksums)
         return expected
 
-    def _write_frames(self, load: Load, frames: list[Any], expected: int) -> None:
+    def _write_frames(self, load: Load, frames: list[Any], expected: int,
+                      checksums: list[int]) -> None:
         num_layers = self.store.fingerprint.num_layers
         sizes = [memoryview(f).nbytes for f in frames]
         if len(frames) != num_layers or sum(sizes) != expected or len(set(sizes)) != 1:
             raise _Failed(KV_FAILURE_TRUNCATED,
                           f"P sent {len(frames)} frames of {sum(sizes)} bytes, expected "
                           f"{num_layers} of {expected} bytes in all")
+        bad = [i for i, f in enumerate(frames)
+               if i >= len(checksums) or frame_checksum(f) != checksums[i]]
+        if bad or len(checksums) != len(frames):
+            raise _Failed(KV_FAILURE_TRUNCATED, f"the blocks' checksums do not match in "
+                                                f"frame(s) {bad or 'count'}: not cached",
+                          recompute=True)
         self.store.write_blocks(load.local_block_ids, frames)
 
     def _complete_delayed(self, now: float) -> None:
@@ -433,13 +557,16 @@ class TransferClient:
         self.counters.add_failure(error.reason)
         self._report(LoadResult(load.request_id, ok=False, reason=error.reason,
                                 message=str(error),
-                                invalid_block_ids=list(load.local_block_ids)))
+                                invalid_block_ids=list(load.local_block_ids),
+                                recompute=error.recompute))
 
     def _finish_cancelled(self, load: Load) -> None:
         self._report(LoadResult(load.request_id, ok=False, cancelled=True))
 
     def _report(self, result: LoadResult) -> None:
-        self._loads.pop(result.request_id, None)
+        load = self._loads.pop(result.request_id, None)
+        if load is not None and load.shm_name is not None:
+            shm.unlink_own(load.shm_name)    # D's name, which P wrote or may have written
         with self._results_lock:
             self._results.append(result)
         self.wakeup()
@@ -459,12 +586,17 @@ class TransferClient:
 
     def _send_done(self, key: PeerKey, remote_request_id: str) -> None:
         self._unwatch(key, remote_request_id)
-        self._send(self._peer(key), Done(remote_request_id=remote_request_id))
+        self._send_to(key, Done(remote_request_id=remote_request_id))
 
     def _send_heartbeats(self, now: float) -> None:
-        for key, ids in self._watches.items():
-            if self._next_heartbeat.get(key, now) > now:
+        for key, ids in list(self._watches.items()):   # opening a DEALER may evict a peer
+            if key not in self._watches or self._next_heartbeat.get(key, now) > now:
                 continue
-            self._send(self._peer(key), Heartbeat(engine_id=key[0],
-                                                  remote_request_ids=sorted(ids)))
-            self._next_heartbeat[key] = now + min(ids.values())
+            self._send_to(key, Heartbeat(engine_id=key[0], remote_request_ids=sorted(ids)))
+            if key in self._watches:
+                self._next_heartbeat[key] = now + min(ids.values())
+
+
+def _dead_result(load: Load, fault: str) -> LoadResult:
+    return LoadResult(load.request_id, ok=False, reason=KV_FAILURE_ERROR, message=fault,
+                      invalid_block_ids=list(load.local_block_ids))

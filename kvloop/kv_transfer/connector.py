@@ -17,6 +17,11 @@ Owner: the engine thread calls every method; the lease table, the side-channel s
 transfer client own what they say they own. Both halves share one process with the runner,
 so a lease is registered at once in `request_finished` (not via metadata), before the
 engine sends the output carrying its params: no Read can find it missing.
+
+Trust: the side channel needs the fleet secret (its CURVE keys: only fleet members talk, in
+either direction); without one the connector refuses to start unless
+`kv_connector_extra_config.insecure_side_channel` says so. `faults()` names a dead thread
+(the engine process reports it; the worker's /health turns 503).
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ from kvloop.kv_transfer.params import (
 from kvloop.kv_transfer.protocol import PROTOCOL_VERSION, MetaReply, host_id
 from kvloop.kv_transfer.server import SideChannelServer
 from kvloop.kv_transfer.stats import TransferCounters
+from kvloop.trust import (
+    FLEET_SECRET_ENV,
+    FLEET_SECRET_FILE_ENV,
+    PURPOSE_KV_SIDE_CHANNEL,
+    CurveKeys,
+    FleetSecret,
+    curve_authenticator,
+)
 from kvloop.wire import KV_FAILURE_ERROR, KV_FAILURE_MISMATCH, KVTransferInfo, KVTransferStats
 
 logger = logging.getLogger("kvloop.kv_transfer")
@@ -64,17 +77,24 @@ class KvloopConnector:
     """Implements `kvloop.core.kv_connector.KVConnector` (see the module docstring).
 
     Construction binds the side channel (a producer's; `info` has the bound port); `start()`
-    runs the threads. `clock` times leases and transfers (tests pass a fake one).
+    runs the threads. `clock` times leases and transfers (tests pass a fake one). `secret`:
+    the fleet secret, whose derived CURVE keys guard the side channel; ValueError without
+    one unless the config opts out (`insecure_side_channel`).
     """
 
     def __init__(self, config: KVTransferConfig, store: KVBlockStore,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *,
+                 secret: FleetSecret | None = None):
         self.config = config
         self.store = store
         self.block_size = store.block_size
         self.clock = clock
         extra = config.extra
+        keys = _side_channel_keys(config, secret)
+        shm.sweep_orphans()
         self._ctx = zmq.Context()
+        self._auth = (curve_authenticator(self._ctx, [keys])
+                      if keys is not None and config.is_kv_producer else None)
         self._wakeup: Callable[[], None] = _nothing
         self.counters = TransferCounters()
         self.leases = LeaseTable(extra.kv_lease_duration, clock)
@@ -86,13 +106,13 @@ class KvloopConnector:
                              version=PROTOCOL_VERSION, host_id=host_id())
             self.server = SideChannelServer(self._ctx, extra.side_channel_host,
                                             extra.side_channel_port, meta, self.leases,
-                                            store, self.counters, self._notify)
+                                            store, self.counters, self._notify, keys)
         if config.is_kv_consumer:
             self.client = TransferClient(self._ctx, store, transport=extra.transport,
                                          transfer_timeout=extra.transfer_timeout,
                                          sim_bandwidth=extra.sim_bandwidth,
                                          wakeup=self._notify, counters=self.counters,
-                                         clock=clock)
+                                         keys=keys, clock=clock)
         self._remote: dict[str, RemotePrefill] = {}   # D: watched, not loading yet
         self._to_load: list[Load] = []                # D: allocated this step
         self._loading: set[str] = set()               # D: loads not reported yet
@@ -132,7 +152,7 @@ class KvloopConnector:
         if not wants_remote_prefill(params):
             return
         assert params is not None
-        remote = parse_remote_prefill(params, request.num_prompt_tokens)
+        remote = parse_remote_prefill(params, request.num_prompt_tokens, self.block_size)
         if self.client is None or isinstance(remote, str):
             why = remote if isinstance(remote, str) else "this worker is a kv_producer"
             logger.warning("invalid kv_transfer_params: %s; prefilling request %s locally",
@@ -261,6 +281,8 @@ class KvloopConnector:
             if not (r.ok or r.cancelled):
                 out.invalid_block_ids.update(r.invalid_block_ids)
                 out.failed_recving[r.request_id] = f"{r.reason}: {r.message}"
+                if r.recompute:
+                    out.recompute_recving.add(r.request_id)
         return out
 
     def _release_leases(self, out: KVConnectorOutput) -> None:
@@ -289,6 +311,11 @@ class KvloopConnector:
     def request_ids_in_transfer(self) -> set[str]:
         return self.leases.request_ids() | self._loading
 
+    def faults(self) -> list[str]:
+        """Why a thread of this connector died (empty while all live)."""
+        threads = (self.server, self.client)
+        return [t.fault for t in threads if t is not None and t.fault is not None]
+
     def has_news(self) -> bool:
         return (self.leases.has_news() or bool(self._early_results)
                 or (self.client is not None and self.client.has_results()))
@@ -301,6 +328,8 @@ class KvloopConnector:
         for released in self.leases.take_released():
             for path in released.lease.shm_files:
                 shm.unlink(path)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
@@ -308,12 +337,31 @@ def _nothing() -> None:
     pass
 
 
+def _side_channel_keys(config: KVTransferConfig,
+                       secret: FleetSecret | None) -> CurveKeys | None:
+    """The side channel's CURVE keys; None for the insecure opt-out; ValueError when there
+    is no secret and no opt-out."""
+    if secret is not None:
+        return secret.curve_keys(PURPOSE_KV_SIDE_CHANNEL)
+    if config.extra.insecure_side_channel:
+        logger.warning("KV side channel WITHOUT authentication or encryption "
+                       "(insecure_side_channel): anyone who reaches it can read held KV "
+                       "blocks, and this worker loads KV from anyone")
+        return None
+    raise ValueError("KvloopConnector needs the fleet secret to authenticate its side "
+                     f"channel: give --fleet-secret-file PATH, ${FLEET_SECRET_FILE_ENV} or "
+                     f"${FLEET_SECRET_ENV} (or, on a trusted network only, set "
+                     f"kv_connector_extra_config.insecure_side_channel: true)")
+
+
 def make_connector(config: KVTransferConfig, runner: object,
-                   clock: Callable[[], float] = time.monotonic) -> KvloopConnector:
-    """The connector `config` names, over `runner`'s block store (ValueError when the runner
-    has none)."""
+                   clock: Callable[[], float] = time.monotonic, *,
+                   secret: FleetSecret | None = None) -> KvloopConnector:
+    """The connector `config` names, over `runner`'s block store, keyed by the fleet
+    `secret` (ValueError when the runner has no store, or there is no secret and no
+    opt-out)."""
     store = getattr(runner, "kv_block_store", None)
     if store is None:
         raise ValueError(f"--kv-transfer-config: the runner ({type(runner).__name__}) has no "
                          f"KV block store to transfer blocks through")
-    return KvloopConnector(config, store, clock)
+    return KvloopConnector(config, store, clock, secret=secret)

@@ -5,14 +5,19 @@ one msgpack frame each; P's ROUTER answers D's DEALER.
     Meta                                     MetaReply (engine id, fingerprint, block size,
                                                         version, host id)
     Read{remote_request_id, block_ids,       ReadReply{status, error, block_ids, nbytes,
-         transport}                                    shm_name}, then for TCP one raw frame
-                                                       per layer (the blocks in order)
+         transport, shm_name}                          shm_name, checksums}, then for TCP one
+                                                       raw frame per layer (the blocks in order)
     Done{remote_request_id}                  (no answer: P frees the request's blocks)
     Heartbeat{engine_id, remote_request_ids} (no answer: P extends the leases)
 
 Only Meta and Read are answered, in order, so a D that keeps one DEALER per P matches replies
 to its requests first in, first out. `PROTOCOL_VERSION` changes with any incompatible change;
 D refuses a P of another version.
+
+Only fleet members talk: P's ROUTER is a CURVE server, D's DEALERs CURVE clients, with keys
+derived from the fleet secret (`kvloop.trust`, purpose "kv-side-channel"), so every message
+is encrypted and a peer without the secret completes no handshake in either direction. Each
+frame carries its xxh3-64 checksum (`frame_checksum`), computed by P, checked by D.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ import socket
 from typing import Any
 
 import msgspec
+import xxhash
 
 from kvloop.core.kv_connector import KVFingerprint
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 READ_OK = "ok"
 READ_REFUSED = "refused"      # unknown or expired request, or blocks it does not hold
 READ_ERROR = "error"          # P failed while reading its blocks
@@ -51,6 +57,7 @@ class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     remote_request_id: str
     block_ids: list[int]
     transport: str = "tcp"      # "tcp": raw frames after the reply; "shm": a /dev/shm file
+    shm_name: str | None = None  # shm: the file D named (kvloop.kv_transfer.shm.new_name)
 
 
 class ReadReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -59,7 +66,8 @@ class ReadReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     block_ids: list[int] = msgspec.field(default_factory=list)
     nbytes: int = 0             # payload bytes (modelled ones for a simulated runner)
     num_frames: int = 0         # raw frames following (TCP) or in the file (shm)
-    shm_name: str | None = None
+    shm_name: str | None = None  # the file written (D's name), None: the frames follow (TCP)
+    checksums: list[int] = msgspec.field(default_factory=list)   # frame_checksum per frame
 
 
 class Done(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -95,6 +103,11 @@ def decode_request(data: Any) -> Request:
 
 def decode_reply(data: Any) -> Reply:
     return _reply_decoder.decode(data)
+
+
+def frame_checksum(frame: Any) -> int:
+    """The xxh3-64 of a frame's bytes (P computes it, D checks it before writing a block)."""
+    return int(xxhash.xxh3_64_intdigest(memoryview(frame).cast("B")))
 
 
 @functools.cache

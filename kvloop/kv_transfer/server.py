@@ -5,6 +5,10 @@ Owner: the server thread alone uses its socket. It reads P's blocks through the 
 `KVBlockStore` while the engine computes other blocks: a lease is pinned for the length of a
 Read (`LeaseTable.begin_read`), so its blocks are neither expired nor freed meanwhile; Reads
 and Dones of one D arrive in order on one connection, so a Done never overtakes its Read.
+
+The ROUTER is a CURVE server (`keys`; the connector runs the ZAP authenticator admitting
+only the fleet's client key), so only fleet members get any answer, Meta included. A thread
+that dies records why in `fault` (the worker's /health reports it) instead of vanishing.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from kvloop.kv_transfer.protocol import (
     ReadReply,
     decode_request,
     encode,
+    frame_checksum,
 )
 from kvloop.kv_transfer.stats import TransferCounters
+from kvloop.trust import CurveKeys
 
 logger = logging.getLogger("kvloop.kv_transfer")
 _POLL_MS = 100
@@ -44,8 +50,10 @@ class SideChannelServer:
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, meta: MetaReply,
                  leases: LeaseTable, store: KVBlockStore, counters: TransferCounters,
-                 wakeup: Callable[[], None]):
+                 wakeup: Callable[[], None], keys: CurveKeys | None):
+        """`keys`: the side channel's CURVE keys (None: plaintext, the insecure opt-out)."""
         self.meta = meta
+        self.fault: str | None = None   # why the thread died (None: alive or stopped)
         self.leases = leases
         self.store = store
         self.counters = counters
@@ -55,6 +63,8 @@ class SideChannelServer:
         host_part = f"[{host}]" if ":" in host else host
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
+        if keys is not None:
+            keys.make_server(self._sock)
         try:
             self._sock.bind(f"tcp://{host_part}:{port}")
         except zmq.ZMQError as e:
@@ -85,6 +95,14 @@ class SideChannelServer:
 
     # --- the thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # recorded, logged, reported by /health: never silent
+            self.fault = f"the KV side-channel thread died: {type(e).__name__}: {e}"
+            logger.exception("KV side channel: %s", self.fault)
+            self.wakeup()
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_pull, zmq.POLLIN)   # shutdown
@@ -143,10 +161,27 @@ class SideChannelServer:
         store = self.store
         nbytes = len(read.block_ids) * store.block_nbytes
         frames = store.read_blocks(read.block_ids) if store.has_payload else []
-        if read.transport == "shm" and frames:
-            name = shm.shm_name(self.meta.engine_id)
-            path = shm.write_frames(name, frames)
-            return (ReadReply(status=READ_OK, block_ids=read.block_ids, nbytes=nbytes,
-                              num_frames=len(frames), shm_name=name), [], path)
+        checksums = [frame_checksum(f) for f in frames]
+        if read.transport == "shm" and frames and read.shm_name is not None:
+            path = _write_shm(read.shm_name, frames)
+            if path is not None:
+                return (ReadReply(status=READ_OK, block_ids=read.block_ids, nbytes=nbytes,
+                                  num_frames=len(frames), shm_name=read.shm_name,
+                                  checksums=checksums), [], path)
         return (ReadReply(status=READ_OK, block_ids=read.block_ids, nbytes=nbytes,
-                          num_frames=len(frames)), frames, None)
+                          num_frames=len(frames), checksums=checksums), frames, None)
+
+
+def _write_shm(name: str, frames: list[Any]) -> str | None:
+    """Write the file D named; None (send over TCP instead) when the name is not one D makes
+    or a file of that name already exists (a squatter's: never ours to use or remove)."""
+    if not shm.is_valid_name(name):
+        logger.warning("KV side channel: a Read names the shared-memory file %r, not of "
+                       "kvloop's form; sending over TCP", name[:80])
+        return None
+    try:
+        return shm.write_frames(name, frames)
+    except FileExistsError:
+        logger.warning("KV side channel: the shared-memory file %s already exists (not "
+                       "ours); sending over TCP", name)
+        return None

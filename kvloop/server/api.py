@@ -129,14 +129,15 @@ _ERRORS = {
     401: "Missing or wrong API key (only on a server started with one; the admin routes need "
          "the admin key).",
     403: "An admin route without --admin-api-key, or called with an API key, not the admin "
-         "key.",
+         "key; on the generation routes, `kv_transfer_params` asking to hold or load KV "
+         "blocks without the fleet token or the admin key.",
     404: "No such model (the body's `model`, or the id in the path).",
     413: "Request body over the server's limit.",
     500: "The engine died, or a KV transfer the request needed failed.",
     503: "Shutting down, the engine did not answer, or too many requests waiting (then with "
          "Retry-After).",
 }
-_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+_GENERATION_ERRORS = (400, 403, 404, 413, 500, 503)
 _STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse)
 GENERATE_PATH = "/inference/v1/generate"   # vLLM's token-in route
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
@@ -298,7 +299,9 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
 _HEALTH: dict[str, Any] = {
     "response_class": Response, "response_model": None,
     "responses": {200: {"description": "The engine is alive (empty body)."},
-                  503: {"description": "The engine died (empty body)."}}}
+                  503: {"description": "The engine died, or the server is stopping (empty "
+                                       "body); or an internal thread died (a JSON body, "
+                                       "`{\"status\": \"unhealthy\", \"reasons\": [...]}`)."}}}
 
 
 def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -306,6 +309,9 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health() -> Response:
         if ctx.client.dead or ctx.client.shutting_down:   # dead, draining or stopping
             return Response(status_code=503)
+        if ctx.client.faults:        # alive, but a thread it needs died (the KV transfer's)
+            return JSONResponse({"status": "unhealthy", "reasons": ctx.client.faults},
+                                status_code=503)
         return Response(status_code=200)
 
     @app.get("/ping", **_HEALTH)

@@ -120,6 +120,7 @@ class EngineClient:
         self.metrics: ServerMetrics | None = None
         self.ready: EngineReady | None = None
         self.dead = False
+        self.faults: list[str] = []  # the engine's internal threads that died (EngineCoreOutputs)
         self.shutting_down = False   # new requests are refused (draining or stopping)
         self._ending = False         # in-flight requests were told to end
         self._stopping = False       # shutdown() is stopping the engine process
@@ -264,6 +265,10 @@ class EngineClient:
             fut = self._utility.get(outs.utility_output.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(outs.utility_output)
+        if outs.faults is not None:
+            self.faults = outs.faults
+            for fault in outs.faults:
+                logger.error("the engine reports: %s", fault)
         m = self.metrics
         if m is not None:
             if outs.scheduler_stats is not None:

@@ -30,6 +30,8 @@ from kvloop.core.request import (
     StructuredOutputsParams,
     check_context_length,
 )
+from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
+from kvloop.server.auth import Caller
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
@@ -75,6 +77,7 @@ from kvloop.server.processor import (
 from kvloop.server.prompts import chat_prompt, completion_prompts
 from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
+from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 from kvloop.wire import KV_LOAD_FAILED, EngineCoreOutput, EngineCoreRequest, EngineReady
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -161,17 +164,46 @@ def _check_supported(req: SamplingRequest) -> None:
 _MSGPACK_INTS = (-(2 ** 63), 2 ** 64 - 1)     # what msgpack can carry to the engine
 
 
-def check_kv_transfer_params(req: SamplingRequest, num_prompts: int) -> None:
+def authorize_kv_transfer(ctx: ServerContext, request: Request,
+                          params: dict[str, Any] | None) -> None:
+    """APIError(403) when `params` ask this worker (one with a KV connector: without one
+    they do nothing) to hold or load KV blocks and the caller presents neither the fleet
+    token (`INTERNAL_TOKEN_HEADER`: a router of this fleet) nor the admin key. Checked
+    before any other work for the request (docs/security.md)."""
+    if ctx.ready.kv_transfer is None or not asks_for_kv(params):
+        return
+    secret = ctx.config.fleet_secret
+    token = request.headers.get(INTERNAL_TOKEN_HEADER)
+    if secret is not None and secret.check_token(PURPOSE_INTERNAL_HTTP, token):
+        return
+    if ctx.config.auth.identify(request.headers.get("authorization")) is Caller.ADMIN:
+        return
+    why = ("this worker has no fleet secret" if secret is None else
+           f"the {INTERNAL_TOKEN_HEADER} header is " + ("missing" if token is None
+                                                        else "not this fleet's token"))
+    raise APIError(403, f"kv_transfer_params that ask a worker to hold or load KV blocks "
+                        f"(do_remote_decode, do_remote_prefill) are accepted only from this "
+                        f"fleet's router or with the admin key: {why}",
+                   param=KV_TRANSFER_PARAMS_KEY)
+
+
+def check_kv_transfer_params(ctx: ServerContext, req: SamplingRequest,
+                             prompts: list[list[int]]) -> None:
     """APIError(400) unless the request's `kv_transfer_params` (a JSON object, checked by
-    the schema) can reach the engine: integers msgpack carries, and one engine request
-    (n=1, one prompt), since the params name one request's blocks on one worker."""
+    the schema) can reach the engine: one engine request (n=1, one prompt), since the
+    params name one request's blocks on one worker; within the bounds of
+    `kvloop.kv_transfer.params.bounds_refusal` (sizes first, before any element is read);
+    integers msgpack carries."""
     params = req.kv_transfer_params
     if params is None:
         return
-    if req.n != 1 or num_prompts != 1:
+    if req.n != 1 or len(prompts) != 1:
         raise APIError(400, f"kv_transfer_params needs one prompt and n=1 (they name one "
-                            f"request's KV blocks), got {num_prompts} prompt(s) and n={req.n}",
-                       param=KV_TRANSFER_PARAMS_KEY)
+                            f"request's KV blocks), got {len(prompts)} prompt(s) and "
+                            f"n={req.n}", param=KV_TRANSFER_PARAMS_KEY)
+    refusal = bounds_refusal(params, len(prompts[0]), ctx.ready.block_size)
+    if refusal is not None:
+        raise APIError(400, f"kv_transfer_params: {refusal}", param=KV_TRANSFER_PARAMS_KEY)
     pending: list[Any] = [params]
     while pending:
         v = pending.pop()
@@ -583,13 +615,14 @@ def completion_max_tokens(req: CompletionRequest | GenerateSamplingParams
 async def create_completion(ctx: ServerContext, req: CompletionRequest,
                             request: Request) -> Response:
     ctx.check_model(req.model)
+    authorize_kv_transfer(ctx, request, req.kv_transfer_params)
     _check_supported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported by kvloop", param="suffix")
     prompts = completion_prompts(ctx.tokenizer, req)
     for ids in prompts:
         ctx.check_token_ids(ids, "prompt")
-    check_kv_transfer_params(req, len(prompts))
+    check_kv_transfer_params(ctx, req, prompts)
     asked, default = completion_max_tokens(req)
     constraint = request_constraint(ctx, req)
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default,
@@ -691,13 +724,14 @@ def chat_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  request: Request) -> Response:
     ctx.check_model(req.model)
+    authorize_kv_transfer(ctx, request, req.kv_transfer_params)
     _check_supported(req)
     tools = chat_tools(ctx, req)
     if tools.choice == "auto":   # vLLM: a parser may need the special tokens of its format
         req = req.model_copy(update={"skip_special_tokens": False})
     constraint = request_constraint(ctx, req, tools)
     prompt = chat_prompt(ctx.tokenizer, req)
-    check_kv_transfer_params(req, 1)
+    check_kv_transfer_params(ctx, req, [prompt])
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     params = build_sampling_params(ctx, req, len(prompt), max_tokens,
@@ -786,12 +820,13 @@ async def create_generate(ctx: ServerContext, req: GenerateRequest,
                           request: Request) -> Response:
     ctx.check_model(req.model)
     sp = _generate_sampling(req)
+    authorize_kv_transfer(ctx, request, sp.kv_transfer_params)
     _check_supported(sp)
     ids = list(req.token_ids)
     if not ids:
         raise APIError(400, "token_ids must not be empty", param="token_ids")
     ctx.check_token_ids(ids, "token_ids")
-    check_kv_transfer_params(sp, 1)
+    check_kv_transfer_params(ctx, sp, [ids])
     asked, default = completion_max_tokens(sp)
     params = build_sampling_params(ctx, sp, len(ids), asked, sp.logprobs, default)
     base = f"gen-{uuid.uuid4().hex}"
