@@ -32,7 +32,7 @@ from kvloop.router.registry import PREFILL_FAILING, WorkerSpec
 from kvloop.server.prometheus_text import metric_value
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret
 from tests.conftest import RouterThread, held_port, wait_until
-from tests.test_router_pd_fleet import BANDWIDTH, SPEEDUP, pd_fleet
+from tests.test_router_pd_fleet import BANDWIDTH, SECRET, SPEEDUP, pd_fleet
 
 pytestmark = pytest.mark.processes   # real workers; routers on threads
 
@@ -247,7 +247,7 @@ def pd() -> Iterator[Fleet]:
 
 def test_a_frozen_prefill_worker_falls_back_within_the_leg_timeout(pd):
     cfg = RouterConfig(liveness=LivenessConfig(window_s=30.0, poll_interval_s=0.2),
-                       pd=PDConfig(policy="always", speedup=SPEEDUP,
+                       fleet_secret=SECRET, pd=PDConfig(policy="always", speedup=SPEEDUP,
                                    transfer_bandwidth=BANDWIDTH,
                                    prefill_timeout_s=PREFILL_TIMEOUT_S))
     prefill = next(p for i, p in enumerate(pd.workers) if pd.config.role_of(i) == "prefill")
