@@ -372,3 +372,44 @@ def test_reset_on_an_idle_worker_publishes_all_blocks_cleared_at_once(serve: Any
         ctx.term()
     # no request follows the reset: the event must not wait for the next engine step
     assert kinds[0] == "BlockStored" and kinds[-1] == "AllBlocksCleared"
+
+
+def _listening_tcp_ports(pids: list[int]) -> set[int]:
+    """TCP ports the processes `pids` listen on (from /proc: their sockets' inodes)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if f[3] == "0A" and f[9] in inodes:   # 0A: LISTEN
+                    ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_the_engine_sockets_are_private_ipc_files_and_only_http_listens(tmp_path: Path) -> None:
+    """No other local user can reach the API server <-> engine sockets (they were loopback TCP
+    ports, where anyone on the host could forge outputs or the handshake): they are IPC files
+    in a mode-0700 folder, removed at exit; the worker listens on its HTTP port alone."""
+    srv = ServeProcess(["--model", "sim"], tmp_path / "serve.log",
+                       env={"TMPDIR": str(tmp_path)}).start()
+    try:
+        (folder,) = tmp_path.glob("kvloop-engine-*")
+        assert folder.stat().st_mode & 0o777 == 0o700
+        assert sorted(p.name for p in folder.iterdir()) == ["input", "output"]
+        assert all(p.is_socket() for p in folder.iterdir())
+        http_port = int(srv.url.rsplit(":", 1)[1])
+        engine = children(srv.pid)
+        assert engine, "the engine core process was not found"
+        assert _listening_tcp_ports([srv.pid, *engine]) == {http_port}
+        assert httpx.post(srv.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+    finally:
+        srv.stop()
+    assert not folder.exists()

@@ -183,7 +183,9 @@ async def first_connect(options: dict[str, Any], timeout_s: float, **callbacks: 
         return await asyncio.wait_for(nats.connect(**options, error_cb=on_error, **callbacks),
                                       timeout_s)
     except (TimeoutError, OSError) as e:
-        cause = errors[-1] if errors else e
+        # The server's refusal says more than the reset that follows it, whichever came last.
+        refusals = [x for x in errors if "authorization" in str(x).lower()]
+        cause = (refusals or errors or [e])[-1]
         raise OSError(f"{type(cause).__name__}: {cause}".rstrip(": ")) from None
 
 

@@ -4,7 +4,9 @@
     ROUTER (bind) --[identity, type, payload]--> DEALER   ADD / ABORT / UTILITY
     PULL   (bind) <--------- EngineCoreOutputs -- PUSH
 
-Life cycle: `start()` binds both sockets on ephemeral loopback ports, starts
+Life cycle: `start()` binds both sockets as IPC files in a fresh directory only this user
+can enter (mode 0700: no other local user can send the engine requests, forge its outputs or
+its handshake, as anyone on the host could on loopback TCP; docs/security.md), starts
 `python -m kvloop.core.engine_proc` in its own session (a signal to our process group, as
 Ctrl-C or `kill -- -PGID` send, reaches only the API server, which then stops the engine: one
 owner of its life, whether it is still loading the model or serving), writes its
@@ -26,9 +28,11 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -110,6 +114,7 @@ class EngineClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._stdin: IO[bytes] | None = None
         self._identity = b""
+        self._ipc_dir: str | None = None   # the sockets' private directory, once bound
         self._requests: dict[str, _Tracked] = {}
         self._num_unscheduled = 0
         self._utility: dict[int, asyncio.Future[UtilityOutput]] = {}
@@ -129,8 +134,9 @@ class EngineClient:
     async def start(self, timeout_s: float = 600.0) -> EngineReady:
         """Start the engine core process and wait for its handshake."""
         self._loop = asyncio.get_running_loop()
-        self._router.bind("tcp://127.0.0.1:*")
-        self._pull.bind("tcp://127.0.0.1:*")
+        self._ipc_dir = tempfile.mkdtemp(prefix="kvloop-engine-")
+        self._router.bind(f"ipc://{self._ipc_dir}/input")
+        self._pull.bind(f"ipc://{self._ipc_dir}/output")
         cfg = msgspec.structs.replace(
             self._start_config,
             input_address=self._router.getsockopt_string(zmq.LAST_ENDPOINT),
@@ -379,6 +385,8 @@ class EngineClient:
         self._router.close()
         self._pull.close()
         self._ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
