@@ -20,6 +20,10 @@ blocks, costing no budget, skipped by the waiting loop until the connector repor
 it is scheduled as any waiting request. A finished request whose blocks the connector holds
 (P's delayed free, or an aborted load still being written) leaves the queues but stays in
 `requests` until the connector reports it (`finished_sending` / `finished_recving`).
+
+Why a waiting request is not ready yet (its grammar compiling, its remote KV loading) is
+asked of one small object per reason (`kvloop.core.waiting`, which draws the lifecycle); a
+feature whose requests must wait adds a reason to `wait_reasons`, not a branch in the loop.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
 from kvloop.core.structured_output import GRAMMAR_REJECTED
+from kvloop.core.waiting import GrammarCompile, Readiness, RemoteKVLoad, WaitReasons
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
@@ -147,6 +152,7 @@ class Scheduler:
         remote load does, "fail" (finish_reason "error") or "recompute" (prefill here)."""
         self.config = config
         self.connector = connector
+        self.wait_reasons = WaitReasons(GrammarCompile(), RemoteKVLoad())
         self.kv_load_failure_policy = kv_load_failure_policy
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -168,12 +174,14 @@ class Scheduler:
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a new request: status WAITING, or WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR when
-        it has a grammar (attached by the engine). Its id must not be in use."""
+        """Queue a new request: status WAITING, or the status of the first waiting reason
+        holding it (WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR when it has a grammar, attached by
+        the engine). Its id must not be in use."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.structured_output_request is not None:
-            request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        reason = self.wait_reasons.holding_new(request)
+        if reason is not None:
+            request.status = reason.status
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if self.connector is not None:
@@ -215,8 +223,7 @@ class Scheduler:
         """A finished request leaves: the connector decides whether its blocks wait (delayed
         free); returns the `kv_transfer_params` it hands on (None without)."""
         delay_free, params = False, None
-        if request.structured_output_request is not None:
-            request.structured_output_request.release()   # its compile, if still wanted
+        self.wait_reasons.release(request)
         if self.connector is not None:
             delay_free, params = self.connector.request_finished(
                 request, self.kv.get_block_ids(request.request_id))
@@ -342,8 +349,8 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        skipped: list[Request] = []   # passed over this step (waiting for a grammar, a
-        #                               remote load, the connector): back in place after
+        skipped: list[Request] = []   # passed over this step (held by a waiting reason, or
+        #                               the connector asks again): back in place after
         try:
             self._admit_waiting(plan, skipped)
         finally:
@@ -356,11 +363,7 @@ class Scheduler:
             if len(self.running) >= cfg.max_num_seqs:
                 break
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                skipped.append(self.waiting.pop())   # its load has not reported yet
-                continue
-            if (request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-                    and not self._grammar_ready(request)):
+            if self._held(request):
                 self.waiting.pop()
                 if not request.is_finished:
                     skipped.append(request)
@@ -430,21 +433,24 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
 
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether a request waiting for its grammar may be admitted now (it becomes WAITING).
-        A failed compile finishes it (FINISHED_ERROR) with an error output."""
-        so_req = request.structured_output_request
-        assert so_req is not None
-        if so_req.poll():
+    def _held(self, request: Request) -> bool:
+        """Whether a waiting reason still holds `request` (the queue's head), asking it: one
+        ready now becomes WAITING (admitted as any request); one that never will be is
+        finished (FINISHED_ERROR) with an error output, sent with the next step's."""
+        reason = self.wait_reasons.holding(request)
+        if reason is None:
+            return False
+        readiness = reason.poll(request)
+        if readiness is Readiness.READY:
             request.status = RequestStatus.WAITING
-            return True
-        if so_req.error is not None:
+            return False
+        if readiness is Readiness.FAILED:
             request.status = RequestStatus.FINISHED_ERROR
             self._free_request(request)
             self._error_outputs.append(EngineCoreOutput(
                 request.request_id, [], finish_reason=finish_reason(request.status),
-                error=so_req.error))
-        return False
+                error=reason.error(request)))
+        return True
 
     def _admit(self, request: Request, num_new_tokens: int, num_computed: int, num_hit: int,
                plan: StepPlan) -> None:
@@ -757,9 +763,7 @@ class Scheduler:
             assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
-                                RequestStatus.WAITING_FOR_REMOTE_KVS,
-                                RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR), \
-                f"{r} waiting"
+                                *self.wait_reasons.statuses()), f"{r} waiting"
             held = len(self.kv.req_to_blocks.get(r.request_id, ()))
             if r.status == RequestStatus.PREEMPTED:
                 assert r.num_computed_tokens == 0

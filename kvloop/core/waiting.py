@@ -1,0 +1,145 @@
+"""Waiting reasons: why a request in the waiting queue is not ready to be admitted yet.
+
+Owner: the scheduler holds the reasons (a `WaitReasons`) and alone changes `Request.status`;
+a reason only reports. Each reason is one small object with its own status (vLLM's
+`WAITING_FOR_*`); a request waits for at most one reason at a time, named by its status.
+A feature whose requests must wait (a tier loading their blocks, an adapter loading) adds a
+reason object to the scheduler's registry, not a branch in the waiting loop.
+
+The life of a waiting request (`Scheduler._admit_waiting` peeks the queue's head each time):
+
+    add_request ── a reason holds it now? ── yes: status = reason.status (grammar)
+         │ no: WAITING                              │
+         ▼                                          ▼
+    ┌─ head of the waiting queue ◀───────── poll(request) each step it reaches the head
+    │    │                                   ├─ NOT_YET: popped into the step's skipped list,
+    │    │                                   │  put back in its place after the loop (the
+    │    │                                   │  requests behind it are admitted meanwhile)
+    │    │                                   ├─ FAILED: finished FINISHED_ERROR, its error
+    │    │                                   │  output sent with the next step's outputs
+    │    │◀── READY: status WAITING ─────────┘
+    │    ▼
+    │  local prefix hit, then the connector's tokens beyond it (its "ask again": skipped
+    │  like NOT_YET), then the allocation (no room: the loop stops)
+    │    │── an asynchronous load: status WAITING_FOR_REMOTE_KVS, skipped; the scheduler
+    │    │   makes it WAITING (or fails it) when the connector reports the load
+    │    ▼
+    └─ RUNNING (scheduled this step)
+
+Whatever a request waited for is `release`d when it finishes, waiting or not (an aborted
+request no longer wants its grammar compile). The order of the queue is vLLM's exactly: a
+held request keeps its place, neither blocking the requests behind it nor passed by them
+once ready (docs/vllm-facts.md#scheduler).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+from kvloop.core.request import Request, RequestStatus
+
+
+class Readiness(enum.Enum):
+    """A reason's answer about one request it holds."""
+
+    READY = enum.auto()      # no longer held: WAITING, admitted like any waiting request
+    NOT_YET = enum.auto()    # skipped this step, back in its place afterwards
+    FAILED = enum.auto()     # never will be: finished with the reason's `error`
+
+
+class WaitReason(Protocol):
+    """One reason a waiting request may not be admitted yet. Reasons mutate no request."""
+
+    status: RequestStatus   # the status of the requests this reason holds
+
+    def holds_new(self, request: Request) -> bool:
+        """Whether a request just added must wait for this reason first."""
+        ...
+
+    def poll(self, request: Request) -> Readiness:
+        """Asked by the waiting loop whenever a request with `status` reaches the head."""
+        ...
+
+    def error(self, request: Request) -> str:
+        """Why `request` can never be ready (after `poll` answered FAILED)."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """`request` finished (whatever its status): drop what it waited on. Idempotent."""
+        ...
+
+
+class GrammarCompile:
+    """A constrained request waits for its grammar's compile (vLLM's
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR); a failed or timed-out compile fails it."""
+
+    status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def holds_new(self, request: Request) -> bool:
+        return request.structured_output_request is not None
+
+    def poll(self, request: Request) -> Readiness:
+        so_req = request.structured_output_request
+        assert so_req is not None
+        if so_req.poll():
+            return Readiness.READY
+        return Readiness.NOT_YET if so_req.error is None else Readiness.FAILED
+
+    def error(self, request: Request) -> str:
+        so_req = request.structured_output_request
+        assert so_req is not None and so_req.error is not None
+        return so_req.error
+
+    def release(self, request: Request) -> None:
+        if request.structured_output_request is not None:
+            request.structured_output_request.release()   # its compile, if still wanted
+
+
+class RemoteKVLoad:
+    """A request whose prompt KV the connector loads between steps (vLLM's
+    WAITING_FOR_REMOTE_KVS). It enters at its admission (an asynchronous load) and leaves
+    when the connector reports the load, which the scheduler handles in
+    `update_from_output`; until then the waiting loop only skips it."""
+
+    status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def holds_new(self, request: Request) -> bool:
+        return False
+
+    def poll(self, request: Request) -> Readiness:
+        return Readiness.NOT_YET
+
+    def error(self, request: Request) -> str:
+        return "the remote KV load failed"   # never asked: failures come with the report
+
+    def release(self, request: Request) -> None:
+        pass   # the connector owns the transfer (`request_finished`)
+
+
+class WaitReasons:
+    """The scheduler's registry of reasons, one per status, asked in registration order."""
+
+    def __init__(self, *reasons: WaitReason):
+        self._by_status: dict[RequestStatus, WaitReason] = {}
+        for reason in reasons:
+            if reason.status in self._by_status or not reason.status.name.startswith("WAITING_"):
+                raise ValueError(f"a waiting reason needs its own WAITING_* status, "
+                                 f"not {reason.status.name}")
+            self._by_status[reason.status] = reason
+
+    def holding(self, request: Request) -> WaitReason | None:
+        """The reason holding `request` now (by its status); None: nothing holds it."""
+        return self._by_status.get(request.status)
+
+    def holding_new(self, request: Request) -> WaitReason | None:
+        """The first reason a request just added must wait for (None: none)."""
+        return next((r for r in self._by_status.values() if r.holds_new(request)), None)
+
+    def release(self, request: Request) -> None:
+        for reason in self._by_status.values():
+            reason.release(request)
+
+    def statuses(self) -> tuple[RequestStatus, ...]:
+        """The statuses of held requests (for the scheduler's invariants)."""
+        return tuple(self._by_status)
