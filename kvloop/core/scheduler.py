@@ -436,7 +436,7 @@ class Scheduler:
     def _held(self, request: Request) -> bool:
         """Whether a waiting reason still holds `request` (the queue's head), asking it: one
         ready now becomes WAITING (admitted as any request); one that never will be is
-        finished (FINISHED_ERROR) with an error output, sent with the next step's."""
+        finished (FINISHED_ERROR) with an error output, sent with this step's outputs."""
         reason = self.wait_reasons.holding(request)
         if reason is None:
             return False

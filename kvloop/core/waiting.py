@@ -8,28 +8,25 @@ reason object to the scheduler's registry, not a branch in the waiting loop.
 
 The life of a waiting request (`Scheduler._admit_waiting` peeks the queue's head each time):
 
-    add_request ── a reason holds it now? ── yes: status = reason.status (grammar)
-         │ no: WAITING                              │
-         ▼                                          ▼
-    ┌─ head of the waiting queue ◀───────── poll(request) each step it reaches the head
-    │    │                                   ├─ NOT_YET: popped into the step's skipped list,
-    │    │                                   │  put back in its place after the loop (the
-    │    │                                   │  requests behind it are admitted meanwhile)
-    │    │                                   ├─ FAILED: finished FINISHED_ERROR, its error
-    │    │                                   │  output sent with the next step's outputs
-    │    │◀── READY: status WAITING ─────────┘
-    │    ▼
-    │  local prefix hit, then the connector's tokens beyond it (its "ask again": skipped
-    │  like NOT_YET), then the allocation (no room: the loop stops)
-    │    │── an asynchronous load: status WAITING_FOR_REMOTE_KVS, skipped; the scheduler
-    │    │   makes it WAITING (or fails it) when the connector reports the load
-    │    ▼
-    └─ RUNNING (scheduled this step)
+    add_request ── held by a reason (`holds_new`)? ── yes ─▶ status = reason.status
+         │ no                                                      │
+         ▼                                                         ▼
+      WAITING ◀── READY ─── `poll(request)` whenever it reaches the queue's head:
+         │                    NOT_YET: skipped this step, back in its place afterwards
+         │                    FAILED:  FINISHED_ERROR, with an error output
+         ▼ at the queue's head
+      local prefix hit, then the connector's tokens beyond it (the connector may ask
+      again: skipped as NOT_YET), then the allocation (no room: the loop stops)
+         │
+         ├── an asynchronous load ─▶ WAITING_FOR_REMOTE_KVS (`RemoteKVLoad`), skipped
+         │                           until the connector reports it: WAITING, or failed
+         ▼
+      RUNNING
 
 Whatever a request waited for is `release`d when it finishes, waiting or not (an aborted
-request no longer wants its grammar compile). The order of the queue is vLLM's exactly: a
-held request keeps its place, neither blocking the requests behind it nor passed by them
-once ready (docs/vllm-facts.md#scheduler).
+request no longer wants its grammar compile). The queue's order is vLLM's exactly: a held
+request keeps its place while the requests behind it are admitted
+(docs/vllm-facts.md#scheduler).
 """
 
 from __future__ import annotations
