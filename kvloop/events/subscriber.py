@@ -1,7 +1,7 @@
 """KVEventSubscriber: one worker's KV events, in order and complete, across gaps and restarts.
 
 Owner: one subscriber thread (`kvloop-kv-sub`) owns the SUB and DEALER sockets, the sequence
-state and the stats, and calls the callbacks, in order, from that thread.
+state (its `EventSequencer`) and the stats, and calls the callbacks, in order, from that thread.
 
 What it guarantees to `on_batch`: for each worker, batches arrive in publisher order, each
 at most once. Whenever what came before can no longer be trusted (a new publisher epoch, a
@@ -9,7 +9,8 @@ publisher restart, a snapshot), a *reset* comes first: a `WorkerBatch` with
 `source == "reset"` whose batch is `[AllBlocksCleared()]`, so a consumer that simply applies
 every batch's events is always right; `reason` tells why.
 
-How (see `protocol.py` for the frames):
+How (see `protocol.py` for the frames; the order rules are `sequencer.EventSequencer`'s,
+shared with the NATS stream; this module fetches what it asks for):
 - Sequence numbers: the next batch must carry `expected`. A higher number is a gap: ask the
   replay socket for the missing range; if the publisher no longer has it, ask for a snapshot
   (kvloop publishers). A lower number is a duplicate if its payload equals what that number
@@ -31,97 +32,32 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 
 from kvloop.events import protocol as proto
-from kvloop.events.types import AllBlocksCleared, KVEvent, KVEventBatch
+from kvloop.events.sequencer import (
+    LIVE,
+    REPLAY,
+    RESET,
+    SNAPSHOT,
+    BatchCallback,
+    EventSequencer,
+    SubscriberStats,
+    Verdict,
+    WorkerBatch,
+    count_delivery,
+)
+from kvloop.events.types import AllBlocksCleared, KVEventBatch
 from kvloop.trust import CurveKeys
 
 logger = logging.getLogger(__name__)
 
-LIVE = "live"
-REPLAY = "replay"
-SNAPSHOT = "snapshot"
-RESET = "reset"
 _MAX_UNANSWERED_PROBES = 3
 
 
-@dataclass(frozen=True)
-class WorkerBatch:
-    """One delivery to `on_batch`: a batch of one worker, or a reset notice.
-
-    `seq` is the publisher's sequence number (for a snapshot: the number the live stream
-    continues at; None for a reset). `source` is "live", "replay", "snapshot" or "reset";
-    `reason` (resets only) is "join", "gap", "epoch" or "restart".
-    """
-
-    worker_id: str
-    batch: KVEventBatch
-    seq: int | None
-    epoch: str | None
-    source: str
-    reason: str | None = None
-
-    @property
-    def events(self) -> list[KVEvent]:
-        return self.batch.events
-
-    @property
-    def is_reset(self) -> bool:
-        return self.source == RESET
-
-
-@dataclass
-class SubscriberStats:
-    """Counters of one subscriber (a copy is returned by `KVEventSubscriber.stats`).
-
-    Times are wall-clock `time.time()` of receipt. `unrecovered_gaps` counts batches known to
-    be missing for good (no replay socket, or history gone and no snapshot): the view may then
-    lack blocks until the next reset.
-    """
-
-    events_received: int = 0
-    batches_received: int = 0
-    last_event_time: float | None = None
-    last_seq: int | None = None
-    heartbeats: int = 0
-    last_heartbeat_time: float | None = None
-    gaps: int = 0
-    unrecovered_gaps: int = 0
-    replays: int = 0
-    replay_failures: int = 0
-    snapshots: int = 0
-    resets: int = 0
-    restarts: int = 0
-    epochs_seen: int = 0
-    current_epoch: str | None = None
-    duplicates: int = 0
-    malformed: int = 0
-    touches: int = 0
-    callback_errors: int = 0
-    kvloop_publisher: bool | None = None
-
-
-def count_delivery(st: SubscriberStats, batch: KVEventBatch, seq: int | None,
-                   source: str) -> None:
-    """Count one batch handed on: a reset as such, any other as received (its events, the
-    time; its sequence number unless it came from a snapshot)."""
-    if source == RESET:
-        st.resets += 1
-        return
-    st.batches_received += 1
-    st.events_received += len(batch.events)
-    st.last_event_time = time.time()
-    if source != SNAPSHOT:
-        st.last_seq = seq
-
-
-BatchCallback = Callable[[WorkerBatch], None]
 TouchCallback = Callable[[str, list[int | bytes]], None]
 InfoCallback = Callable[[str, proto.PublisherInfo], None]
 
@@ -138,8 +74,6 @@ class KVEventSubscriber:
                  curve_keys: CurveKeys | None = None):
         if probe_interval_s <= 0 or request_timeout_s <= 0:
             raise ValueError("probe_interval_s and request_timeout_s must be > 0")
-        if dedup_window < 1:
-            raise ValueError("dedup_window must be >= 1")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -151,10 +85,10 @@ class KVEventSubscriber:
         self._probe_interval = probe_interval_s
         self._timeout_ms = max(1, int(request_timeout_s * 1000))
         self._rcvhwm = rcvhwm
-        self._window_size = dedup_window
         self._curve_keys = curve_keys   # the fleet's KV-event keys: a CURVE client of both
         self._decoder = proto.BatchDecoder()
         self._stats = SubscriberStats()
+        self._seq = EventSequencer(self._stats, dedup_window)
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,8 +97,6 @@ class KVEventSubscriber:
         self._sub: zmq.Socket | None = None
         self._dealer: zmq.Socket | None = None
         self._poller = zmq.Poller()
-        self._expected: int | None = None
-        self._window: OrderedDict[int, int] = OrderedDict()
         self._resyncing = False
         self._last_heard = 0.0
         self._probe_sent: float | None = None
@@ -184,7 +116,7 @@ class KVEventSubscriber:
 
     @property
     def epoch(self) -> str | None:
-        return self._stats.current_epoch
+        return self._seq.epoch
 
     def start(self) -> KVEventSubscriber:
         """Connect and start the subscriber thread. Raises RuntimeError if called twice."""
@@ -366,62 +298,61 @@ class KVEventSubscriber:
     def _on_data(self, seq: int, payload: bytes, batch: KVEventBatch, source: str) -> None:
         """Sequence one data batch: deliver, recover a gap first, or drop a duplicate."""
         digest = hash(payload)
-        exp = self._expected
-        if exp is None:
+        verdict = self._seq.classify(seq, digest)
+        if verdict is Verdict.FIRST:
             if seq == 0 or self._dealer is None or self._resyncing:
                 if seq > 0:
                     self._stats.unrecovered_gaps += 1
                 self._accept(seq, digest, batch, source)
                 return
-            exp = self._expected = 0
-        if seq == exp:
+            self._seq.expect(0)
+            verdict = self._seq.classify(seq, digest)
+        if verdict is Verdict.APPLY:
             self._accept(seq, digest, batch, source)
-        elif seq > exp:
+        elif verdict is Verdict.GAP:
             self._stats.gaps += 1
-            if not self._resyncing and self._resync_from(exp):
+            start = self._seq.expected
+            assert start is not None   # a gap is counted from a known number
+            if not self._resyncing and self._resync_from(start):
                 self._recheck(seq, digest, batch, source)
             else:
                 self._stats.unrecovered_gaps += 1
                 self._accept(seq, digest, batch, source)
         else:
-            self._on_regression(seq, digest, batch, source)
+            self._on_regression(verdict, seq, digest, batch, source)
 
     def _recheck(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
         """A batch seen again after a resync: deliver it if still new, never resync again."""
-        exp = self._expected
-        if exp is None or seq == exp:
+        verdict = self._seq.classify(seq, digest)
+        if verdict in (Verdict.FIRST, Verdict.APPLY):
             self._accept(seq, digest, batch, source)
-        elif seq > exp:
+        elif verdict is Verdict.GAP:
             self._stats.unrecovered_gaps += 1
             self._accept(seq, digest, batch, source)
         else:
             self._stats.duplicates += 1
 
-    def _on_regression(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
+    def _on_regression(self, verdict: Verdict, seq: int, digest: int, batch: KVEventBatch,
+                       source: str) -> None:
         """A number below `expected`: a duplicate, a stale batch, or a restarted publisher."""
-        known = self._window.get(seq)
-        if known == digest:
+        if verdict is Verdict.DUPLICATE:
             self._stats.duplicates += 1
             return
-        if known is None:
+        if verdict is Verdict.BEHIND:
             info = self._current_info()
-            if info is not None and info.epoch == self._stats.current_epoch:
+            if info is not None and info.epoch == self._seq.epoch:
                 self._stats.duplicates += 1  # older than what we synced to: already applied
                 return
             if info is not None:
                 self._restart(info.epoch, "epoch")
             else:
                 self._restart(None, "restart")
-        else:  # same number, other content: another incarnation of the publisher
+        else:  # RESTART: same number, other content: another incarnation of the publisher
             self._restart(None, "restart")
         self._recheck(seq, digest, batch, source)
 
     def _accept(self, seq: int, digest: int, batch: KVEventBatch, source: str) -> None:
-        window = self._window
-        window[seq] = digest
-        if len(window) > self._window_size:
-            window.popitem(last=False)
-        self._expected = seq + 1
+        self._seq.accept(seq, digest)
         self._deliver(batch, seq, source)
 
     # --- delivery -------------------------------------------------------------------------
@@ -440,15 +371,9 @@ class KVEventSubscriber:
             self._cv.notify_all()
 
     def _deliver_reset(self, reason: str) -> None:
-        self._expected = None
-        self._window.clear()
+        self._seq.reset()
         self._deliver(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]), None, RESET,
                       reason)
-
-    def _set_epoch(self, epoch: str) -> None:
-        if epoch != self._stats.current_epoch:
-            self._stats.epochs_seen += 1
-            self._stats.current_epoch = epoch
 
     # --- heartbeats, info, touches --------------------------------------------------------
     def _on_heartbeat_message(self, payload: bytes) -> None:
@@ -463,11 +388,9 @@ class KVEventSubscriber:
         self._notify_heartbeat(info)
         if self._on_epoch_news(info):
             return
-        exp = self._expected
-        if exp is None and self._dealer is not None:
-            exp = 0
-        if exp is not None and info.next_seq > exp:  # lost at the tail of the stream
-            self._gap_without_batch(exp)
+        start = self._seq.missing_before(info.next_seq, from_start=self._dealer is not None)
+        if start is not None:  # lost at the tail of the stream
+            self._gap_without_batch(start)
 
     def _on_info_reply(self, info: proto.PublisherInfo) -> None:
         st = self._stats
@@ -483,9 +406,9 @@ class KVEventSubscriber:
         # The reply overtakes batches still in flight on the PUB socket, so only a number
         # that the previous probe already promised proves a loss at the tail.
         tail, self._poll_tail = self._poll_tail, info.next_seq
-        exp = self._expected
-        if tail is not None and exp is not None and exp < tail:
-            self._gap_without_batch(exp)
+        start = None if tail is None else self._seq.missing_before(tail)
+        if start is not None:
+            self._gap_without_batch(start)
 
     def _notify_heartbeat(self, info: proto.PublisherInfo) -> None:
         if self._on_heartbeat is not None:
@@ -497,17 +420,16 @@ class KVEventSubscriber:
 
     def _on_epoch_news(self, info: proto.PublisherInfo) -> bool:
         """Handle a first or changed epoch; True when that resynchronized the view."""
-        current = self._stats.current_epoch
-        if current is not None and info.epoch != current:
+        seq = self._seq
+        if seq.epoch_changed(info.epoch):
             self._restart(info.epoch, "epoch")
             return True
-        if current is None:
-            self._set_epoch(info.epoch)
-            if self._expected is None and info.next_seq > 0 and self._dealer is not None:
+        if seq.adopt_epoch(info.epoch) and seq.expected is None:
+            if info.next_seq > 0 and self._dealer is not None:
                 self._full_sync("join")
                 return True
-            if self._expected is None and info.next_seq == 0:
-                self._expected = 0
+            if info.next_seq == 0:
+                seq.expect(0)
         return False
 
     def _gap_without_batch(self, exp: int) -> None:
@@ -521,8 +443,7 @@ class KVEventSubscriber:
         except msgspec.DecodeError:
             self._stats.malformed += 1
             return
-        epoch = self._stats.current_epoch
-        if epoch is not None and notice.epoch != epoch:
+        if self._seq.epoch_changed(notice.epoch):
             return  # from another incarnation: its hashes mean nothing for this view
         self._stats.touches += len(notice.block_hashes)
         if self._on_touch is not None:
@@ -566,12 +487,11 @@ class KVEventSubscriber:
             self._stats.replay_failures += 1
             return False
         info, items = reply[0], reply[1]
-        current = self._stats.current_epoch
-        if current is not None and info.epoch != current:
+        verdict = self._seq.replay_verdict(start, info)
+        if verdict is Verdict.EPOCH:
             self._restart(info.epoch, "epoch")
             return True
-        self._set_epoch(info.epoch)
-        if start < info.next_seq and (info.oldest_seq is None or start < info.oldest_seq):
+        if verdict is Verdict.SNAPSHOT:
             return info.snapshot and self._full_sync("gap")
         self._stats.replays += 1
         self._apply_replayed(items)
@@ -586,7 +506,7 @@ class KVEventSubscriber:
         self._stats.replays += 1
         if items and items[0][0] > start:
             self._stats.unrecovered_gaps += 1  # vLLM has no snapshot: that history is gone
-            self._expected = items[0][0]
+            self._seq.expect(items[0][0])
         self._apply_replayed(items)
         return True
 
@@ -608,7 +528,7 @@ class KVEventSubscriber:
             self._stats.replay_failures += 1
             return False
         info, items = reply[0], reply[1]
-        self._set_epoch(info.epoch)
+        self._seq.adopt_epoch(info.epoch)
         if not info.snapshot:
             self._deliver_reset(reason)
             return self._replay_kvloop(0)
@@ -616,9 +536,7 @@ class KVEventSubscriber:
         self._deliver_reset(reason)
         for batch in batches:
             self._deliver(batch, info.next_seq, SNAPSHOT)
-        self._expected = info.next_seq
-        self._stats.last_seq = info.next_seq - 1 if info.next_seq > 0 else None
-        self._stats.snapshots += 1
+        self._seq.synced(info)
         with self._cv:
             self._cv.notify_all()
         return True
@@ -626,11 +544,10 @@ class KVEventSubscriber:
     def _restart(self, epoch: str | None, reason: str) -> None:
         """The publisher is a new incarnation: forget this worker, then rebuild."""
         self._stats.restarts += 1
-        self._expected = None
-        self._window.clear()
+        self._seq.reset()
         self._poll_tail = None
         if epoch is not None:
-            self._set_epoch(epoch)
+            self._seq.adopt_epoch(epoch)
         if self._stats.kvloop_publisher and self._dealer is not None:
             was, self._resyncing = self._resyncing, True
             try:
@@ -639,7 +556,7 @@ class KVEventSubscriber:
             finally:
                 self._resyncing = was
         if epoch is None:  # the new epoch is not known yet: the next heartbeat adopts it
-            self._stats.current_epoch = None
+            self._seq.forget_epoch()
         self._deliver_reset(reason)
 
     def _current_info(self) -> proto.PublisherInfo | None:
