@@ -36,10 +36,10 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                     "kvloop.server.tokenizer", "kvloop.structured", "kvloop.wire",
                     "kvloop.kv_transfer", "kvloop.trust"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
-    "kvloop.core.engine_proc": ((*CORE_KVLOOP, "kvloop.events.config", "kvloop.events.publisher",
-                                 "kvloop.kv_transfer", "kvloop.events.nats_publisher",
-                                 "kvloop.trust"),
-                                (*CORE_3P, "zmq")),
+    "kvloop.engine_proc": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
+                            "kvloop.events.publisher", "kvloop.events.nats_publisher",
+                            "kvloop.kv_transfer", "kvloop.trust"),
+                           ("msgspec", "zmq")),
     "kvloop.kv_transfer": (("kvloop.config", "kvloop.wire", "kvloop.core.kv_connector",
                             "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust"),
                            ("msgspec", "zmq", "xxhash")),
@@ -153,7 +153,9 @@ def test_every_module_has_a_rule_and_the_rules_catch_violations():
     assert _violations("kvloop.router.proxy", ["kvloop.server.serving"]) == [
         "kvloop.router.proxy imports kvloop.server.serving"]
     assert _violations("kvloop.core.engine", ["zmq"]) != []
-    assert _violations("kvloop.core.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
+    assert _violations("kvloop.core.engine_proc", ["zmq"]) != []
+    assert _violations("kvloop.core.scheduler", ["kvloop.kv_transfer"]) != []
+    assert _violations("kvloop.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
     assert _violations("kvloop.server.api", ["kvloop.cli"]) != []
     assert _violations("kvloop.bench.offline", ["torch", "kvloop.model"]) == []
 
