@@ -32,9 +32,9 @@ from typing import Any, Protocol
 from kvloop.config import SchedulerConfig
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
-from kvloop.router.config import HashSpec, RouterConfig
+from kvloop.router.config import HashSpec, IndexConfig, RouterConfig
 from kvloop.router.feed import EventFeed
-from kvloop.router.index import BlockIndex, make_index
+from kvloop.router.index import BlockIndex, PrefixIndex
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.pd import (
     DECODE_CANNOT_LOAD,
@@ -78,6 +78,15 @@ from kvloop.sim.latency import LatencyModel
 log = logging.getLogger("kvloop.router")
 
 SERVING_ORDER = (("both",), ("decode",), ("prefill",))
+
+
+def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
+    """The index `config` asks for: shared in Redis with `config.url`, else in memory."""
+    if config.url is None:
+        return PrefixIndex(config, clock)
+    from kvloop.router.redis_index import RedisIndex
+
+    return RedisIndex(config, clock)
 
 
 class NoWorkerError(RuntimeError):
