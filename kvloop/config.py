@@ -41,6 +41,7 @@ DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
                  "float16": "float16", "fp16": "float16", "half": "float16"}
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 GPU_MEMORY_UTILIZATION = 0.92   # vLLM's default fraction of a CUDA device's memory
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB off CUDA: ~46k tokens of SmolLM2 in bf16, 23k in fp32
 GPU_MEMORY_UTILIZATION_IGNORED = ("--gpu-memory-utilization is ignored without a CUDA device "
                                   "(as vLLM's CPU backend ignores it); size the KV cache with "
                                   "--kv-cache-memory")
@@ -119,7 +120,7 @@ class RunnerConfig:
       builds both fills them from one value; `EngineStartConfig` checks they agree);
     - `kv_cache_memory`: bytes for the KV cache (default: on CUDA `gpu_memory_utilization` of
       the device's memory, default `GPU_MEMORY_UTILIZATION`, minus weights and activations;
-      elsewhere `kvloop.model.DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` fixes the
+      elsewhere `DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` fixes the
       number of blocks (null block included) instead;
     - `max_model_len`: cap on the context length (default: the model's, capped by the KV
       cache);

@@ -13,14 +13,28 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 
-if TYPE_CHECKING:
-    from kvloop.core.structured_output import StructuredOutputRequest
+
+class RequestGrammar(Protocol):
+    """A request's grammar as the scheduler sees it (kvloop.core.structured_output's
+    `StructuredOutputRequest` implements it; the request module imports none of it).
+
+    `poll()`: ready yet (a failed compile sets `error`); `release()`: the request no longer
+    waits for its compile; `accept_token` / `is_terminated` / `valid_prefix`: the grammar's
+    state as tokens are appended (`valid_prefix` leaves it as is)."""
+
+    error: str | None
+
+    def poll(self) -> bool: ...
+    def release(self) -> None: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+    def valid_prefix(self, tokens: Sequence[int]) -> list[int]: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -334,7 +348,7 @@ class Request:
         self.num_cached_tokens: int | None = None  # prefix hit at the first admission
         self.spec_token_ids: list[int] = []
         # its grammar, attached by the engine's StructuredOutputManager (None: unconstrained)
-        self.structured_output_request: StructuredOutputRequest | None = None
+        self.structured_output_request: RequestGrammar | None = None
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         extra = sampling_params.extra_args or {}
