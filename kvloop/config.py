@@ -353,8 +353,13 @@ def _spec_method(method: object, model: object) -> str:
     return "ngram" if method == "[ngram]" else method
 # --- prefill/decode disaggregation (docs/disaggregation.md section 1) ----------------------
 KV_CONNECTORS = ("KvloopConnector",)
-KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]   # vLLM's `kv_role`
 KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+KV_HOLDS: tuple[KVRole, ...] = ("kv_producer", "kv_both")   # hold blocks for a decode worker
+KV_LOADS: tuple[KVRole, ...] = ("kv_consumer", "kv_both")   # load blocks from a prefill worker
+# The connector role that does what a router role needs (a fleet's P/D workers get these).
+KV_ROLE_OF: dict[Role, KVRole] = {"prefill": "kv_producer", "decode": "kv_consumer",
+                                  "both": "kv_both"}
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")     # vLLM's; "fail" is its default
 KV_TRANSPORTS = ("auto", "tcp", "shm")
 DEFAULT_KV_LEASE_DURATION = 30.0    # seconds, vLLM's NIXL `kv_lease_duration`
@@ -439,12 +444,12 @@ class KVTransferConfig:
     @property
     def is_kv_producer(self) -> bool:
         """May hold finished requests' blocks for a decode worker (vLLM's name)."""
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in KV_HOLDS
 
     @property
     def is_kv_consumer(self) -> bool:
         """May load blocks from a prefill worker (vLLM's name)."""
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in KV_LOADS
 
     @property
     def extra(self) -> KVConnectorExtraConfig:

@@ -55,13 +55,8 @@ from kvloop.router.relay import (
     unless_disconnected,
 )
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
+from kvloop.wire import PREFILL_PARAMS, missing_remote_keys
 
-# The prefill leg's kv_transfer_params (vLLM's proxy sends exactly these).
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# What D needs in P's answer (otherwise D logs "invalid kv_transfer_params" and prefills).
-REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_ID = "x-request-id"
 
@@ -96,10 +91,9 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
     params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
     if not isinstance(params, dict):
         return None, "its answer has no kv_transfer_params (a worker without a KV connector?)"
-    missing = [k for k in REQUIRED_PARAMS if params.get(k) is None]
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not blocks:
-        missing.append("remote_block_ids")
+    missing = missing_remote_keys(params)   # D's rule: D would refuse them
+    if not isinstance(params.get("remote_block_ids"), list) and "remote_block_ids" not in missing:
+        missing.append("remote_block_ids")   # not a list of blocks: D could not pull them
     if missing:
         return None, f"its kv_transfer_params lack {', '.join(missing)}"
     return params, ""
