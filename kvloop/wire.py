@@ -1,5 +1,5 @@
 """Messages between processes: msgspec Structs, defined here and nowhere else (except
-`SamplingParams`, which the engine core owns in `kvloop.core.request` and requests carry as is).
+`SamplingParams`, `kvloop.sampling_params`', which requests carry as is).
 
 Version: bump `WIRE_VERSION` on any incompatible change; the API server checks the engine
 core's handshake (`EngineReady.wire_version`) against its own. `WorkerInfo` (the body of
@@ -14,8 +14,8 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from kvloop.config import EngineConfig, Role, RunnerConfig
-from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
+from kvloop.sampling_params import SamplingParams
 from kvloop.trust import FleetSecret
 
 WIRE_VERSION = 3
