@@ -20,7 +20,7 @@ ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.prompts", "kvloop.ser
                     "kvloop.server.prometheus_text", "kvloop.server.launcher",
                     "kvloop.server.sockets", "kvloop.server.front", "kvloop.server.auth",
                     "kvloop.server.http_limits", "kvloop.server.guard")
-CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.sampling_params", "kvloop.events.types")
+CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop": (("kvloop.sampling_params", "kvloop.llm"), ()),    # the package's __init__
@@ -41,6 +41,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                             "kvloop.events.publisher", "kvloop.events.nats_publisher",
                             "kvloop.kv_transfer", "kvloop.trust"),
                            ("msgspec", "zmq")),
+    "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params"), CORE_3P),  # re-exports it
     "kvloop.kv_transfer": (("kvloop.config", "kvloop.wire", "kvloop.core.kv_connector",
                             "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust"),
                            ("msgspec", "zmq", "xxhash")),
