@@ -5,7 +5,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from kvloop.core.request import SamplingParams, StructuredOutputsParams
+from kvloop.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]

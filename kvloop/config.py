@@ -41,6 +41,7 @@ DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32",
                  "float16": "float16", "fp16": "float16", "half": "float16"}
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 GPU_MEMORY_UTILIZATION = 0.92   # vLLM's default fraction of a CUDA device's memory
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB off CUDA: ~46k tokens of SmolLM2 in bf16, 23k in fp32
 GPU_MEMORY_UTILIZATION_IGNORED = ("--gpu-memory-utilization is ignored without a CUDA device "
                                   "(as vLLM's CPU backend ignores it); size the KV cache with "
                                   "--kv-cache-memory")
@@ -119,7 +120,7 @@ class RunnerConfig:
       builds both fills them from one value; `EngineStartConfig` checks they agree);
     - `kv_cache_memory`: bytes for the KV cache (default: on CUDA `gpu_memory_utilization` of
       the device's memory, default `GPU_MEMORY_UTILIZATION`, minus weights and activations;
-      elsewhere `kvloop.model.DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` fixes the
+      elsewhere `DEFAULT_KV_CACHE_MEMORY`); `num_gpu_blocks_override` fixes the
       number of blocks (null block included) instead;
     - `max_model_len`: cap on the context length (default: the model's, capped by the KV
       cache);
@@ -352,8 +353,13 @@ def _spec_method(method: object, model: object) -> str:
     return "ngram" if method == "[ngram]" else method
 # --- prefill/decode disaggregation (docs/disaggregation.md section 1) ----------------------
 KV_CONNECTORS = ("KvloopConnector",)
-KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]   # vLLM's `kv_role`
 KV_ROLES: tuple[KVRole, ...] = get_args(KVRole)
+KV_HOLDS: tuple[KVRole, ...] = ("kv_producer", "kv_both")   # hold blocks for a decode worker
+KV_LOADS: tuple[KVRole, ...] = ("kv_consumer", "kv_both")   # load blocks from a prefill worker
+# The connector role that does what a router role needs (a fleet's P/D workers get these).
+KV_ROLE_OF: dict[Role, KVRole] = {"prefill": "kv_producer", "decode": "kv_consumer",
+                                  "both": "kv_both"}
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")     # vLLM's; "fail" is its default
 KV_TRANSPORTS = ("auto", "tcp", "shm")
 DEFAULT_KV_LEASE_DURATION = 30.0    # seconds, vLLM's NIXL `kv_lease_duration`
@@ -438,12 +444,12 @@ class KVTransferConfig:
     @property
     def is_kv_producer(self) -> bool:
         """May hold finished requests' blocks for a decode worker (vLLM's name)."""
-        return self.kv_role in ("kv_producer", "kv_both")
+        return self.kv_role in KV_HOLDS
 
     @property
     def is_kv_consumer(self) -> bool:
         """May load blocks from a prefill worker (vLLM's name)."""
-        return self.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in KV_LOADS
 
     @property
     def extra(self) -> KVConnectorExtraConfig:

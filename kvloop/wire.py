@@ -1,5 +1,5 @@
 """Messages between processes: msgspec Structs, defined here and nowhere else (except
-`SamplingParams`, which the engine core owns in `kvloop.core.request` and requests carry as is).
+`SamplingParams`, `kvloop.sampling_params`', which requests carry as is).
 
 Version: bump `WIRE_VERSION` on any incompatible change; the API server checks the engine
 core's handshake (`EngineReady.wire_version`) against its own. `WorkerInfo` (the body of
@@ -14,8 +14,8 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from kvloop.config import EngineConfig, Role, RunnerConfig
-from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
+from kvloop.sampling_params import SamplingParams
 from kvloop.trust import FleetSecret
 
 WIRE_VERSION = 3
@@ -75,6 +75,23 @@ KV_FAILURE_REASONS = (KV_FAILURE_UNREACHABLE, KV_FAILURE_MISMATCH, KV_FAILURE_RE
 # the API server answers it as vLLM answers finish_reason "error", 500, where an error the
 # engine refused a request with at admission is the client's (400).
 KV_LOAD_FAILED = "KV transfer failed"
+
+# `kv_transfer_params` (vLLM's keys, docs/disaggregation.md section 2): what a router's
+# prefill leg sends P (vLLM's proxy sends exactly these), and what D must find in P's answer,
+# besides `do_remote_prefill`, to pull (`missing_remote_keys`: the router checks P's answer
+# with it before a decode leg, D's connector before a pull).
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+                        "remote_block_ids")
+
+
+def missing_remote_keys(params: dict[str, Any]) -> list[str]:
+    """The `REQUIRED_REMOTE_KEYS` that `params` lack, in that order: absent, null or empty
+    (vLLM's rule). [] when D has what it needs to pull (whether each value is well formed is
+    `kvloop.kv_transfer.params`' to check)."""
+    return [k for k in REQUIRED_REMOTE_KEYS if params.get(k) in (None, "", [])]
 
 
 class KVTransferStats(msgspec.Struct, omit_defaults=True):

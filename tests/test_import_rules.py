@@ -1,5 +1,5 @@
 """The import rules of docs/architecture.md, enforced by walking every module's imports (AST,
-not runtime)."""
+not runtime): the layering (a whitelist per package) and no import circle anywhere."""
 
 from __future__ import annotations
 
@@ -23,23 +23,25 @@ ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.prompts", "kvloop.ser
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
-    "kvloop": (("kvloop.core.request", "kvloop.llm"), ()),        # the package's __init__
+    "kvloop": (("kvloop.sampling_params", "kvloop.llm"), ()),    # the package's __init__
     "kvloop.__main__": (("kvloop.cli",), ()),
     "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
     "kvloop.config": ((), ()),
+    "kvloop.sampling_params": ((), ("msgspec",)),
     "kvloop.locate": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
-    "kvloop.wire": (("kvloop.config", "kvloop.core.request", "kvloop.events.config",
+    "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.events.config",
                      "kvloop.trust"),
                     ("msgspec",)),
     "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.server.processor",
                     "kvloop.server.tokenizer", "kvloop.structured", "kvloop.wire",
                     "kvloop.kv_transfer", "kvloop.trust"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
-    "kvloop.core.engine_proc": ((*CORE_KVLOOP, "kvloop.events.config", "kvloop.events.publisher",
-                                 "kvloop.kv_transfer", "kvloop.events.nats_publisher",
-                                 "kvloop.trust"),
-                                (*CORE_3P, "zmq")),
+    "kvloop.engine_proc": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
+                            "kvloop.events.publisher", "kvloop.events.nats_publisher",
+                            "kvloop.kv_transfer", "kvloop.trust"),
+                           ("msgspec", "zmq")),
+    "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params"), CORE_3P),  # re-exports it
     "kvloop.kv_transfer": (("kvloop.config", "kvloop.wire", "kvloop.core.kv_connector",
                             "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust"),
                            ("msgspec", "zmq", "xxhash")),
@@ -78,13 +80,16 @@ def _modules():
         yield name, path
 
 
-def _imports(path: Path, modname: str) -> list[str]:
+def _statements(path: Path, modname: str) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import statement of the module, wherever it stands (function
+    bodies and `if TYPE_CHECKING:` blocks included): `import a.b` -> ("a.b", []),
+    `from .x import y` -> ("<package>.x", ["y"])."""
     tree = ast.parse(path.read_text(), str(path))
     out = []
     pkg = modname if path.name == "__init__.py" else modname.rsplit(".", 1)[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.extend(a.name for a in node.names)
+            out.extend((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
@@ -92,8 +97,16 @@ def _imports(path: Path, modname: str) -> list[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            out.append(mod)
-            out.extend(f"{mod}.{a.name}" for a in node.names)
+            out.append((mod, [a.name for a in node.names]))
+    return out
+
+
+def _imports(path: Path, modname: str) -> list[str]:
+    """Every name the module imports: modules, and `module.name` for each `from` import."""
+    out = []
+    for mod, names in _statements(path, modname):
+        out.append(mod)
+        out.extend(f"{mod}.{name}" for name in names)
     return out
 
 
@@ -137,6 +150,94 @@ def _violations(mod: str, imports: list[str]) -> list[str]:
     return bad
 
 
+def _kvloop_deps(path: Path, modname: str) -> set[str]:
+    """The kvloop modules the module imports: `from p import m` names the module p.m when
+    there is one, else p (a package's `__init__` is a module like any other)."""
+    deps = set()
+    for mod, names in _statements(path, modname):
+        targets = [f"{mod}.{n}" if _is_module(f"{mod}.{n}") else mod for n in names] or [mod]
+        deps.update(t for t in targets if t.split(".")[0] == "kvloop")
+    deps.discard(modname)
+    return deps
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """kvloop's modules and what each imports, explicitly: an import anywhere in a module
+    counts (a function-level import is a dependency made lazy for start-up time, not a
+    different structure; a type-only import is a dependency for the reader), the implicit
+    import of a submodule's parent package does not."""
+    return {mod: _kvloop_deps(path, mod) for mod, path in _modules()}
+
+
+def _package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
+    """kvloop's parts and which others each one's modules import: its subpackages (core,
+    model, server, router, events, kv_transfer, ...) and its top-level modules (config, wire,
+    sampling_params, llm, engine_proc, ...), each one part. The package's own `__init__`, the
+    users' facade (`from kvloop import LLM, SamplingParams`), is no part: it stands above all
+    of them (a module that imports it is still seen in the module graph)."""
+    def package(mod: str) -> str | None:
+        parts = mod.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else None
+
+    graph: dict[str, set[str]] = {}
+    for mod, deps in modules.items():
+        src = package(mod)
+        if src is not None:
+            graph.setdefault(src, set()).update(
+                p for d in deps if (p := package(d)) is not None and p != src)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` as a path `[a, b, ..., a]`, or None: a depth-first search that
+    meets a node still on its own path has found one."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if node not in done and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_import_circle_between_modules():
+    cycle = find_cycle(_module_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_circle_between_packages():
+    cycle = find_cycle(_package_graph(_module_graph()))
+    assert cycle is None, "import circle between packages: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_names_the_circle(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+    p = tmp_path / "x.py"
+    p.write_text("from kvloop.model import cpu_ops, load_runner\n"
+                 "def f():\n    from kvloop.router import index\n")
+    assert _kvloop_deps(p, "kvloop.core.x") == {
+        "kvloop.model.cpu_ops", "kvloop.model", "kvloop.router.index"}
+    modules = {"kvloop.core.a": {"kvloop.wire", "kvloop.model.b", "kvloop"},
+               "kvloop.model.b": {"kvloop.core.c"}, "kvloop.wire": {"kvloop.config"},
+               "kvloop": {"kvloop.core.a"}}
+    assert _package_graph(modules) == {"kvloop.core": {"kvloop.wire", "kvloop.model"},
+                                       "kvloop.model": {"kvloop.core"},
+                                       "kvloop.wire": {"kvloop.config"}}
+
+
 def test_layering():
     bad = []
     for mod, path in _modules():
@@ -153,7 +254,9 @@ def test_every_module_has_a_rule_and_the_rules_catch_violations():
     assert _violations("kvloop.router.proxy", ["kvloop.server.serving"]) == [
         "kvloop.router.proxy imports kvloop.server.serving"]
     assert _violations("kvloop.core.engine", ["zmq"]) != []
-    assert _violations("kvloop.core.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
+    assert _violations("kvloop.core.engine_proc", ["zmq"]) != []
+    assert _violations("kvloop.core.scheduler", ["kvloop.kv_transfer"]) != []
+    assert _violations("kvloop.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
     assert _violations("kvloop.server.api", ["kvloop.cli"]) != []
     assert _violations("kvloop.bench.offline", ["torch", "kvloop.model"]) == []
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
-from kvloop.router.index import make_index
 from kvloop.router.redis_index import RedisIndex, pod_entry
+from kvloop.router.router import make_index
 from kvloop.router.services import redis_url
 
 from .bus_helpers import redis_server

@@ -25,13 +25,12 @@ import httpx
 from kvloop.config import DEFAULT_BLOCK_SIZE
 from kvloop.server.launcher import ServeProcess
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
+from kvloop.wire import PREFILL_PARAMS
 
 TIME = "kvloop:kv_transfer_time_seconds"
 BYTES = "kvloop:kv_transfer_bytes_total"
 SECRET = FleetSecret.generate()     # the two workers' fleet secret (in their environment)
 FLEET = {INTERNAL_TOKEN_HEADER: SECRET.token(PURPOSE_INTERNAL_HTTP)}   # a router's proof
-P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 def _worker_args(model: str | None, transport: str, extra: list[str]) -> list[str]:
@@ -46,7 +45,7 @@ def _one(p: ServeProcess, d: ServeProcess, prompt: list[int]) -> tuple[float, fl
     t0, b0 = d.metric(TIME + "_sum"), d.metric(BYTES, side="recv")
     r = httpx.post(p.url + "/v1/completions", timeout=600, headers=FLEET, json={
         "prompt": prompt, "max_tokens": 1, "min_tokens": 1, "temperature": 0,
-        "kv_transfer_params": P_PARAMS})
+        "kv_transfer_params": PREFILL_PARAMS})
     r.raise_for_status()
     params = r.json()["kv_transfer_params"]
     if not params:

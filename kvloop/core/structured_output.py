@@ -255,7 +255,7 @@ class StructuredOutputManager:
         first = 0
         for rid, req_drafts in zip(ids, drafts, strict=True):
             so_req = requests[rid].structured_output_request
-            assert so_req is not None and so_req.grammar is not None
+            assert isinstance(so_req, StructuredOutputRequest) and so_req.grammar is not None
             fill_rows(so_req.grammar, req_drafts, bitmask, first)
             first += 1 + len(req_drafts)
         return GrammarOutput(ids, num_rows, bitmask[:first])

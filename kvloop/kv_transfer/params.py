@@ -1,5 +1,6 @@
 """`kv_transfer_params`: what P hands on and what D requires (docs/disaggregation.md
-section 2; vLLM's keys, docs/vllm-facts.md#disaggregation), and the bounds every field must
+section 2; vLLM's keys, docs/vllm-facts.md#disaggregation; the required keys and the rule for
+a missing one are `kvloop.wire`'s, which the router shares), and the bounds every field must
 keep before any work is done for it (`bounds_refusal`: the API server answers 400 with it,
 the connector refuses with it)."""
 
@@ -11,10 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloop.core.kv_connector import KVFingerprint
+from kvloop.wire import missing_remote_keys
 
-# The keys D must find, besides `do_remote_prefill`, to pull (vLLM's rule).
-REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                        "remote_block_ids")
 MAX_REMOTE_BLOCK_IDS = 1 << 16     # hard cap on remote_block_ids, whatever the prompt
 MAX_BLOCK_ID = (1 << 31) - 1
 MAX_PARAM_STR_CHARS = 256          # remote_engine_id, remote_request_id, remote_host
@@ -101,7 +100,7 @@ def bounds_refusal(params: dict[str, Any], num_prompt_tokens: int,
 def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int,
                          block_size: int) -> RemotePrefill | str:
     """The pull a `do_remote_prefill` request asks for, or why its params are invalid."""
-    missing = [k for k in REQUIRED_REMOTE_KEYS if params.get(k) in (None, "", [])]
+    missing = missing_remote_keys(params)
     if missing:
         return f"missing {', '.join(missing)}"
     ids, port = params["remote_block_ids"], params["remote_port"]

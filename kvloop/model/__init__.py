@@ -15,14 +15,12 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from kvloop.config import RunnerConfig
+from kvloop.config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 
 if TYPE_CHECKING:
     from kvloop.model.runner import ModelRunner
 
 __all__ = ["DEFAULT_KV_CACHE_MEMORY", "load_runner"]
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2 in bf16, 23k in fp32
 
 # How long an idle OpenMP thread spins before it sleeps, unless the user chose
 # (OMP_WAIT_POLICY or GOMP_SPINCOUNT). libgomp's default (300,000 spins) is fast on an idle

@@ -15,6 +15,7 @@ import os
 import torch
 
 from kvloop.config import (
+    DEFAULT_KV_CACHE_MEMORY,
     DTYPE_ALIASES,
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
@@ -22,7 +23,7 @@ from kvloop.config import (
     check_device,
     check_dtype,
 )
-from kvloop.model import DEFAULT_KV_CACHE_MEMORY, cpu_ops
+from kvloop.model import cpu_ops
 from kvloop.model.crossover import measure_policy
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvloop.config import ROLES
+from kvloop.config import KV_ROLE_OF, ROLES, Role
 from kvloop.events.cli_args import nats_credential_env
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.router.config import RouterConfig
@@ -51,9 +51,6 @@ from kvloop.trust import FleetSecret, secret_env
 
 if TYPE_CHECKING:
     from kvloop.router.services import LocalService
-
-# kv_role of each P/D role's KvloopConnector (docs/disaggregation.md section 1)
-KV_ROLE_OF = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,7 @@ class FleetConfig:
 
     num_workers: int
     model: str = "sim"
-    roles: tuple[str, ...] = ("both",)
+    roles: tuple[Role, ...] = ("both",)
     worker_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     start_timeout_s: float = 300.0
@@ -111,7 +108,7 @@ class FleetConfig:
     def total(self) -> int:
         return self.num_workers + self.num_prefill + self.num_decode
 
-    def role_of(self, i: int) -> str:
+    def role_of(self, i: int) -> Role:
         if i < self.num_workers:
             return self.roles[i % len(self.roles)]
         return "prefill" if i < self.num_workers + self.num_prefill else "decode"

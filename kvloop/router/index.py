@@ -26,7 +26,8 @@ Hashes are 64-bit unsigned ints: the engine's `event_int` of each block digest.
 
 `BlockIndex` is the interface the router, its feeds and its metrics use; `PrefixIndex` (this
 module, the default) and `kvloop.router.redis_index.RedisIndex` (block -> workers shared by
-router replicas in Redis, `IndexConfig.url`) implement it; `make_index` picks one.
+router replicas in Redis, `IndexConfig.url`) implement it; the router picks one
+(`kvloop.router.router.make_index`), so this module never imports its subclass.
 """
 
 from __future__ import annotations
@@ -110,15 +111,6 @@ class BlockIndex(Protocol):
     def alarms(self) -> list[str]: ...
     def on_lost(self, resync: Callable[[], None]) -> None: ...
     def close(self) -> None: ...
-
-
-def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
-    """The index `config` asks for: shared in Redis with `config.url`, else in memory."""
-    if config.url is None:
-        return PrefixIndex(config, clock)
-    from kvloop.router.redis_index import RedisIndex
-
-    return RedisIndex(config, clock)
 
 
 class PrefixIndex:

@@ -46,8 +46,6 @@ CLIENT_PARAMS = "client_params"          # the client sent its own kv_transfer_p
 DECODE_CANNOT_LOAD = "decode_cannot_load"  # the decode worker has no connector that loads
 PD_REASONS = (REMOTE_CHEAPER, LOCAL_CHEAPER, ALWAYS, NEVER, NO_PREFILL_WORKER,
               MULTIPLE_PROMPTS, CLIENT_PARAMS, DECODE_CANNOT_LOAD)
-HOLDS = ("kv_producer", "kv_both")       # connector roles that hold blocks for a decoder
-LOADS = ("kv_consumer", "kv_both")       # connector roles that load them
 
 # Why a remote prefill fell back to decode-only (kvloop_router_pd_fallbacks_total).
 PREFILL_HTTP_ERROR = "prefill_http_error"        # P answered 5xx

@@ -20,7 +20,8 @@ P is the client's error: it goes back to the client as P sent it. A decode worke
 the connection is marked down and the request is routed again (nothing reached it; a prefill
 leg done for it is left to its lease).
 
-Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP client, the relay).
+Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP client, the relay),
+which it sees through `FlowApp`; the pieces both flows use are `relay.py`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
@@ -41,26 +43,20 @@ from kvloop.router.pd import (
     PREFILL_CONNECTION,
     PREFILL_HTTP_ERROR,
 )
-from kvloop.router.proxy import (
+from kvloop.router.relay import (
     RETRY,
-    RouterApp,
-    _cached_tokens,
-    _Disconnected,
-    _json_or_none,
-    _response_headers,
-    _Retry,
+    Disconnected,
+    Retry,
+    cached_tokens,
     error_response,
     expected_output,
+    json_or_none,
+    response_headers,
     unless_disconnected,
 )
-from kvloop.router.router import NoWorkerError, PDRouted
+from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
+from kvloop.wire import PREFILL_PARAMS, missing_remote_keys
 
-# The prefill leg's kv_transfer_params (vLLM's proxy sends exactly these).
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None}
-# What D needs in P's answer (otherwise D logs "invalid kv_transfer_params" and prefills).
-REQUIRED_PARAMS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_ID = "x-request-id"
 
@@ -95,19 +91,35 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
     params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
     if not isinstance(params, dict):
         return None, "its answer has no kv_transfer_params (a worker without a KV connector?)"
-    missing = [k for k in REQUIRED_PARAMS if params.get(k) is None]
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not blocks:
-        missing.append("remote_block_ids")
+    missing = missing_remote_keys(params)   # D's rule: D would refuse them
+    if not isinstance(params.get("remote_block_ids"), list) and "remote_block_ids" not in missing:
+        missing.append("remote_block_ids")   # not a list of blocks: D could not pull them
     if missing:
         return None, f"its kv_transfer_params lack {', '.join(missing)}"
     return params, ""
 
 
-class PDFlow:
-    """The P/D flow of one `RouterApp`."""
+class FlowApp(Protocol):
+    """What the P/D flow asks of the HTTP front it runs in (`kvloop.router.proxy.RouterApp`):
+    its router, its HTTP client to the workers, a routing decision off or on the event loop,
+    and the single-worker flow's last two steps, reused for the decode leg."""
 
-    def __init__(self, app: RouterApp):
+    router: Router
+    client: httpx.AsyncClient | None
+
+    async def decide(self, route: Callable[..., PDRouted], *args: Any) -> PDRouted: ...
+
+    async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
+                            headers: dict[str, str]) -> httpx.Response | Response | Retry: ...
+
+    async def answer(self, request: Request, upstream: httpx.Response, routed: Routed,
+                     stream: bool, strip_usage: bool) -> Response: ...
+
+
+class PDFlow:
+    """The P/D flow of one `RouterApp` (through its `FlowApp` interface)."""
+
+    def __init__(self, app: FlowApp):
         self.app = app
         self.router = app.router
 
@@ -139,13 +151,13 @@ class PDFlow:
 
     async def _legs(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
                     headers: dict[str, str], routed: PDRouted, stream: bool,
-                    strip_usage: bool) -> Response | _Retry:
+                    strip_usage: bool) -> Response | Retry:
         """The prefill leg (if remote), then the decode leg and D's answer to the client."""
         decode_raw = raw
         if routed.prefill is not None:
             got = await unless_disconnected(request, self._prefill(path, body, headers,
                                                                    routed))
-            if isinstance(got, _Disconnected):
+            if isinstance(got, Disconnected):
                 self.router.prefill_abandoned(routed)
                 return Response(status_code=499)
             if isinstance(got, Response):
@@ -191,11 +203,11 @@ class PDFlow:
             return None
         if r.status_code >= 400:
             self.router.prefill_refused(routed)
-            return Response(r.content, status_code=r.status_code, headers=_response_headers(r))
-        payload = _json_or_none(r.content)
+            return Response(r.content, status_code=r.status_code, headers=response_headers(r))
+        payload = json_or_none(r.content)
         params, problem = answer_params(payload)
         if params is None:
             self.router.prefill_failed(routed, NO_KV_TRANSFER_PARAMS, problem)
             return None
-        self.router.prefill_done(routed, _cached_tokens(payload), params)
+        self.router.prefill_done(routed, cached_tokens(payload), params)
         return params

@@ -64,6 +64,7 @@ from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.router.config import RouterConfig
+from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
     LoadSnapshot,
@@ -71,6 +72,17 @@ from kvloop.router.registry import (
     WorkerSpec,
     WorkerState,
     event_source,
+)
+from kvloop.router.relay import (
+    RETRY,
+    Disconnected,
+    Retry,
+    cached_tokens,
+    error_response,
+    expected_output,
+    json_or_none,
+    response_headers,
+    unless_disconnected,
 )
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
@@ -89,12 +101,9 @@ log = logging.getLogger("kvloop.router")
 ROUTER_RULES = RouteRules(public=PUBLIC_PATHS,
                           admin=frozenset({("POST", "/workers"), ("DELETE", "/workers")}))
 MAX_POLL_FAILURES = 3
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
-                "content-encoding", "date", "server"}
 _FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 _ROUTER_KEYS = (Caller.API, Caller.ADMIN)
-T = TypeVar("T")
 D = TypeVar("D", Routed, PDRouted)
 
 
@@ -105,10 +114,6 @@ def fleet_headers(cfg: RouterConfig) -> dict[str, str]:
     if cfg.fleet_secret is None:
         return {}
     return {INTERNAL_TOKEN_HEADER: cfg.fleet_secret.token(PURPOSE_INTERNAL_HTTP)}
-
-
-def error_response(message: str, code: int) -> JSONResponse:
-    return JSONResponse(error_body(message, code), status_code=code)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -161,8 +166,6 @@ class RouterApp:
                                                         Exception: _internal_error})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
-        from kvloop.router.pd_proxy import PDFlow  # it builds on this module
-
         self.pd = PDFlow(self)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
@@ -382,7 +385,7 @@ class RouterApp:
             self.router.abandon(decision.result())
 
     async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
-                            headers: dict[str, str]) -> httpx.Response | Response | _Retry:
+                            headers: dict[str, str]) -> httpx.Response | Response | Retry:
         """Send the request to the routed worker and wait for its headers (a client that
         leaves meanwhile closes the connection: 499). A worker that refuses the connection is
         marked down (`RETRY`: nothing reached it); any other failure before the headers
@@ -394,7 +397,7 @@ class RouterApp:
         sent = False
         try:
             upstream = await unless_disconnected(request, self.client.send(req, stream=True))
-            if isinstance(upstream, _Disconnected):
+            if isinstance(upstream, Disconnected):
                 return Response(status_code=499)
             sent = True
             return upstream
@@ -419,7 +422,7 @@ class RouterApp:
         if stream and upstream.status_code == 200:
             return _RelayResponse(self._relay(upstream, routed, strip_usage),
                                   on_close=lambda: self._close(upstream, routed),
-                                  status_code=200, headers=_response_headers(upstream))
+                                  status_code=200, headers=response_headers(upstream))
         try:
             whole = await unless_disconnected(request, self._whole(upstream, routed))
         finally:
@@ -449,11 +452,11 @@ class RouterApp:
         outcome = "ok" if upstream.status_code < 400 else (
             "client_error" if upstream.status_code < 500 else "worker_error")
         if upstream.status_code == 200:
-            cached = _cached_tokens(_json_or_none(content))
+            cached = cached_tokens(json_or_none(content))
         self.router.first_token(routed.ticket)
         self.router.finish(routed.ticket, cached, outcome)
         return Response(content, status_code=upstream.status_code,
-                        headers=_response_headers(upstream))
+                        headers=response_headers(upstream))
 
     async def _relay(self, upstream: httpx.Response, routed: Routed,
                      strip_usage: bool) -> AsyncIterator[bytes]:
@@ -498,7 +501,7 @@ class RouterApp:
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,
-                            headers=_response_headers(r))
+                            headers=response_headers(r))
         return error_response("no usable worker", 503)
 
     # --- router routes --------------------------------------------------------------------
@@ -573,46 +576,6 @@ class RouterApp:
                              "workers": {n: sorted(idx.hashes_of(n)) for n in idx.workers()}})
 
 
-class _Disconnected:
-    """The client went away while a leg ran."""
-
-
-DISCONNECTED = _Disconnected()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | _Disconnected:
-    """Await `leg`; if the client disconnects first, cancel it (closing its connection)."""
-    task = asyncio.ensure_future(leg)
-    watch = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:   # this request itself is cancelled: so is its leg
-        task.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return DISCONNECTED
-
-
-class _Retry:
-    """`open_upstream`'s answer when the worker refused the connection: route again."""
-
-
-RETRY = _Retry()
-
-
 class _RelayResponse(StreamingResponse):
     """A relayed stream whose `on_close` runs however the response ends, even when the
     client leaves before the first chunk (an async generator that never started runs no
@@ -628,12 +591,6 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.on_close()
-
-
-def expected_output(body: dict[str, Any]) -> int:
-    """Output tokens the request asks for (a validated body's max_tokens; 16 by default)."""
-    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-    return int(value)
 
 
 def read_body(raw: bytes, path: str, fleet_member: bool = False
@@ -696,11 +653,11 @@ class _SseRelay:
         if b'"usage"' not in data:
             self.started = True
             return True
-        payload = _json_or_none(data)
+        payload = json_or_none(data)
         if not isinstance(payload, dict):
             self.started = True
             return True
-        cached = _cached_tokens(payload)
+        cached = cached_tokens(payload)
         if cached is not None:
             self.cached_tokens = cached
         usage_only = payload.get("choices") == [] and payload.get("usage") is not None
@@ -725,30 +682,6 @@ def _event_data(event: bytes) -> bytes | None:
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def _json_or_none(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
-
-
-def _cached_tokens(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response body, if present."""
-    if not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict) or details.get("cached_tokens") is None:
-        return None
-    return int(details["cached_tokens"])
-
-
-def _response_headers(r: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in r.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 class BadWorkerAnswer(ValueError):

@@ -29,17 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvloop.config import SchedulerConfig
+from kvloop.config import KV_HOLDS, KV_LOADS, SchedulerConfig
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
-from kvloop.router.config import HashSpec, RouterConfig
+from kvloop.router.config import HashSpec, IndexConfig, RouterConfig
 from kvloop.router.feed import EventFeed
-from kvloop.router.index import BlockIndex, make_index
+from kvloop.router.index import BlockIndex, PrefixIndex
 from kvloop.router.metrics import RouterMetrics
 from kvloop.router.pd import (
     DECODE_CANNOT_LOAD,
-    HOLDS,
-    LOADS,
     PREFILL_TIMEOUT,
     PDDecision,
     PDWorker,
@@ -78,6 +76,15 @@ from kvloop.sim.latency import LatencyModel
 log = logging.getLogger("kvloop.router")
 
 SERVING_ORDER = (("both",), ("decode",), ("prefill",))
+
+
+def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
+    """The index `config` asks for: shared in Redis with `config.url`, else in memory."""
+    if config.url is None:
+        return PrefixIndex(config, clock)
+    from kvloop.router.redis_index import RedisIndex
+
+    return RedisIndex(config, clock)
 
 
 class NoWorkerError(RuntimeError):
@@ -418,7 +425,7 @@ class Router:
             raise NoWorkerError(self._no_worker_message())
         prefillers = [w for w in self.registry.usable(("prefill",))
                       if w.name not in exclude and PREFILL_FAILING not in w.alarms
-                      and w.kv_role in HOLDS]
+                      and w.kv_role in KV_HOLDS]
         hashes = self.block_hashes(token_ids, cache_salt)
         matches = self.index.match(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
@@ -428,7 +435,7 @@ class Router:
                  for w in decoders + prefillers}
         d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
                                          -rendezvous(req.prefix_key, w.name)))
-        if local_reason is None and d.kv_role not in LOADS:
+        if local_reason is None and d.kv_role not in KV_LOADS:
             local_reason = DECODE_CANNOT_LOAD
         p_choice, est = None, None
         if prefillers and local_reason is None and self.config.pd.policy != "never":
@@ -706,8 +713,8 @@ def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
 
 def _missing_connector(w: WorkerState) -> str | None:
     """The `no_kv_connector` detail of a P/D worker whose connector cannot serve its role."""
-    need = {"prefill": (HOLDS, "holds blocks for a decode worker: no prefill leg goes to it"),
-            "decode": (LOADS, "loads blocks from a prefill worker: it prefills every request "
+    need = {"prefill": (KV_HOLDS, "holds blocks for a decode worker: no prefill leg goes to it"),
+            "decode": (KV_LOADS, "loads blocks from a prefill worker: it prefills every request "
                               "itself")}.get(w.role)
     if need is None or w.kv_role in need[0]:
         return None

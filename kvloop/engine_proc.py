@@ -14,7 +14,7 @@ PULL, builds the runner (by factory name, so this module never imports a model o
 simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
 it). A failed start sends `EngineStartFailed` instead and exits 1.
 
-Process: `python -m kvloop.core.engine_proc`, started by the API server in a session of its
+Process: `python -m kvloop.engine_proc`, started by the API server in a session of its
 own, which writes one `EngineStartConfig` JSON line on its stdin and keeps the pipe open.
 
 Shutdown: the busy loop ends
@@ -36,7 +36,9 @@ transfers; it then sleeps on the input queue, which the connector's threads wake
 least every `_IDLE_WAIT_S`.
 
 Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
-This is the only core module that imports zmq.
+It lives outside the pure core (`kvloop/core` imports no zmq and no KV connector): the
+composition root of the engine process, it builds the core, the runner, the connector and
+the publisher.
 """
 
 from __future__ import annotations
@@ -595,7 +597,7 @@ def _run(proc: EngineCoreProc) -> int:
 
 
 def main() -> int:
-    """`python -m kvloop.core.engine_proc`: read one `EngineStartConfig` JSON line on stdin."""
+    """`python -m kvloop.engine_proc`: read one `EngineStartConfig` JSON line on stdin."""
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()

@@ -1,0 +1,106 @@
+"""What the router's two request flows share: `proxy.RouterApp`'s (one worker) and
+`pd_proxy.PDFlow`'s (a prefill leg, then a decode leg).
+
+- a leg the client's disconnect cancels (`unless_disconnected` -> `DISCONNECTED`);
+- `RETRY`: a worker refused the connection, nothing reached it, route again;
+- a worker's answer read: its JSON (`json_or_none`), its reported prefix hit
+  (`cached_tokens`), the headers relayed to the client (`response_headers`);
+- the router's own JSON error answer (`error_response`) and the output tokens a request asks
+  for (`expected_output`).
+
+Both flows import this module; it imports neither, so the P/D flow builds on the proxy's
+pieces without the proxy and the flow importing each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kvloop.server.openai import error_body
+
+T = TypeVar("T")
+HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+               "content-encoding", "date", "server"}
+
+
+def error_response(message: str, code: int) -> JSONResponse:
+    return JSONResponse(error_body(message, code), status_code=code)
+
+
+def expected_output(body: dict[str, Any]) -> int:
+    """Output tokens the request asks for (a validated body's max_tokens; 16 by default)."""
+    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+    return int(value)
+
+
+class Disconnected:
+    """The client went away while a leg ran."""
+
+
+DISCONNECTED = Disconnected()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | Disconnected:
+    """Await `leg`; if the client disconnects first, cancel it (closing its connection)."""
+    task = asyncio.ensure_future(leg)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:   # this request itself is cancelled: so is its leg
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return DISCONNECTED
+
+
+class Retry:
+    """`RouterApp.open_upstream`'s answer when the worker refused the connection: route
+    again."""
+
+
+RETRY = Retry()
+
+
+def json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def cached_tokens(payload: Any) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of a response body, if present."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
+
+
+def response_headers(r: httpx.Response) -> dict[str, str]:
+    """A worker's response headers to relay to the client (hop-by-hop ones dropped)."""
+    return {k: v for k, v in r.headers.items() if k.lower() not in HOP_HEADERS}
