@@ -14,7 +14,7 @@ import pytest
 
 from kvloop.bench import llamacpp as lc
 from kvloop.bench import offline
-from kvloop.server.launcher import UrlProcess
+from kvloop.front.launcher import UrlProcess
 
 # The output of `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 512 -n 128 -t 2 -r 1 -o json`
 # as built by `python -m kvloop.bench.llamacpp build` (commit 0c1e570), on a busy machine,

@@ -484,7 +484,7 @@ def kvloop_serve_args(settings: Settings) -> list[str]:
 @contextlib.contextmanager
 def servers(settings: Settings, paths: BuildPaths) -> Iterator[dict[str, str]]:
     """Both servers up and ready (server -> URL); both stopped on the way out."""
-    from kvloop.server.launcher import ServeProcess, UrlProcess
+    from kvloop.front.launcher import ServeProcess, UrlProcess
 
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     llama = UrlProcess(llama_server_cmd(settings, paths), settings.out_dir / "llama-server.log",

@@ -30,18 +30,8 @@ from kvloop.core.request import (
     StructuredOutputsParams,
     check_context_length,
 )
-from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
-from kvloop.server.auth import Caller
-from kvloop.server.client import (
-    EngineClient,
-    EngineDeadError,
-    QueueItem,
-    ServerShuttingDown,
-)
-from kvloop.server.config import ServeConfig
-from kvloop.server.logs import log_request
-from kvloop.server.metrics import ServerMetrics
-from kvloop.server.openai import (
+from kvloop.front.auth import Caller
+from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -66,7 +56,7 @@ from kvloop.server.openai import (
     Usage,
     error_body,
 )
-from kvloop.server.processor import (
+from kvloop.front.processor import (
     Delta,
     OutputOptions,
     OutputState,
@@ -74,7 +64,17 @@ from kvloop.server.processor import (
     fan_out,
     model_stops,
 )
-from kvloop.server.prompts import chat_prompt, completion_prompts
+from kvloop.front.prompts import chat_prompt, completion_prompts
+from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
+from kvloop.server.client import (
+    EngineClient,
+    EngineDeadError,
+    QueueItem,
+    ServerShuttingDown,
+)
+from kvloop.server.config import ServeConfig
+from kvloop.server.logs import log_request
+from kvloop.server.metrics import ServerMetrics
 from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP

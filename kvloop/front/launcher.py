@@ -6,7 +6,7 @@ benchmarks, `kvloop fleet`).
 
 A child's output goes to its log file (a file, not a pipe: a pipe nobody drains would block
 the server once full); its URL is read back from the line it announces
-(`kvloop.server.sockets`). `echo` also relays that output, line by line with a prefix, to
+(`kvloop.front.sockets`). `echo` also relays that output, line by line with a prefix, to
 this process's stdout (`kvloop fleet` shows its workers' logs so). `kvloop_command(...,
 die_with_parent=True)` asks Linux to SIGTERM the child when this process dies.
 `ServeProcess` runs `kvloop serve` on an ephemeral port unless the arguments name one.
@@ -30,10 +30,10 @@ from typing import Any, Self
 
 import httpx
 
-from kvloop.server.prometheus_text import metric_value
-from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, SERVE_ANNOUNCEMENT, announced_url
+from kvloop.front.prometheus_text import metric_value
+from kvloop.front.sockets import ROUTER_ANNOUNCEMENT, SERVE_ANNOUNCEMENT, announced_url
 
-logger = logging.getLogger("kvloop.server")
+logger = logging.getLogger("kvloop.front")
 
 SERVE_URL_LINE = announced_url(SERVE_ANNOUNCEMENT)
 ROUTER_URL_LINE = announced_url(ROUTER_ANNOUNCEMENT)
