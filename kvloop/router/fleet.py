@@ -44,7 +44,7 @@ from kvloop.config import ROLES
 from kvloop.events.cli_args import nats_credential_env
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.front.auth import API_KEY_ENV
-from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
+from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command, stop_all
 from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.trust import FleetSecret, secret_env
@@ -220,11 +220,7 @@ class Fleet:
 
     def stop(self) -> None:
         """SIGTERM every worker, then SIGKILL the ones still alive after the grace period."""
-        for w in self.workers:
-            w.terminate()
-        deadline = time.monotonic() + self.config.stop_timeout_s
-        for w in self.workers:
-            w.wait_or_kill(deadline - time.monotonic())
+        stop_all(self.workers, self.config.stop_timeout_s)
         if self.nats is not None:
             self.nats.stop()
         (self.log_dir / "nats.conf").unlink(missing_ok=True)
