@@ -34,6 +34,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvloop.front.openai import MaxTokens
 from kvloop.router.pd import (
     CLIENT_PARAMS,
     MULTIPLE_PROMPTS,
@@ -50,7 +51,6 @@ from kvloop.router.proxy import (
     _response_headers,
     _Retry,
     error_response,
-    expected_output,
     unless_disconnected,
 )
 from kvloop.router.router import NoWorkerError, PDRouted
@@ -119,7 +119,8 @@ class PDFlow:
         while True:
             try:
                 routed = await self.app.decide(self.router.route_pd, tokens, tried,
-                                               body.get("cache_salt"), expected_output(body),
+                                               body.get("cache_salt"),
+                                               MaxTokens.of_body(path, body).tokens(None),
                                                local_reason(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)

@@ -66,6 +66,7 @@ from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.front.guard import install
 from kvloop.front.openai import (
+    MaxTokens,
     SamplingRequest,
     error_body,
     http_error_body,
@@ -349,7 +350,8 @@ class RouterApp:
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), expected_output(body))
+                                           body.get("cache_salt"),
+                                           MaxTokens.of_body(path, body).tokens(None))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
@@ -628,12 +630,6 @@ class _RelayResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.on_close()
-
-
-def expected_output(body: dict[str, Any]) -> int:
-    """Output tokens the request asks for (a validated body's max_tokens; 16 by default)."""
-    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-    return int(value)
 
 
 def read_body(raw: bytes, path: str, fleet_member: bool = False
