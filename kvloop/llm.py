@@ -1,12 +1,12 @@
 """Offline inference shaped like vLLM's: `LLM(model).generate(prompts, params)`.
 
-Everything runs in this process: the tokenizer (`kvloop.server.tokenizer`), the real
+Everything runs in this process: the tokenizer (`kvloop.front.tokenizer`), the real
 scheduler, KV cache manager and block pool (`EngineCore`), and the model runner. `generate`
 adds every request, steps the engine until all finish (with a tqdm progress bar), and returns
 one `RequestOutput` per prompt, in prompt order.
 
 What the engine does not do is done by the API server's output processing
-(`kvloop.server.processor`), the same code for both: `n` > 1 fanned out into n requests
+(`kvloop.front.processor`), the same code for both: `n` > 1 fanned out into n requests
 (seeded ones get seeds seed, seed+1...), EOS and the model's other end-of-turn ids, stop
 strings (detokenized incrementally, not before `min_tokens`; a hit aborts the request and
 truncates its text), text and logprobs; this module only shapes vLLM's `RequestOutput`.
@@ -59,8 +59,8 @@ from kvloop.core.engine import EngineCore
 from kvloop.core.kv_connector import KVConnector
 from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_context_length
 from kvloop.core.runner import Runner, SplitRunner
-from kvloop.server.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
-from kvloop.server.tokenizer import Tokenizer
+from kvloop.front.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
+from kvloop.front.tokenizer import Tokenizer
 from kvloop.trust import FleetSecret, load_fleet_secret
 from kvloop.wire import SpecDecodingStats
 

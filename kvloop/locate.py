@@ -1,6 +1,6 @@
 """Where a model's files are: the embedded SmolLM2 GGUF, a `.gguf` file or a Hugging Face folder.
 
-The one locator of the package: the API server's tokenizer (`kvloop.server.tokenizer`), the
+The one locator of the package: the HTTP fronts' tokenizer (`kvloop.front.tokenizer`), the
 model loader (`kvloop.model.loader`), the simulator's vocabulary and the benchmarks' anchor
 server all find a model here, the same way. Standard library only (no torch, no server), so
 every layer may import it. Local paths only: nothing is downloaded.

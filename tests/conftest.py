@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from kvloop.events.types import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 if TYPE_CHECKING:
     from kvloop.router.config import RouterConfig

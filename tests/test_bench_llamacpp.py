@@ -14,7 +14,7 @@ import pytest
 
 from kvloop.bench import llamacpp as lc
 from kvloop.bench import offline
-from kvloop.server.launcher import UrlProcess
+from kvloop.front.launcher import UrlProcess, group_members
 
 # The output of `llama-bench -m SmolLM2-135M-Instruct.Q4_1.gguf -p 512 -n 128 -t 2 -r 1 -o json`
 # as built by `python -m kvloop.bench.llamacpp build` (commit 0c1e570), on a busy machine,
@@ -225,12 +225,12 @@ def test_stop_group_terms_then_kills_the_whole_group(tmp_path: Path) -> None:
                       lc.LLAMA_LISTENING, new_session=True, name="stubborn")
     proc.start(timeout_s=30)
     assert proc.url == "http://127.0.0.1:1"
-    assert len(lc.group_members(proc.pid)) == 2
+    assert len(group_members(proc.pid)) == 2
     t0 = time.monotonic()
     lc.stop_group(proc, timeout_s=1.0)
     assert 1.0 <= time.monotonic() - t0 < 10
     assert not proc.alive()
-    assert lc.group_members(proc.pid) == []   # the SIGTERM-ignoring child is gone too
+    assert group_members(proc.pid) == []   # the SIGTERM-ignoring child is gone too
     assert proc.proc is not None and proc.proc.returncode == -signal.SIGTERM
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvloop.bench import workloads as w
 from kvloop.bench.driver import BenchConfig, run_bench_sync
 from kvloop.bench.report import summarize
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 from kvloop.viz.png import render_png
 from kvloop.viz.schedule import load_schedule
 

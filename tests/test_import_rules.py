@@ -16,10 +16,6 @@ ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 # (docs/architecture.md's table and rules say the same in words). The most specific entry
 # (longest prefix) of a module applies. Two lists per entry: kvloop modules (prefixes) and
 # third-party packages. None means anything (the benchmarks drive every layer).
-ROUTER_SERVER_OK = ("kvloop.server.openai", "kvloop.server.prompts", "kvloop.server.tokenizer",
-                    "kvloop.server.prometheus_text", "kvloop.server.launcher",
-                    "kvloop.server.sockets", "kvloop.server.front", "kvloop.server.auth",
-                    "kvloop.server.http_limits", "kvloop.server.guard")
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
@@ -33,8 +29,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.events.config",
                      "kvloop.trust"),
                     ("msgspec",)),
-    "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.server.processor",
-                    "kvloop.server.tokenizer", "kvloop.structured", "kvloop.wire",
+    "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.front.processor",
+                    "kvloop.front.tokenizer", "kvloop.structured", "kvloop.wire",
                     "kvloop.kv_transfer", "kvloop.trust"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
     "kvloop.engine_proc": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
@@ -54,18 +50,20 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                     "kvloop.core.request", "kvloop.core.scheduler", "kvloop.core.spec_decode",
                     "kvloop.core.kv_connector"),
                    ("msgspec", "numpy")),
-    "kvloop.server": (("kvloop", "kvloop.config", "kvloop.locate", "kvloop.wire",
+    "kvloop.front": (("kvloop.locate", "kvloop.wire", "kvloop.core.request",
+                      "kvloop.sim.byte_vocab"),
+                     ("starlette", "uvicorn", "h11", "pydantic", "typing_extensions", "httpx",
+                      "jinja2", "tokenizers", "msgspec")),
+    "kvloop.server": (("kvloop", "kvloop.config", "kvloop.wire", "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
                        "kvloop.kv_transfer.params"),
-                      ("fastapi", "starlette", "uvicorn", "h11", "pydantic", "typing_extensions",
-                       "httpx", "jinja2", "tokenizers", "msgspec", "prometheus_client", "zmq",
-                       "nats")),
+                      ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                       "kvloop.events", "kvloop.sim.latency", "kvloop.trust", *ROUTER_SERVER_OK),
+                       "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front"),
                       ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq",
                        "redis")),
-    "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.server.tokenizer"),
+    "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.front.tokenizer"),
                           ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),
     "kvloop.bench": (None, None),
@@ -245,12 +243,22 @@ def test_layering():
     assert not bad, "\n".join(bad)
 
 
+def test_only_the_cli_imports_the_api_server():
+    """`kvloop.server` is the API-server process: the router, `llm.py`, `structured/` and the
+    benchmarks stand on the shared HTTP front package (`kvloop.front`), never on it."""
+    importers = {mod for mod, path in _modules() if not _matches(mod, "kvloop.server")
+                 and any(_matches(imp, "kvloop.server") for imp in _imports(path, mod))}
+    assert importers <= {"kvloop.cli"}, sorted(importers)
+    assert not any(_matches(imp, "kvloop.server") for p in ALLOWED if p != "kvloop.server"
+                   for imp in ALLOWED[p][0] or ())
+
+
 def test_every_module_has_a_rule_and_the_rules_catch_violations():
     assert all(_rule(mod)[0] for mod, _ in _modules())
     assert _violations("kvloop.core.block_pool", ["torch"]) == [
         "kvloop.core.block_pool imports torch (third-party)"]
-    assert _violations("kvloop.core.scheduler", ["kvloop.server.openai"]) == [
-        "kvloop.core.scheduler imports kvloop.server.openai"]
+    assert _violations("kvloop.core.scheduler", ["kvloop.front.openai"]) == [
+        "kvloop.core.scheduler imports kvloop.front.openai"]
     assert _violations("kvloop.router.proxy", ["kvloop.server.serving"]) == [
         "kvloop.router.proxy imports kvloop.server.serving"]
     assert _violations("kvloop.core.engine", ["zmq"]) != []

@@ -1,4 +1,4 @@
-"""The one process launcher (`kvloop.server.launcher.UrlProcess`), on tiny child processes:
+"""The one process launcher (`kvloop.front.launcher.UrlProcess`), on tiny child processes:
 the URL read from the announcement, the output relayed with a prefix, clear errors for a
 child that exits or never serves, and stopping one that ignores SIGTERM."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import kvloop
-from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
-from kvloop.server.sockets import SERVE_ANNOUNCEMENT
+from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
+from kvloop.front.sockets import SERVE_ANNOUNCEMENT
 
 pytestmark = pytest.mark.processes   # every test here starts processes or servers
 

@@ -183,7 +183,7 @@ def test_eos_is_filled_from_the_tokenizer(eos_llm):
 
 
 def test_other_eos_ids_become_stop_tokens(eos_llm):
-    from kvloop.server.tokenizer import Tokenizer
+    from kvloop.front.tokenizer import Tokenizer
 
     base = eos_llm.get_tokenizer()
     tok = Tokenizer(base._tok, model_name="zero", chat_template=None, bos_token_id=None,

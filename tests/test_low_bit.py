@@ -24,7 +24,7 @@ from kvloop.model.gguf import GGUFFile, RawTensor, dequantize_raw, unpack_q4
 from kvloop.model.quant import Int4Weight, Int8Weight, LowBitPolicy, low_bit_supported
 
 try:
-    from kvloop.server.tokenizer import find_model_path
+    from kvloop.front.tokenizer import find_model_path
 
     find_model_path(None)
     HAVE_EMBEDDED = True

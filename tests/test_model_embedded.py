@@ -16,8 +16,8 @@ import torch
 from kvloop import LLM, SamplingParams
 from kvloop.config import SpeculativeConfig
 from kvloop.core.engine import EngineCore
+from kvloop.front.tokenizer import find_model_path
 from kvloop.llm import engine_config
-from kvloop.server.tokenizer import find_model_path
 
 try:
     find_model_path(None)

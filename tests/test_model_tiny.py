@@ -96,7 +96,7 @@ def gguf_tokenizer_metadata() -> dict:
 
 def write_tokenizer_files(folder: Path) -> None:
     """tokenizer.json (the GGUF-derived BPE saved by `tokenizers`) + tokenizer_config.json."""
-    from kvloop.server.tokenizer import _backend_from_gguf
+    from kvloop.front.tokenizer import _backend_from_gguf
 
     _backend_from_gguf(gguf_tokenizer_metadata()).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(

@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvloop.front.launcher import ROUTER_URL_LINE, SERVE_URL_LINE, UrlProcess, kvloop_command
 from kvloop.router.services import NATS_READY, REDIS_READY, local_nats, local_redis
-from kvloop.server.launcher import ROUTER_URL_LINE, SERVE_URL_LINE, UrlProcess, kvloop_command
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER
 from .conftest import sdk, wait_until

@@ -23,10 +23,10 @@ from kvloop import LLM
 from kvloop.config import RunnerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
+from kvloop.front.tokenizer import find_model_path
 from kvloop.kv_transfer import shm
 from kvloop.model import load_runner
 from kvloop.model.runner import ModelRunner
-from kvloop.server.tokenizer import find_model_path
 from kvloop.trust import FleetSecret
 from kvloop.wire import EngineCoreOutput, TopLogprobs
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf

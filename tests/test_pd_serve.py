@@ -25,8 +25,8 @@ import httpx
 import msgspec
 import pytest
 
+from kvloop.front.launcher import ServeProcess
 from kvloop.router.registry import WorkerDescription
-from kvloop.server.launcher import ServeProcess
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
 from kvloop.wire import WorkerInfo
 

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import RouterThread, serving, wait_until
 from .test_pd_serve import BS, FLEET_ENV, SECRET, idle, kv_config, pd, tokens

@@ -1,4 +1,4 @@
-"""The one /metrics parser (`kvloop.server.prometheus_text`) against prometheus_client's own,
+"""The one /metrics parser (`kvloop.front.prometheus_text`) against prometheus_client's own,
 on the server's real exposition and on label values that need escaping."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvloop.front.prometheus_text import metric_value, samples
 from kvloop.server.metrics import ServerMetrics
-from kvloop.server.prometheus_text import metric_value, samples
 
 
 def _reference(text: str) -> list[tuple[str, dict[str, str], float]]:

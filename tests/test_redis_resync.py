@@ -16,10 +16,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.services import redis_url
-from kvloop.server.prometheus_text import metric_value
 
 from .bus_helpers import redis_server
 from .conftest import RouterThread, serving, wait_until

@@ -16,13 +16,13 @@ import httpx
 import openai
 import pytest
 
+from kvloop.front.auth import AuthConfig
+from kvloop.front.http_limits import HttpLimits
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.tokenizer import find_model_path
 from kvloop.router.config import RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
-from kvloop.server.auth import AuthConfig
-from kvloop.server.http_limits import HttpLimits
-from kvloop.server.launcher import ServeProcess
-from kvloop.server.tokenizer import find_model_path
 
 from .conftest import RouterThread, bearer, sdk, wait_until
 from .test_router_fleet import ADMIN, SIM_ARGS, router_config

@@ -13,9 +13,9 @@ import pytest
 from kvloop.events.config import NatsPlaneConfig
 from kvloop.events.nats_plane import H_WORKER
 from kvloop.events.nats_subscriber import NatsEventPlane
+from kvloop.front.launcher import ServeProcess
 from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WRONG_SUBJECT
-from kvloop.server.launcher import ServeProcess
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view, url_of
 from .conftest import RouterThread, sdk, serving, wait_until

@@ -346,8 +346,8 @@ def test_fleet_hashing_learned_late_revives_earlier_feeds():
 
 
 def test_prompt_tokenizer_mirrors_the_server():
+    from kvloop.front.byte_tokenizer import ByteTokenizer
     from kvloop.router.prompts import PromptTokenizer
-    from kvloop.server.byte_tokenizer import ByteTokenizer
 
     pt, tok = PromptTokenizer(), ByteTokenizer()
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"},
@@ -372,8 +372,8 @@ def test_prompt_tokenizer_mirrors_the_server():
 def test_prompt_tokenizer_of_simulated_workers():
     """A `--model sim` worker reports the embedded GGUF as its model path; one that reports
     only its name `sim` speaks the embedded model's vocabulary too."""
+    from kvloop.front.tokenizer import Tokenizer, find_model_path
     from kvloop.router.prompts import PromptTokenizer
-    from kvloop.server.tokenizer import Tokenizer, find_model_path
 
     pt, smol = PromptTokenizer(), Tokenizer.from_model(None)
     msgs = [{"role": "user", "content": "hello there"}]

@@ -22,9 +22,9 @@ import httpx
 import openai
 import pytest
 
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
-from kvloop.server.prometheus_text import metric_value
 from tests.conftest import RouterThread, held_port, sdk, wait_until
 from tests.test_router_fleet import (
     SIM_ARGS,

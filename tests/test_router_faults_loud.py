@@ -25,11 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import IndexConfig, LivenessConfig, PDConfig, RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.pd import PREFILL_TIMEOUT
 from kvloop.router.registry import PREFILL_FAILING, WorkerSpec
-from kvloop.server.prometheus_text import metric_value
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret
 from tests.conftest import RouterThread, held_port, wait_until
 from tests.test_router_pd_fleet import BANDWIDTH, SECRET, SPEEDUP, pd_fleet

@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
+from kvloop.front.auth import AuthConfig
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
-from kvloop.server.auth import AuthConfig
-from kvloop.server.prometheus_text import metric_value
 
 from .conftest import RouterThread, bearer, sdk, wait_until
 
@@ -239,9 +239,9 @@ def _worker_prompt_ids(url: str, path: str, body: dict[str, Any]) -> list[list[i
 def test_router_and_worker_tokenize_every_prompt_form_alike(fleet):
     """The router's ids (the worker's reported model path, the shared body -> ids code) are
     the ids the worker served, in every prompt form and chat option."""
+    from kvloop.front.prompts import body_prompts
+    from kvloop.front.tokenizer import load_vocabulary
     from kvloop.router.prompts import PromptTokenizer
-    from kvloop.server.prompts import body_prompts
-    from kvloop.server.tokenizer import load_vocabulary
 
     with RouterThread(router_config(), fleet.specs()[:1]) as rt:
         worker = rt.router.registry.all()[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import IndexConfig, LivenessConfig, PDConfig, RouterConfig
 from kvloop.router.pd import (
     ALWAYS,
@@ -34,7 +35,6 @@ from kvloop.router.registry import (
     WorkerSpec,
 )
 from kvloop.router.router import Router
-from kvloop.server.prometheus_text import metric_value
 from kvloop.sim.latency import LatencyModel, StepFeatures
 from kvloop.wire import KVTransferInfo
 

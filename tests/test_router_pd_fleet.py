@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import IndexConfig, LivenessConfig, PDConfig, RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.pd import (
@@ -34,7 +35,6 @@ from kvloop.router.pd import (
     REMOTE_CHEAPER,
 )
 from kvloop.router.registry import WRONG_EVENT_SOURCE, WorkerSpec
-from kvloop.server.prometheus_text import metric_value
 from kvloop.trust import FleetSecret
 
 from .conftest import RouterThread, sdk, wait_until

@@ -45,12 +45,12 @@ from kvloop.events.nats_plane import (
 )
 from kvloop.events.nats_subscriber import NatsEventPlane
 from kvloop.events.types import BlockStored, KVEventBatch
+from kvloop.front.auth import AuthConfig
+from kvloop.front.launcher import ServeProcess
 from kvloop.router.cli_args import WORKER_API_KEY_ENV, router_config
 from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.fleet import FleetConfig
 from kvloop.router.registry import WorkerSpec
-from kvloop.server.auth import AuthConfig
-from kvloop.server.launcher import ServeProcess
 from kvloop.trust import FLEET_SECRET_ENV, FleetSecret, sign_message
 from kvloop.wire import WorkerAnnouncement
 

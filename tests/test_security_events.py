@@ -24,12 +24,12 @@ from kvloop.events.config import KVEventsConfig
 from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
 from kvloop.events.types import BlockStored, KVEventBatch
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.server.api import _kv_transfer
-from kvloop.server.launcher import ServeProcess
-from kvloop.server.prometheus_text import metric_value
 from kvloop.trust import PURPOSE_KV_EVENTS, CurveKeys, FleetSecret, write_secret_file
 from kvloop.wire import KVTransferInfo
 

@@ -30,6 +30,7 @@ import zmq
 
 from kvloop.config import KVConnectorExtraConfig, KVTransferConfig
 from kvloop.core.kv_connector import KV_BLOCK_LAYOUT, KVFingerprint
+from kvloop.front.launcher import ServeProcess
 from kvloop.kv_transfer import KvloopConnector, shm
 from kvloop.kv_transfer import server as side_channel
 from kvloop.kv_transfer.client import Load, LoadResult, TransferClient
@@ -49,7 +50,6 @@ from kvloop.kv_transfer.protocol import (
 )
 from kvloop.kv_transfer.server import SideChannelServer
 from kvloop.kv_transfer.stats import TransferCounters
-from kvloop.server.launcher import ServeProcess
 from kvloop.sim.kv_store import SimKVBlockStore
 from kvloop.trust import PURPOSE_KV_SIDE_CHANNEL, FleetSecret, curve_authenticator
 

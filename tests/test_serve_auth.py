@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from kvloop.cli import build_parser
-from kvloop.server.auth import AuthConfig, Caller, auth_config, check_key
-from kvloop.server.launcher import ServeProcess
-from kvloop.server.tokenizer import Tokenizer, find_model_path
+from kvloop.front.auth import AuthConfig, Caller, auth_config, check_key
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.tokenizer import Tokenizer, find_model_path
 
 from .conftest import bearer, sdk, serving
 

@@ -19,8 +19,8 @@ import pytest
 import kvloop
 from kvloop.cli import build_parser, main
 from kvloop.config import SIM_RUNNER_FACTORY, AutoBudget
+from kvloop.front.launcher import ServeProcess
 from kvloop.server import cli_args
-from kvloop.server.launcher import ServeProcess
 from kvloop.wire import EngineStartConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import serving
 

@@ -24,7 +24,7 @@ import zmq
 from kvloop.core.hashing import block_hashes
 from kvloop.events import protocol as proto
 from kvloop.events.types import BlockStored, KVEventBatch, event_int
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import alive, wait_until
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import post, sdk, serving
 

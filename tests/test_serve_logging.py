@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from kvloop.cli import build_parser
+from kvloop.front.byte_tokenizer import ByteTokenizer
+from kvloop.front.launcher import ServeProcess
 from kvloop.server import cli_args
-from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.config import ServeConfig, log_stats_interval
-from kvloop.server.launcher import ServeProcess
 from kvloop.server.logs import log_request
 
 from .conftest import serving, wait_until

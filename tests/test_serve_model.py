@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import sdk, serving
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 
 from .conftest import serving
 

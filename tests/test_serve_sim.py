@@ -21,8 +21,8 @@ import httpx
 import openai
 import pytest
 
-from kvloop.server.launcher import ServeProcess
-from kvloop.server.tokenizer import Tokenizer, find_model_path
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.tokenizer import Tokenizer, find_model_path
 
 from .conftest import post, sdk, serving
 

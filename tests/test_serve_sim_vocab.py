@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.tokenizer import Tokenizer, find_model_path
 from kvloop.server.sim_model import SIM_TEXT, load_sim_model
-from kvloop.server.tokenizer import Tokenizer, find_model_path
 
 from .conftest import post, serving
 

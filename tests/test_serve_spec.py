@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvloop.config import SpeculativeConfig
+from kvloop.front.launcher import ServeProcess
+from kvloop.front.prometheus_text import metric_value
 from kvloop.server import cli_args
-from kvloop.server.launcher import ServeProcess
-from kvloop.server.prometheus_text import metric_value
 
 from .conftest import post, serving, wait_until
 from .test_serve_cli import run_serve, serve_args

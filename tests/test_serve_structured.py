@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from kvloop.core.request import NO_GRAMMAR_BACKEND
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 from kvloop.server.tools import AUTO_NEEDS_PARSER
 
 from .conftest import post, sdk, serving

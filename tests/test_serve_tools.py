@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from kvloop.core.request import StructuredOutputKind
-from kvloop.server.openai import ChatCompletionRequest, CompletionRequest
+from kvloop.front.openai import ChatCompletionRequest, CompletionRequest
 from kvloop.server.structured import ConstraintError, requested_constraint
 from kvloop.server.tools import (
     AUTO_NEEDS_PARSER,

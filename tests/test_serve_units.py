@@ -14,15 +14,15 @@ import pytest
 from kvloop.config import REAL_RUNNER_FACTORY, SIM_RUNNER_FACTORY
 from kvloop.core.request import SamplingParams
 from kvloop.events.config import KVEventsConfig
+from kvloop.front.byte_tokenizer import ByteTokenizer
+from kvloop.front.processor import OutputOptions, OutputState, find_stop_string
+from kvloop.front.sockets import bind_tcp, http_url
+from kvloop.front.tokenizer import find_model_path
 from kvloop.server import cli_args, serving
-from kvloop.server.byte_tokenizer import ByteTokenizer
 from kvloop.server.client import EngineStartError, _decode_handshake
 from kvloop.server.config import ServeConfig
 from kvloop.server.metrics import ServerMetrics, build_1_2_5_buckets
-from kvloop.server.processor import OutputOptions, OutputState, find_stop_string
 from kvloop.server.sim_model import SIM_TEXT, load_sim_model
-from kvloop.server.sockets import bind_tcp, http_url
-from kvloop.server.tokenizer import find_model_path
 from kvloop.wire import (
     KV_LOAD_FAILED,
     WIRE_VERSION,
@@ -376,8 +376,8 @@ def test_front_server_serves_its_socket_announces_once_and_hands_signals_off() -
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
-    from kvloop.server.front import FrontServer
-    from kvloop.server.http_limits import HttpLimits
+    from kvloop.front.http_limits import HttpLimits
+    from kvloop.front.uvicorn_server import FrontServer
 
     async def hello(request: object) -> PlainTextResponse:
         return PlainTextResponse("hi")
@@ -418,7 +418,7 @@ def test_front_server_serves_its_socket_announces_once_and_hands_signals_off() -
 
 
 def test_one_error_type_per_status() -> None:
-    from kvloop.server.openai import error_body, error_type
+    from kvloop.front.openai import error_body, error_type
 
     assert [error_type(c) for c in (400, 401, 404, 405, 413, 500, 502, 503)] == [
         "BadRequestError", "UnauthorizedError", "NotFoundError", "MethodNotAllowedError",

@@ -13,7 +13,7 @@ import pytest
 from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig, SimSettings
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 from kvloop.sim.byte_vocab import PRINTABLE_IDS
 from kvloop.sim.latency import (
     DEFAULT_LATENCY_FILE,

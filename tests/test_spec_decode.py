@@ -14,9 +14,9 @@ from kvloop.core.request import SamplingParams
 from kvloop.core.scheduler import Scheduler
 from kvloop.core.spec_decode import NgramProposer, propose_ngram
 from kvloop.events.types import BlockStored
+from kvloop.front.prometheus_text import metric_value
 from kvloop.server.logs import spec_line
 from kvloop.server.metrics import ServerMetrics
-from kvloop.server.prometheus_text import metric_value
 from kvloop.sim.runner import SimRunner
 from kvloop.wire import SchedulerStats, SpecDecodingStats
 from tests.core_helpers import HASHER, make_manager, make_request, run_step

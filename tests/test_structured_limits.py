@@ -23,8 +23,8 @@ import pytest
 from kvloop.core.compile_queue import CompileLimits, CompileQueue, CompileTimeout
 from kvloop.core.request import Request, SamplingParams, StructuredOutputsParams
 from kvloop.core.structured_output import StructuredOutputManager
+from kvloop.front.launcher import ServeProcess
 from kvloop.server.config import DEFAULT_MAX_SPEC_BYTES, MAX_SPEC_FLAG
-from kvloop.server.launcher import ServeProcess
 
 from .conftest import serving, wait_until
 

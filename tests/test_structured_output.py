@@ -23,8 +23,8 @@ from kvloop.core.request import Request as LLMRequest
 from kvloop.core.request import RequestStatus, StructuredOutputKind
 from kvloop.core.structured_output import StructuredOutputManager, fill_rows
 from kvloop.core.trace import StepTiming
+from kvloop.front.tokenizer import Tokenizer
 from kvloop.model.sampler import apply_token_bitmask
-from kvloop.server.tokenizer import Tokenizer
 from kvloop.structured import backend_for
 from tests.test_model_tiny import (
     TINY_VOCAB,

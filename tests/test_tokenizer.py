@@ -1,4 +1,4 @@
-"""kvloop.server.tokenizer: GGUF and HF-folder tokenizers, chat templates, detokenizing."""
+"""kvloop.front.tokenizer: GGUF and HF-folder tokenizers, chat templates, detokenizing."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvloop.server import tokenizer as tokmod
-from kvloop.server.gguf_metadata import read_gguf_metadata
-from kvloop.server.tokenizer import IncrementalDetokenizer, Tokenizer, find_model_path
+from kvloop.front import tokenizer as tokmod
+from kvloop.front.gguf_metadata import read_gguf_metadata
+from kvloop.front.tokenizer import IncrementalDetokenizer, Tokenizer, find_model_path
 from tests.test_model_tiny import (
     CHAT_TEMPLATE,
     TINY_VOCAB,
@@ -226,7 +226,7 @@ def test_missing_embedded_package_names_the_pip_command(monkeypatch):
 
 @pytest.mark.processes
 def test_tokenizer_module_never_imports_torch(tiny_files):
-    code = ("import sys; from kvloop.server.tokenizer import Tokenizer; "
+    code = ("import sys; from kvloop.front.tokenizer import Tokenizer; "
             f"t = Tokenizer.from_model({str(tiny_files[0])!r}); t.encode('the cat'); "
             "t.apply_chat_template([{'role': 'user', 'content': 'x'}]); "
             "assert 'torch' not in sys.modules, 'torch was imported'")

@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 from kvloop.events import protocol as proto
+from kvloop.front.launcher import ServeProcess
 from kvloop.router.config import HashSpec
 from kvloop.router.registry import WorkerDescription, WorkerSpec
-from kvloop.server.launcher import ServeProcess
 from kvloop.wire import WorkerInfo
 
 from .conftest import serving

@@ -28,8 +28,8 @@ from kvloop.bench import hf_server
 from kvloop.bench import workloads as w
 from kvloop.bench.driver import BenchConfig, run_bench
 from kvloop.bench.report import format_compare, summarize
-from kvloop.server.launcher import ServeProcess, UrlProcess
-from kvloop.server.sockets import announced_url
+from kvloop.front.launcher import ServeProcess, UrlProcess
+from kvloop.front.sockets import announced_url
 
 
 @dataclass(frozen=True)

@@ -145,33 +145,8 @@ def run_output(cmd: list[str], timeout_s: float, with_stderr: bool = False) -> s
 
 def stop_group(proc: Any, timeout_s: float) -> None:
     """SIGTERM a server's process group (a `UrlProcess` started with `new_session`), SIGKILL
-    whatever is left after `timeout_s`, and reap it."""
-    if proc.proc is None:
-        return
-    proc.signal_group(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while _group_alive(proc) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _group_alive(proc):
-        proc.signal_group(signal.SIGKILL)
-    proc.wait_or_kill(10.0)
-
-
-def _group_alive(proc: Any) -> bool:
-    proc.proc.poll()   # reap the leader once it exits
-    return bool(group_members(proc.pid))
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group `pgid`, read from /proc: orphans
-    whose init never reaps them stay zombies, and `killpg(pgid, 0)` still finds those."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(stat.parent.name))
-    return members
+    whatever is left after `timeout_s`, and reap it (`kvloop.front.launcher.stop_processes`)."""
+    proc.stop(timeout_s, group=True)
 
 
 def wait_http_ok(url: str, timeout_s: float, proc: Any) -> None:
@@ -484,7 +459,7 @@ def kvloop_serve_args(settings: Settings) -> list[str]:
 @contextlib.contextmanager
 def servers(settings: Settings, paths: BuildPaths) -> Iterator[dict[str, str]]:
     """Both servers up and ready (server -> URL); both stopped on the way out."""
-    from kvloop.server.launcher import ServeProcess, UrlProcess
+    from kvloop.front.launcher import ServeProcess, UrlProcess
 
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     llama = UrlProcess(llama_server_cmd(settings, paths), settings.out_dir / "llama-server.log",

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.bench.router import _fresh_caches
-from kvloop.server.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
+from kvloop.front.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.trust import FleetSecret, secret_env
 
 SETUPS = ("aggregated", "pd-cost", "pd-always", "pd-never")

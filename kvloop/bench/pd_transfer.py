@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from kvloop.config import DEFAULT_BLOCK_SIZE
-from kvloop.server.launcher import ServeProcess
+from kvloop.front.launcher import ServeProcess
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
 from kvloop.wire import PREFILL_PARAMS
 

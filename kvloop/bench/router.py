@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvloop.front.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
 from kvloop.router.router import Router
-from kvloop.server.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.wire import KVEventsInfo
 
 

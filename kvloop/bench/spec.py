@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from kvloop.config import RunnerConfig
+    from kvloop.front.tokenizer import Tokenizer
     from kvloop.model import load_runner
-    from kvloop.server.tokenizer import Tokenizer
 
     runner: Any = load_runner(RunnerConfig(model=args.model, dtype=args.dtype, seed=args.seed,
                                            num_threads=args.threads,

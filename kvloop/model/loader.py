@@ -1,7 +1,7 @@
 """Model files -> (ModelConfig, parameters): GGUF files and Hugging Face folders.
 
 Scope: weights and shape hyper-parameters only (the tokenizer lives in
-`kvloop.server.tokenizer`). Parameters come back under Hugging Face Llama names
+`kvloop.front.tokenizer`). Parameters come back under Hugging Face Llama names
 (`model.layers.0.self_attn.q_proj.weight`...), so both sources feed the same model code.
 
 GGUF notes: llama.cpp's converter permutes the rows of Q and K for the "llama" architecture

@@ -22,6 +22,9 @@ from kvloop.events.cli_args import (
     event_plane_from_args,
 )
 from kvloop.events.config import NatsPlaneConfig
+from kvloop.front.auth import add_auth_args, auth_config
+from kvloop.front.http_limits import add_limit_args, http_limits
+from kvloop.front.sockets import DEFAULT_PORT
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
     PD_POLICIES,
@@ -35,9 +38,6 @@ from kvloop.router.config import (
     RouterConfig,
 )
 from kvloop.router.registry import WorkerSpec
-from kvloop.server.auth import add_auth_args, auth_config
-from kvloop.server.http_limits import add_limit_args, http_limits
-from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
 WORKER_API_KEY_ENV = "KVLOOP_WORKER_API_KEY"   # the key the router presents to workers

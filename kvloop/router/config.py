@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
-from kvloop.server.auth import AuthConfig, check_key
-from kvloop.server.http_limits import HttpLimits
+from kvloop.front.auth import AuthConfig, check_key
+from kvloop.front.http_limits import HttpLimits
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")

@@ -5,7 +5,7 @@
        (flags after `--` come last, so they override these); a prefill worker (`--prefill
        N`) also gets `--kv-transfer-config` with a kv_producer KvloopConnector, a decode
        worker (`--decode M`) one with a kv_consumer, so a P/D fleet runs with one command;
-    2. read each worker's "kvloop serving on URL" line from its log (`kvloop.server.launcher`
+    2. read each worker's "kvloop serving on URL" line from its log (`kvloop.front.launcher`
        starts, watches and stops them; their other output is relayed, prefixed with the
        worker's number);
     3. run the router in this process with those workers, print where everything listens;
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING
 from kvloop.config import KV_ROLE_OF, ROLES, Role
 from kvloop.events.cli_args import nats_credential_env
 from kvloop.events.config import NatsPlaneConfig, redact_url
+from kvloop.front.auth import API_KEY_ENV
+from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command, stop_all
 from kvloop.router.config import RouterConfig
 from kvloop.router.registry import WorkerSpec
-from kvloop.server.auth import API_KEY_ENV
-from kvloop.server.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command
 from kvloop.trust import FleetSecret, secret_env
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class FleetConfig:
 
 
 class Fleet:
-    """N worker processes of one `FleetConfig` (`kvloop.server.launcher.UrlProcess`es; their
+    """N worker processes of one `FleetConfig` (`kvloop.front.launcher.UrlProcess`es; their
     logs in `config.log_dir`, else in a temporary folder removed by `stop()`)."""
 
     def __init__(self, config: FleetConfig):
@@ -217,11 +217,7 @@ class Fleet:
 
     def stop(self) -> None:
         """SIGTERM every worker, then SIGKILL the ones still alive after the grace period."""
-        for w in self.workers:
-            w.terminate()
-        deadline = time.monotonic() + self.config.stop_timeout_s
-        for w in self.workers:
-            w.wait_or_kill(deadline - time.monotonic())
+        stop_all(self.workers, self.config.stop_timeout_s)
         if self.nats is not None:
             self.nats.stop()
         (self.log_dir / "nats.conf").unlink(missing_ok=True)

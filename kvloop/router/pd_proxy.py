@@ -36,6 +36,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvloop.front.openai import MaxTokens
 from kvloop.router.pd import (
     CLIENT_PARAMS,
     MULTIPLE_PROMPTS,
@@ -49,7 +50,6 @@ from kvloop.router.relay import (
     Retry,
     cached_tokens,
     error_response,
-    expected_output,
     json_or_none,
     response_headers,
     unless_disconnected,
@@ -131,7 +131,8 @@ class PDFlow:
         while True:
             try:
                 routed = await self.app.decide(self.router.route_pd, tokens, tried,
-                                               body.get("cache_salt"), expected_output(body),
+                                               body.get("cache_salt"),
+                                               MaxTokens.of_body(path, body).tokens(None),
                                                local_reason(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)

@@ -1,12 +1,12 @@
 """Prompt -> token ids, exactly as the worker will see them, so the router's block hashes
 equal the engine's.
 
-The body is read and tokenized by the API server's own code (`kvloop.server.prompts`), with
-the worker's tokenizer, loaded by the server's loader (`kvloop.server.tokenizer.
-load_vocabulary`) from the model path the worker reports, else from its model name: the
-embedded model's name, `sim` (a simulator wears the embedded model's vocabulary unless told
-otherwise) or nothing stand for the embedded model. A body the server would refuse is routed
-by load: the worker answers it, in its own words.
+The body is read and tokenized by the API server's own code, shared by every HTTP front
+(`kvloop.front.prompts`), with the worker's tokenizer, loaded by the same loader
+(`kvloop.front.tokenizer.load_vocabulary`) from the model path the worker reports, else from
+its model name: the embedded model's name, `sim` (a simulator wears the embedded model's
+vocabulary unless told otherwise) or nothing stand for the embedded model. A body the server
+would refuse is routed by load: the worker answers it, in its own words.
 
 Owner: one `PromptTokenizer` per router; it caches one tokenizer per model name.
 """
@@ -17,9 +17,9 @@ import logging
 import threading
 from typing import Any
 
+from kvloop.front.prompts import PromptError, body_prompts
+from kvloop.front.tokenizer import load_vocabulary
 from kvloop.locate import EMBEDDED_NAME
-from kvloop.server.prompts import PromptError, body_prompts
-from kvloop.server.tokenizer import load_vocabulary
 
 log = logging.getLogger("kvloop.router")
 

@@ -7,7 +7,7 @@
     GET  /workers, POST /workers, DELETE /workers    list, register, deregister at run time
     GET  /router/index                           the index per worker (for checks and tests)
 
-Keys (`kvloop.server.auth`, checked by the same middleware as the API server's): with
+Keys (`kvloop.front.auth`, checked by the same middleware as the API server's): with
 --api-key every route but /health and /metrics needs one; POST and DELETE /workers need the
 --admin-api-key. The router presents --worker-api-key to every worker, on polls, probes and
 forwarded requests, and no key of its own: a client's Authorization header is passed on only
@@ -63,6 +63,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
+from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.guard import install
+from kvloop.front.openai import (
+    MaxTokens,
+    SamplingRequest,
+    error_body,
+    http_error_body,
+    validate_body,
+)
+from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import RouterConfig
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
@@ -79,21 +89,11 @@ from kvloop.router.relay import (
     Retry,
     cached_tokens,
     error_response,
-    expected_output,
     json_or_none,
     response_headers,
     unless_disconnected,
 )
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
-from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
-from kvloop.server.guard import install
-from kvloop.server.openai import (
-    SamplingRequest,
-    error_body,
-    http_error_body,
-    validate_body,
-)
-from kvloop.server.prometheus_text import metric_value
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 
 log = logging.getLogger("kvloop.router")
@@ -352,7 +352,8 @@ class RouterApp:
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), expected_output(body))
+                                           body.get("cache_salt"),
+                                           MaxTokens.of_body(path, body).tokens(None))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
@@ -597,7 +598,7 @@ def read_body(raw: bytes, path: str, fleet_member: bool = False
               ) -> tuple[dict[str, Any], bool, bool] | Response:
     """The client's body as the worker will read it, with whether it streams and whether the
     usage chunk the router asks for must be stripped again; or the 400 a worker would answer
-    (the API server's own schema, `kvloop.server.openai`). `kv_transfer_params` are the
+    (the API server's own schema, `kvloop.front.openai`). `kv_transfer_params` are the
     router's to set: a client's are refused, unless the caller is a `fleet_member` (it
     presented the fleet's token: a router in front of this one)."""
     try:

@@ -5,8 +5,7 @@
 - `RETRY`: a worker refused the connection, nothing reached it, route again;
 - a worker's answer read: its JSON (`json_or_none`), its reported prefix hit
   (`cached_tokens`), the headers relayed to the client (`response_headers`);
-- the router's own JSON error answer (`error_response`) and the output tokens a request asks
-  for (`expected_output`).
+- the router's own JSON error answer (`error_response`).
 
 Both flows import this module; it imports neither, so the P/D flow builds on the proxy's
 pieces without the proxy and the flow importing each other.
@@ -23,7 +22,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from kvloop.server.openai import error_body
+from kvloop.front.openai import error_body
 
 T = TypeVar("T")
 HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
@@ -32,12 +31,6 @@ HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"
 
 def error_response(message: str, code: int) -> JSONResponse:
     return JSONResponse(error_body(message, code), status_code=code)
-
-
-def expected_output(body: dict[str, Any]) -> int:
-    """Output tokens the request asks for (a validated body's max_tokens; 16 by default)."""
-    value = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-    return int(value)
 
 
 class Disconnected:

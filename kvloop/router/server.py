@@ -18,12 +18,12 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from kvloop.front.sockets import ROUTER_ANNOUNCEMENT, bind_tcp, http_url
+from kvloop.front.uvicorn_server import FrontServer
 from kvloop.router.config import RouterConfig
 from kvloop.router.proxy import RouterApp
 from kvloop.router.registry import WorkerSpec, event_source
 from kvloop.router.router import Router, SubscriberFactory
-from kvloop.server.front import FrontServer
-from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, bind_tcp, http_url
 
 if TYPE_CHECKING:
     from kvloop.router.bus import RouterBus

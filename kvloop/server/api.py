@@ -1,7 +1,7 @@
 """FastAPI routes of the API server: OpenAI endpoints, health, metrics, tokenizer, worker info.
 
 With --api-key every route needs a key except the public ones (`SERVER_RULES`); the admin
-route (POST /reset_prefix_cache) needs --admin-api-key (`kvloop.server.auth`). /kvloop/worker
+route (POST /reset_prefix_cache) needs --admin-api-key (`kvloop.front.auth`). /kvloop/worker
 is public for routers, but process ids and file paths appear in it (and in /v1/models'
 `root`) only for a caller `AuthConfig.sees_private` admits, and the worker's internal
 addresses (the KV-event PUB and replay endpoints, which carry prompts' token ids, and the
@@ -34,9 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 import kvloop
-from kvloop.server.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
-from kvloop.server.guard import install
-from kvloop.server.openai import (
+from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.guard import install
+from kvloop.front.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -61,7 +61,7 @@ from kvloop.server.openai import (
     http_error_body,
     validation_error_body,
 )
-from kvloop.server.prompts import PromptError, encode, render_chat
+from kvloop.front.prompts import PromptError, encode, render_chat
 from kvloop.server.serving import (
     APIError,
     ServerContext,

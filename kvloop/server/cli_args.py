@@ -43,7 +43,9 @@ from kvloop.config import (
     budget_floor,
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
-from kvloop.server.auth import add_auth_args, auth_config
+from kvloop.front.auth import add_auth_args, auth_config
+from kvloop.front.http_limits import add_limit_args, http_limits
+from kvloop.front.sockets import DEFAULT_PORT
 from kvloop.server.config import (
     DEFAULT_MAX_SPEC_BYTES,
     MAX_SPEC_FLAG,
@@ -53,8 +55,6 @@ from kvloop.server.config import (
     ServeConfig,
     log_stats_interval,
 )
-from kvloop.server.http_limits import add_limit_args, http_limits
-from kvloop.server.sockets import DEFAULT_PORT
 from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
 from kvloop.wire import EngineStartConfig
@@ -291,7 +291,7 @@ def model_arg(args: argparse.Namespace) -> str | None:
 def load_tokenizer(model: str) -> Any:
     """A real model's tokenizer ('' for the embedded model); ValueError (naming the fix)
     when the model cannot be found."""
-    from kvloop.server.tokenizer import Tokenizer  # type: ignore[import-not-found]
+    from kvloop.front.tokenizer import Tokenizer  # type: ignore[import-not-found]
 
     try:
         return Tokenizer.from_model(model or None)

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -43,6 +43,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvloop.front.launcher import stop_processes
 from kvloop.server.metrics import RequestTimes, ServerMetrics
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
@@ -60,6 +61,8 @@ from kvloop.wire import (
 )
 
 logger = logging.getLogger("kvloop.server")
+# the engine core is told to exit by its stdin closing: it gets time to, then SIGTERM, SIGKILL
+ENGINE_STOP_STEPS = (None, signal.SIGTERM, signal.SIGKILL)
 
 QueueItem = tuple[str | None, EngineCoreOutput | BaseException]
 
@@ -379,25 +382,11 @@ class EngineClient:
             with contextlib.suppress(OSError):
                 if self._stdin is not None:
                     self._stdin.close()
-            await asyncio.get_running_loop().run_in_executor(None, _stop_process, proc,
-                                                             timeout_s)
+            await asyncio.get_running_loop().run_in_executor(None, functools.partial(
+                stop_processes, [("engine core", proc)], timeout_s / 2, steps=ENGINE_STOP_STEPS))
             logger.info("engine core process exited with code %s", proc.returncode)
         self._router.close()
         self._pull.close()
         self._ctx.term()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def _stop_process(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Wait for a process told to exit; escalate to SIGTERM, then SIGKILL."""
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if sig is not None and proc.poll() is None:
-            logger.warning("engine core still running; sending %s", signal.Signals(sig).name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout_s / 2)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
-from kvloop.server.auth import AuthConfig
-from kvloop.server.http_limits import HttpLimits
+from kvloop.front.auth import AuthConfig
+from kvloop.front.http_limits import HttpLimits
 from kvloop.trust import FleetSecret
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -29,15 +29,15 @@ import time
 from types import FrameType
 from typing import Any
 
+from kvloop.front.sockets import SERVE_ANNOUNCEMENT, bind_tcp, http_url
+from kvloop.front.uvicorn_server import FrontServer
 from kvloop.server.announce import WorkerAnnouncer
 from kvloop.server.api import build_app, describe_worker
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
-from kvloop.server.front import FrontServer
 from kvloop.server.logs import StatLogger
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
-from kvloop.server.sockets import SERVE_ANNOUNCEMENT, bind_tcp, http_url
 from kvloop.wire import EngineReady, EngineStartConfig
 
 logger = logging.getLogger("kvloop.server")

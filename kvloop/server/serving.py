@@ -30,18 +30,8 @@ from kvloop.core.request import (
     StructuredOutputsParams,
     check_context_length,
 )
-from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
-from kvloop.server.auth import Caller
-from kvloop.server.client import (
-    EngineClient,
-    EngineDeadError,
-    QueueItem,
-    ServerShuttingDown,
-)
-from kvloop.server.config import ServeConfig
-from kvloop.server.logs import log_request
-from kvloop.server.metrics import ServerMetrics
-from kvloop.server.openai import (
+from kvloop.front.auth import Caller
+from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
@@ -61,12 +51,13 @@ from kvloop.server.openai import (
     GenerateResponse,
     GenerateSamplingParams,
     GenerateStreamResponse,
+    MaxTokens,
     SamplingRequest,
     TopLogprob,
     Usage,
     error_body,
 )
-from kvloop.server.processor import (
+from kvloop.front.processor import (
     Delta,
     OutputOptions,
     OutputState,
@@ -74,7 +65,17 @@ from kvloop.server.processor import (
     fan_out,
     model_stops,
 )
-from kvloop.server.prompts import chat_prompt, completion_prompts
+from kvloop.front.prompts import chat_prompt, completion_prompts
+from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
+from kvloop.server.client import (
+    EngineClient,
+    EngineDeadError,
+    QueueItem,
+    ServerShuttingDown,
+)
+from kvloop.server.config import ServeConfig
+from kvloop.server.logs import log_request
+from kvloop.server.metrics import ServerMetrics
 from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
@@ -251,23 +252,19 @@ def _param_of(message: str) -> str | None:
 
 
 def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
-                          max_tokens: int | None, logprobs: int | None,
-                          default_max_tokens: int | None = None,
+                          asked: MaxTokens, logprobs: int | None,
                           constraint: Constraint | None = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
 
-    `max_tokens` is what the client asked for (None: nothing): a number the context cannot
-    hold after the prompt is a 400, as in vLLM. Unasked, it is `default_max_tokens` clamped
-    to the room left in the context (None: all of that room).
+    `asked` is the output length the request asks for (`MaxTokens`): a number the context
+    cannot hold after the prompt is a 400, as in vLLM; a default is clamped to the room left.
     """
     max_len = ctx.ready.max_model_len
     try:
-        check_context_length(max_len, prompt_len, max_tokens)
+        check_context_length(max_len, prompt_len, asked.asked)
     except ContextLengthError as e:
         raise APIError(400, str(e), param=e.param) from e
-    if max_tokens is None:
-        room = max_len - prompt_len
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    max_tokens = asked.tokens(max_len - prompt_len)
     if logprobs is not None and logprobs > ctx.config.max_logprobs:
         raise APIError(400, f"Requested sample logprobs of {logprobs}, which is greater than "
                             f"max allowed: {ctx.config.max_logprobs}", param="logprobs")
@@ -603,15 +600,6 @@ def chat_logprobs(ctx: ServerContext, entries: list[TokenLogprob], num_top: int
 
 
 # --- completions -------------------------------------------------------------------------------
-def completion_max_tokens(req: CompletionRequest | GenerateSamplingParams
-                          ) -> tuple[int | None, int | None]:
-    """(what the client asked for, the default otherwise): the completions default of 16
-    applies only when the body has no max_tokens; an explicit null asks for nothing."""
-    if "max_tokens" in req.model_fields_set:
-        return req.max_tokens, None
-    return None, req.max_tokens
-
-
 async def create_completion(ctx: ServerContext, req: CompletionRequest,
                             request: Request) -> Response:
     ctx.check_model(req.model)
@@ -623,9 +611,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     for ids in prompts:
         ctx.check_token_ids(ids, "prompt")
     check_kv_transfer_params(ctx, req, prompts)
-    asked, default = completion_max_tokens(req)
+    asked = MaxTokens.of(req)
     constraint = request_constraint(ctx, req)
-    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, default,
+    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs,
                                     constraint) for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, prompts, params), constraint)
@@ -732,9 +720,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     constraint = request_constraint(ctx, req, tools)
     prompt = chat_prompt(ctx.tokenizer, req)
     check_kv_transfer_params(ctx, req, [prompt])
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-        else req.max_tokens
-    params = build_sampling_params(ctx, req, len(prompt), max_tokens,
+    params = build_sampling_params(ctx, req, len(prompt), MaxTokens.of(req),
                                    _chat_logprobs_arg(ctx, req), constraint=constraint)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]), constraint)
@@ -827,8 +813,7 @@ async def create_generate(ctx: ServerContext, req: GenerateRequest,
         raise APIError(400, "token_ids must not be empty", param="token_ids")
     ctx.check_token_ids(ids, "token_ids")
     check_kv_transfer_params(ctx, sp, [ids])
-    asked, default = completion_max_tokens(sp)
-    params = build_sampling_params(ctx, sp, len(ids), asked, sp.logprobs, default)
+    params = build_sampling_params(ctx, sp, len(ids), MaxTokens.of(sp), sp.logprobs)
     base = f"gen-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [ids], [params]))
     gen.submit()

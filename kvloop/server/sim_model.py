@@ -5,10 +5,10 @@
 - unset: the embedded SmolLM2-135M-Instruct (its GGUF, found by `kvloop.locate`);
 - a `.gguf` file or a Hugging Face folder (`tokenizer.json`; `config.json` for the vocabulary
   size and context length when it has one);
-- `bytes` (`BYTE_VOCAB`): the byte-level tokenizer of `kvloop.server.byte_tokenizer` (259
+- `bytes` (`BYTE_VOCAB`): the byte-level tokenizer of `kvloop.front.byte_tokenizer` (259
   ids), for tests that count bytes.
 
-The API process loads it once (`load_sim_model`, with `kvloop.server.tokenizer.load_vocabulary`,
+The API process loads it once (`load_sim_model`, with `kvloop.front.tokenizer.load_vocabulary`,
 the loader a router applies to the model path the worker reports): the tokenizer, chat template
 and special ids serve requests as for the real model, and three plain facts go to the engine
 process, which never opens a model file: the ids the model accepts (`vocab_size`: as vLLM,
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloop.config import DEFAULT_MAX_MODEL_LEN
-from kvloop.server.tokenizer import load_vocabulary
+from kvloop.front.tokenizer import load_vocabulary
 
 # Each word (with its space) is one token of SmolLM2's vocabulary, as of most BPE vocabularies.
 SIM_TEXT = (" the quick brown fox jumps over the lazy dog while a small cat lies in the warm "

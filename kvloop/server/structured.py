@@ -26,8 +26,8 @@ import logging
 from typing import Any
 
 from kvloop.core.request import StructuredOutputsParams
+from kvloop.front.openai import SamplingRequest
 from kvloop.server.config import MAX_SPEC_FLAG
-from kvloop.server.openai import SamplingRequest
 
 logger = logging.getLogger("kvloop.server")
 

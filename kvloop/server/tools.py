@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvloop.server.openai import ChatCompletionRequest, ChatTool, DeltaToolCall, ToolCall
+from kvloop.front.openai import ChatCompletionRequest, ChatTool, DeltaToolCall, ToolCall
 from kvloop.server.structured import ConstraintError
 
 AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and '

@@ -1,7 +1,7 @@
 """The byte vocabulary of simulated workers (`--sim-model bytes`): its facts, no tokenizer.
 
 Ids 0-255 are the bytes of the UTF-8 text; `SPECIAL_TOKENS` follow. The tokenizer that speaks
-it is `kvloop.server.byte_tokenizer.ByteTokenizer` (the API process's, next to the real one);
+it is `kvloop.front.byte_tokenizer.ByteTokenizer` (the API process's, next to the real one);
 the simulator's runner needs only these numbers.
 """
 

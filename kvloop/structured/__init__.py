@@ -2,7 +2,7 @@
 
 `load_backend` is the factory the engine process names (`kvloop.config.GRAMMAR_BACKEND_FACTORY`,
 "module:function", as it names its runner's): it reads the served model's vocabulary with the
-API server's loader (`kvloop.server.tokenizer.load_vocabulary`), so the grammar and the
+HTTP fronts' loader (`kvloop.front.tokenizer.load_vocabulary`), so the grammar and the
 tokenizer that decodes the output agree token for token. The engine core
 (`kvloop.core.structured_output`) sees only the `GrammarBackend` protocol; importing this
 package imports no grammar engine (xgrammar, which brings torch and transformers, is imported
@@ -20,14 +20,14 @@ if TYPE_CHECKING:
 
 def load_backend(runner: RunnerConfig, vocab_size: int) -> XgrammarBackend:
     """The grammar backend of the model `runner` serves, for logits of `vocab_size` ids."""
-    from kvloop.server.tokenizer import load_vocabulary
+    from kvloop.front.tokenizer import load_vocabulary
 
     vocab = load_vocabulary(runner.model)
     return backend_for(vocab.tokenizer, max(vocab_size, vocab.vocab_size))
 
 
 def backend_for(tokenizer: Any, vocab_size: int) -> XgrammarBackend:
-    """The grammar backend of a loaded `kvloop.server.tokenizer.Tokenizer`."""
+    """The grammar backend of a loaded `kvloop.front.tokenizer.Tokenizer`."""
     from kvloop.structured.xgrammar_backend import XgrammarBackend
 
     return XgrammarBackend(tokenizer, vocab_size)

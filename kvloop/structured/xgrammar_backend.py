@@ -2,7 +2,7 @@
 
 - The vocabulary: xgrammar's `TokenizerInfo` is built from the served tokenizer's own tokens
   (a GGUF's `tokenizer.ggml.tokens`, or a tokenizer.json's vocabulary, as
-  `kvloop.server.tokenizer` loads them), indexed by id up to the model's vocabulary size.
+  `kvloop.front.tokenizer` loads them), indexed by id up to the model's vocabulary size.
   Special tokens become empty strings, which xgrammar never allows inside a grammar; its stop
   tokens are the tokenizer's EOS and end-of-turn ids, allowed where the grammar may end. The
   vocabulary's encoding follows the tokenizer's decoder: byte-level BPE (GPT-2 style), byte
@@ -79,7 +79,7 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's view of a `kvloop.server.tokenizer.Tokenizer`'s vocabulary."""
+    """xgrammar's view of a `kvloop.front.tokenizer.Tokenizer`'s vocabulary."""
     backend = tokenizer.backend
     encoded = [""] * vocab_size
     special = set(tokenizer.all_special_ids)

@@ -2,7 +2,7 @@
 
 The router hashes a prompt's blocks to find the worker that holds them, so its token ids must
 be the worker's to the token: both call these functions, with the tokenizer loaded from the
-same model path (`kvloop.server.tokenizer.load_vocabulary`). The rules are vLLM's OpenAI
+same model path (`kvloop.front.tokenizer.load_vocabulary`). The rules are vLLM's OpenAI
 server's:
 
 - completions: `prompt` is a text, a list of texts, a list of token ids or a list of those
@@ -26,7 +26,7 @@ from typing import Any
 
 import pydantic
 
-from kvloop.server.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvloop.front.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 class PromptError(ValueError):

@@ -2,9 +2,9 @@
 the line that announces it.
 
 Both fronts bind before anything slow starts (so a port in use is found at once) and hand the
-socket to uvicorn (`kvloop.server.front.FrontServer`). Once it accepts connections each prints
-its announcement; whoever starts a front as a child process (`kvloop.server.launcher`) reads
-the URL back from that line (`announced_url`).
+socket to uvicorn (`kvloop.front.uvicorn_server.FrontServer`). Once it accepts connections
+each prints its announcement; whoever starts a front as a child process
+(`kvloop.front.launcher`) reads the URL back from that line (`announced_url`).
 """
 
 from __future__ import annotations

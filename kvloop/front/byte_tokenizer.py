@@ -1,12 +1,12 @@
 """A byte-level tokenizer for simulated workers (`kvloop serve --model sim --sim-model bytes`).
 
 It speaks the byte vocabulary of `kvloop.sim.byte_vocab` (ids 0-255 are the bytes of the UTF-8
-text; a few special ids follow) with the interface of `kvloop.server.tokenizer.Tokenizer`
+text; a few special ids follow) with the interface of `kvloop.front.tokenizer.Tokenizer`
 (encode, decode, apply_chat_template, special ids), so the API server serves text prompts and
 chat to a simulator exactly as to a real model, and `new_detokenizer` gives the matching
 incremental detokenizer. No model files, no downloads. `kvloop serve --model sim` speaks a
 real model's vocabulary by default; `--sim-model bytes` (`BYTE_VOCAB`) chooses this one, for
-tests that count bytes. `kvloop.server.tokenizer.load_vocabulary` loads it by that name.
+tests that count bytes. `kvloop.front.tokenizer.load_vocabulary` loads it by that name.
 
 Non-goals: merges, normalization, anything a real tokenizer learns.
 """

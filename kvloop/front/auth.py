@@ -13,7 +13,7 @@ Every route is one of three kinds:
 
 A key is presented as `Authorization: Bearer KEY`. Keys are compared as SHA-256 digests with
 `hmac.compare_digest`, every configured key checked whatever matched, so the time taken says
-nothing about the key. `kvloop.server.guard.AuthMiddleware` applies these rules; its
+nothing about the key. `kvloop.front.guard.AuthMiddleware` applies these rules; its
 refusals are OpenAI error objects with a `WWW-Authenticate: Bearer` header.
 
 Private facts (process ids, file paths) go only to a caller `sees_private` admits: one that

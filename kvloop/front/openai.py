@@ -12,12 +12,16 @@ See docs/vllm-facts.md#openai-server for the parameters and their meaning.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, NotRequired
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only on 3.12+
+
+DEFAULT_MAX_TOKENS = 16   # completions' (and /generate's) max_tokens when the body has none
 
 
 class OpenAIModel(BaseModel):
@@ -132,7 +136,7 @@ class CompletionRequest(SamplingRequest):
          "stream_options": {"include_usage": True}}]})
 
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -202,7 +206,7 @@ class GenerateSamplingParams(SamplingRequest):
     """`sampling_params` of the token-in route: vLLM's SamplingParams fields (those kvloop
     has; the unsupported ones are refused as on the OpenAI routes)."""
 
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = None
 
 
@@ -557,3 +561,51 @@ def validate_body(path: str, body: Any) -> SamplingRequest | ErrorResponse:
         return validation_error_body([{**err, "loc": ("body", *err.get("loc", ()))}
                                       for err in e.errors()])
 
+
+# --- the output length a request asks for: one rule for every front -------------------------
+@dataclass(frozen=True)
+class MaxTokens:
+    """What a request asks of its output's length, read by `MaxTokens.of` (the API server, from
+    its request model) or `MaxTokens.of_body` (the router, from a validated body) with one
+    rule: chat reads `max_completion_tokens`, else `max_tokens`, and has no default;
+    completions (and /generate's sampling params) read `max_tokens`, whose default
+    (`DEFAULT_MAX_TOKENS`) applies only when the body has none: an explicit null asks for
+    nothing. `asked`: the client's number (None: nothing asked); `default`: what applies then
+    (None: all the room the context leaves after the prompt)."""
+
+    asked: int | None
+    default: int | None
+
+    @staticmethod
+    def of(req: CompletionRequest | ChatCompletionRequest | GenerateSamplingParams
+           ) -> MaxTokens:
+        return _max_tokens(isinstance(req, ChatCompletionRequest),
+                           req.model_dump(include=_MAX_TOKENS_FIELDS, exclude_unset=True))
+
+    @staticmethod
+    def of_body(path: str, body: Mapping[str, Any]) -> MaxTokens:
+        """From a body validated with `validate_body(path, ...)` (its fields as sent)."""
+        return _max_tokens(request_schema(path) is ChatCompletionRequest, body)
+
+    def tokens(self, room: int | None) -> int:
+        """The output tokens allowed when `room` tokens of context are left after the prompt
+        (an `asked` number beyond it is the API server's 400 to answer, as vLLM's). `room`
+        None: the context is not known (the router, before it picks a worker): a request that
+        only the context bounds counts as asking for `DEFAULT_MAX_TOKENS`."""
+        if self.asked is not None:
+            return self.asked
+        if room is None:
+            return DEFAULT_MAX_TOKENS if self.default is None else self.default
+        return room if self.default is None else min(self.default, room)
+
+
+_MAX_TOKENS_FIELDS = {"max_tokens", "max_completion_tokens"}
+
+
+def _max_tokens(chat: bool, sent: Mapping[str, Any]) -> MaxTokens:
+    if chat:
+        asked = sent.get("max_completion_tokens")
+        return MaxTokens(sent.get("max_tokens") if asked is None else asked, None)
+    if "max_tokens" in sent:
+        return MaxTokens(sent["max_tokens"], None)
+    return MaxTokens(None, DEFAULT_MAX_TOKENS)

@@ -1,12 +1,13 @@
 """Start, watch and stop kvloop's server processes: one place for every launcher (tests,
-benchmarks, `kvloop fleet`).
+benchmarks, `kvloop fleet`), and the one rule for stopping a child process
+(`stop_processes`), which every part of kvloop that starts one uses.
 
     with ServeProcess(["--model", "sim", "--sim-speedup", "50"], log_path) as srv:
         httpx.get(srv.url + "/health")
 
 A child's output goes to its log file (a file, not a pipe: a pipe nobody drains would block
 the server once full); its URL is read back from the line it announces
-(`kvloop.server.sockets`). `echo` also relays that output, line by line with a prefix, to
+(`kvloop.front.sockets`). `echo` also relays that output, line by line with a prefix, to
 this process's stdout (`kvloop fleet` shows its workers' logs so). `kvloop_command(...,
 die_with_parent=True)` asks Linux to SIGTERM the child when this process dies.
 `ServeProcess` runs `kvloop serve` on an ephemeral port unless the arguments name one.
@@ -24,21 +25,26 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import httpx
 
-from kvloop.server.prometheus_text import metric_value
-from kvloop.server.sockets import ROUTER_ANNOUNCEMENT, SERVE_ANNOUNCEMENT, announced_url
+from kvloop.front.prometheus_text import metric_value
+from kvloop.front.sockets import ROUTER_ANNOUNCEMENT, SERVE_ANNOUNCEMENT, announced_url
 
-logger = logging.getLogger("kvloop.server")
+logger = logging.getLogger("kvloop.front")
 
 SERVE_URL_LINE = announced_url(SERVE_ANNOUNCEMENT)
 ROUTER_URL_LINE = announced_url(ROUTER_ANNOUNCEMENT)
 TAIL_LINES = 40   # of a child's log, in the error when it did not start
 RELAY_JOIN_S = 5.0   # how long the relay may take to print what an ended process wrote
+StopStep = signal.Signals | None   # a signal to send, or None: only wait
+STOP_STEPS: tuple[StopStep, ...] = (signal.SIGTERM, signal.SIGKILL)   # unless told otherwise
+KILLED_WAIT_S = 10.0   # how long a SIGKILLed child may take to be reaped
+GROUP_POLL_S = 0.05   # how often a stopping process group is looked at
 # Runs `python -m kvloop ...` after asking Linux to SIGTERM this child when its parent dies.
 _DIE_WITH_PARENT = ("import ctypes, runpy, signal, sys\n"
                     "try:\n"
@@ -47,6 +53,64 @@ _DIE_WITH_PARENT = ("import ctypes, runpy, signal, sys\n"
                     "    pass\n"
                     "sys.argv = ['kvloop'] + sys.argv[1:]\n"
                     "runpy.run_module('kvloop', run_name='__main__', alter_sys=True)\n")
+
+
+def stop_processes(named: Sequence[tuple[str, subprocess.Popen[Any]]], timeout_s: float, *,
+                   steps: Sequence[StopStep] = STOP_STEPS,
+                   group: bool = False) -> list[str]:
+    """Stop child processes (named for the log), several at once: at each step its signal
+    (None: none, they were asked to exit another way) goes to every one still running (with
+    `group`, to its whole process group: children started in a new session), then they share
+    `timeout_s` to end (with `group`: until no live member of the group is left), else the
+    next step comes. A warning names each one still running at a later step. Every one that
+    ended is reaped; returns the names of those still running when the last step came (with
+    the default steps: the ones killed)."""
+    late: list[str] = []
+    for i, sig in enumerate(steps):
+        running = [(n, p) for n, p in named if not _ended(p, group)]
+        if not running:
+            break
+        if i == len(steps) - 1:
+            late = [n for n, _ in running]
+        if sig is not None:
+            for n, p in running:
+                if i > 0:
+                    logger.warning("%s still running: sending %s", n, sig.name)
+                _send(p, sig, group)
+        _wait_ended([p for _, p in running], time.monotonic() + timeout_s, group)
+    return late
+
+
+def _send(proc: subprocess.Popen[Any], sig: signal.Signals, group: bool) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(proc.pid, sig)
+        elif proc.poll() is None:
+            os.kill(proc.pid, sig)
+
+
+def _ended(proc: subprocess.Popen[Any], group: bool) -> bool:
+    return proc.poll() is not None and not (group and group_members(proc.pid))
+
+
+def _wait_ended(procs: list[subprocess.Popen[Any]], deadline: float, group: bool) -> None:
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    while group and any(group_members(p.pid) for p in procs) and time.monotonic() < deadline:
+        time.sleep(GROUP_POLL_S)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, read from /proc: orphans
+    whose init never reaps them stay zombies, and `killpg(pgid, 0)` still finds those."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
 
 
 def kvloop_command(*args: str, die_with_parent: bool = False) -> list[str]:
@@ -165,10 +229,10 @@ class UrlProcess:
         self._join_relay()
         return code
 
-    def stop(self, timeout_s: float = 20.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
-        self.terminate()
-        return self.wait_or_kill(timeout_s)
+    def stop(self, timeout_s: float = 20.0, *, group: bool = False) -> int | None:
+        """SIGTERM (with `group`, to its whole process group: needs `new_session`), wait,
+        then SIGKILL if needed (`stop_processes`); the exit code (None: killed)."""
+        return self._stop(timeout_s, STOP_STEPS, group)
 
     def terminate(self) -> None:
         """SIGTERM, if it still runs (several processes can then stop at once)."""
@@ -177,20 +241,19 @@ class UrlProcess:
 
     def wait_or_kill(self, timeout_s: float) -> int | None:
         """The exit code within `timeout_s`, else SIGKILL (None: killed, or never started)."""
-        if self.proc is None:
-            return None
-        try:
-            return self.wait(max(0.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop in time: killing it", self.name)
-            self.kill()
-            return None
+        return self._stop(timeout_s, (None, signal.SIGKILL))
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-            self._join_relay()
+        self._stop(KILLED_WAIT_S, (signal.SIGKILL,))
+
+    def _stop(self, timeout_s: float, steps: Sequence[StopStep],
+              group: bool = False) -> int | None:
+        if self.proc is None:
+            return None
+        killed = stop_processes([(self.name, self.proc)], max(0.0, timeout_s), steps=steps,
+                                group=group)
+        self._join_relay()
+        return None if killed else self.proc.returncode
 
     def _join_relay(self) -> None:
         """Once the process has ended: let the relay print its last lines."""
@@ -203,6 +266,13 @@ class UrlProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def stop_all(procs: Sequence[UrlProcess], timeout_s: float) -> None:
+    """Stop several `UrlProcess`es at once (`stop_processes`: they share `timeout_s`)."""
+    stop_processes([(p.name, p.proc) for p in procs if p.proc is not None], timeout_s)
+    for p in procs:
+        p._join_relay()
 
 
 class ServeProcess(UrlProcess):

@@ -1,5 +1,5 @@
 """What one HTTP connection may cost a front (the API server and the router): the limits and
-their flags. `kvloop.server.guard` enforces them.
+their flags. `kvloop.front.guard` enforces them.
 
 - Request bodies: at most `max_request_body_bytes` (413 beyond), never buffered past it.
 - A request's headers must arrive whole within `header_timeout_s` of the connection opening

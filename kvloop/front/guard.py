@@ -1,6 +1,6 @@
 """What stands in front of a front's app (the API server's FastAPI app, the router's Starlette
-app): API keys (`kvloop.server.auth`), the body limit and the read timeouts
-(`kvloop.server.http_limits`).
+app): API keys (`kvloop.front.auth`), the body limit and the read timeouts
+(`kvloop.front.http_limits`).
 
     uvicorn ─ TimedH11Protocol ─▶ AuthMiddleware ─▶ BodyLimitMiddleware ─▶ the app
               read timeouts (408)    401 / 403        413
@@ -25,11 +25,11 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvloop.server.auth import AuthConfig, Caller, RouteRules
-from kvloop.server.http_limits import HttpLimits
-from kvloop.server.openai import error_body
+from kvloop.front.auth import AuthConfig, Caller, RouteRules
+from kvloop.front.http_limits import HttpLimits
+from kvloop.front.openai import error_body
 
-logger = logging.getLogger("kvloop.server")
+logger = logging.getLogger("kvloop.front")
 
 _REALM = 'Bearer realm="kvloop"'
 

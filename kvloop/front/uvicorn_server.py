@@ -1,11 +1,11 @@
 """An HTTP front (the API server, the router) served by uvicorn on the socket it bound first.
 
-    sock = bind_tcp(host, port)     # kvloop.server.sockets: a port in use fails at once
+    sock = bind_tcp(host, port)     # kvloop.front.sockets: a port in use fails at once
     server = FrontServer(app, sock, limits, log_level="info", graceful_shutdown_s=5,
                          on_ready=lambda url: print(SERVE_ANNOUNCEMENT.format(url=url)))
     await server.serve()            # until `server.should_exit`
 
-uvicorn gets the fronts' HTTP protocol (read timeouts: `kvloop.server.guard.http_protocol`)
+uvicorn gets the fronts' HTTP protocol (read timeouts: `kvloop.front.guard.http_protocol`)
 and no access log, and calls `on_ready(url)` once it accepts connections (each front
 announces its URL then). `on_signal`, when given, receives SIGINT and SIGTERM instead of
 uvicorn (which would otherwise stop, and re-raise the signal once stopped).
@@ -20,9 +20,9 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from kvloop.server.guard import http_protocol
-from kvloop.server.http_limits import HttpLimits
-from kvloop.server.sockets import http_url
+from kvloop.front.guard import http_protocol
+from kvloop.front.http_limits import HttpLimits
+from kvloop.front.sockets import http_url
 
 SignalHandler = Callable[[int, FrameType | None], None]
 

@@ -63,7 +63,7 @@ def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int],
     factory = getattr(tokenizer, "new_detokenizer", None)
     if factory is not None:
         return factory(prompt_ids, skip_special_tokens)  # type: ignore[no-any-return]
-    from kvloop.server.tokenizer import IncrementalDetokenizer
+    from kvloop.front.tokenizer import IncrementalDetokenizer
 
     return IncrementalDetokenizer(tokenizer, list(prompt_ids),  # type: ignore[no-any-return]
                                   skip_special_tokens=skip_special_tokens)
