@@ -6,8 +6,8 @@
 from typing import TYPE_CHECKING, Any
 
 from kvloop.sampling_params import SamplingParams, StructuredOutputsParams
+from kvloop.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:

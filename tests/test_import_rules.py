@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
-    "kvloop": (("kvloop.sampling_params", "kvloop.llm"), ()),    # the package's __init__
+    # the package's __init__
+    "kvloop": (("kvloop.sampling_params", "kvloop.version", "kvloop.llm"), ()),
     "kvloop.__main__": (("kvloop.cli",), ()),
     "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
     "kvloop.config": ((), ()),
     "kvloop.sampling_params": ((), ("msgspec",)),
     "kvloop.locate": ((), ()),
+    "kvloop.version": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
     "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.events.config",
                      "kvloop.trust"),
@@ -54,7 +56,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                       "kvloop.sim.byte_vocab"),
                      ("starlette", "uvicorn", "h11", "pydantic", "typing_extensions", "httpx",
                       "jinja2", "tokenizers", "msgspec")),
-    "kvloop.server": (("kvloop", "kvloop.config", "kvloop.wire", "kvloop.front",
+    "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.config", "kvloop.wire",
+                       "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
                        "kvloop.kv_transfer.params"),

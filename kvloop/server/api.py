@@ -33,7 +33,6 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-import kvloop
 from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -69,6 +68,7 @@ from kvloop.server.serving import (
     create_completion,
     create_generate,
 )
+from kvloop.version import __version__
 from kvloop.wire import EngineFacts, KVEventsInfo, KVTransferInfo, WorkerInfo
 
 logger = logging.getLogger("kvloop.server")
@@ -225,7 +225,7 @@ class KvloopAPI(FastAPI):
 
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
-    app = KvloopAPI(SERVER_RULES, title="kvloop", version=kvloop.__version__, docs_url=None,
+    app = KvloopAPI(SERVER_RULES, title="kvloop", version=__version__, docs_url=None,
                     redoc_url=None)
     _add_error_handlers(app)
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
@@ -321,7 +321,7 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/version", **_answers(VersionResponse))
     async def version() -> VersionResponse:
-        return {"version": kvloop.__version__}
+        return {"version": __version__}
 
     @app.get("/load", **_answers(LoadResponse))
     async def load() -> LoadResponse:
@@ -411,5 +411,5 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
                               "engine_pid": r.pid}
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
                       served_model_names=list(cfg.served_model_names), role=cfg.role,
-                      kv_capacity_blocks=r.num_gpu_blocks - 1, version=kvloop.__version__,
+                      kv_capacity_blocks=r.num_gpu_blocks - 1, version=__version__,
                       api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted)

@@ -22,7 +22,6 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvloop import SamplingParams
 from kvloop.core.request import (
     KV_TRANSFER_PARAMS_KEY,
     NO_GRAMMAR_BACKEND,
@@ -67,6 +66,7 @@ from kvloop.front.processor import (
 )
 from kvloop.front.prompts import chat_prompt, completion_prompts
 from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
+from kvloop.sampling_params import SamplingParams
 from kvloop.server.client import (
     EngineClient,
     EngineDeadError,
