@@ -6,7 +6,8 @@ shows it: `load_fleet_secret`). Nothing sends the secret itself anywhere; each u
 own key from it (`FleetSecret.derive(purpose)`), so a key leaked from one use opens no other:
 
     signed messages   NATS announcements, withdrawals and event batches carry an HMAC of
-                      (subject, time, nonce, payload) in headers (`sign_message`); a router
+                      (subject, reply subject, time, nonce, payload, every other header)
+                      in headers (`sign_message`); a router
                       accepts only those `MessageVerifier` admits (right key, fresh, unseen);
     HTTP token        the router proves itself to a worker with `token("internal-http")`, which
                       authorizes the `kv_transfer_params` only a router may send;
@@ -172,12 +173,26 @@ def _quiet_logger() -> Any:
 
 
 # --- signed messages (the NATS bus) ------------------------------------------------------------
-def sign_message(secret: FleetSecret, subject: str, payload: bytes,
-                 now: float | None = None) -> dict[str, str]:
-    """Headers proving that a fleet member sent `payload` on `subject` at `now`."""
+_SIGNATURE_HEADERS = frozenset((SIG_HEADER, TIME_HEADER, NONCE_HEADER))
+
+
+def _message_mac(secret: FleetSecret, subject: str, reply: str, ts: str, nonce: str,
+                 payload: bytes, headers: Mapping[str, str]) -> str:
+    """The MAC of everything a receiver acts on: subject, reply subject, time, nonce,
+    payload and every other header (sorted), each part length-prefixed."""
+    covered = sorted((k, v) for k, v in headers.items() if k not in _SIGNATURE_HEADERS)
+    parts = [p.encode() for kv in covered for p in kv]
+    return secret.mac(PURPOSE_BUS, subject.encode(), reply.encode(), ts.encode(),
+                      nonce.encode(), payload, *parts)
+
+
+def sign_message(secret: FleetSecret, subject: str, payload: bytes, now: float | None = None,
+                 headers: Mapping[str, str] | None = None, reply: str = "") -> dict[str, str]:
+    """Signature headers proving that a fleet member sent `payload` with `headers` (sent
+    beside these) on `subject`, asking for answers on `reply`, at `now`."""
     ts = f"{time.time() if now is None else now:.6f}"
     nonce = secrets.token_hex(12)
-    sig = secret.mac(PURPOSE_BUS, subject.encode(), ts.encode(), nonce.encode(), payload)
+    sig = _message_mac(secret, subject, reply, ts, nonce, payload, headers or {})
     return {SIG_HEADER: sig, TIME_HEADER: ts, NONCE_HEADER: nonce}
 
 
@@ -193,7 +208,7 @@ class MessageVerifier:
         self._seen: OrderedDict[str, float] = OrderedDict()   # nonce -> its message time
 
     def refusal(self, subject: str, payload: bytes, headers: Mapping[str, str] | None,
-                now: float | None = None) -> str | None:
+                now: float | None = None, reply: str = "") -> str | None:
         """None when the message is admitted (its nonce is then remembered), else why not."""
         headers = headers or {}
         sig, ts, nonce = (headers.get(h) for h in (SIG_HEADER, TIME_HEADER, NONCE_HEADER))
@@ -201,8 +216,7 @@ class MessageVerifier:
             return "unsigned"
         if len(nonce) > 64 or len(ts) > 32:
             return "malformed signature headers"
-        expected = self.secret.mac(PURPOSE_BUS, subject.encode(), ts.encode(), nonce.encode(),
-                                   payload)
+        expected = _message_mac(self.secret, subject, reply, ts, nonce, payload, headers)
         if not hmac.compare_digest(sig.encode(), expected.encode()):
             return "bad signature"
         now = time.time() if now is None else now

@@ -117,6 +117,23 @@ def test_a_compile_past_the_time_limit_fails_and_its_late_result_is_dropped(held
     q.shutdown()
 
 
+def test_a_compile_that_waits_past_the_time_limit_for_a_slot_fails_unstarted(
+        held: Held) -> None:
+    """Slow compiles holding every slot cannot leave the requests behind them pending for
+    ever: a compile still waiting `timeout_s` after its submission fails, never started."""
+    q = queue(timeout_s=0.5)
+    busy = q.submit(1, held.compile("busy"))
+    wait_until(lambda: held.started == ["busy"], what="the busy compile")
+    waiting = q.submit(2, held.compile("waiting"))
+    with pytest.raises(CompileTimeout, match=r"waited 0.5 s for a compile slot"):
+        waiting.future.result(5)
+    assert held.started == ["busy"] and q.num_pending() == 0
+    held.let_go()
+    with pytest.raises(CompileTimeout):
+        busy.future.result(5)           # it ran past the limit too
+    q.shutdown()
+
+
 def test_a_compile_nobody_waits_for_is_never_started(held: Held) -> None:
     q = queue()
     q.submit(1, held.compile("busy"))

@@ -115,3 +115,21 @@ def test_curve_admits_only_fleet_members():
         auth.stop()
         srv.close()
         ctx.term()
+
+
+def test_the_signature_covers_every_header_and_the_reply_subject():
+    """A message altered in transit (a header changed, added or dropped, or its answers
+    sent to another inbox) is refused: a query cannot be turned into another or answered
+    to an eavesdropper, a batch cannot be renumbered or given to another worker."""
+    sent = {"Kvloop-Cmd": "info", "Kvloop-Seq": "7"}
+    signed = {**sent, **sign_message(SECRET, "q", b"", now=1000.0, headers=sent,
+                                     reply="_INBOX.a")}
+    assert MessageVerifier(SECRET).refusal("q", b"", signed, now=1000.0,
+                                           reply="_INBOX.a") is None
+    for altered, reply in (({**signed, "Kvloop-Cmd": "snapshot"}, "_INBOX.a"),
+                           ({**signed, "Kvloop-Seq": "8"}, "_INBOX.a"),
+                           ({**signed, "Kvloop-Worker": "9"}, "_INBOX.a"),
+                           ({k: v for k, v in signed.items() if k != "Kvloop-Seq"}, "_INBOX.a"),
+                           (signed, "_INBOX.eavesdropper"), (signed, "")):
+        assert MessageVerifier(SECRET).refusal("q", b"", altered, now=1000.0,
+                                               reply=reply) == "bad signature"

@@ -11,7 +11,8 @@ compile workers for minutes. So the queue decides which compile runs when:
   that, a slow one keeps its slot: the CPU that compiles take stays bounded);
 - time limit: a compile running longer than `timeout_s` fails (`CompileTimeout`, which its
   requests report); its thread runs on to its end (counted as slow) and its result is
-  dropped;
+  dropped; a compile still pending `timeout_s` after its submission (slow compiles hold
+  every slot) fails the same way and never starts;
 - unwanted: a compile whose every waiter `release`d it (their requests finished or were
   aborted, the client gone) before it started is never started.
 
@@ -68,6 +69,7 @@ class CompileJob:
     future: Future[Any] = field(compare=False, default_factory=Future)
     waiters: int = field(compare=False, default=1)
     started_at: float | None = field(compare=False, default=None)
+    submitted_at: float = field(compare=False, default=0.0)
 
 
 class CompileQueue:
@@ -85,7 +87,7 @@ class CompileQueue:
 
     def submit(self, size: int, fn: Callable[[], Any]) -> CompileJob:
         """Queue `fn` (a compile of a `size`-character spec) for one waiter."""
-        job = CompileJob(size, next(self._seq), fn)
+        job = CompileJob(size, next(self._seq), fn, submitted_at=self._clock())
         with self._cv:
             if self._stopped:
                 job.future.cancel()
@@ -144,6 +146,14 @@ class CompileQueue:
 
     def _expire(self, now: float) -> None:
         lim = self.limits
+        waited_out = [j for j in self._pending if now - j.submitted_at >= lim.timeout_s]
+        for job in waited_out:
+            self._pending.remove(job)
+            job.future.set_exception(CompileTimeout(
+                f"structured output: the grammar waited {lim.timeout_s:g} s for a compile "
+                f"slot (other compiles hold them all); try again"))
+        if waited_out:
+            heapq.heapify(self._pending)
         for job in self._running:
             assert job.started_at is not None
             if now - job.started_at >= lim.timeout_s and not job.future.done():
@@ -171,6 +181,7 @@ class CompileQueue:
         times = [t for j in self._running if j.started_at is not None
                  for t in (j.started_at + lim.slow_after_s, j.started_at + lim.timeout_s)
                  if t > now]
+        times += [j.submitted_at + lim.timeout_s for j in self._pending]
         return max(0.0, min([*times, now + _MAX_WAIT_S]) - now)
 
     def _run(self, job: CompileJob) -> None:

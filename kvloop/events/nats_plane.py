@@ -201,11 +201,12 @@ def headers(worker_id: int, epoch: str, seq: int | None = None,
 
 # --- identity: signed messages ---------------------------------------------------------------
 def signed_headers(secret: FleetSecret | None, subject: str, payload: bytes,
-                   hdrs: Mapping[str, str] | None = None) -> dict[str, str]:
-    """`hdrs` plus, with `secret`, the signature of `payload` on `subject` (kvloop.trust)."""
+                   hdrs: Mapping[str, str] | None = None, reply: str = "") -> dict[str, str]:
+    """`hdrs` plus, with `secret`, the signature of `payload`, `hdrs` and `reply` on
+    `subject` (kvloop.trust): the message must be published with exactly these headers."""
     out = dict(hdrs or {})
     if secret is not None:
-        out.update(sign_message(secret, subject, payload))
+        out.update(sign_message(secret, subject, payload, headers=out, reply=reply))
     return out
 
 
@@ -250,10 +251,12 @@ class MessageGate:
         self.verifier = None if secret is None else MessageVerifier(secret)
         self.refusals = refusals
 
-    def admits(self, subject: str, payload: bytes, hdrs: Mapping[str, str] | None) -> bool:
+    def admits(self, subject: str, payload: bytes, hdrs: Mapping[str, str] | None,
+               reply: str = "") -> bool:
+        """Whether to act on a message (`reply`: the subject it asks answers on)."""
         if self.verifier is None:
             return True
-        reason = self.verifier.refusal(subject, payload, hdrs)
+        reason = self.verifier.refusal(subject, payload, hdrs, reply=reply)
         if reason is None:
             return True
         self.refusals.note(subject, reason)

@@ -282,7 +282,8 @@ class NatsEventPublisher(QueuedPublisher):
     async def _on_query(self, msg: Any) -> None:
         """Answer info / replay / snapshot. What the answer holds is taken at once, before
         the first send, so it is exact at one sequence number."""
-        if not msg.reply or not self._query_gate.admits(msg.subject, msg.data, msg.headers):
+        if not msg.reply or not self._query_gate.admits(msg.subject, msg.data, msg.headers,
+                                                        reply=msg.reply):
             self.stats.bad_requests += 1
             return
         cmd = (msg.headers or {}).get(H_CMD)

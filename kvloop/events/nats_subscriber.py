@@ -86,6 +86,7 @@ from kvloop.events.sequencer import (
 from kvloop.events.types import AllBlocksCleared, KVEventBatch
 from kvloop.trust import FleetSecret
 
+NATS_STATUS_HEADER, NO_RESPONDERS = "Status", "503"   # nats-server's no-responders reply
 logger = logging.getLogger(__name__)
 
 JOIN, GAP, EPOCH, RECONNECT = "join", "gap", "epoch", "reconnect"
@@ -318,8 +319,8 @@ class NatsEventPlane:
         if start is not None:
             hdrs[H_START] = str(start)
         try:
-            await self.nc.publish(subject, b"", reply=inbox,
-                                  headers=signed_headers(self.secret, subject, b"", hdrs))
+            signed = signed_headers(self.secret, subject, b"", hdrs, reply=inbox)
+            await self.nc.publish(subject, b"", reply=inbox, headers=signed)
             return await self._collect(replies)
         except Exception as e:  # disconnected meanwhile: the caller retries on reconnect
             logger.debug("NATS request on %s failed: %s", subject, e)
@@ -332,21 +333,25 @@ class NatsEventPlane:
 
     async def _collect(self, replies: asyncio.Queue[Any]
                        ) -> tuple[proto.PublisherInfo, list[tuple[int, bytes]]] | None:
+        """The answer's messages until its end; None when nobody answers, or when the
+        answer stops for `request_timeout_s`. Every message passes the gate: a stranger's,
+        whatever it claims to be, is skipped and does not extend the wait."""
+        loop = asyncio.get_running_loop()
         info: proto.PublisherInfo | None = None
         items: list[tuple[int, bytes]] = []
+        deadline = loop.time() + self.request_timeout_s
         while True:
             try:
-                msg = replies.get_nowait()
-            except asyncio.QueueEmpty:
-                try:
-                    msg = await asyncio.wait_for(replies.get(), self.request_timeout_s)
-                except TimeoutError:
-                    return None
+                msg = await asyncio.wait_for(replies.get(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
             hdrs = msg.headers or {}
+            if hdrs.get(NATS_STATUS_HEADER) == NO_RESPONDERS:
+                return None   # the server says nobody serves the subject
+            if not self._reply_gate.admits(msg.subject, msg.data, hdrs):
+                continue      # a forged answer: wait for the worker's own
+            deadline = loop.time() + self.request_timeout_s
             kind = hdrs.get(H_KIND)
-            if kind in (KIND_HEADER, KIND_DATA, KIND_END) and \
-                    not self._reply_gate.admits(msg.subject, msg.data, hdrs):
-                continue   # a forged answer: wait for the worker's own
             if kind == KIND_HEADER:
                 try:
                     info = proto.decode_info(msg.data)
@@ -358,7 +363,7 @@ class NatsEventPlane:
                     items.append((seq, msg.data))
             elif kind == KIND_END:
                 return (info, items) if info is not None else None
-            else:   # a status message (no responders) or a stranger
+            else:   # admitted, but no part of an answer
                 return None
 
     # --- the bus watch --------------------------------------------------------------------

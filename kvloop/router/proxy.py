@@ -124,10 +124,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    """A bug in the router still answers the documented JSON error (and is logged)."""
+    """A bug in the router still answers the documented JSON error; what went wrong (which
+    may name workers or internal state) goes to the log, not to the client."""
     log.error("internal error serving %s %s", request.method, request.url.path,
               exc_info=exc)
-    return error_response(f"router internal error: {type(exc).__name__}: {exc}", 500)
+    return error_response("router internal error (the router's log has the cause)", 500)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
