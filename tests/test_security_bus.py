@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -55,7 +56,7 @@ from kvloop.trust import FLEET_SECRET_ENV, FleetSecret, sign_message
 from kvloop.wire import WorkerAnnouncement
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view
-from .conftest import RouterThread, bearer, wait_until
+from .conftest import RouterThread, alive, bearer, wait_until
 
 SECRET = FleetSecret(b"the-fleet-secret-of-these-tests-0123456789")
 ROUTER_KEY = "router-key-of-these-tests"
@@ -374,6 +375,35 @@ def test_the_fleet_nats_server_refuses_strangers_and_no_secret_is_on_a_command_l
                          headers=bearer(env["VLLM_API_KEY"])).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.processes
+def test_a_fleet_killed_with_sigkill_leaves_no_nats_server_behind(tmp_path: Path) -> None:
+    """Its nats-server (holding the fleet's NATS credentials) gets the parent-death signal."""
+    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "1", "--port", "0",
+           "--event-plane", "nats", "--", "--model", "sim"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            found = re.search(r"nats-server on nats://[^:]+:(\d+)", line)
+            if found:
+                port = int(found.group(1))
+                break
+        else:
+            raise AssertionError("the fleet started no nats-server")
+        server = [p for p in descendants(proc.pid)
+                  if b"nats-server" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert server, "the nats-server is not the fleet's child"
+        proc.kill()
+        proc.wait(10)
+        wait_until(lambda: not any(alive(p) for p in server), 10, "the nats-server's end")
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -208,7 +208,8 @@ class Fleet:
                                user=plane.user if plane else None,
                                password=plane.password if plane else None,
                                token=plane.token if plane else None,
-                               conf_path=self.log_dir / "nats.conf").start()
+                               conf_path=self.log_dir / "nats.conf",
+                               die_with_parent=True).start()
         print(f"kvloop fleet: nats-server on nats://{cfg.host}:{cfg.nats_port}", flush=True)
 
     def specs(self) -> list[WorkerSpec]:

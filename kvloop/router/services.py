@@ -10,8 +10,10 @@ Owner: a `LocalService` owns its process; `stop()` ends it (SIGTERM, then SIGKIL
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,10 +45,15 @@ def find_binary(name: str) -> str:
 class LocalService:
     """One server process on `host:port`; `start()` returns once it accepts connections, or,
     with `ready_line` (for a server this process cannot reach, e.g. one started in another
-    network namespace through `prefix`), once its log shows that line."""
+    network namespace through `prefix`), once its log shows that line. `die_with_parent`: the
+    kernel sends it SIGTERM when the thread that started it ends (Linux's parent-death
+    signal: so a `kvloop fleet` killed with SIGKILL leaves no server behind; start it from a
+    thread that lives as long as the server should)."""
 
     def __init__(self, argv: Sequence[str], host: str, port: int, log_path: Path | None = None,
-                 prefix: Sequence[str] = (), ready_line: str | None = None):
+                 prefix: Sequence[str] = (), ready_line: str | None = None,
+                 die_with_parent: bool = False):
+        self.die_with_parent = die_with_parent
         self.argv = [*prefix, *argv]
         self.host = host
         self.port = port
@@ -57,8 +64,10 @@ class LocalService:
     def start(self, timeout_s: float = 15.0) -> LocalService:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_term_with_parent if self.die_with_parent else None)
         finally:
             if self.log_path:
                 out.close()   # type: ignore[union-attr]
@@ -99,6 +108,12 @@ class LocalService:
         self.stop()
 
 
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent goes (prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 NATS_READY = "Server is ready"
 REDIS_READY = "Ready to accept connections"
 
@@ -106,7 +121,7 @@ REDIS_READY = "Ready to accept connections"
 def local_nats(host: str, port: int, log_path: Path | None = None, user: str | None = None,
                password: str | None = None, token: str | None = None,
                prefix: Sequence[str] = (), ready_line: str | None = None,
-               conf_path: Path | None = None) -> LocalService:
+               conf_path: Path | None = None, die_with_parent: bool = False) -> LocalService:
     """A `nats-server` on `host:port` (not started), with user/password or token auth: in a
     config file only its owner can read when `conf_path` is given (what `kvloop fleet`
     does), else on its command line (for test servers only: `ps` shows it)."""
@@ -118,7 +133,7 @@ def local_nats(host: str, port: int, log_path: Path | None = None, user: str | N
         argv += ["--user", user, "--pass", password or ""]
     elif token is not None:
         argv += ["--auth", token]
-    return LocalService(argv, host, port, log_path, prefix, ready_line)
+    return LocalService(argv, host, port, log_path, prefix, ready_line, die_with_parent)
 
 
 def write_nats_auth(path: Path, user: str | None, password: str | None,
