@@ -4,6 +4,7 @@ child that exits or never serves, and stopping one that ignores SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -74,3 +75,30 @@ def test_kvloop_command_runs_the_cli_with_or_without_the_parent_death_signal() -
         out = subprocess.run(kvloop_command("--version", die_with_parent=die),
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and kvloop.__version__ in out.stdout, out.stderr
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for a reaper that may never come)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_a_child_whose_parent_died_before_it_asked_for_the_signal_ends_at_once() -> None:
+    """The parent-death signal is never sent for a parent already gone when the child asks
+    for it (a `kvloop fleet` killed while its workers start): the child sees it has another
+    parent and ends. Here a shell starts the child and exits at once, so the child's parent
+    is never the process that built its command; without the check it would serve on."""
+    cmd = kvloop_command("serve", "--model", "sim", "--port", "0", die_with_parent=True)
+    out = subprocess.run(["sh", "-c", '"$@" >/dev/null 2>&1 & echo $!', "sh", *cmd],
+                         capture_output=True, text=True, timeout=10, check=True)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 15
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    still = _running(pid)
+    if still:
+        os.kill(pid, signal.SIGKILL)
+    assert not still, "the orphaned child went on running"

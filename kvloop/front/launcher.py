@@ -45,12 +45,16 @@ StopStep = signal.Signals | None   # a signal to send, or None: only wait
 STOP_STEPS: tuple[StopStep, ...] = (signal.SIGTERM, signal.SIGKILL)   # unless told otherwise
 KILLED_WAIT_S = 10.0   # how long a SIGKILLed child may take to be reaped
 GROUP_POLL_S = 0.05   # how often a stopping process group is looked at
-# Runs `python -m kvloop ...` after asking Linux to SIGTERM this child when its parent dies.
-_DIE_WITH_PARENT = ("import ctypes, runpy, signal, sys\n"
+# Runs `python -m kvloop ...` after asking Linux to SIGTERM this child when its parent (pid
+# {parent}) dies, and ends at once if the parent died before the request (the signal is
+# never sent then: a `kvloop fleet` killed while its workers start left them running).
+_DIE_WITH_PARENT = ("import ctypes, os, runpy, signal, sys\n"
                     "try:\n"
                     "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
                     "except (OSError, AttributeError):\n"
                     "    pass\n"
+                    "if os.getppid() != {parent}:\n"
+                    "    os.kill(os.getpid(), signal.SIGTERM)\n"
                     "sys.argv = ['kvloop'] + sys.argv[1:]\n"
                     "runpy.run_module('kvloop', run_name='__main__', alter_sys=True)\n")
 
@@ -116,7 +120,7 @@ def group_members(pgid: int) -> list[int]:
 def kvloop_command(*args: str, die_with_parent: bool = False) -> list[str]:
     """`python -m kvloop ARGS` with this interpreter (told to die with this process)."""
     if die_with_parent:
-        return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
+        return [sys.executable, "-c", _DIE_WITH_PARENT.format(parent=os.getpid()), *args]
     return [sys.executable, "-m", "kvloop", *args]
 
 

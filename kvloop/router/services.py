@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvloop.front.launcher import stop_processes
@@ -67,7 +67,7 @@ class LocalService:
             self.proc = subprocess.Popen(
                 self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_term_with_parent if self.die_with_parent else None)
+                preexec_fn=_term_with(os.getpid()) if self.die_with_parent else None)
         finally:
             if self.log_path:
                 out.close()   # type: ignore[union-attr]
@@ -108,10 +108,15 @@ class LocalService:
         self.stop()
 
 
-def _term_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent goes (prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+def _term_with(parent: int) -> Callable[[], None]:
+    """What the child runs before exec: SIGTERM when `parent` goes (prctl PR_SET_PDEATHSIG),
+    at once if it went already (the kernel sends nothing for a parent dead before)."""
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return run
 
 
 NATS_READY = "Server is ready"
