@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -237,3 +238,21 @@ class FakeClock:
     def __call__(self) -> float:
         return self.t
 
+
+def lines_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:
+    """`proc`'s output lines (newlines stripped), collected on a thread for as long as it
+    runs, once one of them contains `marker`; AssertionError with the last lines if none
+    does within `timeout_s` (a `kvloop fleet` printing "kvloop router on", say)."""
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if marker in line:
+                seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert seen.wait(timeout_s), f"no {marker!r} line:\n" + "\n".join(lines[-30:])
+    return lines

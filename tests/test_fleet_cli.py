@@ -6,13 +6,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
 
 from kvloop.router.fleet import FleetConfig
-from tests.conftest import alive, wait_until
+from tests.conftest import alive, lines_until, wait_until
 from tests.test_router_fleet import (
     TOKEN_RANGE,
     best_hit_share,
@@ -27,19 +26,8 @@ def test_fleet_starts_workers_and_router_and_one_signal_stops_everything(sig):
     cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
            "--roles", "both", "--", "--sim-speedup", "40", "--num-gpu-blocks-override", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    found = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "kvloop router on" in line:
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert found.wait(90), "no router line:\n" + "\n".join(lines[-30:])
+        lines = lines_until(proc, "kvloop router on", 90)
         url = re.search(r"kvloop router on (http://\S+)", "\n".join(lines)).group(1)
         worker_lines = [ln for ln in lines if ln.startswith("  worker ")]
         assert len(worker_lines) == 2 and all(": up, role both" in ln for ln in worker_lines)

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from kvloop.router.config import RouterConfig
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.registry import WorkerSpec
 
-from .conftest import RouterThread, bearer, sdk, wait_until
+from .conftest import RouterThread, bearer, lines_until, sdk, wait_until
 from .test_router_fleet import ADMIN, SIM_ARGS, router_config
 from .test_security_bus import descendants, environ_of
 from .test_serve_auth import (
@@ -169,20 +168,9 @@ def test_fleet_api_key_reaches_router_and_workers(tmp_path: Path) -> None:
            "--api-key", "fleet-key", "--", "--sim-speedup", "40"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"})
-    lines: list[str] = []
-    found = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "kvloop router on" in line:
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert found.wait(90), "".join(lines[-30:])
-        m = re.search(r"kvloop router on (http://\S+)", "".join(lines))
+        lines = lines_until(proc, "kvloop router on", 90)
+        m = re.search(r"kvloop router on (http://\S+)", "\n".join(lines))
         assert m is not None
         url = m.group(1)
         key = bearer("fleet-key")

@@ -18,7 +18,7 @@ from kvloop.router.config import BusConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WRONG_SUBJECT
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view, url_of
-from .conftest import RouterThread, sdk, serving, wait_until
+from .conftest import RouterThread, lines_until, sdk, serving, wait_until
 
 pytestmark = pytest.mark.processes
 
@@ -214,24 +214,13 @@ def test_kvloop_fleet_on_its_own_nats_server():
     import re
     import subprocess
     import sys
-    import threading
 
     cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
            "--event-plane", "nats", "--", "--sim-speedup", "40",
            "--num-gpu-blocks-override", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "kvloop router on" in line:
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert ready.wait(120), "\n".join(lines[-30:])
+        lines = lines_until(proc, "kvloop router on", 120)
         text = "\n".join(lines)
         nats_url = re.search(r"nats-server on (nats://\S+)", text).group(1)
         assert f"event plane {nats_url}: listening on namespace.dynamo.component.*.kv-events" \

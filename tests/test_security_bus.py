@@ -56,7 +56,7 @@ from kvloop.trust import FLEET_SECRET_ENV, FleetSecret, sign_message
 from kvloop.wire import WorkerAnnouncement
 
 from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server, snapshot_view
-from .conftest import RouterThread, alive, bearer, wait_until
+from .conftest import RouterThread, alive, bearer, lines_until, wait_until
 
 SECRET = FleetSecret(b"the-fleet-secret-of-these-tests-0123456789")
 ROUTER_KEY = "router-key-of-these-tests"
@@ -325,19 +325,9 @@ def test_the_fleet_nats_server_refuses_strangers_and_no_secret_is_on_a_command_l
              if not k.startswith(("KVLOOP_", "VLLM_API_KEY"))}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=clean)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "kvloop router on" in line:
-                ready.set()
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert ready.wait(90), "".join(lines[-30:])
-        text = "".join(lines)
+        lines = lines_until(proc, "kvloop router on", 90)
+        text = "\n".join(lines)
         nats_url = re.search(r"nats-server on (nats://\S+)", text).group(1)   # type: ignore
         router = re.search(r"kvloop router on (http://\S+)", text).group(1)  # type: ignore
 
