@@ -443,12 +443,7 @@ def test_hf_config_parsing():
 
 def test_kv_sizing_dtype_and_context():
     from kvloop.model.loader import ModelConfig
-    from kvloop.model.setup import (
-        cpu_has_native_bf16,
-        num_kv_blocks,
-        resolve_dtype,
-        resolve_max_model_len,
-    )
+    from kvloop.model.setup import num_kv_blocks, resolve_max_model_len
 
     smol = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, max_position_embeddings=8192)
     assert smol.kv_bytes_per_token == 11520                 # elements: 2 * 30 * 3 * 64
@@ -462,6 +457,19 @@ def test_kv_sizing_dtype_and_context():
     assert resolve_max_model_len(smol, 16, 2912, 512) == 512
     with pytest.raises(ValueError, match="exceeds the model's context"):
         resolve_max_model_len(smol, 16, 2912, 10000)
-    auto = resolve_dtype("auto", torch.device("cpu"))
-    assert auto == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
-    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+def test_precision_policy_per_dtype():
+    """--dtype auto on CPU keeps fp32 where precision decides tokens and takes bf16 only
+    inside the layer matmuls, where the CPU has bf16 dot products; an explicit dtype is
+    vLLM's meaning, everything in it."""
+    from kvloop.model.precision import Precision, cpu_has_native_bf16, resolve_precision
+
+    cpu = torch.device("cpu")
+    auto = resolve_precision("auto", cpu)
+    assert auto.activations == auto.kv_cache == torch.float32
+    assert auto.matmul == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert resolve_precision("float16", cpu) == Precision.uniform(torch.float16)
+    assert resolve_precision("bfloat16", cpu).kv_cache == torch.bfloat16
+    assert resolve_precision("float32", cpu).describe() == "fp32"
+    assert Precision(torch.float32, torch.bfloat16).describe() == "fp32, bf16 layer matmuls"

@@ -28,6 +28,7 @@ from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata, paged_attention
 from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
+from kvloop.model.precision import Precision
 from kvloop.model.quant import (
     Int4Weight,
     LowBitPolicy,
@@ -63,6 +64,11 @@ class Linear(nn.Module):
         if low_bit and self.low_bit is not None:
             y = self.low_bit.matmul(x)
             return y if self.bias is None else y + self.bias
+        if x.dtype != self.weight.dtype:     # a mixed precision: the matmul alone in its dtype
+            return self._dense(x.to(self.weight.dtype)).to(x.dtype)
+        return self._dense(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -209,6 +215,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding -> N decoder layers -> final norm -> LM head (tied or not).
 
+    `precision` says which dtype each tensor class takes (`kvloop.model.precision`): the
+    layers' dense weights `precision.matmul`, everything else `precision.activations`.
     `quantized` (a GGUF's undecoded 4-bit / Q8_0 blocks, `LoadedModel.quantized`) gives the
     linear layers a low-bit copy beside the dense one, where the device runs it
     (`kvloop.model.quant.low_bit_supported`); `low_bit` (a `LowBitPolicy`, owned here, set
@@ -216,21 +224,23 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, max_positions: int,
+                 precision: Precision, device: torch.device, max_positions: int,
                  quantized: dict[str, RawTensor] | None = None):
         super().__init__()
         self.config = config
-        self.dtype = dtype
+        self.precision = precision
+        self.dtype = precision.activations
         self.low_bit = LowBitPolicy()
-        get = _WeightGetter(weights, dtype, device, quantized or {})
-        self.embed_tokens = nn.Parameter(get("model.embed_tokens.weight"), requires_grad=False)
+        get = _WeightGetter(weights, precision, device, quantized or {})
+        self.embed_tokens = nn.Parameter(get.exact("model.embed_tokens.weight"),
+                                         requires_grad=False)
         self.layers = nn.ModuleList(
             [_build_layer(config, get, f"model.layers.{i}.")
              for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
+        self.norm = RMSNorm(get.exact("model.norm.weight"), config.rms_norm_eps)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        self.lm_head = Linear(self.embed_tokens.data if tied else get(head),
+        self.lm_head = Linear(self.embed_tokens.data if tied else get.exact(head),
                               low_bit=get.low_bit(head))
         factors = weights.get("rope_freq_factors")
         self.rotary = Rotary(config, max_positions, device, factors)
@@ -313,22 +323,30 @@ class FusedDecode:
 
 
 class _WeightGetter:
-    """Fetch a named parameter, cast and moved; a clear error when it is missing. `low_bit`:
-    the low-bit copy of the named weights, stacked by rows (None where any lacks one)."""
+    """Fetch a named parameter, cast and moved; a clear error when it is missing. A call:
+    a layer matmul's weight (`precision.matmul`); `exact`: a norm, the embedding or the LM
+    head (`precision.activations`). `low_bit`: the low-bit copy of the named weights, stacked
+    by rows (None where any lacks one)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+    def __init__(self, weights: dict[str, torch.Tensor], precision: Precision,
                  device: torch.device, quantized: dict[str, RawTensor]):
-        self.weights, self.dtype, self.device = weights, dtype, device
+        self.weights, self.precision, self.device = weights, precision, device
         self.quantized = quantized
 
     def low_bit(self, *names: str) -> LowBitWeight | None:
         return low_bit_weight([self.quantized.get(n) for n in names], self.device)
 
     def __call__(self, *names: str) -> torch.Tensor:
+        return self._fetch(names, self.precision.matmul)
+
+    def exact(self, *names: str) -> torch.Tensor:
+        return self._fetch(names, self.precision.activations)
+
+    def _fetch(self, names: tuple[str, ...], dtype: torch.dtype) -> torch.Tensor:
         missing = [n for n in names if n not in self.weights]
         if missing:
             raise KeyError(f"model weights lack {', '.join(missing)}")
-        parts = [self.weights[n].to(device=self.device, dtype=self.dtype) for n in names]
+        parts = [self.weights[n].to(device=self.device, dtype=dtype) for n in names]
         return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def optional(self, *names: str) -> torch.Tensor | None:
@@ -351,5 +369,5 @@ def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str) -> Decode
     mlp = MLP(Linear(get(*gate_up), low_bit=get.low_bit(*gate_up)),
               Linear(get(m + "down_proj.weight"), low_bit=get.low_bit(m + "down_proj.weight")))
     eps = config.rms_norm_eps
-    return DecoderLayer(attn, mlp, RMSNorm(get(prefix + "input_layernorm.weight"), eps),
-                        RMSNorm(get(prefix + "post_attention_layernorm.weight"), eps))
+    return DecoderLayer(attn, mlp, RMSNorm(get.exact(prefix + "input_layernorm.weight"), eps),
+                        RMSNorm(get.exact(prefix + "post_attention_layernorm.weight"), eps))

