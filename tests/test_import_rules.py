@@ -20,7 +20,8 @@ CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the package's __init__
-    "kvloop": (("kvloop.sampling_params", "kvloop.version", "kvloop.llm"), ()),
+    "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.version",
+                "kvloop.llm"), ()),
     "kvloop.__main__": (("kvloop.cli",), ()),
     "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
     "kvloop.config": ((), ()),

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import pydantic
+from pydantic import ConfigDict
 from typing_extensions import TypedDict
 
 from kvloop.front.openai import ErrorResponse, OpenAIModel, Prompt, validation_error_body
@@ -35,6 +36,10 @@ MAX_INPUTS = 2048     # OpenAI's limit on the items of one request's `input`
 
 
 class EmbeddingRequest(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"input": "Hello, my name is"},
+        {"input": [[1, 2, 3], [4, 5]], "encoding_format": "base64"}]})
+
     model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
