@@ -396,7 +396,8 @@ class EngineCoreProc:
         try:
             self._check_fits_cache(engine, len(msg.prompt_token_ids))
             req = engine.make_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                                      lora_name=msg.lora_name, client_index=msg.client_index)
+                                      lora_name=msg.lora_name, client_index=msg.client_index,
+                                      pooling_params=msg.pooling_params)
             engine.add_request(req)
         except (ValueError, TypeError) as e:
             self._refuse(msg.request_id, str(e))

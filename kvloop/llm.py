@@ -25,6 +25,11 @@ still holds for a decode worker are freed by later steps (`wait_for_kv_transfers
 channel needs the fleet secret (`fleet_secret`, else $KVLOOP_FLEET_SECRET_FILE or
 $KVLOOP_FLEET_SECRET; kvloop/trust.py), the same in both engines.
 
+`embed(prompts)` is vLLM's `LLM.embed` for a generative model served as an embedding model:
+each prompt becomes a pooling request (`kvloop.pooling_params.PoolingParams`) batched through
+the same engine loop, and comes back as the final-norm hidden state of its last token,
+L2-normalized unless the params say not (`EmbeddingRequestOutput.outputs.embedding`).
+
 A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
 the server's message, before any request is added. `max_tokens` beyond the context is not an
 error here (the server answers 400 for it only when the client set it; SamplingParams always
@@ -57,7 +62,12 @@ from kvloop.config import (
 from kvloop.core.budget import resolve_budget
 from kvloop.core.engine import EngineCore
 from kvloop.core.kv_connector import KVConnector
-from kvloop.core.request import NO_GRAMMAR_BACKEND, SamplingParams, check_context_length
+from kvloop.core.request import (
+    NO_GRAMMAR_BACKEND,
+    PoolingParams,
+    SamplingParams,
+    check_context_length,
+)
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.front.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.front.tokenizer import Tokenizer
@@ -102,6 +112,22 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (vLLM's shape: `outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -260,6 +286,18 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (text, or `{"prompt_token_ids": [...]}`), in prompt
+        order: pooling requests through the same engine loop (module docstring).
+        RuntimeError if the engine fails one."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        encoded = [self._encode_prompt(p) for p in prompt_list]
+        params = [SamplingParams(max_tokens=1)] * len(encoded)
+        seqs = self._execute(encoded, params, use_tqdm, pooling_params or PoolingParams())
+        return [_embedding_output(s, ids) for s, (_, ids) in zip(seqs, encoded, strict=True)]
+
     def _encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
@@ -273,7 +311,13 @@ class LLM:
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        seqs = self._add_requests(encoded, params)
+        return self._collect(encoded, self._execute(encoded, params, use_tqdm))
+
+    def _execute(self, encoded: list[tuple[str | None, list[int]]],
+                 params: list[SamplingParams], use_tqdm: bool,
+                 pooling: PoolingParams | None = None) -> list[_Sequence]:
+        """Add the requests (pooling ones with `pooling`) and step until all finish."""
+        seqs = self._add_requests(encoded, params, pooling)
         live = {s.request_id: s for s in seqs}
         try:
             self._drive(live, len(seqs), use_tqdm)
@@ -282,10 +326,11 @@ class LLM:
                 self.engine.abort_requests(list(live))
                 while self.engine.has_unfinished_requests():
                     self.engine.step()
-        return self._collect(encoded, seqs)
+        return seqs
 
     def _add_requests(self, encoded: list[tuple[str | None, list[int]]],
-                      params: list[SamplingParams]) -> list[_Sequence]:
+                      params: list[SamplingParams],
+                      pooling: PoolingParams | None = None) -> list[_Sequence]:
         """Every prompt is checked before any is added, so a bad one leaves nothing behind."""
         max_len = self.engine.config.scheduler.max_model_len
         for _, ids in encoded:
@@ -298,7 +343,8 @@ class LLM:
                 rid = str(next(self._ids))
                 state = OutputState(self.tokenizer, ids, OutputOptions.of(sub))
                 seqs.append(_Sequence(rid, i, j, sub, state))
-                self.engine.add_request(self.engine.make_request(rid, ids, sub))
+                self.engine.add_request(self.engine.make_request(rid, ids, sub,
+                                                                 pooling_params=pooling))
         return seqs
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
@@ -376,6 +422,15 @@ class LLM:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _embedding_output(seq: _Sequence, prompt_ids: list[int]) -> EmbeddingRequestOutput:
+    vector = seq.state.pooling_output
+    if vector is None:
+        raise RuntimeError(f"request {seq.request_id} finished without an embedding "
+                           f"({seq.state.finish_reason})")
+    return EmbeddingRequestOutput(seq.request_id, prompt_ids, EmbeddingOutput(vector),
+                                  num_cached_tokens=seq.state.num_cached_tokens)
 
 
 def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,

@@ -15,10 +15,11 @@ from msgspec import UNSET, UnsetType
 
 from kvloop.config import EngineConfig, Role, RunnerConfig
 from kvloop.events.config import KVEventsConfig
+from kvloop.pooling_params import PoolingParams
 from kvloop.sampling_params import SamplingParams
 from kvloop.trust import FleetSecret
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 
 class PrefixCacheStats(msgspec.Struct, omit_defaults=True):
@@ -162,6 +163,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None          # the engine refused or failed this request
     # what a finished request hands on (P -> proxy -> D); sent on the finishing output
     kv_transfer_params: dict[str, Any] | None = None
+    # a pooling request's vector (kvloop.pooling_params), on its finishing output
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -195,6 +198,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float = 0.0
     lora_name: str | None = None
     client_index: int = 0
+    pooling_params: PoolingParams | None = None   # a pooling request: no token, a vector
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

@@ -20,15 +20,18 @@ CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the package's __init__
-    "kvloop": (("kvloop.sampling_params", "kvloop.version", "kvloop.llm"), ()),
+    "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.version",
+                "kvloop.llm"), ()),
     "kvloop.__main__": (("kvloop.cli",), ()),
     "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
     "kvloop.config": ((), ()),
     "kvloop.sampling_params": ((), ("msgspec",)),
+    "kvloop.pooling_params": ((), ("msgspec",)),   # beside sampling_params, for the same reasons
     "kvloop.locate": ((), ()),
     "kvloop.version": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
-    "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.events.config",
+    "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.pooling_params",
+                     "kvloop.events.config",
                      "kvloop.trust"),
                     ("msgspec",)),
     "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.front.processor",
@@ -39,7 +42,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                             "kvloop.events.publisher", "kvloop.events.nats_publisher",
                             "kvloop.kv_transfer", "kvloop.trust"),
                            ("msgspec", "zmq")),
-    "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params"), CORE_3P),  # re-exports it
+    "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params", "kvloop.pooling_params"),
+                            CORE_3P),  # re-exports them
     "kvloop.kv_transfer": (("kvloop.config", "kvloop.wire", "kvloop.core.kv_connector",
                             "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust"),
                            ("msgspec", "zmq", "xxhash")),
@@ -56,7 +60,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                       "kvloop.sim.byte_vocab"),
                      ("starlette", "uvicorn", "h11", "pydantic", "typing_extensions", "httpx",
                       "jinja2", "tokenizers", "msgspec")),
-    "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.config", "kvloop.wire",
+    "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.pooling_params",
+                       "kvloop.config", "kvloop.wire",
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",

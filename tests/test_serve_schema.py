@@ -118,7 +118,8 @@ def test_the_run_reached_successes_errors_and_streams(run: Run) -> None:
             ("GET", "/v1/models/{model_id}", 200, "application/json"),
             ("GET", "/v1/models/{model_id}", 404, "application/json"),
             ("GET", "/metrics", 200, "text/plain"), ("GET", "/health", 200, "")}
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize",
+                 "/detokenize"):
         want |= {("POST", path, 200, "application/json"), ("POST", path, 400, "application/json"),
                  ("POST", path, 404, "application/json")}
     assert want <= run.answers, sorted(want - run.answers)

@@ -43,6 +43,7 @@ from kvloop.core.kv_connector import KVConnector
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
 from kvloop.core.request import (
     NO_GRAMMAR_BACKEND,
+    PoolingParams,
     Request,
     RequestStatus,
     SamplingParams,
@@ -122,8 +123,10 @@ class EngineCore:
     # --- requests -------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling_params: SamplingParams, arrival_time: float | None = None,
-                     lora_name: str | None = None, client_index: int = 0) -> Request:
-        """Build a Request hashed with this engine's block hasher.
+                     lora_name: str | None = None, client_index: int = 0,
+                     pooling_params: PoolingParams | None = None) -> Request:
+        """Build a Request hashed with this engine's block hasher (`pooling_params`: a
+        pooling request, kvloop.pooling_params).
 
         Raises ContextLengthError (a ValueError) for a prompt that leaves no room in
         `max_model_len` for an output token.
@@ -133,7 +136,7 @@ class EngineCore:
             self._arrivals += 1
             arrival_time = time.monotonic() + self._arrivals * 1e-9
         return Request(request_id, prompt_token_ids, sampling_params, arrival_time,
-                       self.hasher, lora_name, client_index)
+                       self.hasher, lora_name, client_index, pooling_params)
 
     def add_request(self, request: Request) -> None:
         """Queue `request`; a constrained one gets its grammar (compiled in the background).

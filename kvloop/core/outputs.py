@@ -18,7 +18,9 @@ The real model runner, the simulated runner and the tests speak only these two o
 Token ids to compute for request r this step are
 `all_token_ids[num_computed : num_computed + n]` for the known part (given explicitly in
 `token_ids`), followed by the scheduled drafts. A request *samples* only when its chunk
-reaches the end of its known tokens; a partial prefill chunk samples nothing. A request
+reaches the end of its known tokens; a partial prefill chunk samples nothing. A pooling
+request (`pooling_params` set) never samples: in the step whose chunk reaches the end of its
+prompt it pools instead (`RunnerOutput.pooler_output`). A request
 with k drafts samples from k + 1 positions (its last known token and each draft) and keeps
 1 + the number of drafts accepted.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvloop.core.request import SamplingParams
+from kvloop.core.request import PoolingParams, SamplingParams
 
 
 @dataclass
@@ -41,6 +43,7 @@ class NewRequestData:
     num_computed_tokens: int          # prefix-cache hit length, before this step
     token_ids: list[int]              # the known tokens this step computes
     resumed: bool = False
+    pooling_params: PoolingParams | None = None   # a pooling request (it never samples)
 
 
 @dataclass
@@ -61,7 +64,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
-    # ids whose chunk reaches the end of their known tokens: they sample this step
+    # ids whose chunk reaches the end of their known tokens: they sample this step (a
+    # pooling request pools instead)
     sampling_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: object | None = None
 
@@ -142,7 +146,9 @@ class RunnerOutput:
 
     `sampled_token_ids[i]` is the list of tokens request `req_ids[i]` sampled (empty for a
     partial prefill chunk; the accepted drafts and one more token with speculative
-    decoding). `logprobs[i]`, when asked for, has one entry per sampled token. Drafts for
+    decoding). `logprobs[i]`, when asked for, has one entry per sampled token.
+    `pooler_output[i]` is the vector of pooling request `req_ids[i]` in the step that computed
+    its last prompt token (None otherwise; the whole list None when no request pooled). Drafts for
     the next step are the engine's (`kvloop.core.spec_decode`), not the runner's.
     `forward_time` is when the forward pass ran, `(start, end)` in `time.perf_counter()`
     seconds (None: the runner does not say), so the engine can tell how much of its own work
@@ -152,6 +158,7 @@ class RunnerOutput:
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
+    pooler_output: list[list[float] | None] | None = None
     kv_connector_output: KVConnectorOutput | None = None   # set by the engine, not the runner
     forward_time: tuple[float, float] | None = None
 

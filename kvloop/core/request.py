@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvloop.core.hashing import BlockHasher, block_extra_keys
+from kvloop.pooling_params import PoolingParams as PoolingParams
 from kvloop.sampling_params import KV_TRANSFER_PARAMS_KEY as KV_TRANSFER_PARAMS_KEY
 from kvloop.sampling_params import NO_GRAMMAR_BACKEND as NO_GRAMMAR_BACKEND
 from kvloop.sampling_params import SamplingParams as SamplingParams
@@ -117,12 +118,16 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float = 0.0,
                  hasher: BlockHasher | None = None, lora_name: str | None = None,
-                 client_index: int = 0):
+                 client_index: int = 0, pooling_params: PoolingParams | None = None):
+        """`pooling_params`: a pooling request (kvloop.pooling_params): it finishes with a
+        vector when its prompt is computed and never samples; its `sampling_params` still
+        carry its priority and cache salt."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
         self.client_index = client_index
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.priority = sampling_params.priority
         self.arrival_time = arrival_time
         self.lora_name = lora_name
@@ -166,6 +171,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def use_structured_output(self) -> bool:

@@ -482,7 +482,8 @@ class Scheduler:
                 req_id=rid, prompt_token_ids=req.prompt_token_ids,
                 all_token_ids=list(req.all_token_ids), sampling_params=req.sampling_params,
                 block_ids=self.kv.get_block_ids(rid), num_computed_tokens=c,
-                token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed))
+                token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed,
+                pooling_params=req.pooling_params))
         for req in plan.running:
             rid = req.request_id
             n = plan.num_scheduled[rid]
@@ -523,6 +524,11 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             i = index.get(rid)
+            if request.is_pooling:
+                if rid in scheduler_output.sampling_req_ids:   # its whole prompt is computed
+                    outputs.append(self._finish_pooling(request, runner_output, i))
+                    stopped.add(rid)
+                continue
             generated = sampled[i] if i is not None else []
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts and generated:
@@ -547,6 +553,23 @@ class Scheduler:
         if runner_output.kv_connector_output is not None:
             outputs.extend(self._update_from_kv_xfer_finished(runner_output.kv_connector_output))
         return outputs
+
+    def _finish_pooling(self, request: Request, runner_output: RunnerOutput,
+                        i: int | None) -> EngineCoreOutput:
+        """A pooling request whose last prompt token was computed finishes with its vector
+        and no token (FINISHED_STOPPED, as vLLM's), its blocks freed (full ones stay cached).
+        A runner that returned no vector for it fails it (FINISHED_ERROR)."""
+        vectors = runner_output.pooler_output
+        vector = vectors[i] if vectors is not None and i is not None else None
+        request.status = (RequestStatus.FINISHED_STOPPED if vector is not None
+                          else RequestStatus.FINISHED_ERROR)
+        out = EngineCoreOutput(request.request_id, [], finish_reason=finish_reason(request.status),
+                               num_cached_tokens=request.num_cached_tokens or 0,
+                               pooling_output=vector)
+        if vector is None:
+            out.error = "the runner returned no pooled vector for this pooling request"
+        out.kv_transfer_params = self._free_request(request)
+        return out
 
     def _rewind_rejected(self, request: Request, num_drafts: int, num_generated: int) -> None:
         """`num_generated` = accepted + 1: the rejected drafts were computed in vain.

@@ -139,6 +139,7 @@ class OutputState:
         self.logprobs: list[TokenLogprob] = []
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None   # from the finishing output
+        self.pooling_output: list[float] | None = None   # a pooling request's vector
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._sent = 0
@@ -159,6 +160,8 @@ class OutputState:
         self.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.pooling_output is not None:
+            self.pooling_output = out.pooling_output
         delta = Delta()
         lps = out.new_logprobs or []
         n = len(out.new_token_ids)

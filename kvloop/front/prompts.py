@@ -48,20 +48,26 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> l
 
 def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[list[int]]:
     """`prompt` (text, texts, token ids, lists of token ids) as token id lists."""
-    p = req.prompt
+    return prompt_token_ids(tokenizer, req.prompt, req.add_special_tokens, "prompt")
+
+
+def prompt_token_ids(tokenizer: Any, p: str | Sequence[Any], add_special_tokens: bool,
+                     param: str) -> list[list[int]]:
+    """A completions-style prompt field `param` (text, texts, token ids, lists of token ids;
+    the embeddings route's `input` too) as token id lists; PromptError if any is empty."""
     prompts: list[list[int]] = []
     if isinstance(p, str):
-        prompts = [encode(tokenizer, p, req.add_special_tokens, "prompt")]
+        prompts = [encode(tokenizer, p, add_special_tokens, param)]
     elif all(isinstance(x, int) for x in p):
         prompts = [[x for x in p if isinstance(x, int)]] if p else []
     else:
         for x in p:
             if isinstance(x, str):
-                prompts.append(encode(tokenizer, x, req.add_special_tokens, "prompt"))
+                prompts.append(encode(tokenizer, x, add_special_tokens, param))
             elif isinstance(x, list):
                 prompts.append(list(x))
     if not prompts or any(len(x) == 0 for x in prompts):
-        raise PromptError("prompt must not be empty", "prompt")
+        raise PromptError(f"{param} must not be empty", param)
     return prompts
 
 

@@ -254,6 +254,14 @@ class LlamaModel(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32."""
+        h, residual = self.decode_layers(input_ids, positions, kv_caches, meta)
+        return self.compute_logits(h, residual, logits_indices)
+
+    def decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
+        final norm (whose input is their sum)."""
         h = F.embedding(input_ids, self.embed_tokens)                # [T, hidden]
         residual: torch.Tensor | None = None
         num_tokens = input_ids.shape[0]
@@ -266,10 +274,24 @@ class LlamaModel(nn.Module):
                 h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache,
                                             meta, low_bit)
         assert residual is not None
-        if logits_indices.shape[0] != num_tokens:    # else every row samples, in order
+        return h, residual
+
+    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows `logits_indices` [S] of `decode_layers`'
+        output -> logits [S, vocab] fp32. Normalizes `h` in place when every row samples."""
+        if logits_indices.shape[0] != h.shape[0]:    # else every row samples, in order
             h, residual = h[logits_indices], residual[logits_indices]
         self.norm.add_(h, residual)                  # h = norm(residual + h): [S, hidden]
         return self.lm_head.forward(h, self.low_bit.head(h.shape[0])).float()  # [S, V]
+
+    def final_hidden(self, h: torch.Tensor, residual: torch.Tensor,
+                     indices: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states of rows `indices` [P] of `decode_layers`' output
+        (copies: `h` is left as is) -> [P, hidden] fp32: what an embedding pools."""
+        rows, res = h[indices], residual[indices]
+        self.norm.add_(rows, res)
+        return rows.float()
 
     def linears(self) -> list[Linear]:
         """Every linear layer, the LM head last."""

@@ -16,6 +16,9 @@ from `scheduled_spec_decode_tokens`, after its n - k known tokens):
     seq_len     c + n
     samples     iff r is in `sampling_req_ids`, from the logits of its last k + 1 tokens
                 (its last known token and each draft: `logits_indices`, in that order)
+    pools       instead, iff r is a pooling request (`pooling_params`) in `sampling_req_ids`:
+                the final-norm hidden state of its last prompt token (`pooling_indices`),
+                fp32, L2-normalized unless its params say not (vLLM's LAST pooling)
 
 Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py;
 a request verifying drafts is a chunk of 1 + k queries over its cached context). Drafts are
@@ -40,9 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvloop.core.outputs import GrammarOutput, Logprobs, RunnerOutput, SchedulerOutput
-from kvloop.core.request import SamplingParams
+from kvloop.core.request import PoolingParams, SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
@@ -57,6 +61,7 @@ class RequestState:
     token_ids: list[int]           # every known token (prompt + outputs seen so far)
     block_ids: list[int]
     params: SamplingParams
+    pooling: PoolingParams | None = None    # a pooling request: it pools, never samples
 
 
 @dataclass
@@ -68,6 +73,7 @@ class _Scheduled:
     token_ids: list[int]
     samples: bool
     drafts: list[int]
+    pools: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +100,9 @@ class StepInputs:
     sampling_rows: list[SamplingRow]
     sampling_req_ids: list[str]
     sampling_drafts: list[list[int]]   # drafts of each sampling request (most often [])
+    pooling_indices: torch.Tensor      # [P]: the last prompt token of each pooling request
+    pooling_req_ids: list[str]
+    pooling_normalize: list[bool]
 
 
 class ModelRunner:
@@ -159,9 +168,13 @@ class ModelRunner:
                 _apply_grammar(fwd.logits, fwd.inputs, grammar_output)
             out = self._sample(fwd.inputs, fwd.logits)
         out.forward_time = fwd.window
+        if fwd.pooled is not None:
+            out.pooler_output = _pooler_output(fwd.inputs, fwd.pooled)
         return out
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> RunnerOutput:
+        if not inputs.sampling_req_ids:    # only pooling requests, or partial chunks
+            return self._make_output(inputs, [], [])
         if any(inputs.sampling_drafts):
             spec = self.sampler.rejection_sample(logits, inputs.sampling_rows,
                                                  inputs.sampling_drafts)
@@ -174,23 +187,47 @@ class ModelRunner:
                        started: threading.Event) -> _Forward:
         start = time.perf_counter()
         started.set()
-        inputs, logits = self.forward(scheduler_output)
-        return _Forward(inputs, logits, (start, time.perf_counter()))
+        inputs, logits, pooled = self.forward_pooled(scheduler_output)
+        return _Forward(inputs, logits, (start, time.perf_counter()), pooled)
 
     def forward(self, scheduler_output: SchedulerOutput
                 ) -> tuple[StepInputs | None, torch.Tensor]:
         """Update request state, run the model: (inputs, logits [S, vocab] fp32), for each
         entry of `inputs.sampling_req_ids` in order 1 + len(its drafts) rows (one without
-        drafts). Used by `execute` and by tests."""
+        drafts). Used by `execute` and by tests; `forward_pooled` also pools."""
+        inputs, logits, _ = self.forward_pooled(scheduler_output)
+        return inputs, logits
+
+    def forward_pooled(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[StepInputs | None, torch.Tensor, torch.Tensor | None]:
+        """`forward`, and the pooled vectors [P, hidden] fp32 of
+        `inputs.pooling_req_ids`, in order (None when no request pools this step)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return None, torch.empty(0, self.vocab_size)
+            return None, torch.empty(0, self.vocab_size), None
         inputs = self._prepare_inputs(scheduler_output)
         with torch.inference_mode():
-            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                inputs.meta, inputs.logits_indices)
+            if not inputs.pooling_req_ids:
+                logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.meta, inputs.logits_indices)
+                pooled = None
+            else:
+                logits, pooled = self._forward_pooling(inputs)
         self.num_steps += 1
-        return inputs, logits
+        return inputs, logits, pooled
+
+    def _forward_pooling(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step with pooling requests: the vectors first (`compute_logits` may normalize
+        the hidden states in place), then the logits of the sampling rows."""
+        model = self.model
+        h, residual = model.decode_layers(inputs.input_ids, inputs.positions, self.kv_caches,
+                                          inputs.meta)
+        pooled = model.final_hidden(h, residual, inputs.pooling_indices)   # [P, hidden]
+        norm = torch.tensor(inputs.pooling_normalize, device=pooled.device)
+        pooled = torch.where(norm[:, None], F.normalize(pooled, p=2.0, dim=-1), pooled)
+        if inputs.logits_indices.shape[0] == 0:
+            return torch.empty(0, self.vocab_size, device=pooled.device), pooled
+        return model.compute_logits(h, residual, inputs.logits_indices), pooled
 
     def shutdown(self) -> None:
         self._forward_thread.shutdown(wait=True)
@@ -206,7 +243,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.all_token_ids),
-                list(new.block_ids), new.sampling_params)
+                list(new.block_ids), new.sampling_params, new.pooling_params)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -219,8 +256,9 @@ class ModelRunner:
                  for d in so.scheduled_cached_reqs]
         parts += [(d.req_id, d.num_computed_tokens, d.token_ids) for d in so.scheduled_new_reqs]
         spec = so.scheduled_spec_decode_tokens
-        items = [_Scheduled(self.requests[rid], computed, tokens, rid in so.sampling_req_ids,
-                            list(spec.get(rid, ()))) for rid, computed, tokens in parts]
+        items = [_scheduled_item(self.requests[rid], computed, tokens,
+                                 rid in so.sampling_req_ids, list(spec.get(rid, ())))
+                 for rid, computed, tokens in parts]
         for item in items:
             if item.num_tokens != so.num_scheduled_tokens[item.state.req_id]:
                 raise ValueError(f"request {item.state.req_id}: token_ids and drafts disagree "
@@ -236,6 +274,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        pooling_indices: list[int] = []
         for item in items:
             start = item.num_computed
             pos = range(start, item.seq_len)
@@ -246,7 +285,10 @@ class ModelRunner:
             if item.samples:
                 logits_indices.extend(range(len(input_ids) - 1 - len(item.drafts),
                                             len(input_ids)))
+            if item.pools:
+                pooling_indices.append(len(input_ids) - 1)
         dev = self.device
+        pooling = [i for i in items if i.pools]
         meta = self._attention_metadata(items, torch.tensor(slots, dtype=torch.long, device=dev))
         sampling = [i for i in items if i.samples]
         return StepInputs(
@@ -256,7 +298,10 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             meta=meta, sampling_rows=[_sampling_row(i) for i in sampling],
             sampling_req_ids=[i.state.req_id for i in sampling],
-            sampling_drafts=[i.drafts for i in sampling])
+            sampling_drafts=[i.drafts for i in sampling],
+            pooling_indices=torch.tensor(pooling_indices, dtype=torch.long, device=dev),
+            pooling_req_ids=[i.state.req_id for i in pooling],
+            pooling_normalize=[_normalizes(i.state) for i in pooling])
 
     def _slots(self, block_ids: list[int], positions: range) -> list[int]:
         bs = self.block_size
@@ -319,6 +364,7 @@ class _Forward:
     inputs: StepInputs | None
     logits: torch.Tensor
     window: tuple[float, float]
+    pooled: torch.Tensor | None = None    # [P, hidden]: `inputs.pooling_req_ids`' vectors
 
 
 def _apply_grammar(logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
@@ -336,6 +382,25 @@ def _apply_grammar(logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOut
         mask_rows.extend(rows)
     bitmask = torch.from_numpy(grammar.bitmask[mask_rows]).to(logits.device)
     apply_token_bitmask(logits, bitmask, logits_rows)
+
+
+def _scheduled_item(state: RequestState, num_computed: int, token_ids: list[int],
+                    completes: bool, drafts: list[int]) -> _Scheduled:
+    """One request's part of the step; `completes`: its chunk reaches the end of its known
+    tokens (it is in `sampling_req_ids`): it samples, or pools if it is a pooling request."""
+    pools = completes and state.pooling is not None
+    return _Scheduled(state, num_computed, token_ids, completes and not pools, drafts, pools)
+
+
+def _normalizes(state: RequestState) -> bool:
+    return state.pooling is not None and state.pooling.normalize
+
+
+def _pooler_output(inputs: StepInputs, pooled: torch.Tensor) -> list[list[float] | None]:
+    """The vectors [P, hidden] of `inputs.pooling_req_ids` -> one entry per scheduled
+    request (None for those that did not pool)."""
+    by_req = dict(zip(inputs.pooling_req_ids, pooled.cpu().tolist(), strict=True))
+    return [by_req.get(rid) for rid in inputs.req_ids]
 
 
 def _sampling_row(item: _Scheduled) -> SamplingRow:

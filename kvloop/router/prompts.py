@@ -17,6 +17,7 @@ import logging
 import threading
 from typing import Any
 
+from kvloop.front.embeddings import EmbeddingRequest, embedding_inputs
 from kvloop.front.prompts import PromptError, body_prompts
 from kvloop.front.tokenizer import load_vocabulary
 from kvloop.locate import EMBEDDED_NAME
@@ -41,6 +42,16 @@ class PromptTokenizer:
             return body_prompts(self._tokenizer(model), path, body)[0]
         except PromptError as e:  # the worker's to answer, not ours
             log.debug("prompt not tokenized locally (%s); routing by load", e)
+            return None
+
+    def embedding_ids(self, req: EmbeddingRequest, model: str | None) -> list[int] | None:
+        """The first input of an embeddings request as the worker will tokenize it (a
+        `truncate_prompt_tokens` of -1, which needs the worker's context length, cuts
+        nothing here); None as `token_ids`."""
+        try:
+            return embedding_inputs(self._tokenizer(model), req, None)[0]
+        except PromptError as e:
+            log.debug("input not tokenized locally (%s); routing by load", e)
             return None
 
     def _tokenizer(self, model: str | None) -> Any:

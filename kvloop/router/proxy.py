@@ -1,6 +1,7 @@
 """The router's HTTP front: OpenAI-compatible, forwards each request to one worker.
 
     POST /v1/completions, /v1/chat/completions   tokenize -> hash -> pick -> forward -> stream
+    POST /v1/embeddings                          the same, its first input's prefix, no stream
     GET  /v1/models, /v1/models/{id}             the first usable worker's answer
     GET  /health                                 ok | degraded (200, with reasons) | 503
     GET  /metrics                                Prometheus text
@@ -64,6 +65,7 @@ from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, validate_embedding_body
 from kvloop.front.guard import install
 from kvloop.front.openai import (
     MaxTokens,
@@ -154,6 +156,7 @@ class RouterApp:
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route(EMBEDDINGS_PATH, self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -307,6 +310,19 @@ class RouterApp:
     async def chat(self, request: Request) -> Response:
         return await self.forward(request, "/v1/chat/completions")
 
+    async def embeddings(self, request: Request) -> Response:
+        """An embeddings request goes where its first input's prefix is cached (or by load),
+        as is; it produces no token (`expected_output_tokens` 0) and never streams."""
+        raw = await request.body()
+        read = read_embedding_body(raw)
+        if isinstance(read, Response):
+            return read
+        body, req = read
+        tokens = self.prompts.embedding_ids(req, self._fleet_model())
+        return await self._send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
+                                self._upstream_headers(request), False, False,
+                                output_tokens=0)
+
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
         read = read_body(raw, path, self._fleet_member(request))
@@ -318,17 +334,22 @@ class RouterApp:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
         raw = json.dumps(body).encode()
+        headers = self._upstream_headers(request)
+        if self.router.pd_mode():
+            return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
+                                      strip_usage)
+        return await self._send(request, path, raw, body, tokens or [], headers, stream,
+                                strip_usage)
+
+    def _upstream_headers(self, request: Request) -> dict[str, str]:
+        """The client's headers a worker sees, with the router's keys and token in place."""
         headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
         if self.router.config.auth.identify(headers.get("authorization")) in _ROUTER_KEYS:
             headers.pop("authorization")   # a key of the router's is no key for a worker
         headers.update(self.worker_headers)   # the router's key to the worker, if it has one
         headers.update(self.fleet_headers)
         headers["accept-encoding"] = "identity"
-        if self.router.pd_mode():
-            return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
-                                      strip_usage)
-        return await self._send(request, path, raw, body, tokens or [], headers, stream,
-                                strip_usage)
+        return headers
 
     def _fleet_member(self, request: Request) -> bool:
         """Does the caller present this fleet's internal-HTTP token (another router of the
@@ -347,14 +368,16 @@ class RouterApp:
 
     async def _send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
                     tokens: list[int], headers: dict[str, str], stream: bool,
-                    strip_usage: bool) -> Response:
+                    strip_usage: bool, output_tokens: int | None = None) -> Response:
+        """`output_tokens`: what the request will produce (None: what its body asks for)."""
         assert self.client is not None
         tried: list[str] = []
+        if output_tokens is None:
+            output_tokens = MaxTokens.of_body(path, body).tokens(None)
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"),
-                                           MaxTokens.of_body(path, body).tokens(None))
+                                           body.get("cache_salt"), output_tokens)
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
@@ -619,6 +642,18 @@ def read_body(raw: bytes, path: str, fleet_member: bool = False
     opts = checked.stream_options
     stream = bool(checked.stream)
     return body, stream, stream and not (opts is not None and opts.include_usage)
+
+
+def read_embedding_body(raw: bytes) -> tuple[dict[str, Any], EmbeddingRequest] | Response:
+    """An embeddings body and its fields as the worker reads them, or the 400 it answers."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        return error_response(f"invalid JSON body: {e}", 400)
+    checked = validate_embedding_body(body)
+    if not isinstance(checked, EmbeddingRequest):
+        return JSONResponse(checked, status_code=400)
+    return body, checked
 
 
 _READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",

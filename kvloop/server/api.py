@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, EmbeddingResponse
 from kvloop.front.guard import install
 from kvloop.front.openai import (
     ChatCompletionRequest,
@@ -61,6 +62,7 @@ from kvloop.front.openai import (
     validation_error_body,
 )
 from kvloop.front.prompts import PromptError, encode, render_chat
+from kvloop.server.embeddings import create_embedding
 from kvloop.server.serving import (
     APIError,
     ServerContext,
@@ -250,6 +252,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
                                         stream=GenerateStreamResponse))
     async def generate(body: GenerateRequest, request: Request) -> Response:
         return await create_generate(ctx, body, request)
+
+    @app.post(EMBEDDINGS_PATH, **_answers(EmbeddingResponse, *_GENERATION_ERRORS))
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(ctx, body, request)
 
     @app.get("/v1/models", **_answers(ModelList))
     async def models(request: Request) -> ModelList:

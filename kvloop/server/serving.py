@@ -66,6 +66,7 @@ from kvloop.front.processor import (
 )
 from kvloop.front.prompts import chat_prompt, completion_prompts
 from kvloop.kv_transfer.params import asks_for_kv, bounds_refusal
+from kvloop.pooling_params import PoolingParams
 from kvloop.sampling_params import SamplingParams
 from kvloop.server.client import (
     EngineClient,
@@ -274,13 +275,9 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(s == "" for s in stop):
         raise APIError(400, "stop cannot contain an empty string.", param="stop")
-    if req.priority != 0 and ctx.config.scheduling_policy != "priority":
-        raise APIError(400, "priority is only supported with --scheduling-policy priority",
-                       param="priority")
+    check_priority(ctx, req.priority)
     ctx.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
     _check_finite(req)
-    if not INT64_MIN <= req.priority <= INT64_MAX:
-        raise APIError(400, "priority must be in the int64 range", param="priority")
     temperature = 1.0 if req.temperature is None else req.temperature
     if 0.0 < temperature < 0.01:
         temperature = 0.01
@@ -308,6 +305,15 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     if params.greedy:
         params = msgspec.structs.replace(params, top_p=1.0, top_k=0, min_p=0.0)
     return model_stops(params, ctx.tokenizer)
+
+
+def check_priority(ctx: ServerContext, priority: int) -> None:
+    """APIError(400) for a priority the server cannot schedule by."""
+    if priority != 0 and ctx.config.scheduling_policy != "priority":
+        raise APIError(400, "priority is only supported with --scheduling-policy priority",
+                       param="priority")
+    if not INT64_MIN <= priority <= INT64_MAX:
+        raise APIError(400, "priority must be in the int64 range", param="priority")
 
 
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -339,6 +345,7 @@ class Child:
     prompt_ids: list[int]
     params: SamplingParams
     state: OutputState
+    pooling_params: PoolingParams | None = None   # a pooling request (POST /v1/embeddings)
 
 
 def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
@@ -389,7 +396,9 @@ class Generation:
         try:
             for c in self.children:
                 client.add_request(EngineCoreRequest(c.request_id, c.prompt_ids, c.params,
-                                                     arrival_time=now), self.queue)
+                                                     arrival_time=now,
+                                                     pooling_params=c.pooling_params),
+                                   self.queue)
         except BaseException:
             client.abort_requests(list(self._pending))
             raise
