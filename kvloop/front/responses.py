@@ -244,12 +244,20 @@ def _add_call(out: list[Message], item: FunctionCallItem) -> None:
         out.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def output_message(content: str | None, tool_calls: list[dict[str, Any]]) -> Message:
-    """A response's output as the assistant message a later turn sees."""
-    message: Message = {"role": "assistant", "content": content or ""}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
+def conversation_after(history: list[Message], req: ResponsesRequest,
+                       output: list[dict[str, Any]]) -> list[Message]:
+    """What a continuation of a response starts from: the conversation it continued
+    (`history`), its input, and its `output` items as one assistant message (its text and
+    its function calls); never its instructions."""
+    text = "".join(part.get("text", "") for item in output if item.get("type") == "message"
+                   for part in item.get("content", []))
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item.get("type") == "function_call"]
+    message: Message = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [*history, *input_messages(req.input), message]
 
 
 def chat_request(req: ResponsesRequest, history: list[Message]) -> ChatCompletionRequest:

@@ -39,8 +39,7 @@ from kvloop.front.responses import (
     ResponsesRequest,
     ResponseUsage,
     chat_request,
-    input_messages,
-    output_message,
+    conversation_after,
 )
 from kvloop.sampling_params import SamplingParams
 from kvloop.server.responses_store import ResponseStore
@@ -135,7 +134,7 @@ async def create_response(ctx: ServerContext, store: ResponseStore, req: Respons
     output = [*_message_items(done.content), *(_call_item(call) for call in done.tool_calls)]
     body = response_object(ctx, turn, _status(done.finish_reason), output,
                            usage(gen.children, [turn.prompt]))
-    _store(store, turn, body, done.content, done.tool_calls)
+    _store(store, turn, body)
     return JSONResponse(body)
 
 
@@ -143,13 +142,9 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _store(store: ResponseStore, turn: Turn, body: ResponseObject, content: str | None,
-           calls: list[ToolCall]) -> None:
-    if not turn.req.store:
-        return
-    conversation = [*turn.history, *input_messages(turn.req.input),
-                    output_message(content, [dict(c) for c in calls])]
-    store.put(dict(body), conversation)
+def _store(store: ResponseStore, turn: Turn, body: ResponseObject) -> None:
+    if turn.req.store:
+        store.put(dict(body), conversation_after(turn.history, turn.req, body["output"]))
 
 
 # --- the response object -----------------------------------------------------------------------
@@ -324,11 +319,5 @@ async def _stream(ctx: ServerContext, store: ResponseStore, turn: Turn,
         yield b
     body = response_object(ctx, turn, _status(finish_reason), events.output(),
                            usage(gen.children, [turn.prompt]))
-    said = events.message.text if events.message else None
-    _store(store, turn, body, said, [_as_call(it.item) for it in events.calls.values()])
+    _store(store, turn, body)
     yield events.event("response.completed", response=body)
-
-
-def _as_call(item: dict[str, Any]) -> ToolCall:
-    return {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
