@@ -165,6 +165,7 @@ def test_input_items_with_function_calls_reach_the_chat_template(
 
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "x", "background": True}, 400, "background"),
+    ({"input": []}, 400, "body.input"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "include"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      400, None),

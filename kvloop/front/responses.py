@@ -24,7 +24,7 @@ What a body becomes (vLLM's `construct_input_messages`, with the differences not
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import ConfigDict, Field
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only on 3.12+
@@ -124,7 +124,7 @@ class ResponsesRequest(OpenAIModel):
          "instructions": "Be brief.", "max_output_tokens": 4, "stream": True}]})
 
     model: str | None = None
-    input: str | list[InputItem]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -105,7 +106,10 @@ def prepare(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest) -> 
         if prev is None:
             raise not_found(req.previous_response_id)
         history = prev.conversation
-    chat = chat_request(req, history)
+    try:
+        chat = chat_request(req, history)
+    except pydantic.ValidationError as e:   # a chat request cannot hold it
+        raise APIError(400, f"the input is no chat: {e}", param="input") from e
     tools = chat_tools(ctx, chat)
     if tools.choice == "auto":   # a parser may need the special tokens of its format
         chat = chat.model_copy(update={"skip_special_tokens": False})
