@@ -27,6 +27,7 @@ from typing import Any
 import pydantic
 
 from kvloop.front.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvloop.front.responses import RESPONSES_PATH, Message, ResponsesRequest, chat_request
 
 
 class PromptError(ValueError):
@@ -111,10 +112,15 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
-def body_prompts(tokenizer: Any, path: str, body: dict[str, Any]) -> list[list[int]]:
-    """The prompts of a raw JSON body sent to `path` (the chat route, else completions),
-    read with the server's request schema; one list for a chat request."""
+def body_prompts(tokenizer: Any, path: str, body: dict[str, Any],
+                 history: list[Message] | None = None) -> list[list[int]]:
+    """The prompts of a raw JSON body sent to `path` (the chat route, the Responses route,
+    which continues `history`, else completions), read with the server's request schema;
+    one list for a chat or Responses request."""
     try:
+        if path == RESPONSES_PATH:
+            req = ResponsesRequest.model_validate(body)
+            return [chat_prompt(tokenizer, chat_request(req, history or []))]
         if path.endswith("/chat/completions"):
             return [chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))]
         return completion_prompts(tokenizer, CompletionRequest.model_validate(body))

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvloop.front.embeddings import EmbeddingRequest, embedding_inputs
 from kvloop.front.prompts import PromptError, body_prompts
+from kvloop.front.responses import Message
 from kvloop.front.tokenizer import load_vocabulary
 from kvloop.locate import EMBEDDED_NAME
 
@@ -35,11 +36,13 @@ class PromptTokenizer:
         self._failed: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def token_ids(self, path: str, body: dict[str, Any], model: str | None) -> list[int] | None:
-        """The prompt of `body` (the first of a batch) as the worker serving `model` will
-        tokenize it; None when there is no local tokenizer or the worker will refuse it."""
+    def token_ids(self, path: str, body: dict[str, Any], model: str | None,
+                  history: list[Message] | None = None) -> list[int] | None:
+        """The prompt of `body` (the first of a batch; a Responses body continuing
+        `history`) as the worker serving `model` will tokenize it; None when there is no
+        local tokenizer or the worker will refuse it."""
         try:
-            return body_prompts(self._tokenizer(model), path, body)[0]
+            return body_prompts(self._tokenizer(model), path, body, history)[0]
         except PromptError as e:  # the worker's to answer, not ours
             log.debug("prompt not tokenized locally (%s); routing by load", e)
             return None

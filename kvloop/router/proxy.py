@@ -2,6 +2,8 @@
 
     POST /v1/completions, /v1/chat/completions   tokenize -> hash -> pick -> forward -> stream
     POST /v1/embeddings                          the same, its first input's prefix, no stream
+    POST /v1/responses, GET /v1/responses/{id}   the same, pinned to the worker holding a
+                                                 stored response (kvloop/router/responses.py)
     GET  /v1/models, /v1/models/{id}             the first usable worker's answer
     GET  /health                                 ok | degraded (200, with reasons) | 503
     GET  /metrics                                Prometheus text
@@ -48,7 +50,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -73,8 +75,10 @@ from kvloop.front.openai import (
     error_body,
     http_error_body,
     validate_body,
+    validation_error_body,
 )
 from kvloop.front.prometheus_text import metric_value
+from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.router.config import RouterConfig
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
@@ -95,6 +99,7 @@ from kvloop.router.relay import (
     response_headers,
     unless_disconnected,
 )
+from kvloop.router.responses import ResponseAffinity, completed_response
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 
@@ -157,6 +162,8 @@ class RouterApp:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route(EMBEDDINGS_PATH, self.embeddings, methods=["POST"]),
+            Route(RESPONSES_PATH, self.responses, methods=["POST"]),
+            Route(RESPONSES_PATH + "/{response_id}", self.response, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -174,6 +181,7 @@ class RouterApp:
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
         self.fleet_headers = fleet_headers(cfg)
+        self.affinity = ResponseAffinity()
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -351,6 +359,57 @@ class RouterApp:
         headers["accept-encoding"] = "identity"
         return headers
 
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: a continuation goes to the worker holding its previous
+        response, tokenized with that conversation; every stored answer is remembered
+        (kvloop/router/responses.py). One worker serves it (no prefill/decode split)."""
+        raw = await request.body()
+        read = read_responses_body(raw)
+        if isinstance(read, Response):
+            return read
+        body, req = read
+        held = self.affinity.holder(req.previous_response_id)
+        tokens = self.prompts.token_ids(RESPONSES_PATH, body, self._fleet_model(),
+                                        held.conversation if held else None)
+        others = [w.name for w in self.router.registry.all()
+                  if held is not None and w.name != held.worker]
+        routed: list[str] = []
+        answer = await self._send(request, RESPONSES_PATH, raw, body, tokens or [],
+                                  self._upstream_headers(request), bool(req.stream), False,
+                                  exclude=others, on_routed=routed.append)
+        return self._remember(answer, routed, body)
+
+    def _remember(self, answer: Response, routed: list[str], body: dict[str, Any]
+                  ) -> Response:
+        """`answer` as it is, its stored response (JSON, or the stream's completed event)
+        recorded with the worker that gave it."""
+        if not routed or answer.status_code != 200:
+            return answer
+        record = functools.partial(self.affinity.record, routed[0], body)
+        if isinstance(answer, StreamingResponse):
+            answer.body_iterator = _completed_events(answer.body_iterator, record)
+        else:
+            record(json_or_none(bytes(answer.body)))
+        return answer
+
+    async def response(self, request: Request) -> Response:
+        """GET /v1/responses/{id}: from the worker holding it, else the first that has it."""
+        assert self.client is not None
+        rid = request.path_params["response_id"]
+        held = self.affinity.holder(rid)
+        workers = sorted(self.router.registry.usable(ROLES),
+                         key=lambda w: held is None or w.name != held.worker)
+        for w in workers:
+            try:
+                r = await self.client.get(f"{w.spec.url}{RESPONSES_PATH}/{quote(rid, safe='')}")
+            except httpx.HTTPError:
+                continue
+            if r.status_code != 404:
+                return Response(r.content, status_code=r.status_code,
+                                headers=response_headers(r))
+        return JSONResponse(error_body(f"Response with id '{rid}' not found.", 404,
+                                       "response_id"), status_code=404)
+
     def _fleet_member(self, request: Request) -> bool:
         """Does the caller present this fleet's internal-HTTP token (another router of the
         fleet, in front of this one)?"""
@@ -368,10 +427,14 @@ class RouterApp:
 
     async def _send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
                     tokens: list[int], headers: dict[str, str], stream: bool,
-                    strip_usage: bool, output_tokens: int | None = None) -> Response:
-        """`output_tokens`: what the request will produce (None: what its body asks for)."""
+                    strip_usage: bool, output_tokens: int | None = None,
+                    exclude: Sequence[str] = (),
+                    on_routed: Callable[[str], None] | None = None) -> Response:
+        """Route (never to a worker of `exclude`), forward, answer; `on_routed` hears the
+        name of the worker that got the request; `output_tokens`: what the request will
+        produce (None: what its body asks for)."""
         assert self.client is not None
-        tried: list[str] = []
+        tried: list[str] = list(exclude)
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
         while True:
@@ -381,6 +444,8 @@ class RouterApp:
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name
+            if on_routed is not None:
+                on_routed(name)
             upstream = await self.open_upstream(request, routed, path, raw, headers)
             if upstream is RETRY:
                 tried.append(name)
@@ -654,6 +719,30 @@ def read_embedding_body(raw: bytes) -> tuple[dict[str, Any], EmbeddingRequest] |
     if not isinstance(checked, EmbeddingRequest):
         return JSONResponse(checked, status_code=400)
     return body, checked
+def read_responses_body(raw: bytes) -> tuple[dict[str, Any], ResponsesRequest] | Response:
+    """A Responses body as the worker reads it, or the 400 a worker would answer."""
+    try:
+        body = json.loads(raw)
+        return body, ResponsesRequest.model_validate(body)
+    except ValueError as e:   # not JSON, or not the schema (pydantic's is a ValueError)
+        errors = getattr(e, "errors", None)     # pydantic's ValidationError
+        if errors is not None:
+            return JSONResponse(validation_error_body(
+                [{**err, "loc": ("body", *err.get("loc", ()))} for err in errors()]),
+                status_code=400)
+        return error_response(f"invalid JSON body: {e}", 400)
+
+
+async def _completed_events(chunks: AsyncIterable[Any], record: Callable[[Any], None]
+                            ) -> AsyncIterator[Any]:
+    """`chunks` of a relayed Responses stream (whole events, `_SseRelay`'s), passed on; the
+    response of its `response.completed` event handed to `record`."""
+    async for chunk in chunks:
+        data = _event_data(bytes(chunk))
+        done = completed_response(data) if data is not None else None
+        if done is not None:
+            record(done)
+        yield chunk
 
 
 _READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",

@@ -82,13 +82,17 @@ def json_or_none(data: bytes) -> Any:
 
 
 def cached_tokens(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response body, if present."""
+    """usage.prompt_tokens_details.cached_tokens of a response body, if present (a
+    Responses API answer: usage.input_tokens_details.cached_tokens, of the `response` a
+    stream event carries)."""
+    if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+        payload = payload["response"]
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     if not isinstance(details, dict) or details.get("cached_tokens") is None:
         return None
     return int(details["cached_tokens"])

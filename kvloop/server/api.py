@@ -62,7 +62,15 @@ from kvloop.front.openai import (
     validation_error_body,
 )
 from kvloop.front.prompts import PromptError, encode, render_chat
+from kvloop.front.responses import (
+    RESPONSES_PATH,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
 from kvloop.server.embeddings import create_embedding
+from kvloop.server.responses import create_response, retrieve_response
+from kvloop.server.responses_store import ResponseStore
 from kvloop.server.serving import (
     APIError,
     ServerContext,
@@ -140,7 +148,8 @@ _ERRORS = {
          "Retry-After).",
 }
 _GENERATION_ERRORS = (400, 403, 404, 413, 500, 503)
-_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse)
+_STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse,
+             ResponseStreamEvent)
 GENERATE_PATH = "/inference/v1/generate"   # vLLM's token-in route
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                 "schema": {"type": "string"}}}
@@ -232,6 +241,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     _add_error_handlers(app)
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)
+    _add_responses_routes(app, ctx, ResponseStore(ctx.config.responses_store))
     _add_tokenizer_routes(app, ctx)
     _add_operator_routes(app, ctx)
     return app
@@ -269,6 +279,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def model(request: Request, model_id: str = Path(examples=served)) -> ModelCard:
         ctx.check_model(model_id)
         return _model_card(ctx, model_id, sees_private(ctx, request))
+
+
+def _add_responses_routes(app: FastAPI, ctx: ServerContext, store: ResponseStore) -> None:
+    @app.post(RESPONSES_PATH, **_answers(ResponseObject, *_GENERATION_ERRORS,
+                                         stream=ResponseStreamEvent))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx, store, body, request)
+
+    @app.get(RESPONSES_PATH + "/{response_id}", **_answers(ResponseObject, 404))
+    async def response(response_id: str) -> ResponseObject:
+        return retrieve_response(store, response_id)
 
 
 def _model_card(ctx: ServerContext, name: str, private: bool) -> ModelCard:

@@ -55,6 +55,7 @@ from kvloop.server.config import (
     ServeConfig,
     log_stats_interval,
 )
+from kvloop.server.responses_store import add_store_args, store_config
 from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
 from kvloop.wire import EngineStartConfig
@@ -116,6 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_publisher_args(p)
     _add_logging_args(p)
     _add_security_args(p)
+    add_store_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -437,7 +439,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         auth=auth_config(args), http_limits=http_limits(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
-                        max_structured_output_bytes=args.structured_outputs_max_spec_bytes)
+                        max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
+                        responses_store=store_config(args))
     return serve, start, tokenizer
 
 

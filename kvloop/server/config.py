@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.server.responses_store import ResponseStoreConfig
 from kvloop.trust import FleetSecret
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -52,7 +53,8 @@ class ServeConfig:
     `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
     peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
     choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
-    it (kvloop/server/structured.py).
+    it (kvloop/server/structured.py). `responses_store`: the bounds of the stored Responses
+    API responses (kvloop/server/responses_store.py).
     """
 
     served_model_names: tuple[str, ...]
@@ -80,6 +82,7 @@ class ServeConfig:
     tool_call_parser: str | None = None
     fleet_secret: FleetSecret | None = None
     max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
+    responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:
