@@ -82,12 +82,16 @@ def json_or_none(data: bytes) -> Any:
 
 
 def cached_tokens(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response body, if present."""
+    """usage.prompt_tokens_details.cached_tokens of a response body (OpenAI's), or
+    usage.cache_read_input_tokens (Anthropic's: a Messages answer or stream event), if
+    present."""
     if not isinstance(payload, dict):
         return None
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
+    if isinstance(usage.get("cache_read_input_tokens"), int):
+        return int(usage["cache_read_input_tokens"])
     details = usage.get("prompt_tokens_details")
     if not isinstance(details, dict) or details.get("cached_tokens") is None:
         return None
