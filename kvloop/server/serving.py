@@ -29,7 +29,7 @@ from kvloop.core.request import (
     StructuredOutputsParams,
     check_context_length,
 )
-from kvloop.front.auth import Caller
+from kvloop.front.auth import Caller, presented_authorization
 from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
@@ -177,7 +177,7 @@ def authorize_kv_transfer(ctx: ServerContext, request: Request,
     token = request.headers.get(INTERNAL_TOKEN_HEADER)
     if secret is not None and secret.check_token(PURPOSE_INTERNAL_HTTP, token):
         return
-    if ctx.config.auth.identify(request.headers.get("authorization")) is Caller.ADMIN:
+    if ctx.config.auth.identify(presented_authorization(request.headers)) is Caller.ADMIN:
         return
     why = ("this worker has no fleet secret" if secret is None else
            f"the {INTERNAL_TOKEN_HEADER} header is " + ("missing" if token is None
