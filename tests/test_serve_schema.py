@@ -122,6 +122,11 @@ def test_the_run_reached_successes_errors_and_streams(run: Run) -> None:
                  "/detokenize"):
         want |= {("POST", path, 200, "application/json"), ("POST", path, 400, "application/json"),
                  ("POST", path, 404, "application/json")}
+    # the Messages routes' bodies are deeper: random ones rarely pass to a wrong model (its
+    # 404 is tests/test_serve_anthropic.py's)
+    want.add(("POST", "/v1/messages", 200, "text/event-stream"))
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        want |= {("POST", path, 200, "application/json"), ("POST", path, 400, "application/json")}
     assert want <= run.answers, sorted(want - run.answers)
     assert not {a for a in run.answers if a[2] >= 500}, sorted(run.answers)
 

@@ -11,10 +11,12 @@ Every route is one of three kinds:
             presented, else 401 (as vLLM's AuthenticationMiddleware, which guards every route
             it does not list as public).
 
-A key is presented as `Authorization: Bearer KEY`. Keys are compared as SHA-256 digests with
-`hmac.compare_digest`, every configured key checked whatever matched, so the time taken says
-nothing about the key. `kvloop.front.guard.AuthMiddleware` applies these rules; its
-refusals are OpenAI error objects with a `WWW-Authenticate: Bearer` header.
+A key is presented as `Authorization: Bearer KEY`, or as `x-api-key: KEY` (what Anthropic's
+clients send; an Authorization header wins when both come: `presented_authorization`). Keys
+are compared as SHA-256 digests with `hmac.compare_digest`, every configured key checked
+whatever matched, so the time taken says nothing about the key.
+`kvloop.front.guard.AuthMiddleware` applies these rules; its refusals are OpenAI error objects
+(Anthropic's on the Messages routes) with a `WWW-Authenticate: Bearer` header.
 
 Private facts (process ids, file paths) go only to a caller `sees_private` admits: one that
 presents a configured key (API or admin); with no --api-key, also a caller on this host (a
@@ -102,6 +104,16 @@ def bearer_token(authorization: str | None) -> str | None:
     scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
+
+
+def presented_authorization(headers: Mapping[str, str]) -> str | None:
+    """The Authorization a request presents: its own header, else `Bearer KEY` for an
+    `x-api-key: KEY` header (Anthropic's SDK), else None."""
+    authorization = headers.get("authorization")
+    if authorization is not None:
+        return authorization
+    key = (headers.get("x-api-key") or "").strip()
+    return f"Bearer {key}" if key else None
 
 
 def _digest(text: str) -> bytes:

@@ -1,12 +1,13 @@
 """What stands in front of a front's app (the API server's FastAPI app, the router's Starlette
 app): API keys (`kvloop.front.auth`), the body limit and the read timeouts
-(`kvloop.front.http_limits`).
+(`kvloop.front.http_limits`), and Anthropic's error shape on its routes.
 
-    uvicorn ─ TimedH11Protocol ─▶ AuthMiddleware ─▶ BodyLimitMiddleware ─▶ the app
-              read timeouts (408)    401 / 403        413
+    uvicorn ─ TimedH11Protocol ─▶ AnthropicErrorMiddleware ─▶ AuthMiddleware ─▶ BodyLimit ─▶ app
+              read timeouts (408)  /v1/messages* errors          401 / 403        413
 
-`install(app, ...)` adds the two middlewares; `http_protocol(limits)` is uvicorn's `http=`.
-Keys are checked before any byte of the body is read.
+`install(app, ...)` adds the three middlewares; `http_protocol(limits)` is uvicorn's `http=`.
+Keys are checked before any byte of the body is read. A key is presented as `Authorization:
+Bearer KEY` or, as Anthropic's clients send it, `x-api-key: KEY` (`presented_authorization`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvloop.front.auth import AuthConfig, Caller, RouteRules
+from kvloop.front.anthropic import AnthropicErrorMiddleware
+from kvloop.front.auth import AuthConfig, Caller, RouteRules, presented_authorization
 from kvloop.front.http_limits import HttpLimits
 from kvloop.front.openai import error_body
 
@@ -35,9 +37,11 @@ _REALM = 'Bearer realm="kvloop"'
 
 
 def install(app: Starlette, auth: AuthConfig, rules: RouteRules, limits: HttpLimits) -> None:
-    """Put the key check (outermost) and the body limit in front of `app`'s routes."""
+    """Put the Messages routes' error shape (outermost), the key check and the body limit in
+    front of `app`'s routes."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, config=auth, rules=rules)
+    app.add_middleware(AnthropicErrorMiddleware)
 
 
 # --- keys ----------------------------------------------------------------------------------------
@@ -53,7 +57,7 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        caller = self.config.identify(Headers(scope=scope).get("authorization"))
+        caller = self.config.identify(presented_authorization(Headers(scope=scope)))
         refusal = self.refusal(scope["method"], scope["path"], caller)
         if refusal is None:
             await self.app(scope, receive, send)

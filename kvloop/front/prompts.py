@@ -8,6 +8,8 @@ server's:
 - completions: `prompt` is a text, a list of texts, a list of token ids or a list of those
   (never empty); text gets the tokenizer's special tokens (BOS) unless `add_special_tokens`
   is false; token ids are taken as they are;
+- Anthropic Messages (`/v1/messages`): the equivalent chat request
+  (`kvloop.front.anthropic.chat_request`), then as chat;
 - chat: each message becomes {role, content} (text parts joined, no content is ""; an
   assistant's `tool_calls` and a tool's `tool_call_id` kept), the model's chat template
   renders them with the request's `tools`, with the generation prompt unless
@@ -26,8 +28,16 @@ from typing import Any
 
 import pydantic
 
+from kvloop.front import anthropic, responses
+from kvloop.front.anthropic import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATHS,
+    ConversionError,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from kvloop.front.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
-from kvloop.front.responses import RESPONSES_PATH, Message, ResponsesRequest, chat_request
+from kvloop.front.responses import RESPONSES_PATH, Message, ResponsesRequest
 
 
 class PromptError(ValueError):
@@ -112,15 +122,27 @@ def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     return ids
 
 
+def messages_prompt(tokenizer: Any, req: CountTokensRequest) -> list[int]:
+    """The token ids of an Anthropic Messages request's prompt: its chat equivalent's."""
+    try:
+        chat = anthropic.chat_request(req)
+    except ConversionError as e:
+        raise PromptError(str(e), e.param) from e
+    return chat_prompt(tokenizer, chat)
+
+
 def body_prompts(tokenizer: Any, path: str, body: dict[str, Any],
                  history: list[Message] | None = None) -> list[list[int]]:
-    """The prompts of a raw JSON body sent to `path` (the chat route, the Responses route,
+    """The prompts of a raw JSON body sent to `path` (Messages, chat, the Responses route,
     which continues `history`, else completions), read with the server's request schema;
-    one list for a chat or Responses request."""
+    one list for a chat, Messages or Responses request."""
     try:
+        if path in MESSAGES_PATHS:
+            schema = CountTokensRequest if path == COUNT_TOKENS_PATH else MessagesRequest
+            return [messages_prompt(tokenizer, schema.model_validate(body))]
         if path == RESPONSES_PATH:
             req = ResponsesRequest.model_validate(body)
-            return [chat_prompt(tokenizer, chat_request(req, history or []))]
+            return [chat_prompt(tokenizer, responses.chat_request(req, history or []))]
         if path.endswith("/chat/completions"):
             return [chat_prompt(tokenizer, ChatCompletionRequest.model_validate(body))]
         return completion_prompts(tokenizer, CompletionRequest.model_validate(body))

@@ -4,6 +4,9 @@
     POST /v1/embeddings                          the same, its first input's prefix, no stream
     POST /v1/responses, GET /v1/responses/{id}   the same, pinned to the worker holding a
                                                  stored response (kvloop/router/responses.py)
+    POST /v1/messages                            the same (Anthropic's; tokenized as its chat
+                                                 equivalent, `kvloop.front.anthropic`)
+    POST /v1/messages/count_tokens               the first usable worker's answer
     GET  /v1/models, /v1/models/{id}             the first usable worker's answer
     GET  /health                                 ok | degraded (200, with reasons) | 503
     GET  /metrics                                Prometheus text
@@ -66,7 +69,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvloop.config import DEFAULT_ROLE, ROLES
-from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.anthropic import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MESSAGES_PATHS,
+    MessagesRequest,
+    anthropic_error_body,
+    event,
+    validate_messages,
+)
+from kvloop.front.auth import (
+    PUBLIC_PATHS,
+    WORKER_INFO_PATH,
+    Caller,
+    RouteRules,
+    presented_authorization,
+)
 from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, validate_embedding_body
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -108,7 +126,7 @@ log = logging.getLogger("kvloop.router")
 ROUTER_RULES = RouteRules(public=PUBLIC_PATHS,
                           admin=frozenset({("POST", "/workers"), ("DELETE", "/workers")}))
 MAX_POLL_FAILURES = 3
-_FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+_FORWARD_HEADERS = ("content-type", "accept", "x-request-id")   # and a key: _worker_headers
 _TRANSPORT_ERRORS = (httpx.TransportError,)
 _ROUTER_KEYS = (Caller.API, Caller.ADMIN)
 D = TypeVar("D", Routed, PDRouted)
@@ -164,6 +182,8 @@ class RouterApp:
             Route(EMBEDDINGS_PATH, self.embeddings, methods=["POST"]),
             Route(RESPONSES_PATH, self.responses, methods=["POST"]),
             Route(RESPONSES_PATH + "/{response_id}", self.response, methods=["GET"]),
+            Route(MESSAGES_PATH, self.messages, methods=["POST"]),
+            Route(COUNT_TOKENS_PATH, self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -328,8 +348,14 @@ class RouterApp:
         body, req = read
         tokens = self.prompts.embedding_ids(req, self._fleet_model())
         return await self._send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
-                                self._upstream_headers(request), False, False,
+                                self._worker_headers(request), False, False,
                                 output_tokens=0)
+    async def messages(self, request: Request) -> Response:
+        return await self.forward(request, MESSAGES_PATH)
+
+    async def count_tokens(self, request: Request) -> Response:
+        return await self._ask_any_worker(COUNT_TOKENS_PATH, await request.body(),
+                                          self._worker_headers(request))
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
@@ -342,22 +368,12 @@ class RouterApp:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
         raw = json.dumps(body).encode()
-        headers = self._upstream_headers(request)
+        headers = self._worker_headers(request)
         if self.router.pd_mode():
             return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
                                       strip_usage)
         return await self._send(request, path, raw, body, tokens or [], headers, stream,
                                 strip_usage)
-
-    def _upstream_headers(self, request: Request) -> dict[str, str]:
-        """The client's headers a worker sees, with the router's keys and token in place."""
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
-        if self.router.config.auth.identify(headers.get("authorization")) in _ROUTER_KEYS:
-            headers.pop("authorization")   # a key of the router's is no key for a worker
-        headers.update(self.worker_headers)   # the router's key to the worker, if it has one
-        headers.update(self.fleet_headers)
-        headers["accept-encoding"] = "identity"
-        return headers
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: a continuation goes to the worker holding its previous
@@ -375,7 +391,7 @@ class RouterApp:
                   if held is not None and w.name != held.worker]
         routed: list[str] = []
         answer = await self._send(request, RESPONSES_PATH, raw, body, tokens or [],
-                                  self._upstream_headers(request), bool(req.stream), False,
+                                  self._worker_headers(request), bool(req.stream), False,
                                   exclude=others, on_routed=routed.append)
         return self._remember(answer, routed, body)
 
@@ -409,6 +425,20 @@ class RouterApp:
                                 headers=response_headers(r))
         return JSONResponse(error_body(f"Response with id '{rid}' not found.", 404,
                                        "response_id"), status_code=404)
+
+    def _worker_headers(self, request: Request) -> dict[str, str]:
+        """The headers a request forwarded to a worker carries: the client's of
+        `_FORWARD_HEADERS`, its key (Authorization, or an `x-api-key` as one) unless it is
+        one of the router's, the router's worker key and fleet token."""
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARD_HEADERS}
+        presented = presented_authorization(request.headers)
+        if presented is not None and \
+                self.router.config.auth.identify(presented) not in _ROUTER_KEYS:
+            headers["authorization"] = presented   # a key of the router's is none for a worker
+        headers.update(self.worker_headers)   # the router's key to the worker, if it has one
+        headers.update(self.fleet_headers)
+        headers["accept-encoding"] = "identity"
+        return headers
 
     def _fleet_member(self, request: Request) -> bool:
         """Does the caller present this fleet's internal-HTTP token (another router of the
@@ -510,7 +540,8 @@ class RouterApp:
         that leaves meanwhile closes the upstream connection). The ticket is closed on every
         path (`_RelayResponse` closes it even when the stream never starts)."""
         if stream and upstream.status_code == 200:
-            return _RelayResponse(self._relay(upstream, routed, strip_usage),
+            messages = request.url.path in MESSAGES_PATHS
+            return _RelayResponse(self._relay(upstream, routed, strip_usage, messages),
                                   on_close=lambda: self._close(upstream, routed),
                                   status_code=200, headers=response_headers(upstream))
         try:
@@ -548,9 +579,11 @@ class RouterApp:
         return Response(content, status_code=upstream.status_code,
                         headers=response_headers(upstream))
 
-    async def _relay(self, upstream: httpx.Response, routed: Routed,
-                     strip_usage: bool) -> AsyncIterator[bytes]:
-        """Relay SSE events as they arrive; note the first token and the reported hit."""
+    async def _relay(self, upstream: httpx.Response, routed: Routed, strip_usage: bool,
+                     messages: bool = False) -> AsyncIterator[bytes]:
+        """Relay SSE events as they arrive; note the first token and the reported hit. A
+        worker that fails mid-stream ends it with an error event (Anthropic's on a
+        `messages` stream)."""
         relay = _SseRelay(strip_usage)
         outcome = "disconnected"
         try:
@@ -569,7 +602,8 @@ class RouterApp:
             name = routed.worker.name
             self.router.worker_down(name, f"failed mid-stream: {e!r}")
             msg = f"worker {name} failed mid-stream: {e!r}"
-            yield _sse(error_body(msg, 502)) + b"data: [DONE]\n\n"
+            yield (event(anthropic_error_body(msg, 502)) if messages
+                   else _sse(error_body(msg, 502)) + b"data: [DONE]\n\n")
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -582,12 +616,16 @@ class RouterApp:
         return await self._ask_any_worker(
             "/v1/models/" + quote(request.path_params["model_id"], safe=""))
 
-    async def _ask_any_worker(self, path: str) -> Response:
-        """GET `path` from the first usable worker that answers; its answer as it is."""
+    async def _ask_any_worker(self, path: str, content: bytes | None = None,
+                              headers: dict[str, str] | None = None) -> Response:
+        """GET `path` (POST `content` with `headers`) from the first usable worker that
+        answers; its answer as it is."""
         assert self.client is not None
         for w in self.router.registry.usable(ROLES):
             try:
-                r = await self.client.get(w.spec.url + path)
+                r = await (self.client.get(w.spec.url + path) if content is None else
+                           self.client.post(w.spec.url + path, content=content,
+                                            headers=headers))
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code,
@@ -694,13 +732,13 @@ def read_body(raw: bytes, path: str, fleet_member: bool = False
         body = json.loads(raw)
     except ValueError as e:
         return error_response(f"invalid JSON body: {e}", 400)
+    if path in MESSAGES_PATHS:
+        return _read_messages_body(path, body, fleet_member)
     checked = validate_body(path, body)
     if not isinstance(checked, SamplingRequest):
         return JSONResponse(checked, status_code=400)
     if checked.kv_transfer_params is not None and not fleet_member:
-        return JSONResponse(error_body(
-            "kv_transfer_params are set by the router (prefill/decode disaggregation), "
-            "never by a client", 400, "kv_transfer_params"), status_code=400)
+        return _client_kv_params_refused()
     assert isinstance(body, dict)
     read = checked.model_dump(include=_READ_FIELDS, exclude_unset=True)
     body = {**body, **read}   # the fields the router reads, as the worker reads them
@@ -743,6 +781,23 @@ async def _completed_events(chunks: AsyncIterable[Any], record: Callable[[Any], 
         if done is not None:
             record(done)
         yield chunk
+def _client_kv_params_refused() -> Response:
+    return JSONResponse(error_body(
+        "kv_transfer_params are set by the router (prefill/decode disaggregation), never by "
+        "a client", 400, "kv_transfer_params"), status_code=400)
+
+
+def _read_messages_body(path: str, body: Any, fleet_member: bool
+                        ) -> tuple[dict[str, Any], bool, bool] | Response:
+    """`read_body` of an Anthropic Messages body: passed on as the client sent it (its usage
+    reaches the router on every answer, streamed or not, so nothing is asked or stripped)."""
+    checked = validate_messages(path, body)
+    if not isinstance(checked, MessagesRequest):   # its 400 (reshaped by the middleware)
+        return JSONResponse(checked, status_code=400)
+    if checked.kv_transfer_params is not None and not fleet_member:
+        return _client_kv_params_refused()
+    assert isinstance(body, dict)
+    return body, bool(checked.stream), False
 
 
 _READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",

@@ -82,9 +82,10 @@ def json_or_none(data: bytes) -> Any:
 
 
 def cached_tokens(payload: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens of a response body, if present (a
-    Responses API answer: usage.input_tokens_details.cached_tokens, of the `response` a
-    stream event carries)."""
+    """usage.prompt_tokens_details.cached_tokens of a response body (OpenAI's; a Responses
+    API answer: usage.input_tokens_details.cached_tokens, of the `response` a stream event
+    carries), or usage.cache_read_input_tokens (Anthropic's: a Messages answer or stream
+    event), if present."""
     if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
         payload = payload["response"]
     if not isinstance(payload, dict):
@@ -92,6 +93,8 @@ def cached_tokens(payload: Any) -> int | None:
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
+    if isinstance(usage.get("cache_read_input_tokens"), int):
+        return int(usage["cache_read_input_tokens"])
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     if not isinstance(details, dict) or details.get("cached_tokens") is None:
         return None

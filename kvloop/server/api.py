@@ -33,7 +33,24 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
+from kvloop.front.anthropic import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MESSAGES_PATHS,
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    MessagesStreamEvent,
+)
+from kvloop.front.auth import (
+    PUBLIC_PATHS,
+    WORKER_INFO_PATH,
+    Caller,
+    RouteRules,
+    presented_authorization,
+)
 from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, EmbeddingResponse
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -69,6 +86,7 @@ from kvloop.front.responses import (
     ResponseStreamEvent,
 )
 from kvloop.server.embeddings import create_embedding
+from kvloop.server.messages import count_tokens, create_messages
 from kvloop.server.responses import create_response, retrieve_response
 from kvloop.server.responses_store import ResponseStore
 from kvloop.server.serving import (
@@ -149,7 +167,7 @@ _ERRORS = {
 }
 _GENERATION_ERRORS = (400, 403, 404, 413, 500, 503)
 _STREAMED = (CompletionStreamResponse, ChatCompletionStreamResponse, GenerateStreamResponse,
-             ResponseStreamEvent)
+             ResponseStreamEvent, MessagesStreamEvent)
 GENERATE_PATH = "/inference/v1/generate"   # vLLM's token-in route
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
                                 "schema": {"type": "string"}}}
@@ -157,7 +175,10 @@ _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.
 
 def _event_stream(event: type) -> dict[str, Any]:
     """The `text/event-stream` content of a stream of `event`s: each event's data is one JSON
-    `event`, or the error object that ends a failed stream, or the final `[DONE]`."""
+    `event`, or the error object that ends a failed stream, or the final `[DONE]`; a Messages
+    stream's events are named (their `type`) and end with `message_stop` or an error."""
+    if event is MessagesStreamEvent:
+        return _messages_stream()
     chunk = {"anyOf": [{"$ref": _REF.format(model=event.__name__)},
                        {"$ref": _REF.format(model=ErrorResponse.__name__)}]}
     data = {"anyOf": [{"const": "[DONE]"},
@@ -167,11 +188,25 @@ def _event_stream(event: type) -> dict[str, Any]:
                            "properties": {"data": data}}}
 
 
-def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any]:
+def _messages_stream() -> dict[str, Any]:
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {
+        "anyOf": [{"$ref": _REF.format(model=MessagesStreamEvent.__name__)},
+                  {"$ref": _REF.format(model=AnthropicErrorResponse.__name__)}]}}
+    return {"itemSchema": {"type": "object", "required": ["event", "data"],
+                           "properties": {"event": {"type": "string"}, "data": data}}}
+
+
+def _error_model(path: str) -> type:
+    """The error object a path answers with: Anthropic's on the Messages routes."""
+    return AnthropicErrorResponse if path in MESSAGES_PATHS else ErrorResponse
+
+
+def _answers(ok: Any, *errors: int, stream: type | None = None,
+             error_model: type = ErrorResponse) -> dict[str, Any]:
     """Route arguments that publish what a route answers: 200 with a JSON body of type `ok`
     (None: the response class's own content), or an event stream of `stream`s when the
     request asks for one (a type of `_STREAMED`); each status of `errors` with the error
-    object."""
+    object (`error_model`)."""
     assert stream is None or stream in _STREAMED, stream
     ok_response: dict[str, Any] = {} if ok is None else {"model": ok}
     if ok in WIRE_BODIES:
@@ -180,7 +215,7 @@ def _answers(ok: Any, *errors: int, stream: type | None = None) -> dict[str, Any
         ok_response["content"] = {"text/event-stream": _event_stream(stream)}
     responses: dict[int | str, dict[str, Any]] = {200: ok_response}
     for code in errors:
-        responses[code] = {"model": ErrorResponse, "description": _ERRORS[code]}
+        responses[code] = {"model": error_model, "description": _ERRORS[code]}
         if code == 503:
             responses[code]["headers"] = _RETRY_AFTER
     return {"response_model": None, "responses": responses}
@@ -196,9 +231,9 @@ def _wire_schema(body: Any) -> dict[str, Any]:
     return _wire_schemas()[0][WIRE_BODIES.index(body)]
 
 
-def _error_answer(code: int) -> dict[str, Any]:
+def _error_answer(code: int, path: str) -> dict[str, Any]:
     return {"description": _ERRORS[code], "content": {"application/json": {
-        "schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}}
+        "schema": {"$ref": _REF.format(model=_error_model(path).__name__)}}}}
 
 
 class KvloopAPI(FastAPI):
@@ -219,7 +254,7 @@ class KvloopAPI(FastAPI):
                 responses.pop("422", None)
                 guarded = [401, 403] if (method.upper(), path) in self.rules.admin else [401]
                 for code in guarded if not self.rules.is_public(path) else []:
-                    responses.setdefault(str(code), _error_answer(code))
+                    responses.setdefault(str(code), _error_answer(code, path))
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
@@ -242,6 +277,7 @@ def build_app(ctx: ServerContext) -> FastAPI:
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)
     _add_responses_routes(app, ctx, ResponseStore(ctx.config.responses_store))
+    _add_messages_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     _add_operator_routes(app, ctx)
     return app
@@ -290,6 +326,18 @@ def _add_responses_routes(app: FastAPI, ctx: ServerContext, store: ResponseStore
     @app.get(RESPONSES_PATH + "/{response_id}", **_answers(ResponseObject, 404))
     async def response(response_id: str) -> ResponseObject:
         return retrieve_response(store, response_id)
+def _add_messages_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """Anthropic's Messages API (`kvloop.server.messages`); errors in Anthropic's shape."""
+    anthropic = {"error_model": AnthropicErrorResponse}
+
+    @app.post(MESSAGES_PATH, **_answers(MessagesResponse, *_GENERATION_ERRORS,
+                                        stream=MessagesStreamEvent, **anthropic))
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_messages(ctx, body, request)
+
+    @app.post(COUNT_TOKENS_PATH, **_answers(CountTokensResponse, 400, 404, 413, **anthropic))
+    async def messages_count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        return await count_tokens(ctx, body)
 
 
 def _model_card(ctx: ServerContext, name: str, private: bool) -> ModelCard:
@@ -384,7 +432,7 @@ async def _utility(ctx: ServerContext, method: str) -> Any:
 
 
 def sees_private(ctx: ServerContext, request: Request) -> bool:
-    return ctx.config.auth.sees_private(request.headers.get("authorization"),
+    return ctx.config.auth.sees_private(presented_authorization(request.headers),
                                         request.client.host if request.client else None)
 
 
@@ -422,7 +470,7 @@ def worker_description(ctx: ServerContext, request: Request) -> WorkerInfo:
     and the server's. A caller who may not see private facts (`sees_private`) gets no
     process ids, model path or ipc:// event endpoints; one the worker does not admit (with
     --api-key: no key) no event or side-channel address."""
-    caller = ctx.config.auth.identify(request.headers.get("authorization"))
+    caller = ctx.config.auth.identify(presented_authorization(request.headers))
     return describe_worker(ctx, sees_private(ctx, request), caller in (Caller.API, Caller.ADMIN))
 
 

@@ -29,7 +29,7 @@ from kvloop.core.request import (
     StructuredOutputsParams,
     check_context_length,
 )
-from kvloop.front.auth import Caller
+from kvloop.front.auth import Caller, presented_authorization
 from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
@@ -178,7 +178,7 @@ def authorize_kv_transfer(ctx: ServerContext, request: Request,
     token = request.headers.get(INTERNAL_TOKEN_HEADER)
     if secret is not None and secret.check_token(PURPOSE_INTERNAL_HTTP, token):
         return
-    if ctx.config.auth.identify(request.headers.get("authorization")) is Caller.ADMIN:
+    if ctx.config.auth.identify(presented_authorization(request.headers)) is Caller.ADMIN:
         return
     why = ("this worker has no fleet secret" if secret is None else
            f"the {INTERNAL_TOKEN_HEADER} header is " + ("missing" if token is None
@@ -718,8 +718,24 @@ def chat_tools(ctx: ServerContext, req: ChatCompletionRequest) -> ToolPlan:
         raise APIError(400, str(e), param=e.param) from e
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
-                                 request: Request) -> Response:
+@dataclass(frozen=True)
+class ChatStart:
+    """A chat request submitted to the engine: the request as served (`skip_special_tokens`
+    off for an "auto" tool choice), its generation, prompt, tool plan and constraint, and the
+    id its engine requests' ids start with."""
+
+    req: ChatCompletionRequest
+    gen: Generation
+    prompt: list[int]
+    tools: ToolPlan
+    constraint: Constraint | None
+    base: str
+
+
+def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request: Request,
+               prefix: str = "chatcmpl-") -> ChatStart:
+    """Check a chat request (APIError and PromptError: its 4xx), render its prompt and submit
+    it; what the chat route and the Messages route (`kvloop.server.messages`) share."""
     ctx.check_model(req.model)
     authorize_kv_transfer(ctx, request, req.kv_transfer_params)
     _check_supported(req)
@@ -731,10 +747,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     check_kv_transfer_params(ctx, req, [prompt])
     params = build_sampling_params(ctx, req, len(prompt), MaxTokens.of(req),
                                    _chat_logprobs_arg(ctx, req), constraint=constraint)
-    base = f"chatcmpl-{uuid.uuid4().hex}"
+    base = f"{prefix}{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params]), constraint)
     gen.submit()
     log_received(ctx, base, [prompt], [params])
+    return ChatStart(req, gen, prompt, tools, constraint, base)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
+                                 request: Request) -> Response:
+    started = start_chat(ctx, req, request)
+    req, gen, prompt, tools = started.req, started.gen, started.prompt, started.tools
+    constraint, base = started.constraint, started.base
     if req.stream:
         if constraint is not None:
             await gen.verdict()
