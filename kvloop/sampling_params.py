@@ -263,8 +263,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                              f"size: {vocab_size})")
         bad = sorted({t for w in self.bad_words_token_ids for t in w if t >= vocab_size})
         if bad:
-            raise ValueError(f"bad_words: the model vocabulary size is {vocab_size}, but the "
-                             f"following tokens were specified as bad: {bad[:8]}")
+            raise ValueError(f"bad_words contain out-of-vocab token ids {bad[:8]} (the model "
+                             f"vocabulary size is {vocab_size})")
 
     @property
     def filters_tokens(self) -> bool:
