@@ -112,6 +112,8 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # with `prompt_logprobs`: None for the first prompt token, then one dict per token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -238,6 +240,10 @@ class LLM:
         self._ids = itertools.count()
         self._spec_stats = SpecDecodingStats()
 
+    @property
+    def _vocab_size(self) -> int:
+        return int(getattr(self.runner, "vocab_size", None) or self.tokenizer.vocab_size)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
@@ -335,11 +341,13 @@ class LLM:
         max_len = self.engine.config.scheduler.max_model_len
         for _, ids in encoded:
             check_context_length(max_len, len(ids))
+        params = [model_stops(sp, self.tokenizer) for sp in params]
         for sp in params:
             self._check_structured_outputs(sp)
+            sp.check_vocab(self._vocab_size)
         seqs: list[_Sequence] = []
         for i, ((_, ids), sp) in enumerate(zip(encoded, params, strict=True)):
-            for j, sub in enumerate(fan_out(model_stops(sp, self.tokenizer))):
+            for j, sub in enumerate(fan_out(sp)):
                 rid = str(next(self._ids))
                 state = OutputState(self.tokenizer, ids, OutputOptions.of(sub))
                 seqs.append(_Sequence(rid, i, j, sub, state))
@@ -395,11 +403,14 @@ class LLM:
         for i, (prompt, ids) in enumerate(encoded):
             mine = [s for s in seqs if s.prompt_index == i]
             outputs = [self._completion(s) for s in mine]
+            prompt_lps = mine[0].state.prompt_logprobs
             results.append(RequestOutput(
                 request_id=mine[0].request_id, prompt=prompt, prompt_token_ids=ids,
                 outputs=outputs, finished=all(o.finish_reason for o in outputs),
                 num_cached_tokens=mine[0].state.num_cached_tokens,
-                kv_transfer_params=mine[0].kv_transfer_params))
+                kv_transfer_params=mine[0].kv_transfer_params,
+                prompt_logprobs=None if prompt_lps is None else [
+                    None if e is None else self._logprob_dict(e) for e in prompt_lps]))
         return results
 
     def _completion(self, seq: _Sequence) -> CompletionOutput:

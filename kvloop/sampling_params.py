@@ -146,6 +146,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     int64/uint64); the engine reads `extra_args["kv_transfer_params"]` (a dict) as
     `Request.kv_transfer_params` (docs/disaggregation.md section 2).
     `structured_outputs` constrains what may be sampled (kvloop.core.structured_output).
+
+    What may be sampled, as vLLM's logits processors (kvloop.model.sampler applies them):
+    `allowed_token_ids` (None: any; else only these), `bad_words` (words never to complete:
+    each word's token ids, tokenized with and without a leading space, are
+    `bad_words_token_ids`, filled from the tokenizer by whoever builds the request, as the EOS
+    id is; a word's last token is banned when the output ends with its other tokens) and
+    `logit_bias` (token id -> a bias added to its logit, clamped to [-100, 100], OpenAI's
+    rule). `prompt_logprobs`: the logprob of each prompt token given the tokens before it,
+    and the top-n at its position (`RequestOutput.prompt_logprobs`); asking for them skips
+    reading the prefix cache (`skips_prefix_cache`), as vLLM does.
     """
 
     n: int = 1
@@ -172,9 +182,14 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     skip_reading_prefix_cache: bool | None = None
     extra_args: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_extra_args(self.extra_args)
+        self._check_token_filters()
         if isinstance(self.stop, str):
             msgspec.structs.force_setattr(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -212,6 +227,50 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+
+    def _check_token_filters(self) -> None:
+        """Shapes of `logit_bias`, `allowed_token_ids` and the bad words (ids against the
+        vocabulary are checked by whoever knows it: the API server, `LLM`)."""
+        if self.logit_bias is not None:
+            bias = {int(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+            if any(t < 0 for t in bias):
+                raise ValueError("logit_bias token ids must be non-negative.")
+            msgspec.structs.force_setattr(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, tuple):
+                msgspec.structs.force_setattr(self, "allowed_token_ids",
+                                              tuple(self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty.")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be non-negative token ids.")
+        if not isinstance(self.bad_words, tuple):
+            msgspec.structs.force_setattr(self, "bad_words", tuple(self.bad_words))
+        words = tuple(tuple(w) for w in self.bad_words_token_ids)
+        if any(not w or min(w) < 0 for w in words):
+            raise ValueError("bad_words_token_ids must be non-empty lists of token ids.")
+        msgspec.structs.force_setattr(self, "bad_words_token_ids", words)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError (its first word the field) for a token id of `logit_bias`,
+        `allowed_token_ids` or the bad words beyond a vocabulary of `vocab_size` ids."""
+        bias = sorted(t for t in self.logit_bias or () if t >= vocab_size)
+        if bias:
+            raise ValueError(f"logit_bias contains out-of-vocab token ids {bias[:8]}. "
+                             f"Vocabulary size: {vocab_size}")
+        if any(t >= vocab_size for t in self.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids (vocabulary "
+                             f"size: {vocab_size})")
+        bad = sorted({t for w in self.bad_words_token_ids for t in w if t >= vocab_size})
+        if bad:
+            raise ValueError(f"bad_words contain out-of-vocab token ids {bad[:8]} (the model "
+                             f"vocabulary size is {vocab_size})")
+
+    @property
+    def filters_tokens(self) -> bool:
+        """Whether `allowed_token_ids`, bad words or `logit_bias` change the logits."""
+        return bool(self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -151,6 +151,15 @@ class TopLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobsChunk(msgspec.Struct, array_like=True):
+    """Prompt logprobs of one prefill chunk: `entries[i]` scores prompt token
+    `first_position + i` (>= 1: the first prompt token has none); `token_id` is that prompt
+    token. A chunk computed again after a preemption repeats positions with equal values."""
+
+    first_position: int
+    entries: list[TopLogprobs]
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """New tokens of one request after one step (only sent when there is news)."""
 
@@ -160,6 +169,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[TopLogprobs] | None = None
+    # scored prompt tokens of this step's chunk (sent even when no token was sampled)
+    new_prompt_logprobs: PromptLogprobsChunk | None = None
     error: str | None = None          # the engine refused or failed this request
     # what a finished request hands on (P -> proxy -> D); sent on the finishing output
     kv_transfer_params: dict[str, Any] | None = None

@@ -248,7 +248,15 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 2}, 400, "min_tokens"),
     ({"prompt": "x", "seed": 2 ** 70}, 400, "seed"),
     ({"prompt": "x", "priority": 1}, 400, "priority"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(VOCAB): 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [VOCAB]}, 400, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": ["w"] * 300}, 400, "bad_words"),
+    ({"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": MAX_LEN + 1}, 400, "truncate_prompt_tokens"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": []}, 400, "prompt"),
     ({"prompt": [1, 2, 999999]}, 400, "prompt"),
@@ -529,3 +537,29 @@ def test_reset_prefix_cache(server: ServeProcess) -> None:
 
 def test_log_has_no_errors(server: ServeProcess, tmp_path: Path) -> None:
     assert "ERROR" not in server.log() and "Traceback" not in server.log()
+
+
+def test_prompt_logprobs_echo_and_truncation(server: ServeProcess) -> None:
+    prompt = SMOL.encode("one two three four five six")
+    body = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "echo": True,
+                                            "logprobs": 1, "prompt_logprobs": 2}).json()
+    choice = body["choices"][0]
+    lps = choice["prompt_logprobs"]
+    assert len(lps) == len(prompt) and lps[0] is None
+    for tok, pos in zip(prompt[1:], lps[1:], strict=True):
+        assert str(tok) in pos and len(pos) <= 3
+        assert set(pos[str(tok)]) == {"logprob", "rank", "decoded_token"}
+    echoed = choice["logprobs"]
+    assert len(echoed["tokens"]) == len(prompt) + 2
+    assert echoed["token_logprobs"][0] is None and echoed["top_logprobs"][0] is None
+    assert echoed["token_logprobs"][1:len(prompt)] == [
+        pos[str(t)]["logprob"] for t, pos in zip(prompt[1:], lps[1:], strict=True)]
+    chat = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 1
+    cut = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                           "truncate_prompt_tokens": 3,
+                                           "return_token_ids": True}).json()
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert cut["choices"][0]["prompt_token_ids"] == prompt[-3:]

@@ -115,6 +115,29 @@ class Logprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs of one request's chunk: `entries[i]` is prompt token
+    `first_position + i` given the tokens before it (`sampled_*` name that prompt token),
+    with the top-n at its position. Chunks arrive in order; a chunk computed again (after a
+    preemption) repeats its positions with the same values."""
+
+    first_position: int
+    entries: list[Logprobs]
+
+
+def prompt_logprob_positions(num_prompt_tokens: int, num_computed: int,
+                             num_tokens: int) -> range:
+    """The positions of a step's chunk whose logits score a prompt token: position p scores
+    token p + 1, so the last prompt position scores the first output token, not the prompt.
+
+        prompt    | t0 t1 t2 t3 t4 |           5 prompt tokens, chunk = positions 2..4
+        chunk           [ 2  3  4 ]            scores t3 t4 (position 4 scores an output)
+    """
+    return range(num_computed, max(num_computed, min(num_computed + num_tokens,
+                                                     num_prompt_tokens - 1)))
+
+
+@dataclass
 class KVConnectorOutput:
     """What the KV connector's worker side reports after a step (vLLM's names).
 
@@ -148,7 +171,9 @@ class RunnerOutput:
     partial prefill chunk; the accepted drafts and one more token with speculative
     decoding). `logprobs[i]`, when asked for, has one entry per sampled token.
     `pooler_output[i]` is the vector of pooling request `req_ids[i]` in the step that computed
-    its last prompt token (None otherwise; the whole list None when no request pooled). Drafts for
+    its last prompt token (None otherwise; the whole list None when no request pooled).
+    `prompt_logprobs[req_id]`: the prompt logprobs of the request's chunk this step (only
+    requests that asked for them, and whose chunk scores prompt tokens). Drafts for
     the next step are the engine's (`kvloop.core.spec_decode`), not the runner's.
     `forward_time` is when the forward pass ran, `(start, end)` in `time.perf_counter()`
     seconds (None: the runner does not say), so the engine can tell how much of its own work
@@ -159,6 +184,7 @@ class RunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Logprobs] | None] | None = None
     pooler_output: list[list[float] | None] | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None   # set by the engine, not the runner
     forward_time: tuple[float, float] | None = None
 

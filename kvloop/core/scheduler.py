@@ -43,6 +43,7 @@ from kvloop.core.outputs import (
     CachedRequestData,
     KVConnectorOutput,
     NewRequestData,
+    PromptLogprobs,
     RunnerOutput,
     SchedulerOutput,
 )
@@ -52,6 +53,7 @@ from kvloop.core.waiting import GrammarCompile, Readiness, RemoteKVLoad, WaitRea
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
+    PromptLogprobsChunk,
     SchedulerStats,
     SpecDecodingStats,
     TopLogprobs,
@@ -533,13 +535,19 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid)
             if drafts and generated:
                 self._rewind_rejected(request, len(drafts), len(generated))
+            prompt_lps = _prompt_logprobs(request.prompt_token_ids,
+                                          runner_output.prompt_logprobs.get(rid))
             if not generated:
+                if prompt_lps is not None:    # a prefill chunk's scored prompt tokens
+                    outputs.append(EngineCoreOutput(
+                        rid, [], num_cached_tokens=request.num_cached_tokens or 0,
+                        new_prompt_logprobs=prompt_lps))
                 continue
             kept, is_stopped = self._append_and_check(request, generated)
             logprobs = self._logprobs(runner_output, i, len(kept))
             out = EngineCoreOutput(request_id=rid, new_token_ids=kept,
                                    num_cached_tokens=request.num_cached_tokens or 0,
-                                   new_logprobs=logprobs)
+                                   new_logprobs=logprobs, new_prompt_logprobs=prompt_lps)
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
@@ -796,3 +804,16 @@ class Scheduler:
                 assert held * self.block_size >= r.num_tokens, f"{r} loading without blocks"
             else:
                 assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
+
+
+def _prompt_logprobs(prompt: list[int], chunk: PromptLogprobs | None
+                     ) -> PromptLogprobsChunk | None:
+    """A runner's prompt logprobs for the wire, each entry with the prompt token it scores."""
+    if chunk is None:
+        return None
+    first = chunk.first_position
+    return PromptLogprobsChunk(first, [
+        TopLogprobs(token_id=prompt[first + j], logprob=lp.sampled_logprob,
+                    rank=lp.sampled_rank, top_token_ids=lp.top_token_ids,
+                    top_logprobs=lp.top_logprobs)
+        for j, lp in enumerate(chunk.entries)])

@@ -286,6 +286,18 @@ class CompletionLogprobs(TypedDict):
     top_logprobs: list[dict[str, float] | None]
 
 
+class PromptLogprob(TypedDict):
+    """One token of vLLM's `prompt_logprobs` (keyed by token id, as text)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: PromptLogprob}
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(TypedDict):
     """A choice of a completion, and of a completion chunk (`text` is then the new text)."""
 
@@ -296,6 +308,7 @@ class CompletionChoice(TypedDict):
     stop_reason: int | str | None
     prompt_token_ids: NotRequired[list[int]]
     token_ids: NotRequired[list[int]]
+    prompt_logprobs: NotRequired[PromptLogprobs]   # asked for (or echo with logprobs)
 
 
 class CompletionResponse(TypedDict):
@@ -388,6 +401,7 @@ class ChatCompletionResponse(TypedDict):
     system_fingerprint: None
     kv_transfer_params: dict[str, Any] | None   # what a decode worker needs (P/D), else None
     prompt_token_ids: NotRequired[list[int]]
+    prompt_logprobs: NotRequired[PromptLogprobs]   # when asked for
 
 
 class ChatDelta(TypedDict):
@@ -428,7 +442,7 @@ class GenerateChoice(TypedDict):
 class GenerateResponse(TypedDict):
     request_id: str
     choices: list[GenerateChoice]
-    prompt_logprobs: None
+    prompt_logprobs: PromptLogprobs | None
     kv_transfer_params: dict[str, Any] | None
 
 

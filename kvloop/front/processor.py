@@ -29,20 +29,38 @@ from typing import Any, Protocol
 import msgspec
 
 from kvloop.core.request import SamplingParams
-from kvloop.wire import EngineCoreOutput
+from kvloop.wire import EngineCoreOutput, PromptLogprobsChunk
 
 
 def model_stops(params: SamplingParams, tokenizer: Any) -> SamplingParams:
     """`params` with the tokenizer's EOS id (unless one is set) and, unless `ignore_eos`, the
     model's other end-of-turn ids (generation_config.json) appended to `stop_token_ids`, as
-    vLLM adds them."""
+    vLLM adds them; and its `bad_words` tokenized (`bad_words_token_ids`)."""
     changes: dict[str, Any] = {}
     if params.eos_token_id is None and tokenizer.eos_token_id is not None:
         changes["eos_token_id"] = tokenizer.eos_token_id
     extra = set(getattr(tokenizer, "stop_token_ids", ())) - set(params.stop_token_ids)
     if extra and not params.ignore_eos:
         changes["stop_token_ids"] = (*params.stop_token_ids, *sorted(extra))
+    if params.bad_words and not params.bad_words_token_ids:
+        changes["bad_words_token_ids"] = bad_words_token_ids(params.bad_words, tokenizer)
     return msgspec.structs.replace(params, **changes) if changes else params
+
+
+def bad_words_token_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) as it would
+    start a text, and also after a space when that is a different first token of as many
+    tokens (the word in mid-text). A word that tokenizes to nothing bans nothing."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(out)
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:
@@ -121,11 +139,12 @@ class OutputOptions:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    prompt_logprobs: bool = False
 
     @classmethod
     def of(cls, params: SamplingParams) -> OutputOptions:
         return cls(params.stop, params.include_stop_str_in_output, params.min_tokens,
-                   params.skip_special_tokens)
+                   params.skip_special_tokens, params.prompt_logprobs is not None)
 
 
 class OutputState:
@@ -137,6 +156,9 @@ class OutputState:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        # one per prompt token (the first has none): filled chunk by chunk during prefill
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] * len(prompt_ids) if options.prompt_logprobs else None)
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None   # from the finishing output
         self.pooling_output: list[float] | None = None   # a pooling request's vector
@@ -158,6 +180,8 @@ class OutputState:
             self.finish_reason = "error"
             return Delta(finish_reason="error", error=out.error)
         self.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None:
+            self._add_prompt_logprobs(out.new_prompt_logprobs)
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
         if out.pooling_output is not None:
@@ -188,6 +212,18 @@ class OutputState:
         delta.finish_reason, delta.stop_reason = self.finish_reason, self.stop_reason
         delta.text = self._take_text()
         return delta
+
+    def _add_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Entries by position: a chunk computed again (after a preemption) overwrites its
+        positions with equal values."""
+        into = self.prompt_logprobs
+        if into is None:
+            return
+        for j, e in enumerate(chunk.entries):
+            pos = chunk.first_position + j
+            if 0 < pos < len(into):
+                into[pos] = TokenLogprob(e.token_id, e.logprob, list(zip(
+                    e.top_token_ids, e.top_logprobs, strict=False)), e.rank)
 
     def _is_stop_token(self, out: EngineCoreOutput) -> bool:
         """The engine stopped on this last token (EOS or a stop token id): keep it out of the

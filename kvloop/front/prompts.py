@@ -57,9 +57,35 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> l
         raise PromptError(f"cannot tokenize the {param}: {e}", param) from e
 
 
-def completion_prompts(tokenizer: Any, req: CompletionRequest) -> list[list[int]]:
-    """`prompt` (text, texts, token ids, lists of token ids) as token id lists."""
-    return prompt_token_ids(tokenizer, req.prompt, req.add_special_tokens, "prompt")
+def truncated(ids: list[int], truncate_prompt_tokens: int | None,
+              max_model_len: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last k tokens of the prompt (-1: k is
+    `max_model_len`; None: the prompt as is). k of 0 or below -1, or beyond `max_model_len`,
+    is a PromptError. `max_model_len` None (the router, which does not know it): -1 and a k
+    beyond the context are left for the worker to apply or refuse."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return ids
+    param = "truncate_prompt_tokens"
+    if k == 0 or k < -1:
+        raise PromptError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}.",
+                          param)
+    if max_model_len is None:
+        return ids if k == -1 else ids[-k:]
+    if k == -1:
+        k = max_model_len
+    if k > max_model_len:
+        raise PromptError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                          f"({max_model_len}). Please, select a smaller truncation size.", param)
+    return ids[-k:]
+
+
+def completion_prompts(tokenizer: Any, req: CompletionRequest,
+                       max_model_len: int | None = None) -> list[list[int]]:
+    """`prompt` (text, texts, token ids, lists of token ids) as token id lists, each cut to
+    `truncate_prompt_tokens` (`truncated`)."""
+    return [truncated(x, req.truncate_prompt_tokens, max_model_len)
+            for x in prompt_token_ids(tokenizer, req.prompt, req.add_special_tokens, "prompt")]
 
 
 def prompt_token_ids(tokenizer: Any, p: str | Sequence[Any], add_special_tokens: bool,
@@ -110,16 +136,17 @@ def render_chat(tokenizer: Any, messages: Sequence[ChatMessage],
         raise PromptError(f"cannot apply the chat template: {e}", "messages") from e
 
 
-def chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer: Any, req: ChatCompletionRequest,
+                max_model_len: int | None = None) -> list[int]:
     """The token ids of a chat request's prompt (its `tools` are shown to the template, as
-    vLLM shows them)."""
+    vLLM shows them), cut to `truncate_prompt_tokens` (`truncated`)."""
     add_gen = req.add_generation_prompt and not req.continue_final_message
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     text = render_chat(tokenizer, req.messages, add_gen, tools)
     ids = encode(tokenizer, text, req.add_special_tokens, "messages")
     if not ids:
         raise PromptError("the chat prompt is empty", "messages")
-    return ids
+    return truncated(ids, req.truncate_prompt_tokens, max_model_len)
 
 
 def messages_prompt(tokenizer: Any, req: CountTokensRequest) -> list[int]:

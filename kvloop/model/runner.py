@@ -19,6 +19,9 @@ from `scheduled_spec_decode_tokens`, after its n - k known tokens):
     pools       instead, iff r is a pooling request (`pooling_params`) in `sampling_req_ids`:
                 the final-norm hidden state of its last prompt token (`pooling_indices`),
                 fp32, L2-normalized unless its params say not (vLLM's LAST pooling)
+    prompt lps  iff r asks for `prompt_logprobs`: the logits of every position of the chunk
+                that scores a prompt token (`prompt_logprob_positions`) are computed too,
+                in the same forward pass, and returned as `RunnerOutput.prompt_logprobs`
 
 Requests with n == 1 go first (batched decode attention), then the chunks (see attention.py;
 a request verifying drafts is a chunk of 1 + k queries over its cached context). Drafts are
@@ -45,13 +48,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvloop.core.outputs import GrammarOutput, Logprobs, RunnerOutput, SchedulerOutput
+from kvloop.core.outputs import (
+    GrammarOutput,
+    Logprobs,
+    PromptLogprobs,
+    RunnerOutput,
+    SchedulerOutput,
+    prompt_logprob_positions,
+)
 from kvloop.core.request import PoolingParams, SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
-from kvloop.model.sampler import Sampler, SamplingRow, apply_token_bitmask
+from kvloop.model.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_token_bitmask,
+    prompt_logprob_entries,
+)
 
 
 @dataclass
@@ -89,13 +104,25 @@ class _Scheduled:
 
 
 @dataclass
+class PromptRows:
+    """One request's prompt-logprob rows of a step: logits rows `rows` (of the forward's
+    output) score prompt tokens `first_position ..` (`targets`)."""
+
+    req_id: str
+    first_position: int
+    targets: list[int]
+    num_top: int
+    rows: list[int]
+
+
+@dataclass
 class StepInputs:
     """The tensors of one forward pass, in batch order."""
 
     req_ids: list[str]
     input_ids: torch.Tensor        # [T]
     positions: torch.Tensor        # [T]
-    logits_indices: torch.Tensor   # [S]: 1 + len(drafts) rows per sampling request
+    logits_indices: torch.Tensor   # [S + P]: the sampling rows and the prompt-logprob rows
     meta: AttentionMetadata
     sampling_rows: list[SamplingRow]
     sampling_req_ids: list[str]
@@ -103,6 +130,8 @@ class StepInputs:
     pooling_indices: torch.Tensor      # [P]: the last prompt token of each pooling request
     pooling_req_ids: list[str]
     pooling_normalize: list[bool]
+    prompt_rows: list[PromptRows]
+    sample_sel: list[int] | None   # the forward's logits rows that sample (None: all of them)
 
 
 class ModelRunner:
@@ -163,10 +192,15 @@ class ModelRunner:
 
     def _finish(self, fwd: _Forward, grammar_output: GrammarOutput | None) -> RunnerOutput:
         assert fwd.inputs is not None
+        inputs, logits = fwd.inputs, fwd.logits
         with torch.inference_mode():
+            prompt_logprobs = _prompt_logprobs(logits, inputs.prompt_rows)
+            if inputs.sample_sel is not None:
+                logits = logits[inputs.sample_sel]
             if grammar_output is not None:
-                _apply_grammar(fwd.logits, fwd.inputs, grammar_output)
-            out = self._sample(fwd.inputs, fwd.logits)
+                _apply_grammar(logits, inputs, grammar_output)
+            out = self._sample(inputs, logits)
+        out.prompt_logprobs = prompt_logprobs
         out.forward_time = fwd.window
         if fwd.pooled is not None:
             out.pooler_output = _pooler_output(fwd.inputs, fwd.pooled)
@@ -275,16 +309,25 @@ class ModelRunner:
         slots: list[int] = []
         logits_indices: list[int] = []
         pooling_indices: list[int] = []
+        sample_sel: list[int] = []
+        prompt_rows: list[PromptRows] = []
         for item in items:
             start = item.num_computed
             pos = range(start, item.seq_len)
+            prompt = _prompt_rows(item, len(input_ids), len(logits_indices))
+            if prompt is not None:
+                prompt_rows.append(prompt)
+                logits_indices.extend(len(input_ids) + p - start for p in range(
+                    prompt.first_position - 1, prompt.first_position - 1 + len(prompt.targets)))
             input_ids.extend(item.token_ids)
             input_ids.extend(item.drafts)
             positions.extend(pos)
             slots.extend(self._slots(item.state.block_ids, pos))
             if item.samples:
-                logits_indices.extend(range(len(input_ids) - 1 - len(item.drafts),
-                                            len(input_ids)))
+                first = len(input_ids) - 1 - len(item.drafts)
+                sample_sel.extend(range(len(logits_indices),
+                                        len(logits_indices) + 1 + len(item.drafts)))
+                logits_indices.extend(range(first, len(input_ids)))
             if item.pools:
                 pooling_indices.append(len(input_ids) - 1)
         dev = self.device
@@ -301,7 +344,8 @@ class ModelRunner:
             sampling_drafts=[i.drafts for i in sampling],
             pooling_indices=torch.tensor(pooling_indices, dtype=torch.long, device=dev),
             pooling_req_ids=[i.state.req_id for i in pooling],
-            pooling_normalize=[_normalizes(i.state) for i in pooling])
+            pooling_normalize=[_normalizes(i.state) for i in pooling],
+            prompt_rows=prompt_rows, sample_sel=sample_sel if prompt_rows else None)
 
     def _slots(self, block_ids: list[int], positions: range) -> list[int]:
         bs = self.block_size
@@ -401,6 +445,29 @@ def _pooler_output(inputs: StepInputs, pooled: torch.Tensor) -> list[list[float]
     request (None for those that did not pool)."""
     by_req = dict(zip(inputs.pooling_req_ids, pooled.cpu().tolist(), strict=True))
     return [by_req.get(rid) for rid in inputs.req_ids]
+
+
+def _prompt_rows(item: _Scheduled, first_token: int, first_row: int) -> PromptRows | None:
+    """The prompt-logprob rows of `item` (None: it asks for none, or its chunk scores no
+    prompt token); its tokens start at `first_token` of the step, its rows at `first_row` of
+    the forward's logits."""
+    state = item.state
+    num_top = state.params.prompt_logprobs
+    if num_top is None:
+        return None
+    span = prompt_logprob_positions(len(state.prompt_token_ids), item.num_computed,
+                                    len(item.token_ids))
+    if not span:
+        return None
+    targets = state.prompt_token_ids[span.start + 1:span.stop + 1]
+    return PromptRows(state.req_id, span.start + 1, targets, num_top,
+                      list(range(first_row, first_row + len(targets))))
+
+
+def _prompt_logprobs(logits: torch.Tensor, rows: list[PromptRows]
+                     ) -> dict[str, PromptLogprobs]:
+    return {r.req_id: PromptLogprobs(r.first_position, prompt_logprob_entries(
+        logits[r.rows[0]:r.rows[-1] + 1], r.targets, r.num_top)) for r in rows}
 
 
 def _sampling_row(item: _Scheduled) -> SamplingRow:

@@ -6,9 +6,12 @@ included, sees only the tokens the grammar allows (vLLM's order).
 
 Order of operations (vLLM V1's):
 1. raw logprobs (log-softmax of the model's logits) for rows that asked for `logprobs`;
-2. min_tokens: EOS and `stop_token_ids` masked while fewer than `min_tokens` were generated;
-3. penalties: repetition (prompt and output tokens), presence and frequency (output tokens);
-4. greedy rows take the argmax; the others divide by temperature, apply min-p, top-k and
+2. token filters: `allowed_token_ids` (every other token to -inf), bad words (a word's last
+   token to -inf when the output ends with the word's other tokens; a one-token word always),
+   then `logit_bias` added;
+3. min_tokens: EOS and `stop_token_ids` masked while fewer than `min_tokens` were generated;
+4. penalties: repetition (prompt and output tokens), presence and frequency (output tokens);
+5. greedy rows take the argmax; the others divide by temperature, apply min-p, top-k and
    top-p, and sample with the exponential-race trick (argmax of p / Exp(1) noise).
 
 Seeds: a request with `seed` draws its noise from a generator seeded by (seed, number of
@@ -18,7 +21,7 @@ preemption. Unseeded rows share the runner's generator.
 Speculative decoding (`Sampler.rejection_sample`, vLLM's rejection sampler with n-gram
 drafts, docs/vllm-facts.md#speculative-decoding): a request with k drafts owns k + 1
 consecutive logits rows; row j scores the token after its known tokens and drafts[:j], and
-steps 1-3 run on it with those drafts counted as generated (`draft_rows`), so a greedy
+steps 1-4 run on it with those drafts counted as generated (`draft_rows`), so a greedy
 request gets exactly the tokens it would get one step at a time. Then, position by position
 (`accept_drafts`): greedy accepts a draft equal to the argmax; random accepts draft d with
 probability p(d) (n-gram drafts have no probabilities of their own: a draft probability of
@@ -55,6 +58,17 @@ class SamplingRow:
         p = self.params
         return (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0)
+
+    @property
+    def banned_ids(self) -> list[int]:
+        """The last token of each bad word whose other tokens end the output now."""
+        out = self.output_token_ids
+        banned = []
+        for word in self.params.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(out) and (not prefix or tuple(out[-len(prefix):]) == prefix):
+                banned.append(word[-1])
+        return banned
 
     @property
     def masked_ids(self) -> list[int]:
@@ -141,11 +155,14 @@ class Sampler:
             start += len(ds) + 1
         return out
 
-    # --- 1-3: logit processing ------------------------------------------------------------
+    # --- 1-4: logit processing ------------------------------------------------------------
     def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                  ) -> dict[int, torch.Tensor]:
-        """Steps 1-3, in place; returns the raw logprobs of the rows that asked for them."""
+        """Steps 1-4, in place; returns the raw logprobs of the rows that asked for them."""
         raw_logprobs = self._raw_logprobs(logits, rows)
+        for i, row in enumerate(rows):
+            if row.params.filters_tokens:
+                apply_token_filters(logits[i], row)
         self._apply_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
         return raw_logprobs
@@ -266,6 +283,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     logits.index_copy_(0, index, masked)
 
 
+def apply_token_filters(logits: torch.Tensor, row: SamplingRow) -> None:
+    """In place on one row [vocab]: allowed token ids, bad words, logit bias (step 2; ids
+    beyond the row are ignored: the API server refuses them before)."""
+    p = row.params
+    vocab = logits.shape[0]
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+        keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    banned = [t for t in row.banned_ids if t < vocab]
+    if banned:
+        logits[banned] = float("-inf")
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        logits[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=logits.dtype,
+                                    device=logits.device)
+
+
 def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
     """In place on one row [vocab]: vLLM's repetition, presence and frequency penalties."""
     p = row.params
@@ -324,6 +359,28 @@ def _logprobs_entries(raw: dict[int, torch.Tensor], tokens: list[int],
     for i, lp in raw.items():
         entries[i] = logprob_entry(lp, tokens[i], rows[i].params.logprobs or 0)
     return entries
+
+
+_PROMPT_LOGPROBS_ROWS = 256     # rows per log-softmax: bounds the scratch of a long chunk
+
+
+def prompt_logprob_entries(logits: torch.Tensor, targets: Sequence[int], n: int
+                           ) -> list[Logprobs]:
+    """Raw logprobs of `targets[i]` under `logits[i]` ([R, vocab] fp32, unprocessed: vLLM's
+    prompt logprobs see no sampling parameter), with its rank and the top `n`."""
+    out: list[Logprobs] = []
+    for start in range(0, len(targets), _PROMPT_LOGPROBS_ROWS):
+        lp = torch.log_softmax(logits[start:start + _PROMPT_LOGPROBS_ROWS], dim=-1)
+        ids = torch.tensor(list(targets[start:start + lp.shape[0]]), dtype=torch.long,
+                           device=lp.device)
+        chosen = lp.gather(1, ids.unsqueeze(1))                    # [r, 1]
+        ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+        top_lp, top_ids = lp.topk(n, dim=1) if n else (lp[:, :0], lp[:, :0].long())
+        for lp_i, rank, t_ids, t_lps in zip(chosen[:, 0].tolist(), ranks, top_ids.tolist(),
+                                            top_lp.tolist(), strict=True):
+            out.append(Logprobs(sampled_logprob=lp_i, sampled_rank=rank,
+                                top_token_ids=t_ids, top_logprobs=t_lps))
+    return out
 
 
 def logprob_entry(lp: torch.Tensor, token: int, n: int) -> Logprobs:

@@ -77,6 +77,12 @@ from kvloop.server.client import (
 from kvloop.server.config import ServeConfig
 from kvloop.server.logs import log_request
 from kvloop.server.metrics import ServerMetrics
+from kvloop.server.sampling_extras import (
+    LOGPROB_FLOOR,
+    check_prompt_logprobs,
+    extra_kwargs,
+    prompt_logprobs_body,
+)
 from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
@@ -148,14 +154,7 @@ class ServerContext:
 
 
 # --- sampling parameters -----------------------------------------------------------------------
-_UNSUPPORTED = ("logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
-                "truncate_prompt_tokens")
-
-
 def _check_supported(req: SamplingRequest) -> None:
-    for name in _UNSUPPORTED:
-        if getattr(req, name):
-            raise APIError(400, f"{name} is not supported by kvloop", param=name)
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported by kvloop (use n)", param="best_of")
     if req.stream_options is not None and not req.stream:
@@ -254,8 +253,10 @@ def _param_of(message: str) -> str | None:
 
 def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: int,
                           asked: MaxTokens, logprobs: int | None,
-                          constraint: Constraint | None = None) -> SamplingParams:
+                          constraint: Constraint | None = None,
+                          echo_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for one prompt; APIError(400) for invalid input.
+    `echo_logprobs`: a completion echoing its prompt asks for its logprobs at that count.
 
     `asked` is the output length the request asks for (`MaxTokens`): a number the context
     cannot hold after the prompt is a 400, as in vLLM; a default is clamped to the room left.
@@ -282,6 +283,10 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     if 0.0 < temperature < 0.01:
         temperature = 0.01
     try:
+        check_prompt_logprobs(req, ctx.config.max_logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e), param="prompt_logprobs") from e
+    try:
         params = SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -297,14 +302,20 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
             priority=req.priority, cache_salt=req.cache_salt or None,
             extra_args=(None if req.kv_transfer_params is None
                         else {KV_TRANSFER_PARAMS_KEY: req.kv_transfer_params}),
-            structured_outputs=constraint.params if constraint else None)
+            structured_outputs=constraint.params if constraint else None,
+            **extra_kwargs(req, echo_logprobs))
     except ValueError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
     if req.n > ctx.config.max_n:
         raise APIError(400, f"n must be at most {ctx.config.max_n}, got {req.n}.", param="n")
     if params.greedy:
         params = msgspec.structs.replace(params, top_p=1.0, top_k=0, min_p=0.0)
-    return model_stops(params, ctx.tokenizer)
+    params = model_stops(params, ctx.tokenizer)
+    try:
+        params.check_vocab(ctx.vocab_size)
+    except ValueError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from e
+    return params
 
 
 def check_priority(ctx: ServerContext, priority: int) -> None:
@@ -568,30 +579,38 @@ def handed_on(children: list[Child]) -> dict[str, Any] | None:
     return children[0].state.kv_transfer_params if len(children) == 1 else None
 
 
+def echoed(c: Child, echo: list[str] | None) -> list[tuple[int, TokenLogprob | None]]:
+    """The echoed prompt tokens of a choice and their prompt logprobs ([] without echo)."""
+    if echo is None:
+        return []
+    lps = c.state.prompt_logprobs or [None] * len(c.prompt_ids)
+    return list(zip(c.prompt_ids, lps, strict=True))
+
+
 def completion_logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
-                        prompt_ids: Sequence[int] = ()) -> CompletionLogprobs:
+                        prompt: Sequence[tuple[int, TokenLogprob | None]] = (),
+                        num_top: int = 0) -> CompletionLogprobs:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
 
-    Echoed prompt tokens come first, with null logprobs (prompt logprobs are not computed).
+    Echoed prompt tokens (`prompt`: each with its prompt logprobs) come first, the first one
+    with null logprobs; a position's `top_logprobs` holds its token and the top `num_top`
+    (vLLM's); -inf is -9999.0.
     """
     out: CompletionLogprobs = {"text_offset": [], "token_logprobs": [], "tokens": [],
                                "top_logprobs": []}
-    for tid in prompt_ids:
+    for tid, e in [*prompt, *((e.token_id, e) for e in entries)]:
         s = ctx.token_str(tid)
         out["text_offset"].append(offset)
-        out["token_logprobs"].append(None)
         out["tokens"].append(s)
-        out["top_logprobs"].append(None)
         offset += len(s)
-    for e in entries:
-        s = ctx.token_str(e.token_id)
-        top = {ctx.token_str(t): lp for t, lp in e.top}
-        top.setdefault(s, e.logprob)
-        out["text_offset"].append(offset)
-        out["token_logprobs"].append(e.logprob)
-        out["tokens"].append(s)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        top = {ctx.token_str(t): max(lp, LOGPROB_FLOOR) for t, lp in e.top[:num_top]}
+        top.setdefault(s, max(e.logprob, LOGPROB_FLOOR))
+        out["token_logprobs"].append(max(e.logprob, LOGPROB_FLOOR))
         out["top_logprobs"].append(top)
-        offset += len(s)
     return out
 
 
@@ -616,14 +635,14 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     _check_supported(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported by kvloop", param="suffix")
-    prompts = completion_prompts(ctx.tokenizer, req)
+    prompts = completion_prompts(ctx.tokenizer, req, ctx.ready.max_model_len)
     for ids in prompts:
         ctx.check_token_ids(ids, "prompt")
     check_kv_transfer_params(ctx, req, prompts)
     asked = MaxTokens.of(req)
     constraint = request_constraint(ctx, req)
-    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs,
-                                    constraint) for ids in prompts]
+    params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, constraint,
+                                    req.logprobs if req.echo else None) for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, prompts, params), constraint)
     gen.submit()
@@ -649,10 +668,12 @@ def _completion_choice(ctx: ServerContext, req: CompletionRequest, c: Child,
     prefix = echo[c.prompt_index] if echo else ""
     lp = None
     if req.logprobs is not None:
-        lp = completion_logprobs(ctx, c.state.logprobs, 0, c.prompt_ids if echo else ())
+        lp = completion_logprobs(ctx, c.state.logprobs, 0, echoed(c, echo), req.logprobs)
     choice: CompletionChoice = {
         "index": c.index, "text": prefix + c.state.text, "logprobs": lp,
         "finish_reason": c.state.finish_reason, "stop_reason": c.state.stop_reason}
+    if c.state.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_body(c.state.prompt_logprobs, ctx.token_str)
     if req.return_token_ids:
         choice["prompt_token_ids"] = c.prompt_ids
         choice["token_ids"] = c.state.token_ids
@@ -683,7 +704,7 @@ async def _stream_completion(ctx: ServerContext, req: CompletionRequest, gen: Ge
         lp = None
         if req.logprobs is not None:
             lp = completion_logprobs(ctx, d.logprobs, offsets.get(c.index, 0),
-                                     c.prompt_ids if echo and first else ())
+                                     echoed(c, echo if first else None), req.logprobs)
         offsets[c.index] = offsets.get(c.index, 0) + len(text)
         choice: CompletionChoice = {"index": c.index, "text": text, "logprobs": lp,
                                     "finish_reason": d.finish_reason,
@@ -743,7 +764,7 @@ def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request: Request,
     if tools.choice == "auto":   # vLLM: a parser may need the special tokens of its format
         req = req.model_copy(update={"skip_special_tokens": False})
     constraint = request_constraint(ctx, req, tools)
-    prompt = chat_prompt(ctx.tokenizer, req)
+    prompt = chat_prompt(ctx.tokenizer, req, ctx.ready.max_model_len)
     check_kv_transfer_params(ctx, req, [prompt])
     params = build_sampling_params(ctx, req, len(prompt), MaxTokens.of(req),
                                    _chat_logprobs_arg(ctx, req), constraint=constraint)
@@ -773,6 +794,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         "kv_transfer_params": handed_on(gen.children)}
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt
+    prompt_lps = gen.children[0].state.prompt_logprobs
+    if prompt_lps is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(prompt_lps, ctx.token_str)
     return JSONResponse(body)
 
 
@@ -855,8 +879,11 @@ async def create_generate(ctx: ServerContext, req: GenerateRequest,
     if sp.stream:
         return GenerationStream(_stream_generate(ctx, sp, gen, rid), gen)
     await collect(request, gen)
+    prompt_lps = gen.children[0].state.prompt_logprobs
     body: GenerateResponse = {
-        "request_id": rid, "prompt_logprobs": None, "kv_transfer_params": handed_on(gen.children),
+        "request_id": rid, "kv_transfer_params": handed_on(gen.children),
+        "prompt_logprobs": (None if prompt_lps is None
+                            else prompt_logprobs_body(prompt_lps, ctx.token_str)),
         "choices": [_generate_choice(ctx, sp, c.index, c.state.token_ids, c.state.logprobs,
                                      c.state.finish_reason) for c in gen.children]}
     return JSONResponse(body)

@@ -26,7 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
-from kvloop.core.outputs import Logprobs, RunnerOutput, SchedulerOutput
+from kvloop.core.outputs import (
+    Logprobs,
+    PromptLogprobs,
+    RunnerOutput,
+    SchedulerOutput,
+    prompt_logprob_positions,
+)
 from kvloop.core.request import SamplingParams
 from kvloop.sim.byte_vocab import PRINTABLE_IDS, VOCAB_SIZE
 from kvloop.sim.kv_store import SimKVBlockStore
@@ -77,6 +83,7 @@ class SimWorkerRunner:
         self._latency = latency
         self._keys: dict[str, _Key] = {}
         self._logprobs: dict[str, int] = {}
+        self._prompts: dict[str, tuple[list[int], int]] = {}   # asking for prompt logprobs
         self._sim = SimRunner(token_source=self._token,
                               step_time=latency.step_time if latency else None,
                               copy_rate=copy_rate)
@@ -95,6 +102,7 @@ class SimWorkerRunner:
             if d.sampling_params.logprobs is not None:
                 self._logprobs[d.req_id] = d.sampling_params.logprobs
         out = self._sim.execute(scheduler_output)
+        out.prompt_logprobs = self._fake_prompt_logprobs(scheduler_output)
         if self._logprobs:
             out.logprobs = [self._fake_logprobs(rid, toks)
                             for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True)]
@@ -104,6 +112,28 @@ class SimWorkerRunner:
         """What a step of `scheduler_output` lasts (`kvloop.core.runner.ModelledRunner`); 0
         without a latency model."""
         return self._latency.step_time(scheduler_output) if self._latency else 0.0
+
+    def _fake_prompt_logprobs(self, so: SchedulerOutput) -> dict[str, PromptLogprobs]:
+        """`fake_logprobs` of each prompt token a chunk scores, for the requests that ask."""
+        for rid in so.finished_req_ids:
+            self._prompts.pop(rid, None)
+        self._prompts.update({d.req_id: (d.prompt_token_ids, d.sampling_params.prompt_logprobs)
+                              for d in so.scheduled_new_reqs
+                              if d.sampling_params.prompt_logprobs is not None})
+        out: dict[str, PromptLogprobs] = {}
+        chunks = [(d.req_id, d.num_computed_tokens, len(d.token_ids))
+                  for d in so.scheduled_new_reqs]
+        chunks += [(d.req_id, d.num_computed_tokens, len(d.token_ids))
+                   for d in so.scheduled_cached_reqs]
+        for rid, num_computed, num_tokens in chunks:
+            if rid not in self._prompts:
+                continue
+            prompt, num_top = self._prompts[rid]
+            span = prompt_logprob_positions(len(prompt), num_computed, num_tokens)
+            if span:
+                out[rid] = PromptLogprobs(span.start + 1, [
+                    fake_logprobs(prompt[p + 1], num_top, self.text_token_ids) for p in span])
+        return out
 
     def _fake_logprobs(self, request_id: str, tokens: list[int]) -> list[Logprobs] | None:
         num_top = self._logprobs.get(request_id)
