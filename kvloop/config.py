@@ -30,7 +30,7 @@ DEFAULT_MAX_MODEL_LEN = 8192   # until a model says otherwise (the engine's runn
 # time. Never below the floor (a prefill chunk that still makes progress, and room for a token
 # of every running request), never above the cap (nor the context length or the KV cache).
 AUTO_BUDGET = "auto"
-AUTO_BUDGET_FLOOR = 256
+AUTO_BUDGET_FLOOR = 64
 AUTO_BUDGET_CAP = 8192
 DEFAULT_TARGET_TPOT_MS = 100.0
 
@@ -249,17 +249,25 @@ class AutoBudget:
     `LLM` in process) times the runner's steps once it is loaded, before any request, and
     picks the largest budget whose step stays within `target_tpot_ms` (every decode riding
     in a step waits for the whole step): `kvloop.core.budget.resolve_budget`. Until then the
-    template's `SchedulerConfig.max_num_batched_tokens` holds the floor (`budget_floor`)."""
+    template's `SchedulerConfig.max_num_batched_tokens` holds the floor (`budget_floor`).
+    `target_tpot_ms` None: the default target (`DEFAULT_TARGET_TPOT_MS`), which a machine
+    too slow for it may miss without a warning (the user asked for nothing)."""
 
-    target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS
+    target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.target_tpot_ms, bool) or not self.target_tpot_ms > 0:
-            raise ValueError(f"--target-tpot-ms must be > 0, got {self.target_tpot_ms}")
+        t = self.target_tpot_ms
+        if t is not None and (isinstance(t, bool) or not t > 0):
+            raise ValueError(f"--target-tpot-ms must be > 0, got {t}")
+
+    @property
+    def explicit(self) -> bool:
+        return self.target_tpot_ms is not None
 
     @property
     def target_s(self) -> float:
-        return self.target_tpot_ms / 1000.0
+        t = self.target_tpot_ms
+        return (DEFAULT_TARGET_TPOT_MS if t is None else t) / 1000.0
 
 
 # Speculative decoding (`--speculative-config`, `LLM(speculative_config=...)`): the methods

@@ -49,7 +49,6 @@ from typing import Any
 from kvloop.config import (
     AUTO_BUDGET,
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_TARGET_TPOT_MS,
     AutoBudget,
     CacheConfig,
     EngineConfig,
@@ -168,7 +167,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  dtype: str = "auto", device: str = "auto", seed: int = 0,
                  max_num_batched_tokens: int | str = OFFLINE_MAX_NUM_BATCHED_TOKENS,
-                 target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS,
+                 target_tpot_ms: float | None = None,
                  max_num_seqs: int | None = None, max_model_len: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
@@ -452,7 +451,7 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
                   speculative: SpeculativeConfig | None = None,
                   log_stats: bool = False,
                   kv_transfer: KVTransferConfig | None = None,
-                  target_tpot_ms: float = DEFAULT_TARGET_TPOT_MS) -> EngineConfig:
+                  target_tpot_ms: float | None = None) -> EngineConfig:
     """The offline engine's config; `max_num_seqs` defaults to min(256, token budget).
     `max_num_batched_tokens="auto"`: `auto_budget` set, the budget the floor until
     `resolve_budget` replaces it."""
@@ -469,7 +468,7 @@ def engine_config(max_model_len: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
         kv_transfer=kv_transfer, auto_budget=auto)
 
 
-def _offline_budget(budget: int | str, max_num_seqs: int | None, target_tpot_ms: float
+def _offline_budget(budget: int | str, max_num_seqs: int | None, target_tpot_ms: float | None
                     ) -> tuple[int, AutoBudget | None]:
     """(the budget, or with "auto" the floor; `AutoBudget` for "auto", else None)."""
     if budget == AUTO_BUDGET:

@@ -156,8 +156,9 @@ def test_default_ports_are_vllms_8000() -> None:
 def test_chunked_prefill_flag_reaches_the_scheduler() -> None:
     on = cli_args.engine_config(serve_args("sim"))
     # auto by default: the engine process measures the budget; until then the floor
-    assert on.auto_budget == AutoBudget(target_tpot_ms=100.0)
-    assert on.scheduler.enable_chunked_prefill and on.scheduler.max_num_batched_tokens == 256
+    assert on.auto_budget == AutoBudget() and not on.auto_budget.explicit    # default target
+    assert on.auto_budget.target_s == 0.1
+    assert on.scheduler.enable_chunked_prefill and on.scheduler.max_num_batched_tokens == 128
     # without chunked prefill auto covers the context (kvloop.core.budget.non_chunked_budget)
     off = cli_args.engine_config(serve_args("sim", "--no-enable-chunked-prefill"))
     assert not off.scheduler.enable_chunked_prefill and off.auto_budget is not None

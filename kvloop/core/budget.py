@@ -6,7 +6,7 @@ largest b with t(b) <= the target TPOT (`kvloop.config.AutoBudget`). Whoever own
 (the engine core process of `kvloop serve`, or `LLM` in process) calls `resolve_budget` once,
 after the model is loaded and before any request:
 
-1. candidates (`candidate_sizes`): the floor (`kvloop.config.budget_floor`: 256, or
+1. candidates (`candidate_sizes`): the floor (`kvloop.config.budget_floor`: 64, or
    `max_num_seqs` if larger), the powers of two above it, and the cap (`budget_cap`: the
    least of `AUTO_BUDGET_CAP`, the context length and what the KV cache holds);
 2. timings (`step_timings`): one real step of the runner per candidate, smallest first,
@@ -20,7 +20,8 @@ after the model is loaded and before any request:
 
 Without chunked prefill nothing is measured: a prompt must fit in one step, so the budget
 covers the context length (vLLM's rule, `non_chunked_budget`). The choice is logged (INFO,
-what was measured and why this budget; WARNING when the floor misses the target).
+what was measured and why this budget; WARNING when the floor misses a target the user
+set, INFO when it misses the default one: a machine too slow for it is no fault).
 
 Each measured step is one fresh prompt of b - 1 random token ids plus one decode riding
 along (a request with `DECODE_CONTEXT` tokens computed), greedy (no random draw: the runner's
@@ -262,7 +263,7 @@ def resolve_budget(sched: SchedulerConfig, auto: AutoBudget, runner: LoadedRunne
                            block_size=block_size)
     choice = choose_budget(timings, auto.target_s, floor, cap)
     how = "modelled" if isinstance(runner, ModelledRunner) else "measured"
-    if choice.misses_target:
+    if choice.misses_target and auto.explicit:
         logger.warning("%s; decodes will see about %.0f ms per token (raise --target-tpot-ms, "
                        "or give --max-num-batched-tokens N)", choice.describe(how),
                        choice.timings[0][1] * 1e3)

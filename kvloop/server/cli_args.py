@@ -183,9 +183,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"measures within --target-tpot-ms at start-up (never below "
                         f"{AUTO_BUDGET_FLOOR} nor --max-num-seqs; without chunked prefill the "
                         f"context length, as vLLM); docs/serving.md (default: auto)")
-    g.add_argument("--target-tpot-ms", type=float, default=DEFAULT_TARGET_TPOT_MS,
-                   help="--max-num-batched-tokens auto: the time per output token a step may "
-                        "take (every decode in a step waits for all of it)")
+    g.add_argument("--target-tpot-ms", type=float, default=None,
+                   help=f"--max-num-batched-tokens auto: the time per output token a step may "
+                        f"take (every decode in a step waits for all of it; default "
+                        f"{DEFAULT_TARGET_TPOT_MS:g}, and a machine too slow for the default "
+                        f"gets the floor without a warning)")
     g.add_argument("--max-num-seqs", type=int, default=128,
                    help="requests in one step (at most the token budget)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
