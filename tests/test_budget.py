@@ -132,8 +132,8 @@ def test_the_simulator_budget_comes_from_its_latency_model(caplog: pytest.LogCap
         "256 -> 4.2 ms, 512 -> 7.9 ms, 1024 -> 15.4 ms; chose 512, the largest within the "
         "target TPOT 10 ms (1024 is over)",
         "max_num_batched_tokens auto: step time per token budget (modelled) 128 -> 2.4 ms, "
-        "256 -> 4.2 ms, 512 -> 7.9 ms, 1024 -> 15.4 ms; chose 1024, the cap (the least of 8192, the context "
-        "length and the KV cache), within the target TPOT 100 ms"]
+        "256 -> 4.2 ms, 512 -> 7.9 ms, 1024 -> 15.4 ms; chose 1024, the cap (the least of "
+        "8192, the context length and the KV cache), within the target TPOT 100 ms"]
     slow = make_sim_runner(RunnerConfig(sim=SimSettings()))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvloop.core.budget"):

@@ -47,7 +47,7 @@ from typing import Any
 
 LLAMA_CPP_PYTHON = "0.3.36"   # the sdist whose vendored llama.cpp is built
 DEFAULT_BUILD_DIR = "~/.cache/kvloop/llama.cpp"
-BINARIES = ("llama-server", "llama-bench")
+BINARIES = ("llama-server", "llama-bench", "llama-perplexity")   # the last: bench.quality
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
