@@ -1,4 +1,4 @@
-"""The embedded SmolLM2-135M-Instruct, greedy, fp32, on the real engine.
+"""The embedded SmolLM2-135M-Instruct, greedy, on the real engine with its default dtype.
 
 A request's output must not depend on how it was scheduled: alone, inside a batch of 16,
 in 32-token chunks, after a prefix-cache hit, after a preemption (tiny KV pool). Outputs are
@@ -68,7 +68,7 @@ def llm():
     threads = torch.get_num_threads()
     # one thread: on a shared 2-core machine two OpenMP threads spin against other
     # processes and a step can take 40x longer
-    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=POOL_BLOCKS, num_threads=1)
+    llm = LLM(device="cpu", num_gpu_blocks_override=POOL_BLOCKS, num_threads=1)   # default dtype
     assert torch.get_num_threads() == 1
     yield llm
     torch.set_num_threads(threads)

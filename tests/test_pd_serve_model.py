@@ -39,11 +39,11 @@ pytestmark = [pytest.mark.processes, pytest.mark.skipif(
 ADMIN = "pd-model-admin"
 # --low-bit-max-tokens 0: the equality below is exact, so every step runs dense (D's
 # one-token recompute would otherwise take the 4-bit path; docs/cpu-performance.md).
-# --dtype float32: so is `auto` on an AVX2-only CPU, but bf16 where the CPU has bf16 dot
-# products, and there each layer's output is rounded to 8 bits of mantissa: the decode
-# kernel's and the prefill's differently ordered sums then round apart, and a near tie
-# flips a greedy token (seen on an AVX512_BF16 Xeon: 15 tokens, third token 30 against 32).
-MODEL = ["--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "2048",
+# The default dtype: fp32 activations (kvloop.model.precision). When `auto` was bf16
+# everywhere, each layer's output was rounded to 8 bits of mantissa and the decode kernel's
+# and the prefill's differently ordered sums rounded apart (an AVX512_BF16 Xeon: 15 tokens,
+# third token 30 against 32), so this test pinned --dtype float32.
+MODEL = ["--low-bit-max-tokens", "0", "--max-model-len", "2048",
          "--block-size", str(BS),
          "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
