@@ -39,11 +39,13 @@ pytestmark = [pytest.mark.processes, pytest.mark.skipif(
 ADMIN = "pd-model-admin"
 # --low-bit-max-tokens 0: the equality below is exact, so every step runs dense (D's
 # one-token recompute would otherwise take the 4-bit path; docs/cpu-performance.md).
-# The default dtype: fp32 activations (kvloop.model.precision). When `auto` was bf16
-# everywhere, each layer's output was rounded to 8 bits of mantissa and the decode kernel's
-# and the prefill's differently ordered sums rounded apart (an AVX512_BF16 Xeon: 15 tokens,
-# third token 30 against 32), so this test pinned --dtype float32.
-MODEL = ["--low-bit-max-tokens", "0", "--max-model-len", "2048",
+# --dtype float32: the equality below is exact (logprobs within 4e-5), and under `auto` on a
+# CPU with bf16 dot products the dense layer matmuls return bf16 (oneDNN's kernel; torch has
+# no fp32-output bf16 matmul on CPU), so where a chunked prefill's and an aggregated step's
+# sums run in another order the rounded outputs differ by a bf16 step: measured 0.016 in a
+# token's logprob (docs/cpu-performance.md, "Precision"). A test of the KV bytes needs the
+# path whose only differences are summation order.
+MODEL = ["--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "2048",
          "--block-size", str(BS),
          "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
