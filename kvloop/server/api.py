@@ -61,6 +61,7 @@ from kvloop.front.openai import (
     validation_error_body,
 )
 from kvloop.front.prompts import PromptError, encode, render_chat
+from kvloop.front.tokenizer_files import tokenizer_files
 from kvloop.server.serving import (
     APIError,
     ServerContext,
@@ -69,7 +70,14 @@ from kvloop.server.serving import (
     create_generate,
 )
 from kvloop.version import __version__
-from kvloop.wire import EngineFacts, KVEventsInfo, KVTransferInfo, WorkerInfo
+from kvloop.wire import (
+    TOKENIZER_FILES_PATH,
+    EngineFacts,
+    KVEventsInfo,
+    KVTransferInfo,
+    TokenizerFiles,
+    WorkerInfo,
+)
 
 logger = logging.getLogger("kvloop.server")
 
@@ -77,7 +85,7 @@ SERVER_RULES = RouteRules(public=(*PUBLIC_PATHS, WORKER_INFO_PATH),
                           admin=frozenset({("POST", "/reset_prefix_cache")}))
 KVEventSources = dict[str, KVEventsInfo | None]   # GET /kv_event_sources: engine index -> events
 # bodies encoded by msgspec: their schema is msgspec's (`msgspec.json.schema_components`)
-WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources)
+WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources, TokenizerFiles)
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
@@ -288,6 +296,15 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         strs = [ctx.token_str(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}
+
+    files: list[bytes] = []   # encoded once, on the first call
+
+    @app.get(TOKENIZER_FILES_PATH, **_answers(TokenizerFiles))
+    async def tokenizer_files_route() -> Response:
+        """The tokenizer as data, for a router on another host (kvloop.front.tokenizer_files)."""
+        if not files:
+            files.append(msgspec.json.encode(tokenizer_files(ctx.tokenizer)))
+        return Response(files[0], media_type="application/json")
 
     @app.post("/detokenize", **_answers(DetokenizeResponse, 400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
