@@ -33,6 +33,7 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from kvloop.front.advertise import advertised_endpoint
 from kvloop.front.auth import PUBLIC_PATHS, WORKER_INFO_PATH, Caller, RouteRules
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -355,7 +356,8 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/kv_event_sources", **_answers(KVEventSources))
     async def kv_event_sources(request: Request) -> Response:
-        return _wire_json({"0": _kv_events(ctx.ready.kv_events, sees_private(ctx, request))})
+        events = advertised_events(ctx.ready.kv_events, ctx.config.advertise_host)
+        return _wire_json({"0": _kv_events(events, sees_private(ctx, request))})
 
     @app.get("/kvloop/stats", **_answers(EngineStats, 503))
     async def stats() -> EngineStats:
@@ -381,6 +383,15 @@ def sees_private(ctx: ServerContext, request: Request) -> bool:
 def _wire_json(body: Any) -> Response:
     """A body of one of `WIRE_BODIES`, encoded by msgspec."""
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def advertised_events(events: KVEventsInfo | None, host: str | None) -> KVEventsInfo | None:
+    """The event endpoints as others dial them: a wildcard bind names the advertised host."""
+    if events is None or host is None:
+        return events
+    return msgspec.structs.replace(
+        events, endpoint=advertised_endpoint(events.endpoint, host),
+        replay_endpoint=advertised_endpoint(events.replay_endpoint, host))
 
 
 def _public(address: str | None) -> str | None:
@@ -422,7 +433,8 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     r, cfg = ctx.ready, ctx.config
     admitted = key_accepted or not cfg.auth.api_keys
     facts = {name: getattr(r, name) for name in EngineFacts.__struct_fields__}
-    facts["kv_events"] = _kv_events(r.kv_events, private, admitted)
+    facts["kv_events"] = _kv_events(advertised_events(r.kv_events, cfg.advertise_host),
+                                    private, admitted)
     facts["kv_transfer"] = _kv_transfer(r.kv_transfer, admitted)
     hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
                               "engine_pid": r.pid}

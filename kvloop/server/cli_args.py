@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import re
 import signal
@@ -43,6 +44,8 @@ from kvloop.config import (
     budget_floor,
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
+from kvloop.events.config import KVEventsConfig
+from kvloop.front.advertise import advertised_host, is_loopback_host
 from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
@@ -223,6 +226,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="the address other hosts reach this worker at, announced for its "
+                        "HTTP endpoint, KV events and P/D side channel (default: "
+                        "$VLLM_HOST_IP, else --host, else for 0.0.0.0 the address of the "
+                        "interface that routes outwards; start-up says which)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
@@ -361,6 +369,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         grammar_compile_timeout_s=args.structured_outputs_compile_timeout)
 
 
+def events_beyond_loopback(kv_events: KVEventsConfig | None,
+                           host: str) -> KVEventsConfig | None:
+    """A worker listening beyond loopback (--host) publishes its KV events there too, on an
+    ephemeral port, unless --kv-events-endpoint says where."""
+    if kv_events is None or kv_events.endpoint is not None or kv_events.nats is not None \
+            or is_loopback_host(host):
+        return kv_events
+    bind = f"[{host}]" if ":" in host else (host or "0.0.0.0")
+    return dataclasses.replace(kv_events, endpoint=f"tcp://{bind}:0")
+
+
+def side_channel_beyond_loopback(engine: EngineConfig, args: argparse.Namespace,
+                                 advertised: str) -> EngineConfig:
+    """A worker listening beyond loopback (--host) binds and announces its P/D side channel
+    on its advertised host, unless kv_connector_extra_config names side_channel_host."""
+    kv = engine.kv_transfer
+    if kv is None or is_loopback_host(args.host):
+        return engine
+    extra = json.loads(args.kv_transfer_config).get("kv_connector_extra_config") or {}
+    if "side_channel_host" in extra:
+        return engine
+    moved = dataclasses.replace(kv.kv_connector_extra_config, side_channel_host=advertised)
+    return dataclasses.replace(engine, kv_transfer=dataclasses.replace(
+        kv, kv_connector_extra_config=moved))
+
+
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
     when unset, fixed here once for the engine); ValueError naming the key at fault."""
@@ -413,6 +447,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
     kv_events = publisher_config_from_args(args)
+    advertised = advertised_host(args.host, args.advertise_host)
+    kv_events = events_beyond_loopback(kv_events, args.host)
+    engine = side_channel_beyond_loopback(engine, args, advertised.host)
     if kv_events is not None and kv_events.curve and secret is None:
         raise ValueError("--kv-events-curve needs the fleet secret: --fleet-secret-file PATH "
                          "(or $KVLOOP_FLEET_SECRET_FILE / $KVLOOP_FLEET_SECRET)")
@@ -424,6 +461,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                               fleet_secret=None if secret is None else secret.to_text())
     model_path = sim.source if sim is not None else (model or None)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
+                        advertise_host=advertised.host, advertise_how=advertised.how,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,

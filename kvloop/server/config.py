@@ -49,6 +49,8 @@ class ServeConfig:
     long a SIGTERM lets requests in flight finish (0: they end at once).
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
+    `advertise_host`: the address other hosts reach this worker at (None: `host`), and
+    `advertise_how` how it was chosen (kvloop.front.advertise), said at start-up.
     `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
     peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
     choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
@@ -58,6 +60,8 @@ class ServeConfig:
     served_model_names: tuple[str, ...]
     model_path: str | None = None
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    advertise_how: str = ""
     port: int = 0
     role: Role = DEFAULT_ROLE
     max_waiting_requests: int | None = 1024
