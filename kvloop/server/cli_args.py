@@ -58,6 +58,7 @@ from kvloop.server.config import (
     ServeConfig,
     log_stats_interval,
 )
+from kvloop.server.generation_config import AUTO, VLLM, DefaultSampling, default_sampling
 from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
 from kvloop.wire import EngineStartConfig
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvloop.server")
 
 SIM = "sim"
+EMBEDDED_ALIAS = "smollm2"   # the embedded SmolLM2-135M-Instruct (a local path of that name wins)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -143,6 +145,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"KV cache, as vLLM (default: {GPU_MEMORY_UTILIZATION} on CUDA; "
                         f"ignored with a warning elsewhere, where --kv-cache-memory sizes the "
                         f"KV cache)")
+    g.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|DIR",
+                   help="default sampling parameters of requests that leave them out: auto: "
+                        "the model's generation config (the embedded model: its recommended "
+                        "temperature 0.2, top_p 0.9); vllm: vLLM's neutral defaults; DIR: the "
+                        "generation config in folder DIR; docs/serving.md (default: auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="laid over --generation-config's, e.g. '{\"temperature\": 0.5}' "
+                        "(default: none)")
     g.add_argument("--seed", type=int, default=0, help="runner random seed")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (default: OMP_NUM_THREADS if "
@@ -267,11 +277,12 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags; what they log: kvloop/server/logs.py."""
     g = p.add_argument_group("logging")
     g.add_argument("--enable-log-requests", dest="log_requests",
-                   action=argparse.BooleanOptionalAction, default=True,
-                   help="log one line per request received (default: on; current vLLM "
-                        "defaults to off)")
-    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                   default=True, help="no request lines: same as --no-enable-log-requests")
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per request received, its prompt and token ids (off "
+                        "unless given, as in current vLLM)")
+    g.add_argument("--disable-log-requests", dest="disable_log_requests", action="store_true",
+                   help="deprecated, as in vLLM: request lines are off unless "
+                        "--enable-log-requests; accepted with a warning, changes nothing")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="log at most N prompt characters and N prompt token ids (default: "
                         "all)")
@@ -289,11 +300,13 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
 
 # --- configs -------------------------------------------------------------------------------------
 def model_arg(args: argparse.Namespace) -> str | None:
-    """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given)."""
+    """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given, or the embedded
+    model's short name, `EMBEDDED_ALIAS`)."""
     tag, flag = args.model_tag, args.model
     if tag is not None and flag is not None and tag != flag:
         raise ValueError(f"two models given: {tag!r} and --model {flag!r}; pass one")
-    return tag if tag is not None else flag
+    model = tag if tag is not None else flag
+    return None if model == EMBEDDED_ALIAS and not Path(model).exists() else model
 
 
 def load_tokenizer(model: str) -> Any:
@@ -460,6 +473,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                               shutdown_timeout_s=args.shutdown_timeout,
                               fleet_secret=None if secret is None else secret.to_text())
     model_path = sim.source if sim is not None else (model or None)
+    defaults = generation_defaults(args, model, sim)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         advertise_host=advertised.host, advertise_how=advertised.how,
                         port=args.port, role=args.role,
@@ -475,8 +489,40 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         auth=auth_config(args), http_limits=http_limits(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
-                        max_structured_output_bytes=args.structured_outputs_max_spec_bytes)
+                        max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
+                        default_sampling=defaults)
     return serve, start, tokenizer
+
+
+def generation_defaults(args: argparse.Namespace, model: str,
+                        sim: SimModel | None) -> DefaultSampling:
+    """`--generation-config` and `--override-generation-config` for the model served: the
+    simulator's are those of the model it presents (`--sim-model`; its byte vocabulary has
+    none)."""
+    if sim is not None:
+        source = None if args.sim_model is None else args.sim_model
+        if source == BYTE_VOCAB:
+            return default_sampling(VLLM, None, args.override_generation_config)
+        return default_sampling(args.generation_config, source,
+                                args.override_generation_config)
+    return default_sampling(args.generation_config, model or None,
+                            args.override_generation_config)
+
+
+def startup_lines(serve: ServeConfig, start: EngineStartConfig) -> list[str]:
+    """What `kvloop serve` says before it loads the model: the default sampling parameters,
+    speculative decoding when on, and request logging's state."""
+    lines = [serve.default_sampling.describe()]
+    spec = start.engine.speculative
+    if spec is not None:
+        lines.append(f"speculative decoding on: {spec.method}, up to "
+                     f"{spec.num_speculative_tokens} draft tokens per step (n-grams of "
+                     f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens from the "
+                     f"request's own context)")
+    if serve.log_requests:
+        lines.append("request logging on (--enable-log-requests): every prompt and its "
+                     "token ids are logged")
+    return lines
 
 
 def _exit_0(signum: int, frame: FrameType | None) -> None:
@@ -493,6 +539,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # one line naming the fix; the traceback on debug
         logger.error("%s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 2
+    if args.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated (as in vLLM) and changes nothing: "
+                       "request logging is off unless --enable-log-requests")
+    for line in startup_lines(serve, start):
+        logger.info("%s", line)
     from kvloop.server.serve import run_server
 
     return run_server(serve, start, tokenizer)

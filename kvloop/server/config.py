@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.server.generation_config import DefaultSampling
 from kvloop.trust import FleetSecret
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -41,8 +42,8 @@ class ServeConfig:
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
     `served_model_names` are the names clients may send in `model`; an answer names the one
-    sent, or the first when the request named none. `log_requests` (on unless
-    `--disable-log-requests`): one INFO line per request received, its prompt cut to
+    sent, or the first when the request named none. `log_requests` (off unless
+    `--enable-log-requests`): one INFO line per request received, its prompt cut to
     `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
     `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
     `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
@@ -54,7 +55,8 @@ class ServeConfig:
     `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
     peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
     choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
-    it (kvloop/server/structured.py).
+    it (kvloop/server/structured.py). `default_sampling`: what a request that leaves a
+    sampling field out gets (`--generation-config`; kvloop/server/generation_config.py).
     """
 
     served_model_names: tuple[str, ...]
@@ -71,7 +73,7 @@ class ServeConfig:
     scheduling_policy: str = DEFAULT_POLICY
     log_level: str = "info"
     uvicorn_log_level: str = "info"
-    log_requests: bool = True
+    log_requests: bool = False
     max_log_len: int | None = None
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
@@ -84,6 +86,7 @@ class ServeConfig:
     tool_call_parser: str | None = None
     fleet_secret: FleetSecret | None = None
     max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
+    default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:
