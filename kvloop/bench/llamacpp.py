@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
+
 LLAMA_CPP_PYTHON = "0.3.36"   # the sdist whose vendored llama.cpp is built
 DEFAULT_BUILD_DIR = "~/.cache/kvloop/llama.cpp"
 BINARIES = ("llama-server", "llama-bench")
@@ -242,6 +244,8 @@ def build(paths: BuildPaths, jobs: int) -> dict[str, str | None]:
     `build-info.json`)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     if not paths.built():
+        print(f"building llama.cpp (llama-server, llama-bench) in {paths.root} first: 10 "
+              f"minutes or more with --jobs {jobs}, once (log: {paths.log})", flush=True)
         unpack(download_sdist(paths), paths)
         run_logged(["cmake", "-B", "build", *CMAKE_FLAGS], paths.source, paths.log)
         run_logged(["cmake", "--build", "build", f"-j{jobs}", "--target", *BINARIES],
@@ -685,7 +689,9 @@ def report(settings: Settings, info: dict[str, Any], records: list[Record]) -> d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvloop.bench.llamacpp",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0] + " (the first run "
+                                "builds llama.cpp: 10 minutes or more)",
+                                formatter_class=HelpFormatter)
     p.add_argument("what", choices=("build", "run"))
     p.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
     p.add_argument("--jobs", type=int, default=2, help="build: parallel compile jobs")

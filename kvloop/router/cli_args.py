@@ -66,7 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--kv-connector-extra-config", default=None, metavar="JSON",
                    help="kv_connector_extra_config of every P/D worker's "
                         "--kv-transfer-config (e.g. '{\"kv_lease_duration\": 5}')")
-    f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
+    f.add_argument("--model", default="sim",
+                   help="'sim' (default), 'smollm2' (the embedded SmolLM2-135M-Instruct) or a "
+                        "model path: each worker's `kvloop serve --model`")
     f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
     f.add_argument("--worker-start-timeout", type=float, default=300.0)

@@ -128,8 +128,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="a local GGUF file or Hugging Face folder (kvloop downloads nothing), "
-                        "or 'sim' for the simulator (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+                        f"'{EMBEDDED_ALIAS}' for the embedded SmolLM2-135M-Instruct, or 'sim' "
+                        "for the simulator (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: the model's name)")
     g.add_argument("--dtype", default="auto",
