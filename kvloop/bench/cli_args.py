@@ -3,31 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import json
 import sys
 from typing import Any
 
 from kvloop.bench.workloads import DEFAULT_TOKEN_RANGE, LENGTH_DISTS, WORKLOADS
-from kvloop.server.cli_args import HelpFormatter as _ServeHelpFormatter
-
-
-class HelpFormatter(_ServeHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """`--help` of every benchmark: each flag's default (also a flag without help text,
-    which argparse would print bare), the description as written."""
-
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings \
-                and action.default not in (None, argparse.SUPPRESS):
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:   # "(default: None)" says nothing; the help says what then
-            return action.help
-        return super()._get_help_string(action)
+from kvloop.front.cli_help import BenchHelpFormatter as HelpFormatter
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -47,6 +47,7 @@ from kvloop.events.cli_args import add_publisher_args, publisher_config_from_arg
 from kvloop.events.config import KVEventsConfig
 from kvloop.front.advertise import advertised_host, is_loopback_host
 from kvloop.front.auth import add_auth_args, auth_config
+from kvloop.front.cli_help import HelpFormatter
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
 from kvloop.server.config import (
@@ -93,17 +94,6 @@ def budget_arg(text: str) -> int | str:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of tokens nor {AUTO_BUDGET!r}: "
                                          f"{text!r}") from None
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's default in `--help`: argparse's "(default: X)" unless the help already
-    says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "default" in text:
-            return text
-        return super()._get_help_string(action)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
