@@ -125,9 +125,9 @@ def wait_log(log: Path, needle: str, timeout_s: float) -> str:
     raise AssertionError(f"no {needle!r} in {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
-def complete(port: int) -> dict:
+def complete(port: int, prompt: str = "The capital of France is") -> dict:
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                   json={"prompt": "The capital of France is", "max_tokens": 4})
+                   json={"prompt": prompt, "max_tokens": 4})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -215,7 +215,7 @@ def by_hand_router(sh: Shell, cmd: str) -> None:
 def events_tail(sh: Shell, cmd: str) -> None:
     log = sh.start(cmd)
     time.sleep(1.0)   # the subscription before the request
-    complete(sh.ports["8001"])
+    complete(sh.ports["8001"], "a prompt long enough to fill a block of sixteen tokens " * 4)
     wait_log(log, "BlockStored", 30)
 
 
