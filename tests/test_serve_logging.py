@@ -1,5 +1,5 @@
-"""What `kvloop serve` logs, as vLLM: one "Received request" line per prompt (on unless
---disable-log-requests; cut by --max-log-len) and, every $VLLM_LOG_STATS_INTERVAL seconds
+"""What `kvloop serve` logs, as vLLM: one "Received request" line per prompt (off unless
+--enable-log-requests; cut by --max-log-len) and, every $VLLM_LOG_STATS_INTERVAL seconds
 while busy, the stats line (off with --disable-log-stats). Read from the server's real log."""
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def test_disabled_request_and_stats_lines(tmp_path_factory: pytest.TempPathFacto
         time.sleep(3 * INTERVAL_S)
         log = quiet.log()
     assert not _received(log) and not STATS_LINE.search(log) and "Avg prompt" not in log
+    assert "--disable-log-requests is deprecated" in log   # vLLM's flag, now a no-op
 
 
 # --- flags and the interval --------------------------------------------------------------------
@@ -153,10 +154,9 @@ def test_flags_reach_the_config() -> None:
             ["serve", "--model", "sim", *flags]))[0]
 
     cfg = serve_config()
-    assert (cfg.log_requests, cfg.max_log_len, cfg.log_stats) == (True, None, True)
+    assert (cfg.log_requests, cfg.max_log_len, cfg.log_stats) == (False, None, True)
     assert serve_config("--enable-log-requests").log_requests is True
-    cfg = serve_config("--enable-log-requests", "--disable-log-requests", "--max-log-len", "9",
-                       "--disable-log-stats")
+    cfg = serve_config("--disable-log-requests", "--max-log-len", "9", "--disable-log-stats")
     assert (cfg.log_requests, cfg.max_log_len, cfg.log_stats) == (False, 9, False)
     with pytest.raises(ValueError, match="max_log_len"):
         serve_config("--max-log-len", "-1")

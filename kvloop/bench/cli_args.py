@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from typing import Any
 
 from kvloop.bench.workloads import DEFAULT_TOKEN_RANGE, LENGTH_DISTS, WORKLOADS
+from kvloop.front.cli_help import BenchHelpFormatter as HelpFormatter
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="load-test an OpenAI-compatible server (kvloop, vLLM, llama-server...)",
+        formatter_class=HelpFormatter,
         description="Streams /v1/completions with token-id prompts and reports TTFT, TPOT, "
                     "ITL, e2e, throughput and the share of prompt tokens served from cache.")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -146,6 +149,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trace", help="draw the schedule recorded by `kvloop serve --trace-file`",
+        formatter_class=HelpFormatter,
         description="One column per engine step, one row per request, each cell coloured by "
                     "what the request got (prefill chunk, recompute, decode, spec).")
     p.add_argument("trace_file", help="JSONL of StepRecords, one line per engine step")
@@ -166,6 +170,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         print(f"kvloop trace: {e}", file=sys.stderr)
         return 2
     title = args.title or args.trace_file
+    if args.out and importlib.util.find_spec("matplotlib") is None:
+        print("kvloop trace --out: a PNG needs matplotlib: pip install matplotlib (`make serve` "
+              "installs it; --html needs nothing)", file=sys.stderr)
+        return 2
     if args.out:
         from kvloop.viz.png import render_png
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.events.config import KVEventsConfig
 from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
@@ -271,7 +272,8 @@ def _median(runs: list[dict[str, float]], key: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--batches", type=int, default=20_000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--snapshot-blocks", type=int, default=100_000)

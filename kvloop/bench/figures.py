@@ -26,6 +26,7 @@ from typing import Any
 
 from kvloop.bench import hf_server
 from kvloop.bench import workloads as w
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.bench.driver import BenchConfig, run_bench
 from kvloop.bench.report import format_compare, summarize
 from kvloop.front.launcher import ServeProcess, UrlProcess
@@ -209,7 +210,8 @@ def merge(dirs: list[Path], out: Path, labels: tuple[str, str], quiet_load: floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvloop.bench.figures",
-                                 description=__doc__.split("\n\n")[0])
+                                 description=__doc__.split("\n\n")[0],
+                                                           formatter_class=HelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply request counts")
     ap.add_argument("--counts", type=int, nargs=4, default=list(FULL_COUNTS),

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.locate import find_model_path
 
 ANNOUNCEMENT = "hf anchor serving on {url}"   # the line that says it accepts connections
@@ -393,7 +394,8 @@ async def serve(server: AnchorServer, host: str, port: int, ready: Any = None,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvloop.bench.hf_server",
-                                 description=__doc__.split("\n\n")[0])
+                                 description=__doc__.split("\n\n")[0],
+                                                           formatter_class=HelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF directory (default: embedded SmolLM2)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: any free port")

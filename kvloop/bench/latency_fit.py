@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
@@ -143,7 +144,8 @@ def _cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvloop.bench.latency_fit", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvloop.bench.latency_fit", description=__doc__,
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="model to measure (default: embedded)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=3,

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
+
 LLAMA_CPP_PYTHON = "0.3.36"   # the sdist whose vendored llama.cpp is built
 DEFAULT_BUILD_DIR = "~/.cache/kvloop/llama.cpp"
 BINARIES = ("llama-server", "llama-bench", "llama-perplexity")   # the last: bench.quality
@@ -749,7 +751,9 @@ def report(settings: Settings, info: dict[str, Any], records: list[Record]) -> d
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvloop.bench.llamacpp",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0] + " (the first run "
+                                "builds llama.cpp: 10 minutes or more)",
+                                formatter_class=HelpFormatter)
     p.add_argument("what", choices=("build", "run"))
     p.add_argument("--build-dir", default=DEFAULT_BUILD_DIR)
     p.add_argument("--jobs", type=int, default=2, help="build: parallel compile jobs")

@@ -1,3 +1,4 @@
+
 """Offline benchmark: kvloop's engine against Hugging Face transformers on the same weights.
 
     python -m kvloop.bench.offline [--model PATH] [--dtype auto] [--repeats 3] ...
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
+
 
 @dataclass
 class Figures:
@@ -36,7 +39,7 @@ class Figures:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvloop.bench.offline", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")

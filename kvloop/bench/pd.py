@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.bench.router import _fresh_caches
 from kvloop.front.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.trust import FleetSecret, secret_env
@@ -36,7 +37,8 @@ SETUPS = ("aggregated", "pd-cost", "pd-always", "pd-never")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--setups", default=",".join(SETUPS),
                     help=f"comma-separated, from {', '.join(SETUPS)}")
     ap.add_argument("--aggregated", type=int, default=4, help="workers of the aggregated fleet")

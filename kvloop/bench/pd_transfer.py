@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.config import DEFAULT_BLOCK_SIZE
 from kvloop.front.launcher import ServeProcess
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     ap.add_argument("--lengths", default="16,256,1000,2000")
     ap.add_argument("--repeats", type=int, default=3)

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.front.launcher import ROUTER_URL_LINE, UrlProcess, kvloop_command
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.registry import WorkerDescription, WorkerSpec
@@ -128,9 +129,11 @@ def _rss_mb() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
-    lat = sub.add_parser("latency", help="decision latency with a large index")
+    lat = sub.add_parser("latency", help="decision latency with a large index",
+                         formatter_class=HelpFormatter)
     lat.add_argument("--workers", type=int, default=16)
     lat.add_argument("--blocks", type=int, default=1_000_000)
     lat.add_argument("--lengths", default="1024,4096", help="prompt lengths in tokens")
@@ -141,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     lat.add_argument("--redis-url", default=None,
                      help="a running Redis to use for --indexes redis (its database is "
                           "flushed); default: a redis-server started for the run")
-    fl = sub.add_parser("fleet", help="kvloop bench through the router, per policy")
+    fl = sub.add_parser("fleet", help="kvloop bench through the router, per policy",
+                        formatter_class=HelpFormatter)
     fl.add_argument("--workers", type=int, default=8)
     fl.add_argument("--policies", default="kv-aware,round-robin,least-loaded")
     fl.add_argument("--workloads", default="shared-prefix,multi-turn")

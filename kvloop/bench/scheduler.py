@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 
+from kvloop.bench.cli_args import HelpFormatter
 from kvloop.config import CacheConfig, SchedulerConfig
 from kvloop.core.block_pool import BlockPool
 from kvloop.core.hashing import BlockHasher
@@ -54,7 +55,8 @@ def one_step(sched: Scheduler) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -1,3 +1,4 @@
+
 """Speculative decoding benchmark: n-gram drafts against plain decoding, offline.
 
     python -m kvloop.bench.spec [--model PATH] [--ks 0,2,4] [--concurrency 1,8]
@@ -28,6 +29,8 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvloop.bench.cli_args import HelpFormatter
 
 PARAGRAPHS = (
     "The harbour town wakes before the sun. Fishing boats slide out past the stone "
@@ -69,7 +72,7 @@ class Result:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvloop.bench.spec", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")

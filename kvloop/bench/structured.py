@@ -1,3 +1,4 @@
+
 """Structured-output benchmark: a json_schema workload against the same workload unconstrained.
 
     python -m kvloop.bench.structured [--model PATH] [--num-requests 16] [--output-len 64]
@@ -21,6 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvloop.bench.cli_args import HelpFormatter
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -59,7 +62,7 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvloop.bench.structured", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")

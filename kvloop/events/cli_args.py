@@ -60,7 +60,13 @@ def register(subparsers: Any) -> None:
                        description="Subscribe to a worker's KV events (kvloop or vLLM) and "
                                    "print them; with a replay endpoint, the worker's current "
                                    "cache comes first (snapshot or replay).")
-    t.add_argument("--endpoint", required=True, help="the worker's PUB address, tcp://HOST:PORT")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--endpoint", help="the worker's PUB address, tcp://HOST:PORT")
+    src.add_argument("--worker", metavar="URL",
+                     help="a kvloop or vLLM worker's HTTP address: its PUB and replay addresses "
+                          "are read from its GET /kv_event_sources (a kvloop worker publishes "
+                          "with --enable-kv-cache-events, on an ephemeral port unless "
+                          "--kv-events-endpoint)")
     t.add_argument("--replay-endpoint", default=None,
                    help="the worker's replay (ROUTER) address, for replay, snapshot and epochs")
     t.add_argument("--topic", default="", help="topic prefix (default: everything)")
@@ -90,10 +96,33 @@ def _cmd_tail(args: argparse.Namespace) -> int:
         raise SystemExit("--idle-warn must be >= 0")
     if args.exit_on_idle and not args.idle_warn:
         raise SystemExit("--exit-on-idle needs --idle-warn > 0")
-    return run_tail(args.endpoint, args.replay_endpoint, args.topic, as_json=args.json,
+    endpoint, replay = args.endpoint, args.replay_endpoint
+    if args.worker is not None:
+        endpoint, found = worker_event_sources(args.worker)
+        replay = replay or found
+    return run_tail(endpoint, replay, args.topic, as_json=args.json,
                     count=args.count, timeout=args.timeout, heartbeats=args.heartbeats,
                     recency=args.recency, idle_warn=args.idle_warn or None,
                     exit_on_idle=args.exit_on_idle, curve_keys=_tail_keys(args))
+
+
+def worker_event_sources(url: str, timeout_s: float = 10.0) -> tuple[str, str | None]:
+    """(PUB, replay) addresses a worker at `url` lists in `GET /kv_event_sources`;
+    SystemExit naming the fix when it lists none or cannot be asked."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/kv_event_sources",
+                                    timeout=timeout_s) as r:
+            sources = json.loads(r.read(1 << 20))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--worker {url}: cannot read its /kv_event_sources: {e}") from None
+    first = next(iter(sources.values()), None) if isinstance(sources, dict) else None
+    if not isinstance(first, dict) or not first.get("endpoint"):
+        raise SystemExit(f"--worker {url} publishes no KV events over ZMQ: start it with "
+                         f"--enable-kv-cache-events (or pass --endpoint)")
+    return str(first["endpoint"]), first.get("replay_endpoint") or None
 
 
 def _tail_keys(args: argparse.Namespace) -> CurveKeys | None:

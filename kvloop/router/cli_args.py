@@ -66,7 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--kv-connector-extra-config", default=None, metavar="JSON",
                    help="kv_connector_extra_config of every P/D worker's "
                         "--kv-transfer-config (e.g. '{\"kv_lease_duration\": 5}')")
-    f.add_argument("--model", default="sim", help="'sim' (default) or a model path")
+    f.add_argument("--model", default="sim",
+                   help="'sim' (default), 'smollm2' (the embedded SmolLM2-135M-Instruct) or a "
+                        "model path: each worker's `kvloop serve --model`")
     f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
     f.add_argument("--worker-start-timeout", type=float, default=300.0)
@@ -84,6 +86,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", choices=POLICIES, default=DEFAULT_ROUTER_POLICY)
     g.add_argument("--log-level", default="warning")
     g.add_argument("--random-seed", type=int, default=None, help="seed of --policy random")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the workers' tokenizer: a .gguf file or a Hugging Face folder (as "
+                        "vLLM's --tokenizer; default: the router's own copy of the model the "
+                        "workers name, else fetched from a worker's GET /kvloop/tokenizer "
+                        "with --worker-api-key)")
     h = p.add_argument_group("fleet hashing (default: learned from the first worker)")
     h.add_argument("--block-size", type=int, default=None)
     h.add_argument("--hash-algo", default=None)
@@ -227,7 +234,8 @@ def router_config(args: argparse.Namespace,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,
                     prefill_timeout_s=args.prefill_timeout),
-        fleet_secret=fleet_secret_from_args(args) or default_secret)
+        fleet_secret=fleet_secret_from_args(args) or default_secret,
+        tokenizer=getattr(args, "tokenizer", None))
 
 
 def _setup_logging(level: str) -> None:
@@ -244,7 +252,11 @@ def run_router_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = router_config(args)
         workers = [WorkerSpec.parse(w) for w in args.worker]
-    except ValueError as e:
+        if cfg.tokenizer is not None:   # a wrong path is found now, not on the first request
+            from kvloop.front.tokenizer import load_vocabulary
+
+            load_vocabulary(cfg.tokenizer)
+    except (ValueError, OSError) as e:
         raise SystemExit(f"kvloop router: {e}") from None
     _setup_logging(args.log_level)
     try:

@@ -235,7 +235,10 @@ class RouterConfig:
     Authorization header is passed through); `http_limits`: body size and read timeouts of
     the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
     themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
-    (kvloop/trust.py), which the router's bus and P/D legs prove membership with.
+    (kvloop/trust.py), which the router's bus and P/D legs prove membership with;
+    `tokenizer`: a .gguf file or Hugging Face folder whose tokenizer the router uses for every
+    model (vLLM's --tokenizer; None: its own copy of the workers' model, else the workers'
+    `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
     """
 
     host: str = "127.0.0.1"
@@ -252,6 +255,7 @@ class RouterConfig:
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:

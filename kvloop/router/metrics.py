@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -72,6 +73,13 @@ class RouterMetrics:
         self.decision_seconds = Histogram(P + "decision_seconds",
                                           "Time to tokenize-hash-score-pick one request",
                                           buckets=LATENCY_BUCKETS, registry=r)
+        self.untokenized = Counter(P + "untokenized_requests",
+                                   "Text and chat requests routed by load only: the router "
+                                   "has no tokenizer for their model (/health says why)",
+                                   ["model"], registry=r)
+        self.tokenizer_missing = Gauge(P + "tokenizer_missing",
+                                       "1 while the router cannot get the model's tokenizer",
+                                       ["model"], registry=r)
         r.register(_StateCollector(registry, index, clock))
 
     def render(self) -> bytes:

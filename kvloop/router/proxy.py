@@ -97,9 +97,10 @@ from kvloop.front.openai import (
 )
 from kvloop.front.prometheus_text import metric_value
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
+from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router.config import RouterConfig
 from kvloop.router.pd_proxy import PDFlow
-from kvloop.router.prompts import PromptTokenizer
+from kvloop.router.prompts import Fetch, PromptTokenizer
 from kvloop.router.registry import (
     LoadSnapshot,
     WorkerDescription,
@@ -120,6 +121,7 @@ from kvloop.router.relay import (
 from kvloop.router.responses import ResponseAffinity, completed_response
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
+from kvloop.wire import TOKENIZER_FILES_PATH, TokenizerFiles
 
 log = logging.getLogger("kvloop.router")
 
@@ -169,7 +171,8 @@ class RouterApp:
                  describe_every: int = 4):
         self.router = router
         self.initial_workers = workers
-        self.prompts = prompts or PromptTokenizer()
+        self.prompts = prompts or PromptTokenizer(router.config.tokenizer, router.metrics)
+        router.problems.append(self.prompts.problems)
         self.describe_every = describe_every
         self.client: httpx.AsyncClient | None = None
         self._decider: ThreadPoolExecutor | None = None
@@ -346,10 +349,18 @@ class RouterApp:
         if isinstance(read, Response):
             return read
         body, req = read
-        tokens = self.prompts.embedding_ids(req, self._fleet_model())
+        tokens = self.prompts.embedding_ids(req, await self._tokenizing_model())
         return await self._send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
                                 self._worker_headers(request), False, False,
                                 output_tokens=0)
+
+    async def _tokenizing_model(self) -> str | None:
+        """The fleet's model, its tokenizer made ready first (local, the flag's, or fetched
+        from a worker: `RouterPrompts.ensure`)."""
+        model = self._fleet_model()
+        await self.prompts.ensure(model, self._tokenizer_fetch(model))
+        return model
+
     async def messages(self, request: Request) -> Response:
         return await self.forward(request, MESSAGES_PATH)
 
@@ -363,7 +374,7 @@ class RouterApp:
         if isinstance(read, Response):
             return read
         body, stream, strip_usage = read
-        tokens = self.prompts.token_ids(path, body, self._fleet_model())
+        tokens = self.prompts.token_ids(path, body, await self._tokenizing_model())
         if stream and strip_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
@@ -385,7 +396,7 @@ class RouterApp:
             return read
         body, req = read
         held = self.affinity.holder(req.previous_response_id)
-        tokens = self.prompts.token_ids(RESPONSES_PATH, body, self._fleet_model(),
+        tokens = self.prompts.token_ids(RESPONSES_PATH, body, await self._tokenizing_model(),
                                         held.conversation if held else None)
         others = [w.name for w in self.router.registry.all()
                   if held is not None and w.name != held.worker]
@@ -454,6 +465,35 @@ class RouterApp:
             if w.up and d is not None and (d.model_path or d.model):
                 return d.model_path or d.model
         return None
+
+    def _tokenizer_fetch(self, model: str | None) -> Fetch | None:
+        """Fetches `model`'s tokenizer from a live worker serving it (None: none is up)."""
+        for w in self.router.registry.all():
+            d = w.description
+            if w.up and d is not None and model in (d.model_path, d.model):
+                return functools.partial(self._fetch_tokenizer, w.spec.url)
+        return None
+
+    async def _fetch_tokenizer(self, url: str) -> Any:
+        """`GET {url}/kvloop/tokenizer` with the router's worker key, bounded in size."""
+        assert self.client is not None
+        async with self.client.stream("GET", url + TOKENIZER_FILES_PATH) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise BadWorkerAnswer(f"{url}{TOKENIZER_FILES_PATH} answered "
+                                      f"{r.status_code}: {r.text[:200]}")
+            body = bytearray()
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_TOKENIZER_FILES_BYTES:
+                    raise BadWorkerAnswer(f"{url}{TOKENIZER_FILES_PATH} answered more than "
+                                          f"{MAX_TOKENIZER_FILES_BYTES} bytes")
+        try:
+            files = msgspec.json.decode(bytes(body), type=TokenizerFiles)
+        except msgspec.DecodeError as e:
+            raise BadWorkerAnswer(f"{url}{TOKENIZER_FILES_PATH}: {e}") from e
+        log.info("tokenizer of model %r fetched from %s", files.model, url)
+        return await asyncio.to_thread(tokenizer_from_files, files)
 
     async def _send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
                     tokens: list[int], headers: dict[str, str], stream: bool,

@@ -22,6 +22,8 @@ load-only until it clears):
     no_kv_connector   a prefill worker without a connector that holds blocks (no prefill leg
                       goes to it; a decode worker without one that loads them is only
                       warned about: it serves, prefilling everything itself)
+    unreachable_event_source  it advertises a KV-event address the router cannot dial (a
+                      wildcard, or loopback on another host): set at registration
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ WRONG_EVENT_SOURCE = "wrong_event_source"
 NO_STORED_BLOCKS = "no_stored_blocks"
 PREFILL_FAILING = "prefill_failing"
 NO_KV_CONNECTOR = "no_kv_connector"
+UNREACHABLE_EVENT_SOURCE = "unreachable_event_source"
 ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS,
-          WRONG_SUBJECT, WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING, NO_KV_CONNECTOR)
+          WRONG_SUBJECT, WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING, NO_KV_CONNECTOR,
+          UNREACHABLE_EVENT_SOURCE)
 
 _CAUSES = {
     SILENT: "its KV events do not reach the router: wrong --kv-events-endpoint (or a "
@@ -60,7 +64,8 @@ _CAUSES = {
                       "BlockRemoved events are lost",
     UNPREDICTED_HITS: "its events are not indexed: wrong KV-event endpoint, or a different "
                       "hash seed, hash algorithm or block size",
-    NO_EVENT_SOURCE: "the worker was started without --kv-events-endpoint",
+    NO_EVENT_SOURCE: "the worker was started without --kv-events-endpoint (or hides it from "
+                     "a router whose key it does not accept: --worker-api-key)",
     WRONG_SUBJECT: "the worker publishes on another NATS subject than the router listens "
                    "on: its component changed (aggregated `backend` vs disaggregated "
                    "`prefill` / `decode`) or its namespace differs (--dyn-component, "
@@ -72,6 +77,10 @@ _CAUSES = {
                       "prefix caching",
     PREFILL_FAILING: "the prefill worker has no KV connector (started without "
                      "--kv-transfer-config) or its engine fails these requests",
+    UNREACHABLE_EVENT_SOURCE: "the worker binds its KV events on a wildcard or loopback "
+                              "address and advertises it: start it with --advertise-host "
+                              "HOST (and --kv-events-endpoint tcp://0.0.0.0:0 or its own "
+                              "address), or name the endpoint here (URL,events=tcp://...)",
     NO_KV_CONNECTOR: "the worker was started without --kv-transfer-config, or with the "
                      "wrong kv_role (`kvloop fleet --prefill N --decode M` sets both)",
 }

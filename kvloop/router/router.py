@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from kvloop.config import KV_HOLDS, KV_LOADS, SchedulerConfig
 from kvloop.core.hashing import BlockHasher, block_extra_keys
 from kvloop.events.types import event_int
+from kvloop.front.advertise import unreachable_from_afar
 from kvloop.router.config import HashSpec, IndexConfig, RouterConfig
 from kvloop.router.feed import EventFeed
 from kvloop.router.index import BlockIndex, PrefixIndex
@@ -52,6 +53,7 @@ from kvloop.router.registry import (
     NO_EVENT_SOURCE,
     NO_KV_CONNECTOR,
     PREFILL_FAILING,
+    UNREACHABLE_EVENT_SOURCE,
     WRONG_EVENT_SOURCE,
     Alarm,
     EventSource,
@@ -159,6 +161,7 @@ class Router:
         self._lock = threading.RLock()
         self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
         self.details: dict[str, Callable[[], dict[str, Any]]] = {}   # more of /health
+        self.problems: list[Callable[[], list[str]]] = []   # more /health reasons
         self.index.on_lost(self.resync_index)
 
     @staticmethod
@@ -272,11 +275,19 @@ class Router:
             warnings.append(f"{w.name}: {detail}")
         else:
             self._clear(w.name, CONFIG_MISMATCH)
-        if event_source(spec, desc) is None and (desc is None or desc.enable_prefix_caching):
-            self._raise(w.name, NO_EVENT_SOURCE, "it advertises no KV-event endpoint")
-            warnings.append(f"{w.name}: no KV-event endpoint")
+        source = event_source(spec, desc)
+        if source is None and (desc is None or desc.enable_prefix_caching):
+            detail = _no_source_detail(desc)
+            self._raise(w.name, NO_EVENT_SOURCE, detail)
+            warnings.append(f"{w.name}: {detail}")
         else:
             self._clear(w.name, NO_EVENT_SOURCE)
+        far = unreachable_from_afar(spec.url, source.endpoint if source else None)
+        if far is not None:
+            self._raise(w.name, UNREACHABLE_EVENT_SOURCE, far)
+            warnings.append(f"{w.name}: {far}")
+        else:
+            self._clear(w.name, UNREACHABLE_EVENT_SOURCE)
         missing = _missing_connector(w)
         if missing is not None:
             warnings.append(f"{w.name}: {missing}")
@@ -615,6 +626,7 @@ class Router:
         if fallback is not None:
             reasons.append(fallback)
         reasons += self.index.alarms()
+        reasons += [r for problems in self.problems for r in problems()]
         usable = [w for w in workers if w.up]
         status = "ok" if not reasons else "degraded"
         if not usable:
@@ -720,6 +732,14 @@ def _missing_connector(w: WorkerState) -> str | None:
         return None
     has = "no KV connector" if w.kv_role is None else f"a {w.kv_role} KV connector"
     return f"{w.role} worker with {has}; it needs one that {need[1]}"
+
+
+def _no_source_detail(desc: WorkerDescription | None) -> str:
+    """The `no_event_source` detail: no endpoint at all, or one hidden from this router."""
+    if desc is not None and desc.api_key_required and not desc.api_key_accepted:
+        return ("it hides its KV-event endpoint from this router: it requires an API key "
+                "and did not accept the router's (--worker-api-key)")
+    return "it advertises no KV-event endpoint"
 
 
 def _capacity(desc: WorkerDescription | None) -> int | None:

@@ -33,6 +33,7 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from kvloop.front.advertise import advertised_endpoint
 from kvloop.front.anthropic import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
@@ -85,6 +86,7 @@ from kvloop.front.responses import (
     ResponsesRequest,
     ResponseStreamEvent,
 )
+from kvloop.front.tokenizer_files import tokenizer_files
 from kvloop.server.embeddings import create_embedding
 from kvloop.server.messages import count_tokens, create_messages
 from kvloop.server.responses import create_response, retrieve_response
@@ -97,7 +99,14 @@ from kvloop.server.serving import (
     create_generate,
 )
 from kvloop.version import __version__
-from kvloop.wire import EngineFacts, KVEventsInfo, KVTransferInfo, WorkerInfo
+from kvloop.wire import (
+    TOKENIZER_FILES_PATH,
+    EngineFacts,
+    KVEventsInfo,
+    KVTransferInfo,
+    TokenizerFiles,
+    WorkerInfo,
+)
 
 logger = logging.getLogger("kvloop.server")
 
@@ -105,7 +114,7 @@ SERVER_RULES = RouteRules(public=(*PUBLIC_PATHS, WORKER_INFO_PATH),
                           admin=frozenset({("POST", "/reset_prefix_cache")}))
 KVEventSources = dict[str, KVEventsInfo | None]   # GET /kv_event_sources: engine index -> events
 # bodies encoded by msgspec: their schema is msgspec's (`msgspec.json.schema_components`)
-WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources)
+WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources, TokenizerFiles)
 
 def _validation_response(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
@@ -364,6 +373,15 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"count": len(ids), "max_model_len": ctx.ready.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
+    files: list[bytes] = []   # encoded once, on the first call
+
+    @app.get(TOKENIZER_FILES_PATH, **_answers(TokenizerFiles))
+    async def tokenizer_files_route() -> Response:
+        """The tokenizer as data, for a router on another host (kvloop.front.tokenizer_files)."""
+        if not files:
+            files.append(msgspec.json.encode(tokenizer_files(ctx.tokenizer)))
+        return Response(files[0], media_type="application/json")
+
     @app.post("/detokenize", **_answers(DetokenizeResponse, 400, 404, 413))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
@@ -413,7 +431,8 @@ def _add_operator_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/kv_event_sources", **_answers(KVEventSources))
     async def kv_event_sources(request: Request) -> Response:
-        return _wire_json({"0": _kv_events(ctx.ready.kv_events, sees_private(ctx, request))})
+        events = advertised_events(ctx.ready.kv_events, ctx.config.advertise_host)
+        return _wire_json({"0": _kv_events(events, sees_private(ctx, request))})
 
     @app.get("/kvloop/stats", **_answers(EngineStats, 503))
     async def stats() -> EngineStats:
@@ -439,6 +458,15 @@ def sees_private(ctx: ServerContext, request: Request) -> bool:
 def _wire_json(body: Any) -> Response:
     """A body of one of `WIRE_BODIES`, encoded by msgspec."""
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def advertised_events(events: KVEventsInfo | None, host: str | None) -> KVEventsInfo | None:
+    """The event endpoints as others dial them: a wildcard bind names the advertised host."""
+    if events is None or host is None:
+        return events
+    return msgspec.structs.replace(
+        events, endpoint=advertised_endpoint(events.endpoint, host),
+        replay_endpoint=advertised_endpoint(events.replay_endpoint, host))
 
 
 def _public(address: str | None) -> str | None:
@@ -480,7 +508,8 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     r, cfg = ctx.ready, ctx.config
     admitted = key_accepted or not cfg.auth.api_keys
     facts = {name: getattr(r, name) for name in EngineFacts.__struct_fields__}
-    facts["kv_events"] = _kv_events(r.kv_events, private, admitted)
+    facts["kv_events"] = _kv_events(advertised_events(r.kv_events, cfg.advertise_host),
+                                    private, admitted)
     facts["kv_transfer"] = _kv_transfer(r.kv_transfer, admitted)
     hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
                               "engine_pid": r.pid}

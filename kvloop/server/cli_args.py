@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import re
 import signal
@@ -43,7 +44,10 @@ from kvloop.config import (
     budget_floor,
 )
 from kvloop.events.cli_args import add_publisher_args, publisher_config_from_args
+from kvloop.events.config import KVEventsConfig
+from kvloop.front.advertise import advertised_host, is_loopback_host
 from kvloop.front.auth import add_auth_args, auth_config
+from kvloop.front.cli_help import HelpFormatter
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
 from kvloop.server.config import (
@@ -55,6 +59,7 @@ from kvloop.server.config import (
     ServeConfig,
     log_stats_interval,
 )
+from kvloop.server.generation_config import AUTO, VLLM, DefaultSampling, default_sampling
 from kvloop.server.responses_store import add_store_args, store_config
 from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
@@ -66,6 +71,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvloop.server")
 
 SIM = "sim"
+EMBEDDED_ALIAS = "smollm2"   # the embedded SmolLM2-135M-Instruct (a local path of that name wins)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -91,17 +97,6 @@ def budget_arg(text: str) -> int | str:
                                          f"{text!r}") from None
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's default in `--help`: argparse's "(default: X)" unless the help already
-    says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible server (API process + engine core process)",
@@ -125,8 +120,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None,
                    help="a local GGUF file or Hugging Face folder (kvloop downloads nothing), "
-                        "or 'sim' for the simulator (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+                        f"'{EMBEDDED_ALIAS}' for the embedded SmolLM2-135M-Instruct, or 'sim' "
+                        "for the simulator (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: the model's name)")
     g.add_argument("--dtype", default="auto",
@@ -142,6 +137,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"KV cache, as vLLM (default: {GPU_MEMORY_UTILIZATION} on CUDA; "
                         f"ignored with a warning elsewhere, where --kv-cache-memory sizes the "
                         f"KV cache)")
+    g.add_argument("--generation-config", default=AUTO, metavar="auto|vllm|DIR",
+                   help="default sampling parameters of requests that leave them out: auto: "
+                        "the model's generation config (the embedded model: its recommended "
+                        "temperature 0.2, top_p 0.9); vllm: vLLM's neutral defaults; DIR: the "
+                        "generation config in folder DIR; docs/serving.md (default: auto)")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="laid over --generation-config's, e.g. '{\"temperature\": 0.5}' "
+                        "(default: none)")
     g.add_argument("--seed", type=int, default=0, help="runner random seed")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of the engine core on CPU (default: OMP_NUM_THREADS if "
@@ -227,6 +230,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="the address other hosts reach this worker at, announced for its "
+                        "HTTP endpoint, KV events and P/D side channel (default: "
+                        "$VLLM_HOST_IP, else --host, else for 0.0.0.0 the address of the "
+                        "interface that routes outwards; start-up says which)")
     g.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
@@ -263,11 +271,12 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     """vLLM's logging flags; what they log: kvloop/server/logs.py."""
     g = p.add_argument_group("logging")
     g.add_argument("--enable-log-requests", dest="log_requests",
-                   action=argparse.BooleanOptionalAction, default=True,
-                   help="log one line per request received (default: on; current vLLM "
-                        "defaults to off)")
-    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
-                   default=True, help="no request lines: same as --no-enable-log-requests")
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per request received, its prompt and token ids (off "
+                        "unless given, as in current vLLM)")
+    g.add_argument("--disable-log-requests", dest="disable_log_requests", action="store_true",
+                   help="deprecated, as in vLLM: request lines are off unless "
+                        "--enable-log-requests; accepted with a warning, changes nothing")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="log at most N prompt characters and N prompt token ids (default: "
                         "all)")
@@ -285,11 +294,13 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
 
 # --- configs -------------------------------------------------------------------------------------
 def model_arg(args: argparse.Namespace) -> str | None:
-    """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given)."""
+    """The model of `kvloop serve [MODEL] [--model MODEL]` (None: not given, or the embedded
+    model's short name, `EMBEDDED_ALIAS`)."""
     tag, flag = args.model_tag, args.model
     if tag is not None and flag is not None and tag != flag:
         raise ValueError(f"two models given: {tag!r} and --model {flag!r}; pass one")
-    return tag if tag is not None else flag
+    model = tag if tag is not None else flag
+    return None if model == EMBEDDED_ALIAS and not Path(model).exists() else model
 
 
 def load_tokenizer(model: str) -> Any:
@@ -365,6 +376,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         grammar_compile_timeout_s=args.structured_outputs_compile_timeout)
 
 
+def events_beyond_loopback(kv_events: KVEventsConfig | None,
+                           host: str) -> KVEventsConfig | None:
+    """A worker listening beyond loopback (--host) publishes its KV events there too, on an
+    ephemeral port, unless --kv-events-endpoint says where."""
+    if kv_events is None or kv_events.endpoint is not None or kv_events.nats is not None \
+            or is_loopback_host(host):
+        return kv_events
+    bind = f"[{host}]" if ":" in host else (host or "0.0.0.0")
+    return dataclasses.replace(kv_events, endpoint=f"tcp://{bind}:0")
+
+
+def side_channel_beyond_loopback(engine: EngineConfig, args: argparse.Namespace,
+                                 advertised: str) -> EngineConfig:
+    """A worker listening beyond loopback (--host) binds and announces its P/D side channel
+    on its advertised host, unless kv_connector_extra_config names side_channel_host."""
+    kv = engine.kv_transfer
+    if kv is None or is_loopback_host(args.host):
+        return engine
+    extra = json.loads(args.kv_transfer_config).get("kv_connector_extra_config") or {}
+    if "side_channel_host" in extra:
+        return engine
+    moved = dataclasses.replace(kv.kv_connector_extra_config, side_channel_host=advertised)
+    return dataclasses.replace(engine, kv_transfer=dataclasses.replace(
+        kv, kv_connector_extra_config=moved))
+
+
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
     when unset, fixed here once for the engine); ValueError naming the key at fault."""
@@ -417,6 +454,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
     kv_events = publisher_config_from_args(args)
+    advertised = advertised_host(args.host, args.advertise_host)
+    kv_events = events_beyond_loopback(kv_events, args.host)
+    engine = side_channel_beyond_loopback(engine, args, advertised.host)
     if kv_events is not None and kv_events.curve and secret is None:
         raise ValueError("--kv-events-curve needs the fleet secret: --fleet-secret-file PATH "
                          "(or $KVLOOP_FLEET_SECRET_FILE / $KVLOOP_FLEET_SECRET)")
@@ -427,7 +467,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                               shutdown_timeout_s=args.shutdown_timeout,
                               fleet_secret=None if secret is None else secret.to_text())
     model_path = sim.source if sim is not None else (model or None)
+    defaults = generation_defaults(args, model, sim)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
+                        advertise_host=advertised.host, advertise_how=advertised.how,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,
@@ -442,8 +484,40 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
-                        responses_store=store_config(args))
+                        responses_store=store_config(args),
+                        default_sampling=defaults)
     return serve, start, tokenizer
+
+
+def generation_defaults(args: argparse.Namespace, model: str,
+                        sim: SimModel | None) -> DefaultSampling:
+    """`--generation-config` and `--override-generation-config` for the model served: the
+    simulator's are those of the model it presents (`--sim-model`; its byte vocabulary has
+    none)."""
+    if sim is not None:
+        source = None if args.sim_model is None else args.sim_model
+        if source == BYTE_VOCAB:
+            return default_sampling(VLLM, None, args.override_generation_config)
+        return default_sampling(args.generation_config, source,
+                                args.override_generation_config)
+    return default_sampling(args.generation_config, model or None,
+                            args.override_generation_config)
+
+
+def startup_lines(serve: ServeConfig, start: EngineStartConfig) -> list[str]:
+    """What `kvloop serve` says before it loads the model: the default sampling parameters,
+    speculative decoding when on, and request logging's state."""
+    lines = [serve.default_sampling.describe()]
+    spec = start.engine.speculative
+    if spec is not None:
+        lines.append(f"speculative decoding on: {spec.method}, up to "
+                     f"{spec.num_speculative_tokens} draft tokens per step (n-grams of "
+                     f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens from the "
+                     f"request's own context)")
+    if serve.log_requests:
+        lines.append("request logging on (--enable-log-requests): every prompt and its "
+                     "token ids are logged")
+    return lines
 
 
 def _exit_0(signum: int, frame: FrameType | None) -> None:
@@ -460,6 +534,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # one line naming the fix; the traceback on debug
         logger.error("%s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 2
+    if args.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated (as in vLLM) and changes nothing: "
+                       "request logging is off unless --enable-log-requests")
+    for line in startup_lines(serve, start):
+        logger.info("%s", line)
     from kvloop.server.serve import run_server
 
     return run_server(serve, start, tokenizer)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.server.generation_config import DefaultSampling
 from kvloop.server.responses_store import ResponseStoreConfig
 from kvloop.trust import FleetSecret
 
@@ -42,24 +43,30 @@ class ServeConfig:
     bounds the requests sent to the engine and not yet scheduled: beyond it a request gets 503
     with Retry-After, one that alone needs more sequences gets 400 (None: unbounded).
     `served_model_names` are the names clients may send in `model`; an answer names the one
-    sent, or the first when the request named none. `log_requests` (on unless
-    `--disable-log-requests`): one INFO line per request received, its prompt cut to
+    sent, or the first when the request named none. `log_requests` (off unless
+    `--enable-log-requests`): one INFO line per request received, its prompt cut to
     `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
     `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
     `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
     long a SIGTERM lets requests in flight finish (0: they end at once).
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
+    `advertise_host`: the address other hosts reach this worker at (None: `host`), and
+    `advertise_how` how it was chosen (kvloop.front.advertise), said at start-up.
     `fleet_secret`: the fleet's shared key (kvloop/trust.py; None: this worker trusts no
     peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
     choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
     it (kvloop/server/structured.py). `responses_store`: the bounds of the stored Responses
-    API responses (kvloop/server/responses_store.py).
+    API responses (kvloop/server/responses_store.py). `default_sampling`: what a request that
+    leaves a sampling field out gets (`--generation-config`;
+    kvloop/server/generation_config.py).
     """
 
     served_model_names: tuple[str, ...]
     model_path: str | None = None
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    advertise_how: str = ""
     port: int = 0
     role: Role = DEFAULT_ROLE
     max_waiting_requests: int | None = 1024
@@ -69,7 +76,7 @@ class ServeConfig:
     scheduling_policy: str = DEFAULT_POLICY
     log_level: str = "info"
     uvicorn_log_level: str = "info"
-    log_requests: bool = True
+    log_requests: bool = False
     max_log_len: int | None = None
     engine_start_timeout_s: float = 900.0
     graceful_shutdown_s: float = 10.0
@@ -83,6 +90,7 @@ class ServeConfig:
     fleet_secret: FleetSecret | None = None
     max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
+    default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:

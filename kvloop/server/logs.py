@@ -3,9 +3,9 @@
 - One line per prompt received (vLLM's RequestLogger), once admitted:
   `Received request cmpl-...-0: prompt: '...', params: SamplingParams(...), prompt_token_ids:
   [...].` The prompt is the decoded token ids (for chat: the templated conversation);
-  `--max-log-len N` cuts it to N characters and the ids to N ids. `--disable-log-requests`
-  turns the lines off (kvloop logs them by default; vLLM nowadays only with
-  `--enable-log-requests`, which kvloop accepts). Nothing is logged when a request ends.
+  `--max-log-len N` cuts it to N characters and the ids to N ids. The lines are off
+  unless `--enable-log-requests`, as in current vLLM (`--disable-log-requests`, its old
+  opt-out, is accepted with a deprecation warning). Nothing is logged when a request ends.
 - Every `VLLM_LOG_STATS_INTERVAL` seconds (vLLM's variable, default 10; read by
   `kvloop.server.config.log_stats_interval`) while the engine is
   busy, a stats line (vLLM's LoggingStatLogger, same words and order):

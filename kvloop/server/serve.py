@@ -29,6 +29,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from kvloop.front.advertise import is_loopback_host, url_with_host
 from kvloop.front.sockets import SERVE_ANNOUNCEMENT, bind_tcp, http_url
 from kvloop.front.uvicorn_server import FrontServer
 from kvloop.server.announce import WorkerAnnouncer
@@ -99,6 +100,16 @@ def _on_ready(url: str, discovery: WorkerAnnouncer | None) -> None:
     _announce(url)
     if discovery is not None:
         asyncio.get_running_loop().create_task(discovery.start())
+
+
+def advertised_url(cfg: ServeConfig, bound: str) -> str:
+    """The URL other hosts reach this worker at (said at start-up)."""
+    host = cfg.advertise_host or cfg.host
+    url = bound if host == cfg.host else url_with_host(bound, host)
+    level = logging.INFO if not is_loopback_host(host) or is_loopback_host(cfg.host) \
+        else logging.WARNING
+    logger.log(level, "advertised as %s (%s)", url, cfg.advertise_how or "the address it binds")
+    return url
 
 
 def _announcer(ctx: ServerContext, start: EngineStartConfig, url: str
@@ -189,7 +200,7 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
                         "(transport %s)", kv.engine_id, kv.kv_role, kv.side_channel_host,
                         kv.side_channel_port, kv.transport)
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
-        discovery = _announcer(ctx, start, http_url(sock))
+        discovery = _announcer(ctx, start, advertised_url(cfg, http_url(sock)))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,
                              graceful_shutdown_s=cfg.graceful_shutdown_s,

@@ -266,7 +266,8 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
         check_context_length(max_len, prompt_len, asked.asked)
     except ContextLengthError as e:
         raise APIError(400, str(e), param=e.param) from e
-    max_tokens = asked.tokens(max_len - prompt_len)
+    defaults = ctx.config.default_sampling   # --generation-config: fields the request left out
+    max_tokens = defaults.cap(asked.tokens(max_len - prompt_len))
     if logprobs is not None and logprobs > ctx.config.max_logprobs:
         raise APIError(400, f"Requested sample logprobs of {logprobs}, which is greater than "
                             f"max allowed: {ctx.config.max_logprobs}", param="logprobs")
@@ -279,7 +280,7 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     check_priority(ctx, req.priority)
     ctx.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
     _check_finite(req)
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = defaults.pick("temperature", req.temperature, 1.0)
     if 0.0 < temperature < 0.01:
         temperature = 0.01
     try:
@@ -289,10 +290,10 @@ def build_sampling_params(ctx: ServerContext, req: SamplingRequest, prompt_len: 
     try:
         params = SamplingParams(
             n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=_top_k(ctx, req.top_k), min_p=req.min_p or 0.0,
-            repetition_penalty=(1.0 if req.repetition_penalty is None
-                                else req.repetition_penalty),
+            top_p=defaults.pick("top_p", req.top_p, 1.0),
+            top_k=_top_k(ctx, defaults.pick("top_k", req.top_k, None)),
+            min_p=defaults.pick("min_p", req.min_p, 0.0),
+            repetition_penalty=defaults.pick("repetition_penalty", req.repetition_penalty, 1.0),
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0, seed=seed, stop=tuple(stop),
             stop_token_ids=tuple(req.stop_token_ids or ()),
