@@ -528,9 +528,9 @@ class PrefixIndex:
         w = self._workers.get(name)
         if w is None:
             return {t: 0 for t in TIERS}
-        store = self._stores.get(self._store_key(w))
+        shared = len(self._stores.get(self._store_key(w)) or ())
         return {TIER_DEVICE: len(w.lru), TIER_HOST: len(w.lower[TIER_HOST]),
-                TIER_DISK: len(w.lower[TIER_DISK]), TIER_SHARED: len(store) if store is not None else 0}
+                TIER_DISK: len(w.lower[TIER_DISK]), TIER_SHARED: shared}
 
     def worker_evictions(self, name: str) -> int:
         w = self._workers.get(name)
