@@ -75,6 +75,8 @@ def test_match_tiers_extends_the_device_prefix_with_the_best_lower_tier():
     idx.store("b", [h0], TIER_DISK)
     idx.store("b", [h1], TIER_HOST)
     idx.store("c", [h1, h2, h3])          # no block 0: nothing usable
+    idx.store("b", [h2])                  # on b's device after a miss: an engine loads
+                                          # what follows a miss from below, so it ends b's
     assert idx.match(HASHES) == {"a": 2}             # the device tier alone
     assert idx.match_tiers(HASHES) == {"a": (D, D, H, K), "b": (K, H)}
     assert idx.tier_blocks("a") == {D: 2, H: 2, K: 2, S: 0}

@@ -464,9 +464,10 @@ class PrefixIndex:
     def match_tiers(self, hashes: Sequence[int], workers: Iterable[str] | None = None,
                     include_provisional: bool = True) -> dict[str, tuple[str, ...]]:
         """Per worker, the tier to use for each block of its usable prefix: its device
-        prefix (`match`), then, block by block, the best tier holding the next one (its
-        own device entry, host, disk, then the shared store it reads) until none does.
-        Workers with no block are left out."""
+        prefix (`match`), then, block by block, the best tier below the device holding the
+        next one (host, disk, then the shared store it reads) until none does: as an engine
+        loads what follows its first device miss from below. Workers with no block are
+        left out."""
         device = self.match(hashes, workers, include_provisional)
         names = list(self._workers) if workers is None else list(workers)
         out: dict[str, tuple[str, ...]] = {}
@@ -589,9 +590,8 @@ def _pop_oldest(entries: OrderedDict[int, int] | OrderedDict[int, None], n: int)
 
 
 def _best_tier(w: _WorkerBlocks, h: int, store: OrderedDict[int, None] | None) -> str | None:
-    """The fastest tier in which `w` can use block `h` (lock-free reads: see the module)."""
-    if h in w.lru:
-        return TIER_DEVICE
+    """The fastest tier below the device from which `w` can load block `h` (lock-free
+    reads: see the module)."""
     for tier in (TIER_HOST, TIER_DISK):
         if h in w.lower[tier]:
             return tier
