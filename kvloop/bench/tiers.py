@@ -306,13 +306,15 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"\n{name}: {w['requests']} requests, working set {w['working_set_blocks']}"
                      f" blocks = {w['working_set_x_pool']}x the fleet's device pools")
         lines.append(f"{'policy':32s} {'device':>7s} {'host':>6s} {'disk':>6s} {'shared':>6s}"
-                     f" {'TTFT p50':>9s} {'p99':>8s} {'req/s':>7s} {'out tok/s':>9s}")
+                     f" {'TTFT mean':>9s} {'p50':>7s} {'p99':>7s} {'req/s':>6s}"
+                     f" {'out tok/s':>9s}")
         for label, r in w["runs"].items():
             h = r["hit_rate"]
             lines.append(
                 f"{label:32s} {h[TIER_DEVICE]:7.1%} {h['host_pinned']:6.1%} {h['disk']:6.1%} "
-                f"{h['external']:6.1%} {r['ttft_p50_s']:8.3f}s {r['ttft_p99_s']:7.3f}s "
-                f"{r['requests_per_s']:7.3f} {r['output_tokens_per_s']:9.1f}")
+                f"{h['external']:6.1%} {r['ttft_mean_s']:8.3f}s {r['ttft_p50_s']:6.3f}s "
+                f"{r['ttft_p99_s']:6.3f}s {r['requests_per_s']:6.2f} "
+                f"{r['output_tokens_per_s']:9.1f}")
     return "\n".join(lines)
 
 
