@@ -292,3 +292,23 @@ def test_removed_events_of_vllm_keep_their_medium_through_the_decoder():
     rem, st = batch.events
     assert isinstance(rem, BlockRemoved) and rem.medium == "CPU"
     assert isinstance(st, BlockStored) and st.block_size == 0 and st.token_ids == []
+
+
+# --- P/D: a lower-tier hit adds its load time to the TTFT estimate ---------------------------
+def test_a_host_tier_hit_on_the_prefill_worker_adds_its_load_time_to_the_estimate():
+    from .test_router_pd import make_pd_router
+
+    prompt = list(range(3000, 5000))              # 125 blocks
+    hashes = [event_int(h) for h in block_hashes(prompt, BS, "sha256", "s")]
+    remote_s = {}
+    for medium in ("GPU", "CPU"):
+        r, _, subs = make_pd_router()
+        r.config = dataclasses.replace(r.config, cost=CostConfig(host_cache_hit_weight=0.5))
+        subs["p:1"].feed.on_batch(BatchDecoder().decode(vllm_frame(
+            stored_map(hashes, medium, tokens=prompt))))
+        routed = r.route_pd(prompt + [1])
+        assert routed.prefill is not None and routed.prefill.predicted_tokens == 2000
+        assert routed.prefill.ticket.tiers == ((D,) if medium == "GPU" else (H,)) * 125
+        remote_s[medium] = routed.decision.estimate.remote_s
+    # half of each host block's tokens count as prefill work: its load time
+    assert remote_s["CPU"] > 1.5 * remote_s["GPU"]
