@@ -4,10 +4,13 @@ store, tier-weighted credit, vLLM/Dynamo offload events (both forms), per-tier v
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvloop.core.hashing import block_hashes
 from kvloop.events.nats_plane import decode_dynamo, encode_dynamo
@@ -312,3 +315,62 @@ def test_a_host_tier_hit_on_the_prefill_worker_adds_its_load_time_to_the_estimat
         remote_s[medium] = routed.decision.estimate.remote_s
     # half of each host block's tokens count as prefill work: its load time
     assert remote_s["CPU"] > 1.5 * remote_s["GPU"]
+
+
+# --- randomized: the index against a plain model of who holds what ---------------------------
+def _reference(holds: dict[tuple[str, str], set[int]], stores: dict[str, str | None],
+               name: str, hashes: list[int]) -> tuple[str, ...]:
+    """The tiers `name` uses for `hashes`: device prefix, then host, disk, shared store."""
+    out: list[str] = []
+    for h in hashes:
+        if len(out) == out.count(D) and h in holds[name, D]:
+            out.append(D)
+            continue
+        store = stores[name] or f"own:{name}"
+        found = next((t for t, key in ((H, name), (K, name), (S, store))
+                      if h in holds[key, t]), None)
+        if found is None:
+            break
+        out.append(found)
+    return tuple(out)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["store", "remove", "clear"]),
+                         st.sampled_from(["a", "b", "c"]), st.sampled_from([D, H, K, S]),
+                         st.lists(st.integers(0, 5), min_size=1, max_size=4)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_match_tiers_equals_a_plain_model(ops):
+    idx = index()
+    stores: dict[str, str | None] = {"a": "s1", "b": "s1", "c": None}
+    for name, sid in stores.items():
+        idx.set_shared_store(name, sid)
+    holds: dict[tuple[str, str], set[int]] = defaultdict(set)
+    copies: dict[tuple[str, str, int], int] = defaultdict(int)
+    for op, name, tier, hashes in ops:
+        key = (stores[name] or f"own:{name}") if tier == S else name
+        if op == "store":
+            idx.store(name, hashes, tier)
+            for h in hashes:
+                holds[key, tier].add(h)
+                copies[key, tier, h] = 1 if tier == S else copies[key, tier, h] + 1
+        elif op == "remove":
+            idx.remove(name, hashes, tier)
+            for h in hashes:
+                if copies[key, tier, h] > 0:
+                    copies[key, tier, h] -= 1
+                    if copies[key, tier, h] == 0:
+                        holds[key, tier].discard(h)
+        else:
+            idx.clear_worker(name)
+            for t in (D, H, K):
+                holds[name, t].clear()
+                for h in range(6):
+                    copies[name, t, h] = 0
+        idx.check_invariants()
+        idx.check_lower_invariants()
+        probe = list(range(6))
+        want = {n: _reference(holds, stores, n, probe) for n in stores}
+        assert idx.match_tiers(probe) == {n: t for n, t in want.items() if t}
