@@ -374,3 +374,17 @@ def test_match_tiers_equals_a_plain_model(ops):
         probe = list(range(6))
         want = {n: _reference(holds, stores, n, probe) for n in stores}
         assert idx.match_tiers(probe) == {n: t for n, t in want.items() if t}
+
+
+def test_the_router_flags_set_the_tier_weights():
+    import argparse
+
+    from kvloop.router.cli_args import add_router_args, router_config
+
+    p = argparse.ArgumentParser()
+    add_router_args(p)
+    cost = router_config(p.parse_args([
+        "--router-host-cache-hit-weight", "0.75", "--router-disk-cache-hit-weight", "0.25",
+        "--router-shared-cache-hit-weight", "0"])).cost
+    assert [cost.tier_weight(t) for t in (D, H, K, S)] == [1.0, 0.75, 0.25, 0.0]
+    assert router_config(p.parse_args([])).cost == CostConfig()
