@@ -320,6 +320,10 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     version: str
     api_key_required: bool
     api_key_accepted: bool
+    # The shared KV store this worker reads and writes (`--kv-shared-store`), as an id equal
+    # on every worker of one store and free of credentials (None: none). A router credits a
+    # block one worker put there to every worker naming the same store.
+    kv_shared_store: str | None = None
 
 
 TOKENIZER_FILES_PATH = "/kvloop/tokenizer"   # a worker's tokenizer, for a router on another host

@@ -54,7 +54,9 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                      ("torch", "gguf", "numpy", "safetensors")),
     "kvloop.sim": (("kvloop.config", "kvloop.core.engine", "kvloop.core.outputs",
                     "kvloop.core.request", "kvloop.core.scheduler", "kvloop.core.spec_decode",
-                    "kvloop.core.kv_connector"),
+                    "kvloop.core.kv_connector",
+                    # simulated tiers publish the wire's events, with its tier names
+                    "kvloop.events.types"),
                    ("msgspec", "numpy")),
     "kvloop.front": (("kvloop.locate", "kvloop.wire", "kvloop.core.request",
                       "kvloop.sim.byte_vocab"),

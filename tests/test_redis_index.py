@@ -48,6 +48,19 @@ def test_llm_d_layout(redis):
     assert r.ttl("11") == -1   # nothing expires
 
 
+def test_lower_tiers_stay_in_the_replica_and_extend_the_shared_device_prefix(redis):
+    one, two = shared(redis), shared(redis)
+    one.store("a:1", [1, 2])                          # device: mirrored into Redis
+    one.store("a:1", [2, 3], "host_pinned")           # host: this replica's view only
+    r = one.client
+    assert r.hkeys("3") == [] and r.smembers("kvloop:pod:a:1") == {b"1", b"2"}
+    assert one.match_tiers([1, 2, 3, 4]) == {"a:1": ("device", "device", "host_pinned")}
+    assert two.match_tiers([1, 2, 3, 4]) == {"a:1": ("device", "device")}
+    one.remove("a:1", [3], "host_pinned")             # never a Redis removal
+    assert one.match_tiers([1, 2, 3]) == {"a:1": ("device", "device")}
+    assert r.hkeys("2") == [pod_entry("a:1")]
+
+
 def test_replicas_share_one_view(redis):
     one, two = shared(redis), shared(redis)
     one.store("a:1", [1, 2, 3])

@@ -136,7 +136,7 @@ def test_capacity_is_the_usable_blocks_not_the_pool_with_its_null_block(tmp_path
     assert (d.num_gpu_blocks, d.kv_capacity_blocks) == (64, 63)
     r, _, _ = make_router()
     r.register(WorkerSpec("http://w:1"), d)
-    assert r._candidate(r.registry.get("w:1"), 0).capacity_blocks == 63   # what scoring reads
+    assert r._candidate(r.registry.get("w:1"), ()).capacity_blocks == 63   # what scoring reads
 
 
 def test_events_feed_the_index_and_routing_follows_them():

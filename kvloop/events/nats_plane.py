@@ -55,11 +55,15 @@ from kvloop.events.config import (
     NatsPlaneConfig,
 )
 from kvloop.events.types import (
+    LOCALITY_OF_TIER,
+    MEDIUM_OF_TIER,
+    TIER_DEVICE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    tier_of,
 )
 from kvloop.trust import FleetSecret, MessageVerifier, sign_message
 
@@ -79,11 +83,6 @@ CMD_INFO, CMD_REPLAY, CMD_SNAPSHOT = "info", "replay", "snapshot"
 # salted by the LoRA name (wrapping add of XXH3-64(name, seed 0)).
 DYNAMO_HASH_SEED = 1337
 _U64 = (1 << 64) - 1
-_TIERS = {"GPU": "device", "DEVICE": "device", "CPU": "host_pinned",
-          "CPU_PINNED": "host_pinned", "CPU_TIER1": "host_pinned", "CPU_TIER2": "disk",
-          "DISK": "disk", "NVME": "disk", "EXTERNAL": "external", "REMOTE": "external",
-          "SHARED": "external"}
-_MEDIUM_OF_TIER = {"device": "GPU", "host_pinned": "CPU", "disk": "DISK", "external": "EXTERNAL"}
 
 
 # --- subjects ---------------------------------------------------------------------------------
@@ -319,8 +318,9 @@ def _dynamo_data(ev: KVEvent) -> Any:
 
 
 def _tier(ev: KVEvent) -> str:
-    medium = getattr(ev, "medium", None)
-    return _TIERS.get((medium or "GPU").upper(), "device")
+    """Dynamo's `storage_tier` of an event (an unknown medium: the device tier)."""
+    tier = tier_of(getattr(ev, "medium", None), getattr(ev, "locality", None))
+    return tier or TIER_DEVICE
 
 
 def encode_dynamo(events: list[KVEvent], worker_id: int, first_event_id: int,
@@ -338,7 +338,8 @@ def decode_dynamo(payload: bytes, block_size: int) -> tuple[int, int, KVEventBat
     (a ValidationError for a shape that is not Dynamo's). Dynamo's events carry no token ids
     and no block size: the batch's BlockStored get `block_size` and no tokens."""
     rev = _ROUTER_EVENT.decode(payload)
-    medium = _MEDIUM_OF_TIER.get(rev.storage_tier, "GPU")
+    tier = tier_of(rev.storage_tier) or TIER_DEVICE     # Dynamo's names, or vLLM's mediums
+    medium, locality = MEDIUM_OF_TIER[tier], LOCALITY_OF_TIER.get(tier)
     data = rev.event.data
     ev: KVEvent
     if data == "cleared":
@@ -348,10 +349,10 @@ def decode_dynamo(payload: bytes, block_size: int) -> tuple[int, int, KVEventBat
         hashes = [int(b["block_hash"]) for b in st.get("blocks", [])]
         ev = BlockStored(block_hashes=list(hashes), parent_block_hash=st.get("parent_hash"),
                          token_ids=[], block_size=block_size, lora_id=None, medium=medium,
-                         lora_name=None)
+                         lora_name=None, locality=locality)
     elif isinstance(data, dict) and isinstance(data.get("removed"), dict):
         ev = BlockRemoved(block_hashes=[int(h) for h in data["removed"]["block_hashes"]],
-                          medium=medium)
+                          medium=medium, locality=locality)
     else:
         raise msgspec.ValidationError(f"not a Dynamo KV event: {data!r}"[:200])
     batch = KVEventBatch(ts=0.0, events=[ev], data_parallel_rank=rev.event.dp_rank)

@@ -106,6 +106,16 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--saturation-floor", type=int, default=d.saturation_floor,
                    help="fewest in-flight requests that can make a worker saturated")
     c.add_argument("--eviction-weight", type=float, default=d.eviction_weight)
+    c.add_argument("--router-host-cache-hit-weight", type=float,
+                   default=d.host_cache_hit_weight,
+                   help="credit of a block loaded from a worker's host-memory tier (device: "
+                        "1; Dynamo's flag); 0 ignores the tier")
+    c.add_argument("--router-disk-cache-hit-weight", type=float,
+                   default=d.disk_cache_hit_weight,
+                   help="credit of a block loaded from a worker's disk tier")
+    c.add_argument("--router-shared-cache-hit-weight", type=float,
+                   default=d.shared_cache_hit_weight,
+                   help="credit of a block loaded from the shared store a worker reads")
     pd = p.add_argument_group("prefill/decode disaggregation (docs/router.md)")
     dp = PDConfig()
     pd.add_argument("--pd-policy", choices=PD_POLICIES, default=dp.policy,
@@ -220,7 +230,10 @@ def router_config(args: argparse.Namespace,
                         marginal_work_weight=args.marginal_work_weight,
                         load_bound=args.load_bound,
                         saturation_floor=args.saturation_floor,
-                        eviction_weight=args.eviction_weight),
+                        eviction_weight=args.eviction_weight,
+                        host_cache_hit_weight=args.router_host_cache_hit_weight,
+                        disk_cache_hit_weight=args.router_disk_cache_hit_weight,
+                        shared_cache_hit_weight=args.router_shared_cache_hit_weight),
         liveness=LivenessConfig(window_s=args.liveness_window,
                                 poll_interval_s=args.poll_interval,
                                 verify_window=args.verify_window,

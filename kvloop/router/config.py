@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
+from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
 from kvloop.trust import FleetSecret
@@ -44,6 +45,7 @@ class IndexConfig:
     url: str | None = None            # redis://... : block -> workers shared in Redis
     password: str | None = None       # Redis password, unless the URL carries one
     read_timeout_s: float = 0.25      # a decision's Redis read; then this router's own view
+    max_lower_blocks: int = 1_000_000 # per worker and tier below the device, per shared store
 
     def __post_init__(self) -> None:
         if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss",
@@ -62,6 +64,8 @@ class IndexConfig:
             raise ValueError("provisional_ttl_s must be >= 0")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if self.max_lower_blocks < 1:
+            raise ValueError(f"max_lower_blocks must be >= 1, got {self.max_lower_blocks}")
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,27 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
     load_bound: float = 2.0
     saturation_floor: int = 8
     kv_shortage_weight: float = 1.0
+    # Credit of a cached block by the tier it is loaded from (device: 1), Dynamo's
+    # `--router-{host,disk}-cache-hit-weight`. A weight is 1 - load time / recompute time of
+    # one block, so `(1 - w) * block_size` is the load time in prefill tokens. Defaults
+    # measured on the reference CPU (docs/router.md "Tiers"): a 16-token block of the
+    # embedded model (737 KB fp32) is recomputed in ~11.5 ms; copied from host memory in
+    # ~0.01 ms, read from a file and checksummed in ~0.9 ms, fetched from a shared store
+    # at 10 Gb/s and checksummed in ~1.5 ms.
+    host_cache_hit_weight: float = 0.99
+    disk_cache_hit_weight: float = 0.9
+    shared_cache_hit_weight: float = 0.85
+
+    def tier_weight(self, tier: str) -> float:
+        """The credit of one block used from `tier` (device: 1)."""
+        return {TIER_HOST: self.host_cache_hit_weight, TIER_DISK: self.disk_cache_hit_weight,
+                TIER_SHARED: self.shared_cache_hit_weight}.get(tier, 1.0)
 
     def __post_init__(self) -> None:
+        for name in ("host_cache_hit_weight", "disk_cache_hit_weight",
+                     "shared_cache_hit_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.decode_token_cost < 0:
             raise ValueError("decode_token_cost must be >= 0")
         if self.marginal_work_weight < 0:

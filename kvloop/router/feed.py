@@ -11,6 +11,15 @@ Each batch is checked before it is applied:
   first prompt the worker caches, with certainty, instead of a silent 0% hit rate.
 A failed check refuses the worker's events from then on (its entries are dropped) and
 raises a `config_mismatch` alarm naming the field; routing to it becomes load-only.
+
+Tiers (`medium`, `locality`: `kvloop.events.types.tier_of`): each event applies to the tier
+it names. Only a device-tier event can be a `config_mismatch`; below the device:
+- a placeholder (vLLM before 0.24: `block_size` 0, no tokens) mirrors device blocks: hashes
+  the worker holds on its device are indexed in the event's tier (`placeholders_mapped`),
+  the others are counted and ignored (`placeholders_ignored`);
+- a block size other than the fleet's (an offloading block of several device blocks, whose
+  one hash names its last device block) is counted and ignored (`tier_size_skipped`);
+- an unknown medium is counted and ignored (`unknown_medium`).
 """
 
 from __future__ import annotations
@@ -21,7 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 from kvloop.core.hashing import BlockHasher
-from kvloop.events.types import AllBlocksCleared, BlockRemoved, BlockStored, event_int
+from kvloop.events.types import (
+    TIER_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    event_int,
+    tier_of,
+)
 from kvloop.router.index import BlockIndex, to_u64
 from kvloop.router.registry import EventCounters
 
@@ -92,6 +108,12 @@ class EventFeed:
     # --- events ---------------------------------------------------------------------------
     def _apply(self, ev: Any) -> bool:
         if isinstance(ev, BlockStored):
+            tier = self._tier(ev)
+            if tier is None:
+                return True
+            if tier != TIER_DEVICE:
+                self._store_lower(ev, tier)
+                return True
             problem = self._check_stored(ev)
             if problem is not None:
                 self.refusing = problem
@@ -101,12 +123,37 @@ class EventFeed:
             self.counters.stored_blocks += len(ev.block_hashes)
             self.index.store(self.worker, ev.block_hashes)
         elif isinstance(ev, BlockRemoved):
+            tier = self._tier(ev)
+            if tier is None:
+                return True
             self.counters.removed_blocks += len(ev.block_hashes)
-            self.index.remove(self.worker, ev.block_hashes)
+            self.index.remove(self.worker, ev.block_hashes, tier)
         elif isinstance(ev, AllBlocksCleared):
             self.counters.cleared += 1
             self.index.clear_worker(self.worker)
         return True
+
+    def _tier(self, ev: BlockStored | BlockRemoved) -> str | None:
+        tier = tier_of(ev.medium, ev.locality)
+        if tier is None:
+            self.counters.unknown_medium += len(ev.block_hashes)
+        return tier
+
+    def _store_lower(self, ev: BlockStored, tier: str) -> None:
+        """A BlockStored below the device (see the module docstring)."""
+        c = self.counters
+        assert self.hasher is not None
+        hashes: list[int | bytes] = list(ev.block_hashes)
+        if ev.block_size == 0 and not ev.token_ids:
+            held = self.index.held(self.worker, hashes)
+            c.placeholders_mapped += len(held)
+            c.placeholders_ignored += len(hashes) - len(held)
+            hashes = list(held)
+        elif ev.block_size != self.hasher.block_size:
+            c.tier_size_skipped += len(hashes)
+            return
+        c.tier_stored[tier] = c.tier_stored.get(tier, 0) + len(hashes)
+        self.index.store(self.worker, hashes, tier)
 
     def _check_stored(self, ev: BlockStored) -> str | None:
         """A mismatch description, or None when the event agrees with the fleet's hashing."""

@@ -24,6 +24,19 @@ Layout (llm-d's design, in Python terms):
 
 Hashes are 64-bit unsigned ints: the engine's `event_int` of each block digest.
 
+Tiers below the device (vLLM's OffloadingConnector, HiCache, KVBM: `kvloop.events.types`
+names them) are kept beside the device entries, per worker and tier:
+
+    workers[name].lower[tier] : OrderedDict {block hash -> store count}    (host, disk)
+    stores[store id]          : OrderedDict {block hash -> None}            (shared store)
+
+A shared store is one set of blocks whatever worker announced them: every worker whose facts
+name that store (`set_shared_store`) reads it; a worker naming none keeps its "shared" blocks
+to itself. Lower tiers are bounded by `IndexConfig.max_lower_blocks` per worker and per store
+(LRU). `match` answers for the device tier only (the interface of a shared index);
+`match_tiers` extends each worker's device prefix with the best lower tier holding each next
+block, which is the order an engine uses them: its own pool first, then loads from below.
+
 `BlockIndex` is the interface the router, its feeds and its metrics use; `PrefixIndex` (this
 module, the default) and `kvloop.router.redis_index.RedisIndex` (block -> workers shared by
 router replicas in Redis, `IndexConfig.url`) implement it; the router picks one
@@ -39,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvloop.events.types import TIER_DEVICE, TIER_DISK, TIER_HOST, TIER_SHARED, TIERS
 from kvloop.router.config import IndexConfig
 
 _U64 = (1 << 64) - 1
@@ -67,6 +81,9 @@ class _WorkerBlocks:
         self.lock = threading.Lock()
         self.lru: OrderedDict[int, int] = OrderedDict()
         self.evicted = 0
+        self.lower: dict[str, OrderedDict[int, int]] = {TIER_HOST: OrderedDict(),
+                                                       TIER_DISK: OrderedDict()}
+        self.store_id: str | None = None    # the shared store it reads (None: its own)
 
 
 @dataclass(frozen=True)
@@ -94,14 +111,21 @@ class BlockIndex(Protocol):
     def clear_worker(self, name: str) -> int: ...
     def forget_worker(self, name: str) -> int: ...
     def workers(self) -> list[str]: ...
-    def store(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult: ...
+    def set_shared_store(self, name: str, store_id: str | None) -> None: ...
+    def store(self, name: str, hashes: Iterable[int | bytes],
+              tier: str = TIER_DEVICE) -> ApplyResult: ...
     def touch(self, name: str, hashes: Iterable[int | bytes]) -> int: ...
-    def remove(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult: ...
+    def remove(self, name: str, hashes: Iterable[int | bytes],
+               tier: str = TIER_DEVICE) -> ApplyResult: ...
     def add_provisional(self, name: str, hashes: Sequence[int]) -> int: ...
     def expire_provisional(self) -> None: ...
     def num_provisional(self) -> int: ...
     def match(self, hashes: Sequence[int], workers: Iterable[str] | None = None,
               include_provisional: bool = True) -> dict[str, int]: ...
+    def match_tiers(self, hashes: Sequence[int], workers: Iterable[str] | None = None,
+                    include_provisional: bool = True) -> dict[str, tuple[str, ...]]: ...
+    def tier_blocks(self, name: str) -> dict[str, int]: ...
+    def held(self, name: str, hashes: Iterable[int | bytes]) -> list[int]: ...
     def num_blocks(self) -> int: ...
     def num_hashes(self) -> int: ...
     def worker_blocks(self, name: str) -> int: ...
@@ -134,6 +158,8 @@ class PrefixIndex:
         self._prov: dict[int, dict[int, float]] = {}
         self._prov_queue: deque[tuple[float, int, int]] = deque()
         self._prov_lock = threading.Lock()
+        self._stores: dict[str, OrderedDict[int, None]] = {}
+        self._lower_lock = threading.Lock()    # guards `_stores` (lower[...] use w.lock)
 
     # --- workers --------------------------------------------------------------------------
     def add_worker(self, name: str, capacity_blocks: int | None = None) -> None:
@@ -170,9 +196,12 @@ class PrefixIndex:
             w.lru.clear()
             for h in hashes:
                 self._unset(h, w.bit)
+            lower = sum(len(t) for t in w.lower.values())
+            for t in w.lower.values():
+                t.clear()
         self._add_total(-len(hashes))
         self._drop_provisional_of(w.slot)
-        return len(hashes)
+        return len(hashes) + lower
 
     def forget_worker(self, name: str) -> int:
         """This router's view of `name` is no longer whole: here, the same as a clear."""
@@ -181,9 +210,17 @@ class PrefixIndex:
     def workers(self) -> list[str]:
         return list(self._workers)
 
+    def set_shared_store(self, name: str, store_id: str | None) -> None:
+        """`name` reads the shared store `store_id` (from its worker facts; None: none)."""
+        self._require(name).store_id = store_id
+
     # --- events ---------------------------------------------------------------------------
-    def store(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
-        """BlockStored: `name` now holds `hashes` (confirms provisional entries)."""
+    def store(self, name: str, hashes: Iterable[int | bytes],
+              tier: str = TIER_DEVICE) -> ApplyResult:
+        """BlockStored: `name` now holds `hashes` in `tier` (device: confirms provisional
+        entries; external: the worker's shared store holds them)."""
+        if tier != TIER_DEVICE:
+            return self._store_lower(self._require(name), [to_u64(h) for h in hashes], tier)
         w = self._require(name)
         added = evicted = 0
         stored = [to_u64(raw) for raw in hashes]
@@ -214,8 +251,12 @@ class PrefixIndex:
                     moved += 1
         return moved
 
-    def remove(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
-        """BlockRemoved: one copy of each hash left `name`'s cache."""
+    def remove(self, name: str, hashes: Iterable[int | bytes],
+               tier: str = TIER_DEVICE) -> ApplyResult:
+        """BlockRemoved: one copy of each hash left `name`'s `tier` (a shared store holds
+        one copy: it is gone)."""
+        if tier != TIER_DEVICE:
+            return self._remove_lower(self._require(name), [to_u64(h) for h in hashes], tier)
         w = self._require(name)
         removed = 0
         with w.lock:
@@ -231,6 +272,51 @@ class PrefixIndex:
                 self._unset(h, w.bit)
                 removed += 1
         self._add_total(-removed)
+        return ApplyResult(removed=removed)
+
+    def _store_key(self, w: _WorkerBlocks) -> str:
+        return w.store_id if w.store_id is not None else f"own:{w.slot}"
+
+    def _store_lower(self, w: _WorkerBlocks, hashes: list[int], tier: str) -> ApplyResult:
+        cap = self.config.max_lower_blocks
+        added = 0
+        if tier == TIER_SHARED:
+            with self._lower_lock:
+                entries = self._stores.setdefault(self._store_key(w), OrderedDict())
+                for h in hashes:
+                    added += h not in entries
+                    entries[h] = None
+                    entries.move_to_end(h)
+                evicted = _pop_oldest(entries, len(entries) - cap)
+            return ApplyResult(added=added, evicted=evicted)
+        with w.lock:
+            lru = w.lower[tier]
+            for h in hashes:
+                count = lru.pop(h, 0)
+                lru[h] = count + 1
+                added += count == 0
+            evicted = _pop_oldest(lru, len(lru) - cap)
+        return ApplyResult(added=added, evicted=evicted)
+
+    def _remove_lower(self, w: _WorkerBlocks, hashes: list[int], tier: str) -> ApplyResult:
+        removed = 0
+        if tier == TIER_SHARED:
+            with self._lower_lock:
+                entries = self._stores.get(self._store_key(w), OrderedDict())
+                for h in hashes:
+                    removed += entries.pop(h, 0) is None
+            return ApplyResult(removed=removed)
+        with w.lock:
+            lru = w.lower[tier]
+            for h in hashes:
+                count = lru.get(h)
+                if count is None:
+                    continue
+                if count > 1:
+                    lru[h] = count - 1
+                else:
+                    del lru[h]
+                    removed += 1
         return ApplyResult(removed=removed)
 
     def _require(self, name: str) -> _WorkerBlocks:
@@ -375,6 +461,32 @@ class PrefixIndex:
         names = self._slot_names
         return {names[s]: d for s, d in depth_by_slot.items() if d > 0 and s in names}
 
+    def match_tiers(self, hashes: Sequence[int], workers: Iterable[str] | None = None,
+                    include_provisional: bool = True) -> dict[str, tuple[str, ...]]:
+        """Per worker, the tier to use for each block of its usable prefix: its device
+        prefix (`match`), then, block by block, the best tier below the device holding the
+        next one (host, disk, then the shared store it reads) until none does: as an engine
+        loads what follows its first device miss from below. Workers with no block are
+        left out."""
+        device = self.match(hashes, workers, include_provisional)
+        names = list(self._workers) if workers is None else list(workers)
+        out: dict[str, tuple[str, ...]] = {}
+        for name in names:
+            w = self._workers.get(name)
+            if w is None:
+                continue
+            depth = device.get(name, 0)
+            tiers = [TIER_DEVICE] * depth
+            store = self._stores.get(self._store_key(w))
+            for h in hashes[depth:]:
+                tier = _best_tier(w, h, store)
+                if tier is None:
+                    break
+                tiers.append(tier)
+            if tiers:
+                out[name] = tuple(tiers)
+        return out
+
     @staticmethod
     def _record_depth(mask: int, depth: int, out: dict[int, int]) -> None:
         while mask:
@@ -404,6 +516,23 @@ class PrefixIndex:
         w = self._workers.get(name)
         return len(w.lru) if w is not None else 0
 
+    def held(self, name: str, hashes: Iterable[int | bytes]) -> list[int]:
+        """Those of `hashes` that `name` holds on its device, in order."""
+        w = self._workers.get(name)
+        if w is None:
+            return []
+        with w.lock:
+            return [h for h in map(to_u64, hashes) if h in w.lru]
+
+    def tier_blocks(self, name: str) -> dict[str, int]:
+        """Entries per tier of `name` (external: the shared store it reads)."""
+        w = self._workers.get(name)
+        if w is None:
+            return {t: 0 for t in TIERS}
+        shared = len(self._stores.get(self._store_key(w)) or ())
+        return {TIER_DEVICE: len(w.lru), TIER_HOST: len(w.lower[TIER_HOST]),
+                TIER_DISK: len(w.lower[TIER_DISK]), TIER_SHARED: shared}
+
     def worker_evictions(self, name: str) -> int:
         w = self._workers.get(name)
         return w.evicted if w is not None else 0
@@ -429,6 +558,16 @@ class PrefixIndex:
         assert flat == seen, "shard bitmasks disagree with per-worker entries"
         assert total == self._total, f"total {self._total} != entries {total}"
 
+    def check_lower_invariants(self) -> None:
+        """Lower tiers and stores within their bound; copy counts >= 1."""
+        cap = self.config.max_lower_blocks
+        for w in list(self._workers.values()):
+            with w.lock:
+                for lru in w.lower.values():
+                    assert len(lru) <= cap and all(c >= 1 for c in lru.values())
+        with self._lower_lock:
+            assert all(len(s) <= cap for s in self._stores.values())
+
     def alarms(self) -> list[str]:
         """What is wrong with the index itself, for /health (an index in memory: nothing)."""
         return []
@@ -440,3 +579,22 @@ class PrefixIndex:
 
     def close(self) -> None:
         """Stop what the index runs in the background (nothing here)."""
+
+
+def _pop_oldest(entries: OrderedDict[int, int] | OrderedDict[int, None], n: int) -> int:
+    """Drop the `n` oldest of `entries` (caller holds its lock); returns how many."""
+    n = max(0, min(n, len(entries)))
+    for _ in range(n):
+        entries.popitem(last=False)
+    return n
+
+
+def _best_tier(w: _WorkerBlocks, h: int, store: OrderedDict[int, None] | None) -> str | None:
+    """The fastest tier below the device from which `w` can load block `h` (lock-free
+    reads: see the module)."""
+    for tier in (TIER_HOST, TIER_DISK):
+        if h in w.lower[tier]:
+            return tier
+    if store is not None and h in store:
+        return TIER_SHARED
+    return None

@@ -117,6 +117,35 @@ class _StateCollector(Collector):
         workers = self.registry.all()
         yield from self._worker_gauges(workers)
         yield from self._event_counters(workers)
+        yield from self._tier_families(workers)
+
+    def _tier_families(self, workers: list[WorkerState]) -> Iterator[Any]:
+        """Per worker and tier: index entries, predicted and confirmed hit tokens, and the
+        feed's lower-tier interop counts (placeholders mapped/ignored, skipped blocks)."""
+        blocks = GaugeMetricFamily(P + "worker_tier_blocks", "Blocks the index attributes "
+                                   "to the worker, by tier (external: its shared store)",
+                                   labels=["worker", "tier"])
+        pred = CounterMetricFamily(P + "tier_predicted_hit_tokens", "Cached prompt tokens "
+                                   "the router predicted, by the tier predicted to serve them",
+                                   labels=["worker", "tier"])
+        found = CounterMetricFamily(P + "tier_found_hit_tokens", "Of those, the tokens the "
+                                    "worker then reported cached", labels=["worker", "tier"])
+        interop = CounterMetricFamily(P + "worker_tier_events", "Lower-tier KV-event blocks "
+                                      "by outcome", labels=["worker", "outcome"])
+        for w in workers:
+            for tier, n in self.index.tier_blocks(w.name).items():
+                blocks.add_metric([w.name, tier], n)
+            for tier, n in w.verifier.predicted_by_tier.items():
+                pred.add_metric([w.name, tier], n)
+                found.add_metric([w.name, tier], w.verifier.found_by_tier.get(tier, 0))
+            e = w.events
+            for outcome, n in (("placeholder_mapped", e.placeholders_mapped),
+                               ("placeholder_ignored", e.placeholders_ignored),
+                               ("block_size_skipped", e.tier_size_skipped),
+                               ("unknown_medium", e.unknown_medium),
+                               *((f"stored_{t}", v) for t, v in e.tier_stored.items())):
+                interop.add_metric([w.name, outcome], n)
+        yield from (blocks, pred, found, interop)
 
     def _worker_gauges(self, workers: list[WorkerState]) -> Iterator[Any]:
         now = self.clock()

@@ -20,6 +20,10 @@ counters. `match` reads Redis (one pipelined round trip of HKEYS), plus the loca
 entries. Every replica applies the events it receives: Redis writes are idempotent (HSET /
 HDEL of one field), so replicas fed the same stream write the same thing.
 
+Tiers below the device (host, disk, shared store) stay in each replica's own view: every
+replica receives every worker's events, and only the device tier has an llm-d layout that
+other consumers read (`DeviceTier` "gpu").
+
 `forget_worker` (this replica subscribes anew, meets a gap, loses sight of the worker) drops
 only the local view: Redis keeps what the others see, so a replica that restarts routes from
 the shared view at once. `clear_worker` (the worker's cache is gone) clears it in Redis too. A
@@ -50,6 +54,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvloop.events.config import redact_url
+from kvloop.events.types import TIER_DEVICE
 from kvloop.router.config import IndexConfig
 from kvloop.router.index import ApplyResult, PrefixIndex, to_u64
 
@@ -268,12 +273,16 @@ class RedisIndex(PrefixIndex):
         return sorted(twice)
 
     # --- writes ---------------------------------------------------------------------------
-    def store(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
-        result = super().store(name, hashes)
+    def store(self, name: str, hashes: Iterable[int | bytes],
+              tier: str = TIER_DEVICE) -> ApplyResult:
+        result = super().store(name, hashes, tier)
         self._flush()
         return result
 
-    def remove(self, name: str, hashes: Iterable[int | bytes]) -> ApplyResult:
+    def remove(self, name: str, hashes: Iterable[int | bytes],
+               tier: str = TIER_DEVICE) -> ApplyResult:
+        if tier != TIER_DEVICE:
+            return super().remove(name, hashes, tier)   # lower tiers: this replica's view
         stored = [to_u64(h) for h in hashes]
         w = self._workers.get(name)
         unseen = [h for h in stored if w is None or h not in w.lru]

@@ -38,6 +38,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvloop.config import DEFAULT_ROLE, ROLES
+from kvloop.events.types import TIER_DEVICE
 from kvloop.router.config import HashSpec, LivenessConfig
 from kvloop.wire import WorkerInfo
 
@@ -52,6 +53,7 @@ NO_STORED_BLOCKS = "no_stored_blocks"
 PREFILL_FAILING = "prefill_failing"
 NO_KV_CONNECTOR = "no_kv_connector"
 UNREACHABLE_EVENT_SOURCE = "unreachable_event_source"
+TIER_UNKNOWN = "unindexed"   # the tier an unpredicted hit came from: none the router knows
 ALARMS = (CONFIG_MISMATCH, NO_EVENT_SOURCE, SILENT, PREDICTIONS_MISS, UNPREDICTED_HITS,
           WRONG_SUBJECT, WRONG_EVENT_SOURCE, NO_STORED_BLOCKS, PREFILL_FAILING, NO_KV_CONNECTOR,
           UNREACHABLE_EVENT_SOURCE)
@@ -199,6 +201,7 @@ class Ticket:
     sent_at: float
     first_token_at: float | None = None
     verify: bool = True   # False: the worker's reported hit is not its own (a pulled prompt)
+    tiers: tuple[str, ...] = ()   # the tier of each predicted block (empty: all device)
     closed: bool = False  # closed or dropped: it counts no longer (closing twice is a no-op)
 
 
@@ -208,38 +211,67 @@ class Verifier:
     Only requests where either side saw at least one block count. A sample misses when
     the worker found less than half of a predicted hit (`predictions_miss`), or when it
     found a hit of which the router predicted less than half (`unpredicted_hits`).
+
+    By tier: an engine uses its device prefix first, then loads the following blocks from
+    below, so a reported hit of k blocks covers the first k predicted blocks. A missed
+    prediction is blamed on the tier of the first predicted block the worker did not find;
+    an unpredicted hit on the tier the router has nothing for (`TIER_UNKNOWN`). Per tier,
+    `predicted_by_tier` / `found_by_tier` count tokens (what was predicted from the tier, and
+    how much of that the worker then reported), and the alarm names the tier to blame most.
     """
 
     def __init__(self, cfg: LivenessConfig):
         self.cfg = cfg
-        self.samples: deque[str] = deque(maxlen=cfg.verify_window)
+        self.samples: deque[tuple[str, str | None]] = deque(maxlen=cfg.verify_window)
         self.predicted_tokens = 0
         self.actual_tokens = 0
+        self.predicted_by_tier: dict[str, int] = {}
+        self.found_by_tier: dict[str, int] = {}
 
-    def record(self, predicted: int, actual: int, block_size: int) -> None:
+    def record(self, predicted: int, actual: int, block_size: int,
+               tiers: tuple[str, ...] = ()) -> None:
         self.predicted_tokens += predicted
         self.actual_tokens += actual
+        tiers = tiers or (TIER_DEVICE,) * (predicted // block_size)
+        found = min(actual, predicted) // block_size
+        for i, tier in enumerate(tiers):
+            self.predicted_by_tier[tier] = self.predicted_by_tier.get(tier, 0) + block_size
+            if i < found:
+                self.found_by_tier[tier] = self.found_by_tier.get(tier, 0) + block_size
         if predicted < block_size and actual < block_size:
             return
         if predicted >= block_size and actual * 2 < predicted:
-            self.samples.append(PREDICTIONS_MISS)
+            self.samples.append((PREDICTIONS_MISS, tiers[found] if found < len(tiers)
+                                 else None))
         elif actual >= block_size and predicted * 2 < actual:
-            self.samples.append(UNPREDICTED_HITS)
+            self.samples.append((UNPREDICTED_HITS, TIER_UNKNOWN))
         else:
-            self.samples.append("ok")
+            self.samples.append(("ok", None))
 
     def verdict(self) -> tuple[str, str] | None:
         """(alarm kind, detail) when the window says predictions are broken, else None."""
         n = len(self.samples)
         if n < self.cfg.verify_min_samples:
             return None
-        miss = sum(1 for s in self.samples if s == PREDICTIONS_MISS)
-        unpred = sum(1 for s in self.samples if s == UNPREDICTED_HITS)
+        miss = sum(1 for s, _ in self.samples if s == PREDICTIONS_MISS)
+        unpred = sum(1 for s, _ in self.samples if s == UNPREDICTED_HITS)
         if (miss + unpred) / n < self.cfg.verify_miss_ratio:
             return None
         kind = PREDICTIONS_MISS if miss >= unpred else UNPREDICTED_HITS
         return kind, (f"{miss + unpred} of the last {n} cache predictions were wrong "
-                      f"({miss} predicted hits missed, {unpred} hits not predicted)")
+                      f"({miss} predicted hits missed, {unpred} hits not predicted)"
+                      f"{self._blame(kind)}")
+
+    def _blame(self, kind: str) -> str:
+        """`; tier X disagrees (k of them)` for the tier most samples of `kind` blame."""
+        counts: dict[str, int] = {}
+        for s, tier in self.samples:
+            if s == kind and tier is not None:
+                counts[tier] = counts.get(tier, 0) + 1
+        if not counts:
+            return ""
+        tier = max(sorted(counts), key=lambda t: counts[t])
+        return f"; tier {tier} disagrees ({counts[tier]} of them)"
 
     def reset(self) -> None:
         self.samples.clear()
@@ -255,6 +287,11 @@ class EventCounters:
     cleared: int = 0
     refused: int = 0
     verified_roots: int = 0
+    tier_stored: dict[str, int] = field(default_factory=dict)  # below the device, per tier
+    placeholders_mapped: int = 0     # tokenless lower-tier blocks mirroring device blocks
+    placeholders_ignored: int = 0    # ... mirroring nothing the router knows
+    tier_size_skipped: int = 0       # lower-tier blocks of another block size
+    unknown_medium: int = 0          # blocks of a medium no tier names
     last_event_at: float | None = None
     last_heartbeat_at: float | None = None
     clears_by_reason: dict[str, int] = field(default_factory=dict)
@@ -415,12 +452,13 @@ class Registry:
 
     # --- tickets --------------------------------------------------------------------------
     def open_ticket(self, name: str, prompt_tokens: int, uncached_tokens: int,
-                    predicted_tokens: int, expects_event: bool, verify: bool = True) -> Ticket:
+                    predicted_tokens: int, expects_event: bool, verify: bool = True,
+                    tiers: tuple[str, ...] = ()) -> Ticket:
         with self._lock:
             w = self._workers[name]
             now = self._clock()
             t = Ticket(next(self._ids), name, prompt_tokens, uncached_tokens,
-                       predicted_tokens, now, verify=verify)
+                       predicted_tokens, now, verify=verify, tiers=tiers)
             w.tickets[t.request_id] = t
             if expects_event and w.first_unsignalled_send is None:
                 w.first_unsignalled_send = now

@@ -72,6 +72,7 @@ from kvloop.router.scorer import (
     hit_tokens,
     make_policy,
     rendezvous,
+    tier_credit,
 )
 from kvloop.sim.latency import LatencyModel
 
@@ -186,6 +187,7 @@ class Router:
                 log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
                 self._rehash_feeds()
             self.index.add_worker(spec.name, _capacity(desc))
+            self.index.set_shared_store(spec.name, desc.kv_shared_store if desc else None)
             identity = (desc.epoch if desc is not None else None, event_source(spec, desc))
             before = self._epochs.get(spec.name)
             self._epochs[spec.name] = identity
@@ -393,22 +395,23 @@ class Router:
         if not workers:
             raise NoWorkerError(self._no_worker_message())
         hashes = self.block_hashes(token_ids, cache_salt)
-        matches = self.index.match(hashes, [w.name for w in workers]) if hashes else {}
-        candidates = [self._candidate(w, matches.get(w.name, 0)) for w in workers]
+        matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
+        candidates = [self._candidate(w, matches.get(w.name, ())) for w in workers]
         bs = self.hash_spec.block_size if self.hash_spec else 16
         req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
                            expected_output_tokens)
         decision = self.policy.choose(candidates, req)
         chosen = self.registry.get(decision.worker)
         assert chosen is not None
-        predicted = hit_tokens(matches.get(chosen.name, 0), len(token_ids), bs)
+        tiers = matches.get(chosen.name, ())
+        predicted = hit_tokens(len(tiers), len(token_ids), bs)
         ticket = self._open(chosen, hashes, len(token_ids), predicted,
-                            len(token_ids) - predicted)
+                            len(token_ids) - predicted, tiers=tiers[:predicted // bs])
         self._count_decision(decision, chosen.name, len(token_ids), predicted, t0)
         return Routed(chosen, decision, ticket, predicted, len(hashes))
 
     def _open(self, w: WorkerState, hashes: list[int], prompt_tokens: int, predicted: int,
-              uncached: int, verify: bool = True) -> Ticket:
+              uncached: int, verify: bool = True, tiers: tuple[str, ...] = ()) -> Ticket:
         """Provisional entries (where the worker caches) and a ticket for one leg."""
         bs = self.hash_spec.block_size if self.hash_spec else 16
         caches = w.caches_prefixes
@@ -416,7 +419,7 @@ class Router:
             self.index.add_provisional(w.name, hashes)
         expects_event = caches and len(hashes) * bs > predicted
         return self.registry.open_ticket(w.name, prompt_tokens, uncached, predicted,
-                                         expects_event, verify)
+                                         expects_event, verify, tiers)
 
     # --- prefill/decode disaggregation ----------------------------------------------------
     def pd_mode(self) -> bool:
@@ -438,11 +441,11 @@ class Router:
                       if w.name not in exclude and PREFILL_FAILING not in w.alarms
                       and w.kv_role in KV_HOLDS]
         hashes = self.block_hashes(token_ids, cache_salt)
-        matches = self.index.match(hashes, [w.name for w in decoders + prefillers]) \
+        matches = self.index.match_tiers(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
         n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
         req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens)
-        snaps = {w.name: self._pd_worker(w, matches.get(w.name, 0), req)
+        snaps = {w.name: self._pd_worker(w, matches.get(w.name, ()), req)
                  for w in decoders + prefillers}
         d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
                                          -rendezvous(req.prefix_key, w.name)))
@@ -451,27 +454,30 @@ class Router:
         p_choice, est = None, None
         if prefillers and local_reason is None and self.config.pd.policy != "never":
             p_choice = self.policy.choose(
-                [self._candidate(w, matches.get(w.name, 0)) for w in prefillers], req)
+                [self._candidate(w, matches.get(w.name, ())) for w in prefillers], req)
             p = self.registry.get(p_choice.worker)
             assert p is not None
             est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name], n,
                            bs)
         decision = PDDecision(False, local_reason) if local_reason else decide(
             self.config.pd.policy, est)
-        routed = self._open_pd(d, p_choice if decision.remote else None, hashes, snaps, req,
-                               decision)
+        routed = self._open_pd(d, p_choice if decision.remote else None, hashes, matches,
+                               req, decision)
         self._count_pd(routed, t0)
         return routed
 
-    def _pd_worker(self, w: WorkerState, cached_blocks: int, req: RouteRequest) -> PDWorker:
+    def _pd_worker(self, w: WorkerState, tiers: tuple[str, ...],
+                   req: RouteRequest) -> PDWorker:
+        """`cached_tokens` is the tier-weighted hit: a block loaded from below the device
+        leaves (1 - its weight) of its tokens to the prefill estimate, i.e. its load time."""
         prefilling = w.prefilling()
         decoding = tuple(t.prompt_tokens for t in w.open_tickets()
                          if t.first_token_at is not None)
         external = max(0, w.load.running + w.load.waiting - w.in_flight())
         budget = (w.description.max_num_batched_tokens if w.description is not None
                   else SchedulerConfig.max_num_batched_tokens)   # not a kvloop worker: ours
-        cached = 0 if w.load_only else hit_tokens(cached_blocks, req.prompt_tokens,
-                                                  req.block_size)
+        cached = 0 if w.load_only else int(tier_credit(
+            Candidate(w.name, cached_blocks=len(tiers), tiers=tiers), req, self.config.cost))
         return PDWorker(
             w.name, budget, sum(t.uncached_tokens for t in prefilling)
             + min(w.load.waiting, external) * req.prompt_tokens,
@@ -484,18 +490,20 @@ class Router:
                              prefill.kv_bytes_per_token or cfg.kv_bytes_per_token)
 
     def _open_pd(self, d: WorkerState, p_choice: Decision | None, hashes: list[int],
-                 snaps: dict[str, PDWorker], req: RouteRequest,
+                 matches: dict[str, tuple[str, ...]], req: RouteRequest,
                  decision: PDDecision) -> PDRouted:
-        n = req.prompt_tokens
-        d_hit = snaps[d.name].cached_tokens
+        n, bs = req.prompt_tokens, req.block_size
+        d_tiers = matches.get(d.name, ()) if not d.load_only else ()
+        d_hit = hit_tokens(len(d_tiers), n, bs)
         d_decision = Decision(d.name, DECODE_LOAD)
         if p_choice is None:
-            ticket = self._open(d, hashes, n, d_hit, n - d_hit)
+            ticket = self._open(d, hashes, n, d_hit, n - d_hit, tiers=d_tiers[:d_hit // bs])
             return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes)), None, decision)
         p = self.registry.get(p_choice.worker)
         assert p is not None
-        p_hit = snaps[p.name].cached_tokens
-        p_ticket = self._open(p, hashes, n, p_hit, n - p_hit)
+        p_tiers = matches.get(p.name, ()) if not p.load_only else ()
+        p_hit = hit_tokens(len(p_tiers), n, bs)
+        p_ticket = self._open(p, hashes, n, p_hit, n - p_hit, tiers=p_tiers[:p_hit // bs])
         d_ticket = self._open(d, hashes, n, d_hit, min(1, n), verify=False)
         return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes)),
                         Routed(p, p_choice, p_ticket, p_hit, len(hashes)), decision)
@@ -570,10 +578,10 @@ class Router:
             self.finish(r.prefill.ticket, None, "disconnected")
         self.finish(r.decode.ticket, None, "disconnected")
 
-    def _candidate(self, w: WorkerState, cached_blocks: int) -> Candidate:
+    def _candidate(self, w: WorkerState, tiers: tuple[str, ...]) -> Candidate:
         prefilling = w.prefilling()
         return Candidate(
-            name=w.name, cached_blocks=cached_blocks, load_only=w.load_only,
+            name=w.name, cached_blocks=len(tiers), tiers=tiers, load_only=w.load_only,
             in_flight=w.in_flight(), prefilling=len(prefilling),
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
@@ -614,7 +622,7 @@ class Router:
         w = self.registry.get(ticket.worker)
         if w is not None and w.up:
             bs = self.hash_spec.block_size if self.hash_spec else 16
-            w.verifier.record(ticket.predicted_tokens, cached_tokens, bs)
+            w.verifier.record(ticket.predicted_tokens, cached_tokens, bs, ticket.tiers)
 
     # --- health ---------------------------------------------------------------------------
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -670,11 +678,18 @@ class Router:
             "alarms": {k: a.message for k, a in w.alarms.items()},
             "in_flight": w.in_flight(), "served": w.served, "failed": w.failed,
             "index_blocks": self.index.worker_blocks(w.name),
+            "index_tier_blocks": self.index.tier_blocks(w.name),
+            "shared_store": w.description.kv_shared_store if w.description else None,
             "epoch": w.description.epoch if w.description is not None else None,
             "events": {
                 "batches": e.batches, "stored_blocks": e.stored_blocks,
                 "removed_blocks": e.removed_blocks, "cleared": e.cleared,
                 "refused_batches": e.refused, "verified_roots": e.verified_roots,
+                "lower_tiers": {"stored": dict(e.tier_stored),
+                                "placeholders_mapped": e.placeholders_mapped,
+                                "placeholders_ignored": e.placeholders_ignored,
+                                "block_size_skipped": e.tier_size_skipped,
+                                "unknown_medium": e.unknown_medium},
                 "last_event_age_s": None if e.last_event_at is None else now - e.last_event_at,
                 "last_heartbeat_age_s": None if e.last_heartbeat_at is None
                 else now - e.last_heartbeat_at,
@@ -682,7 +697,9 @@ class Router:
             },
             "verification": {"predicted_tokens": w.verifier.predicted_tokens,
                              "actual_tokens": w.verifier.actual_tokens,
-                             "window": list(w.verifier.samples)},
+                             "window": [kind for kind, _ in w.verifier.samples],
+                             "predicted_by_tier": dict(w.verifier.predicted_by_tier),
+                             "found_by_tier": dict(w.verifier.found_by_tier)},
             "load": {"running": w.load.running, "waiting": w.load.waiting,
                      "kv_usage": w.load.kv_usage},
             "pd": {"kv_role": w.kv_role, "caches_prefixes": w.caches_prefixes,

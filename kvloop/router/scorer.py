@@ -16,9 +16,11 @@ prompt tokens, that stands between this request and its first token on that work
                                                would push out, in tokens
 
 `credited_hit` is the predicted cached prefix, capped as vLLM caps a hit (the last prompt
-token is always recomputed), times `cache_credit`; it is 0 for a worker whose cache signal
-is not trusted (load-only fallback). The cheapest worker wins; ties go to the worker with
-fewer requests in flight, then to a rendezvous hash of the prompt's first block, so cold
+token is always recomputed), each block weighted by the tier it would be used from
+(`CostConfig.tier_weight`: device 1, host/disk/shared store less, so a lower-tier block
+costs its load time in prefill tokens), times `cache_credit`; it is 0 for a worker whose
+cache signal is not trusted (load-only fallback). The cheapest worker wins; ties go to the
+worker with fewer requests in flight, then to a rendezvous hash of the prompt's first block, so cold
 requests of one prefix land on one worker.
 
 Hot prefixes (bounded load): a worker is saturated when its in-flight requests would exceed
@@ -62,7 +64,8 @@ class Candidate:
     `in_flight`: requests the router sent and that have not finished; `prefilling`: those
     of them still before their first token, holding `queued_prefill_tokens` uncached
     tokens. `running`/`waiting`/`kv_usage`: the worker's own last reported figures.
-    `indexed_blocks`: blocks the index says the worker has cached.
+    `indexed_blocks`: blocks the index says the worker has cached. `tiers`: the tier
+    each of its `cached_blocks` would be used from (`BlockIndex.match_tiers`).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Candidate:
     kv_usage: float = 0.0
     capacity_blocks: int | None = None
     indexed_blocks: int = 0
+    tiers: tuple[str, ...] = ()    # the tier of each cached block (empty: all device)
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,17 @@ def hit_tokens(cached_blocks: int, prompt_tokens: int, block_size: int) -> int:
     return min(cached_blocks, usable_blocks) * block_size
 
 
+def tier_credit(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
+    """Tokens of the usable cached prefix, each block weighted by its tier."""
+    blocks = hit_tokens(c.cached_blocks, req.prompt_tokens, req.block_size) // req.block_size
+    if not c.tiers:
+        return float(blocks * req.block_size)
+    return req.block_size * sum(cfg.tier_weight(t) for t in c.tiers[:blocks])
+
+
 def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     """The candidate's estimated work (tokens) before this request's first token."""
-    credited = 0.0 if c.load_only else cfg.cache_credit * hit_tokens(
-        c.cached_blocks, req.prompt_tokens, req.block_size)
+    credited = 0.0 if c.load_only else cfg.cache_credit * tier_credit(c, req, cfg)
     own_prefill = (1.0 + cfg.marginal_work_weight) * (req.prompt_tokens - credited)
     # The router's own in-flight requests are exact; the worker's figures (polled, so a
     # little stale) only add what the router cannot explain: another router's requests.
