@@ -14,6 +14,7 @@ from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
+from kvloop.router.flow_config import FlowConfig
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -94,6 +95,7 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
     load_bound: float = 2.0
     saturation_floor: int = 8
     kv_shortage_weight: float = 1.0
+    session_weight: float = 0.5   # session affinity: share of the last turn's prompt credited
 
     def __post_init__(self) -> None:
         if self.decode_token_cost < 0:
@@ -110,6 +112,8 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
             raise ValueError("saturation_floor must be >= 1")
         if self.kv_shortage_weight < 0:
             raise ValueError("kv_shortage_weight must be >= 0")
+        if not 0.0 <= self.session_weight <= 1.0:
+            raise ValueError(f"session_weight must be in [0, 1], got {self.session_weight}")
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,7 @@ class RouterConfig:
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:

@@ -98,6 +98,7 @@ from kvloop.front.openai import (
 from kvloop.front.prometheus_text import metric_value
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.router.config import RouterConfig
+from kvloop.router.flow import FlowControl, Rejection, rejection_response
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
@@ -119,6 +120,7 @@ from kvloop.router.relay import (
 )
 from kvloop.router.responses import ResponseAffinity, completed_response
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
+from kvloop.router.sessions import session_key
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 
 log = logging.getLogger("kvloop.router")
@@ -202,6 +204,8 @@ class RouterApp:
                                if cfg.worker_api_key else {})
         self.fleet_headers = fleet_headers(cfg)
         self.affinity = ResponseAffinity()
+        self.flow = FlowControl(cfg.flow, router.serving_pool, router.clock,
+                                router.metrics.prom)
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -225,6 +229,7 @@ class RouterApp:
         self._poller = asyncio.create_task(self._poll_loop())
 
     async def stop(self) -> None:
+        await self.flow.stop()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -460,19 +465,28 @@ class RouterApp:
                     strip_usage: bool, output_tokens: int | None = None,
                     exclude: Sequence[str] = (),
                     on_routed: Callable[[str], None] | None = None) -> Response:
-        """Route (never to a worker of `exclude`), forward, answer; `on_routed` hears the
-        name of the worker that got the request; `output_tokens`: what the request will
-        produce (None: what its body asks for)."""
+        """Wait for room (flow control), route (never to a worker of `exclude`), forward,
+        answer; `on_routed` hears the name of the worker that got the request;
+        `output_tokens`: what the request will produce (None: what its body asks for)."""
         assert self.client is not None
         tried: list[str] = list(exclude)
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
+        permit = await unless_disconnected(
+            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+        if isinstance(permit, Disconnected):
+            return Response(status_code=499)
+        if isinstance(permit, Rejection):
+            return rejection_response(permit, self.flow.cfg)
+        session = session_key(request.headers, body)
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), output_tokens)
+                                           body.get("cache_salt"), output_tokens, session)
             except NoWorkerError as e:
                 return error_response(str(e), 503)
+            finally:
+                permit.close()   # routed: its ticket counts it from now on
             name = routed.worker.name
             if on_routed is not None:
                 on_routed(name)
