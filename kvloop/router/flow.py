@@ -60,10 +60,12 @@ def headroom(w: WorkerState, cfg: FlowConfig, now: float) -> int:
     load = w.load
     if now - load.at > cfg.staleness_s or load.kv_usage >= cfg.kv_usage_threshold:
         return 0
-    seqs = w.description.max_num_seqs if w.description is not None else None
-    queued = load.waiting if seqs is None else max(load.waiting, w.in_flight() - seqs)
-    limit = cfg.max_waiting if seqs is not None else max(cfg.max_waiting, 1)
-    return max(0, limit - queued)
+    if w.description is None:   # no kvloop worker: its slots are unknown, its queue is not
+        return max(0, max(cfg.max_waiting, 1) - load.waiting)
+    queued = w.in_flight() - w.description.max_num_seqs   # < 0: free slots
+    if load.waiting > 0:          # requests the router did not send (another router's)
+        queued = max(queued, load.waiting)
+    return max(0, cfg.max_waiting - queued)
 
 
 def fleet_headroom(pool: list[WorkerState], cfg: FlowConfig, now: float) -> int | None:
@@ -222,17 +224,16 @@ class FlowControl:
         self._ensure_dispatcher()
         timeout = key.queue_timeout_s or self.cfg.queue_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(w.released), timeout)
-        except TimeoutError:
-            if self.queue.remove(w):
-                return self._reject(key, QUEUE_TIMEOUT, 503,
-                                    f"waited {timeout:g} s at the router for a saturated "
-                                    "fleet (queue timeout)")
-            return w.released.result()   # released as the timeout fired
+            await asyncio.wait({w.released}, timeout=timeout)
         except asyncio.CancelledError:   # the client left (or the router stops)
             if not self.queue.remove(w) and w.released.done():
                 w.released.result().close()   # released, but nobody will route it
             raise
+        if w.released.done():
+            return w.released.result()
+        self.queue.remove(w)
+        return self._reject(key, QUEUE_TIMEOUT, 503, f"waited {timeout:g} s at the router "
+                                                     "for a saturated fleet (queue timeout)")
 
     def _release_now(self, key: FlowKey, waited: float) -> Permit:
         self.in_transit += 1
