@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -265,6 +266,9 @@ def test_objectives_file_is_read_strictly(tmp_path):
         FlowConfig(objectives=(Objective("a"), Objective("a", 1)))
     with pytest.raises(ValueError):
         load_objectives(tmp_path / "missing.json")
+    example = load_objectives(Path(__file__).parents[1] / "docs" / "objectives.json")
+    assert [(o.name, o.priority) for o in example] == [("chat", 10), ("batch", -1),
+                                                      ("reports", 0)]
 
 
 # --- session affinity ---------------------------------------------------------------------
@@ -315,3 +319,26 @@ def test_router_sends_a_session_back_to_its_busier_worker_without_any_cache_sign
     clock.t += 5.0
     r.index.expire_provisional()
     assert r.route(turn).worker.name != first.worker.name   # no session: by load
+
+
+# --- flags --------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["router", "fleet"])
+def test_router_and_fleet_flags_build_the_flow_config(command, tmp_path):
+    from kvloop.cli import build_parser
+    from kvloop.router.cli_args import router_config
+
+    objectives = Path(__file__).parents[1] / "docs" / "objectives.json"
+    args = build_parser().parse_args([
+        command, "--flow-control", "--flow-max-waiting", "0", "--flow-kv-usage-threshold",
+        "0.8", "--flow-staleness", "1.5", "--flow-max-queue", "64", "--flow-queue-timeout",
+        "9", "--objectives-file", str(objectives), "--session-weight", "0.25"])
+    cfg = router_config(args)
+    assert cfg.flow == FlowConfig(enabled=True, max_waiting=0, kv_usage_threshold=0.8,
+                                  staleness_s=1.5, max_queue=64, queue_timeout_s=9.0,
+                                  objectives=load_objectives(objectives))
+    assert cfg.cost.session_weight == 0.25
+    assert not router_config(build_parser().parse_args([command])).flow.enabled
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(ValueError, match="objectives file"):
+        router_config(build_parser().parse_args([command, "--objectives-file", str(bad)]))

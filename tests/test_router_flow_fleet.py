@@ -64,7 +64,8 @@ def body(rng: random.Random, prompt_len: int = LOW_PROMPT, **extra: Any) -> dict
 async def _ttft(client: httpx.AsyncClient, rng: random.Random) -> float:
     """Seconds to the first token of one streamed high-priority request."""
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body(rng, HIGH_PROMPT, stream=True, max_tokens=2),
+    req = body(rng, HIGH_PROMPT, stream=True, max_tokens=2)
+    async with client.stream("POST", "/v1/completions", json=req,
                              headers={OBJECTIVE_HEADER: "chat"}) as r:
         assert r.status_code == 200, await r.aread()
         ttft = None
