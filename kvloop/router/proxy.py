@@ -98,7 +98,7 @@ from kvloop.front.openai import (
 from kvloop.front.prometheus_text import metric_value
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.router.config import RouterConfig
-from kvloop.router.flow import FlowControl, Rejection, rejection_response
+from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
@@ -472,12 +472,9 @@ class RouterApp:
         tried: list[str] = list(exclude)
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
-        permit = await unless_disconnected(
-            request, self.flow.admit(self.flow.key_of(request.headers, body)))
-        if isinstance(permit, Disconnected):
-            return Response(status_code=499)
-        if isinstance(permit, Rejection):
-            return rejection_response(permit, self.flow.cfg)
+        permit = await self.admission(request, body)
+        if isinstance(permit, Response):
+            return permit
         session = session_key(request.headers, body)
         while True:
             try:
@@ -498,6 +495,17 @@ class RouterApp:
                 return upstream
             assert isinstance(upstream, httpx.Response)
             return await self.answer(request, upstream, routed, stream, strip_usage)
+
+    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
+        """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
+        is routed, or the refusal to answer (499: the client left while queued)."""
+        permit = await unless_disconnected(
+            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+        if isinstance(permit, Disconnected):
+            return Response(status_code=499)
+        if isinstance(permit, Rejection):
+            return rejection_response(permit, self.flow.cfg)
+        return permit
 
     async def decide(self, route: Callable[..., D], *args: Any) -> D:
         """`route(*args)`: on the event loop, or, with an index that does network I/O (Redis),
