@@ -216,6 +216,7 @@ def test_rejections_say_why_with_retry_after_and_metrics_count_them():
     flow = asyncio.run(go())
     r = rejection_response(Rejection(SHED, 429, "busy"), ON)
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.headers["x-kvloop-flow-rejected"] == SHED
     assert json.loads(bytes(r.body))["error"]["code"] == 429
     text = generate_latest(flow.metrics.prom).decode()
     assert metric_value(text, 'kvloop_router_flow_rejections_total'
@@ -338,6 +339,9 @@ def test_router_and_fleet_flags_build_the_flow_config(command, tmp_path):
                                   objectives=load_objectives(objectives))
     assert cfg.cost.session_weight == 0.25
     assert not router_config(build_parser().parse_args([command])).flow.enabled
+    with pytest.raises(ValueError, match="must exceed --poll-interval"):
+        router_config(build_parser().parse_args([command, "--flow-control", "--flow-staleness",
+                                                 "0.5", "--poll-interval", "0.5"]))
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     with pytest.raises(ValueError, match="objectives file"):

@@ -265,6 +265,10 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.flow.enabled and self.flow.staleness_s <= self.liveness.poll_interval_s:
+            raise ValueError(f"--flow-staleness ({self.flow.staleness_s:g} s) must exceed "
+                             f"--poll-interval ({self.liveness.poll_interval_s:g} s): every "
+                             "worker's figures would be stale, the fleet always saturated")
         if self.bus is not None and self.fleet_secret is None and not self.bus.allow_unsigned:
             raise ValueError(
                 "a router on a NATS bus (--discover, --event-plane) needs the fleet secret "
