@@ -59,7 +59,7 @@ class Shell:
 
     def line(self, command: str) -> str:
         line = command.replace(".venv/bin/", f"{BIN}/").replace(
-            "tests/data/", f"{ROOT}/tests/data/")
+            "tests/data/", f"{ROOT}/tests/data/").replace("docs/", f"{ROOT}/docs/")
         for readme_port, port in self.ports.items():
             line = re.sub(rf"\b{readme_port}\b", str(port), line)
         return line
@@ -228,6 +228,7 @@ def bench_router(sh: Shell, cmd: str) -> None:
 CHECKS: dict[str, Callable[[Shell, str], None]] = {
     "kvloop serve smollm2": serve_model,
     "kvloop fleet --workers 4": fleet_up,
+    "--flow-control": fleet_up,
     "kvloop serve sim --port 8001": by_hand_workers,
     "kvloop serve sim --port 8002": by_hand_workers,
     "kvloop router --port 8000 --worker": by_hand_router,
@@ -289,7 +290,7 @@ def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[],
             kind, key = how(cmd)
             if kind == "help":
                 continue
-            if key in ("kvloop fleet --workers 4", "kvloop serve sim --port 8001",
+            if key in ("kvloop fleet --workers 4", "--flow-control", "kvloop serve sim --port 8001",
                        "> fleet.key", "kvloop fleet --prefill 2", "--pd-policy always",
                        "--kv-transfer-config", "--speculative-config",
                        "--trace-file steps.jsonl") or key == "kvloop serve smollm2":

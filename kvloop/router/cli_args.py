@@ -37,6 +37,7 @@ from kvloop.router.config import (
     PDConfig,
     RouterConfig,
 )
+from kvloop.router.flow_config import FlowConfig, load_objectives
 from kvloop.router.registry import WorkerSpec
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
@@ -116,6 +117,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--router-shared-cache-hit-weight", type=float,
                    default=d.shared_cache_hit_weight,
                    help="credit of a block loaded from the shared store a worker reads")
+    c.add_argument("--session-weight", type=float, default=d.session_weight,
+                   help="session affinity (x-session-id or `user`): share of the session's "
+                        "last prompt credited as cached on its last worker (0: off)")
     pd = p.add_argument_group("prefill/decode disaggregation (docs/router.md)")
     dp = PDConfig()
     pd.add_argument("--pd-policy", choices=PD_POLICIES, default=dp.policy,
@@ -150,8 +154,41 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-min-samples", type=int, default=dl.verify_min_samples)
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
+    _add_flow_args(p)
     _add_security_args(p)
     _add_bus_args(p)
+
+
+def _add_flow_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("flow control (docs/router.md \"Flow control\")")
+    d = FlowConfig()
+    g.add_argument("--flow-control", action="store_true",
+                   help="queue requests at the router while every worker is saturated; "
+                        "release them by priority band, tenants of a band in turn")
+    g.add_argument("--flow-max-waiting", type=int, default=d.max_waiting, metavar="N",
+                   help="requests waiting in a worker's engine at which it is saturated")
+    g.add_argument("--flow-kv-usage-threshold", type=float, default=d.kv_usage_threshold,
+                   metavar="FRACTION", help="KV usage at which a worker is saturated")
+    g.add_argument("--flow-staleness", type=float, default=d.staleness_s, metavar="SECONDS",
+                   help="a worker whose polled figures are older is saturated")
+    g.add_argument("--flow-max-queue", type=int, default=d.max_queue, metavar="N",
+                   help="requests the router's queue holds; more answer 503 + Retry-After")
+    g.add_argument("--flow-queue-timeout", type=float, default=d.queue_timeout_s,
+                   metavar="SECONDS", help="longest wait in the queue (unless the request's "
+                                           "objective sets its own); then 503 + Retry-After")
+    g.add_argument("--objectives-file", default=None, metavar="JSON",
+                   help="objectives (x-gateway-inference-objective) with their priorities: "
+                        "{\"objectives\": [{\"name\": ..., \"priority\": ..., "
+                        "\"queue_timeout_s\": ...}]}")
+
+
+def flow_config(args: argparse.Namespace) -> FlowConfig:
+    """Flow control from the flags (raises ValueError, naming a bad objectives file)."""
+    objectives = load_objectives(args.objectives_file) if args.objectives_file else ()
+    return FlowConfig(enabled=args.flow_control, max_waiting=args.flow_max_waiting,
+                      kv_usage_threshold=args.flow_kv_usage_threshold,
+                      staleness_s=args.flow_staleness, max_queue=args.flow_max_queue,
+                      queue_timeout_s=args.flow_queue_timeout, objectives=objectives)
 
 
 def _add_bus_args(p: argparse.ArgumentParser) -> None:
@@ -233,7 +270,8 @@ def router_config(args: argparse.Namespace,
                         eviction_weight=args.eviction_weight,
                         host_cache_hit_weight=args.router_host_cache_hit_weight,
                         disk_cache_hit_weight=args.router_disk_cache_hit_weight,
-                        shared_cache_hit_weight=args.router_shared_cache_hit_weight),
+                        shared_cache_hit_weight=args.router_shared_cache_hit_weight,
+                        session_weight=args.session_weight),
         liveness=LivenessConfig(window_s=args.liveness_window,
                                 poll_interval_s=args.poll_interval,
                                 verify_window=args.verify_window,
@@ -248,7 +286,8 @@ def router_config(args: argparse.Namespace,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,
                     prefill_timeout_s=args.prefill_timeout),
         fleet_secret=fleet_secret_from_args(args) or default_secret,
-        tokenizer=getattr(args, "tokenizer", None))
+        tokenizer=getattr(args, "tokenizer", None),
+        flow=flow_config(args))
 
 
 def _setup_logging(level: str) -> None:

@@ -15,6 +15,7 @@ from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
+from kvloop.router.flow_config import FlowConfig
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -98,6 +99,8 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
     load_bound: float = 2.0
     saturation_floor: int = 8
     kv_shortage_weight: float = 1.0
+    session_weight: float = 0.5   # session affinity: share of the last turn's prompt credited
+
     # Credit of a cached block by the tier it is loaded from (device: 1), Dynamo's
     # `--router-{host,disk}-cache-hit-weight`. A weight is 1 - load time / recompute time of
     # one block, so `(1 - w) * block_size` is the load time in prefill tokens. Defaults
@@ -133,6 +136,8 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
             raise ValueError("saturation_floor must be >= 1")
         if self.kv_shortage_weight < 0:
             raise ValueError("kv_shortage_weight must be >= 0")
+        if not 0.0 <= self.session_weight <= 1.0:
+            raise ValueError(f"session_weight must be in [0, 1], got {self.session_weight}")
 
 
 @dataclass(frozen=True)
@@ -279,6 +284,7 @@ class RouterConfig:
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None
     tokenizer: str | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
     def __post_init__(self) -> None:
         if self.worker_api_key is not None:
@@ -287,6 +293,10 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.flow.enabled and self.flow.staleness_s <= self.liveness.poll_interval_s:
+            raise ValueError(f"--flow-staleness ({self.flow.staleness_s:g} s) must exceed "
+                             f"--poll-interval ({self.liveness.poll_interval_s:g} s): every "
+                             "worker's figures would be stale, the fleet always saturated")
         if self.bus is not None and self.fleet_secret is None and not self.bus.allow_unsigned:
             raise ValueError(
                 "a router on a NATS bus (--discover, --event-plane) needs the fleet secret "

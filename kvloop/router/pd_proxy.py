@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvloop.front.openai import MaxTokens
+from kvloop.router.flow import Permit
 from kvloop.router.pd import (
     CLIENT_PARAMS,
     MULTIPLE_PROMPTS,
@@ -101,11 +102,14 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
 
 class FlowApp(Protocol):
     """What the P/D flow asks of the HTTP front it runs in (`kvloop.router.proxy.RouterApp`):
-    its router, its HTTP client to the workers, a routing decision off or on the event loop,
-    and the single-worker flow's last two steps, reused for the decode leg."""
+    its router, its HTTP client to the workers, flow control's admission, a routing decision
+    off or on the event loop, and the single-worker flow's last two steps, reused for the
+    decode leg."""
 
     router: Router
     client: httpx.AsyncClient | None
+
+    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response: ...
 
     async def decide(self, route: Callable[..., PDRouted], *args: Any) -> PDRouted: ...
 
@@ -128,6 +132,9 @@ class PDFlow:
                    strip_usage: bool) -> Response:
         headers = {**headers, REQUEST_ID: headers.get(REQUEST_ID) or uuid.uuid4().hex}
         tried: list[str] = []
+        permit = await self.app.admission(request, body)
+        if isinstance(permit, Response):
+            return permit
         while True:
             try:
                 routed = await self.app.decide(self.router.route_pd, tokens, tried,
@@ -136,6 +143,8 @@ class PDFlow:
                                                local_reason(body))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
+            finally:
+                permit.close()   # routed: its decode ticket counts it from now on
             try:
                 answer = await self._legs(request, path, raw, body, headers, routed, stream,
                                           strip_usage)

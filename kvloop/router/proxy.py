@@ -99,6 +99,7 @@ from kvloop.front.prometheus_text import metric_value
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router.config import RouterConfig
+from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import Fetch, PromptTokenizer
 from kvloop.router.registry import (
@@ -120,6 +121,7 @@ from kvloop.router.relay import (
 )
 from kvloop.router.responses import ResponseAffinity, completed_response
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
+from kvloop.router.sessions import session_key
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
 from kvloop.wire import TOKENIZER_FILES_PATH, TokenizerFiles
 
@@ -205,6 +207,8 @@ class RouterApp:
                                if cfg.worker_api_key else {})
         self.fleet_headers = fleet_headers(cfg)
         self.affinity = ResponseAffinity()
+        self.flow = FlowControl(cfg.flow, router.serving_pool, router.clock,
+                                router.metrics.prom)
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -228,6 +232,7 @@ class RouterApp:
         self._poller = asyncio.create_task(self._poll_loop())
 
     async def stop(self) -> None:
+        await self.flow.stop()
         if self._poller is not None:
             self._poller.cancel()
             try:
@@ -500,19 +505,25 @@ class RouterApp:
                     strip_usage: bool, output_tokens: int | None = None,
                     exclude: Sequence[str] = (),
                     on_routed: Callable[[str], None] | None = None) -> Response:
-        """Route (never to a worker of `exclude`), forward, answer; `on_routed` hears the
-        name of the worker that got the request; `output_tokens`: what the request will
-        produce (None: what its body asks for)."""
+        """Wait for room (flow control), route (never to a worker of `exclude`), forward,
+        answer; `on_routed` hears the name of the worker that got the request;
+        `output_tokens`: what the request will produce (None: what its body asks for)."""
         assert self.client is not None
         tried: list[str] = list(exclude)
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
+        permit = await self.admission(request, body)
+        if isinstance(permit, Response):
+            return permit
+        session = session_key(request.headers, body)
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), output_tokens)
+                                           body.get("cache_salt"), output_tokens, session)
             except NoWorkerError as e:
                 return error_response(str(e), 503)
+            finally:
+                permit.close()   # routed: its ticket counts it from now on
             name = routed.worker.name
             if on_routed is not None:
                 on_routed(name)
@@ -524,6 +535,17 @@ class RouterApp:
                 return upstream
             assert isinstance(upstream, httpx.Response)
             return await self.answer(request, upstream, routed, stream, strip_usage)
+
+    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
+        """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
+        is routed, or the refusal to answer (499: the client left while queued)."""
+        permit = await unless_disconnected(
+            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+        if isinstance(permit, Disconnected):
+            return Response(status_code=499)
+        if isinstance(permit, Rejection):
+            return rejection_response(permit, self.flow.cfg)
+        return permit
 
     async def decide(self, route: Callable[..., D], *args: Any) -> D:
         """`route(*args)`: on the event loop, or, with an index that does network I/O (Redis),

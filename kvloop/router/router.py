@@ -74,6 +74,7 @@ from kvloop.router.scorer import (
     rendezvous,
     tier_credit,
 )
+from kvloop.router.sessions import SessionTable
 from kvloop.sim.latency import LatencyModel
 
 log = logging.getLogger("kvloop.router")
@@ -151,6 +152,7 @@ class Router:
         self.latency = LatencyModel.from_file(self.config.pd.latency_file,
                                               self.config.pd.speedup)
         self.last_fallback: Fallback | None = None
+        self.sessions = SessionTable()
         self.policy = make_policy(self.config.policy, self.config.cost,
                                   self.config.random_seed)
         self.hash_spec: HashSpec | None = self.config.hash_spec
@@ -193,6 +195,8 @@ class Router:
             self._epochs[spec.name] = identity
             if before != identity:   # a new epoch: the worker's old cache is gone
                 cache_gone = before is not None and before[0] != identity[0]
+                if cache_gone:
+                    self.sessions.forget_worker(spec.name)
                 self._restart_feed(w, spec, desc, cache_gone)
             self.registry.mark_up(spec.name, desc)
             return self._check_worker(w, spec, desc)
@@ -388,21 +392,28 @@ class Router:
         return []
 
     def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
-              cache_salt: str | None = None, expected_output_tokens: int = 16) -> Routed:
-        """Pick a worker for a prompt and open its ticket. Raises NoWorkerError."""
+              cache_salt: str | None = None, expected_output_tokens: int = 16,
+              session: int | None = None) -> Routed:
+        """Pick a worker for a prompt and open its ticket; `session` (a digest,
+        `kvloop.router.sessions.session_key`) steers it softly to the session's last worker.
+        Raises NoWorkerError."""
         t0 = time.perf_counter()
         workers = self.serving_pool(exclude)
         if not workers:
             raise NoWorkerError(self._no_worker_message())
         hashes = self.block_hashes(token_ids, cache_salt)
         matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
-        candidates = [self._candidate(w, matches.get(w.name, ())) for w in workers]
+        turn = self.sessions.last_turn(session, self.clock())
+        candidates = [self._candidate(w, matches.get(w.name, ()),
+                                      turn.prompt_tokens if turn and turn.worker == w.name
+                                      else 0) for w in workers]
         bs = self.hash_spec.block_size if self.hash_spec else 16
         req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
                            expected_output_tokens)
         decision = self.policy.choose(candidates, req)
         chosen = self.registry.get(decision.worker)
         assert chosen is not None
+        self.sessions.record(session, chosen.name, len(token_ids), self.clock())
         tiers = matches.get(chosen.name, ())
         predicted = hit_tokens(len(tiers), len(token_ids), bs)
         ticket = self._open(chosen, hashes, len(token_ids), predicted,
@@ -578,7 +589,8 @@ class Router:
             self.finish(r.prefill.ticket, None, "disconnected")
         self.finish(r.decode.ticket, None, "disconnected")
 
-    def _candidate(self, w: WorkerState, tiers: tuple[str, ...]) -> Candidate:
+    def _candidate(self, w: WorkerState, tiers: tuple[str, ...],
+                   session_tokens: int = 0) -> Candidate:
         prefilling = w.prefilling()
         return Candidate(
             name=w.name, cached_blocks=len(tiers), tiers=tiers, load_only=w.load_only,
@@ -586,7 +598,8 @@ class Router:
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
             capacity_blocks=_capacity(w.description),
-            indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name))
+            indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name),
+            session_tokens=session_tokens)
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
                         t0: float) -> None:

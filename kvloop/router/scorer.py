@@ -19,8 +19,12 @@ prompt tokens, that stands between this request and its first token on that work
 token is always recomputed), each block weighted by the tier it would be used from
 (`CostConfig.tier_weight`: device 1, host/disk/shared store less, so a lower-tier block
 costs its load time in prefill tokens), times `cache_credit`; it is 0 for a worker whose
-cache signal is not trusted (load-only fallback). The cheapest worker wins; ties go to the
-worker with fewer requests in flight, then to a rendezvous hash of the prompt's first block, so cold
+cache signal is not trusted (load-only fallback). Session affinity
+(kvloop/router/sessions.py) is a soft term of the same credit: the worker that served the
+request's session last is credited with at least `session_weight` x the session's last
+prompt (capped the same way), whatever its index says, so a multi-turn session stays with
+its cache unless load outweighs it. The cheapest worker wins; ties go to the worker with
+fewer requests in flight, then to a rendezvous hash of the prompt's first block, so cold
 requests of one prefix land on one worker.
 
 Hot prefixes (bounded load): a worker is saturated when its in-flight requests would exceed
@@ -51,8 +55,9 @@ ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 RANDOM = "random"
 DECODE_LOAD = "decode_load"            # P/D: a decode worker, chosen load first (pd.py)
+SESSION = "session"                    # the session's worker, on its session credit
 REASONS = (COLD, PREFIX_HIT, LOAD_OVERRIDE, HOT_PREFIX_REPLICA, BOUNDED_LOAD, LOAD_ONLY,
-           ROUND_ROBIN, LEAST_LOADED, RANDOM, DECODE_LOAD)
+           ROUND_ROBIN, LEAST_LOADED, RANDOM, DECODE_LOAD, SESSION)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class Candidate:
     tokens. `running`/`waiting`/`kv_usage`: the worker's own last reported figures.
     `indexed_blocks`: blocks the index says the worker has cached. `tiers`: the tier
     each of its `cached_blocks` would be used from (`BlockIndex.match_tiers`).
+    `session_tokens`: the prompt length of the request's session's last turn, if this worker
+    served it (else 0).
     """
 
     name: str
@@ -80,6 +87,7 @@ class Candidate:
     capacity_blocks: int | None = None
     indexed_blocks: int = 0
     tiers: tuple[str, ...] = ()    # the tier of each cached block (empty: all device)
+    session_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,9 +127,20 @@ def tier_credit(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     return req.block_size * sum(cfg.tier_weight(t) for t in c.tiers[:blocks])
 
 
+def index_credit(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
+    """Prompt tokens credited as cached on `c` by the index, each block by its tier."""
+    return 0.0 if c.load_only else cfg.cache_credit * tier_credit(c, req, cfg)
+
+
+def session_credit(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
+    """Prompt tokens credited as cached on `c` because it served the session last."""
+    return cfg.session_weight * hit_tokens(c.session_tokens // req.block_size,
+                                           req.prompt_tokens, req.block_size)
+
+
 def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     """The candidate's estimated work (tokens) before this request's first token."""
-    credited = 0.0 if c.load_only else cfg.cache_credit * tier_credit(c, req, cfg)
+    credited = max(index_credit(c, req, cfg), session_credit(c, req, cfg))
     own_prefill = (1.0 + cfg.marginal_work_weight) * (req.prompt_tokens - credited)
     # The router's own in-flight requests are exact; the worker's figures (polled, so a
     # little stale) only add what the router cannot explain: another router's requests.
@@ -182,7 +201,7 @@ def kv_aware(candidates: list[Candidate], req: RouteRequest, cfg: CostConfig) ->
     cands = {c.name: c for c in candidates}
     costs = {c.name: estimate_cost(c, req, cfg) for c in candidates}
     chosen = _pick(costs, cands, req.prefix_key)
-    reason = _reason(cands, chosen)
+    reason = _reason(cands, chosen, req, cfg)
     if len(candidates) > 1 and saturated(cands[chosen], candidates, cfg):
         free = {n: costs[n] for n, c in cands.items() if not saturated(c, candidates, cfg)}
         if free:
@@ -195,8 +214,11 @@ def kv_aware(candidates: list[Candidate], req: RouteRequest, cfg: CostConfig) ->
     return Decision(chosen, reason, costs[chosen], credited, costs)
 
 
-def _reason(cands: dict[str, Candidate], chosen: str) -> str:
+def _reason(cands: dict[str, Candidate], chosen: str, req: RouteRequest,
+            cfg: CostConfig) -> str:
     c = cands[chosen]
+    if session_credit(c, req, cfg) > index_credit(c, req, cfg):
+        return SESSION
     if c.load_only:
         return LOAD_ONLY
     best = max((x.cached_blocks for x in cands.values() if not x.load_only), default=0)
@@ -244,7 +266,7 @@ class LeastLoadedPolicy:
     name = "least-loaded"
 
     def __init__(self, cfg: CostConfig):
-        self.cfg = dataclasses.replace(cfg, cache_credit=0.0)
+        self.cfg = dataclasses.replace(cfg, cache_credit=0.0, session_weight=0.0)
         self._turn = 0
 
     def choose(self, candidates: list[Candidate], req: RouteRequest) -> Decision:
