@@ -198,6 +198,11 @@ def scheduler_bench(sh: Shell, cmd: str) -> None:
     assert "median of 3 runs" in sh.run(cmd, 240)
 
 
+def tiers_bench(sh: Shell, cmd: str) -> None:
+    out = sh.run(cmd, 240)
+    assert "tier-aware" in out and "shared-document" in out
+
+
 def by_hand_workers(sh: Shell, cmd: str) -> None:
     port = sh.ports["8001" if "8001" in cmd else "8002"]
     log = sh.start(cmd)
@@ -243,6 +248,7 @@ CHECKS: dict[str, Callable[[Shell, str], None]] = {
     "kvloop trace steps.jsonl": trace_png,
     "kvloop replay": replay,
     "kvloop.bench.scheduler": scheduler_bench,
+    "kvloop.bench.tiers": tiers_bench,
 }
 
 
