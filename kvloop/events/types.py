@@ -22,8 +22,16 @@ import msgspec
 ExternalBlockHash = bytes | int
 _INT64_MASK = (1 << 64) - 1
 
+# The tiers a block may sit in, as vLLM's events name them (`medium`): the block pool (kvloop
+# says "GPU" on every device, as vLLM's pool does), host memory, and storage (vLLM main folds
+# file and object stores into one "STORAGE" medium). A storage-tier event also says whether
+# the store is this worker's own (`locality` LOCAL: its disk) or shared by the fleet (REMOTE).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+TIER_MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)   # fastest first
+LOCALITY_LOCAL = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"
 
 
 def event_int(block_hash: bytes) -> int:
