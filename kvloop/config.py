@@ -536,20 +536,21 @@ class KVOffloadConfig:
     """Tiers below the block pool (docs/tiers.md), each optional, at least one set:
 
     - `cpu_bytes`: host memory (`--kv-offloading-backend native --kv-offloading-size GiB`,
-      vLLM's `cpu_bytes_to_use`); blocks kept zlib-compressed (`cpu_compress`);
+      vLLM's `cpu_bytes_to_use`);
     - `disk_path` + `disk_bytes`: local files that survive a restart;
     - `shared_store`: `redis://HOST:PORT[/DB]` (password from $KVLOOP_KV_STORE_PASSWORD, never in
       the URL) or `file:///DIR`, read and written by every worker configured with it;
       `shared_bytes` bounds what this worker keeps in a `file://` store (a redis server
       bounds itself: its `maxmemory`), `shared_ttl_s` the life of a redis key.
 
+    `compress`: records are zlib-compressed (level 1) in every tier.
     `store_threshold`: a block is written below only once its hash was looked up that many
     times (vLLM's reuse gate; 1: every sealed block), remembered for `max_tracker_size`
     hashes. `eviction_policy`: per tier, "lru" (vLLM's "arc" is not implemented).
     `max_block_bytes` bounds one stored record (a larger read is a miss)."""
 
     cpu_bytes: int = 0
-    cpu_compress: bool = True
+    compress: bool = True
     disk_path: str | None = None
     disk_bytes: int = 0
     shared_store: str | None = None

@@ -186,8 +186,8 @@ class EngineCore:
     def step(self) -> StepResult:
         """One engine step. With nothing to do, returns an empty, not-executed result."""
         self._apply_aborts()
-        if not self.scheduler.has_requests():
-            return StepResult()
+        if not self.scheduler.has_requests():   # a connector's events may still be news
+            return StepResult(events=self.take_event_batch())
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         admissions = self.scheduler.last_admissions
@@ -246,6 +246,8 @@ class EngineCore:
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
         events: list[KVEvent] = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
         if not events:
             return None
         return KVEventBatch(ts=time.time(), events=events)

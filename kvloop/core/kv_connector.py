@@ -24,6 +24,9 @@ Worker side (called by the engine around the runner's `execute`): `bind_connecto
 `start_load_kv`, `wait_for_save`, `get_finished(finished_req_ids) -> KVConnectorOutput`,
 `clear_connector_metadata`.
 
+And the KV events of the connector's own caches (vLLM's `take_events()`: an offloading
+connector's tiers; the engine publishes them after the pool's, in the same batch).
+
 And what an engine loop needs beyond vLLM's API: `take_stats()` (one step's
 `KVTransferStats`), `request_ids_in_transfer()` (for the scheduler's invariants),
 `has_news()` (something to report: the engine should step) and `set_wakeup(fn)` (called from
@@ -39,6 +42,7 @@ import msgspec
 
 from kvloop.core.outputs import KVConnectorOutput, SchedulerOutput
 from kvloop.core.request import Request
+from kvloop.events.types import KVEvent
 from kvloop.wire import KVTransferStats
 
 # The shape of one transferred frame (a layer's blocks), the same for every runner
@@ -115,6 +119,8 @@ class KVConnector(Protocol):
     def clear_connector_metadata(self) -> None: ...
 
     # --- the engine loop ------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]: ...
+
     def take_stats(self) -> KVTransferStats: ...
 
     def request_ids_in_transfer(self) -> set[str]: ...

@@ -768,7 +768,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Queues disjoint and consistent with statuses; counters within bounds; blocks
-        cover the computed tokens; a request loading holds blocks for its whole prompt; the
+        cover the computed tokens; a request loading holds blocks for its hit and what it loads; the
         requests outside the queues are finished ones whose transfer the connector still
         owns; the KV cache manager's and pool's invariants."""
         self.kv.check_invariants()
@@ -801,7 +801,9 @@ class Scheduler:
                 assert r.request_id not in self.kv.req_to_blocks
             elif r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 assert r.num_computed_tokens == 0, f"{r} loading with computed tokens"
-                assert held * self.block_size >= r.num_tokens, f"{r} loading without blocks"
+                loaded = (self.kv.get_num_cached_blocks(r.request_id) * self.block_size
+                          + r.num_external_computed_tokens)
+                assert held * self.block_size >= loaded, f"{r} loading without blocks"
             else:
                 assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
 
