@@ -59,10 +59,10 @@ class Rig:
 
     def __init__(self, tiers: list[Tier], threshold: int = 1, runner: Any = None,
                  store: Any = None, blocks: int = POOL, block_size: int = BS,
-                 max_model_len: int = 128):
+                 max_model_len: int = 128, compress: bool = False):
         self.store = store or SimKVBlockStore(block_size)
         runner = runner or SimWorkerRunner(None, blocks, max_model_len, block_size=block_size)
-        offload = KVOffloadConfig(cpu_bytes=1, store_threshold=threshold, compress=False)
+        offload = KVOffloadConfig(cpu_bytes=1, store_threshold=threshold, compress=compress)
         config = EngineConfig(
             cache=CacheConfig(block_size=block_size, num_gpu_blocks=blocks,
                               enable_kv_cache_events=True),
@@ -83,9 +83,11 @@ class Rig:
         for out in result.outputs:
             self.outputs.setdefault(out.request_id, []).append(out)
 
-    def run(self, rid: str, prompt: list[int], max_tokens: int = 1) -> EngineCoreOutput:
+    def run(self, rid: str, prompt: list[int], max_tokens: int = 1,
+            logprobs: int | None = None) -> EngineCoreOutput:
         """One greedy request to its end, then the tiers' writes drained."""
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            logprobs=logprobs)
         self.engine.add_request(self.engine.make_request(rid, prompt, sp))
         for _ in range(2000):
             outs = self.outputs.get(rid)
