@@ -1,0 +1,76 @@
+"""Tiers below the pool in real `kvloop serve` processes (the simulator: the accounting, not
+the bytes, which tests/test_tiers_model.py checks).
+
+- A worker restarted with its disk tier answers its old prefix from disk: cached tokens > 0
+  on the first request after the restart.
+- Two workers sharing a store on a real redis-server: B serves A's prefix from the store
+  (cached tokens > 0 on B's first request), and the store holds only signed records.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+import pytest
+
+from kvloop.front.launcher import ServeProcess
+from kvloop.trust import FleetSecret, secret_env
+
+from .bus_helpers import redis_server
+from .conftest import serving, wait_until
+
+pytestmark = pytest.mark.processes
+
+BS = 16
+SIM = ["--model", "sim", "--num-gpu-blocks-override", "64", "--max-model-len", "1024",
+       "--debug-check-invariants", "--port", "0"]
+SECRET = FleetSecret.generate()
+PROMPT = [1000 + (i * 104729) % 30000 for i in range(200)]     # 12 full blocks and 8 tokens
+
+
+def cached_tokens(srv: ServeProcess, prompt: list[int]) -> int:
+    body: dict[str, Any] = {"model": "sim", "prompt": prompt, "max_tokens": 2,
+                            "temperature": 0}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
+    disk = tmp_path_factory.mktemp("kv-disk")
+    args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05"]
+    with serving(tmp_path_factory, "tiers-disk-1", args) as srv:
+        assert cached_tokens(srv, PROMPT) == 0
+        wait_until(lambda: len(os.listdir(disk)) >= 12, 10, "12 blocks on disk")
+    with serving(tmp_path_factory, "tiers-disk-2", args) as srv:
+        assert cached_tokens(srv, PROMPT) == 12 * BS
+
+
+def test_two_workers_share_a_redis_store(tmp_path_factory):
+    import redis
+
+    tmp = tmp_path_factory.mktemp("redis")
+    with redis_server(tmp) as store:
+        args = [*SIM, "--kv-shared-store", f"redis://127.0.0.1:{store.port}"]
+        env = secret_env(SECRET)
+        client = redis.Redis(host="127.0.0.1", port=store.port)
+        with serving(tmp_path_factory, "tiers-a", args, env=env) as a, \
+                serving(tmp_path_factory, "tiers-b", args, env=env) as b:
+            assert cached_tokens(a, PROMPT) == 0
+            wait_until(lambda: len(client.keys("kvloop:kv:*")) >= 12, 10, "12 blocks stored")
+            assert cached_tokens(b, PROMPT) == 12 * BS
+        client.close()
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("redis://127.0.0.1:1", "needs the fleet secret"),
+    ("redis://user:pw@127.0.0.1:1", "no credentials in the URL"),
+])
+def test_shared_store_refusals_at_start(tmp_path, url, why):
+    log = tmp_path / "serve.log"
+    with pytest.raises(Exception) as err, ServeProcess(
+            [*SIM, "--kv-shared-store", url], log).start(timeout_s=30):
+        pass
+    assert why in str(err.value) + log.read_text()
