@@ -164,6 +164,7 @@ def test_evict_and_reload_from_host_tier_exact_events(host_rig):
 
     again = rig.run("a2", A)
     assert again.num_cached_tokens == 16     # 4 blocks from the host tier
+    assert again.num_external_computed_tokens == 16
     assert rig.tokens("a2") == rig.tokens("a1")
     stored_gpu = [hs for kind, medium, hs in summary(rig.take())
                   if kind == "stored" and medium == MEDIUM_GPU]
@@ -234,6 +235,7 @@ def test_torn_or_corrupt_disk_block_is_a_miss(tmp_path, how):
         out = rig.run("a2", A)
         assert out.finish_reason is not None and out.error is None
         assert out.num_cached_tokens == 8            # blocks 0 and 1 loaded, 2 and 3 not
+        assert out.num_external_computed_tokens == 8
         assert rig.tokens("a2") == rig.tokens("a1")
         assert rig.connector.record_errors == {"disk": 1}
         removed = [(medium, hs) for kind, medium, hs in summary(rig.take())

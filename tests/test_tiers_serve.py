@@ -46,6 +46,9 @@ def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
         wait_until(lambda: len(os.listdir(disk)) >= 12, 10, "12 blocks on disk")
     with serving(tmp_path_factory, "tiers-disk-2", args) as srv:
         assert cached_tokens(srv, PROMPT) == 12 * BS
+        by_source = "vllm:prompt_tokens_by_source_total"
+        assert srv.metric(by_source, source="external_kv_transfer") == 12 * BS
+        assert srv.metric(by_source, source="local_cache_hit") == 0
 
 
 def test_two_workers_share_a_redis_store(tmp_path_factory):

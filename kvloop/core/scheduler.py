@@ -434,6 +434,7 @@ class Scheduler:
         WAITING_FOR_REMOTE_KVS); its cached tokens are its hits, never the loaded ones."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
+        request.num_local_cached_tokens = num_hit
 
     def _held(self, request: Request) -> bool:
         """Whether a waiting reason still holds `request` (the queue's head), asking it: one
@@ -547,7 +548,9 @@ class Scheduler:
             logprobs = self._logprobs(runner_output, i, len(kept))
             out = EngineCoreOutput(request_id=rid, new_token_ids=kept,
                                    num_cached_tokens=request.num_cached_tokens or 0,
-                                   new_logprobs=logprobs, new_prompt_logprobs=prompt_lps)
+                                   new_logprobs=logprobs, new_prompt_logprobs=prompt_lps,
+                                   num_external_computed_tokens=(
+                                       request.num_external_cached_tokens))
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
@@ -665,7 +668,7 @@ class Scheduler:
         request.num_cached_tokens = min(request.num_cached_tokens or 0, num_valid)
         if num_valid == 0:
             self.kv.free(request)            # nothing valid: start over as a fresh request
-            request.num_cached_tokens = None
+            request.num_cached_tokens = request.num_local_cached_tokens = None
         else:
             self.kv.cache_blocks(request, num_valid)
         request.num_computed_tokens = num_valid
