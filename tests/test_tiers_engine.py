@@ -341,3 +341,22 @@ def test_random_requests_keep_tiers_and_events_in_step(tmp_path_factory, plan):
         assert rig.connector.record_errors == {}
     finally:
         rig.close()
+
+
+def test_dynamo_tier_names_on_the_nats_plane():
+    """Each tier's events carry Dynamo's storage_tier: device, host_pinned, disk, external."""
+    import json
+
+    from kvloop.events.nats_plane import encode_dynamo
+    from kvloop.events.types import LOCALITY_REMOTE
+
+    def stored(medium: str, locality: str | None = None) -> BlockStored:
+        return BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * BS,
+                           block_size=BS, lora_id=None, medium=medium, lora_name=None,
+                           locality=locality)
+
+    events: list[KVEvent] = [stored(MEDIUM_GPU), stored(MEDIUM_CPU),
+                             stored(MEDIUM_STORAGE, LOCALITY_LOCAL),
+                             stored(MEDIUM_STORAGE, LOCALITY_REMOTE)]
+    tiers = [json.loads(m)["storage_tier"] for m in encode_dynamo(events, 7, 0, 0)]
+    assert tiers == ["device", "host_pinned", "disk", "external"]

@@ -55,6 +55,8 @@ from kvloop.events.config import (
     NatsPlaneConfig,
 )
 from kvloop.events.types import (
+    LOCALITY_REMOTE,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -319,8 +321,12 @@ def _dynamo_data(ev: KVEvent) -> Any:
 
 
 def _tier(ev: KVEvent) -> str:
-    medium = getattr(ev, "medium", None)
-    return _TIERS.get((medium or "GPU").upper(), "device")
+    """Dynamo's tier of an event: by its medium; vLLM's STORAGE medium is the local disk, or
+    `external` when its locality says the store is shared (REMOTE)."""
+    medium = (getattr(ev, "medium", None) or "GPU").upper()
+    if medium == MEDIUM_STORAGE:
+        return "external" if getattr(ev, "locality", None) == LOCALITY_REMOTE else "disk"
+    return _TIERS.get(medium, "device")
 
 
 def encode_dynamo(events: list[KVEvent], worker_id: int, first_event_id: int,
