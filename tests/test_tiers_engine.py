@@ -360,3 +360,28 @@ def test_dynamo_tier_names_on_the_nats_plane():
                              stored(MEDIUM_STORAGE, LOCALITY_REMOTE)]
     tiers = [json.loads(m)["storage_tier"] for m in encode_dynamo(events, 7, 0, 0)]
     assert tiers == ["device", "host_pinned", "disk", "external"]
+
+
+def test_snapshot_covers_every_tier(host_rig):
+    """The publisher's mirror (a CacheView) keeps each copy's tier: after the pool evicts a
+    prefix the host tier still holds, a snapshot re-announces it as CPU, chain intact."""
+    from kvloop.events.view import CacheView
+
+    rig = host_rig
+    mirror = CacheView(keep_blocks=True)
+    rig.run("a", A)
+    rig.run("b", B)
+    mirror.apply(rig.take())
+    ha = [event_int(h) for h in hashes_of(rig, A, 4)]
+    snap = mirror.snapshot_events()
+    of_a = [e for e in snap if set(e.block_hashes) & set(ha)]
+    assert [(e.medium, e.block_hashes, e.parent_block_hash) for e in of_a] == [
+        (MEDIUM_CPU, ha, None)]
+    assert of_a[0].token_ids == A[:16]
+    rebuilt = CacheView(keep_blocks=True)
+    rebuilt.apply(snap)
+    assert sorted(map(summary_key, rebuilt.snapshot_events())) == sorted(map(summary_key, snap))
+
+
+def summary_key(e: BlockStored) -> tuple[Any, ...]:
+    return (e.medium, tuple(e.block_hashes), e.parent_block_hash)
