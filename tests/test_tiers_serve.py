@@ -49,6 +49,8 @@ def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
         by_source = "vllm:prompt_tokens_by_source_total"
         assert srv.metric(by_source, source="external_kv_transfer") == 12 * BS
         assert srv.metric(by_source, source="local_cache_hit") == 0
+        assert srv.metric("vllm:external_prefix_cache_hits_total") == 12 * BS
+        assert srv.metric("vllm:external_prefix_cache_queries_total") == len(PROMPT)
 
 
 def test_two_workers_share_a_redis_store(tmp_path_factory):
