@@ -581,6 +581,42 @@ class KVOffloadConfig:
         if self.shared_store is not None:
             check_shared_store_url(self.shared_store)
 
+    @classmethod
+    def from_kv_transfer_json(cls, text: str, block_size: int) -> KVOffloadConfig | None:
+        """vLLM's spelling of a host tier, `--kv-transfer-config '{"kv_connector":
+        "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+        {"cpu_bytes_to_use": N}}'` (also `eviction_policy`, `store_threshold`,
+        `max_tracker_size`, and `block_size` equal to the pool's); None when the JSON names
+        another connector. ValueError naming an unknown or mistyped key."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict) or raw.get("kv_connector") != OFFLOADING_CONNECTOR:
+            return None
+        where = f"--kv-transfer-config ({OFFLOADING_CONNECTOR})"
+        unknown = sorted(set(raw) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
+        extra = raw.get("kv_connector_extra_config") or {}
+        if unknown or not isinstance(extra, dict):
+            raise ValueError(f"{where}: unknown key(s) {unknown} or a non-object extra config")
+        unknown = sorted(set(extra) - set(_OFFLOADING_EXTRA))
+        if unknown:
+            raise ValueError(f"{where}: unknown kv_connector_extra_config key(s) {unknown}; "
+                             f"known: {', '.join(sorted(_OFFLOADING_EXTRA))}")
+        extra = dict(extra)
+        _check_types(where, extra, _OFFLOADING_EXTRA)
+        if extra.pop("block_size", block_size) != block_size:
+            raise ValueError(f"{where}: block_size must equal the pool's ({block_size}): "
+                             f"offloading in units of several blocks is not supported")
+        if not extra.get("cpu_bytes_to_use"):
+            raise ValueError(f"{where}: cpu_bytes_to_use is required")
+        return cls(cpu_bytes=extra.pop("cpu_bytes_to_use"), **extra)
+
+
+OFFLOADING_CONNECTOR = "OffloadingConnector"      # vLLM's name for its tiers' connector
+_OFFLOADING_EXTRA = {"cpu_bytes_to_use": int, "eviction_policy": str, "store_threshold": int,
+                     "max_tracker_size": int, "block_size": int}
+
 
 def check_shared_store_url(url: str) -> None:
     """ValueError unless `url` is `redis://HOST:PORT[/DB]` without credentials, or

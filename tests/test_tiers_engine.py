@@ -385,3 +385,44 @@ def test_snapshot_covers_every_tier(host_rig):
 
 def summary_key(e: BlockStored) -> tuple[Any, ...]:
     return (e.medium, tuple(e.block_hashes), e.parent_block_hash)
+
+
+# --- flags and vLLM's --kv-transfer-config spelling ---------------------------------------------
+def tier_config(*argv: str) -> EngineConfig:
+    from kvloop.server import cli_args
+    from tests.test_serve_cli import serve_args
+
+    return cli_args.engine_config(serve_args("sim", *argv))
+
+
+def test_tier_flags_and_vllm_json_give_the_same_host_tier():
+    import json
+
+    flags = tier_config("--kv-offloading-backend", "native", "--kv-offloading-size", "0.5",
+                        "--kv-offload-store-threshold", "2")
+    vllm = tier_config("--kv-transfer-config", json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 29, "store_threshold": 2}}))
+    assert flags.kv_offload == vllm.kv_offload
+    assert flags.kv_offload is not None and flags.kv_offload.cpu_bytes == 1 << 29
+    assert vllm.kv_transfer is None
+    disk = tier_config("--kv-disk-path", "/tmp/kv", "--kv-disk-size", "1")
+    assert disk.kv_offload is not None and disk.kv_offload.disk_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--kv-offloading-size", "1"], "go together"),
+    (["--kv-disk-path", "/tmp/kv"], "--kv-disk-size"),
+    (["--kv-shared-store", "redis://u:p@h:1"], "no credentials"),
+    (["--kv-shared-store", "http://h:1"], "redis://HOST:PORT or file:///DIR"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
+      ' "kv_connector_extra_config": {"cpu_bytes_to_use": 1, "spec_name": "x"}}'], "spec_name"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
+      ' "kv_connector_extra_config": {"cpu_bytes_to_use": 1, "block_size": 64}}'],
+     "block_size"),
+    (["--kv-disk-path", "/tmp/kv", "--kv-disk-size", "1", "--kv-transfer-config",
+      '{"kv_connector": "KvloopConnector", "kv_role": "kv_both"}'], "cannot be combined"),
+])
+def test_bad_tier_settings_are_refused_naming_the_problem(argv, why):
+    with pytest.raises(ValueError, match=why):
+        tier_config(*argv)

@@ -395,7 +395,16 @@ def kv_offload_config(args: argparse.Namespace) -> KVOffloadConfig | None:
         raise ValueError("--kv-offloading-backend and --kv-offloading-size go together")
     if args.kv_disk_size is not None and args.kv_disk_path is None:
         raise ValueError("--kv-disk-size needs --kv-disk-path")
-    if size is None and args.kv_disk_path is None and args.kv_shared_store is None:
+    flags = size is not None or args.kv_disk_path is not None or args.kv_shared_store is not None
+    if args.kv_transfer_config is not None:
+        json_tiers = KVOffloadConfig.from_kv_transfer_json(args.kv_transfer_config,
+                                                           args.block_size)
+        if json_tiers is not None and flags:
+            raise ValueError("give the tiers with the flags or with --kv-transfer-config's "
+                             "OffloadingConnector, not both")
+        if json_tiers is not None:
+            return json_tiers
+    if not flags:
         return None
     return KVOffloadConfig(cpu_bytes=int((size or 0) * GIB), disk_path=args.kv_disk_path,
                            disk_bytes=int((args.kv_disk_size or 0) * GIB),
@@ -406,8 +415,9 @@ def kv_offload_config(args: argparse.Namespace) -> KVOffloadConfig | None:
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
     when unset, fixed here once for the engine); ValueError naming the key at fault."""
-    if args.kv_transfer_config is None:
-        return None
+    if args.kv_transfer_config is None or KVOffloadConfig.from_kv_transfer_json(
+            args.kv_transfer_config, args.block_size) is not None:
+        return None     # no JSON, or vLLM's OffloadingConnector: the tiers (kv_offload_config)
     return KVTransferConfig.from_json(args.kv_transfer_config)
 
 
