@@ -13,8 +13,18 @@ import os
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
+from kvloop.core.hashing import block_hashes
+from kvloop.events.types import (
+    LOCALITY_LOCAL,
+    MEDIUM_STORAGE,
+    BlockStored,
+    KVEventBatch,
+    event_int,
+)
 from kvloop.front.launcher import ServeProcess
 from kvloop.trust import FleetSecret, secret_env
 
@@ -38,13 +48,42 @@ def cached_tokens(srv: ServeProcess, prompt: list[int]) -> int:
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
+def replayed_stored(srv: ServeProcess) -> list[BlockStored]:
+    """Every BlockStored the worker has published so far (its replay socket, from 0)."""
+    endpoint = httpx.get(srv.url + "/kvloop/worker").json()["kv_events"]["replay_endpoint"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    out: list[BlockStored] = []
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            frames = sock.recv_multipart()
+            if not frames[-1]:
+                return out
+            out += [e for e in dec.decode(frames[-1]).events if isinstance(e, BlockStored)]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv-disk")
-    args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05"]
+    args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05",
+            "--enable-kv-cache-events", "--kv-events-endpoint", "tcp://127.0.0.1:0",
+            "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
     with serving(tmp_path_factory, "tiers-disk-1", args) as srv:
         assert cached_tokens(srv, PROMPT) == 0
         wait_until(lambda: len(os.listdir(disk)) >= 12, 10, "12 blocks on disk")
+    expected = [event_int(h) for h in block_hashes(PROMPT, BS, "sha256")[:12]]
     with serving(tmp_path_factory, "tiers-disk-2", args) as srv:
+        # before any request, the worker has announced its disk's blocks, parents first
+        announced = wait_until(lambda: replayed_stored(srv), 10, "the disk's BlockStored")
+        assert [h for e in announced for h in e.block_hashes] == expected
+        assert {(e.medium, e.locality) for e in announced} == {(MEDIUM_STORAGE,
+                                                                 LOCALITY_LOCAL)}
         assert cached_tokens(srv, PROMPT) == 12 * BS
         by_source = "vllm:prompt_tokens_by_source_total"
         assert srv.metric(by_source, source="external_kv_transfer") == 12 * BS
