@@ -426,3 +426,78 @@ def test_tier_flags_and_vllm_json_give_the_same_host_tier():
 def test_bad_tier_settings_are_refused_naming_the_problem(argv, why):
     with pytest.raises(ValueError, match=why):
         tier_config(*argv)
+
+
+# --- records ------------------------------------------------------------------------------------
+def test_record_checks_refuse_what_a_writer_with_the_key_could_still_get_wrong():
+    import zlib
+
+    from kvloop.kv_transfer.tier_record import (
+        RecordError,
+        ShortPrefix,
+        decode_header,
+        decode_record,
+    )
+
+    key, fp, h = b"k" * 32, b"f" * 16, b"h" * 32
+    frames = [bytes([i]) * 8 for i in range(2)]            # 2 layers of 8 bytes
+
+    def header(**kw: Any) -> TierBlockHeader:
+        base: dict[str, Any] = dict(fingerprint=fp, block_hash=h, parent_block_hash=None,
+                                    token_ids=[1, 2], block_size=2, lora_name=None,
+                                    compressed=True, raw_nbytes=16)
+        return TierBlockHeader(**{**base, **kw})
+
+    good = encode_record(header(), frames, key)
+    assert decode_record(good, key, fp, h, 2, 16)[1] == frames
+    end = decode_header(good, key)[1]
+    assert decode_header(good[:end], key)[0] == header()      # from the first bytes alone
+    with pytest.raises(ShortPrefix):
+        decode_header(good[:end - 1], key)
+    with pytest.raises(RecordError, match="block of 16 bytes, expected 8"):
+        decode_record(good, key, fp, h, 2, 8)                   # another geometry
+    with pytest.raises(RecordError, match="MAC"):
+        decode_record(good, b"x" * 32, fp, h, 2, 16)            # another fleet
+    with pytest.raises(RecordError, match="block hash"):
+        decode_record(good, key, fp, b"g" * 32, 2, 16)
+    with pytest.raises(RecordError, match="fingerprint"):
+        decode_record(good, key, b"e" * 16, h, 2, 16)
+    # a bomb MACed by a key holder: inflated no further than the block's size
+    bomb_header = header()
+    head = encode_record(bomb_header, frames, key)
+    bomb = zlib.compress(b"\0" * (64 << 20), 9)
+    forged = _reseal(head, bomb, key)
+    with pytest.raises(RecordError, match="truncated or too large"):
+        decode_record(forged, key, fp, h, 2, 16)
+
+
+def _reseal(record: bytes, payload: bytes, key: bytes) -> bytes:
+    """`record` with its payload replaced and its MAC recomputed (a key holder's forgery)."""
+    import hashlib
+    import hmac
+
+    from kvloop.kv_transfer.tier_record import decode_header
+
+    _, end = decode_header(record, key)
+    body = record[:end] + payload
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def test_a_torn_file_found_at_restart_is_dropped_not_announced(tmp_path):
+    store = SimKVBlockStore(BS)
+    rig = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="")], store=store)
+    rig.run("a1", A)
+    ha = hashes_of(rig, A, 4)
+    rig.close()
+    path = os.path.join(tmp_path, record_key(rig.connector.fp, ha[3]))
+    Path(path).write_bytes(Path(path).read_bytes()[:20])
+    rig2 = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="")],
+               store=SimKVBlockStore(BS))
+    try:
+        rig2.flush()
+        stored = [h for e in rig2.take() if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert stored == [event_int(h) for h in ha[:3]]
+        assert rig2.connector.record_errors == {"disk": 1} and not os.path.exists(path)
+        assert rig2.run("a2", A).num_cached_tokens == 12
+    finally:
+        rig2.close()

@@ -47,11 +47,13 @@ from kvloop.events.types import BlockRemoved, BlockStored, KVEvent, event_int
 from kvloop.kv_transfer.stats import TransferCounters
 from kvloop.kv_transfer.tier_record import (
     RecordError,
+    ShortPrefix,
     TierBlockHeader,
     decode_header,
     decode_record,
     encode_record,
     fingerprint_digest,
+    header_span,
     record_key,
     tier_key,
 )
@@ -110,6 +112,7 @@ class OffloadingConnector:
         self.int_hashes = int_hashes
         self.clock = clock
         self.fp = fingerprint_digest(store.fingerprint, store.block_size)
+        self._block_nbytes = store.block_nbytes if store.has_payload else 0
         self.key = tier_key(secret, self.fp)
         self.counters = TransferCounters()
         self.record_errors: dict[str, int] = {}       # tier name -> records refused
@@ -233,7 +236,7 @@ class OffloadingConnector:
                     parent_block_hash=hashes[i - 1] if i else None,
                     token_ids=list(tokens[i * bs:(i + 1) * bs]), block_size=bs,
                     lora_name=request.lora_name, compressed=self.config.compress,
-                    raw_nbytes=self.store.block_nbytes if self.store.has_payload else 0))
+                    raw_nbytes=self._block_nbytes))
                 for i in range(start, sealed)
                 if self._seen.get(hashes[i], 0) >= threshold and not below[i - start]]
 
@@ -403,7 +406,8 @@ class OffloadingConnector:
                 continue
             try:
                 header, frames = decode_record(record, self.key, self.fp, block_hash,
-                                               self.store.fingerprint.num_layers)
+                                               self.store.fingerprint.num_layers,
+                                               self._block_nbytes)
             except RecordError as e:
                 self._refuse(tier, key, block_hash, str(e))
                 continue
@@ -458,20 +462,33 @@ class OffloadingConnector:
         for tier in self.tiers:
             headers: dict[bytes, TierBlockHeader] = {}
             for key in tier.keys():
-                record = tier.get(key)
                 try:
-                    if record is None:
-                        continue
-                    header, _ = decode_header(record, self.key)
-                    if header.fingerprint != self.fp or key != record_key(self.fp,
-                                                                          header.block_hash):
-                        raise RecordError("fingerprint or key mismatch")
+                    header = self._read_header(tier, key)
                 except RecordError as e:
                     self._refuse(tier, key, _hash_of(key), str(e))
                     continue
-                headers[header.block_hash] = header
+                if header is not None:
+                    headers[header.block_hash] = header
             self._mark_below(list(headers), [])
             self._emit(tier, stored=_parents_first(headers), removed=[])
+
+
+    def _read_header(self, tier: Tier, key: str) -> TierBlockHeader | None:
+        """A held record's checked header, read from its first bytes (the whole record only
+        when its header is unusually long); None: gone meanwhile."""
+        prefix = tier.head(key, header_span(self.block_size))
+        if prefix is None:
+            return None
+        try:
+            header, _ = decode_header(prefix, self.key)
+        except ShortPrefix:
+            record = tier.get(key)
+            if record is None:
+                return None
+            header, _ = decode_header(record, self.key)
+        if header.fingerprint != self.fp or key != record_key(self.fp, header.block_hash):
+            raise RecordError("fingerprint or key mismatch")
+        return header
 
 
 def _parents_first(headers: dict[bytes, TierBlockHeader]) -> list[TierBlockHeader]:

@@ -2,15 +2,18 @@
 
 A record is
 
-    MAGIC (8) | header length (u32) | header (msgpack `TierBlockHeader`) | payload | MAC (32)
+    MAGIC (8) | header length (u32) | header (msgpack `TierBlockHeader`) | header MAC (32)
+        | payload | MAC (32)
 
 where the payload is the block's per-layer frames concatenated (`KV_BLOCK_LAYOUT`, one block),
-zlib-compressed when the header says so, and the MAC is HMAC-SHA256 over everything before
-it under the tier key (`tier_key`: derived from the fleet secret when there is one, else from
-the model fingerprint alone, which makes it a checksum, not a secret). `decode_record`
-accepts a record only when its MAC, its fingerprint, its block hash and its payload size all
-match what the reader expects: anything else (a torn file, another model's block, flipped
-bits) is a `RecordError`, which the tiers count and treat as a miss.
+zlib-compressed when the header says so. The header MAC is HMAC-SHA256 over what precedes
+it (a restart announces a block from its first bytes); the MAC, over everything before it;
+both under the tier key (`tier_key`: derived from the fleet secret when there is one, else
+from the model fingerprint alone, which makes it a checksum, not a secret). `decode_record`
+accepts a record only when its MACs, its fingerprint, its block hash and its payload size
+all match what the reader expects (a compressed payload is never inflated past that size):
+anything else (a torn file, another model's block, flipped bits) is a `RecordError`, which
+the tiers count and treat as a miss.
 
 Keys (`record_key`) join the fingerprint's digest and the block hash: the hash chains the
 block's tokens, its parents' tokens, its LoRA and its cache salt, so no model's or tenant's
@@ -56,6 +59,10 @@ class RecordError(Exception):
     """A stored record that must not be used (the reason is the message)."""
 
 
+class ShortPrefix(RecordError):
+    """The bytes given end inside the header: read more of the record."""
+
+
 def fingerprint_digest(fingerprint: KVFingerprint, block_size: int) -> bytes:
     """16 bytes naming the model, dtype, layout and block size a block's bytes belong to."""
     raw = msgspec.msgpack.encode([fingerprint.to_dict(), block_size])
@@ -82,46 +89,70 @@ def encode_record(header: TierBlockHeader, frames: Sequence[Any], key: bytes) ->
         raise ValueError(f"{len(payload)} payload bytes, header says {header.raw_nbytes}")
     if header.compressed:
         payload = zlib.compress(payload, 1)
-    head = msgspec.msgpack.encode(header)
-    body = MAGIC + _HEAD.pack(len(head)) + head + payload
+    head = MAGIC + _HEAD.pack(len(header_bytes := msgspec.msgpack.encode(header))) + header_bytes
+    body = head + hmac.new(key, head, hashlib.sha256).digest() + payload
     return body + hmac.new(key, body, hashlib.sha256).digest()
 
 
 def decode_record(record: bytes, key: bytes, fp_digest: bytes, block_hash: bytes,
-                  num_layers: int) -> tuple[TierBlockHeader, list[bytes]]:
-    """The header and per-layer frames of a record, or RecordError (see the module
-    docstring for what is checked)."""
-    header, payload = decode_header(record, key)
+                  num_layers: int, block_nbytes: int) -> tuple[TierBlockHeader, list[bytes]]:
+    """The header and per-layer frames of a record of a `block_nbytes` block (0: simulated),
+    or RecordError (see the module docstring for what is checked)."""
+    if len(record) < MAC_BYTES or not hmac.compare_digest(
+            record[-MAC_BYTES:], hmac.new(key, record[:-MAC_BYTES], hashlib.sha256).digest()):
+        raise RecordError("MAC mismatch (torn, corrupt, or written without the fleet key)")
+    header, end = decode_header(record, key)
+    payload = record[end:-MAC_BYTES]
     if header.fingerprint != fp_digest:
         raise RecordError("fingerprint mismatch (another model, dtype or block size)")
     if header.block_hash != block_hash:
         raise RecordError("block hash mismatch")
+    if header.raw_nbytes != block_nbytes:
+        raise RecordError(f"a block of {header.raw_nbytes} bytes, expected {block_nbytes}")
     if header.compressed:
-        try:
-            payload = zlib.decompress(payload)
-        except zlib.error as e:
-            raise RecordError(f"payload does not decompress: {e}") from None
-    if len(payload) != header.raw_nbytes or (num_layers and len(payload) % num_layers):
-        raise RecordError(f"payload of {len(payload)} bytes, expected {header.raw_nbytes}")
+        payload = _inflate(payload, block_nbytes)
+    if len(payload) != block_nbytes or (num_layers and len(payload) % num_layers):
+        raise RecordError(f"payload of {len(payload)} bytes, expected {block_nbytes}")
     if not payload:
         return header, []
     step = len(payload) // num_layers
     return header, [payload[i * step:(i + 1) * step] for i in range(num_layers)]
 
 
-def decode_header(record: bytes, key: bytes) -> tuple[TierBlockHeader, bytes]:
-    """The MAC-checked header and raw payload of a record (RecordError: torn or forged)."""
-    fixed = len(MAGIC) + _HEAD.size
-    if len(record) < fixed + MAC_BYTES or not record.startswith(MAGIC):
-        raise RecordError("not a tier record (torn or foreign)")
-    body, mac = record[:-MAC_BYTES], record[-MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()):
-        raise RecordError("MAC mismatch (torn, corrupt, or written without the fleet key)")
-    (head_len,) = _HEAD.unpack_from(body, len(MAGIC))
-    if head_len > min(MAX_HEADER_BYTES, len(body) - fixed):
-        raise RecordError("header length out of bounds")
+def _inflate(payload: bytes, limit: int) -> bytes:
+    """A compressed payload, never inflated past `limit` + 1 bytes (RecordError if bad)."""
     try:
-        header = msgspec.msgpack.decode(body[fixed:fixed + head_len], type=TierBlockHeader)
+        inflater = zlib.decompressobj()
+        out = inflater.decompress(payload, limit + 1)
+    except zlib.error as e:
+        raise RecordError(f"payload does not decompress: {e}") from None
+    if not inflater.eof or inflater.unconsumed_tail:
+        raise RecordError("compressed payload is truncated or too large")
+    return out
+
+
+def decode_header(prefix: bytes, key: bytes) -> tuple[TierBlockHeader, int]:
+    """The header of a record from its first bytes (at least `header_span` of them), checked
+    by the header MAC, and where the payload starts (RecordError: torn or forged)."""
+    fixed = len(MAGIC) + _HEAD.size
+    if len(prefix) < fixed or not prefix.startswith(MAGIC):
+        raise RecordError("not a tier record (torn or foreign)")
+    (head_len,) = _HEAD.unpack_from(prefix, len(MAGIC))
+    end = fixed + head_len + MAC_BYTES
+    if head_len > MAX_HEADER_BYTES:
+        raise RecordError("header length out of bounds")
+    if len(prefix) < end:
+        raise ShortPrefix("the record ends inside its header (torn)")
+    mac = hmac.new(key, prefix[:fixed + head_len], hashlib.sha256).digest()
+    if not hmac.compare_digest(prefix[fixed + head_len:end], mac):
+        raise RecordError("header MAC mismatch (torn, corrupt, or written without the key)")
+    try:
+        header = msgspec.msgpack.decode(prefix[fixed:fixed + head_len], type=TierBlockHeader)
     except msgspec.DecodeError as e:
         raise RecordError(f"bad header: {e}") from None
-    return header, body[fixed + head_len:]
+    return header, end
+
+
+def header_span(max_tokens: int) -> int:
+    """Bytes enough to hold the header of a block of `max_tokens` tokens (a prefix to read)."""
+    return len(MAGIC) + _HEAD.size + 1024 + 9 * max_tokens + MAC_BYTES

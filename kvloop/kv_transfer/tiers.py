@@ -41,6 +41,8 @@ class Tier(Protocol):
 
     def get(self, key: str) -> bytes | None: ...
 
+    def head(self, key: str, n: int) -> bytes | None: ...   # the record's first `n` bytes
+
     def put(self, key: str, record: bytes) -> list[str]: ...   # returns the keys evicted
 
     def discard(self, key: str) -> None: ...                  # a record that failed a check
@@ -99,6 +101,11 @@ class HostTier:
                 self._index.sizes.move_to_end(key)
             return record
 
+    def head(self, key: str, n: int) -> bytes | None:
+        with self._lock:
+            record = self._data.get(key)
+        return None if record is None else record[:n]
+
     def put(self, key: str, record: bytes) -> list[str]:
         with self._lock:
             if len(record) > self._index.capacity:
@@ -128,8 +135,10 @@ class FileTier:
 
     medium = MEDIUM_STORAGE
 
-    def __init__(self, directory: str, capacity: int, *, shared: bool, key_prefix: str):
+    def __init__(self, directory: str, capacity: int, *, shared: bool, key_prefix: str,
+                 max_record_bytes: int = 256 << 20):
         self.name = "shared" if shared else "disk"
+        self.max_record_bytes = max_record_bytes
         self.locality: str | None = LOCALITY_REMOTE if shared else LOCALITY_LOCAL
         self.directory = directory
         self.shared = shared
@@ -163,17 +172,23 @@ class FileTier:
         return self.shared and os.path.exists(self._path(key))
 
     def get(self, key: str) -> bytes | None:
-        try:
-            with open(self._path(key), "rb") as f:
-                record = f.read()
-        except FileNotFoundError:
-            with self._lock:
-                self._index.remove(key)
+        """The record (None: absent, or over `max_record_bytes`: a file no writer made)."""
+        record = self.head(key, self.max_record_bytes + 1)
+        if record is None or len(record) > self.max_record_bytes:
             return None
         with self._lock:
             if key in self._index.sizes:
                 self._index.sizes.move_to_end(key)
         return record
+
+    def head(self, key: str, n: int) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read(n)
+        except FileNotFoundError:
+            with self._lock:
+                self._index.remove(key)
+            return None
 
     def put(self, key: str, record: bytes) -> list[str]:
         if len(record) > self._index.capacity:
@@ -241,6 +256,10 @@ class RedisTier:
         record = self._client.get(name)
         return bytes(record) if record is not None else None
 
+    def head(self, key: str, n: int) -> bytes | None:
+        record = self._client.getrange(REDIS_KEY_PREFIX + key, 0, n - 1)
+        return bytes(record) if record else None
+
     def put(self, key: str, record: bytes) -> list[str]:
         self._client.set(REDIS_KEY_PREFIX + key, record, px=self._ttl_ms)
         return []
@@ -263,11 +282,12 @@ def make_tiers(config: KVOffloadConfig, key_prefix: str) -> list[Tier]:
         tiers.append(HostTier(config.cpu_bytes))
     if config.disk_path is not None:
         tiers.append(FileTier(config.disk_path, config.disk_bytes, shared=False,
-                              key_prefix=key_prefix))
+                              key_prefix=key_prefix, max_record_bytes=config.max_block_bytes))
     url = config.shared_store
     if url is not None and url.startswith("file://"):
         tiers.append(FileTier(urlsplit(url).path, config.shared_bytes or (1 << 62),
-                              shared=True, key_prefix=key_prefix))
+                              shared=True, key_prefix=key_prefix,
+                              max_record_bytes=config.max_block_bytes))
     elif url is not None:
         tiers.append(RedisTier(url, config.shared_ttl_s, config.max_block_bytes))
     return tiers
