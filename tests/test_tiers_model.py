@@ -3,12 +3,16 @@
 - A tiny random Llama (fp32): the bytes of blocks that went to the host tier and came back,
   into a cache zeroed in between, equal the bytes computed; greedy tokens equal.
 - The embedded SmolLM2-135M (fp32, dense: `low_bit_max_tokens=0`): greedy output with the
-  prompt's prefix served from each tier (host, disk, shared directory) equals the output
+  prompt's prefix served from each tier (host, disk, shared directory, redis) equals the output
   computed from scratch (the ids equal and logprobs within 1e-4, or a near-tie flip, as
   tests/test_pd_model.py accepts: the loaded run computes the last prompt token alone).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +20,10 @@ import torch
 from kvloop import LLM
 from kvloop.config import RunnerConfig
 from kvloop.core.request import SamplingParams
-from kvloop.kv_transfer.tiers import FileTier, HostTier, Tier
+from kvloop.kv_transfer.tiers import FileTier, HostTier, RedisTier, Tier
 from kvloop.model import load_runner
 from kvloop.model.runner import ModelRunner
+from tests.bus_helpers import redis_server
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 from tests.test_pd_model import HAVE_EMBEDDED, TEXT, assert_same_greedy, share_weights
 from tests.test_tiers_engine import Rig
@@ -80,17 +85,33 @@ def smollm():
     llm.shutdown()
 
 
-@pytest.mark.parametrize("tier", ["cpu", "disk", "shared-dir"])
+@pytest.mark.parametrize("tier", ["cpu", "disk", "shared-dir",
+                                  pytest.param("redis", marks=pytest.mark.processes)])
 def test_embedded_greedy_with_prefix_from_each_tier_equals_scratch(smollm, tmp_path, tier):
-    made: dict[str, Tier] = {
-        "cpu": HostTier(64 << 20),
-        "disk": FileTier(str(tmp_path), 64 << 20, shared=False, key_prefix=""),
-        "shared-dir": FileTier(str(tmp_path), 64 << 20, shared=True, key_prefix=""),
-    }
+    with ExitStack() as stack:
+        made = stack.enter_context(a_tier(tier, tmp_path))
+        greedy_from_tier_equals_scratch(smollm, made, compress=tier == "cpu")
+
+
+@contextmanager
+def a_tier(name: str, tmp_path: Path) -> Iterator[Tier]:
+    if name == "redis":
+        with redis_server(tmp_path) as srv:
+            tier = RedisTier(f"redis://127.0.0.1:{srv.port}", 60, 1 << 28)
+            yield tier
+            tier.close()
+        return
+    yield {"cpu": lambda: HostTier(64 << 20),
+           "disk": lambda: FileTier(str(tmp_path), 64 << 20, shared=False, key_prefix=""),
+           "shared-dir": lambda: FileTier(str(tmp_path), 64 << 20, shared=True,
+                                          key_prefix="")}[name]()
+
+
+def greedy_from_tier_equals_scratch(smollm: LLM, tier: Tier, compress: bool) -> None:
     runner = share_weights(smollm.runner, 12)
-    rig = Rig([made[tier]], runner=runner, store=runner.kv_block_store, blocks=12,
+    rig = Rig([tier], runner=runner, store=runner.kv_block_store, blocks=12,
               block_size=runner.block_size, max_model_len=runner.max_model_len,
-              compress=tier == "cpu")
+              compress=compress)
     try:
         prompt = smollm.get_tokenizer().encode(TEXT)[:50]       # 3 full blocks of 16
         scratch = rig.run("scratch", prompt, 6, logprobs=2)
