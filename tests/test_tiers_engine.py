@@ -172,6 +172,18 @@ def test_evict_and_reload_from_host_tier_exact_events(host_rig):
     assert rig.connector.record_errors == {}
 
 
+def test_reset_prefix_cache_empties_the_private_tiers(host_rig):
+    """vLLM's `reset_cache`: the pool's AllBlocksCleared, then the host tier's removals."""
+    rig = host_rig
+    rig.run("a1", A)
+    ha = [event_int(h) for h in hashes_of(rig, A, 4)]
+    rig.take()
+    assert rig.engine.reset_prefix_cache()
+    rig.flush()
+    assert summary(rig.take()) == [("cleared", None, []), ("removed", MEDIUM_CPU, ha)]
+    assert rig.run("a2", A).num_cached_tokens == 0
+
+
 def test_prefix_cached_in_pool_is_not_loaded(host_rig):
     rig = host_rig
     rig.run("a1", A)

@@ -45,6 +45,14 @@ def zero_cache(runner: ModelRunner) -> None:
             kv.zero_()
 
 
+def evict_pool(rig: Rig, num_tokens: int) -> None:
+    """A request whose prompt takes every block of the pool: nothing else stays cached."""
+    filler = [(13 * i + 1) % 90 + 3 for i in range(num_tokens)]   # in every test vocabulary
+    rig.run("filler", filler, 1)
+    kept = set(rig.engine.make_request("f", filler, SamplingParams()).block_hashes)
+    assert not set(rig.engine.block_pool.cached_hashes()) - kept
+
+
 def block_bytes(rig: Rig, hashes: list[bytes]) -> list[bytes]:
     ids = []
     for h in hashes:
@@ -63,7 +71,7 @@ def test_bytes_equal_after_a_round_trip_through_the_host_tier(tiny):
         rig.run("a1", prompt, 4)
         hashes = list(rig.engine.make_request("p", prompt, SamplingParams()).block_hashes[:4])
         before = block_bytes(rig, hashes)
-        assert rig.engine.reset_prefix_cache()
+        evict_pool(rig, 8 * 16)
         zero_cache(runner)
         out = rig.run("a2", prompt, 4)
         assert out.num_cached_tokens == 64
@@ -116,7 +124,7 @@ def greedy_from_tier_equals_scratch(smollm: LLM, tier: Tier, compress: bool) -> 
         prompt = smollm.get_tokenizer().encode(TEXT)[:50]       # 3 full blocks of 16
         scratch = rig.run("scratch", prompt, 6, logprobs=2)
         assert scratch.num_cached_tokens == 0
-        assert rig.engine.reset_prefix_cache()
+        evict_pool(rig, 11 * 16 - 1)
         zero_cache(runner)
         loaded = rig.run("loaded", prompt, 6, logprobs=2)
         assert loaded.num_cached_tokens == 48

@@ -253,9 +253,13 @@ class EngineCore:
         return KVEventBatch(ts=time.time(), events=events)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (fails while blocks are in use). The `AllBlocksCleared`
-        event is queued; callers that publish events take it with `take_event_batch()`."""
-        return self.scheduler.reset_prefix_cache()
+        """Forget the prefix cache (fails while blocks are in use), and the connector's own
+        cache (vLLM's `reset_cache`: a tier's private blocks). The `AllBlocksCleared` event is
+        queued; callers that publish events take it with `take_event_batch()`."""
+        ok = self.scheduler.reset_prefix_cache()
+        if ok and self.connector is not None:
+            self.connector.reset_cache()
+        return ok
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -25,7 +25,8 @@ Worker side (called by the engine around the runner's `execute`): `bind_connecto
 `clear_connector_metadata`.
 
 And the KV events of the connector's own caches (vLLM's `take_events()`: an offloading
-connector's tiers; the engine publishes them after the pool's, in the same batch).
+connector's tiers; the engine publishes them after the pool's, in the same batch), and
+`reset_cache()` (vLLM's: the prefix cache was reset, the connector forgets its own).
 
 And what an engine loop needs beyond vLLM's API: `take_stats()` (one step's
 `KVTransferStats`), `request_ids_in_transfer()` (for the scheduler's invariants),
@@ -119,6 +120,8 @@ class KVConnector(Protocol):
     def clear_connector_metadata(self) -> None: ...
 
     # --- the engine loop ------------------------------------------------------------------
+    def reset_cache(self) -> None: ...   # the pool was reset: forget the connector's cache
+
     def take_events(self) -> list[KVEvent]: ...
 
     def take_stats(self) -> KVTransferStats: ...

@@ -307,6 +307,9 @@ class KvloopConnector:
         """None: this connector keeps no cache of its own."""
         return []
 
+    def reset_cache(self) -> None:
+        """Nothing to forget (held leases belong to their requests)."""
+
     def take_stats(self) -> KVTransferStats:
         stats = self.counters.take()
         stats.held_requests = self.leases.num_held()

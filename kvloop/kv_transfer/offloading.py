@@ -63,6 +63,7 @@ from kvloop.wire import KV_FAILURE_ERROR, KV_FAILURE_MISMATCH, KVTransferStats
 
 logger = logging.getLogger("kvloop.kv_offload")
 MAX_PENDING_STORES = 4096      # blocks queued for the I/O thread; beyond: not stored (counted)
+_CLEAR = object()              # the I/O thread's job: empty the private tiers
 
 
 @dataclass
@@ -300,6 +301,12 @@ class OffloadingConnector:
             events, self._events = self._events, []
         return events
 
+    def reset_cache(self) -> None:
+        """The pool was reset: empty the private tiers (host, disk; each drop published as
+        `BlockRemoved`), after the writes already queued. A shared store keeps the fleet's
+        blocks."""
+        self._jobs.put(_CLEAR)
+
     def take_stats(self) -> KVTransferStats:
         stats = self.counters.take()
         stats.loading_requests = len(self._loading)
@@ -340,7 +347,9 @@ class OffloadingConnector:
                 try:
                     if job is None:
                         return
-                    if isinstance(job, TierLoad):
+                    if job is _CLEAR:
+                        self._clear_private()
+                    elif isinstance(job, TierLoad):
                         self._load(job)
                     else:
                         self._store(job)
@@ -350,6 +359,12 @@ class OffloadingConnector:
             logger.exception("KV offloading I/O thread died")
             self.fault = f"KV offloading I/O thread: {type(e).__name__}: {e}"
             self._wakeup()
+
+    def _clear_private(self) -> None:
+        for tier in self.tiers:
+            dropped = [_hash_of(k) for k in tier.clear()]
+            self._mark_below([], dropped)
+            self._emit(tier, stored=[], removed=dropped)
 
     def _store(self, block: BlockStore) -> None:
         with self._lock:

@@ -49,6 +49,8 @@ class Tier(Protocol):
 
     def keys(self) -> list[str]: ...                          # held now, least recent first
 
+    def clear(self) -> list[str]: ...      # drop a private tier's records (shared: none)
+
     def close(self) -> None: ...
 
 
@@ -124,6 +126,13 @@ class HostTier:
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._index.sizes)
+
+    def clear(self) -> list[str]:
+        with self._lock:
+            keys = list(self._index.sizes)
+            self._index = _LRUIndex(self._index.capacity)
+            self._data.clear()
+        return keys
 
     def close(self) -> None:
         pass
@@ -222,6 +231,17 @@ class FileTier:
         with self._lock:
             return list(self._index.sizes)
 
+    def clear(self) -> list[str]:
+        """This worker's own files in a private directory (a shared one: nothing)."""
+        if self.shared:
+            return []
+        with self._lock:
+            keys = list(self._index.sizes)
+            self._index = _LRUIndex(self._index.capacity)
+        for key in keys:
+            self._unlink(key)
+        return keys
+
     def close(self) -> None:
         pass
 
@@ -270,6 +290,9 @@ class RedisTier:
 
     def keys(self) -> list[str]:
         return []     # the fleet's store: nothing of it is this worker's to announce at start
+
+    def clear(self) -> list[str]:
+        return []     # the fleet's store: not this worker's to empty
 
     def close(self) -> None:
         self._client.close()
