@@ -10,6 +10,7 @@ the bytes, which tests/test_tiers_model.py checks).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import httpx
@@ -118,3 +119,18 @@ def test_shared_store_refusals_at_start(tmp_path, url, why):
             [*SIM, "--kv-shared-store", url], log).start(timeout_s=30):
         pass
     assert why in str(err.value) + log.read_text()
+
+
+def test_a_redis_outage_is_a_miss_not_an_error(tmp_path):
+    from kvloop.kv_transfer.tiers import RedisTier
+
+    with redis_server(tmp_path) as srv:
+        tier = RedisTier(f"redis://127.0.0.1:{srv.port}", 60, 1 << 20, timeout_s=0.5)
+        tier.put("k", b"record")
+        assert tier.contains("k") and tier.get("k") == b"record"
+        srv.stop()
+        assert not tier.contains("k")              # the failed call: logged, a miss
+        t0 = time.monotonic()
+        assert tier.get("k") is None and tier.put("k2", b"x") == []
+        assert time.monotonic() - t0 < 0.1         # and no waiting while it is down
+        tier.close()

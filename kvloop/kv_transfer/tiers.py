@@ -19,17 +19,22 @@ connector can publish their `BlockRemoved`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from kvloop.config import KV_STORE_PASSWORD_ENV, KVOffloadConfig
 from kvloop.events.types import LOCALITY_LOCAL, LOCALITY_REMOTE, MEDIUM_CPU, MEDIUM_STORAGE
 
 REDIS_KEY_PREFIX = "kvloop:kv:"
+logger = logging.getLogger("kvloop.kv_offload")
+T = TypeVar("T")
 
 
 class Tier(Protocol):
@@ -198,15 +203,23 @@ class FileTier:
             with self._lock:
                 self._index.remove(key)
             return None
+        except OSError as e:      # unreadable: a miss
+            logger.warning("KV %s tier: cannot read %s: %s", self.name, key[:24], e)
+            return None
 
     def put(self, key: str, record: bytes) -> list[str]:
         if len(record) > self._index.capacity:
             return []
         tmp = self._path(f"{key}.{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(record)
-        os.replace(tmp, self._path(key))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(record)
+            os.replace(tmp, self._path(key))
+        except OSError as e:      # a full or failing disk: this block is not stored
+            logger.warning("KV %s tier: cannot write %s: %s", self.name, key[:24], e)
+            self._unlink(os.path.basename(tmp))
+            return []
         with self._lock:
             evicted = self._index.add(key, len(record))
         for old in evicted:
@@ -247,41 +260,61 @@ class FileTier:
 
 
 class RedisTier:
-    """Records as redis string values `kvloop:kv:<key>`, each living `ttl_s`."""
+    """Records as redis string values `kvloop:kv:<key>`, each living `ttl_s`. The server
+    being unreachable is a miss, never an error the engine sees: a failed call (within
+    `timeout_s`) is logged and the tier answers "not held" for `RETRY_S` without asking."""
 
     name = "shared"
     medium = MEDIUM_STORAGE
     locality: str | None = LOCALITY_REMOTE
+    RETRY_S = 5.0
 
-    def __init__(self, url: str, ttl_s: float, max_record_bytes: int):
+    def __init__(self, url: str, ttl_s: float, max_record_bytes: int, timeout_s: float = 1.0):
         import redis
 
         parts = urlsplit(url)
         db = int(parts.path.strip("/") or 0)
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._max = max_record_bytes
+        self._errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
+        self._down_until = 0.0
         self._client: Any = redis.Redis(
             host=parts.hostname or "", port=parts.port or 6379, db=db,
             password=os.environ.get(KV_STORE_PASSWORD_ENV) or None,
-            socket_timeout=5.0, socket_connect_timeout=5.0)
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._client.ping()    # a wrong address or password fails at start, not per block
 
+    def _call(self, fn: Callable[[], T], default: T) -> T:
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            return fn()
+        except self._errors as e:
+            logger.warning("KV shared store unreachable (%s: %s); treating it as empty for "
+                           "%.0f s", type(e).__name__, e, self.RETRY_S)
+            self._down_until = time.monotonic() + self.RETRY_S
+            return default
+
     def contains(self, key: str) -> bool:
-        return bool(self._client.exists(REDIS_KEY_PREFIX + key))
+        return self._call(lambda: bool(self._client.exists(REDIS_KEY_PREFIX + key)), False)
 
     def get(self, key: str) -> bytes | None:
-        name = REDIS_KEY_PREFIX + key
+        return self._call(lambda: self._get(REDIS_KEY_PREFIX + key), None)
+
+    def _get(self, name: str) -> bytes | None:
         if int(self._client.strlen(name)) > self._max:
             return None
         record = self._client.get(name)
         return bytes(record) if record is not None else None
 
     def head(self, key: str, n: int) -> bytes | None:
-        record = self._client.getrange(REDIS_KEY_PREFIX + key, 0, n - 1)
+        record = self._call(lambda: self._client.getrange(REDIS_KEY_PREFIX + key, 0, n - 1),
+                            None)
         return bytes(record) if record else None
 
     def put(self, key: str, record: bytes) -> list[str]:
-        self._client.set(REDIS_KEY_PREFIX + key, record, px=self._ttl_ms)
+        self._call(lambda: self._client.set(REDIS_KEY_PREFIX + key, record, px=self._ttl_ms),
+                   None)
         return []
 
     def discard(self, key: str) -> None:
