@@ -144,7 +144,8 @@ def cached_tokens_after_load(request: Request, local_hit: int) -> int:
     """`num_cached_tokens` of a request whose prompt KV came from a prefill worker: D's local
     hit plus the part of P's hit (`remote_prefill_cached_tokens`) beyond it, never the
     transferred tokens (docs/disaggregation.md section 2; vLLM counts P's hit since
-    docs/vllm-facts.md#disaggregation)."""
+    docs/vllm-facts.md#disaggregation). An offloading connector sets the key to the hit plus
+    the tier's blocks: cached tokens, loaded from below the pool (docs/tiers.md)."""
     params = request.kv_transfer_params or {}
     remote = params.get(REMOTE_CACHED_TOKENS_KEY)
     if not isinstance(remote, int) or isinstance(remote, bool) or remote < 0:

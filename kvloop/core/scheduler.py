@@ -431,7 +431,9 @@ class Scheduler:
 
     def _wait_for_remote_kvs(self, request: Request, num_hit: int) -> None:
         """Park a request whose blocks are all allocated until its load reports (vLLM's
-        WAITING_FOR_REMOTE_KVS); its cached tokens are its hits, never the loaded ones."""
+        WAITING_FOR_REMOTE_KVS); its cached tokens are its hits and what the other side had
+        cached (`cached_tokens_after_load`: P's hit; a tier's blocks), never tokens P
+        computed for it."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
         request.num_local_cached_tokens = num_hit
