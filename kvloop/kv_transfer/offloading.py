@@ -155,11 +155,11 @@ class OffloadingConnector:
             return 0, False
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        n = 0
-        for h in request.block_hashes[first:last]:
-            if not self._held_below(h):
-                break
-            n += 1
+        keys = [record_key(self.fp, h) for h in request.block_hashes[first:last]]
+        held = [False] * len(keys)
+        for tier in self.tiers:       # each tier asked once for the whole run
+            held = [a or b for a, b in zip(held, tier.contains_many(keys), strict=True)]
+        n = held.index(False) if False in held else len(held)
         return (n * bs, True) if n else (0, False)
 
     def _held_below(self, block_hash: bytes) -> bool:

@@ -44,6 +44,8 @@ class Tier(Protocol):
 
     def contains(self, key: str) -> bool: ...
 
+    def contains_many(self, keys: list[str]) -> list[bool]: ...   # one round trip (redis)
+
     def get(self, key: str) -> bytes | None: ...
 
     def head(self, key: str, n: int) -> bytes | None: ...   # the record's first `n` bytes
@@ -100,6 +102,10 @@ class HostTier:
     def contains(self, key: str) -> bool:
         with self._lock:
             return key in self._data
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [k in self._data for k in keys]
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -184,6 +190,9 @@ class FileTier:
             if key in self._index.sizes:
                 return True
         return self.shared and os.path.exists(self._path(key))
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        return [self.contains(k) for k in keys]
 
     def get(self, key: str) -> bytes | None:
         """The record (None: absent, or over `max_record_bytes`: a file no writer made)."""
@@ -297,6 +306,15 @@ class RedisTier:
 
     def contains(self, key: str) -> bool:
         return self._call(lambda: bool(self._client.exists(REDIS_KEY_PREFIX + key)), False)
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        def ask() -> list[bool]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(REDIS_KEY_PREFIX + k)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(ask, [False] * len(keys)) if keys else []
 
     def get(self, key: str) -> bytes | None:
         return self._call(lambda: self._get(REDIS_KEY_PREFIX + key), None)
