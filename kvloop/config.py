@@ -533,6 +533,118 @@ def _check_types(where: str, raw: dict[str, Any], types: dict[str, type]) -> Non
             raw[key] = float(value)
 
 
+KV_STORE_PASSWORD_ENV = "KVLOOP_KV_STORE_PASSWORD"   # the shared store's password (never a flag)
+KV_OFFLOADING_BACKENDS = ("native",)
+KV_OFFLOAD_EVICTION_POLICIES = ("lru",)
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """Tiers below the block pool (docs/tiers.md), each optional, at least one set:
+
+    - `cpu_bytes`: host memory (`--kv-offloading-backend native --kv-offloading-size GiB`,
+      vLLM's `cpu_bytes_to_use`);
+    - `disk_path` + `disk_bytes`: local files that survive a restart;
+    - `shared_store`: `redis://HOST:PORT[/DB]` (password from $KVLOOP_KV_STORE_PASSWORD, never in
+      the URL) or `file:///DIR`, read and written by every worker configured with it;
+      `shared_bytes` bounds what this worker keeps in a `file://` store (a redis server
+      bounds itself: its `maxmemory`), `shared_ttl_s` the life of a redis key.
+
+    `compress`: records are zlib-compressed (level 1) in every tier (off by default: fp32 KV
+    shrinks 6 % for a 3x slower load, docs/tiers.md).
+    `store_threshold`: a block is written below only once its hash was looked up that many
+    times (vLLM's reuse gate; 1: every sealed block), remembered for `max_tracker_size`
+    hashes. `eviction_policy`: per tier, "lru" (vLLM's "arc" is not implemented).
+    `max_block_bytes` bounds one stored record (a larger read is a miss)."""
+
+    cpu_bytes: int = 0
+    compress: bool = False
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    shared_store: str | None = None
+    shared_bytes: int = 0
+    shared_ttl_s: float = 3600.0
+    store_threshold: int = 1
+    max_tracker_size: int = 64_000
+    eviction_policy: str = "lru"
+    max_block_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0 or self.disk_bytes < 0 or self.shared_bytes < 0:
+            raise ValueError("tier sizes must be >= 0")
+        if not (self.cpu_bytes or self.disk_path or self.shared_store):
+            raise ValueError("KV offloading needs a tier: a host size, a disk path or a "
+                             "shared store")
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError("--kv-disk-path needs --kv-disk-size GiB > 0")
+        if self.store_threshold < 1 or self.max_tracker_size < 1:
+            raise ValueError("store_threshold and max_tracker_size must be >= 1")
+        if self.eviction_policy not in KV_OFFLOAD_EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of "
+                             f"{', '.join(KV_OFFLOAD_EVICTION_POLICIES)}, "
+                             f"got {self.eviction_policy!r}")
+        if not self.shared_ttl_s > 0 or self.max_block_bytes <= 0:
+            raise ValueError("shared_ttl_s and max_block_bytes must be > 0")
+        if self.shared_store is not None:
+            check_shared_store_url(self.shared_store)
+
+    @classmethod
+    def from_kv_transfer_json(cls, text: str, block_size: int) -> KVOffloadConfig | None:
+        """vLLM's spelling of a host tier, `--kv-transfer-config '{"kv_connector":
+        "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+        {"cpu_bytes_to_use": N}}'` (also `eviction_policy`, `store_threshold`,
+        `max_tracker_size`, and `block_size` equal to the pool's); None when the JSON names
+        another connector. ValueError naming an unknown or mistyped key."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from e
+        if not isinstance(raw, dict) or raw.get("kv_connector") != OFFLOADING_CONNECTOR:
+            return None
+        where = f"--kv-transfer-config ({OFFLOADING_CONNECTOR})"
+        unknown = sorted(set(raw) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
+        extra = raw.get("kv_connector_extra_config") or {}
+        if unknown or not isinstance(extra, dict):
+            raise ValueError(f"{where}: unknown key(s) {unknown} or a non-object extra config")
+        unknown = sorted(set(extra) - set(_OFFLOADING_EXTRA))
+        if unknown:
+            raise ValueError(f"{where}: unknown kv_connector_extra_config key(s) {unknown}; "
+                             f"known: {', '.join(sorted(_OFFLOADING_EXTRA))}")
+        extra = dict(extra)
+        _check_types(where, extra, _OFFLOADING_EXTRA)
+        if extra.pop("block_size", block_size) != block_size:
+            raise ValueError(f"{where}: block_size must equal the pool's ({block_size}): "
+                             f"offloading in units of several blocks is not supported")
+        if not extra.get("cpu_bytes_to_use"):
+            raise ValueError(f"{where}: cpu_bytes_to_use is required")
+        return cls(cpu_bytes=extra.pop("cpu_bytes_to_use"), **extra)
+
+
+OFFLOADING_CONNECTOR = "OffloadingConnector"      # vLLM's name for its tiers' connector
+_OFFLOADING_EXTRA = {"cpu_bytes_to_use": int, "eviction_policy": str, "store_threshold": int,
+                     "max_tracker_size": int, "block_size": int}
+
+
+def check_shared_store_url(url: str) -> None:
+    """ValueError unless `url` is `redis://HOST:PORT[/DB]` without credentials, or
+    `file:///ABSOLUTE/DIR`."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "redis":
+        if parts.password is not None or parts.username:
+            raise ValueError(f"--kv-shared-store: no credentials in the URL; give the "
+                             f"password in ${KV_STORE_PASSWORD_ENV}")
+        if not parts.hostname or parts.port is None:
+            raise ValueError("--kv-shared-store: redis://HOST:PORT")
+    elif parts.scheme == "file":
+        if parts.netloc or not parts.path.startswith("/"):
+            raise ValueError("--kv-shared-store: file:///ABSOLUTE/DIR")
+    else:
+        raise ValueError(f"--kv-shared-store: redis://HOST:PORT or file:///DIR, got {url!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
@@ -550,7 +662,14 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     auto_budget: AutoBudget | None = None
     grammar_compile_timeout_s: float = 30.0
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        if self.kv_transfer is not None and self.kv_offload is not None:
+            raise ValueError("KV offloading tiers and --kv-transfer-config (prefill/decode) "
+                             "cannot be combined yet: give one")
+        if self.kv_offload is not None and not self.cache.enable_prefix_caching:
+            raise ValueError("KV offloading tiers need prefix caching (their keys are the "
+                             "block hashes)")

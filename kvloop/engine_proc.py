@@ -70,6 +70,7 @@ from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
 from kvloop.events.config import KVEventsConfig
 from kvloop.kv_transfer import make_connector
+from kvloop.kv_transfer.offloading import make_offloading_connector
 from kvloop.trust import PURPOSE_KV_EVENTS, CurveKeys
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
@@ -210,13 +211,20 @@ class EngineCoreProc:
         connector = None
         if econf.kv_transfer is not None:
             connector = make_connector(econf.kv_transfer, runner, secret=cfg.secret())
+        tiers = None
+        if econf.kv_offload is not None:
+            tiers = make_offloading_connector(econf.kv_offload, runner, econf.cache,
+                                              secret=cfg.secret())
         self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
-                                 grammar_backend=grammar, connector=connector)
+                                 grammar_backend=grammar, connector=connector or tiers)
         _log_engine_config(econf)
         kv_transfer = None
         if connector is not None:
             connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
             kv_transfer = connector.start()
+        if tiers is not None:
+            tiers.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
+            tiers.start()
         ready = EngineReady(
             wire_version=WIRE_VERSION, pid=os.getpid(),
             model_name=runner.model_name,

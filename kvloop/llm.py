@@ -233,6 +233,13 @@ class LLM:
                                 secret=fleet_secret or load_fleet_secret())
             self.kv_transfer_info = kv.start()
             connector = kv
+        elif config.kv_offload is not None:
+            from kvloop.kv_transfer.offloading import make_offloading_connector
+
+            tiers = make_offloading_connector(config.kv_offload, runner, config.cache,
+                                              secret=fleet_secret or load_fleet_secret())
+            tiers.start()
+            connector = tiers
         self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,
                                  grammar_backend=_grammar_backend(runner, tokenizer),
                                  connector=connector)

@@ -176,6 +176,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = None
     # a pooling request's vector (kvloop.pooling_params), on its finishing output
     pooling_output: list[float] | None = None
+    # the part of num_cached_tokens loaded from outside the pool (a KV tier, P's hit)
+    num_external_computed_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -44,9 +44,12 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                            ("msgspec", "zmq")),
     "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params", "kvloop.pooling_params"),
                             CORE_3P),  # re-exports them
+    # events.types: the offloading connector publishes its tiers' KV events (vLLM's
+    # connector `take_events`); redis: the shared tier's client
     "kvloop.kv_transfer": (("kvloop.config", "kvloop.wire", "kvloop.core.kv_connector",
-                            "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust"),
-                           ("msgspec", "zmq", "xxhash")),
+                            "kvloop.core.outputs", "kvloop.core.request", "kvloop.trust",
+                            "kvloop.events.types"),
+                           ("msgspec", "zmq", "xxhash", "redis")),
     "kvloop.events": (("kvloop.trust",), ("msgspec", "zmq", "nats", "xxhash")),
     "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.core.outputs", "kvloop.core.runner",
                       "kvloop.core.request", "kvloop.core.trace", "kvloop.core.hashing",

@@ -198,6 +198,17 @@ def scheduler_bench(sh: Shell, cmd: str) -> None:
     assert "median of 3 runs" in sh.run(cmd, 240)
 
 
+def tiered_worker(sh: Shell, cmd: str) -> None:
+    log = sh.start(cmd)
+    wait_http(f"http://127.0.0.1:{sh.ports['8000']}/health", 120, log)
+    complete(sh.ports["8000"], "a prompt long enough to fill a block of sixteen tokens " * 4)
+    assert "KV offloading tiers: cpu (CPU), disk (STORAGE)" in log.read_text()
+    deadline = time.monotonic() + 30
+    while not any((sh.cwd / "kv-tier").glob("*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert any((sh.cwd / "kv-tier").glob("*")), "no block written to the disk tier"
+
+
 def tiers_bench(sh: Shell, cmd: str) -> None:
     out = sh.run(cmd, 240)
     assert "tier-aware" in out and "shared-document" in out
@@ -249,6 +260,7 @@ CHECKS: dict[str, Callable[[Shell, str], None]] = {
     "kvloop replay": replay,
     "kvloop.bench.scheduler": scheduler_bench,
     "kvloop.bench.tiers": tiers_bench,
+    "--kv-disk-path": tiered_worker,
 }
 
 
@@ -299,6 +311,7 @@ def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[],
             if key in ("kvloop fleet --workers 4", "--flow-control", "kvloop serve sim --port 8001",
                        "> fleet.key", "kvloop fleet --prefill 2", "--pd-policy always",
                        "--kv-transfer-config", "--speculative-config",
-                       "--trace-file steps.jsonl") or key == "kvloop serve smollm2":
+                       "--trace-file steps.jsonl", "--kv-disk-path") \
+                    or key == "kvloop serve smollm2":
                 sh.stop_all()   # port 8000 (and the workers) free again
             CHECKS[key](sh, cmd)

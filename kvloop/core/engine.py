@@ -186,8 +186,8 @@ class EngineCore:
     def step(self) -> StepResult:
         """One engine step. With nothing to do, returns an empty, not-executed result."""
         self._apply_aborts()
-        if not self.scheduler.has_requests():
-            return StepResult()
+        if not self.scheduler.has_requests():   # a connector's events may still be news
+            return StepResult(events=self.take_event_batch())
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         admissions = self.scheduler.last_admissions
@@ -246,14 +246,20 @@ class EngineCore:
     def take_event_batch(self) -> KVEventBatch | None:
         """The KV events queued since the last step (None when there are none)."""
         events: list[KVEvent] = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
         if not events:
             return None
         return KVEventBatch(ts=time.time(), events=events)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (fails while blocks are in use). The `AllBlocksCleared`
-        event is queued; callers that publish events take it with `take_event_batch()`."""
-        return self.scheduler.reset_prefix_cache()
+        """Forget the prefix cache (fails while blocks are in use), and the connector's own
+        cache (vLLM's `reset_cache`: a tier's private blocks). The `AllBlocksCleared` event is
+        queued; callers that publish events take it with `take_event_batch()`."""
+        ok = self.scheduler.reset_prefix_cache()
+        if ok and self.connector is not None:
+            self.connector.reset_cache()
+        return ok
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -24,6 +24,10 @@ Worker side (called by the engine around the runner's `execute`): `bind_connecto
 `start_load_kv`, `wait_for_save`, `get_finished(finished_req_ids) -> KVConnectorOutput`,
 `clear_connector_metadata`.
 
+And the KV events of the connector's own caches (vLLM's `take_events()`: an offloading
+connector's tiers; the engine publishes them after the pool's, in the same batch), and
+`reset_cache()` (vLLM's: the prefix cache was reset, the connector forgets its own).
+
 And what an engine loop needs beyond vLLM's API: `take_stats()` (one step's
 `KVTransferStats`), `request_ids_in_transfer()` (for the scheduler's invariants),
 `has_news()` (something to report: the engine should step) and `set_wakeup(fn)` (called from
@@ -39,6 +43,7 @@ import msgspec
 
 from kvloop.core.outputs import KVConnectorOutput, SchedulerOutput
 from kvloop.core.request import Request
+from kvloop.events.types import KVEvent
 from kvloop.wire import KVTransferStats
 
 # The shape of one transferred frame (a layer's blocks), the same for every runner
@@ -115,6 +120,10 @@ class KVConnector(Protocol):
     def clear_connector_metadata(self) -> None: ...
 
     # --- the engine loop ------------------------------------------------------------------
+    def reset_cache(self) -> None: ...   # the pool was reset: forget the connector's cache
+
+    def take_events(self) -> list[KVEvent]: ...
+
     def take_stats(self) -> KVTransferStats: ...
 
     def request_ids_in_transfer(self) -> set[str]: ...
@@ -135,7 +144,8 @@ def cached_tokens_after_load(request: Request, local_hit: int) -> int:
     """`num_cached_tokens` of a request whose prompt KV came from a prefill worker: D's local
     hit plus the part of P's hit (`remote_prefill_cached_tokens`) beyond it, never the
     transferred tokens (docs/disaggregation.md section 2; vLLM counts P's hit since
-    docs/vllm-facts.md#disaggregation)."""
+    docs/vllm-facts.md#disaggregation). An offloading connector sets the key to the hit plus
+    the tier's blocks: cached tokens, loaded from below the pool (docs/tiers.md)."""
     params = request.kv_transfer_params or {}
     remote = params.get(REMOTE_CACHED_TOKENS_KEY)
     if not isinstance(remote, int) or isinstance(remote, bool) or remote < 0:

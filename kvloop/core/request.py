@@ -151,11 +151,20 @@ class Request:
         self.kv_transfer_params: dict[str, Any] | None = (
             dict(params) if params is not None else None)
         self.num_external_computed_tokens = 0   # tokens loaded from a remote prefill (vLLM)
+        self.num_local_cached_tokens: int | None = None   # the pool's hit of a loaded request
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
 
     # --- derived sizes -------------------------------------------------------------------
+    @property
+    def num_external_cached_tokens(self) -> int:
+        """The part of `num_cached_tokens` loaded from outside the pool (a tier's blocks, the
+        prefill worker's own hit): `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`."""
+        if self.num_local_cached_tokens is None:
+            return 0
+        return max(0, (self.num_cached_tokens or 0) - self.num_local_cached_tokens)
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

@@ -431,9 +431,12 @@ class Scheduler:
 
     def _wait_for_remote_kvs(self, request: Request, num_hit: int) -> None:
         """Park a request whose blocks are all allocated until its load reports (vLLM's
-        WAITING_FOR_REMOTE_KVS); its cached tokens are its hits, never the loaded ones."""
+        WAITING_FOR_REMOTE_KVS); its cached tokens are its hits and what the other side had
+        cached (`cached_tokens_after_load`: P's hit; a tier's blocks), never tokens P
+        computed for it."""
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_cached_tokens = cached_tokens_after_load(request, num_hit)
+        request.num_local_cached_tokens = num_hit
 
     def _held(self, request: Request) -> bool:
         """Whether a waiting reason still holds `request` (the queue's head), asking it: one
@@ -547,7 +550,9 @@ class Scheduler:
             logprobs = self._logprobs(runner_output, i, len(kept))
             out = EngineCoreOutput(request_id=rid, new_token_ids=kept,
                                    num_cached_tokens=request.num_cached_tokens or 0,
-                                   new_logprobs=logprobs, new_prompt_logprobs=prompt_lps)
+                                   new_logprobs=logprobs, new_prompt_logprobs=prompt_lps,
+                                   num_external_computed_tokens=(
+                                       request.num_external_cached_tokens))
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
@@ -665,7 +670,7 @@ class Scheduler:
         request.num_cached_tokens = min(request.num_cached_tokens or 0, num_valid)
         if num_valid == 0:
             self.kv.free(request)            # nothing valid: start over as a fresh request
-            request.num_cached_tokens = None
+            request.num_cached_tokens = request.num_local_cached_tokens = None
         else:
             self.kv.cache_blocks(request, num_valid)
         request.num_computed_tokens = num_valid
@@ -768,7 +773,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Queues disjoint and consistent with statuses; counters within bounds; blocks
-        cover the computed tokens; a request loading holds blocks for its whole prompt; the
+        cover the computed tokens; a request loading holds blocks for its hit and what it loads; the
         requests outside the queues are finished ones whose transfer the connector still
         owns; the KV cache manager's and pool's invariants."""
         self.kv.check_invariants()
@@ -801,7 +806,9 @@ class Scheduler:
                 assert r.request_id not in self.kv.req_to_blocks
             elif r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 assert r.num_computed_tokens == 0, f"{r} loading with computed tokens"
-                assert held * self.block_size >= r.num_tokens, f"{r} loading without blocks"
+                loaded = (self.kv.get_num_cached_blocks(r.request_id) * self.block_size
+                          + r.num_external_computed_tokens)
+                assert held * self.block_size >= loaded, f"{r} loading without blocks"
             else:
                 assert held * self.block_size >= r.num_computed_tokens, f"{r} lacks blocks"
 

@@ -39,6 +39,7 @@ TIER_HOST = "host_pinned"
 TIER_DISK = "disk"
 TIER_SHARED = "external"
 TIERS = (TIER_DEVICE, TIER_HOST, TIER_DISK, TIER_SHARED)   # best (fastest to use) first
+TIER_MEDIUMS = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)   # what kvloop publishes, fastest first
 
 _TIER_OF_MEDIUM = {
     "GPU": TIER_DEVICE, "DEVICE": TIER_DEVICE, "G1": TIER_DEVICE,

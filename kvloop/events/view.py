@@ -5,7 +5,9 @@ Owner: a CacheView is changed only by `apply` / `apply_event` / `clear`, from on
 Rules (the block pool's, seen from outside):
 - `BlockStored` adds one physical copy of each listed hash. The same hash may be stored twice
   (two blocks with the same content), so copies are counted.
-- `BlockRemoved` removes one copy of each listed hash; a hash leaves the view at 0 copies.
+- `BlockRemoved` removes one copy of each listed hash (with `keep_blocks`: the latest copy in
+  the event's medium, so a block held by several tiers keeps the right ones); a hash leaves
+  the view at 0 copies.
   Removing a hash the view does not hold is ignored (counted in `unknown_removes`).
 - `AllBlocksCleared` empties the view.
 
@@ -38,7 +40,7 @@ class _Block(msgspec.Struct, gc=False):
     parent: ExternalBlockHash | None
     token_ids: tuple[int, ...]
     extra_keys: Any
-    meta: tuple[Any, ...]
+    metas: list[tuple[Any, ...]]   # one per physical copy, in store order (tier, locality...)
 
 
 def _meta(ev: BlockStored) -> tuple[Any, ...]:
@@ -46,6 +48,15 @@ def _meta(ev: BlockStored) -> tuple[Any, ...]:
     return (ev.block_size, ev.lora_id, ev.medium, ev.lora_name, ev.group_idx,
             ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality,
             ev.ownership, ev.session_id)
+
+
+def _drop_copy(metas: list[tuple[Any, ...]], medium: str | None) -> None:
+    """Forget one copy: the latest in `medium` (`_meta`'s third field), else the latest."""
+    for i in range(len(metas) - 1, -1, -1):
+        if metas[i][2] == medium:
+            del metas[i]
+            return
+    metas.pop()
 
 
 class CacheView:
@@ -86,7 +97,7 @@ class CacheView:
         if isinstance(ev, BlockStored):
             self._store(ev)
         elif isinstance(ev, BlockRemoved):
-            self._remove(ev.block_hashes)
+            self._remove(ev.block_hashes, ev.medium)
         elif isinstance(ev, AllBlocksCleared):
             self.clear()
         else:
@@ -110,10 +121,12 @@ class CacheView:
             copies[h] = n + 1
             if n == 0:
                 ek = extra[i] if extra is not None and i < len(extra) else None
-                info[h] = _Block(parent, tuple(toks[i * bs:(i + 1) * bs]), ek, meta)
+                info[h] = _Block(parent, tuple(toks[i * bs:(i + 1) * bs]), ek, [meta])
+            else:
+                info[h].metas.append(meta)
             parent = h
 
-    def _remove(self, hashes: Iterable[ExternalBlockHash]) -> None:
+    def _remove(self, hashes: Iterable[ExternalBlockHash], medium: str | None = None) -> None:
         copies = self._copies
         for h in hashes:
             n = copies.get(h)
@@ -121,6 +134,9 @@ class CacheView:
                 self.unknown_removes += 1
             elif n > 1:
                 copies[h] = n - 1
+                block = self._info.get(h)
+                if block is not None:
+                    _drop_copy(block.metas, medium)
             else:
                 del copies[h]
                 self._info.pop(h, None)
@@ -162,9 +178,9 @@ class CacheView:
             raise ValueError("max_blocks_per_event must be >= 1")
         order = self._parent_first_order()
         events = list(self._chain_events(order, max_blocks_per_event))
-        for h, n in self._copies.items():
-            for _ in range(n - 1):
-                events.append(self._event_of([h]))
+        for h in self._copies:
+            for meta in self._info[h].metas[1:]:
+                events.append(self._event_of([h], meta))
         return events
 
     def _chain_events(self, order: list[ExternalBlockHash],
@@ -175,18 +191,21 @@ class CacheView:
         for h in order:
             b = info[h]
             if run and (len(run) >= limit or b.parent != run[-1]
-                        or b.meta != info[run[-1]].meta):
+                        or b.metas[0] != info[run[-1]].metas[0]):
                 yield self._event_of(run)
                 run = []
             run.append(h)
         if run:
             yield self._event_of(run)
 
-    def _event_of(self, run: list[ExternalBlockHash]) -> BlockStored:
+    def _event_of(self, run: list[ExternalBlockHash],
+                  meta: tuple[Any, ...] | None = None) -> BlockStored:
+        """One event for `run` (a chain), with its first block's first copy's fields
+        (`meta`: another copy's)."""
         info = self._info
         first = info[run[0]]
         (bs, lora_id, medium, lora_name, group_idx, kind, window, locality, ownership,
-         session_id) = first.meta
+         session_id) = meta or first.metas[0]
         tokens: list[int] = []
         for h in run:
             tokens.extend(info[h].token_ids)

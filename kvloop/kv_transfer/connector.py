@@ -39,6 +39,7 @@ from kvloop.config import KVTransferConfig
 from kvloop.core.kv_connector import KVBlockStore
 from kvloop.core.outputs import KVConnectorOutput, SchedulerOutput
 from kvloop.core.request import Request, RequestStatus
+from kvloop.events.types import KVEvent
 from kvloop.kv_transfer import shm
 from kvloop.kv_transfer.client import Load, LoadResult, TransferClient
 from kvloop.kv_transfer.leases import HEARTBEAT_INTERVAL, LeaseTable
@@ -302,6 +303,13 @@ class KvloopConnector:
         self._metadata = None
 
     # --- the engine loop ------------------------------------------------------------------
+    def take_events(self) -> list[KVEvent]:
+        """None: this connector keeps no cache of its own."""
+        return []
+
+    def reset_cache(self) -> None:
+        """Nothing to forget (held leases belong to their requests)."""
+
     def take_stats(self) -> KVTransferStats:
         stats = self.counters.take()
         stats.held_requests = self.leases.num_held()

@@ -29,13 +29,17 @@ from kvloop.config import (
     DEFAULT_TARGET_TPOT_MS,
     DEVICES,
     DTYPE_ALIASES,
+    GIB,
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
     HASH_ALGOS,
+    KV_OFFLOADING_BACKENDS,
+    KV_STORE_PASSWORD_ENV,
     POLICIES,
     AutoBudget,
     CacheConfig,
     EngineConfig,
+    KVOffloadConfig,
     KVTransferConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -225,6 +229,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'{\"kv_connector\":\"KvloopConnector\",\"kv_role\":\"kv_both\"}' "
                         "(keys: docs/disaggregation.md; engine_id: a UUID4 when unset) "
                         "(default: none, no KV transfer)")
+    _add_tier_args(p)
+
+
+def _add_tier_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV tiers below the block pool (docs/tiers.md)")
+    g.add_argument("--kv-offloading-backend", choices=KV_OFFLOADING_BACKENDS, default=None,
+                   help="vLLM's flag: 'native' keeps evicted KV blocks in host memory "
+                        "(with --kv-offloading-size)")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
+                   help="host-memory tier size in GiB (vLLM's flag)")
+    g.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                   help="local disk tier: one file per block, found again after a restart")
+    g.add_argument("--kv-disk-size", type=float, default=None, metavar="GiB",
+                   help="disk tier size in GiB (required with --kv-disk-path)")
+    g.add_argument("--kv-shared-store", default=None, metavar="URL",
+                   help="a store several workers share: redis://HOST:PORT (password in "
+                        f"${KV_STORE_PASSWORD_ENV}) or file:///DIR; needs the fleet secret")
+    g.add_argument("--kv-offload-store-threshold", type=int, default=1, metavar="N",
+                   help="store a block below only once its hash was looked up N times "
+                        "(vLLM's store_threshold) (default: 1, every block)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -373,6 +397,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(cache=cache, scheduler=sched,
                         check_invariants=args.debug_check_invariants, speculative=spec,
                         kv_transfer=kv_transfer_config(args), auto_budget=auto_budget(args),
+                        kv_offload=kv_offload_config(args),
                         grammar_compile_timeout_s=args.structured_outputs_compile_timeout)
 
 
@@ -402,11 +427,36 @@ def side_channel_beyond_loopback(engine: EngineConfig, args: argparse.Namespace,
         kv, kv_connector_extra_config=moved))
 
 
+def kv_offload_config(args: argparse.Namespace) -> KVOffloadConfig | None:
+    """The tier flags as a `KVOffloadConfig` (None: no tier); ValueError on a bad set."""
+    size = args.kv_offloading_size
+    if (args.kv_offloading_backend is None) != (size is None):
+        raise ValueError("--kv-offloading-backend and --kv-offloading-size go together")
+    if args.kv_disk_size is not None and args.kv_disk_path is None:
+        raise ValueError("--kv-disk-size needs --kv-disk-path")
+    flags = size is not None or args.kv_disk_path is not None or args.kv_shared_store is not None
+    if args.kv_transfer_config is not None:
+        json_tiers = KVOffloadConfig.from_kv_transfer_json(args.kv_transfer_config,
+                                                           args.block_size)
+        if json_tiers is not None and flags:
+            raise ValueError("give the tiers with the flags or with --kv-transfer-config's "
+                             "OffloadingConnector, not both")
+        if json_tiers is not None:
+            return json_tiers
+    if not flags:
+        return None
+    return KVOffloadConfig(cpu_bytes=int((size or 0) * GIB), disk_path=args.kv_disk_path,
+                           disk_bytes=int((args.kv_disk_size or 0) * GIB),
+                           shared_store=args.kv_shared_store,
+                           store_threshold=args.kv_offload_store_threshold)
+
+
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     """`--kv-transfer-config`'s JSON as a `KVTransferConfig` (its `engine_id` a fresh UUID4
     when unset, fixed here once for the engine); ValueError naming the key at fault."""
-    if args.kv_transfer_config is None:
-        return None
+    if args.kv_transfer_config is None or KVOffloadConfig.from_kv_transfer_json(
+            args.kv_transfer_config, args.block_size) is not None:
+        return None     # no JSON, or vLLM's OffloadingConnector: the tiers (kv_offload_config)
     return KVTransferConfig.from_json(args.kv_transfer_config)
 
 

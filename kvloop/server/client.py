@@ -312,6 +312,7 @@ class EngineClient:
         if times.first_token is None:
             times.first_token = ts
             times.num_cached_tokens = o.num_cached_tokens
+            times.num_external_cached_tokens = o.num_external_computed_tokens
             if self.metrics is not None:
                 self.metrics.observe_first_token(times)
         elif times.last_token is not None:

@@ -76,6 +76,7 @@ class RequestTimes:
     last_token: float | None = None
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0    # of num_cached_tokens: loaded (a tier, P's hit)
     num_preemptions: int = 0
 
 
@@ -265,9 +266,11 @@ class ServerMetrics:
         assert t.first_token is not None
         self.h_ttft.observe(max(t.first_token - t.arrival, 0.0))
         cached = min(t.num_cached_tokens, t.num_prompt_tokens)
+        external = min(t.num_external_cached_tokens, cached)
         self.prompt_tokens.inc(t.num_prompt_tokens)
         self.prompt_compute.inc(t.num_prompt_tokens - cached)
-        self.prompt_cache_hit.inc(cached)
+        self.prompt_cache_hit.inc(cached - external)
+        self.prompt_external.inc(external)
         self.prompt_cached.inc(cached)
 
     def observe_tokens(self, num_new: int, itl: float | None) -> None:

@@ -193,7 +193,8 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
         client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
                                        start.engine_index, _cache_info(ready),
                                        spec.num_speculative_tokens if spec else 0,
-                                       kv_transfer=ready.kv_transfer is not None)
+                                       kv_transfer=(ready.kv_transfer is not None
+                                                    or start.engine.kv_offload is not None))
         if ready.kv_transfer is not None:
             kv = ready.kv_transfer
             logger.info("KV connector: engine_id %s, kv_role %s, side channel tcp://%s:%d "
