@@ -106,6 +106,10 @@ def test_two_workers_share_a_redis_store(tmp_path_factory):
             assert cached_tokens(a, PROMPT) == 0
             wait_until(lambda: len(client.keys("kvloop:kv:*")) >= 12, 10, "12 blocks stored")
             assert cached_tokens(b, PROMPT) == 12 * BS
+            # both name the store to routers (no credentials: the URL has none)
+            for srv in (a, b):
+                facts = httpx.get(srv.url + "/kvloop/worker").json()
+                assert facts["kv_shared_store"] == f"redis://127.0.0.1:{store.port}"
         client.close()
 
 

@@ -513,6 +513,7 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     facts["kv_transfer"] = _kv_transfer(r.kv_transfer, admitted)
     hidden: dict[str, Any] = {"model_path": cfg.model_path, "api_pid": os.getpid(),
                               "engine_pid": r.pid}
+    facts["kv_shared_store"] = cfg.kv_shared_store if admitted else None
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
                       served_model_names=list(cfg.served_model_names), role=cfg.role,
                       kv_capacity_blocks=r.num_gpu_blocks - 1, version=__version__,

@@ -520,6 +520,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     defaults = generation_defaults(args, model, sim)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,
                         advertise_host=advertised.host, advertise_how=advertised.how,
+                        kv_shared_store=args.kv_shared_store,
                         port=args.port, role=args.role,
                         max_waiting_requests=args.max_waiting_requests,
                         max_logprobs=args.max_logprobs,

@@ -59,7 +59,9 @@ class ServeConfig:
     it (kvloop/server/structured.py). `responses_store`: the bounds of the stored Responses
     API responses (kvloop/server/responses_store.py). `default_sampling`: what a request that
     leaves a sampling field out gets (`--generation-config`;
-    kvloop/server/generation_config.py).
+    kvloop/server/generation_config.py). `kv_shared_store`: the shared KV store this worker
+    reads (`--kv-shared-store`, a URL without credentials), named to routers so they credit
+    its blocks to every worker reading it.
     """
 
     served_model_names: tuple[str, ...]
@@ -67,6 +69,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     advertise_how: str = ""
+    kv_shared_store: str | None = None
     port: int = 0
     role: Role = DEFAULT_ROLE
     max_waiting_requests: int | None = 1024
