@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = write_tiny_gguf(tiny_hf_model(seed=11), tmp_path_factory.mktemp("llm") / "t.gguf")
+    # fp32: a tiny random model's top logits sit close together; exact tokens are compared
     llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_threads=1,
               num_gpu_blocks_override=64, check_invariants=True)
     yield llm

