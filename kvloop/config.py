@@ -97,6 +97,45 @@ class SimSettings:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving (vLLM's `--enable-lora` and its limits; None on `RunnerConfig`: off).
+
+    - `max_loras`: adapters resident in the runner's slots at once, so at most this many
+      distinct adapters share one step (vLLM's `--max-loras`, default 1);
+    - `max_lora_rank`: the largest rank an adapter may have (vLLM's `--max-lora-rank`,
+      default 16); the slots are sized for it;
+    - `max_cpu_loras`: adapters kept decoded in host memory, LRU, reread from their folder
+      when evicted (vLLM's `--max-cpu-loras`; None: `max_loras`);
+    - `max_adapters`: how many names may be registered at once (kvloop's bound on
+      `/v1/load_lora_adapter`, so a client cannot grow the registry without limit).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    max_adapters: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK}], got "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= "
+                             f"--max-loras ({self.max_loras})")
+        if self.max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1, got {self.max_adapters}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+MAX_LORA_RANK = 512   # vLLM's largest supported --max-lora-rank
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """How to build the engine's runner: the model runner's settings (vLLM's names), plus
     `sim` for the simulator.
@@ -128,7 +167,8 @@ class RunnerConfig:
       the cores the process may use);
     - `low_bit_max_tokens`: steps of at most this many tokens run a GGUF's 4-bit (and Q8_0)
       weights as they are, larger ones the dense copy (CPU only; None: the crossover measured
-      at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons).
+      at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons);
+    - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given).
     """
 
     model: str | None = None
@@ -143,6 +183,7 @@ class RunnerConfig:
     gpu_memory_utilization: float | None = None
     low_bit_max_tokens: int | None = None
     sim: SimSettings | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)

@@ -485,7 +485,7 @@ class Scheduler:
                 all_token_ids=list(req.all_token_ids), sampling_params=req.sampling_params,
                 block_ids=self.kv.get_block_ids(rid), num_computed_tokens=c,
                 token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed,
-                pooling_params=req.pooling_params))
+                pooling_params=req.pooling_params, lora_name=req.lora_name))
         for req in plan.running:
             rid = req.request_id
             n = plan.num_scheduled[rid]
