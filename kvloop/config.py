@@ -260,6 +260,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True
     num_lookahead_tokens: int = 0
+    max_loras: int | None = None       # LoRA served: adapters per step (None: LoRA off)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -276,6 +277,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
 
 
 def budget_floor(max_num_seqs: int) -> int:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvloop.config import LoRAConfig, RunnerConfig
+from kvloop.core.request import RequestStatus
 from kvloop.model import load_runner
 from kvloop.model.lora import LoRAError
 from tests.test_model_tiny import (
@@ -189,3 +190,82 @@ def test_bad_adapters_are_refused(tiny, tmp_path):
     with pytest.raises(LoRAError, match="unsupported tensor"):
         runner.add_lora("junk", str(junk))
     assert runner.list_loras() == ["x"]
+
+
+# --- through the engine (offline LLM): scheduler, hashing, waiting ------------------------
+def _peft_greedy(model, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(_last_logits(model, seq).argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny):
+    from kvloop import LLM
+
+    _, folder, _ = tiny
+    llm = LLM(str(folder), dtype="float32", device="cpu", block_size=BS, num_threads=1,
+              num_gpu_blocks_override=64, low_bit_max_tokens=0, check_invariants=True,
+              enable_lora=True, max_loras=1, max_lora_rank=8)
+    yield llm
+    llm.shutdown()
+
+
+def test_llm_greedy_equals_peft_and_adapters_share_no_block(tiny, lora_llm):
+    """Greedy output per adapter == peft's; with max_loras 1 the y request waits
+    (WAITING_FOR_LORA) while x runs, then runs after; the same prompt under x, y and the base
+    gets disjoint block hashes, so the second and third see no prefix hit."""
+    from kvloop import LoRARequest, SamplingParams
+
+    base, _, adapters = tiny
+    prompt = np.random.default_rng(9).integers(3, TINY_VOCAB, 9).tolist()   # 2 full blocks
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    reqs = [LoRARequest("x", 1, str(adapters["x"][1])), LoRARequest("y", 2,
+                                                                    str(adapters["y"][1])), None]
+    outs = lora_llm.generate([{"prompt_token_ids": prompt}] * 3, sp, use_tqdm=False,
+                             lora_request=reqs)
+    refs = [adapters["x"][0], adapters["y"][0], base]
+    for out, ref in zip(outs, refs, strict=True):
+        assert out.outputs[0].token_ids == _peft_greedy(ref, prompt, 5)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]
+    again = lora_llm.generate([{"prompt_token_ids": prompt}] * 2, sp, use_tqdm=False,
+                              lora_request=[reqs[1], None])
+    assert [o.num_cached_tokens for o in again] == [8, 8]     # hits within each namespace
+    assert [o.outputs[0].token_ids for o in again] == [outs[1].outputs[0].token_ids,
+                                                      outs[2].outputs[0].token_ids]
+    engine = lora_llm.engine
+    hashes = {name: engine.make_request(f"h{name}", prompt, sp, lora_name=name).block_hashes
+              for name in ("x", "y", None)}
+    assert len({h for hs in hashes.values() for h in hs}) == 6
+
+
+def test_engine_refuses_unknown_and_busy_adapters(tiny, lora_llm):
+    from kvloop import SamplingParams
+
+    engine = lora_llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=2)
+    req = engine.make_request("u1", [5, 6, 7], sp, lora_name="nope")
+    engine.add_request(req)
+    out = engine.step()
+    assert any(o.request_id == "u1" and o.error and "not loaded" in o.error
+               for o in out.outputs)
+    _, _, adapters = tiny
+    engine.add_lora("z", str(adapters["x"][1]))
+    if "x" not in engine.list_loras():
+        engine.add_lora("x", str(adapters["x"][1]))
+    busy = engine.make_request("u2", [5, 6, 7], sp, lora_name="z")
+    other = engine.make_request("u3", [5, 6, 7], sp, lora_name="x")
+    engine.add_request(busy)
+    engine.add_request(other)
+    engine.step()
+    assert busy.status == RequestStatus.RUNNING          # max_loras 1: x must wait for z
+    assert other.status == RequestStatus.WAITING_FOR_LORA
+    with pytest.raises(ValueError, match="in use"):
+        engine.remove_lora("z")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(other.output_token_ids) == 2
+    engine.remove_lora("z")
+    assert "z" not in engine.list_loras()

@@ -42,12 +42,14 @@ class RequestGrammar(Protocol):
 
 
 class RequestStatus(enum.IntEnum):
-    """vLLM's statuses, in vLLM's order; everything after PREEMPTED is finished."""
+    """vLLM's statuses, in vLLM's order (WAITING_FOR_LORA added, vLLM skips such a request
+    without a status); everything after PREEMPTED is finished."""
 
     WAITING = enum.auto()
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
+    WAITING_FOR_LORA = enum.auto()     # kvloop's: its adapter has no slot yet (`AdapterSlots`)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -49,7 +49,13 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
 from kvloop.core.structured_output import GRAMMAR_REJECTED
-from kvloop.core.waiting import GrammarCompile, Readiness, RemoteKVLoad, WaitReasons
+from kvloop.core.waiting import (
+    AdapterSlots,
+    GrammarCompile,
+    Readiness,
+    RemoteKVLoad,
+    WaitReasons,
+)
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
@@ -154,7 +160,10 @@ class Scheduler:
         remote load does, "fail" (finish_reason "error") or "recompute" (prefill here)."""
         self.config = config
         self.connector = connector
-        self.wait_reasons = WaitReasons(GrammarCompile(), RemoteKVLoad())
+        self.adapter_slots = (AdapterSlots(config.max_loras)
+                              if config.max_loras is not None else None)
+        self.wait_reasons = WaitReasons(GrammarCompile(), *filter(None, [self.adapter_slots]),
+                                        RemoteKVLoad())
         self.kv_load_failure_policy = kv_load_failure_policy
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -440,11 +449,14 @@ class Scheduler:
         ready now becomes WAITING (admitted as any request); one that never will be is
         finished (FINISHED_ERROR) with an error output, sent with this step's outputs."""
         reason = self.wait_reasons.holding(request)
+        readiness = Readiness.READY
+        while reason is not None:       # a reason ready hands over to the next that holds it
+            readiness = reason.poll(request)
+            if readiness is not Readiness.READY:
+                break
+            reason = self.wait_reasons.holding_after(request, reason)
+            request.status = RequestStatus.WAITING if reason is None else reason.status
         if reason is None:
-            return False
-        readiness = reason.poll(request)
-        if readiness is Readiness.READY:
-            request.status = RequestStatus.WAITING
             return False
         if readiness is Readiness.FAILED:
             request.status = RequestStatus.FINISHED_ERROR
