@@ -10,7 +10,8 @@ from kvloop.pooling_params import PoolingParams
 from kvloop.sampling_params import SamplingParams, StructuredOutputsParams
 from kvloop.version import __version__
 
-__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 if TYPE_CHECKING:
     from kvloop.llm import LLM

@@ -81,6 +81,8 @@ def read_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int) 
     folder = Path(path)
     if not folder.is_dir():
         raise LoRAError(f"LoRA adapter {name!r}: {path} is not a directory")
+    for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        _check_inside(folder, file, name)
     peft = _read_adapter_config(folder / ADAPTER_CONFIG, name)
     rank, scale = _rank_and_scale(peft, name, max_rank)
     weights_file = folder / ADAPTER_WEIGHTS
@@ -93,6 +95,13 @@ def read_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int) 
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {ADAPTER_WEIGHTS}: {e}") from e
     weights = _pair_weights(tensors, config, rank, scale, name)
     return PeftAdapter(name, str(folder), rank, weights)
+
+
+def _check_inside(folder: Path, file: str, name: str) -> None:
+    """`folder/file` must be a regular file in `folder` itself (no symlink out of it)."""
+    real = Path(os.path.realpath(folder / file))
+    if real.parent != Path(os.path.realpath(folder)) or not real.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: no {file} in the folder")
 
 
 def _read_adapter_config(file: Path, name: str) -> dict[str, object]:

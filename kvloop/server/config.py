@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.server.lora import LoRAServe
 from kvloop.server.responses_store import ResponseStoreConfig
 from kvloop.trust import FleetSecret
 
@@ -54,7 +55,8 @@ class ServeConfig:
     peer). `max_structured_output_bytes`: the largest constraint (schema, regex, grammar,
     choices, a tool's schema) a request may ask for; larger is a 400 before the engine sees
     it (kvloop/server/structured.py). `responses_store`: the bounds of the stored Responses
-    API responses (kvloop/server/responses_store.py).
+    API responses (kvloop/server/responses_store.py). `lora`: the LoRA adapters served
+    (kvloop/server/lora.py; None: no --enable-lora).
     """
 
     served_model_names: tuple[str, ...]
@@ -83,6 +85,7 @@ class ServeConfig:
     fleet_secret: FleetSecret | None = None
     max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
+    lora: LoRAServe | None = None
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:
