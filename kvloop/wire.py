@@ -128,6 +128,15 @@ class KVTransferStats(msgspec.Struct, omit_defaults=True):
                     or self.external_prefix_cache_queries)
 
 
+class LoRAStats(msgspec.Struct, omit_defaults=True):
+    """The adapters of the running and the waiting requests (names, sorted) and
+    --max-loras: what vLLM's `vllm:lora_requests_info` gauge labels carry."""
+
+    max_lora: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -139,6 +148,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_index: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None   # None: no drafts this step
     kv_transfer: KVTransferStats | None = None     # None: the engine has no KV connector
+    lora: LoRAStats | None = None                  # None: LoRA is off
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):

@@ -269,3 +269,36 @@ def test_engine_refuses_unknown_and_busy_adapters(tiny, lora_llm):
     assert len(other.output_token_ids) == 2
     engine.remove_lora("z")
     assert "z" not in engine.list_loras()
+
+
+def test_events_and_stats_carry_the_adapter(tiny):
+    """BlockStored of an adapter request names it; the step's LoRAStats list the running
+    adapter and the one waiting for a slot (max_loras 1)."""
+    from kvloop.config import CacheConfig
+    from kvloop.core.engine import EngineCore
+    from kvloop.core.request import SamplingParams
+    from kvloop.events.types import BlockStored
+    from kvloop.llm import engine_config
+
+    _, folder, adapters = tiny
+    runner = _runner(folder, max_loras=1)
+    config = engine_config(runner.max_model_len, block_size=BS, num_gpu_blocks=40,
+                           log_stats=True)
+    config = dataclasses.replace(
+        config, cache=CacheConfig(block_size=BS, num_gpu_blocks=40,
+                                  enable_kv_cache_events=True),
+        scheduler=dataclasses.replace(config.scheduler, max_loras=1))
+    engine = EngineCore(config, runner, num_gpu_blocks=40)
+    for name in ("x", "y"):
+        engine.add_lora(name, str(adapters[name][1]))
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    for rid, name in (("a", "x"), ("b", "y")):
+        engine.add_request(engine.make_request(rid, list(range(3, 12)), sp, lora_name=name))
+    result = engine.step()
+    assert result.stats is not None and result.stats.lora is not None
+    lora = result.stats.lora
+    assert (lora.max_lora, lora.running_lora_adapters, lora.waiting_lora_adapters) == (
+        1, ["x"], ["y"])
+    assert result.events is not None
+    stored = [e for e in result.events.events if isinstance(e, BlockStored)]
+    assert stored and all(e.lora_name == "x" for e in stored)

@@ -5,7 +5,6 @@ and unload adapters at run time only from --lora-allowed-dirs, outputs equal pef
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -97,3 +96,13 @@ def test_runtime_load_and_unload_are_admin_only_and_confined(fleet) -> None:
     assert httpx.post(unload, json={"lora_name": "y"}, headers=admin).status_code == 404
     with pytest.raises(openai.NotFoundError):
         sdk(srv.url).completions.create(model="y", prompt=prompt, max_tokens=2)
+
+
+def test_metrics_have_vllms_lora_info_gauge(fleet) -> None:
+    srv, _ = fleet
+    sdk(srv.url).completions.create(model="x", prompt=[5, 6, 7], max_tokens=2)
+    lines = [ln for ln in httpx.get(srv.url + "/metrics").text.splitlines()
+             if ln.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1, lines
+    assert 'max_lora="1"' in lines[0] and "running_lora_adapters=" in lines[0]
+    assert "waiting_lora_adapters=" in lines[0]

@@ -59,6 +59,7 @@ from kvloop.core.waiting import (
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
+    LoRAStats,
     PromptLogprobsChunk,
     SchedulerStats,
     SpecDecodingStats,
@@ -764,6 +765,9 @@ class Scheduler:
             spec_decoding_stats=self._spec_stats)
         self._step_preemptions = 0
         self._spec_stats = None
+        if self.adapter_slots is not None:
+            stats.lora = LoRAStats(self.adapter_slots.max_loras, _adapters(self.running),
+                                   _adapters(self.waiting))
         if self.connector is not None:
             stats.kv_transfer = self.connector.take_stats()
             stats.kv_transfer.external_prefix_cache_queries = self._external_queries
@@ -829,3 +833,8 @@ def _prompt_logprobs(prompt: list[int], chunk: PromptLogprobs | None
                     rank=lp.sampled_rank, top_token_ids=lp.top_token_ids,
                     top_logprobs=lp.top_logprobs)
         for j, lp in enumerate(chunk.entries)])
+
+
+def _adapters(requests: Iterable[Request]) -> list[str]:
+    """The distinct LoRA adapters of `requests`, sorted."""
+    return sorted({r.lora_name for r in requests if r.lora_name is not None})
