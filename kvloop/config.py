@@ -78,7 +78,8 @@ class SimSettings:
     vocabulary's, `kvloop.sim.byte_vocab`). `latency_file` None is
     kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time.
     `copy_rate`: how often the simulated model copies from its context, so speculative
-    decoding finds drafts it accepts (`kvloop.sim.runner`; 0: never)."""
+    decoding finds drafts it accepts (`kvloop.sim.runner`; 0: never). `lora_load_s`: with
+    LoRA on, each step lasts this much longer per adapter it must load into a slot."""
 
     latency_file: str | None = None
     speedup: float = 1.0
@@ -86,8 +87,11 @@ class SimSettings:
     vocab_size: int | None = None
     text_token_ids: tuple[int, ...] = ()
     copy_rate: float = 0.0
+    lora_load_s: float = 0.005     # modelled time to copy one adapter into a slot
 
     def __post_init__(self) -> None:
+        if self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s must be >= 0, got {self.lora_load_s}")
         if not self.speedup > 0:
             raise ValueError(f"--sim-speedup must be > 0, got {self.speedup}")
         if not 0.0 <= self.copy_rate <= 1.0:

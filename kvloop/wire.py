@@ -318,7 +318,8 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     facts and the API server's. `kv_capacity_blocks` counts the usable blocks
     (`num_gpu_blocks` less the null block). The private fields (process ids, the model's
     path) are left out (`UNSET`) for a caller who may not see them; `api_key_accepted` says
-    whether the caller's key was accepted."""
+    whether the caller's key was accepted; `lora_adapters` names the LoRA adapters a request's
+    `model` may select here."""
 
     model: str
     served_model_names: list[str]
@@ -330,6 +331,7 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     version: str
     api_key_required: bool
     api_key_accepted: bool
+    lora_adapters: list[str] = msgspec.field(default_factory=list)   # LoRA adapters loaded
 
 
 class WorkerAnnouncement(msgspec.Struct, frozen=True, kw_only=True):

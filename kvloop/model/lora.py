@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from kvloop.config import LoRAConfig
+from kvloop.core.lora_slots import SlotLRU
 from kvloop.model.loader import ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -227,9 +228,13 @@ class LoRASlots:
         self.layers = layers
         self.paths: dict[str, str] = {}
         self.host: OrderedDict[str, PeftAdapter] = OrderedDict()   # LRU, oldest first
-        self.resident: OrderedDict[str, int] = OrderedDict()        # name -> slot, LRU
-        self.free_slots = list(range(lora.max_loras))
+        self.slots = SlotLRU(lora.max_loras)
         self.num_loads = 0          # copies into a slot (tests and metrics read it)
+
+    @property
+    def resident(self) -> list[str]:
+        """The adapters in a slot, least recently used first."""
+        return list(self.slots.resident)
 
     def register(self, name: str, path: str) -> None:
         """Read and check the adapter now (a bad one fails here, not in a step)."""
@@ -247,9 +252,7 @@ class LoRASlots:
         if self.paths.pop(name, None) is None:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded")
         self.host.pop(name, None)
-        slot = self.resident.pop(name, None)
-        if slot is not None:
-            self.free_slots.append(slot)
+        self.slots.drop(name)
 
     def names(self) -> list[str]:
         return list(self.paths)
@@ -257,24 +260,10 @@ class LoRASlots:
     def activate(self, names: set[str]) -> dict[str, int]:
         """Make every adapter of `names` (at most `max_loras`, all registered) resident,
         evicting the least recently used others -> name -> slot."""
-        if len(names) > self.lora.max_loras:
-            raise RuntimeError(f"a step uses {len(names)} adapters, over --max-loras")
-        for name in names:
-            if name in self.resident:
-                self.resident.move_to_end(name)
-        return {name: self._slot_for(name, names) for name in names}
-
-    def _slot_for(self, name: str, wanted: set[str]) -> int:
-        if name in self.resident:
-            return self.resident[name]
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        else:
-            victim = next(n for n in self.resident if n not in wanted)
-            slot = self.resident.pop(victim)
-        self._write(slot, self._host_copy(name))
-        self.resident[name] = slot
-        return slot
+        slot_of, loads = self.slots.activate(names)
+        for name in loads:
+            self._write(slot_of[name], self._host_copy(name))
+        return slot_of
 
     def _host_copy(self, name: str) -> PeftAdapter:
         adapter = self.host.get(name)

@@ -81,6 +81,10 @@ fewest in-flight requests that can make a worker saturated at all: a continuous-
 engine runs several requests per step, so a handful is never a hot spot.
 `eviction_weight` is the share of an evicted cached block's tokens expected to be needed
 again: it steers new prefixes to workers with room, so prefixes spread by cache footprint.
+A request for a LoRA adapter adds nothing where the adapter is active (llm-d's affinity
+order: resident > room to load > must evict), `lora_load_tokens` where it must be loaded
+into a free slot, and `lora_evict_tokens` more where every slot holds an active adapter
+(the request waits for one to go idle, and evicts it).
 
     `load_bound` is the bounded-load factor for hot prefixes: a worker whose in-flight
     requests exceed `load_bound` times the fleet's mean (plus one) is saturated, and a hot
@@ -94,8 +98,12 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
     load_bound: float = 2.0
     saturation_floor: int = 8
     kv_shortage_weight: float = 1.0
+    lora_load_tokens: float = 256.0
+    lora_evict_tokens: float = 256.0
 
     def __post_init__(self) -> None:
+        if self.lora_load_tokens < 0 or self.lora_evict_tokens < 0:
+            raise ValueError("lora_load_tokens and lora_evict_tokens must be >= 0")
         if self.decode_token_cost < 0:
             raise ValueError("decode_token_cost must be >= 0")
         if self.marginal_work_weight < 0:

@@ -352,15 +352,18 @@ class Router:
         return raised
 
     # --- routing --------------------------------------------------------------------------
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
-        """The fleet's 64-bit block hashes of every full block of `token_ids`."""
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                     lora_name: str | None = None) -> list[int]:
+        """The fleet's 64-bit block hashes of every full block of `token_ids` (a LoRA
+        adapter's name in every block's extra keys, as the engine hashes them)."""
         hasher = self.hasher
         if hasher is None:
             return []
         extra = None
-        if cache_salt is not None:
+        if cache_salt is not None or lora_name is not None:
             n = len(token_ids) // hasher.block_size
-            extra = [block_extra_keys(i, cache_salt=cache_salt) for i in range(n)]
+            extra = [block_extra_keys(i, lora_name=lora_name, cache_salt=cache_salt)
+                     for i in range(n)]
         return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
 
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
@@ -375,18 +378,21 @@ class Router:
         return []
 
     def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
-              cache_salt: str | None = None, expected_output_tokens: int = 16) -> Routed:
-        """Pick a worker for a prompt and open its ticket. Raises NoWorkerError."""
+              cache_salt: str | None = None, expected_output_tokens: int = 16,
+              lora_name: str | None = None) -> Routed:
+        """Pick a worker for a prompt (run with LoRA adapter `lora_name`, None: the base
+        model) and open its ticket. Raises NoWorkerError."""
         t0 = time.perf_counter()
         workers = self.serving_pool(exclude)
         if not workers:
             raise NoWorkerError(self._no_worker_message())
-        hashes = self.block_hashes(token_ids, cache_salt)
+        workers = _serving_adapter(workers, lora_name)
+        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
         matches = self.index.match(hashes, [w.name for w in workers]) if hashes else {}
         candidates = [self._candidate(w, matches.get(w.name, 0)) for w in workers]
         bs = self.hash_spec.block_size if self.hash_spec else 16
         req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
-                           expected_output_tokens)
+                           expected_output_tokens, lora_name)
         decision = self.policy.choose(candidates, req)
         chosen = self.registry.get(decision.worker)
         assert chosen is not None
@@ -567,7 +573,8 @@ class Router:
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
             capacity_blocks=_capacity(w.description),
-            indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name))
+            indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name),
+            lora_adapters=w.load.lora_adapters, max_loras=w.load.max_loras)
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
                         t0: float) -> None:
@@ -701,6 +708,17 @@ def _stop_quietly(name: str, sub: Subscription) -> None:
         sub.stop()
     except Exception:  # a dead socket must not break deregistration
         log.exception("stopping the KV-event subscription of %s failed", name)
+
+
+def _serving_adapter(workers: list[WorkerState], lora_name: str | None
+                     ) -> list[WorkerState]:
+    """The workers that have LoRA adapter `lora_name` loaded (per their description); all
+    of `workers` when none has (they answer for themselves: a 404)."""
+    if lora_name is None:
+        return workers
+    holders = [w for w in workers
+               if w.description is not None and lora_name in w.description.lora_adapters]
+    return holders or workers
 
 
 def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:

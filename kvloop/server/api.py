@@ -504,4 +504,5 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
                       served_model_names=list(cfg.served_model_names), role=cfg.role,
                       kv_capacity_blocks=r.num_gpu_blocks - 1, version=__version__,
-                      api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted)
+                      api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted,
+                      lora_adapters=sorted(ctx.loras.paths))
