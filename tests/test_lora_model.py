@@ -302,3 +302,19 @@ def test_events_and_stats_carry_the_adapter(tiny):
     assert result.events is not None
     stored = [e for e in result.events.events if isinstance(e, BlockStored)]
     assert stored and all(e.lora_name == "x" for e in stored)
+
+
+def test_lora_benchmark_runs_on_the_tiny_model(tiny, tmp_path, capsys):
+    """`python -m kvloop.bench.lora` end to end on the tiny model (2 requests, 3 tokens):
+    one row per adapter count, every request producing its tokens."""
+    from kvloop.bench.lora import main
+
+    _, folder, _ = tiny
+    out = tmp_path / "lora.json"
+    assert main(["--model", str(folder), "--dtype", "float32", "--threads", "1",
+                 "--adapters", "0,1,2", "--rank", "4", "--num-requests", "2",
+                 "--output-len", "3", "--input-len", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["adapters"] for r in rows] == [0, 1, 2]
+    assert all(r["output_tokens"] == 6 and r["tok_per_s"] > 0 for r in rows)
+    assert "vs base" in capsys.readouterr().out
