@@ -34,9 +34,9 @@ ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base, folder: Path, seed: int, rank: int = 4, alpha: int = 8,
-                 targets: list[str] | None = None):
-    """A peft LoRA on a copy of `base` with random (nonzero) A and B, saved under `folder`
-    -> the peft model (eval, fp32)."""
+                 targets: list[str] | None = None, std: float = 0.3):
+    """A peft LoRA on a copy of `base` with random (nonzero, N(0, std)) A and B, saved under
+    `folder` -> the peft model (eval, fp32)."""
     import peft
 
     torch.manual_seed(seed)
@@ -46,7 +46,7 @@ def make_adapter(base, folder: Path, seed: int, rank: int = 4, alpha: int = 8,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.normal_(0.0, 0.3)
+                p.normal_(0.0, std)
     model.save_pretrained(str(folder))
     return model.eval()
 
