@@ -39,7 +39,8 @@ def test_adapter_slots_hold_the_third_adapter_until_one_is_free() -> None:
     finishes z runs. Every scheduled new request names its adapter."""
     sched = make_scheduler(max_loras=2)
     assert sched.adapter_slots is not None
-    sched.adapter_slots.names |= {"x", "y", "z"}
+    for name in ("x", "y", "z"):
+        sched.adapter_slots.register(name)
     reqs = [_lora_request(r, n, t) for t, (r, n) in enumerate(
         [("a", "x"), ("b", "y"), ("c", "z"), ("d", "x"), ("e", None)])]
     for r in reqs:

@@ -318,3 +318,31 @@ def test_lora_benchmark_runs_on_the_tiny_model(tiny, tmp_path, capsys):
     assert [r["adapters"] for r in rows] == [0, 1, 2]
     assert all(r["output_tokens"] == 6 and r["tok_per_s"] > 0 for r in rows)
     assert "vs base" in capsys.readouterr().out
+
+
+def test_a_reloaded_name_never_hits_the_old_weights_blocks(tiny, lora_llm):
+    """Unload "r" (x's weights) and load "r" again from y's folder: the same prompt gets no
+    prefix hit (vLLM would hit the stale blocks) and y's output; its first load hashes as
+    the router does (name only)."""
+    from kvloop import LoRARequest, SamplingParams
+
+    _, _, adapters = tiny
+    engine = lora_llm.engine
+    prompt = np.random.default_rng(11).integers(3, TINY_VOCAB, 9).tolist()
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(path):
+        req = LoRARequest("r", 9, str(path))
+        return lora_llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                                 lora_request=req)[0]
+
+    first = run(adapters["x"][1])
+    assert engine.scheduler.adapter_slots.hash_key("r") is None
+    assert run(adapters["x"][1]).num_cached_tokens == 8
+    engine.remove_lora("r")
+    engine.add_lora("r", str(adapters["y"][1]))
+    again = run(adapters["y"][1])
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == _peft_greedy(adapters["y"][0], prompt, 3)
+    assert first.outputs[0].token_ids == _peft_greedy(adapters["x"][0], prompt, 3)
+    engine.remove_lora("r")

@@ -133,13 +133,15 @@ class EngineCore:
         `max_model_len` for an output token, ValueError for an adapter when LoRA is off.
         """
         check_context_length(self.config.scheduler.max_model_len, len(prompt_token_ids))
-        if lora_name is not None and self.scheduler.adapter_slots is None:
+        slots = self.scheduler.adapter_slots
+        if lora_name is not None and slots is None:
             raise ValueError("LoRA is not enabled (--enable-lora)")
+        lora_path = slots.hash_key(lora_name) if slots is not None and lora_name else None
         if arrival_time is None:
             self._arrivals += 1
             arrival_time = time.monotonic() + self._arrivals * 1e-9
         return Request(request_id, prompt_token_ids, sampling_params, arrival_time,
-                       self.hasher, lora_name, client_index, pooling_params)
+                       self.hasher, lora_name, client_index, pooling_params, lora_path)
 
     def add_request(self, request: Request) -> None:
         """Queue `request`; a constrained one gets its grammar (compiled in the background).
@@ -259,7 +261,7 @@ class EngineCore:
         scheduler's `AdapterSlots`. ValueError: LoRA is off, or the adapter is refused."""
         slots, runner = self._lora()
         runner.add_lora(name, path)
-        slots.names.add(name)
+        slots.register(name)
 
     def remove_lora(self, name: str) -> None:
         """Forget adapter `name`; ValueError while an admitted request uses it."""
@@ -267,7 +269,7 @@ class EngineCore:
         if slots.in_use(name):
             raise ValueError(f"LoRA adapter {name!r} is in use by running requests")
         runner.remove_lora(name)
-        slots.names.discard(name)
+        slots.unregister(name)
 
     def list_loras(self) -> list[str]:
         return [] if self.scheduler.adapter_slots is None else sorted(

@@ -118,17 +118,24 @@ class RemoteKVLoad:
 class AdapterSlots:
     """A request with a LoRA adapter waits until its adapter is one of at most `max_loras`
     the admitted requests use (the runner holds that many resident: vLLM's rule that a step
-    has at most --max-loras adapters). Owner of `names` (the adapters registered with the
-    runner, which the engine keeps in step) and of the count of admitted requests per
-    adapter: a request counts from the poll that admits it until it finishes (a preempted
-    one keeps its place). An adapter removed while a request waits for it fails that
-    request."""
+    has at most --max-loras adapters). Owner of the registered adapters (`register`,
+    `unregister`: the engine keeps them in step with the runner's) and of the count of
+    admitted requests per adapter: a request counts from the poll that admits it until it
+    finishes (a preempted one keeps its place). An adapter removed while a request waits
+    for it fails that request.
+
+    `hash_key(name)`: what a request's LoRA extra key carries beside the name. None the
+    first time a name is registered (so a router, which knows names only, computes the same
+    hashes); after the name is registered again (an adapter reloaded, perhaps with new
+    weights) a marker of that registration, so blocks cached under the old weights are never
+    hit again (vLLM keys by name alone, and serves stale KV after an in-place reload)."""
 
     status = RequestStatus.WAITING_FOR_LORA
 
     def __init__(self, max_loras: int):
         self.max_loras = max_loras
-        self.names: set[str] = set()
+        self.names: dict[str, str | None] = {}       # registered adapter -> its hash key
+        self._registrations: dict[str, int] = {}     # times each name was registered
         self.users: dict[str, int] = {}            # adapter -> admitted requests using it
         self._admitted: dict[str, str] = {}       # request id -> its adapter
 
@@ -159,6 +166,17 @@ class AdapterSlots:
 
     def in_use(self, name: str) -> bool:
         return name in self.users
+
+    def register(self, name: str) -> None:
+        n = self._registrations.get(name, 0)
+        self._registrations[name] = n + 1
+        self.names[name] = None if n == 0 else f"kvloop-reload-{n}"
+
+    def unregister(self, name: str) -> None:
+        self.names.pop(name, None)
+
+    def hash_key(self, name: str) -> str | None:
+        return self.names.get(name)
 
 
 class WaitReasons:
