@@ -106,3 +106,15 @@ def test_metrics_have_vllms_lora_info_gauge(fleet) -> None:
     assert len(lines) == 1, lines
     assert 'max_lora="1"' in lines[0] and "running_lora_adapters=" in lines[0]
     assert "waiting_lora_adapters=" in lines[0]
+
+
+def test_embeddings_run_with_the_adapter(fleet) -> None:
+    srv, _ = fleet
+    vectors = {}
+    for model in ("base", "x"):
+        r = httpx.post(srv.url + "/v1/embeddings", json={"model": model, "input": [5, 6, 7]},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        vectors[model] = r.json()["data"][0]["embedding"]
+    assert len(vectors["x"]) == len(vectors["base"]) == 64
+    assert vectors["x"] != vectors["base"]

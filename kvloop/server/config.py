@@ -97,6 +97,9 @@ class ServeConfig:
                              f"got {self.tool_call_parser!r}")
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        if self.lora is not None and any(m.name in self.served_model_names
+                                         for m in self.lora.modules):
+            raise ValueError("a --lora-modules name may not be a --served-model-name")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port <= 65535:

@@ -54,6 +54,8 @@ class LoRAServe:
     def allowed_path(self, path: str) -> str | None:
         """`path` resolved (symlinks followed) if it is a directory inside an allowed
         folder, else None."""
+        if "\x00" in path:
+            return None
         real = os.path.realpath(path)
         for root in self.allowed_dirs:
             top = os.path.realpath(root)
