@@ -107,3 +107,36 @@ def test_block_hashes_differ_per_adapter_and_from_the_base() -> None:
                          hasher=HASHER, lora_name=n).block_hashes for n in ("x", "y", None)}
     assert all(len(h) == 3 for h in hashes.values())
     assert len({h for hs in hashes.values() for h in hs}) == 9
+
+
+def test_the_simulator_serves_adapters_with_a_modelled_load_time() -> None:
+    """Sim runner, max_loras 1: x's and y's requests run in turn (y waits for the slot);
+    each switch is one load of `lora_load_s`; greedy outputs depend on the adapter."""
+    import dataclasses
+
+    from kvloop.config import LoRAConfig
+    from kvloop.core.engine import EngineCore
+    from kvloop.core.request import SamplingParams
+    from kvloop.llm import engine_config
+    from kvloop.sim.worker import SimWorkerRunner
+
+    slept: list[float] = []
+    runner = SimWorkerRunner(None, 64, 256, lora=LoRAConfig(max_loras=1), lora_load_s=0.5,
+                             sleep=slept.append, block_size=16)
+    config = engine_config(256, block_size=16, num_gpu_blocks=64)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                       max_loras=1))
+    engine = EngineCore(config, runner, num_gpu_blocks=64)
+    for name in ("x", "y"):
+        engine.add_lora(name, f"/adapters/{name}")
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
+    outputs: dict[str, list[int]] = {}
+    for rid, name in (("a", "x"), ("b", "y"), ("c", "x"), ("d", None)):
+        engine.add_request(engine.make_request(rid, list(range(1, 20)), sp, lora_name=name))
+    while engine.has_unfinished_requests():
+        for o in engine.step().outputs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert runner.num_lora_loads == 2 and slept == [0.5, 0.5]    # x (a and c), then y
+    assert outputs["a"] == outputs["c"] != outputs["b"]
+    assert outputs["d"] not in (outputs["a"], outputs["b"])
+    assert engine.list_loras() == ["x", "y"] == sorted(runner.list_loras())
