@@ -140,3 +140,26 @@ def test_the_simulator_serves_adapters_with_a_modelled_load_time() -> None:
     assert outputs["a"] == outputs["c"] != outputs["b"]
     assert outputs["d"] not in (outputs["a"], outputs["b"])
     assert engine.list_loras() == ["x", "y"] == sorted(runner.list_loras())
+
+
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_slot_lru_random_sequences_keep_slots_distinct(num_slots: int) -> None:
+    """Random activates and drops: the step's names all resident on distinct slots in
+    range, loads are exactly those not resident before, nothing resident twice."""
+    import random
+
+    rng = random.Random(num_slots)
+    lru = SlotLRU(num_slots)
+    names = ["a", "b", "c", "d", "e"]
+    for _ in range(500):
+        if rng.random() < 0.2:
+            lru.drop(rng.choice(names))
+            continue
+        step = set(rng.sample(names, rng.randint(1, num_slots)))
+        before = set(lru.resident)
+        slot_of, loads = lru.activate(step)
+        assert set(slot_of) == step and set(loads) == step - before
+        assert len(set(lru.resident.values())) == len(lru.resident) <= num_slots
+        assert all(0 <= s < num_slots for s in lru.resident.values())
+        assert all(lru.resident[n] == slot_of[n] for n in step)
+        assert list(lru.resident)[-len(step):] == sorted(step, key=list(lru.resident).index)

@@ -304,6 +304,7 @@ def test_events_and_stats_carry_the_adapter(tiny):
     assert stored and all(e.lora_name == "x" for e in stored)
 
 
+@pytest.mark.slow   # four engine runs, over a second
 def test_lora_benchmark_runs_on_the_tiny_model(tiny, tmp_path, capsys):
     """`python -m kvloop.bench.lora` end to end on the tiny model (2 requests, 3 tokens):
     one row per adapter count, every request producing its tokens."""
