@@ -449,16 +449,6 @@ class RouterApp:
         return secret is not None and secret.check_token(
             PURPOSE_INTERNAL_HTTP, request.headers.get(INTERNAL_TOKEN_HEADER))
 
-    def _lora_name(self, body: dict[str, Any]) -> str | None:
-        """The LoRA adapter a body's `model` names: a name that is not one of the workers'
-        served (base) names (None while no worker has described itself)."""
-        model = body.get("model")
-        bases = {n for w in self.router.registry.all() if w.description is not None
-                 for n in w.description.served_model_names}
-        if not isinstance(model, str) or not bases or model in bases:
-            return None
-        return model
-
     def _fleet_model(self) -> str | None:
         """The model whose tokenizer the workers use (its path when they report one)."""
         for w in self.router.registry.all():
@@ -483,7 +473,7 @@ class RouterApp:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
                                            body.get("cache_salt"), output_tokens,
-                                           self._lora_name(body))
+                                           self.router.adapter_of(body.get("model")))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             name = routed.worker.name

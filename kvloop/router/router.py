@@ -366,6 +366,15 @@ class Router:
                      for i in range(n)]
         return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
 
+    def adapter_of(self, model: object) -> str | None:
+        """The LoRA adapter a request body's `model` names: a name that is not one of the
+        workers' served (base) names (None while no worker has described itself)."""
+        bases = {n for w in self.registry.all() if w.description is not None
+                 for n in w.description.served_model_names}
+        if not isinstance(model, str) or not bases or model in bases:
+            return None
+        return model
+
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
         """Who serves a request end to end (aggregated): `both` workers; if none is up,
         `decode` workers (they prefill locally); `prefill` workers only when nothing else is
@@ -421,22 +430,24 @@ class Router:
 
     def route_pd(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
                  cache_salt: str | None = None, expected_output_tokens: int = 16,
-                 local_reason: str | None = None) -> PDRouted:
+                 local_reason: str | None = None, lora_name: str | None = None) -> PDRouted:
         """The decode worker (load first), remote or local prefill (the cost model, or
         `local_reason` when the request cannot take a remote prefill) and the prefill
         worker, each leg with its ticket. Raises NoWorkerError without a decode worker."""
         t0 = time.perf_counter()
-        decoders = [w for w in self.registry.usable(("decode",)) if w.name not in exclude]
+        decoders = _serving_adapter([w for w in self.registry.usable(("decode",))
+                                     if w.name not in exclude], lora_name)
         if not decoders:
             raise NoWorkerError(self._no_worker_message())
-        prefillers = [w for w in self.registry.usable(("prefill",))
-                      if w.name not in exclude and PREFILL_FAILING not in w.alarms
-                      and w.kv_role in KV_HOLDS]
-        hashes = self.block_hashes(token_ids, cache_salt)
+        prefillers = _serving_adapter([w for w in self.registry.usable(("prefill",))
+                                       if w.name not in exclude and PREFILL_FAILING not in w.alarms
+                                       and w.kv_role in KV_HOLDS], lora_name)
+        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
         matches = self.index.match(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
         n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens)
+        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens,
+                           lora_name)
         snaps = {w.name: self._pd_worker(w, matches.get(w.name, 0), req)
                  for w in decoders + prefillers}
         d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
