@@ -5,11 +5,13 @@
 
 from typing import TYPE_CHECKING, Any
 
+from kvloop.lora_request import LoRARequest
 from kvloop.pooling_params import PoolingParams
 from kvloop.sampling_params import SamplingParams, StructuredOutputsParams
 from kvloop.version import __version__
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]
 
 if TYPE_CHECKING:
     from kvloop.llm import LLM

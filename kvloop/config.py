@@ -78,7 +78,8 @@ class SimSettings:
     vocabulary's, `kvloop.sim.byte_vocab`). `latency_file` None is
     kvloop/sim/latency_smollm2_cpu.json; `model_latency` False makes steps take no time.
     `copy_rate`: how often the simulated model copies from its context, so speculative
-    decoding finds drafts it accepts (`kvloop.sim.runner`; 0: never)."""
+    decoding finds drafts it accepts (`kvloop.sim.runner`; 0: never). `lora_load_s`: with
+    LoRA on, each step lasts this much longer per adapter it must load into a slot."""
 
     latency_file: str | None = None
     speedup: float = 1.0
@@ -86,14 +87,56 @@ class SimSettings:
     vocab_size: int | None = None
     text_token_ids: tuple[int, ...] = ()
     copy_rate: float = 0.0
+    lora_load_s: float = 0.005     # modelled time to copy one adapter into a slot
 
     def __post_init__(self) -> None:
+        if self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s must be >= 0, got {self.lora_load_s}")
         if not self.speedup > 0:
             raise ValueError(f"--sim-speedup must be > 0, got {self.speedup}")
         if not 0.0 <= self.copy_rate <= 1.0:
             raise ValueError(f"--sim-copy-rate must be in [0, 1], got {self.copy_rate}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA serving (vLLM's `--enable-lora` and its limits; None on `RunnerConfig`: off).
+
+    - `max_loras`: adapters resident in the runner's slots at once, so at most this many
+      distinct adapters share one step (vLLM's `--max-loras`, default 1);
+    - `max_lora_rank`: the largest rank an adapter may have (vLLM's `--max-lora-rank`,
+      default 16); the slots are sized for it;
+    - `max_cpu_loras`: adapters kept decoded in host memory, LRU, reread from their folder
+      when evicted (vLLM's `--max-cpu-loras`; None: `max_loras`);
+    - `max_adapters`: how many names may be registered at once (kvloop's bound on
+      `/v1/load_lora_adapter`, so a client cannot grow the registry without limit).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    max_adapters: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK}], got "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= "
+                             f"--max-loras ({self.max_loras})")
+        if self.max_adapters < 1:
+            raise ValueError(f"max_adapters must be >= 1, got {self.max_adapters}")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+MAX_LORA_RANK = 512   # vLLM's largest supported --max-lora-rank
 
 
 @dataclass(frozen=True)
@@ -128,7 +171,8 @@ class RunnerConfig:
       the cores the process may use);
     - `low_bit_max_tokens`: steps of at most this many tokens run a GGUF's 4-bit (and Q8_0)
       weights as they are, larger ones the dense copy (CPU only; None: the crossover measured
-      at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons).
+      at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons);
+    - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given).
     """
 
     model: str | None = None
@@ -143,6 +187,7 @@ class RunnerConfig:
     gpu_memory_utilization: float | None = None
     low_bit_max_tokens: int | None = None
     sim: SimSettings | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -219,6 +264,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduler_reserve_full_isl: bool = True
     num_lookahead_tokens: int = 0
+    max_loras: int | None = None       # LoRA served: adapters per step (None: LoRA off)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -235,6 +281,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
 
 
 def budget_floor(max_num_seqs: int) -> int:

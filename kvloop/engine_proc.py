@@ -419,16 +419,19 @@ class EngineCoreProc:
             raise ValueError(f"the prompt needs {need} KV blocks; the KV cache has {have}")
 
     def _utility(self, engine: EngineCore, req: UtilityRequest) -> UtilityOutput:
-        methods: dict[str, Callable[[], Any]] = {
+        methods: dict[str, Callable[..., Any]] = {
             "get_stats": lambda: engine_stats(engine),
             "reset_prefix_cache": lambda: self._reset_prefix_cache(engine),
             "check_invariants": lambda: _run_check(engine),
+            "add_lora": lambda name, path: engine.add_lora(str(name), str(path)),
+            "remove_lora": lambda name: engine.remove_lora(str(name)),
+            "list_loras": engine.list_loras,
         }
         fn = methods.get(req.method)
         if fn is None:
             return UtilityOutput(req.call_id, failure_message=f"unknown method {req.method!r}")
         try:
-            return UtilityOutput(req.call_id, result=fn())
+            return UtilityOutput(req.call_id, result=fn(*req.args))
         except Exception as e:  # a failing utility call must not kill the engine
             return UtilityOutput(req.call_id, failure_message=f"{type(e).__name__}: {e}")
 

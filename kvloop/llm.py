@@ -53,6 +53,7 @@ from kvloop.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -70,6 +71,7 @@ from kvloop.core.request import (
 from kvloop.core.runner import Runner, SplitRunner
 from kvloop.front.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.front.tokenizer import Tokenizer
+from kvloop.lora_request import LoRARequest
 from kvloop.trust import FleetSecret, load_fleet_secret
 from kvloop.wire import SpecDecodingStats
 
@@ -177,7 +179,9 @@ class LLM:
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  disable_log_stats: bool = True, check_invariants: bool = False,
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
-                 fleet_secret: FleetSecret | None = None):
+                 fleet_secret: FleetSecret | None = None, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
         each does) become one RunnerConfig, the engine's one EngineConfig
         (`speculative_config`: `SpeculativeConfig.from_dict`'s keys).
@@ -192,7 +196,8 @@ class LLM:
             kv_cache_memory=kv_cache_memory, num_gpu_blocks_override=num_gpu_blocks_override,
             max_model_len=max_model_len, seed=seed, num_threads=num_threads,
             gpu_memory_utilization=gpu_memory_utilization,
-            low_bit_max_tokens=low_bit_max_tokens)
+            low_bit_max_tokens=low_bit_max_tokens,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         runner = load_runner(rc)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
         config = engine_config(runner.max_model_len, block_size=rc.block_size,
@@ -205,6 +210,9 @@ class LLM:
                                log_stats=not disable_log_stats,
                                kv_transfer=kv_transfer_of(kv_transfer_config),
                                target_tpot_ms=target_tpot_ms)
+        if rc.lora is not None:
+            config = dataclasses.replace(config, scheduler=dataclasses.replace(
+                config.scheduler, max_loras=rc.lora.max_loras))
         if config.auto_budget is not None:
             config = dataclasses.replace(config, scheduler=resolve_budget(
                 config.scheduler, config.auto_budget, runner, rc.block_size))
@@ -275,12 +283,30 @@ class LLM:
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for each prompt (text, or `{"prompt_token_ids": [...]}`)."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for each prompt (text, or `{"prompt_token_ids": [...]}`); `lora_request`:
+        one adapter for all, or one (or None: the base model) per prompt, registered with the
+        engine the first time its name is seen (needs `enable_lora=True`)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
         encoded = [self._encode_prompt(p) for p in prompt_list]
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, self._lora_names(lora_request,
+                                                                    len(prompt_list)))
+
+    def _lora_names(self, lora: LoRARequest | Sequence[LoRARequest | None] | None,
+                    num_prompts: int) -> list[str | None]:
+        per_prompt = ([lora] * num_prompts if lora is None or isinstance(lora, LoRARequest)
+                      else list(lora))
+        if len(per_prompt) != num_prompts:
+            raise ValueError("lora_request: one per prompt, or one for all")
+        known = set(self.engine.list_loras())
+        for req in per_prompt:
+            if req is not None and req.lora_name not in known:
+                self.engine.add_lora(req.lora_name, req.lora_path)
+                known.add(req.lora_name)
+        return [None if req is None else req.lora_name for req in per_prompt]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -322,14 +348,18 @@ class LLM:
                          f"got {prompt!r}")
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
-             params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        return self._collect(encoded, self._execute(encoded, params, use_tqdm))
+             params: list[SamplingParams], use_tqdm: bool,
+             lora_names: list[str | None] | None = None) -> list[RequestOutput]:
+        return self._collect(encoded, self._execute(encoded, params, use_tqdm,
+                                                    lora_names=lora_names))
 
     def _execute(self, encoded: list[tuple[str | None, list[int]]],
                  params: list[SamplingParams], use_tqdm: bool,
-                 pooling: PoolingParams | None = None) -> list[_Sequence]:
-        """Add the requests (pooling ones with `pooling`) and step until all finish."""
-        seqs = self._add_requests(encoded, params, pooling)
+                 pooling: PoolingParams | None = None,
+                 lora_names: list[str | None] | None = None) -> list[_Sequence]:
+        """Add the requests (pooling ones with `pooling`; prompt i with adapter
+        `lora_names[i]`) and step until all finish."""
+        seqs = self._add_requests(encoded, params, pooling, lora_names)
         live = {s.request_id: s for s in seqs}
         try:
             self._drive(live, len(seqs), use_tqdm)
@@ -342,7 +372,8 @@ class LLM:
 
     def _add_requests(self, encoded: list[tuple[str | None, list[int]]],
                       params: list[SamplingParams],
-                      pooling: PoolingParams | None = None) -> list[_Sequence]:
+                      pooling: PoolingParams | None = None,
+                      lora_names: list[str | None] | None = None) -> list[_Sequence]:
         """Every prompt is checked before any is added, so a bad one leaves nothing behind."""
         max_len = self.engine.config.scheduler.max_model_len
         for _, ids in encoded:
@@ -357,8 +388,9 @@ class LLM:
                 rid = str(next(self._ids))
                 state = OutputState(self.tokenizer, ids, OutputOptions.of(sub))
                 seqs.append(_Sequence(rid, i, j, sub, state))
-                self.engine.add_request(self.engine.make_request(rid, ids, sub,
-                                                                 pooling_params=pooling))
+                lora_name = lora_names[i] if lora_names is not None else None
+                self.engine.add_request(self.engine.make_request(
+                    rid, ids, sub, lora_name=lora_name, pooling_params=pooling))
         return seqs
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:

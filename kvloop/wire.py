@@ -128,6 +128,15 @@ class KVTransferStats(msgspec.Struct, omit_defaults=True):
                     or self.external_prefix_cache_queries)
 
 
+class LoRAStats(msgspec.Struct, omit_defaults=True):
+    """The adapters of the running and the waiting requests (names, sorted) and
+    --max-loras: what vLLM's `vllm:lora_requests_info` gauge labels carry."""
+
+    max_lora: int = 0
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -139,6 +148,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     step_index: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None   # None: no drafts this step
     kv_transfer: KVTransferStats | None = None     # None: the engine has no KV connector
+    lora: LoRAStats | None = None                  # None: LoRA is off
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):
@@ -310,7 +320,8 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     facts and the API server's. `kv_capacity_blocks` counts the usable blocks
     (`num_gpu_blocks` less the null block). The private fields (process ids, the model's
     path) are left out (`UNSET`) for a caller who may not see them; `api_key_accepted` says
-    whether the caller's key was accepted."""
+    whether the caller's key was accepted; `lora_adapters` names the LoRA adapters a request's
+    `model` may select here."""
 
     model: str
     served_model_names: list[str]
@@ -326,6 +337,8 @@ class WorkerInfo(EngineFacts, frozen=True, kw_only=True):
     # on every worker of one store and free of credentials (None: none). A router credits a
     # block one worker put there to every worker naming the same store.
     kv_shared_store: str | None = None
+
+    lora_adapters: list[str] = msgspec.field(default_factory=list)   # LoRA adapters loaded
 
 
 TOKENIZER_FILES_PATH = "/kvloop/tokenizer"   # a worker's tokenizer, for a router on another host

@@ -20,13 +20,14 @@ CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the package's __init__
-    "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.version",
-                "kvloop.llm"), ()),
+    "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.lora_request",
+                "kvloop.version", "kvloop.llm"), ()),
     "kvloop.__main__": (("kvloop.cli",), ()),
     "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
     "kvloop.config": ((), ()),
     "kvloop.sampling_params": ((), ("msgspec",)),
     "kvloop.pooling_params": ((), ("msgspec",)),   # beside sampling_params, for the same reasons
+    "kvloop.lora_request": ((), ()),   # vLLM's LoRARequest for `LLM.generate`: a plain dataclass
     "kvloop.locate": ((), ()),
     "kvloop.version": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
@@ -36,7 +37,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                     ("msgspec",)),
     "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.front.processor",
                     "kvloop.front.tokenizer", "kvloop.structured", "kvloop.wire",
-                    "kvloop.kv_transfer", "kvloop.trust"), ("tqdm",)),
+                    "kvloop.kv_transfer", "kvloop.trust", "kvloop.lora_request"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
     "kvloop.engine_proc": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
                             "kvloop.events.publisher", "kvloop.events.nats_publisher",
@@ -53,11 +54,12 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.events": (("kvloop.trust",), ("msgspec", "zmq", "nats", "xxhash")),
     "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.core.outputs", "kvloop.core.runner",
                       "kvloop.core.request", "kvloop.core.trace", "kvloop.core.hashing",
-                      "kvloop.core.kv_connector"),
+                      "kvloop.core.kv_connector",
+                      "kvloop.core.lora_slots"),   # the adapter slots' LRU, shared with sim
                      ("torch", "gguf", "numpy", "safetensors")),
     "kvloop.sim": (("kvloop.config", "kvloop.core.engine", "kvloop.core.outputs",
                     "kvloop.core.request", "kvloop.core.scheduler", "kvloop.core.spec_decode",
-                    "kvloop.core.kv_connector",
+                    "kvloop.core.kv_connector", "kvloop.core.lora_slots",
                     # simulated tiers publish the wire's events, with its tier names
                     "kvloop.events.types"),
                    ("msgspec", "numpy")),

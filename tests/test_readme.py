@@ -37,6 +37,9 @@ HELP_ONLY = {
     "kvloop.bench.spec": "a benchmark of minutes on the real model",
     "kvloop.bench.pd": "a benchmark of minutes (two simulated fleets, 200 requests each)",
     "kvloop.bench.pd_transfer": "a benchmark of minutes on the real model",
+    "--enable-lora": "needs a PEFT adapter folder (tests/test_serve_lora.py makes one with "
+                     "peft and serves it)",
+    "kvloop.bench.lora": "a benchmark of minutes on the real model",
 }
 
 

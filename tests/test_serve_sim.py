@@ -413,9 +413,10 @@ def test_worker_description(server: ServeProcess) -> None:
         "hash_algo", "hash_seed", "enable_prefix_caching", "num_gpu_blocks",
         "kv_capacity_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
         "kv_events", "api_pid", "engine_pid", "version", "api_key_required",
-        "api_key_accepted", "kv_transfer", "kv_shared_store"}
+        "api_key_accepted", "kv_transfer", "kv_shared_store", "lora_adapters"}
     assert w["kv_transfer"] is None                 # no KV connector configured
     assert w["kv_shared_store"] is None             # no shared KV store
+    assert w["lora_adapters"] == []                 # no --enable-lora
 
 
 def test_the_token_budget_is_auto_by_default(server: ServeProcess) -> None:

@@ -49,7 +49,7 @@ from kvloop.core.request import (
     SamplingParams,
     check_context_length,
 )
-from kvloop.core.runner import Runner, SplitRunner
+from kvloop.core.runner import LoRARunner, Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
 from kvloop.core.spec_decode import NgramProposer
 from kvloop.core.structured_output import (
@@ -58,6 +58,7 @@ from kvloop.core.structured_output import (
     default_num_workers,
 )
 from kvloop.core.trace import StepRecord, StepTiming, make_step_record
+from kvloop.core.waiting import AdapterSlots
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
 
@@ -129,14 +130,18 @@ class EngineCore:
         pooling request, kvloop.pooling_params).
 
         Raises ContextLengthError (a ValueError) for a prompt that leaves no room in
-        `max_model_len` for an output token.
+        `max_model_len` for an output token, ValueError for an adapter when LoRA is off.
         """
         check_context_length(self.config.scheduler.max_model_len, len(prompt_token_ids))
+        slots = self.scheduler.adapter_slots
+        if lora_name is not None and slots is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        lora_path = slots.hash_key(lora_name) if slots is not None and lora_name else None
         if arrival_time is None:
             self._arrivals += 1
             arrival_time = time.monotonic() + self._arrivals * 1e-9
         return Request(request_id, prompt_token_ids, sampling_params, arrival_time,
-                       self.hasher, lora_name, client_index, pooling_params)
+                       self.hasher, lora_name, client_index, pooling_params, lora_path)
 
     def add_request(self, request: Request) -> None:
         """Queue `request`; a constrained one gets its grammar (compiled in the background).
@@ -251,6 +256,32 @@ class EngineCore:
         if not events:
             return None
         return KVEventBatch(ts=time.time(), events=events)
+
+    # --- LoRA adapters --------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Register adapter `name` with the runner (which reads and checks it) and the
+        scheduler's `AdapterSlots`. ValueError: LoRA is off, or the adapter is refused."""
+        slots, runner = self._lora()
+        runner.add_lora(name, path)
+        slots.register(name)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name`; ValueError while an admitted request uses it."""
+        slots, runner = self._lora()
+        if slots.in_use(name):
+            raise ValueError(f"LoRA adapter {name!r} is in use by running requests")
+        runner.remove_lora(name)
+        slots.unregister(name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.scheduler.adapter_slots is None else sorted(
+            self.scheduler.adapter_slots.names)
+
+    def _lora(self) -> tuple[AdapterSlots, LoRARunner]:
+        slots = self.scheduler.adapter_slots
+        if slots is None or not isinstance(self.runner, LoRARunner):
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        return slots, self.runner
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (fails while blocks are in use), and the connector's own

@@ -44,6 +44,7 @@ class NewRequestData:
     token_ids: list[int]              # the known tokens this step computes
     resumed: bool = False
     pooling_params: PoolingParams | None = None   # a pooling request (it never samples)
+    lora_name: str | None = None      # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass

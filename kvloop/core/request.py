@@ -42,12 +42,14 @@ class RequestGrammar(Protocol):
 
 
 class RequestStatus(enum.IntEnum):
-    """vLLM's statuses, in vLLM's order; everything after PREEMPTED is finished."""
+    """vLLM's statuses, in vLLM's order (WAITING_FOR_LORA added, vLLM skips such a request
+    without a status); everything after PREEMPTED is finished."""
 
     WAITING = enum.auto()
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
+    WAITING_FOR_LORA = enum.auto()     # kvloop's: its adapter has no slot yet (`AdapterSlots`)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -118,10 +120,12 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, arrival_time: float = 0.0,
                  hasher: BlockHasher | None = None, lora_name: str | None = None,
-                 client_index: int = 0, pooling_params: PoolingParams | None = None):
+                 client_index: int = 0, pooling_params: PoolingParams | None = None,
+                 lora_path: str | None = None):
         """`pooling_params`: a pooling request (kvloop.pooling_params): it finishes with a
         vector when its prompt is computed and never samples; its `sampling_params` still
-        carry its priority and cache salt."""
+        carry its priority and cache salt. `lora_path`: the second field of the LoRA extra
+        key beside `lora_name` (kvloop: None, or a reload marker, `AdapterSlots.hash_key`)."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -131,6 +135,7 @@ class Request:
         self.priority = sampling_params.priority
         self.arrival_time = arrival_time
         self.lora_name = lora_name
+        self.lora_path = lora_path
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.max_tokens = sampling_params.max_tokens
@@ -217,11 +222,13 @@ class Request:
         salt = self.sampling_params.cache_salt
         if salt is None and self.lora_name is None:
             return None
-        return [block_extra_keys(i, lora_name=self.lora_name, cache_salt=salt)
+        return [block_extra_keys(i, lora_name=self.lora_name, lora_path=self.lora_path,
+                                 cache_salt=salt)
                 for i in range(num_blocks)]
 
     def block_extra_keys(self, block_index: int) -> tuple[Any, ...] | None:
         return block_extra_keys(block_index, lora_name=self.lora_name,
+                                lora_path=self.lora_path,
                                 cache_salt=self.sampling_params.cache_salt)
 
     def __repr__(self) -> str:

@@ -67,3 +67,21 @@ class ModelledRunner(Runner, Protocol):
     def modelled_step_time(self, scheduler_output: SchedulerOutput) -> float:
         """Seconds the step `scheduler_output` describes would take (nothing runs)."""
         ...
+
+
+@runtime_checkable
+class LoRARunner(Runner, Protocol):
+    """A runner that serves LoRA adapters by name (the model runner with `--enable-lora`, the
+    simulator). Called by the engine between steps; a request's `lora_name` in
+    `NewRequestData` names one registered here."""
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register adapter `name` from folder `path` (ValueError: it can never be served)."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter `name` (ValueError: not registered)."""
+        ...
+
+    def list_loras(self) -> list[str]:
+        ...

@@ -49,10 +49,17 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import Request, RequestStatus, finish_reason
 from kvloop.core.structured_output import GRAMMAR_REJECTED
-from kvloop.core.waiting import GrammarCompile, Readiness, RemoteKVLoad, WaitReasons
+from kvloop.core.waiting import (
+    AdapterSlots,
+    GrammarCompile,
+    Readiness,
+    RemoteKVLoad,
+    WaitReasons,
+)
 from kvloop.wire import (
     KV_LOAD_FAILED,
     EngineCoreOutput,
+    LoRAStats,
     PromptLogprobsChunk,
     SchedulerStats,
     SpecDecodingStats,
@@ -154,7 +161,10 @@ class Scheduler:
         remote load does, "fail" (finish_reason "error") or "recompute" (prefill here)."""
         self.config = config
         self.connector = connector
-        self.wait_reasons = WaitReasons(GrammarCompile(), RemoteKVLoad())
+        self.adapter_slots = (AdapterSlots(config.max_loras)
+                              if config.max_loras is not None else None)
+        self.wait_reasons = WaitReasons(GrammarCompile(), *filter(None, [self.adapter_slots]),
+                                        RemoteKVLoad())
         self.kv_load_failure_policy = kv_load_failure_policy
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -443,11 +453,14 @@ class Scheduler:
         ready now becomes WAITING (admitted as any request); one that never will be is
         finished (FINISHED_ERROR) with an error output, sent with this step's outputs."""
         reason = self.wait_reasons.holding(request)
+        readiness = Readiness.READY
+        while reason is not None:       # a reason ready hands over to the next that holds it
+            readiness = reason.poll(request)
+            if readiness is not Readiness.READY:
+                break
+            reason = self.wait_reasons.holding_after(request, reason)
+            request.status = RequestStatus.WAITING if reason is None else reason.status
         if reason is None:
-            return False
-        readiness = reason.poll(request)
-        if readiness is Readiness.READY:
-            request.status = RequestStatus.WAITING
             return False
         if readiness is Readiness.FAILED:
             request.status = RequestStatus.FINISHED_ERROR
@@ -488,7 +501,7 @@ class Scheduler:
                 all_token_ids=list(req.all_token_ids), sampling_params=req.sampling_params,
                 block_ids=self.kv.get_block_ids(rid), num_computed_tokens=c,
                 token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed,
-                pooling_params=req.pooling_params))
+                pooling_params=req.pooling_params, lora_name=req.lora_name))
         for req in plan.running:
             rid = req.request_id
             n = plan.num_scheduled[rid]
@@ -757,6 +770,9 @@ class Scheduler:
             spec_decoding_stats=self._spec_stats)
         self._step_preemptions = 0
         self._spec_stats = None
+        if self.adapter_slots is not None:
+            stats.lora = LoRAStats(self.adapter_slots.max_loras, _adapters(self.running),
+                                   _adapters(self.waiting))
         if self.connector is not None:
             stats.kv_transfer = self.connector.take_stats()
             stats.kv_transfer.external_prefix_cache_queries = self._external_queries
@@ -824,3 +840,8 @@ def _prompt_logprobs(prompt: list[int], chunk: PromptLogprobs | None
                     rank=lp.sampled_rank, top_token_ids=lp.top_token_ids,
                     top_logprobs=lp.top_logprobs)
         for j, lp in enumerate(chunk.entries)])
+
+
+def _adapters(requests: Iterable[Request]) -> list[str]:
+    """The distinct LoRA adapters of `requests`, sorted."""
+    return sorted({r.lora_name for r in requests if r.lora_name is not None})

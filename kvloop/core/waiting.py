@@ -11,7 +11,8 @@ The life of a waiting request (`Scheduler._admit_waiting` peeks the queue's head
     add_request ── held by a reason (`holds_new`)? ── yes ─▶ status = reason.status
          │ no                                                      │
          ▼                                                         ▼
-      WAITING ◀── READY ─── `poll(request)` whenever it reaches the queue's head:
+      WAITING ◀── READY ─── `poll(request)` whenever it reaches the queue's head (READY
+         │                    hands it to the next registered reason holding it, if any):
          │                    NOT_YET: skipped this step, back in its place afterwards
          │                    FAILED:  FINISHED_ERROR, with an error output
          ▼ at the queue's head
@@ -114,6 +115,70 @@ class RemoteKVLoad:
         pass   # the connector owns the transfer (`request_finished`)
 
 
+class AdapterSlots:
+    """A request with a LoRA adapter waits until its adapter is one of at most `max_loras`
+    the admitted requests use (the runner holds that many resident: vLLM's rule that a step
+    has at most --max-loras adapters). Owner of the registered adapters (`register`,
+    `unregister`: the engine keeps them in step with the runner's) and of the count of
+    admitted requests per adapter: a request counts from the poll that admits it until it
+    finishes (a preempted one keeps its place). An adapter removed while a request waits
+    for it fails that request.
+
+    `hash_key(name)`: what a request's LoRA extra key carries beside the name. None the
+    first time a name is registered (so a router, which knows names only, computes the same
+    hashes); after the name is registered again (an adapter reloaded, perhaps with new
+    weights) a marker of that registration, so blocks cached under the old weights are never
+    hit again (vLLM keys by name alone, and serves stale KV after an in-place reload)."""
+
+    status = RequestStatus.WAITING_FOR_LORA
+
+    def __init__(self, max_loras: int):
+        self.max_loras = max_loras
+        self.names: dict[str, str | None] = {}       # registered adapter -> its hash key
+        self._registrations: dict[str, int] = {}     # times each name was registered
+        self.users: dict[str, int] = {}            # adapter -> admitted requests using it
+        self._admitted: dict[str, str] = {}       # request id -> its adapter
+
+    def holds_new(self, request: Request) -> bool:
+        return request.lora_name is not None
+
+    def poll(self, request: Request) -> Readiness:
+        name = request.lora_name
+        assert name is not None
+        if name not in self.names:
+            return Readiness.FAILED
+        if name not in self.users and len(self.users) >= self.max_loras:
+            return Readiness.NOT_YET
+        self.users[name] = self.users.get(name, 0) + 1
+        self._admitted[request.request_id] = name
+        return Readiness.READY
+
+    def error(self, request: Request) -> str:
+        return f"LoRA adapter {request.lora_name!r} is not loaded"
+
+    def release(self, request: Request) -> None:
+        name = self._admitted.pop(request.request_id, None)
+        if name is None:
+            return
+        self.users[name] -= 1
+        if not self.users[name]:
+            del self.users[name]
+
+    def in_use(self, name: str) -> bool:
+        return name in self.users
+
+    def register(self, name: str) -> None:
+        n = self._registrations.get(name, 0)
+        self._registrations[name] = n + 1
+        self.names[name] = None if n == 0 else f"kvloop-reload-{n}"
+
+    def unregister(self, name: str) -> None:
+        self.names.pop(name, None)
+
+    def hash_key(self, name: str) -> str | None:
+        return self.names.get(name)
+
+
 class WaitReasons:
     """The scheduler's registry of reasons, one per status, asked in registration order."""
 
@@ -132,6 +197,13 @@ class WaitReasons:
     def holding_new(self, request: Request) -> WaitReason | None:
         """The first reason a request just added must wait for (None: none)."""
         return next((r for r in self._by_status.values() if r.holds_new(request)), None)
+
+    def holding_after(self, request: Request, reason: WaitReason) -> WaitReason | None:
+        """The first reason registered after `reason` that holds `request` too (None: none):
+        the one it waits for next, once `reason` answered READY."""
+        reasons = list(self._by_status.values())
+        later = reasons[reasons.index(reason) + 1:]
+        return next((r for r in later if r.holds_new(request)), None)
 
     def release(self, request: Request) -> None:
         for reason in self._by_status.values():

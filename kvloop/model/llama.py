@@ -24,10 +24,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloop.config import LoRAConfig
 from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata, paged_attention
 from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
+from kvloop.model.lora import (
+    ATTN_PARTS,
+    MLP_PARTS,
+    LinearLoRA,
+    LoRASlots,
+    LoRAStep,
+    module_shapes,
+)
 from kvloop.model.precision import Precision
 from kvloop.model.quant import (
     Int4Weight,
@@ -48,6 +57,8 @@ class Linear(nn.Module):
     rounding, the summation order differs).
     `low_bit` (optional): the same weight kept 4- or 8-bit (`kvloop.model.quant`), used when
     the caller asks for it (`forward(x, low_bit=True)`: a step with few tokens).
+    `lora` (set by `LlamaModel.enable_lora`): the layer's adapter slots; a step's `LoRAStep`
+    adds each adapter's low-rank product to its rows, whichever matmul ran.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -59,8 +70,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.low_bit = low_bit
+        self.lora: LinearLoRA | None = None
 
-    def forward(self, x: torch.Tensor, low_bit: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, low_bit: bool = False,
+                lora: LoRAStep | None = None) -> torch.Tensor:
+        y = self._base(x, low_bit)
+        if lora is not None and self.lora is not None:
+            self.lora.add_(y, x, lora)
+        return y
+
+    def _base(self, x: torch.Tensor, low_bit: bool) -> torch.Tensor:
         if low_bit and self.low_bit is not None:
             y = self.low_bit.matmul(x)
             return y if self.bias is None else y + self.bias
@@ -164,15 +183,16 @@ class Attention(nn.Module):
         self.split = [(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, low_bit: bool) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, low_bit: bool,
+                lora: LoRAStep | None = None) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj.forward(x, low_bit).contiguous()        # [T, (H + 2K) * D]
+        qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
         cpu_ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, kv_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
         rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
         q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
-        return self.o_proj.forward(out, low_bit)                     # [T, hidden]
+        return self.o_proj.forward(out, low_bit, lora)               # [T, hidden]
 
 
 class MLP(nn.Module):
@@ -183,9 +203,11 @@ class MLP(nn.Module):
         self.gate_up_proj = gate_up
         self.down_proj = down
 
-    def forward(self, x: torch.Tensor, low_bit: bool) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x, low_bit).contiguous()  # [T, 2 * ffn]
-        return self.down_proj.forward(cpu_ops.silu_and_mul(gate_up), low_bit)  # [T, hid]
+    def forward(self, x: torch.Tensor, low_bit: bool,
+                lora: LoRAStep | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x, low_bit, lora).contiguous()  # [T, 2 * ffn]
+        return self.down_proj.forward(cpu_ops.silu_and_mul(gate_up), low_bit,
+                                      lora)                                # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -198,7 +220,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                low_bit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                low_bit: bool, lora: LoRAStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output (the embedding for layer 0, residual None);
         residual: the stream so far. -> (this layer's MLP output, the stream before it); the
         stream after the layer is their sum, which the next layer's norm adds first."""
@@ -207,9 +230,9 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.add_(h, None)        # h = norm(h)
         else:
             self.input_layernorm.add_(h, residual)    # residual += h; h = norm(residual)
-        h = self.self_attn.forward(h, positions, rotary, kv_cache, meta, low_bit)
+        h = self.self_attn.forward(h, positions, rotary, kv_cache, meta, low_bit, lora)
         self.post_attention_layernorm.add_(h, residual)
-        return self.mlp.forward(h, low_bit), residual
+        return self.mlp.forward(h, low_bit, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -252,27 +275,29 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32."""
-        h, residual = self.decode_layers(input_ids, positions, kv_caches, meta)
+                logits_indices: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32.
+        `lora`: the rows that use an adapter (None: every row is the base model's)."""
+        h, residual = self.decode_layers(input_ids, positions, kv_caches, meta, lora)
         return self.compute_logits(h, residual, logits_indices)
 
     def decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[torch.Tensor], meta: AttentionMetadata
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                      lora: LoRAStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
-        final norm (whose input is their sum)."""
+        final norm (whose input is their sum). A step with adapter rows takes the layer loop
+        (`FusedDecode` has no LoRA)."""
         h = F.embedding(input_ids, self.embed_tokens)                # [T, hidden]
         residual: torch.Tensor | None = None
         num_tokens = input_ids.shape[0]
         low_bit = self.low_bit.layers(num_tokens)
-        if (self.fused_decode is not None and meta.num_decodes == num_tokens
+        if (self.fused_decode is not None and lora is None and meta.num_decodes == num_tokens
                 and self.low_bit.fused_decode(num_tokens)):
             h, residual = self.fused_decode.forward(h, positions, self.rotary, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache,
-                                            meta, low_bit)
+                                            meta, low_bit, lora)
         assert residual is not None
         return h, residual
 
@@ -292,6 +317,30 @@ class LlamaModel(nn.Module):
         rows, res = h[indices], residual[indices]
         self.norm.add_(rows, res)
         return rows.float()
+
+    def enable_lora(self, lora: LoRAConfig) -> LoRASlots:
+        """Give every decoder layer's linear layers `lora.max_loras` zeroed adapter slots
+        (in `precision.activations`) -> the slots' owner."""
+        layers: list[dict[str, LinearLoRA]] = []
+        for layer in cast(list[DecoderLayer], list(self.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            modules: dict[str, LinearLoRA] = {}
+            for linear, names in ((attn.qkv_proj, ATTN_PARTS), (attn.o_proj, ("o_proj",)),
+                                  (mlp.gate_up_proj, MLP_PARTS), (mlp.down_proj, ("down_proj",))):
+                linear.lora = self._lora_slots(linear, names, lora)
+                modules.update(dict.fromkeys(names, linear.lora))
+            layers.append(modules)
+        return LoRASlots(self.config, lora, layers)
+
+    def _lora_slots(self, linear: Linear, names: tuple[str, ...], lora: LoRAConfig
+                    ) -> LinearLoRA:
+        shapes = module_shapes(self.config)
+        parts, first = {}, 0
+        for name in names:
+            parts[name] = (first, shapes[name][0])
+            first += shapes[name][0]
+        return LinearLoRA(parts, shapes[names[0]][1], lora.max_loras, lora.max_lora_rank,
+                          self.dtype, self.embed_tokens.device)
 
     def linears(self) -> list[Linear]:
         """Every linear layer, the LM head last."""

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvloop.config import LoRAConfig
 from kvloop.core.outputs import (
     GrammarOutput,
     Logprobs,
@@ -61,6 +62,7 @@ from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
+from kvloop.model.lora import LoRAError, LoRASlots, LoRAStep
 from kvloop.model.sampler import (
     Sampler,
     SamplingRow,
@@ -77,6 +79,7 @@ class RequestState:
     block_ids: list[int]
     params: SamplingParams
     pooling: PoolingParams | None = None    # a pooling request: it pools, never samples
+    lora_name: str | None = None            # its LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -132,6 +135,7 @@ class StepInputs:
     pooling_normalize: list[bool]
     prompt_rows: list[PromptRows]
     sample_sel: list[int] | None   # the forward's logits rows that sample (None: all of them)
+    lora: LoRAStep | None = None   # the rows that use an adapter (None: none does)
 
 
 class ModelRunner:
@@ -157,6 +161,27 @@ class ModelRunner:
         self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="kvloop-forward")
         self._pending: Future[_Forward] | None = None
+        self.lora_slots: LoRASlots | None = None   # set by `enable_lora`
+
+    # --- LoRA adapters (the engine calls these between steps) -----------------------------
+    def enable_lora(self, lora: LoRAConfig) -> None:
+        self.lora_slots = self.model.enable_lora(lora)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register adapter `name` from PEFT folder `path` (read and checked now;
+        `kvloop.model.lora.LoRAError` if it can never be served)."""
+        self._lora_slots().register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora_slots().unregister(name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.lora_slots is None else self.lora_slots.names()
+
+    def _lora_slots(self) -> LoRASlots:
+        if self.lora_slots is None:
+            raise LoRAError("LoRA is not enabled (--enable-lora)")
+        return self.lora_slots
 
     # --- the Runner protocol --------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -243,7 +268,7 @@ class ModelRunner:
         with torch.inference_mode():
             if not inputs.pooling_req_ids:
                 logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta, inputs.logits_indices)
+                                    inputs.meta, inputs.logits_indices, inputs.lora)
                 pooled = None
             else:
                 logits, pooled = self._forward_pooling(inputs)
@@ -255,7 +280,7 @@ class ModelRunner:
         the hidden states in place), then the logits of the sampling rows."""
         model = self.model
         h, residual = model.decode_layers(inputs.input_ids, inputs.positions, self.kv_caches,
-                                          inputs.meta)
+                                          inputs.meta, inputs.lora)
         pooled = model.final_hidden(h, residual, inputs.pooling_indices)   # [P, hidden]
         norm = torch.tensor(inputs.pooling_normalize, device=pooled.device)
         pooled = torch.where(norm[:, None], F.normalize(pooled, p=2.0, dim=-1), pooled)
@@ -277,7 +302,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.all_token_ids),
-                list(new.block_ids), new.sampling_params, new.pooling_params)
+                list(new.block_ids), new.sampling_params, new.pooling_params, new.lora_name)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -345,7 +370,29 @@ class ModelRunner:
             pooling_indices=torch.tensor(pooling_indices, dtype=torch.long, device=dev),
             pooling_req_ids=[i.state.req_id for i in pooling],
             pooling_normalize=[_normalizes(i.state) for i in pooling],
-            prompt_rows=prompt_rows, sample_sel=sample_sel if prompt_rows else None)
+            prompt_rows=prompt_rows, sample_sel=sample_sel if prompt_rows else None,
+            lora=self._lora_step(items))
+
+    def _lora_step(self, items: list[_Scheduled]) -> LoRAStep | None:
+        """Make the step's adapters resident; their rows as (slot, start, end) ranges
+        (adjacent requests of one adapter merged). None: no request uses one."""
+        names = {i.state.lora_name for i in items if i.state.lora_name is not None}
+        if not names:
+            return None
+        slot_of = self._lora_slots().activate(names)
+        ranges: list[tuple[int, int, int]] = []
+        start = 0
+        for item in items:
+            end = start + item.num_tokens
+            name = item.state.lora_name
+            if name is not None:
+                slot = slot_of[name]
+                if ranges and ranges[-1][0] == slot and ranges[-1][2] == start:
+                    ranges[-1] = (slot, ranges[-1][1], end)
+                else:
+                    ranges.append((slot, start, end))
+            start = end
+        return LoRAStep(tuple(ranges))
 
     def _slots(self, block_ids: list[int], positions: range) -> list[int]:
         bs = self.block_size

@@ -60,8 +60,12 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
                 loaded.name, config.architecture, precision.describe(), dev, num_blocks,
                 rc.block_size, max_len)
-    return ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
-                       max_model_len=max_len, device=dev, model_name=loaded.name, seed=rc.seed)
+    runner = ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
+                         max_model_len=max_len, device=dev, model_name=loaded.name,
+                         seed=rc.seed)
+    if rc.lora is not None:
+        runner.enable_lora(rc.lora)
+    return runner
 
 
 def low_bit_policy(net: LlamaModel, max_tokens: int | None) -> LowBitPolicy:

@@ -86,6 +86,10 @@ fewest in-flight requests that can make a worker saturated at all: a continuous-
 engine runs several requests per step, so a handful is never a hot spot.
 `eviction_weight` is the share of an evicted cached block's tokens expected to be needed
 again: it steers new prefixes to workers with room, so prefixes spread by cache footprint.
+A request for a LoRA adapter adds nothing where the adapter is active (llm-d's affinity
+order: resident > room to load > must evict), `lora_load_tokens` where it must be loaded
+into a free slot, and `lora_evict_tokens` more where every slot holds an active adapter
+(the request waits for one to go idle, and evicts it).
 
     `load_bound` is the bounded-load factor for hot prefixes: a worker whose in-flight
     requests exceed `load_bound` times the fleet's mean (plus one) is saturated, and a hot
@@ -117,7 +121,12 @@ again: it steers new prefixes to workers with room, so prefixes spread by cache 
         return {TIER_HOST: self.host_cache_hit_weight, TIER_DISK: self.disk_cache_hit_weight,
                 TIER_SHARED: self.shared_cache_hit_weight}.get(tier, 1.0)
 
+    lora_load_tokens: float = 256.0
+    lora_evict_tokens: float = 256.0
+
     def __post_init__(self) -> None:
+        if self.lora_load_tokens < 0 or self.lora_evict_tokens < 0:
+            raise ValueError("lora_load_tokens and lora_evict_tokens must be >= 0")
         for name in ("host_cache_hit_weight", "disk_cache_hit_weight",
                      "shared_cache_hit_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:

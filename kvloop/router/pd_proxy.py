@@ -140,7 +140,8 @@ class PDFlow:
                 routed = await self.app.decide(self.router.route_pd, tokens, tried,
                                                body.get("cache_salt"),
                                                MaxTokens.of_body(path, body).tokens(None),
-                                               local_reason(body))
+                                               local_reason(body),
+                                               self.router.adapter_of(body.get("model")))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             finally:

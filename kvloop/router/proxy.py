@@ -95,7 +95,7 @@ from kvloop.front.openai import (
     validate_body,
     validation_error_body,
 )
-from kvloop.front.prometheus_text import metric_value
+from kvloop.front.prometheus_text import metric_value, samples
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router.config import RouterConfig
@@ -320,6 +320,8 @@ class RouterApp:
                 else:
                     log.warning("worker %s is back (epoch %s)", w.name, epoch)
                 self.router.register(w.spec, desc)
+            elif desc is not None:
+                self.router.registry.refresh_adapters(w.name, desc)
         await self._poll_load(w)
 
     async def _poll_load(self, w: WorkerState) -> None:
@@ -519,7 +521,8 @@ class RouterApp:
         while True:
             try:
                 routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), output_tokens, session)
+                                           body.get("cache_salt"), output_tokens, session,
+                                           self.router.adapter_of(body.get("model")))
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             finally:
@@ -966,6 +969,24 @@ _LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waitin
 
 
 def parse_load(text: str, now: float) -> LoadSnapshot:
-    """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines)."""
+    """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines),
+    and the active LoRA adapters and max_lora of its newest `vllm:lora_requests_info`."""
     sums = {key: metric_value(text, name) for name, key in _LOAD_NAMES.items()}
-    return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now)
+    adapters, max_loras = _lora_info(text)
+    return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now,
+                        adapters, max_loras)
+
+
+def _lora_info(text: str) -> tuple[frozenset[str], int | None]:
+    """(running and waiting adapters, max_lora) of the newest sample (its value is a time)."""
+    newest = max(samples(text, "vllm:lora_requests_info"), key=lambda s: s[1], default=None)
+    if newest is None:
+        return frozenset(), None
+    labels = newest[0]
+    names = {n for key in ("running_lora_adapters", "waiting_lora_adapters")
+             for n in labels.get(key, "").split(",") if n}
+    try:
+        max_loras: int | None = int(labels.get("max_lora", ""))
+    except ValueError:
+        max_loras = None
+    return frozenset(names), max_loras

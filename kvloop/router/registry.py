@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.events.types import TIER_DEVICE
 from kvloop.router.config import HashSpec, LivenessConfig
@@ -173,6 +175,8 @@ class LoadSnapshot:
     waiting: int = 0
     kv_usage: float = 0.0
     at: float = 0.0
+    lora_adapters: frozenset[str] = frozenset()   # vllm:lora_requests_info: active adapters
+    max_loras: int | None = None                  # ... its max_lora (None: no such gauge)
 
 
 @dataclass(frozen=True)
@@ -422,6 +426,15 @@ class Registry:
             w.verifier.reset()
             w.alarms.pop(SILENT, None)
             return True
+
+    def refresh_adapters(self, name: str, desc: WorkerDescription) -> None:
+        """A worker of the same epoch described itself again: take its LoRA adapters (the
+        one part of a description that changes without a restart)."""
+        w = self._workers.get(name)
+        if w is not None and w.description is not None \
+                and w.description.lora_adapters != desc.lora_adapters:
+            w.description = msgspec.structs.replace(w.description,
+                                                    lora_adapters=list(desc.lora_adapters))
 
     def set_load(self, name: str, load: LoadSnapshot) -> None:
         w = self._workers.get(name)

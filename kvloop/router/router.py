@@ -369,16 +369,28 @@ class Router:
         return raised
 
     # --- routing --------------------------------------------------------------------------
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
-        """The fleet's 64-bit block hashes of every full block of `token_ids`."""
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                     lora_name: str | None = None) -> list[int]:
+        """The fleet's 64-bit block hashes of every full block of `token_ids` (a LoRA
+        adapter's name in every block's extra keys, as the engine hashes them)."""
         hasher = self.hasher
         if hasher is None:
             return []
         extra = None
-        if cache_salt is not None:
+        if cache_salt is not None or lora_name is not None:
             n = len(token_ids) // hasher.block_size
-            extra = [block_extra_keys(i, cache_salt=cache_salt) for i in range(n)]
+            extra = [block_extra_keys(i, lora_name=lora_name, cache_salt=cache_salt)
+                     for i in range(n)]
         return [event_int(h) for h in hasher.hash_range(token_ids, None, 0, extra)]
+
+    def adapter_of(self, model: object) -> str | None:
+        """The LoRA adapter a request body's `model` names: a name that is not one of the
+        workers' served (base) names (None while no worker has described itself)."""
+        bases = {n for w in self.registry.all() if w.description is not None
+                 for n in w.description.served_model_names}
+        if not isinstance(model, str) or not bases or model in bases:
+            return None
+        return model
 
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
         """Who serves a request end to end (aggregated): `both` workers; if none is up,
@@ -393,15 +405,16 @@ class Router:
 
     def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
               cache_salt: str | None = None, expected_output_tokens: int = 16,
-              session: int | None = None) -> Routed:
-        """Pick a worker for a prompt and open its ticket; `session` (a digest,
-        `kvloop.router.sessions.session_key`) steers it softly to the session's last worker.
-        Raises NoWorkerError."""
+              session: int | None = None, lora_name: str | None = None) -> Routed:
+        """Pick a worker for a prompt (run with LoRA adapter `lora_name`, None: the base
+        model) and open its ticket; `session` (a digest, `kvloop.router.sessions.session_key`)
+        steers it softly to the session's last worker. Raises NoWorkerError."""
         t0 = time.perf_counter()
         workers = self.serving_pool(exclude)
         if not workers:
             raise NoWorkerError(self._no_worker_message())
-        hashes = self.block_hashes(token_ids, cache_salt)
+        workers = _serving_adapter(workers, lora_name)
+        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
         matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
         turn = self.sessions.last_turn(session, self.clock())
         candidates = [self._candidate(w, matches.get(w.name, ()),
@@ -409,7 +422,7 @@ class Router:
                                       else 0) for w in workers]
         bs = self.hash_spec.block_size if self.hash_spec else 16
         req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
-                           expected_output_tokens)
+                           expected_output_tokens, lora_name)
         decision = self.policy.choose(candidates, req)
         chosen = self.registry.get(decision.worker)
         assert chosen is not None
@@ -440,22 +453,25 @@ class Router:
 
     def route_pd(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
                  cache_salt: str | None = None, expected_output_tokens: int = 16,
-                 local_reason: str | None = None) -> PDRouted:
+                 local_reason: str | None = None, lora_name: str | None = None) -> PDRouted:
         """The decode worker (load first), remote or local prefill (the cost model, or
         `local_reason` when the request cannot take a remote prefill) and the prefill
         worker, each leg with its ticket. Raises NoWorkerError without a decode worker."""
         t0 = time.perf_counter()
-        decoders = [w for w in self.registry.usable(("decode",)) if w.name not in exclude]
+        decoders = _serving_adapter([w for w in self.registry.usable(("decode",))
+                                     if w.name not in exclude], lora_name)
         if not decoders:
             raise NoWorkerError(self._no_worker_message())
-        prefillers = [w for w in self.registry.usable(("prefill",))
-                      if w.name not in exclude and PREFILL_FAILING not in w.alarms
-                      and w.kv_role in KV_HOLDS]
-        hashes = self.block_hashes(token_ids, cache_salt)
+        prefillers = _serving_adapter([w for w in self.registry.usable(("prefill",))
+                                       if w.name not in exclude
+                                       and PREFILL_FAILING not in w.alarms
+                                       and w.kv_role in KV_HOLDS], lora_name)
+        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
         matches = self.index.match_tiers(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
         n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens)
+        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens,
+                           lora_name)
         snaps = {w.name: self._pd_worker(w, matches.get(w.name, ()), req)
                  for w in decoders + prefillers}
         d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
@@ -599,7 +615,8 @@ class Router:
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
             capacity_blocks=_capacity(w.description),
             indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name),
-            session_tokens=session_tokens)
+            session_tokens=session_tokens,
+            lora_adapters=w.load.lora_adapters, max_loras=w.load.max_loras)
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
                         t0: float) -> None:
@@ -743,6 +760,17 @@ def _stop_quietly(name: str, sub: Subscription) -> None:
         sub.stop()
     except Exception:  # a dead socket must not break deregistration
         log.exception("stopping the KV-event subscription of %s failed", name)
+
+
+def _serving_adapter(workers: list[WorkerState], lora_name: str | None
+                     ) -> list[WorkerState]:
+    """The workers that have LoRA adapter `lora_name` loaded (per their description); all
+    of `workers` when none has (they answer for themselves: a 404)."""
+    if lora_name is None:
+        return workers
+    holders = [w for w in workers
+               if w.description is not None and lora_name in w.description.lora_adapters]
+    return holders or workers
 
 
 def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:

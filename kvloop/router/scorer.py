@@ -14,6 +14,8 @@ prompt tokens, that stands between this request and its first token on that work
          + kv_shortage_weight * recompute      blocks it lacks, in tokens (KV usage)
          + eviction_weight * evicted           cached blocks (per the index) its new blocks
                                                would push out, in tokens
+         + adapter affinity                    0 if its LoRA adapter is active there, else
+                                               a load (+ an eviction when no slot is free)
 
 `credited_hit` is the predicted cached prefix, capped as vLLM caps a hit (the last prompt
 token is always recomputed), each block weighted by the tier it would be used from
@@ -73,6 +75,7 @@ class Candidate:
     each of its `cached_blocks` would be used from (`BlockIndex.match_tiers`).
     `session_tokens`: the prompt length of the request's session's last turn, if this worker
     served it (else 0).
+    `lora_adapters` and `max_loras`: from its `vllm:lora_requests_info`.
     """
 
     name: str
@@ -88,6 +91,8 @@ class Candidate:
     indexed_blocks: int = 0
     tiers: tuple[str, ...] = ()    # the tier of each cached block (empty: all device)
     session_tokens: int = 0
+    lora_adapters: frozenset[str] = frozenset()   # active there (running or waiting)
+    max_loras: int | None = None                  # its --max-loras (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class RouteRequest:
     block_size: int
     prefix_key: int = 0
     expected_output_tokens: int = 16
+    lora_name: str | None = None      # the adapter the request runs with (None: base)
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,18 @@ def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     active = c.in_flight + external
     return (queued + own_prefill + cfg.decode_token_cost * active
             + cfg.kv_shortage_weight * _recompute_tokens(c, req, credited)
-            + cfg.eviction_weight * _evicted_tokens(c, req, credited))
+            + cfg.eviction_weight * _evicted_tokens(c, req, credited)
+            + _adapter_tokens(c, req, cfg))
+
+
+def _adapter_tokens(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
+    """Adapter affinity: 0 where the adapter is active, a load where a slot is free (or
+    the worker reports none), a load and an eviction where every slot is busy."""
+    if req.lora_name is None or req.lora_name in c.lora_adapters:
+        return 0.0
+    if c.max_loras is None or len(c.lora_adapters) < c.max_loras:
+        return cfg.lora_load_tokens
+    return cfg.lora_load_tokens + cfg.lora_evict_tokens
 
 
 def _new_blocks(req: RouteRequest, credited: float) -> int:

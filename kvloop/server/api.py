@@ -88,6 +88,8 @@ from kvloop.front.responses import (
 )
 from kvloop.front.tokenizer_files import tokenizer_files
 from kvloop.server.embeddings import create_embedding
+from kvloop.server.lora_routes import ROUTES as LORA_ROUTES
+from kvloop.server.lora_routes import add_lora_routes
 from kvloop.server.messages import count_tokens, create_messages
 from kvloop.server.responses import create_response, retrieve_response
 from kvloop.server.responses_store import ResponseStore
@@ -111,7 +113,7 @@ from kvloop.wire import (
 logger = logging.getLogger("kvloop.server")
 
 SERVER_RULES = RouteRules(public=(*PUBLIC_PATHS, WORKER_INFO_PATH),
-                          admin=frozenset({("POST", "/reset_prefix_cache")}))
+                          admin=frozenset({("POST", "/reset_prefix_cache"), *LORA_ROUTES}))
 KVEventSources = dict[str, KVEventsInfo | None]   # GET /kv_event_sources: engine index -> events
 # bodies encoded by msgspec: their schema is msgspec's (`msgspec.json.schema_components`)
 WIRE_BODIES: tuple[Any, ...] = (WorkerInfo, KVEventSources, TokenizerFiles)
@@ -289,6 +291,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     _add_messages_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
     _add_operator_routes(app, ctx)
+    if ctx.loras.enabled:
+        add_lora_routes(app, ctx.loras, ctx.config.served_model_names, ctx.client.call_utility,
+                        APIError)
     return app
 
 
@@ -316,13 +321,16 @@ def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def models(request: Request) -> ModelList:
         private = sees_private(ctx, request)
         return {"object": "list", "data": [_model_card(ctx, name, private)
-                                           for name in ctx.config.served_model_names]}
+                                           for name in ctx.config.served_model_names]
+                + [_adapter_card(ctx, name, private) for name in ctx.loras.paths]}
 
     served = list(ctx.config.served_model_names)
 
     @app.get("/v1/models/{model_id:path}", **_answers(ModelCard, 404))
     async def model(request: Request, model_id: str = Path(examples=served)) -> ModelCard:
         ctx.check_model(model_id)
+        if model_id in ctx.loras:
+            return _adapter_card(ctx, model_id, sees_private(ctx, request))
         return _model_card(ctx, model_id, sees_private(ctx, request))
 
 
@@ -356,6 +364,15 @@ def _model_card(ctx: ServerContext, name: str, private: bool) -> ModelCard:
     return {"id": name, "object": "model", "created": ctx.created, "owned_by": "kvloop",
             "root": path or name, "parent": None,
             "max_model_len": ctx.ready.max_model_len, "permission": []}
+
+
+def _adapter_card(ctx: ServerContext, name: str, private: bool) -> ModelCard:
+    """A loaded LoRA adapter, as vLLM lists one: `parent` the base model's name, `root` its
+    folder (for a caller who may see file paths, else its name)."""
+    card = _model_card(ctx, name, private)
+    card["root"] = ctx.loras.paths[name] if private else name
+    card["parent"] = ctx.config.model_name
+    return card
 
 
 def _add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -517,4 +534,5 @@ def describe_worker(ctx: ServerContext, private: bool, key_accepted: bool) -> Wo
     return WorkerInfo(**facts, **(hidden if private else {}), model=cfg.model_name,
                       served_model_names=list(cfg.served_model_names), role=cfg.role,
                       kv_capacity_blocks=r.num_gpu_blocks - 1, version=__version__,
-                      api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted)
+                      api_key_required=bool(cfg.auth.api_keys), api_key_accepted=key_accepted,
+                      lora_adapters=sorted(ctx.loras.paths))

@@ -64,6 +64,7 @@ from kvloop.server.config import (
     log_stats_interval,
 )
 from kvloop.server.generation_config import AUTO, VLLM, DefaultSampling, default_sampling
+from kvloop.server.lora import add_lora_args, lora_config, lora_serve
 from kvloop.server.responses_store import add_store_args, store_config
 from kvloop.sim.byte_vocab import BYTE_VOCAB
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
@@ -117,6 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_logging_args(p)
     _add_security_args(p)
     add_store_args(p)
+    add_lora_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -391,7 +393,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             max_model_len=args.max_model_len or DEFAULT_MAX_MODEL_LEN,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
                             policy=args.scheduling_policy,
-                            enable_chunked_prefill=args.enable_chunked_prefill)
+                            enable_chunked_prefill=args.enable_chunked_prefill,
+                            max_loras=args.max_loras if args.enable_lora else None)
     spec = (SpeculativeConfig.parse(args.speculative_config)
             if args.speculative_config is not None else None)
     return EngineConfig(cache=cache, scheduler=sched,
@@ -469,7 +472,7 @@ def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
                         max_model_len=args.max_model_len, seed=args.seed,
                         num_threads=args.num_threads,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        low_bit_max_tokens=args.low_bit_max_tokens)
+                        low_bit_max_tokens=args.low_bit_max_tokens, lora=lora_config(args))
 
 
 def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,
@@ -536,7 +539,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
                         responses_store=store_config(args),
-                        default_sampling=defaults)
+                        default_sampling=defaults, lora=lora_serve(args))
     return serve, start, tokenizer
 
 

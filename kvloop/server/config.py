@@ -10,6 +10,7 @@ from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
 from kvloop.server.generation_config import DefaultSampling
+from kvloop.server.lora import LoRAServe
 from kvloop.server.responses_store import ResponseStoreConfig
 from kvloop.trust import FleetSecret
 
@@ -61,7 +62,8 @@ class ServeConfig:
     leaves a sampling field out gets (`--generation-config`;
     kvloop/server/generation_config.py). `kv_shared_store`: the shared KV store this worker
     reads (`--kv-shared-store`, a URL without credentials), named to routers so they credit
-    its blocks to every worker reading it.
+    its blocks to every worker reading it. `lora`: the LoRA
+    adapters served (kvloop/server/lora.py; None: no --enable-lora).
     """
 
     served_model_names: tuple[str, ...]
@@ -94,6 +96,7 @@ class ServeConfig:
     max_structured_output_bytes: int = DEFAULT_MAX_SPEC_BYTES
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
     default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
+    lora: LoRAServe | None = None
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:
@@ -105,6 +108,9 @@ class ServeConfig:
                              f"got {self.tool_call_parser!r}")
         if not self.served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        if self.lora is not None and any(m.name in self.served_model_names
+                                         for m in self.lora.modules):
+            raise ValueError("a --lora-modules name may not be a --served-model-name")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port <= 65535:

@@ -69,7 +69,8 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest,
                             cache_salt=req.cache_salt or None)
     base = f"embd-{uuid.uuid4().hex}"
     children = [Child(i, i, f"{base}-{i}", ids, params,
-                      OutputState(ctx.tokenizer, ids, OutputOptions()), pooling)
+                      OutputState(ctx.tokenizer, ids, OutputOptions()), pooling,
+                      lora_name=ctx.lora_name(req.model))
                 for i, ids in enumerate(inputs)]
     gen = Generation(ctx, children)
     gen.submit()

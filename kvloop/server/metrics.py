@@ -26,6 +26,7 @@ from prometheus_client import (
 from kvloop.wire import (
     KV_FAILURE_REASONS,
     KVTransferStats,
+    LoRAStats,
     SchedulerStats,
     SpecDecodingStats,
 )
@@ -98,6 +99,7 @@ class ServerMetrics:
         self._build_spec_counters(names, num_speculative_tokens)
         # the KV connector's metrics, on a server whose engine has one
         self.kv_transfer = KVTransferMetrics(self) if kv_transfer else None
+        self.lora_info: Gauge | None = None     # built at the first LoRA stats (--enable-lora)
 
     # --- construction ---------------------------------------------------------------------
     @property
@@ -245,6 +247,23 @@ class ServerMetrics:
             self.observe_spec_decoding(stats.spec_decoding_stats)
         if stats.kv_transfer is not None and self.kv_transfer is not None:
             self.kv_transfer.observe(stats.kv_transfer)
+        if stats.lora is not None:
+            self.observe_lora(stats.lora)
+
+    def observe_lora(self, lora: LoRAStats) -> None:
+        """vLLM's `vllm:lora_requests_info`: one series whose labels name the adapters of the
+        running and waiting requests (comma-joined) and --max-loras, its value the time of
+        the update (a scraper takes the newest); the previous series is dropped, so the
+        series count stays one whatever names clients use."""
+        if self.lora_info is None:
+            self.lora_info = self._gauge(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=str(lora.max_lora),
+                              waiting_lora_adapters=",".join(lora.waiting_lora_adapters),
+                              running_lora_adapters=",".join(lora.running_lora_adapters),
+                              ).set_to_current_time()
 
     def observe_spec_decoding(self, s: SpecDecodingStats) -> None:
         """One step's drafts (ignored when this server was built without speculation)."""

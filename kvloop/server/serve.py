@@ -37,6 +37,7 @@ from kvloop.server.api import build_app, describe_worker
 from kvloop.server.client import EngineClient, EngineStartError
 from kvloop.server.config import ServeConfig
 from kvloop.server.logs import StatLogger
+from kvloop.server.lora_routes import load_startup_modules
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.serving import ServerContext
 from kvloop.wire import EngineReady, EngineStartConfig
@@ -201,6 +202,11 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
                         "(transport %s)", kv.engine_id, kv.kv_role, kv.side_channel_host,
                         kv.side_channel_port, kv.transport)
         ctx = ServerContext(cfg, client, tokenizer, ready, client.metrics, int(time.time()))
+        try:
+            await load_startup_modules(ctx.loras, client.call_utility)
+        except RuntimeError as e:
+            logger.error("--lora-modules: %s", e)
+            return 1
         discovery = _announcer(ctx, start, advertised_url(cfg, http_url(sock)))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,

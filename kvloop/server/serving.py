@@ -15,7 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -76,6 +76,7 @@ from kvloop.server.client import (
 )
 from kvloop.server.config import ServeConfig
 from kvloop.server.logs import log_request
+from kvloop.server.lora import LoRANames
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.sampling_extras import (
     LOGPROB_FLOOR,
@@ -127,6 +128,14 @@ class ServerContext:
     ready: EngineReady
     metrics: ServerMetrics
     created: int
+    loras: LoRANames = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loras = LoRANames(self.config.lora)
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The adapter a request's `model` selects (None: the base model)."""
+        return model if model is not None and model in self.loras else None
 
     @property
     def vocab_size(self) -> int:
@@ -138,7 +147,9 @@ class ServerContext:
         return self.config.model_name if requested is None else requested
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.config.served_model_names:
+        """404 unless `name` (if given) is a served name or a loaded LoRA adapter's."""
+        if name is not None and name not in self.config.served_model_names \
+                and name not in self.loras:
             raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
                                 f"{', '.join(self.config.served_model_names)}",
                            param="model")
@@ -358,6 +369,7 @@ class Child:
     params: SamplingParams
     state: OutputState
     pooling_params: PoolingParams | None = None   # a pooling request (POST /v1/embeddings)
+    lora_name: str | None = None                  # its LoRA adapter (`model` named one)
 
 
 def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
@@ -368,12 +380,16 @@ def log_received(ctx: ServerContext, base_id: str, prompts: list[list[int]],
 
 
 def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
-                  params: list[SamplingParams]) -> list[Child]:
+                  params: list[SamplingParams], model: str | None = None) -> list[Child]:
+    """The engine requests of an HTTP request; `model`: the name it sent (an adapter's
+    selects that adapter)."""
     children = []
+    lora_name = ctx.lora_name(model)
     for p, (ids, sp) in enumerate(zip(prompts, params, strict=True)):
         for i, child_sp in enumerate(fan_out(sp)):
             children.append(Child(p * sp.n + i, p, f"{base_id}-{p}-{i}", ids, child_sp,
-                                  OutputState(ctx.tokenizer, ids, OutputOptions.of(sp))))
+                                  OutputState(ctx.tokenizer, ids, OutputOptions.of(sp)),
+                                  lora_name=lora_name))
     return children
 
 
@@ -409,7 +425,8 @@ class Generation:
             for c in self.children:
                 client.add_request(EngineCoreRequest(c.request_id, c.prompt_ids, c.params,
                                                      arrival_time=now,
-                                                     pooling_params=c.pooling_params),
+                                                     pooling_params=c.pooling_params,
+                                                     lora_name=c.lora_name),
                                    self.queue)
         except BaseException:
             client.abort_requests(list(self._pending))
@@ -645,7 +662,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, constraint,
                                     req.logprobs if req.echo else None) for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, prompts, params), constraint)
+    gen = Generation(ctx, make_children(ctx, base, prompts, params, req.model), constraint)
     gen.submit()
     log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
@@ -770,7 +787,8 @@ def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request: Request,
     params = build_sampling_params(ctx, req, len(prompt), MaxTokens.of(req),
                                    _chat_logprobs_arg(ctx, req), constraint=constraint)
     base = f"{prefix}{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, [prompt], [params]), constraint)
+    gen = Generation(ctx, make_children(ctx, base, [prompt], [params], req.model),
+                     constraint)
     gen.submit()
     log_received(ctx, base, [prompt], [params])
     return ChatStart(req, gen, prompt, tools, constraint, base)
@@ -873,7 +891,7 @@ async def create_generate(ctx: ServerContext, req: GenerateRequest,
     check_kv_transfer_params(ctx, sp, [ids])
     params = build_sampling_params(ctx, sp, len(ids), MaxTokens.of(sp), sp.logprobs)
     base = f"gen-{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, [ids], [params]))
+    gen = Generation(ctx, make_children(ctx, base, [ids], [params], req.model))
     gen.submit()
     log_received(ctx, base, [ids], [params])
     rid = req.request_id or base

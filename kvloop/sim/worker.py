@@ -22,10 +22,18 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_MODEL_LEN, RunnerConfig, SimSettings
+from kvloop.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
+    LoRAConfig,
+    RunnerConfig,
+    SimSettings,
+)
+from kvloop.core.lora_slots import SlotLRU
 from kvloop.core.outputs import (
     Logprobs,
     PromptLogprobs,
@@ -54,8 +62,12 @@ class _Key:
     content: str
 
     @classmethod
-    def of(cls, request_id: str, prompt: Sequence[int], params: SamplingParams) -> _Key:
+    def of(cls, request_id: str, prompt: Sequence[int], params: SamplingParams,
+           lora_name: str | None = None) -> _Key:
+        """An adapter's requests get their own tokens (its name is part of the key)."""
         prompt_key = hashlib.blake2b(bytes(str(list(prompt)), "ascii"), digest_size=16).hexdigest()
+        if lora_name is not None:
+            prompt_key = f"{prompt_key}:lora:{lora_name}"
         if params.greedy:
             return cls(f"greedy:{prompt_key}")
         if params.seed is not None:
@@ -69,7 +81,10 @@ class SimWorkerRunner:
     def __init__(self, latency: LatencyModel | None, num_gpu_blocks: int, max_model_len: int,
                  seed: int = 0, *, vocab_size: int | None = None,
                  text_token_ids: Sequence[int] = PRINTABLE_IDS, copy_rate: float = 0.0,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, lora: LoRAConfig | None = None,
+                 lora_load_s: float = 0.0, sleep: Callable[[float], None] = time.sleep):
+        """`lora`: serve adapters by name (no file is read); a step that must load k of
+        them into `lora.max_loras` slots (LRU) lasts k * `lora_load_s` longer."""
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or VOCAB_SIZE
@@ -87,6 +102,44 @@ class SimWorkerRunner:
         self._sim = SimRunner(token_source=self._token,
                               step_time=latency.step_time if latency else None,
                               copy_rate=copy_rate)
+        self._lora = lora
+        self._adapter_of: dict[str, str] = {}   # request -> its adapter (while it runs)
+        self._loras: dict[str, str] = {}       # registered adapters: name -> path
+        self._slots = SlotLRU(lora.max_loras) if lora is not None else None
+        self._lora_load_s = lora_load_s
+        self._sleep = sleep
+        self.num_lora_loads = 0
+
+    # --- LoRA (kvloop.core.runner.LoRARunner) ---------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        if self._lora is None:
+            raise ValueError("LoRA is not enabled (--enable-lora)")
+        if name in self._loras:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if len(self._loras) >= self._lora.max_adapters:
+            raise ValueError(f"at most {self._lora.max_adapters} LoRA adapters may be loaded")
+        self._loras[name] = path
+
+    def remove_lora(self, name: str) -> None:
+        if self._loras.pop(name, None) is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+        assert self._slots is not None
+        self._slots.drop(name)
+
+    def list_loras(self) -> list[str]:
+        return list(self._loras)
+
+    def _load_adapters(self, so: SchedulerOutput) -> None:
+        """Make the step's adapters resident; wait the modelled time of those loaded."""
+        names = {d.lora_name for d in so.scheduled_new_reqs if d.lora_name is not None}
+        names |= {self._adapter_of[d.req_id] for d in so.scheduled_cached_reqs
+                  if d.req_id in self._adapter_of}
+        if not names or self._slots is None:
+            return
+        _, loads = self._slots.activate(names)
+        self.num_lora_loads += len(loads)
+        if loads and self._lora_load_s > 0:
+            self._sleep(len(loads) * self._lora_load_s)
 
     def _token(self, request_id: str, k: int) -> int:
         key = self._keys[request_id]
@@ -94,11 +147,18 @@ class SimWorkerRunner:
         return ids[_digest(self._seed, key.content, k) % len(ids)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        for rid in (*scheduler_output.finished_req_ids, *scheduler_output.preempted_req_ids):
+            self._adapter_of.pop(rid, None)
         for rid in scheduler_output.finished_req_ids:
             self._keys.pop(rid, None)
             self._logprobs.pop(rid, None)
         for d in scheduler_output.scheduled_new_reqs:
-            self._keys[d.req_id] = _Key.of(d.req_id, d.prompt_token_ids, d.sampling_params)
+            if d.lora_name is not None:
+                self._adapter_of[d.req_id] = d.lora_name
+        self._load_adapters(scheduler_output)
+        for d in scheduler_output.scheduled_new_reqs:
+            self._keys[d.req_id] = _Key.of(d.req_id, d.prompt_token_ids, d.sampling_params,
+                                           d.lora_name)
             if d.sampling_params.logprobs is not None:
                 self._logprobs[d.req_id] = d.sampling_params.logprobs
         out = self._sim.execute(scheduler_output)
@@ -166,4 +226,5 @@ def make_sim_runner(config: RunnerConfig) -> SimWorkerRunner:
                            config.max_model_len or DEFAULT_MAX_MODEL_LEN, config.seed,
                            vocab_size=sim.vocab_size,
                            text_token_ids=sim.text_token_ids or PRINTABLE_IDS,
-                           copy_rate=sim.copy_rate, block_size=config.block_size)
+                           copy_rate=sim.copy_rate, block_size=config.block_size,
+                           lora=config.lora, lora_load_s=sim.lora_load_s / sim.speedup)
