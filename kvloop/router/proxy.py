@@ -85,6 +85,7 @@ from kvloop.front.auth import (
     RouteRules,
     presented_authorization,
 )
+from kvloop.front.drain import DRAINING_METRIC, refused_by_drain
 from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, validate_embedding_body
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -128,6 +129,8 @@ ROUTER_RULES = RouteRules(public=PUBLIC_PATHS,
 MAX_POLL_FAILURES = 3
 _FORWARD_HEADERS = ("content-type", "accept", "x-request-id")   # and a key: _worker_headers
 _TRANSPORT_ERRORS = (httpx.TransportError,)
+# a connection a stopping server closed before answering (nothing of the request ran)
+_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _ROUTER_KEYS = (Caller.API, Caller.ADMIN)
 D = TypeVar("D", Routed, PDRouted)
 
@@ -509,7 +512,8 @@ class RouterApp:
         """Send the request to the routed worker and wait for its headers (a client that
         leaves meanwhile closes the connection: 499). A worker that refuses the connection is
         marked down (`RETRY`: nothing reached it); any other failure before the headers
-        closes the ticket and answers the documented JSON 502."""
+        closes the ticket and answers the documented JSON 502. A draining worker's refusal,
+        or its connection closed unanswered, is also `RETRY` (`kvloop.front.drain`)."""
         assert self.client is not None
         w = routed.worker
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
@@ -520,12 +524,19 @@ class RouterApp:
             if isinstance(upstream, Disconnected):
                 return Response(status_code=499)
             sent = True
+            if refused_by_drain(upstream.status_code, upstream.headers):
+                await upstream.aclose()
+                self._refused_by_drain(routed, "refused: draining")
+                return RETRY
             return upstream
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self.router.finish(routed.ticket, None, "worker_error")
             self.router.worker_down(w.name, f"connection failed: {e!r}")
             return RETRY
         except httpx.TransportError as e:
+            if w.load.draining and isinstance(e, _UNANSWERED):   # it stopped meanwhile
+                self._refused_by_drain(routed, f"closed unanswered while draining: {e!r}")
+                return RETRY
             self.router.finish(routed.ticket, None, "worker_error")
             if not isinstance(e, httpx.TimeoutException):   # slow is not dead
                 self.router.worker_down(w.name, f"failed before answering: {e!r}")
@@ -533,6 +544,13 @@ class RouterApp:
         finally:   # cancelled (the client left) or a bug: the ticket never stays open
             if not sent:
                 self.router.finish(routed.ticket, None, "disconnected")
+
+    def _refused_by_drain(self, routed: Routed, why: str) -> None:
+        """The routed worker drains and did not run the request: close its ticket, send
+        nothing more there."""
+        self.router.finish(routed.ticket, None, "draining")
+        self.router.registry.mark_draining(routed.worker.name)
+        log.info("worker %s %s: routing the request again", routed.worker.name, why)
 
     async def answer(self, request: Request, upstream: httpx.Response, routed: Routed,
                      stream: bool, strip_usage: bool) -> Response:
@@ -900,10 +918,12 @@ def _spec_from_body(data: Any) -> WorkerSpec:
 
 
 _LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-               "vllm:kv_cache_usage_perc": "kv_usage"}
+               "vllm:kv_cache_usage_perc": "kv_usage", DRAINING_METRIC: "draining"}
 
 
 def parse_load(text: str, now: float) -> LoadSnapshot:
-    """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines)."""
+    """Running, waiting, KV usage and drain from a vLLM-style /metrics page (summed over
+    engines)."""
     sums = {key: metric_value(text, name) for name, key in _LOAD_NAMES.items()}
-    return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now)
+    return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now,
+                        sums["draining"] > 0)

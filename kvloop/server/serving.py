@@ -30,6 +30,7 @@ from kvloop.core.request import (
     check_context_length,
 )
 from kvloop.front.auth import Caller, presented_authorization
+from kvloop.front.drain import DRAINING_HEADERS
 from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
@@ -520,8 +521,8 @@ def engine_error(message: str, param: str | None = None) -> APIError:
 def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
-    except ServerShuttingDown as e:
-        raise APIError(503, str(e)) from e
+    except ServerShuttingDown as e:   # refused before anything ran: a router retries it
+        raise APIError(503, str(e), headers=DRAINING_HEADERS) from e
     except EngineDeadError as e:
         raise APIError(500, str(e)) from e
 
