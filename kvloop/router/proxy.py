@@ -38,9 +38,12 @@ Passthrough rules: the worker's status, content type and body reach the client u
 `stream_options.include_usage`, and strips that usage chunk again when the client did not
 ask for it. A client that disconnects closes the upstream connection, so the worker aborts
 the request. A worker that dies mid-stream ends the stream with an OpenAI-shaped error
-event naming the worker; one that fails before its headers answers a JSON 502; a worker
-that refuses the connection is marked down and the request is routed again to another worker
-(nothing reached the first one). Each request's ticket (its worker's in-flight count) is
+event naming the worker; one that fails before its headers answers a JSON 502, unless it
+closed the connection unanswered: then the request is routed again, once (a keep-alive
+connection closed by a stopping worker). A worker that refuses the connection is marked down
+and the request is routed again to another worker (nothing reached the first one), and so is
+a draining worker's refusal (503 with `x-kvloop-draining`, `kvloop.front.drain`); a draining
+worker (its /metrics gauge, or such a refusal) gets no new request. Each request's ticket (its worker's in-flight count) is
 closed in a `finally` on every path.
 
 Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
@@ -112,6 +115,7 @@ from kvloop.router.relay import (
     RETRY,
     Disconnected,
     Retry,
+    Unanswered,
     cached_tokens,
     error_response,
     json_or_none,
@@ -468,6 +472,7 @@ class RouterApp:
         produce (None: what its body asks for)."""
         assert self.client is not None
         tried: list[str] = list(exclude)
+        unanswered: Unanswered | None = None   # one retry after a connection closed so
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
         while True:
@@ -475,12 +480,15 @@ class RouterApp:
                 routed = await self.decide(self.router.route, tokens, tried,
                                            body.get("cache_salt"), output_tokens)
             except NoWorkerError as e:
-                return error_response(str(e), 503)
+                return unanswered.answer if unanswered else error_response(str(e), 503)
             name = routed.worker.name
             if on_routed is not None:
                 on_routed(name)
-            upstream = await self.open_upstream(request, routed, path, raw, headers)
-            if upstream is RETRY:
+            upstream = await self.open_upstream(request, routed, path, raw, headers,
+                                                retry_unanswered=unanswered is None)
+            if isinstance(upstream, Retry):
+                if isinstance(upstream, Unanswered):
+                    unanswered = upstream
                 tried.append(name)
                 continue
             if isinstance(upstream, Response):
@@ -508,12 +516,15 @@ class RouterApp:
             self.router.abandon(decision.result())
 
     async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
-                            headers: dict[str, str]) -> httpx.Response | Response | Retry:
+                            headers: dict[str, str], retry_unanswered: bool = False
+                            ) -> httpx.Response | Response | Retry:
         """Send the request to the routed worker and wait for its headers (a client that
         leaves meanwhile closes the connection: 499). A worker that refuses the connection is
         marked down (`RETRY`: nothing reached it); any other failure before the headers
         closes the ticket and answers the documented JSON 502. A draining worker's refusal,
-        or its connection closed unanswered, is also `RETRY` (`kvloop.front.drain`)."""
+        or its connection closed unanswered, is also `RETRY` (`kvloop.front.drain`); with
+        `retry_unanswered`, any worker's connection closed unanswered is `Unanswered` (it is
+        marked down: route again, once)."""
         assert self.client is not None
         w = routed.worker
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
@@ -540,7 +551,10 @@ class RouterApp:
             self.router.finish(routed.ticket, None, "worker_error")
             if not isinstance(e, httpx.TimeoutException):   # slow is not dead
                 self.router.worker_down(w.name, f"failed before answering: {e!r}")
-            return error_response(f"worker {w.name} failed before answering: {e!r}", 502)
+            failed = error_response(f"worker {w.name} failed before answering: {e!r}", 502)
+            if retry_unanswered and isinstance(e, _UNANSWERED):
+                return Unanswered(failed)
+            return failed
         finally:   # cancelled (the client left) or a bug: the ticket never stays open
             if not sent:
                 self.router.finish(routed.ticket, None, "disconnected")

@@ -672,7 +672,7 @@ class Router:
                              "actual_tokens": w.verifier.actual_tokens,
                              "window": list(w.verifier.samples)},
             "load": {"running": w.load.running, "waiting": w.load.waiting,
-                     "kv_usage": w.load.kv_usage},
+                     "kv_usage": w.load.kv_usage, "draining": w.load.draining},
             "pd": {"kv_role": w.kv_role, "caches_prefixes": w.caches_prefixes,
                    "prefill_failures": w.prefill_failures,
                    "kv_bytes_per_token": w.kv_bytes_per_token},
