@@ -133,6 +133,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-min-samples", type=int, default=dl.verify_min_samples)
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
+    lv.add_argument("--migration-limit", type=int, default=0, metavar="N",
+                    help="how many times a stream whose worker fails mid-stream moves to "
+                         "another worker, with the tokens already sent (0: never)")
     _add_security_args(p)
     _add_bus_args(p)
 
@@ -227,7 +230,8 @@ def router_config(args: argparse.Namespace,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,
                     prefill_timeout_s=args.prefill_timeout),
-        fleet_secret=fleet_secret_from_args(args) or default_secret)
+        fleet_secret=fleet_secret_from_args(args) or default_secret,
+        migration_limit=args.migration_limit)
 
 
 def _setup_logging(level: str) -> None:

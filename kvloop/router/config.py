@@ -236,6 +236,8 @@ class RouterConfig:
     the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
     themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
     (kvloop/trust.py), which the router's bus and P/D legs prove membership with.
+    `migration_limit`: how many times one stream may move to another worker when its worker
+    fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
     """
 
     host: str = "127.0.0.1"
@@ -252,8 +254,11 @@ class RouterConfig:
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None
+    migration_limit: int = 0
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.worker_api_key is not None:
             check_key(self.worker_api_key)
         if self.policy not in POLICIES:

@@ -43,8 +43,10 @@ closed the connection unanswered: then the request is routed again, once (a keep
 connection closed by a stopping worker). A worker that refuses the connection is marked down
 and the request is routed again to another worker (nothing reached the first one), and so is
 a draining worker's refusal (503 with `x-kvloop-draining`, `kvloop.front.drain`); a draining
-worker (its /metrics gauge, or such a refusal) gets no new request. Each request's ticket (its worker's in-flight count) is
-closed in a `finally` on every path.
+worker (its /metrics gauge, or such a refusal) gets no new request. With
+--migration-limit, a stream whose worker fails mid-stream goes on on another worker instead
+(`kvloop.router.migration`). Each request's ticket (its worker's in-flight count) is closed
+in a `finally` on every path.
 
 Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
 /metrics, worker identity from /kvloop/worker, liveness alarms).
@@ -102,6 +104,7 @@ from kvloop.front.openai import (
 from kvloop.front.prometheus_text import metric_value
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.router.config import RouterConfig
+from kvloop.router.migration import Migration
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import (
@@ -374,13 +377,14 @@ class RouterApp:
         if stream and strip_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
-        raw = json.dumps(body).encode()
         headers = self._worker_headers(request)
         if self.router.pd_mode():
-            return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
-                                      strip_usage)
-        return await self._send(request, path, raw, body, tokens or [], headers, stream,
-                                strip_usage)
+            return await self.pd.send(request, path, json.dumps(body).encode(), body,
+                                      tokens or [], headers, stream, strip_usage)
+        migration = Migration.of(path, body, headers, self.router.config.migration_limit,
+                                 request, tokens or []) if stream else None
+        return await self._send(request, path, json.dumps(body).encode(), body, tokens or [],
+                                headers, stream, strip_usage, migration=migration)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: a continuation goes to the worker holding its previous
@@ -466,10 +470,11 @@ class RouterApp:
                     tokens: list[int], headers: dict[str, str], stream: bool,
                     strip_usage: bool, output_tokens: int | None = None,
                     exclude: Sequence[str] = (),
-                    on_routed: Callable[[str], None] | None = None) -> Response:
+                    on_routed: Callable[[str], None] | None = None,
+                    migration: Migration | None = None) -> Response:
         """Route (never to a worker of `exclude`), forward, answer; `on_routed` hears the
         name of the worker that got the request; `output_tokens`: what the request will
-        produce (None: what its body asks for)."""
+        produce (None: what its body asks for); `migration`: a stream's, if it may move."""
         assert self.client is not None
         tried: list[str] = list(exclude)
         unanswered: Unanswered | None = None   # one retry after a connection closed so
@@ -494,7 +499,8 @@ class RouterApp:
             if isinstance(upstream, Response):
                 return upstream
             assert isinstance(upstream, httpx.Response)
-            return await self.answer(request, upstream, routed, stream, strip_usage)
+            return await self.answer(request, upstream, routed, stream, strip_usage,
+                                     migration)
 
     async def decide(self, route: Callable[..., D], *args: Any) -> D:
         """`route(*args)`: on the event loop, or, with an index that does network I/O (Redis),
@@ -567,13 +573,15 @@ class RouterApp:
         log.info("worker %s %s: routing the request again", routed.worker.name, why)
 
     async def answer(self, request: Request, upstream: httpx.Response, routed: Routed,
-                     stream: bool, strip_usage: bool) -> Response:
+                     stream: bool, strip_usage: bool, migration: Migration | None = None
+                     ) -> Response:
         """The worker's answer to the client: relayed as it streams, or read whole (a client
         that leaves meanwhile closes the upstream connection). The ticket is closed on every
         path (`_RelayResponse` closes it even when the stream never starts)."""
         if stream and upstream.status_code == 200:
             messages = request.url.path in MESSAGES_PATHS
-            return _RelayResponse(self._relay(upstream, routed, strip_usage, messages),
+            return _RelayResponse(self._relay(upstream, routed, strip_usage, messages,
+                                              migration),
                                   on_close=lambda: self._close(upstream, routed),
                                   status_code=200, headers=response_headers(upstream))
         try:
@@ -612,12 +620,14 @@ class RouterApp:
                         headers=response_headers(upstream))
 
     async def _relay(self, upstream: httpx.Response, routed: Routed, strip_usage: bool,
-                     messages: bool = False) -> AsyncIterator[bytes]:
+                     messages: bool = False, migration: Migration | None = None
+                     ) -> AsyncIterator[bytes]:
         """Relay SSE events as they arrive; note the first token and the reported hit. A
         worker that fails mid-stream ends it with an error event (Anthropic's on a
-        `messages` stream)."""
-        relay = _SseRelay(strip_usage)
+        `messages` stream), unless the stream's `migration` goes on elsewhere."""
+        relay = _SseRelay(strip_usage, migration)
         outcome = "disconnected"
+        failure: httpx.TransportError | None = None
         try:
             async for chunk in upstream.aiter_raw():
                 out = relay.feed(chunk)
@@ -630,16 +640,59 @@ class RouterApp:
                 yield tail
             outcome = "ok"
         except httpx.TransportError as e:
-            outcome = "worker_error"
-            name = routed.worker.name
-            self.router.worker_down(name, f"failed mid-stream: {e!r}")
-            msg = f"worker {name} failed mid-stream: {e!r}"
-            yield (event(anthropic_error_body(msg, 502)) if messages
-                   else _sse(error_body(msg, 502)) + b"data: [DONE]\n\n")
+            outcome, failure = "worker_error", e
+            self.router.worker_down(routed.worker.name, f"failed mid-stream: {e!r}")
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 self.router.finish(routed.ticket, relay.cached_tokens, outcome)
+        if failure is None:
+            return
+        msg = f"worker {routed.worker.name} failed mid-stream: {failure!r}"
+        if migration is not None:
+            async for out in self._migrate(migration, routed.worker.name, strip_usage, msg):
+                yield out
+            return
+        yield (event(anthropic_error_body(msg, 502)) if messages
+               else _sse(error_body(msg, 502)) + b"data: [DONE]\n\n")
+
+    async def _migrate(self, m: Migration, failed: str, strip_usage: bool, msg: str
+                       ) -> AsyncIterator[bytes]:
+        """The rest of a stream whose worker `failed`, from another worker
+        (kvloop/router/migration.py); `msg`'s error event when none takes it."""
+        if m.finished:   # its last chunk was relayed: only the end was lost
+            yield b"data: [DONE]\n\n"
+            return
+        leg = m.next_leg(failed)
+        while not isinstance(leg, str):
+            try:
+                routed = await self.decide(self.router.route, leg.tokens or m.tokens, m.failed,
+                                           m.body.get("cache_salt"), leg.max_tokens)
+            except NoWorkerError as e:
+                leg = str(e)
+                break
+            upstream = await self.open_upstream(m.request, routed, leg.path, leg.raw,
+                                                m.headers)
+            if isinstance(upstream, Retry):
+                m.failed.append(routed.worker.name)
+                continue
+            if isinstance(upstream, httpx.Response) and upstream.status_code != 200:
+                await self._close(upstream, routed)
+                leg = f"{routed.worker.name} answered {upstream.status_code}"
+                break
+            if not isinstance(upstream, httpx.Response):   # its failure, or the client left
+                leg = f"{routed.worker.name} did not answer"
+                break
+            self.router.metrics.migrations.labels(failed, "migrated").inc()
+            log.warning("stream migrated from worker %s to worker %s after %d tokens (move "
+                        "%d of at most %d)", failed, routed.worker.name, len(m.output_ids),
+                        m.moves, m.limit)
+            async for out in self._relay(upstream, routed, strip_usage, False, m):
+                yield out
+            return
+        self.router.metrics.migrations.labels(failed, "failed").inc()
+        log.warning("stream from worker %s not migrated: %s", failed, leg)
+        yield _sse(error_body(f"{msg}; not migrated: {leg}", 502)) + b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         return await self._ask_any_worker("/v1/models")
@@ -839,8 +892,9 @@ _READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",
 class _SseRelay:
     """Splits an SSE byte stream into events; drops the injected usage chunk if asked."""
 
-    def __init__(self, strip_usage: bool):
+    def __init__(self, strip_usage: bool, migration: Migration | None = None):
         self.strip_usage = strip_usage
+        self.migration = migration   # sees (and may rewrite) each event's data first
         self.buf = b""
         self.started = False
         self.cached_tokens: int | None = None
@@ -851,13 +905,22 @@ class _SseRelay:
         while (found := _event_end(self.buf)) is not None:
             end, sep = found
             event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
-            if self._keep(event):
+            event = self._migrated(event)
+            if event and self._keep(event):
                 out.append(event)
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest, self.buf = self.buf, b""
+        rest, self.buf = self._migrated(self.buf), b""
         return rest if rest and self._keep(rest) else b""
+
+    def _migrated(self, event: bytes) -> bytes:
+        """`event` as the migration rewrites it (b"": dropped)."""
+        data = _event_data(event) if self.migration is not None else None
+        if self.migration is None or data is None or data == b"[DONE]":
+            return event
+        out = self.migration.on_event(data)
+        return b"" if out is None else b"data: " + out + b"\n\n"
 
     def _keep(self, event: bytes) -> bool:
         data = _event_data(event)
