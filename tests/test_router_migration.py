@@ -136,6 +136,18 @@ def test_every_token_relayed_leaves_nothing_to_continue():
     assert m.next_leg("w1") == "every token asked for was relayed"
 
 
+@pytest.mark.parametrize("command", ["router", "fleet"])
+def test_the_flag_reaches_the_router_config(command):
+    from kvloop.cli import build_parser
+    from kvloop.router.cli_args import router_config as config_of
+
+    args = build_parser().parse_args([command, "--migration-limit", "2"])
+    assert config_of(args).migration_limit == 2
+    assert config_of(build_parser().parse_args([command])).migration_limit == 0
+    with pytest.raises(ValueError, match="migration_limit must be >= 0"):
+        config_of(build_parser().parse_args([command, "--migration-limit", "-1"]))
+
+
 # --- a fleet of simulated workers -----------------------------------------------------------
 @pytest.fixture
 def fleet() -> Iterator[Fleet]:
