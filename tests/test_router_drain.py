@@ -6,18 +6,21 @@
   rarely, so the refusal path is what saves them) and the worker is left alone;
 - a rolling restart of 4 workers under continuous load (each drained, stopped, restarted on
   its port): no failed request, the router sees each drain within a poll or two, no block
-  leaked, the router's index equal to the workers' caches afterwards.
+  leaked, the router's index equal to the workers' caches afterwards;
+- a stream that outlives its worker's shutdown timeout migrates (`--migration-limit`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import signal
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -171,3 +174,30 @@ def test_rolling_restart_under_load_fails_nothing_and_leaks_nothing(fleet):
         wait_until(functools.partial(_idle, url), 10, f"{url} to hold no block")
     with RouterThread(router_config(), specs) as check:   # the same router index, fresh
         wait_until(lambda: _settled(check, specs), 10, "the index to equal the caches")
+
+
+@pytest.mark.parametrize("fleet", [(2, "--sim-speedup", "4", "--shutdown-timeout", "1")],
+                         indirect=True)
+def test_a_stream_outliving_its_workers_shutdown_timeout_migrates(fleet):
+    """The worker's grace (1 s) ends before the stream (600 tokens, about 5 s): its
+    `finish_reason: "abort"` moves the stream on, and the client gets the whole answer."""
+    cfg = replace(router_config(), migration_limit=1)
+    with RouterThread(cfg, fleet.specs()) as rt:
+        with httpx.stream("POST", rt.url + "/v1/completions", timeout=60, json={
+                "prompt": [7] * 40, "max_tokens": 600, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            w = next(w for w in rt.router.registry.all() if w.in_flight())
+            i = next(i for i, p in enumerate(fleet.workers) if p.url == w.spec.url)
+            fleet.workers[i].signal(signal.SIGTERM)
+            payloads = [json.loads(x[6:]) for x in [first, *lines]
+                        if x.startswith("data: {")]
+        finishes = [c["finish_reason"] for p in payloads for c in p["choices"]
+                    if c["finish_reason"]]
+        assert finishes == ["length"] and payloads[-1]["usage"]["completion_tokens"] == 600
+        assert len({p["id"] for p in payloads}) == 1
+        assert fleet.workers[i].wait(15) == 0
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric_value(text, "kvloop_router_migrations_total", worker=w.name,
+                            outcome="migrated") == 1

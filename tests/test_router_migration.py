@@ -136,6 +136,25 @@ def test_every_token_relayed_leaves_nothing_to_continue():
     assert m.next_leg("w1") == "every token asked for was relayed"
 
 
+def test_a_leg_that_ends_the_stream_itself_is_interrupted_and_moves_on():
+    m = _migration(prompt="hi", max_tokens=5)
+    head = {"id": "c", "created": 1, "model": "s"}
+    _data(m, {**head, "choices": [{"index": 0, "text": "a", "token_ids": [5],
+                                   "prompt_token_ids": [1], "finish_reason": None}]})
+    abort = {**head, "choices": [{"index": 0, "text": "", "finish_reason": "abort"}]}
+    assert _data(m, abort) is None and m.interrupted == 'finish_reason "abort" (the worker ' \
+        'is stopping)'
+    assert _data(m, {**head, "choices": [], "usage": {"completion_tokens": 1}}) is None
+    assert m.on_event(b"[DONE]") is None          # the rest of that leg is dropped
+    leg = m.next_leg("w1")
+    assert isinstance(leg, Leg) and json.loads(leg.raw)["max_tokens"] == 4
+    assert m.interrupted is None and m.on_event(b"[DONE]") == b"[DONE]"
+    # no move left: the next leg's abort or error reaches the client as it is
+    assert _data(m, abort) is not None and m.interrupted is None
+    error = {"error": {"message": "the engine core process died", "code": 500}}
+    assert _data(m, error) == error
+
+
 @pytest.mark.parametrize("command", ["router", "fleet"])
 def test_the_flag_reaches_the_router_config(command):
     from kvloop.cli import build_parser

@@ -15,7 +15,9 @@ The client sees one uninterrupted answer, and greedy output equals an uninterrup
 continuation's prompt is exactly the tokens the first worker had). At most N moves per
 stream; then, or when no other worker takes it, the stream ends with the error event it
 ends with without migration. A stream that failed before its first chunk is sent again as
-it is; one that failed after its finishing chunk just ends.
+it is; one that failed after its finishing chunk just ends. A worker that ends a stream
+itself before its answer is complete moves it too: `finish_reason: "abort"` (its shutdown
+timeout expired while it drained) or an error event (its engine died).
 
 To know the token ids, the router asks a migratable stream for them (`return_token_ids`,
 vLLM's field: the prompt's ids on the first chunk, each chunk's new ids) and strips them
@@ -108,6 +110,7 @@ class Migration:
     output_ids: list[int] = field(default_factory=list)
     carried: int = 0                     # tokens relayed before the latest move
     finished: bool = False               # a choice's finish_reason was relayed
+    interrupted: str | None = None       # why the leg ended its stream itself (moves on)
 
     @staticmethod
     def of(path: str, body: dict[str, Any], headers: dict[str, str], limit: int,
@@ -131,10 +134,19 @@ class Migration:
 
     def on_event(self, data: bytes) -> bytes | None:
         """One SSE event's data, as the client gets it (None: drop the event): recorded,
-        translated after a move, token ids stripped unless the client asked."""
+        translated after a move, token ids stripped unless the client asked. A leg that
+        ends the stream itself while a move is left (`finish_reason: "abort"`: its worker
+        stopped; an error event: its engine died) is `interrupted`: the rest of it is
+        dropped, and the relay moves the stream on."""
+        if self.interrupted is not None:
+            return None
         payload = _json_object(data)
         if payload is None:
             return data
+        if self.moves < self.limit:
+            self.interrupted = _interruption(payload)
+            if self.interrupted is not None:
+                return None
         if self.continuing:
             payload = self._translate(payload)
         else:
@@ -167,7 +179,10 @@ class Migration:
             choice.pop("prompt_token_ids", None)
 
     def _translate(self, payload: dict[str, Any]) -> dict[str, Any] | None:
-        """A continuation's chunk as the first worker's stream would have gone on."""
+        """A continuation's chunk as the first worker's stream would have gone on (an
+        event that is no chunk, an error, as it is)."""
+        if "choices" not in payload:
+            return payload
         choices = []
         for choice in payload.get("choices") or ():
             choice.pop("prompt_token_ids", None)
@@ -199,6 +214,7 @@ class Migration:
         """The request that continues this stream after `failed` failed, or why none can
         (the move is counted)."""
         self.failed.append(failed)
+        self.interrupted = None
         if self.moves >= self.limit:
             return f"--migration-limit {self.limit} reached"
         if self.head is not None and self.prompt_ids is None:
@@ -239,6 +255,16 @@ def _chat_choice(choice: dict[str, Any], ids: list[int] | None) -> dict[str, Any
     if ids is not None:
         out["token_ids"] = ids
     return out
+
+
+def _interruption(payload: dict[str, Any]) -> str | None:
+    """Why this chunk ends the stream before its answer is complete (None: it does not)."""
+    error = payload.get("error")
+    if error is not None:
+        return f"its error event: {error.get('message') if isinstance(error, dict) else error}"
+    if any(c.get("finish_reason") == "abort" for c in payload.get("choices") or ()):
+        return 'finish_reason "abort" (the worker is stopping)'
+    return None
 
 
 def _empty(payload: dict[str, Any]) -> bool:

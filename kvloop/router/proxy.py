@@ -639,6 +639,8 @@ class RouterApp:
             if tail:
                 yield tail
             outcome = "ok"
+            if migration is not None and migration.interrupted is not None:
+                outcome = "worker_error"
         except httpx.TransportError as e:
             outcome, failure = "worker_error", e
             self.router.worker_down(routed.worker.name, f"failed mid-stream: {e!r}")
@@ -646,9 +648,12 @@ class RouterApp:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 self.router.finish(routed.ticket, relay.cached_tokens, outcome)
-        if failure is None:
+        interrupted = migration.interrupted if migration is not None else None
+        if failure is None and interrupted is None:
             return
-        msg = f"worker {routed.worker.name} failed mid-stream: {failure!r}"
+        msg = (f"worker {routed.worker.name} failed mid-stream: {failure!r}"
+               if failure is not None else
+               f"worker {routed.worker.name} ended the stream early: {interrupted}")
         if migration is not None:
             async for out in self._migrate(migration, routed.worker.name, strip_usage, msg):
                 yield out
@@ -917,7 +922,7 @@ class _SseRelay:
     def _migrated(self, event: bytes) -> bytes:
         """`event` as the migration rewrites it (b"": dropped)."""
         data = _event_data(event) if self.migration is not None else None
-        if self.migration is None or data is None or data == b"[DONE]":
+        if self.migration is None or data is None:
             return event
         out = self.migration.on_event(data)
         return b"" if out is None else b"data: " + out + b"\n\n"
