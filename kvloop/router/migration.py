@@ -240,7 +240,7 @@ class Migration:
             if left <= 0:
                 return "every token asked for was relayed"
             body["max_tokens"] = left
-        min_tokens = self.body.get("min_tokens") or 0
+        min_tokens = int(self.body.get("min_tokens") or 0)   # validated: an int or its text
         if min_tokens:
             body["min_tokens"] = max(0, min_tokens - self.carried)
         return Leg(COMPLETIONS_PATH, json.dumps(body).encode(), ids, left)
