@@ -591,9 +591,9 @@ class Router:
         self.registry.first_token(ticket)
 
     def finish(self, ticket: Ticket, cached_tokens: int | None, outcome: str = "ok") -> None:
-        """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected);
-        with a reported hit, verify the prediction. Closing a closed ticket does nothing, so
-        every path of a request may close it in its `finally`."""
+        """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected,
+        draining); with a reported hit, verify the prediction. Closing a closed ticket does
+        nothing, so every path of a request may close it in its `finally`."""
         if not self.registry.close_ticket(ticket, outcome == "ok"):
             return
         self.metrics.requests.labels(ticket.worker, outcome).inc()
