@@ -372,6 +372,21 @@ class WorkerAnnouncement(msgspec.Struct, frozen=True, kw_only=True):
     withdrawn: bool = False
 
 
+class RouterLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One router replica's ticket event, for the other replicas of its fleet (JSON on
+    `namespace.{ns}.kvloop.router-load`, kvloop/router/replicas.py): `op` "open" (a request
+    sent to `worker`, with its prompt's size and the block hashes the worker will cache),
+    "first" (its first token came), "close" (it ended)."""
+
+    replica: str
+    ticket: int
+    op: str
+    worker: str = ""
+    prompt_tokens: int = 0
+    uncached_tokens: int = 0
+    hashes: list[int] = []
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     """Everything one engine step (or one utility call) sends to the API server.
 

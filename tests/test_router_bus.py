@@ -241,3 +241,30 @@ def test_kvloop_fleet_on_its_own_nats_server():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_draining_worker_withdraws_at_the_start_of_its_drain(nats, tmp_path):
+    """SIGTERM with --shutdown-timeout: the worker withdraws at once (the router removes
+    it), while the stream it holds goes on to its end."""
+    with RouterThread(bus_router(nats, namespace="drains"), []) as rt:
+        w = ServeProcess(worker_args(nats, "both", "--shutdown-timeout", "8",
+                                     "--sim-speedup", "4", namespace="drains"),
+                         tmp_path / "w.log").start(timeout_s=60)
+        try:
+            reg, disc = rt.router.registry, rt.server.discovery
+            assert disc is not None
+            wait_until(lambda: any(x.up for x in reg.all()), 20, "the worker to join")
+            with httpx.stream("POST", w.url + "/v1/completions", timeout=60, json={
+                    "prompt": prompt(1), "max_tokens": 600, "ignore_eos": True,
+                    "stream": True}) as r:
+                chunks = r.iter_text()
+                next(chunks)
+                w.signal(signal.SIGTERM)
+                t0 = time.monotonic()
+                wait_until(lambda: not reg.all(), 5, "the draining worker to be removed")
+                assert time.monotonic() - t0 < 1.5 and disc.left == 1   # not at its exit
+                text = "".join(chunks)
+            assert text.count('"text"') >= 599 and '"length"' in text
+            assert w.wait(15) == 0
+        finally:
+            w.kill()

@@ -124,6 +124,11 @@ def discovery_subject(namespace: str) -> str:
     return f"namespace.{namespace}.kvloop.workers"
 
 
+def router_load_subject(namespace: str) -> str:
+    """Where router replicas share their in-flight requests (kvloop/router/replicas.py)."""
+    return f"namespace.{namespace}.kvloop.router-load"
+
+
 # Every namespace's data and heartbeat subjects: what the bus watch also looks at, so a
 # worker in another namespace is found too.
 ANY_NAMESPACE_DATA = f"namespace.*.component.*.{DATA_TOKEN}"

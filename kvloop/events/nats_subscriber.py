@@ -239,6 +239,18 @@ class NatsEventPlane:
             del self._streams[worker_id]
             current.close()
 
+    def publish(self, subject: str, payload: bytes) -> None:
+        """Publish `payload` on `subject`, signed with the plane's secret, from any thread
+        (best effort: while disconnected, the client buffers or drops it)."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self.nc is None:
+            return
+        headers = signed_headers(self.secret, subject, payload)
+        try:
+            self._call(self.nc.publish(subject, payload, headers=headers))
+        except RuntimeError:   # the loop is closing
+            pass
+
     def subscribe(self, subject: str, callback: MessageCallback) -> None:
         """Call `callback(subject, payload, headers)` on the plane's thread for every message
         on `subject` (kept across reconnections)."""

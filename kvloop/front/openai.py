@@ -428,6 +428,7 @@ class ChatCompletionStreamResponse(TypedDict):
     model: str
     choices: list[ChatStreamChoice]
     usage: NotRequired[Usage]
+    prompt_token_ids: NotRequired[list[int]]   # the first chunk, with `return_token_ids`
 
 
 class GenerateChoice(TypedDict):

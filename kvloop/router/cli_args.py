@@ -155,6 +155,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
     _add_flow_args(p)
+    lv.add_argument("--migration-limit", type=int, default=0, metavar="N",
+                    help="how many times a stream whose worker fails mid-stream moves to "
+                         "another worker, with the tokens already sent (0: never)")
     _add_security_args(p)
     _add_bus_args(p)
 
@@ -287,7 +290,7 @@ def router_config(args: argparse.Namespace,
                     prefill_timeout_s=args.prefill_timeout),
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
-        flow=flow_config(args))
+        flow=flow_config(args), migration_limit=args.migration_limit)
 
 
 def _setup_logging(level: str) -> None:

@@ -276,6 +276,8 @@ class RouterConfig:
     `tokenizer`: a .gguf file or Hugging Face folder whose tokenizer the router uses for every
     model (vLLM's --tokenizer; None: its own copy of the workers' model, else the workers'
     `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
+    `migration_limit`: how many times one stream may move to another worker when its worker
+    fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
     """
 
     host: str = "127.0.0.1"
@@ -294,8 +296,11 @@ class RouterConfig:
     fleet_secret: FleetSecret | None = None
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
+    migration_limit: int = 0
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.worker_api_key is not None:
             check_key(self.worker_api_key)
         if self.policy not in POLICIES:

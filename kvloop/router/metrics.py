@@ -67,6 +67,10 @@ class RouterMetrics:
         self.pd_prefill_seconds = Histogram(P + "pd_prefill_seconds",
                                             "P/D: time of each prefill leg (request to answer)",
                                             buckets=PREFILL_BUCKETS, registry=r)
+        self.migrations = Counter(P + "migrations", "Streams moved mid-stream to another "
+                                  "worker (--migration-limit), by the worker that failed and "
+                                  "outcome (migrated, or failed: no worker took it)",
+                                  ["worker", "outcome"], registry=r)
         self.match_fraction = Histogram(P + "match_fraction",
                                         "Predicted cached share of each routed prompt",
                                         buckets=FRACTION_BUCKETS, registry=r)

@@ -38,10 +38,15 @@ Passthrough rules: the worker's status, content type and body reach the client u
 `stream_options.include_usage`, and strips that usage chunk again when the client did not
 ask for it. A client that disconnects closes the upstream connection, so the worker aborts
 the request. A worker that dies mid-stream ends the stream with an OpenAI-shaped error
-event naming the worker; one that fails before its headers answers a JSON 502; a worker
-that refuses the connection is marked down and the request is routed again to another worker
-(nothing reached the first one). Each request's ticket (its worker's in-flight count) is
-closed in a `finally` on every path.
+event naming the worker; one that fails before its headers answers a JSON 502, unless it
+closed the connection unanswered: then the request is routed again, once (a keep-alive
+connection closed by a stopping worker). A worker that refuses the connection is marked down
+and the request is routed again to another worker (nothing reached the first one), and so is
+a draining worker's refusal (503 with `x-kvloop-draining`, `kvloop.front.drain`); a draining
+worker (its /metrics gauge, or such a refusal) gets no new request. With
+--migration-limit, a stream whose worker fails mid-stream goes on on another worker instead
+(`kvloop.router.migration`). Each request's ticket (its worker's in-flight count) is closed
+in a `finally` on every path.
 
 Owner: `RouterApp` owns the HTTP client and the background poller (worker load from
 /metrics, worker identity from /kvloop/worker, liveness alarms).
@@ -85,6 +90,7 @@ from kvloop.front.auth import (
     RouteRules,
     presented_authorization,
 )
+from kvloop.front.drain import DRAINING_METRIC, refused_by_drain
 from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, validate_embedding_body
 from kvloop.front.guard import install
 from kvloop.front.openai import (
@@ -100,6 +106,7 @@ from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
+from kvloop.router.migration import Migration
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import Fetch, PromptTokenizer
 from kvloop.router.registry import (
@@ -113,6 +120,7 @@ from kvloop.router.relay import (
     RETRY,
     Disconnected,
     Retry,
+    Unanswered,
     cached_tokens,
     error_response,
     json_or_none,
@@ -132,6 +140,8 @@ ROUTER_RULES = RouteRules(public=PUBLIC_PATHS,
 MAX_POLL_FAILURES = 3
 _FORWARD_HEADERS = ("content-type", "accept", "x-request-id")   # and a key: _worker_headers
 _TRANSPORT_ERRORS = (httpx.TransportError,)
+# a connection a stopping server closed before answering (nothing of the request ran)
+_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _ROUTER_KEYS = (Caller.API, Caller.ADMIN)
 D = TypeVar("D", Routed, PDRouted)
 
@@ -385,13 +395,14 @@ class RouterApp:
         if stream and strip_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
-        raw = json.dumps(body).encode()
         headers = self._worker_headers(request)
         if self.router.pd_mode():
-            return await self.pd.send(request, path, raw, body, tokens or [], headers, stream,
-                                      strip_usage)
-        return await self._send(request, path, raw, body, tokens or [], headers, stream,
-                                strip_usage)
+            return await self.pd.send(request, path, json.dumps(body).encode(), body,
+                                      tokens or [], headers, stream, strip_usage)
+        migration = Migration.of(path, body, headers, self.router.config.migration_limit,
+                                 request, tokens or []) if stream else None
+        return await self._send(request, path, json.dumps(body).encode(), body, tokens or [],
+                                headers, stream, strip_usage, migration=migration)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: a continuation goes to the worker holding its previous
@@ -506,12 +517,15 @@ class RouterApp:
                     tokens: list[int], headers: dict[str, str], stream: bool,
                     strip_usage: bool, output_tokens: int | None = None,
                     exclude: Sequence[str] = (),
-                    on_routed: Callable[[str], None] | None = None) -> Response:
+                    on_routed: Callable[[str], None] | None = None,
+                    migration: Migration | None = None) -> Response:
         """Wait for room (flow control), route (never to a worker of `exclude`), forward,
         answer; `on_routed` hears the name of the worker that got the request;
-        `output_tokens`: what the request will produce (None: what its body asks for)."""
+        `output_tokens`: what the request will produce (None: what its body asks for);
+        `migration`: a stream's, if it may move."""
         assert self.client is not None
         tried: list[str] = list(exclude)
+        unanswered: Unanswered | None = None   # one retry after a connection closed so
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
         permit = await self.admission(request, body)
@@ -524,20 +538,24 @@ class RouterApp:
                                            body.get("cache_salt"), output_tokens, session,
                                            self.router.adapter_of(body.get("model")))
             except NoWorkerError as e:
-                return error_response(str(e), 503)
+                return unanswered.answer if unanswered else error_response(str(e), 503)
             finally:
                 permit.close()   # routed: its ticket counts it from now on
             name = routed.worker.name
             if on_routed is not None:
                 on_routed(name)
-            upstream = await self.open_upstream(request, routed, path, raw, headers)
-            if upstream is RETRY:
+            upstream = await self.open_upstream(request, routed, path, raw, headers,
+                                                retry_unanswered=unanswered is None)
+            if isinstance(upstream, Retry):
+                if isinstance(upstream, Unanswered):
+                    unanswered = upstream
                 tried.append(name)
                 continue
             if isinstance(upstream, Response):
                 return upstream
             assert isinstance(upstream, httpx.Response)
-            return await self.answer(request, upstream, routed, stream, strip_usage)
+            return await self.answer(request, upstream, routed, stream, strip_usage,
+                                     migration)
 
     async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
         """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
@@ -570,11 +588,15 @@ class RouterApp:
             self.router.abandon(decision.result())
 
     async def open_upstream(self, request: Request, routed: Routed, path: str, raw: bytes,
-                            headers: dict[str, str]) -> httpx.Response | Response | Retry:
+                            headers: dict[str, str], retry_unanswered: bool = False
+                            ) -> httpx.Response | Response | Retry:
         """Send the request to the routed worker and wait for its headers (a client that
         leaves meanwhile closes the connection: 499). A worker that refuses the connection is
         marked down (`RETRY`: nothing reached it); any other failure before the headers
-        closes the ticket and answers the documented JSON 502."""
+        closes the ticket and answers the documented JSON 502. A draining worker's refusal,
+        or its connection closed unanswered, is also `RETRY` (`kvloop.front.drain`); with
+        `retry_unanswered`, any worker's connection closed unanswered is `Unanswered` (it is
+        marked down: route again, once)."""
         assert self.client is not None
         w = routed.worker
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
@@ -585,28 +607,47 @@ class RouterApp:
             if isinstance(upstream, Disconnected):
                 return Response(status_code=499)
             sent = True
+            if refused_by_drain(upstream.status_code, upstream.headers):
+                await upstream.aclose()
+                self._refused_by_drain(routed, "refused: draining")
+                return RETRY
             return upstream
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self.router.finish(routed.ticket, None, "worker_error")
             self.router.worker_down(w.name, f"connection failed: {e!r}")
             return RETRY
         except httpx.TransportError as e:
+            if w.load.draining and isinstance(e, _UNANSWERED):   # it stopped meanwhile
+                self._refused_by_drain(routed, f"closed unanswered while draining: {e!r}")
+                return RETRY
             self.router.finish(routed.ticket, None, "worker_error")
             if not isinstance(e, httpx.TimeoutException):   # slow is not dead
                 self.router.worker_down(w.name, f"failed before answering: {e!r}")
-            return error_response(f"worker {w.name} failed before answering: {e!r}", 502)
+            failed = error_response(f"worker {w.name} failed before answering: {e!r}", 502)
+            if retry_unanswered and isinstance(e, _UNANSWERED):
+                return Unanswered(failed)
+            return failed
         finally:   # cancelled (the client left) or a bug: the ticket never stays open
             if not sent:
                 self.router.finish(routed.ticket, None, "disconnected")
 
+    def _refused_by_drain(self, routed: Routed, why: str) -> None:
+        """The routed worker drains and did not run the request: close its ticket, send
+        nothing more there."""
+        self.router.finish(routed.ticket, None, "draining")
+        self.router.registry.mark_draining(routed.worker.name)
+        log.info("worker %s %s: routing the request again", routed.worker.name, why)
+
     async def answer(self, request: Request, upstream: httpx.Response, routed: Routed,
-                     stream: bool, strip_usage: bool) -> Response:
+                     stream: bool, strip_usage: bool, migration: Migration | None = None
+                     ) -> Response:
         """The worker's answer to the client: relayed as it streams, or read whole (a client
         that leaves meanwhile closes the upstream connection). The ticket is closed on every
         path (`_RelayResponse` closes it even when the stream never starts)."""
         if stream and upstream.status_code == 200:
             messages = request.url.path in MESSAGES_PATHS
-            return _RelayResponse(self._relay(upstream, routed, strip_usage, messages),
+            return _RelayResponse(self._relay(upstream, routed, strip_usage, messages,
+                                              migration),
                                   on_close=lambda: self._close(upstream, routed),
                                   status_code=200, headers=response_headers(upstream))
         try:
@@ -645,12 +686,14 @@ class RouterApp:
                         headers=response_headers(upstream))
 
     async def _relay(self, upstream: httpx.Response, routed: Routed, strip_usage: bool,
-                     messages: bool = False) -> AsyncIterator[bytes]:
+                     messages: bool = False, migration: Migration | None = None
+                     ) -> AsyncIterator[bytes]:
         """Relay SSE events as they arrive; note the first token and the reported hit. A
         worker that fails mid-stream ends it with an error event (Anthropic's on a
-        `messages` stream)."""
-        relay = _SseRelay(strip_usage)
+        `messages` stream), unless the stream's `migration` goes on elsewhere."""
+        relay = _SseRelay(strip_usage, migration)
         outcome = "disconnected"
+        failure: httpx.TransportError | None = None
         try:
             async for chunk in upstream.aiter_raw():
                 out = relay.feed(chunk)
@@ -662,17 +705,65 @@ class RouterApp:
             if tail:
                 yield tail
             outcome = "ok"
+            if migration is not None and migration.interrupted is not None:
+                outcome = "worker_error"
         except httpx.TransportError as e:
-            outcome = "worker_error"
-            name = routed.worker.name
-            self.router.worker_down(name, f"failed mid-stream: {e!r}")
-            msg = f"worker {name} failed mid-stream: {e!r}"
-            yield (event(anthropic_error_body(msg, 502)) if messages
-                   else _sse(error_body(msg, 502)) + b"data: [DONE]\n\n")
+            outcome, failure = "worker_error", e
+            self.router.worker_down(routed.worker.name, f"failed mid-stream: {e!r}")
         finally:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
                 self.router.finish(routed.ticket, relay.cached_tokens, outcome)
+        interrupted = migration.interrupted if migration is not None else None
+        if failure is None and interrupted is None:
+            return
+        msg = (f"worker {routed.worker.name} failed mid-stream: {failure!r}"
+               if failure is not None else
+               f"worker {routed.worker.name} ended the stream early: {interrupted}")
+        if migration is not None:
+            async for out in self._migrate(migration, routed.worker.name, strip_usage, msg):
+                yield out
+            return
+        yield (event(anthropic_error_body(msg, 502)) if messages
+               else _sse(error_body(msg, 502)) + b"data: [DONE]\n\n")
+
+    async def _migrate(self, m: Migration, failed: str, strip_usage: bool, msg: str
+                       ) -> AsyncIterator[bytes]:
+        """The rest of a stream whose worker `failed`, from another worker
+        (kvloop/router/migration.py); `msg`'s error event when none takes it."""
+        if m.finished:   # its last chunk was relayed: only the end was lost
+            yield b"data: [DONE]\n\n"
+            return
+        leg = m.next_leg(failed)
+        while not isinstance(leg, str):
+            try:
+                routed = await self.decide(self.router.route, leg.tokens or m.tokens, m.failed,
+                                           m.body.get("cache_salt"), leg.max_tokens)
+            except NoWorkerError as e:
+                leg = str(e)
+                break
+            upstream = await self.open_upstream(m.request, routed, leg.path, leg.raw,
+                                                m.headers)
+            if isinstance(upstream, Retry):
+                m.failed.append(routed.worker.name)
+                continue
+            if isinstance(upstream, httpx.Response) and upstream.status_code != 200:
+                await self._close(upstream, routed)
+                leg = f"{routed.worker.name} answered {upstream.status_code}"
+                break
+            if not isinstance(upstream, httpx.Response):   # its failure, or the client left
+                leg = f"{routed.worker.name} did not answer"
+                break
+            self.router.metrics.migrations.labels(failed, "migrated").inc()
+            log.warning("stream migrated from worker %s to worker %s after %d tokens (move "
+                        "%d of at most %d)", failed, routed.worker.name, len(m.output_ids),
+                        m.moves, m.limit)
+            async for out in self._relay(upstream, routed, strip_usage, False, m):
+                yield out
+            return
+        self.router.metrics.migrations.labels(failed, "failed").inc()
+        log.warning("stream from worker %s not migrated: %s", failed, leg)
+        yield _sse(error_body(f"{msg}; not migrated: {leg}", 502)) + b"data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:
         return await self._ask_any_worker("/v1/models")
@@ -872,8 +963,9 @@ _READ_FIELDS = {"stream", "stream_options", "n", "best_of", "max_tokens",
 class _SseRelay:
     """Splits an SSE byte stream into events; drops the injected usage chunk if asked."""
 
-    def __init__(self, strip_usage: bool):
+    def __init__(self, strip_usage: bool, migration: Migration | None = None):
         self.strip_usage = strip_usage
+        self.migration = migration   # sees (and may rewrite) each event's data first
         self.buf = b""
         self.started = False
         self.cached_tokens: int | None = None
@@ -884,13 +976,22 @@ class _SseRelay:
         while (found := _event_end(self.buf)) is not None:
             end, sep = found
             event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
-            if self._keep(event):
+            event = self._migrated(event)
+            if event and self._keep(event):
                 out.append(event)
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest, self.buf = self.buf, b""
+        rest, self.buf = self._migrated(self.buf), b""
         return rest if rest and self._keep(rest) else b""
+
+    def _migrated(self, event: bytes) -> bytes:
+        """`event` as the migration rewrites it (b"": dropped)."""
+        data = _event_data(event) if self.migration is not None else None
+        if self.migration is None or data is None:
+            return event
+        out = self.migration.on_event(data)
+        return b"" if out is None else b"data: " + out + b"\n\n"
 
     def _keep(self, event: bytes) -> bool:
         data = _event_data(event)
@@ -965,16 +1066,17 @@ def _spec_from_body(data: Any) -> WorkerSpec:
 
 
 _LOAD_NAMES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-               "vllm:kv_cache_usage_perc": "kv_usage"}
+               "vllm:kv_cache_usage_perc": "kv_usage", DRAINING_METRIC: "draining"}
 
 
 def parse_load(text: str, now: float) -> LoadSnapshot:
-    """Running, waiting and KV usage from a vLLM-style /metrics page (summed over engines),
-    and the active LoRA adapters and max_lora of its newest `vllm:lora_requests_info`."""
+    """Running, waiting, KV usage and drain from a vLLM-style /metrics page (summed over
+    engines), and the active LoRA adapters and max_lora of its newest
+    `vllm:lora_requests_info`."""
     sums = {key: metric_value(text, name) for name, key in _LOAD_NAMES.items()}
     adapters, max_loras = _lora_info(text)
     return LoadSnapshot(int(sums["running"]), int(sums["waiting"]), sums["kv_usage"], now,
-                        adapters, max_loras)
+                        adapters, max_loras, sums["draining"] > 0)
 
 
 def _lora_info(text: str) -> tuple[frozenset[str], int | None]:

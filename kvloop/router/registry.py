@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -169,7 +169,8 @@ def event_source(spec: WorkerSpec, desc: WorkerDescription | None) -> EventSourc
 
 @dataclass(frozen=True)
 class LoadSnapshot:
-    """The worker's own figures, from its /metrics (vLLM names)."""
+    """The worker's own figures, from its /metrics (vLLM names; `draining`: kvloop's gauge,
+    or a refusal that said so, kvloop/front/drain.py)."""
 
     running: int = 0
     waiting: int = 0
@@ -177,6 +178,7 @@ class LoadSnapshot:
     at: float = 0.0
     lora_adapters: frozenset[str] = frozenset()   # vllm:lora_requests_info: active adapters
     max_loras: int | None = None                  # ... its max_lora (None: no such gauge)
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -395,8 +397,8 @@ class Registry:
 
     def usable(self, roles: tuple[str, ...] = ROLES
                ) -> list[WorkerState]:
-        """Workers that are up and serve one of `roles`."""
-        return [w for w in self.all() if w.up and w.role in roles]
+        """Workers that are up, not draining, and serve one of `roles`."""
+        return [w for w in self.all() if w.up and not w.load.draining and w.role in roles]
 
     # --- liveness -------------------------------------------------------------------------
     def mark_up(self, name: str, description: WorkerDescription | None) -> None:
@@ -440,6 +442,13 @@ class Registry:
         w = self._workers.get(name)
         if w is not None:
             w.load = load
+
+    def mark_draining(self, name: str) -> None:
+        """`name` refused a request because it drains: nothing more goes there until a poll
+        of its /metrics (or its restart) says otherwise."""
+        w = self._workers.get(name)
+        if w is not None:
+            w.load = replace(w.load, draining=True)
 
     def note_signal(self, name: str, heartbeat: bool = False) -> None:
         """An event batch (or a heartbeat) arrived from `name`."""

@@ -2,7 +2,8 @@
 `pd_proxy.PDFlow`'s (a prefill leg, then a decode leg).
 
 - a leg the client's disconnect cancels (`unless_disconnected` -> `DISCONNECTED`);
-- `RETRY`: a worker refused the connection, nothing reached it, route again;
+- `RETRY`: a worker refused the connection (or, draining, the request), nothing of it ran,
+  route again; `Unanswered`: it closed the connection unanswered, route again once;
 - a worker's answer read: its JSON (`json_or_none`), its reported prefix hit
   (`cached_tokens`), the headers relayed to the client (`response_headers`);
 - the router's own JSON error answer (`error_response`).
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from kvloop.front.openai import error_body
 
@@ -72,6 +73,16 @@ class Retry:
 
 
 RETRY = Retry()
+
+
+class Unanswered(Retry):
+    """The worker closed the connection without answering (a keep-alive connection it closed
+    as it stopped, or it crashed): route again, once per request, never more (a request that
+    crashes workers must not walk the fleet); `answer` is the 502 to give when no other
+    worker can take it."""
+
+    def __init__(self, answer: Response):
+        self.answer = answer
 
 
 def json_or_none(data: bytes) -> Any:

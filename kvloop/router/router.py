@@ -137,6 +137,17 @@ class Fallback:
     at: float
 
 
+class TicketPeers(Protocol):
+    """Who hears of every ticket this router opens, starts and closes (other router
+    replicas: kvloop/router/replicas.py)."""
+
+    def opened(self, t: Ticket, hashes: list[int]) -> None: ...
+
+    def first(self, t: Ticket) -> None: ...
+
+    def closed(self, t: Ticket) -> None: ...
+
+
 class Router:
     """Index + registry + policy + feeds; thread-safe for one event loop plus feeds."""
 
@@ -165,6 +176,7 @@ class Router:
         self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
         self.details: dict[str, Callable[[], dict[str, Any]]] = {}   # more of /health
         self.problems: list[Callable[[], list[str]]] = []   # more /health reasons
+        self.replicas: TicketPeers | None = None   # tells other routers of each ticket
         self.index.on_lost(self.resync_index)
 
     @staticmethod
@@ -442,8 +454,11 @@ class Router:
         if caches:
             self.index.add_provisional(w.name, hashes)
         expects_event = caches and len(hashes) * bs > predicted
-        return self.registry.open_ticket(w.name, prompt_tokens, uncached, predicted,
-                                         expects_event, verify, tiers)
+        ticket = self.registry.open_ticket(w.name, prompt_tokens, uncached, predicted,
+                                           expects_event, verify, tiers)
+        if self.replicas is not None:
+            self.replicas.opened(ticket, hashes if caches else [])
+        return ticket
 
     # --- prefill/decode disaggregation ----------------------------------------------------
     def pd_mode(self) -> bool:
@@ -590,6 +605,8 @@ class Router:
         assert r.prefill is not None
         self.finish(r.prefill.ticket, None, "client_error")
         self.registry.drop_ticket(r.decode.ticket)
+        if self.replicas is not None:
+            self.replicas.closed(r.decode.ticket)
 
     def abandon(self, r: Routed | PDRouted) -> None:
         """A decision nobody will act on (its request was cancelled meanwhile): close every
@@ -637,14 +654,18 @@ class Router:
         return text + (f"; down: {', '.join(down)}" if down else "")
 
     def first_token(self, ticket: Ticket) -> None:
+        if ticket.first_token_at is None and self.replicas is not None:
+            self.replicas.first(ticket)
         self.registry.first_token(ticket)
 
     def finish(self, ticket: Ticket, cached_tokens: int | None, outcome: str = "ok") -> None:
-        """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected);
-        with a reported hit, verify the prediction. Closing a closed ticket does nothing, so
-        every path of a request may close it in its `finally`."""
+        """Close the ticket (`outcome`: ok, client_error, worker_error, disconnected,
+        draining); with a reported hit, verify the prediction. Closing a closed ticket does
+        nothing, so every path of a request may close it in its `finally`."""
         if not self.registry.close_ticket(ticket, outcome == "ok"):
             return
+        if self.replicas is not None:
+            self.replicas.closed(ticket)
         self.metrics.requests.labels(ticket.worker, outcome).inc()
         if cached_tokens is None or not ticket.verify:
             return   # a pulled prompt's hit is its prefill worker's, counted on that leg
@@ -731,7 +752,7 @@ class Router:
                              "predicted_by_tier": dict(w.verifier.predicted_by_tier),
                              "found_by_tier": dict(w.verifier.found_by_tier)},
             "load": {"running": w.load.running, "waiting": w.load.waiting,
-                     "kv_usage": w.load.kv_usage},
+                     "kv_usage": w.load.kv_usage, "draining": w.load.draining},
             "pd": {"kv_role": w.kv_role, "caches_prefixes": w.caches_prefixes,
                    "prefill_failures": w.prefill_failures,
                    "kv_bytes_per_token": w.kv_bytes_per_token},

@@ -56,6 +56,11 @@ class RouterServer:
         if self.bus is not None:
             self.router.watchers.append(self.bus.watch)
             self.router.details["bus"] = self.bus.describe
+            from kvloop.router.replicas import ReplicaSync
+
+            replicas = ReplicaSync(self.router, self.bus.plane,
+                                   self.bus.config.plane.namespace).start()
+            self.router.details["replicas"] = replicas.describe
             if self.bus.config.discover:
                 from kvloop.router.discovery import Discovery
 

@@ -3,8 +3,11 @@
 Every `NatsPlaneConfig.announce_interval_s` the API server publishes one `WorkerAnnouncement`
 (kvloop.wire: its URL, its `GET /kvloop/worker` answer as a caller without private facts sees
 it, and the id its KV-event messages carry) on `namespace.{ns}.kvloop.workers`; on a clean stop
-it publishes the same with `withdrawn` set. A router started with `--discover` registers what
-it hears and ages out a worker whose announcements stop (kvloop.router.discovery).
+it publishes the same with `withdrawn` set, and so does a worker that starts draining (SIGTERM
+with `--shutdown-timeout`): it withdraws at the start of the drain, not at its end, so routers
+stop sending it work at once and it finishes what it holds. A router started with `--discover`
+registers what it hears and ages out a worker whose announcements stop
+(kvloop.router.discovery).
 
 With the fleet secret (`ServeConfig.fleet_secret`) each announcement and the withdrawal carry
 its signature (`kvloop.events.nats_plane.signed_headers`): a router holding the secret admits
@@ -50,6 +53,7 @@ class WorkerAnnouncer:
         self.sent = 0
         self._nc: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._withdrawal: asyncio.Future[None] | None = None   # once set, never announced again
 
     def announcement(self, withdrawn: bool = False) -> bytes:
         return msgspec.json.encode(WorkerAnnouncement(
@@ -66,6 +70,9 @@ class WorkerAnnouncer:
         except Exception as e:   # no server, bad credentials: the engine already said so
             logger.error("discovery: cannot reach %s (%s); this worker is not announced",
                          self.plane.safe_url, e)
+            return
+        if self._withdrawal is not None:   # the drain began while we connected
+            await self._withdraw()
             return
         self._task = asyncio.create_task(self._loop(), name="kvloop-announcer")
         logger.info("discovery: announcing %s on %s every %gs%s", self.url, self.subject,
@@ -87,18 +94,34 @@ class WorkerAnnouncer:
                 logger.debug("discovery: announcement failed: %s", e)
             await asyncio.sleep(self.plane.announce_interval_s)
 
-    async def stop(self) -> None:
-        """Withdraw (best effort, within a second) and disconnect."""
+    def begin_withdraw(self) -> None:
+        """Stop announcing and withdraw (best effort, within a second), in the background;
+        idempotent. The connection stays open until `stop()`."""
+        if self._withdrawal is None:
+            self._withdrawal = asyncio.ensure_future(self._end_announcing())
+
+    async def _end_announcing(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._withdraw()
+
+    async def _withdraw(self) -> None:
         if self._nc is None:
             return
         try:
             await self._publish(withdrawn=True)
             await self._nc.flush(timeout=1)
+            logger.info("discovery: %s withdrawn", self.url)
         except Exception as e:
             logger.warning("discovery: the withdrawal of %s was not sent: %s", self.url, e)
-        with contextlib.suppress(Exception):
-            await self._nc.close()
+
+    async def stop(self) -> None:
+        """Withdraw (unless already done) and disconnect."""
+        self.begin_withdraw()
+        assert self._withdrawal is not None
+        await self._withdrawal
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.close()

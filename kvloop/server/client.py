@@ -355,8 +355,11 @@ class EngineClient:
                 fut.set_exception(error)
 
     def begin_drain(self) -> None:
-        """Refuse new requests; those in flight go on (until `begin_shutdown`)."""
+        """Refuse new requests; those in flight go on (until `begin_shutdown`). /metrics
+        says so from now on (`kvloop.front.drain`)."""
         self.shutting_down = True
+        if self.metrics is not None:
+            self.metrics.draining.set(1)
 
     async def wait_drained(self, timeout_s: float) -> None:
         """Until no request is in flight, or `timeout_s` has passed."""

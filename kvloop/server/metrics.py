@@ -23,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from kvloop.front.drain import DRAINING_METRIC
 from kvloop.wire import (
     KV_FAILURE_REASONS,
     KVTransferStats,
@@ -128,6 +129,9 @@ class ServerMetrics:
             sleep.labels(**lab, sleep_state=state).set(1 if state == "awake" else 0)
         self.kv_usage = self._gauge("vllm:kv_cache_usage_perc",
                                     "KV-cache usage. 1 means 100 percent usage.",
+                                    names).labels(**lab)
+        self.draining = self._gauge(DRAINING_METRIC, "1 while the server drains (it refuses "
+                                    "new requests and finishes those it holds).",
                                     names).labels(**lab)
         if cache_info:
             info = self._gauge("vllm:cache_config_info", "Information of the LLMEngine "

@@ -5,8 +5,10 @@
     2. start the engine core process and wait for its handshake (model loaded, KV sized);
     3. start uvicorn on the socket, print "kvloop serving on http://HOST:PORT" once it
        accepts connections; the stats line (kvloop/server/logs.py) runs from then on;
-    4. on SIGTERM with `--shutdown-timeout S` > 0: drain (new requests and /health get 503,
-       requests in flight go on for up to S seconds); then, or at once on SIGINT, on SIGTERM
+    4. on SIGTERM with `--shutdown-timeout S` > 0: drain (new requests get 503 with
+       `x-kvloop-draining`, /health 503, the /metrics gauge `kvloop:server_draining` 1, a
+       NATS-announced worker withdraws now; requests in flight go on for up to S seconds,
+       kvloop/front/drain.py); then, or at once on SIGINT, on SIGTERM
        without a timeout or on a second signal: end in-flight requests (streams get
        finish_reason "abort", others 503), stop uvicorn, then stop the engine process;
     5. if the engine process dies, fail in-flight requests, stop uvicorn and exit 1.
@@ -57,6 +59,7 @@ class _Signals:
         self._timeout_s = shutdown_timeout_s
         self._loop = loop
         self._drain: asyncio.Task[None] | None = None
+        self.discovery: WorkerAnnouncer | None = None   # withdrawn when the drain begins
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -75,6 +78,8 @@ class _Signals:
             logger.info("SIGTERM: draining %d requests for up to %g s (new ones get 503)",
                         self._client.num_in_flight, self._timeout_s)
             self._client.begin_drain()
+            if self.discovery is not None:
+                self.discovery.begin_withdraw()
             self._drain = asyncio.ensure_future(self._drain_then_stop(server))
             return
         if self._drain is not None:
@@ -207,7 +212,8 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
         except RuntimeError as e:
             logger.error("--lora-modules: %s", e)
             return 1
-        discovery = _announcer(ctx, start, advertised_url(cfg, http_url(sock)))
+        discovery = signals.discovery = _announcer(ctx, start,
+                                                  advertised_url(cfg, http_url(sock)))
         server = FrontServer(build_app(ctx), sock, cfg.http_limits,
                              log_level=cfg.uvicorn_log_level,
                              graceful_shutdown_s=cfg.graceful_shutdown_s,

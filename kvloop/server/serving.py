@@ -30,6 +30,7 @@ from kvloop.core.request import (
     check_context_length,
 )
 from kvloop.front.auth import Caller, presented_authorization
+from kvloop.front.drain import DRAINING_HEADERS
 from kvloop.front.openai import (
     AssistantMessage,
     ChatChoice,
@@ -538,8 +539,8 @@ def engine_error(message: str, param: str | None = None) -> APIError:
 def _raise_unavailable(client: EngineClient) -> None:
     try:
         client.check_available()
-    except ServerShuttingDown as e:
-        raise APIError(503, str(e)) from e
+    except ServerShuttingDown as e:   # refused before anything ran: a router retries it
+        raise APIError(503, str(e), headers=DRAINING_HEADERS) from e
     except EngineDeadError as e:
         raise APIError(500, str(e)) from e
 
@@ -839,18 +840,21 @@ async def _stream_chat(ctx: ServerContext, req: ChatCompletionRequest, gen: Gene
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     calls = {c.index: ToolCallStream(tools) for c in gen.children}
 
-    def chunk(choice: ChatStreamChoice) -> bytes:
+    def chunk(choice: ChatStreamChoice, prompt_ids: list[int] | None = None) -> bytes:
         body: ChatCompletionStreamResponse = {"id": base, "object": "chat.completion.chunk",
                                               "created": created,
                                               "model": ctx.served_name(req.model),
                                               "choices": [choice]}
+        if prompt_ids is not None:   # vLLM's: the first chunk, with `return_token_ids`
+            body["prompt_token_ids"] = prompt_ids
         if continuous:
             body["usage"] = usage(gen.children, [prompt])
         return sse(body)
 
     for c in gen.children:
         yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None, "stop_reason": None})
+                     "logprobs": None, "finish_reason": None, "stop_reason": None},
+                    prompt if req.return_token_ids else None)
     async for c, d in gen.stream_deltas():
         delta, finish_reason = _chat_delta(calls[c.index], d)
         ids_only = d.token_ids and (req.return_token_ids or not tools.parses)
