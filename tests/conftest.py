@@ -268,3 +268,37 @@ def embedded_model_installed() -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2() -> Any:
+    """transformers fp32 on the embedded model's GGUF, loaded once per session (dequantizing
+    the GGUF takes ~20 s each time): the reference of the exact-comparison tests. Read-only:
+    a test that changes a model (peft wraps its layers) loads `hf_smollm2_folder` instead."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvloop.locate import find_model_path
+
+    folder, name = find_model_path(None).rsplit("/", 1)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_folder(hf_smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`hf_smollm2` saved as a Hugging Face folder (safetensors, the same fp32 values), which
+    loads in about a second."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(hf_smollm2.config)
+    if hasattr(config, "quantization_config"):   # a GGUF-loaded model refuses to be saved
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf_smollm2.state_dict())
+    out = tmp_path_factory.mktemp("hf_smollm2")
+    plain.save_pretrained(out)
+    return str(out)

@@ -55,11 +55,9 @@ def prompts(llm):
 
 
 @pytest.fixture(scope="module")
-def reference(prompts):
+def reference(prompts, hf_smollm2):
     """transformers fp32 on the same GGUF: the normalized last hidden state of each prompt."""
-    from kvloop.bench.hf_server import load_model
-
-    model, _ = load_model(MODEL_PATH, "fp32")
+    model = hf_smollm2
     out = []
     with torch.inference_mode():
         for ids in prompts:

@@ -79,9 +79,11 @@ def evaluate(task_dir: Path, model: str, model_args: str) -> dict[str, list[Any]
 
 
 @pytest.fixture(scope="module")
-def reference(task_dir: Path, hf_tokenizer: str) -> dict[str, list[Any]]:
-    folder, name = find_model_path(None).rsplit("/", 1)
-    return evaluate(task_dir, "hf", f"pretrained={folder},gguf_file={name},"
+def reference(task_dir: Path, hf_tokenizer: str, hf_smollm2_folder: str
+              ) -> dict[str, list[Any]]:
+    """lm-eval's `hf` backend on the GGUF's fp32 values (saved as a folder once per session:
+    the same weights, without dequantizing the GGUF again)."""
+    return evaluate(task_dir, "hf", f"pretrained={hf_smollm2_folder},"
                                     f"tokenizer={hf_tokenizer},dtype=float32,device=cpu")
 
 

@@ -31,13 +31,12 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
+def adapters(tmp_path_factory, hf_smollm2_folder):
     """{name: (peft model, folder)} for two adapters of different rank and targets; the
-    base model under None."""
+    base model under None (its own copy: peft wraps its layers)."""
     from transformers import AutoModelForCausalLM
 
-    folder, name = find_model_path(None).rsplit("/", 1)
-    base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+    base = AutoModelForCausalLM.from_pretrained(hf_smollm2_folder,
                                                 dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("lora_embedded")
     std = 0.06    # smaller than the tiny model's: SmolLM2 is wider

@@ -42,10 +42,12 @@ def prompts():
     return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
-def greedy(dtype: str, prompts: list[list[int]]) -> list[list[int]]:
+def greedy(dtype: str, prompts: list[list[int]], again: bool) -> list[list[int]]:
+    """Each prompt alone; `again`: then each once more, on its cached prefix."""
     llm = LLM(dtype=dtype, device="cpu", num_gpu_blocks_override=160, num_threads=1)
     try:
-        return [run_alone(llm, p) for p in prompts] + [run_alone(llm, p) for p in prompts]
+        first = [run_alone(llm, p) for p in prompts]
+        return first + ([run_alone(llm, p) for p in prompts] if again else [])
     finally:
         llm.shutdown()
 
@@ -68,12 +70,11 @@ def fp32_gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) ->
 def test_default_dtype_keeps_the_fp32_answers(prompts):
     threads = torch.get_num_threads()
     try:
-        fp32 = greedy("float32", prompts)
-        auto = greedy("auto", prompts)
+        fp32 = greedy("float32", prompts, again=False)
+        auto = greedy("auto", prompts, again=True)
         n = len(prompts)
-        # the second pass of each runs every prompt again on its cached prefix
+        # the second pass runs every prompt again on its cached prefix
         assert auto[n:] == auto[:n], "a prefix-cache hit changed a greedy answer"
-        assert fp32[n:] == fp32[:n]
         same = sum(a == b for a, b in zip(auto[:n], fp32[:n], strict=True))
         assert same >= 0.9 * n, f"default equals fp32 on {same}/{n} prompts"
         parted = [(p, a, b) for p, a, b in zip(prompts, auto[:n], fp32[:n], strict=True)

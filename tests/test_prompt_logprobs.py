@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
-from kvloop.front.tokenizer import find_model_path
 from kvloop.llm import engine_config
 
 from .conftest import embedded_model_installed
@@ -50,15 +49,10 @@ def prompt(llm):
 
 
 @pytest.fixture(scope="module")
-def reference(prompt):
+def reference(prompt, hf_smollm2):
     """transformers' log-softmax [len(prompt), vocab] (row i scores token i + 1)."""
-    from transformers import AutoModelForCausalLM
-
-    folder, name = find_model_path(None).rsplit("/", 1)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                 dtype=torch.float32).eval()
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt])).logits[0].float()
+        logits = hf_smollm2(torch.tensor([prompt])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
 
 
