@@ -16,12 +16,14 @@ import asyncio
 import functools
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any, cast
 
 import h11
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,10 +38,14 @@ logger = logging.getLogger("kvloop.front")
 _REALM = 'Bearer realm="kvloop"'
 
 
-def install(app: Starlette, auth: AuthConfig, rules: RouteRules, limits: HttpLimits) -> None:
-    """Put the Messages routes' error shape (outermost), the key check and the body limit in
-    front of `app`'s routes."""
+def install(app: Starlette, auth: AuthConfig, rules: RouteRules, limits: HttpLimits,
+            inner: Sequence[Middleware] = ()) -> None:
+    """Put the Messages routes' error shape (outermost), the key check, then `inner` (the
+    router's body budget: only callers with a key hold bytes) and the body limit in front of
+    `app`'s routes."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    for m in reversed(inner):
+        app.add_middleware(m.cls, *m.args, **m.kwargs)
     app.add_middleware(AuthMiddleware, config=auth, rules=rules)
     app.add_middleware(AnthropicErrorMiddleware)
 

@@ -16,6 +16,12 @@ server's:
   `add_generation_prompt` is false or `continue_final_message` is true; the text gets no
   special tokens unless `add_special_tokens` is true (the template wrote them).
 
+A prompt's tokenization can be bounded (`BoundedTokenizer`, the router's): a text longer
+than `CHARS_PER_TOKEN_BOUND` characters per token of the context is tokenized only up to
+that many characters; if that prefix already fills the context the prompt is refused
+(`PromptTooLong`, vLLM's context-length 400) without tokenizing the rest, else it is not
+tokenized at all (`PromptError`: the router routes it by load and the worker decides).
+
 A prompt that cannot be made into ids raises `PromptError` (a 400 naming `param`): the server
 answers it, the router routes such a request by load and lets the worker answer. Checking ids
 against the vocabulary is the server's (only it knows the engine's vocabulary size).
@@ -28,6 +34,7 @@ from typing import Any
 
 import pydantic
 
+from kvloop.core.request import ContextLengthError, check_context_length
 from kvloop.front import anthropic, responses
 from kvloop.front.anthropic import (
     COUNT_TOKENS_PATH,
@@ -39,6 +46,8 @@ from kvloop.front.anthropic import (
 from kvloop.front.openai import ChatCompletionRequest, ChatMessage, CompletionRequest
 from kvloop.front.responses import RESPONSES_PATH, Message, ResponsesRequest
 
+CHARS_PER_TOKEN_BOUND = 16   # characters per token no usual text exceeds (English: about 4)
+
 
 class PromptError(ValueError):
     """The request's prompt cannot be tokenized: a 400 whose `param` names the field."""
@@ -46,6 +55,48 @@ class PromptError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class PromptTooLong(Exception):
+    """The prompt has at least `tokens` tokens: more than the context holds (a 400 on
+    `param`). Not a ValueError, so no tokenizer-error handler turns it into a PromptError."""
+
+    def __init__(self, message: str, tokens: int, param: str = "prompt"):
+        super().__init__(message)
+        self.tokens = tokens
+        self.param = param
+
+
+class BoundedTokenizer:
+    """`tokenizer`, with each `encode` bounded by a context of `max_model_len` tokens
+    (module docstring). `refuse` False (the request truncates its prompt itself): a text
+    too long to tokenize cheaply is never refused, only left untokenized."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, refuse: bool = True):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.refuse = refuse
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        limit = self.max_model_len * CHARS_PER_TOKEN_BOUND
+        ids = list(self.tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens))
+        if self.refuse:
+            check_prompt_tokens(self.max_model_len, len(ids))
+        if len(text) > limit:
+            raise ValueError(f"a text of {len(text)} characters is more than the router "
+                             f"tokenizes ({limit})")
+        return ids
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+
+def check_prompt_tokens(max_model_len: int, prompt_len: int) -> None:
+    """PromptTooLong unless a prompt of (at least) `prompt_len` tokens fits the context."""
+    try:
+        check_context_length(max_model_len, prompt_len)
+    except ContextLengthError as e:
+        raise PromptTooLong(str(e), prompt_len, e.param) from None
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool, param: str) -> list[int]:

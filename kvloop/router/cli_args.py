@@ -38,6 +38,7 @@ from kvloop.router.config import (
     RouterConfig,
 )
 from kvloop.router.flow_config import FlowConfig, load_objectives
+from kvloop.router.limits import RouterLimits
 from kvloop.router.registry import WorkerSpec
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
@@ -179,6 +180,14 @@ def _add_flow_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flow-queue-timeout", type=float, default=d.queue_timeout_s,
                    metavar="SECONDS", help="longest wait in the queue (unless the request's "
                                            "objective sets its own); then 503 + Retry-After")
+    g.add_argument("--flow-max-queue-bytes", type=int, default=d.max_queue_bytes,
+                   metavar="N", help="request body bytes the router's queue holds; more "
+                                     "answer 503 + Retry-After")
+    g.add_argument("--trusted-front", action="store_true",
+                   help="trust x-gateway-inference-fairness-id and "
+                        "x-gateway-inference-objective from every caller (only when a "
+                        "gateway in front sets them and no client reaches the router; "
+                        "otherwise only callers with the fleet token or the admin key)")
     g.add_argument("--objectives-file", default=None, metavar="JSON",
                    help="objectives (x-gateway-inference-objective) with their priorities: "
                         "{\"objectives\": [{\"name\": ..., \"priority\": ..., "
@@ -191,7 +200,14 @@ def flow_config(args: argparse.Namespace) -> FlowConfig:
     return FlowConfig(enabled=args.flow_control, max_waiting=args.flow_max_waiting,
                       kv_usage_threshold=args.flow_kv_usage_threshold,
                       staleness_s=args.flow_staleness, max_queue=args.flow_max_queue,
-                      queue_timeout_s=args.flow_queue_timeout, objectives=objectives)
+                      queue_timeout_s=args.flow_queue_timeout, objectives=objectives,
+                      max_queue_bytes=args.flow_max_queue_bytes,
+                      trusted_front=args.trusted_front)
+
+
+def router_limits(args: argparse.Namespace) -> RouterLimits:
+    return RouterLimits(max_inflight_body_bytes=args.max_inflight_body_bytes,
+                        prompt_threads=args.prompt_threads)
 
 
 def _add_bus_args(p: argparse.ArgumentParser) -> None:
@@ -245,6 +261,12 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
                         "one, a client's Authorization header is passed through only when "
                         "the router itself requires no key")
     add_limit_args(g)
+    dl = RouterLimits()
+    g.add_argument("--max-inflight-body-bytes", type=int, default=dl.max_inflight_body_bytes,
+                   metavar="N", help="request body bytes the router holds at once; a request "
+                                     "with no room waits, then 503 (kvloop/router/limits.py)")
+    g.add_argument("--prompt-threads", type=int, default=dl.prompt_threads, metavar="N",
+                   help="threads that parse and tokenize prompts off the event loop")
 
 
 def router_config(args: argparse.Namespace,
@@ -290,7 +312,8 @@ def router_config(args: argparse.Namespace,
                     prefill_timeout_s=args.prefill_timeout),
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
-        flow=flow_config(args), migration_limit=args.migration_limit)
+        flow=flow_config(args), migration_limit=args.migration_limit,
+        limits=router_limits(args))
 
 
 def _setup_logging(level: str) -> None:

@@ -16,6 +16,7 @@ from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
 from kvloop.router.flow_config import FlowConfig
+from kvloop.router.limits import RouterLimits
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -278,6 +279,8 @@ class RouterConfig:
     `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
     `migration_limit`: how many times one stream may move to another worker when its worker
     fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
+    `limits`: the bytes of request bodies held at once and the prompt threads
+    (kvloop/router/limits.py).
     """
 
     host: str = "127.0.0.1"
@@ -297,6 +300,7 @@ class RouterConfig:
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     migration_limit: int = 0
+    limits: RouterLimits = field(default_factory=RouterLimits)
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:

@@ -3,7 +3,7 @@
     admit(request) ── fleet has headroom and nobody queued ──────────────► permit (route it)
           │ saturated (or others queued first)
           ├─ sheddable (priority < 0) ────────────────────────────────────► 429 Retry-After
-          ├─ queue full (`max_queue`) ────────────────────────────────────► 503 Retry-After
+          ├─ queue full (`max_queue` requests or `max_queue_bytes`) ──────► 503 Retry-After
           └─ queued in its band, behind its tenant's earlier requests
                  released: highest band first, tenants of a band in turn ──► permit
                  its queue timeout passed ───────────────────────────────► 503 Retry-After
@@ -19,7 +19,10 @@ A request's band is its objective's priority (`x-gateway-inference-objective`, l
 the objectives file; an unknown objective is the default band 0), else minus vLLM's
 `priority` field (vLLM serves lower values first; bands serve higher first), else 0. Its
 tenant is `x-gateway-inference-fairness-id`, else its API key, else one shared tenant;
-tenants are kept as digests, never as the strings a client sent.
+tenants are kept as digests, never as the strings a client sent. Those two headers and a
+band above 0 are a *trusted* caller's only (`FlowConfig`: the fleet token, the admin key, or
+`--trusted-front`): from anyone else the headers are ignored and the band is at most 0, so a
+client can neither name itself many tenants nor jump the queue.
 
 Owner: `FlowControl` owns the queue (`FlowQueue`: pure, no I/O), the permits in transit and
 the dispatcher task that releases waiters; it reads workers only through `pool()`.
@@ -92,6 +95,7 @@ class Waiter:
     seq: int
     enqueued_at: float
     released: asyncio.Future[Permit] | None = None
+    size: int = 0                           # its body's bytes
 
 
 class FlowQueue:
@@ -99,11 +103,13 @@ class FlowQueue:
 
     `pop()` takes the highest band; within it, the tenant at the head of the band's rotation
     gives its oldest request and moves to the back (round-robin between tenants, FIFO within
-    one). Empty tenants and bands are dropped at once, so memory is bounded by `len()`."""
+    one). Empty tenants and bands are dropped at once, so memory is bounded by `len()`;
+    `bytes` is the sum of the waiters' body sizes."""
 
     def __init__(self) -> None:
         self._bands: dict[int, dict[int, deque[Waiter]]] = {}   # insertion order = rotation
         self._len = 0
+        self.bytes = 0
 
     def __len__(self) -> int:
         return self._len
@@ -112,6 +118,7 @@ class FlowQueue:
         tenants = self._bands.setdefault(w.key.priority, {})
         tenants.setdefault(w.key.tenant, deque()).append(w)
         self._len += 1
+        self.bytes += w.size
 
     def pop(self) -> Waiter | None:
         if not self._bands:
@@ -126,6 +133,7 @@ class FlowQueue:
         elif not tenants:
             del self._bands[band]
         self._len -= 1
+        self.bytes -= w.size
         return w
 
     def remove(self, w: Waiter) -> bool:
@@ -140,6 +148,7 @@ class FlowQueue:
             if not tenants:
                 del self._bands[w.key.priority]
         self._len -= 1
+        self.bytes -= w.size
         return True
 
     def lengths(self) -> dict[int, int]:
@@ -187,21 +196,33 @@ class FlowControl:
         self.metrics = FlowMetrics(self, prom or CollectorRegistry())
 
     # --- classification -------------------------------------------------------------------
-    def key_of(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> FlowKey:
-        """The request's band, tenant and queue timeout (module docstring)."""
-        objective = self.cfg.objective(headers.get(OBJECTIVE_HEADER))
+    def key_of(self, headers: Mapping[str, str], body: Mapping[str, Any],
+               trusted: bool = False) -> FlowKey:
+        """The request's band, tenant and queue timeout (module docstring); `trusted`: the
+        caller is a trusted front (or `FlowConfig.trusted_front` says every caller is)."""
+        trusted = trusted or self.cfg.trusted_front
+        if not trusted:
+            key = self._key(headers, body, None, None)
+            return FlowKey(min(key.priority, 0), key.tenant, key.queue_timeout_s)
+        return self._key(headers, body, headers.get(OBJECTIVE_HEADER),
+                         headers.get(FAIRNESS_HEADER))
+
+    def _key(self, headers: Mapping[str, str], body: Mapping[str, Any],
+             objective_name: str | None, fairness_id: str | None) -> FlowKey:
+        objective = self.cfg.objective(objective_name)
         if objective is not None:
             priority, timeout = objective.priority, objective.queue_timeout_s
         else:
             vllm = body.get("priority")
             priority = -vllm if isinstance(vllm, int) and not isinstance(vllm, bool) else 0
             timeout = None
-        tenant = headers.get(FAIRNESS_HEADER) or presented_authorization(headers) or ""
+        tenant = fairness_id or presented_authorization(headers) or ""
         return FlowKey(priority, _digest(tenant), timeout)
 
     # --- admission ------------------------------------------------------------------------
-    async def admit(self, key: FlowKey) -> Permit | Rejection:
-        """Wait for room (module docstring); cancelled (the client left): leaves the queue."""
+    async def admit(self, key: FlowKey, size: int = 0) -> Permit | Rejection:
+        """Wait for room (module docstring); cancelled (the client left): leaves the queue.
+        `size`: the request's body bytes, which it holds while it waits."""
         if not self.cfg.enabled:
             return FREE
         room = self.room()
@@ -214,11 +235,15 @@ class FlowControl:
             return self._reject(key, QUEUE_FULL, 503,
                                 f"the router's queue is full ({self.cfg.max_queue} "
                                 "requests wait for a saturated fleet)")
-        return await self._wait(key)
+        if self.queue.bytes + size > self.cfg.max_queue_bytes:
+            return self._reject(key, QUEUE_FULL, 503,
+                                f"the router's queue is full ({self.cfg.max_queue_bytes} "
+                                "bytes of requests wait for a saturated fleet)")
+        return await self._wait(key, size)
 
-    async def _wait(self, key: FlowKey) -> Permit | Rejection:
+    async def _wait(self, key: FlowKey, size: int) -> Permit | Rejection:
         loop = asyncio.get_running_loop()
-        w = Waiter(key, next(self._seq), self.clock(), loop.create_future())
+        w = Waiter(key, next(self._seq), self.clock(), loop.create_future(), size)
         assert w.released is not None
         self.queue.push(w)
         self._ensure_dispatcher()

@@ -50,8 +50,14 @@ class FlowConfig:
     least `kv_usage_threshold`, or the requests waiting in its engine reach `max_waiting`
     (its own report, or what the router sent beyond its `max_num_seqs`). While every worker
     is saturated, requests wait at the router: at most `max_queue` of them, each at most its
-    objective's queue timeout or `queue_timeout_s`. Refusals carry `Retry-After:
-    retry_after_s`.
+    objective's queue timeout or `queue_timeout_s`, and their bodies at most
+    `max_queue_bytes` in all. Refusals carry `Retry-After: retry_after_s`.
+
+    The fairness and objective headers (and a body's `priority` above the default band)
+    are a trusted front's to set: a caller presenting the fleet token or the admin key, or
+    every caller with `trusted_front` (a gateway that sets them stands in front and no
+    client reaches the router itself). Anyone else is the tenant of its API key, in the
+    default band or below.
     """
 
     enabled: bool = False
@@ -62,6 +68,8 @@ class FlowConfig:
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1
     objectives: tuple[Objective, ...] = ()
+    max_queue_bytes: int = 128 * 1024 * 1024
+    trusted_front: bool = False
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0:
@@ -72,6 +80,8 @@ class FlowConfig:
             raise ValueError("staleness_s must be > 0")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.max_queue_bytes < 0:
+            raise ValueError("max_queue_bytes must be >= 0")
         if not self.queue_timeout_s > 0:
             raise ValueError("queue_timeout_s must be > 0")
         if self.retry_after_s < 0:

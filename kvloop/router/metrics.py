@@ -81,6 +81,9 @@ class RouterMetrics:
                                    "Text and chat requests routed by load only: the router "
                                    "has no tokenizer for their model (/health says why)",
                                    ["model"], registry=r)
+        self.prompts_refused = Counter(P + "prompts_too_long",
+                                       "Requests refused before routing: the prompt fits "
+                                       "no worker's context (max_model_len)", registry=r)
         self.tokenizer_missing = Gauge(P + "tokenizer_missing",
                                        "1 while the router cannot get the model's tokenizer",
                                        ["model"], registry=r)

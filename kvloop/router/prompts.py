@@ -33,7 +33,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from kvloop.front.embeddings import EmbeddingRequest, embedding_inputs
-from kvloop.front.prompts import PromptError, body_prompts
+from kvloop.front.prompts import (
+    BoundedTokenizer,
+    PromptError,
+    body_prompts,
+    check_prompt_tokens,
+)
 from kvloop.front.responses import Message
 from kvloop.front.tokenizer import load_vocabulary
 from kvloop.locate import EMBEDDED_NAME
@@ -49,6 +54,7 @@ FIX = ("fix: give the router the model's tokenizer (--tokenizer PATH: a .gguf fi
        "Hugging Face folder), or let it fetch it from a worker (GET /kvloop/tokenizer: the "
        "router's --worker-api-key must be one the worker accepts)")
 
+UNKNOWN_CONTEXT_TOKENS = 131072   # the context assumed to bound the work when none is known
 Fetch = Callable[[], Awaitable[Any]]   # the tokenizer from a worker; raises with the cause
 
 
@@ -67,24 +73,36 @@ class PromptTokenizer:
         self._loading: asyncio.Lock | None = None   # one load or fetch at a time
 
     def token_ids(self, path: str, body: dict[str, Any], model: str | None,
-                  history: list[Message] | None = None) -> list[int] | None:
+                  history: list[Message] | None = None, max_model_len: int | None = None
+                  ) -> list[int] | None:
         """The prompt of `body` (the first of a batch; a Responses body continuing
         `history`) as the worker serving `model` will tokenize it; None when there is no
-        tokenizer for it (counted) or the worker will refuse the body."""
+        tokenizer for it (counted), the worker will refuse the body, or its text is too long
+        to tokenize cheaply (`BoundedTokenizer`). Raises PromptTooLong when it has at least
+        `max_model_len` tokens (the largest context of the fleet; None: unknown, nothing is
+        refused and the work is bounded by `UNKNOWN_CONTEXT_TOKENS`), unless the body cuts
+        its prompt itself (`truncate_prompt_tokens`)."""
+        refuse = max_model_len is not None and body.get("truncate_prompt_tokens") is None
+        tok = BoundedTokenizer(self._tokenizer(model), max_model_len or UNKNOWN_CONTEXT_TOKENS,
+                               refuse)
         try:
-            return body_prompts(self._tokenizer(model), path, body, history)[0]
+            ids = body_prompts(tok, path, body, history)[0]
         except PromptError as e:  # the worker's to answer, not ours
             if isinstance(e.__cause__, NoTokenizerError) and self.metrics is not None:
                 self.metrics.untokenized.labels(model or "").inc()
             log.debug("prompt not tokenized locally (%s); routing by load", e)
             return None
+        if refuse and max_model_len is not None:
+            check_prompt_tokens(max_model_len, len(ids))   # a token-id prompt's length
+        return ids
 
     def embedding_ids(self, req: EmbeddingRequest, model: str | None) -> list[int] | None:
         """The first input of an embeddings request as the worker will tokenize it (a
         `truncate_prompt_tokens` of -1, which needs the worker's context length, cuts
-        nothing here); None as `token_ids`."""
+        nothing here); None as `token_ids` (a text too long to tokenize cheaply too)."""
+        tok = BoundedTokenizer(self._tokenizer(model), UNKNOWN_CONTEXT_TOKENS, refuse=False)
         try:
-            return embedding_inputs(self._tokenizer(model), req, None)[0]
+            return embedding_inputs(tok, req, None)[0]
         except PromptError as e:
             log.debug("input not tokenized locally (%s); routing by load", e)
             return None

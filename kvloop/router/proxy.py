@@ -69,6 +69,7 @@ import httpx
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -93,6 +94,7 @@ from kvloop.front.auth import (
 from kvloop.front.drain import DRAINING_METRIC, refused_by_drain
 from kvloop.front.embeddings import EMBEDDINGS_PATH, EmbeddingRequest, validate_embedding_body
 from kvloop.front.guard import install
+from kvloop.front.json_body import JsonBodyError, load_json
 from kvloop.front.openai import (
     MaxTokens,
     SamplingRequest,
@@ -102,10 +104,12 @@ from kvloop.front.openai import (
     validation_error_body,
 )
 from kvloop.front.prometheus_text import metric_value, samples
+from kvloop.front.prompts import PromptTooLong
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
+from kvloop.router.limits import BodyBudgetMiddleware, ByteBudget, PromptWork, fleet_context
 from kvloop.router.migration import Migration
 from kvloop.router.pd_proxy import PDFlow
 from kvloop.router.prompts import Fetch, PromptTokenizer
@@ -120,6 +124,7 @@ from kvloop.router.relay import (
     RETRY,
     Disconnected,
     Retry,
+    StreamEnd,
     Unanswered,
     cached_tokens,
     error_response,
@@ -211,7 +216,11 @@ class RouterApp:
                                                         ClientDisconnect: _client_gone,
                                                         Exception: _internal_error})
         cfg = router.config
-        install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
+        self.body_budget = ByteBudget(cfg.limits.max_inflight_body_bytes)
+        install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits, [Middleware(
+            BodyBudgetMiddleware, budget=self.body_budget,
+            max_body_bytes=cfg.http_limits.max_request_body_bytes, limits=cfg.limits)])
+        self.work = PromptWork(cfg.limits.prompt_threads)
         self.pd = PDFlow(self)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
@@ -253,6 +262,7 @@ class RouterApp:
             await self.client.aclose()
         if self._decider is not None:
             self._decider.shutdown(wait=False)
+        self.work.shutdown()
         self.router.shutdown()
 
     # --- workers --------------------------------------------------------------------------
@@ -362,11 +372,12 @@ class RouterApp:
         """An embeddings request goes where its first input's prefix is cached (or by load),
         as is; it produces no token (`expected_output_tokens` 0) and never streams."""
         raw = await request.body()
-        read = read_embedding_body(raw)
+        read = await self.work.run(read_embedding_body, raw)
         if isinstance(read, Response):
             return read
         body, req = read
-        tokens = self.prompts.embedding_ids(req, await self._tokenizing_model())
+        tokens = await self.work.run(self.prompts.embedding_ids, req,
+                                     await self._tokenizing_model())
         return await self._send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
                                 self._worker_headers(request), False, False,
                                 output_tokens=0)
@@ -387,35 +398,52 @@ class RouterApp:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        read = read_body(raw, path, self._fleet_member(request))
+        read = await self.work.run(read_body, raw, path, self._fleet_member(request))
         if isinstance(read, Response):
             return read
         body, stream, strip_usage = read
-        tokens = self.prompts.token_ids(path, body, await self._tokenizing_model())
+        tokens = await self._token_ids(path, body)
+        if isinstance(tokens, Response):
+            return tokens
         if stream and strip_usage:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
         headers = self._worker_headers(request)
         if self.router.pd_mode():
-            return await self.pd.send(request, path, json.dumps(body).encode(), body,
-                                      tokens or [], headers, stream, strip_usage)
+            return await self.pd.send(request, path, await self.work.run(_encoded, body),
+                                      body, tokens or [], headers, stream, strip_usage)
         migration = Migration.of(path, body, headers, self.router.config.migration_limit,
                                  request, tokens or []) if stream else None
-        return await self._send(request, path, json.dumps(body).encode(), body, tokens or [],
-                                headers, stream, strip_usage, migration=migration)
+        return await self._send(request, path, await self.work.run(_encoded, body), body,
+                                tokens or [], headers, stream, strip_usage,
+                                migration=migration)
+
+    async def _token_ids(self, path: str, body: dict[str, Any],
+                         history: list[Any] | None = None) -> list[int] | None | Response:
+        """The prompt's ids, tokenized on a prompt thread (kvloop/router/limits.py); the 400
+        a worker would answer when it fits no worker's context."""
+        model = await self._tokenizing_model()
+        try:
+            return await self.work.run(self.prompts.token_ids, path, body, model, history,
+                                       fleet_context(self.router.registry.usable(ROLES)))
+        except PromptTooLong as e:
+            self.router.metrics.prompts_refused.inc()
+            return JSONResponse(error_body(str(e), 400, e.param), status_code=400)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: a continuation goes to the worker holding its previous
         response, tokenized with that conversation; every stored answer is remembered
         (kvloop/router/responses.py). One worker serves it (no prefill/decode split)."""
         raw = await request.body()
-        read = read_responses_body(raw)
+        read = await self.work.run(read_responses_body, raw)
         if isinstance(read, Response):
             return read
         body, req = read
         held = self.affinity.holder(req.previous_response_id)
-        tokens = self.prompts.token_ids(RESPONSES_PATH, body, await self._tokenizing_model(),
-                                        held.conversation if held else None)
+        tokens = await self._token_ids(RESPONSES_PATH, body,
+                                       held.conversation if held else None)
+        if isinstance(tokens, Response):
+            return tokens
         others = [w.name for w in self.router.registry.all()
                   if held is not None and w.name != held.worker]
         routed: list[str] = []
@@ -476,6 +504,14 @@ class RouterApp:
         return secret is not None and secret.check_token(
             PURPOSE_INTERNAL_HTTP, request.headers.get(INTERNAL_TOKEN_HEADER))
 
+    def _trusted_front(self, request: Request) -> bool:
+        """May the caller set the fairness and objective headers (kvloop/router/flow.py)? A
+        fleet member (the fleet token: a gateway or router of the fleet) or the admin key."""
+        presented = presented_authorization(request.headers)
+        return self._fleet_member(request) or (
+            presented is not None and self.router.config.auth.identify(presented)
+            is Caller.ADMIN)
+
     def _fleet_model(self) -> str | None:
         """The model whose tokenizer the workers use (its path when they report one)."""
         for w in self.router.registry.all():
@@ -528,7 +564,7 @@ class RouterApp:
         unanswered: Unanswered | None = None   # one retry after a connection closed so
         if output_tokens is None:
             output_tokens = MaxTokens.of_body(path, body).tokens(None)
-        permit = await self.admission(request, body)
+        permit = await self.admission(request, body, len(raw))
         if isinstance(permit, Response):
             return permit
         session = session_key(request.headers, body)
@@ -557,11 +593,13 @@ class RouterApp:
             return await self.answer(request, upstream, routed, stream, strip_usage,
                                      migration)
 
-    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
+    async def admission(self, request: Request, body: dict[str, Any], size: int = 0
+                        ) -> Permit | Response:
         """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
-        is routed, or the refusal to answer (499: the client left while queued)."""
-        permit = await unless_disconnected(
-            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+        is routed, or the refusal to answer (499: the client left while queued). `size`: the
+        body's bytes (the queue is bounded in bytes too)."""
+        key = self.flow.key_of(request.headers, body, self._trusted_front(request))
+        permit = await unless_disconnected(request, self.flow.admit(key, size))
         if isinstance(permit, Disconnected):
             return Response(status_code=499)
         if isinstance(permit, Rejection):
@@ -693,6 +731,7 @@ class RouterApp:
         `messages` stream), unless the stream's `migration` goes on elsewhere."""
         relay = _SseRelay(strip_usage, migration)
         outcome = "disconnected"
+        cut = False   # the worker closed the stream before its answer's end
         failure: httpx.TransportError | None = None
         try:
             async for chunk in upstream.aiter_raw():
@@ -707,6 +746,8 @@ class RouterApp:
             outcome = "ok"
             if migration is not None and migration.interrupted is not None:
                 outcome = "worker_error"
+            elif not relay.end.ended and not relay.end.finished:
+                outcome, cut = "worker_error", True
         except httpx.TransportError as e:
             outcome, failure = "worker_error", e
             self.router.worker_down(routed.worker.name, f"failed mid-stream: {e!r}")
@@ -715,8 +756,14 @@ class RouterApp:
                 await upstream.aclose()
                 self.router.finish(routed.ticket, relay.cached_tokens, outcome)
         interrupted = migration.interrupted if migration is not None else None
-        if failure is None and interrupted is None:
+        if failure is None and interrupted is None and not cut:
+            if outcome == "ok" and not relay.end.ended:   # finished; only its end was lost
+                yield event({"type": "message_stop"}) if messages else b"data: [DONE]\n\n"
             return
+        if cut:
+            interrupted = "it closed the stream before the answer's end (no [DONE], no " \
+                          "finish reason)"
+            log.warning("worker %s %s", routed.worker.name, interrupted)
         msg = (f"worker {routed.worker.name} failed mid-stream: {failure!r}"
                if failure is not None else
                f"worker {routed.worker.name} ended the stream early: {interrupted}")
@@ -804,7 +851,7 @@ class RouterApp:
     async def add_worker(self, request: Request) -> Response:
         """Register a worker at run time, only once it answered as a usable kvloop worker."""
         try:
-            spec = _spec_from_body(await request.json())
+            spec = _spec_from_body(load_json(await request.body()))
         except (ValueError, TypeError) as e:
             return error_response(f"bad worker registration: {e}", 400)
         if self.router.registry.get(spec.name) is not None:
@@ -846,7 +893,7 @@ class RouterApp:
 
     async def remove_worker(self, request: Request) -> Response:
         try:
-            data = await request.json()
+            data = load_json(await request.body())
             name = WorkerSpec(str(data["url"]).rstrip("/")).name
         except (ValueError, TypeError, KeyError) as e:
             return error_response(f"bad deregistration (need {{'url': ...}}): {e}", 400)
@@ -885,9 +932,9 @@ def read_body(raw: bytes, path: str, fleet_member: bool = False
     router's to set: a client's are refused, unless the caller is a `fleet_member` (it
     presented the fleet's token: a router in front of this one)."""
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        return error_response(f"invalid JSON body: {e}", 400)
+        body = load_json(raw)
+    except JsonBodyError as e:
+        return error_response(str(e), 400)
     if path in MESSAGES_PATHS:
         return _read_messages_body(path, body, fleet_member)
     checked = validate_body(path, body)
@@ -903,12 +950,16 @@ def read_body(raw: bytes, path: str, fleet_member: bool = False
     return body, stream, stream and not (opts is not None and opts.include_usage)
 
 
+def _encoded(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
 def read_embedding_body(raw: bytes) -> tuple[dict[str, Any], EmbeddingRequest] | Response:
     """An embeddings body and its fields as the worker reads them, or the 400 it answers."""
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        return error_response(f"invalid JSON body: {e}", 400)
+        body = load_json(raw)
+    except JsonBodyError as e:
+        return error_response(str(e), 400)
     checked = validate_embedding_body(body)
     if not isinstance(checked, EmbeddingRequest):
         return JSONResponse(checked, status_code=400)
@@ -916,8 +967,10 @@ def read_embedding_body(raw: bytes) -> tuple[dict[str, Any], EmbeddingRequest] |
 def read_responses_body(raw: bytes) -> tuple[dict[str, Any], ResponsesRequest] | Response:
     """A Responses body as the worker reads it, or the 400 a worker would answer."""
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
         return body, ResponsesRequest.model_validate(body)
+    except JsonBodyError as e:
+        return error_response(str(e), 400)
     except ValueError as e:   # not JSON, or not the schema (pydantic's is a ValueError)
         errors = getattr(e, "errors", None)     # pydantic's ValidationError
         if errors is not None:
@@ -969,6 +1022,7 @@ class _SseRelay:
         self.buf = b""
         self.started = False
         self.cached_tokens: int | None = None
+        self.end = StreamEnd()
 
     def feed(self, chunk: bytes) -> bytes:
         self.buf += chunk
@@ -976,14 +1030,21 @@ class _SseRelay:
         while (found := _event_end(self.buf)) is not None:
             end, sep = found
             event, self.buf = self.buf[:end + sep], self.buf[end + sep:]
+            self._note_end(event)
             event = self._migrated(event)
             if event and self._keep(event):
                 out.append(event)
         return b"".join(out)
 
     def flush(self) -> bytes:
+        self._note_end(self.buf)
         rest, self.buf = self._migrated(self.buf), b""
         return rest if rest and self._keep(rest) else b""
+
+    def _note_end(self, event: bytes) -> None:
+        data = _event_data(event)
+        if data is not None:
+            self.end.note(data)
 
     def _migrated(self, event: bytes) -> bytes:
         """`event` as the migration rewrites it (b"": dropped)."""

@@ -115,3 +115,42 @@ def cached_tokens(payload: Any) -> int | None:
 def response_headers(r: httpx.Response) -> dict[str, str]:
     """A worker's response headers to relay to the client (hop-by-hop ones dropped)."""
     return {k: v for k, v in r.headers.items() if k.lower() not in HOP_HEADERS}
+
+
+# the `type` of a streamed event that ends its stream (Anthropic's Messages, Responses)
+_END_TYPES = frozenset({"message_stop", "error", "response.completed", "response.failed",
+                        "response.incomplete"})
+_END_MARKS = tuple(f'"{t}"'.encode() for t in _END_TYPES)
+
+
+class StreamEnd:
+    """Did a relayed SSE stream end as a complete answer ends? `ended`: its terminator came
+    (`[DONE]`, or an event whose `type` ends the stream, or an error event); `finished`: a
+    choice's `finish_reason` (or a message's `stop_reason`) came, so only the terminator
+    may be missing. A worker stream that closes with neither was cut: a failure (migrated
+    when allowed, else an error event), never relayed as complete."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.finished = False
+
+    def note(self, data: bytes) -> None:
+        """One event's data (SSE `data:` lines joined)."""
+        if data == b"[DONE]":
+            self.ended = True
+            return
+        marked = any(m in data for m in _END_MARKS) or data.startswith(b'{"error"')
+        if not (marked or b"finish_reason" in data or b"stop_reason" in data):
+            return
+        payload = json_or_none(data)
+        if not isinstance(payload, dict):
+            return
+        if payload.get("type") in _END_TYPES or "error" in payload:
+            self.ended = True
+        delta = payload.get("delta")
+        if isinstance(delta, dict) and delta.get("stop_reason") is not None:
+            self.finished = True
+        choices = payload.get("choices")
+        if isinstance(choices, list) and any(
+                isinstance(c, dict) and c.get("finish_reason") is not None for c in choices):
+            self.finished = True
