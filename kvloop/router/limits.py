@@ -51,7 +51,7 @@ class RouterLimits:
 
     max_inflight_body_bytes: int = 256 * 1024 * 1024
     body_wait_s: float = 10.0
-    prompt_threads: int = 2
+    prompt_threads: int = 1
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:

@@ -109,7 +109,8 @@ class FlowApp(Protocol):
     router: Router
     client: httpx.AsyncClient | None
 
-    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response: ...
+    async def admission(self, request: Request, body: dict[str, Any], size: int = 0
+                        ) -> Permit | Response: ...
 
     async def decide(self, route: Callable[..., PDRouted], *args: Any) -> PDRouted: ...
 
@@ -132,7 +133,7 @@ class PDFlow:
                    strip_usage: bool) -> Response:
         headers = {**headers, REQUEST_ID: headers.get(REQUEST_ID) or uuid.uuid4().hex}
         tried: list[str] = []
-        permit = await self.app.admission(request, body)
+        permit = await self.app.admission(request, body, len(raw))
         if isinstance(permit, Response):
             return permit
         while True:
