@@ -4,7 +4,9 @@ the workers' figures, shedding, queue limits and timeouts, the objectives file, 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -232,20 +234,72 @@ def test_rejections_say_why_with_retry_after_and_metrics_count_them():
 # --- classification -----------------------------------------------------------------------
 def test_band_from_objective_else_minus_vllm_priority_tenant_from_header_else_key():
     flow = FlowControl(ON, lambda: [], FakeClock())
-    chat = flow.key_of({"x-gateway-inference-objective": "chat"}, {"priority": 99})
+    key = functools.partial(flow.key_of, trusted=True)   # a trusted front's request
+    chat = key({"x-gateway-inference-objective": "chat"}, {"priority": 99})
     assert (chat.priority, chat.queue_timeout_s) == (10, None)
-    batch = flow.key_of({"x-gateway-inference-objective": "batch"}, {})
+    batch = key({"x-gateway-inference-objective": "batch"}, {})
     assert (batch.priority, batch.queue_timeout_s) == (-1, 0.05)
-    assert flow.key_of({"x-gateway-inference-objective": "nope"}, {}).priority == 0
-    assert flow.key_of({}, {"priority": -3}).priority == 3      # vLLM: lower is earlier
-    assert flow.key_of({}, {"priority": 2}).priority == -2      # later than default: shed
-    assert flow.key_of({}, {"priority": True}).priority == 0
-    a = flow.key_of({"authorization": "Bearer a"}, {})
-    b = flow.key_of({"authorization": "Bearer b"}, {})
-    fair = flow.key_of({"authorization": "Bearer a",
-                        "x-gateway-inference-fairness-id": "team"}, {})
-    assert len({a.tenant, b.tenant, fair.tenant, flow.key_of({}, {}).tenant}) == 4
-    assert flow.key_of({"x-api-key": "a"}, {}).tenant == a.tenant
+    assert key({"x-gateway-inference-objective": "nope"}, {}).priority == 0
+    assert key({}, {"priority": -3}).priority == 3      # vLLM: lower is earlier
+    assert key({}, {"priority": 2}).priority == -2      # later than default: shed
+    assert key({}, {"priority": True}).priority == 0
+    a = key({"authorization": "Bearer a"}, {})
+    b = key({"authorization": "Bearer b"}, {})
+    fair = key({"authorization": "Bearer a", "x-gateway-inference-fairness-id": "team"}, {})
+    assert len({a.tenant, b.tenant, fair.tenant, key({}, {}).tenant}) == 4
+    assert key({"x-api-key": "a"}, {}).tenant == a.tenant
+    assert FlowControl(replace(ON, trusted_front=True), lambda: [], FakeClock()).key_of(
+        {"x-gateway-inference-objective": "chat"}, {}).priority == 10   # --trusted-front
+
+
+def test_an_untrusted_caller_is_its_keys_tenant_in_the_default_band_or_below():
+    flow = FlowControl(ON, lambda: [], FakeClock())
+    mine = flow.key_of({"authorization": "Bearer a"}, {})
+    for headers, body in [({"x-gateway-inference-fairness-id": "x1"}, {}),
+                          ({"x-gateway-inference-objective": "chat"}, {}),
+                          ({}, {"priority": -100})]:
+        k = flow.key_of({"authorization": "Bearer a", **headers}, body)
+        assert (k.priority, k.tenant, k.queue_timeout_s) == (0, mine.tenant, None)
+    assert flow.key_of({}, {"priority": 2}).priority == -2   # lowering itself is its right
+
+
+def test_a_client_sending_many_fairness_ids_cannot_move_a_victims_share():
+    """Probe 8: the attacker names a new tenant per request; untrusted, they are all its
+    key's, so a victim queued beside it still gets every other release."""
+    flow = FlowControl(ON, lambda: [], FakeClock())
+    queue = FlowQueue()
+    for i in range(40):
+        attacker = flow.key_of({"authorization": "Bearer attacker",
+                                "x-gateway-inference-fairness-id": f"t{i}",
+                                "x-gateway-inference-objective": "chat"}, {"priority": -9})
+        queue.push(Waiter(attacker, i, 0.0))
+    victim_key = flow.key_of({"authorization": "Bearer victim"}, {})
+    for i in range(40):
+        queue.push(Waiter(victim_key, 100 + i, 0.0))
+    released = [queue.pop() for _ in range(40)]
+    assert sum(w is not None and w.key.tenant == victim_key.tenant for w in released) == 20
+    trusted = flow.key_of({"x-gateway-inference-fairness-id": "t1"}, {}, trusted=True)
+    assert trusted.tenant != victim_key.tenant   # a trusted front still names tenants
+
+
+def test_the_queue_is_bounded_in_bytes_as_well_as_requests():
+    async def run() -> list[object]:
+        flow, reg, _ = _flow(replace(ON, max_queue_bytes=100))
+        _open(reg, reg.all()[0].name, 1)                # saturated: every request waits
+        first = asyncio.ensure_future(flow.admit(FlowKey(), 60))
+        await asyncio.sleep(0)
+        refused = await flow.admit(FlowKey(), 60)       # 120 bytes would wait: refused
+        fits = asyncio.ensure_future(flow.admit(FlowKey(), 40))
+        await asyncio.sleep(0)
+        queued = (len(flow.queue), flow.queue.bytes)
+        first.cancel()
+        fits.cancel()
+        await asyncio.gather(first, fits, return_exceptions=True)
+        return [refused, queued, flow.queue.bytes]
+
+    refused, queued, left = asyncio.run(run())
+    assert isinstance(refused, Rejection) and refused.reason == QUEUE_FULL
+    assert queued == (2, 100) and left == 0
 
 
 def test_objectives_file_is_read_strictly(tmp_path):

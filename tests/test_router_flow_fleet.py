@@ -37,7 +37,8 @@ SIM_ARGS = ("--sim-speedup", "5", "--max-num-seqs", str(SEQS),
 HIGH_PROMPT, LOW_PROMPT, MAX_TOKENS = 1024, 32, 16
 FLOW = FlowConfig(enabled=True, max_waiting=0, staleness_s=2.0, max_queue=256,
                   queue_timeout_s=25.0,
-                  objectives=(Objective("chat", 10), Objective("batch", -1)))
+                  objectives=(Objective("chat", 10), Objective("batch", -1)),
+                  trusted_front=True)   # the test plays the gateway that sets the headers
 
 
 @pytest.fixture(scope="module")
