@@ -249,3 +249,36 @@ def test_the_workers_api_server_answers_a_deep_body_400(sim_fleet):
     for path in ("/v1/completions", "/v1/messages"):
         r = httpx.post(url + path, content=DEEP, headers={"content-type": "application/json"})
         assert r.status_code == 400, (path, r.status_code, r.text[:300])
+
+
+# --- /health during a NATS outage -------------------------------------------------------------
+@pytest.mark.processes
+def test_health_says_degraded_with_the_cause_while_the_event_plane_is_down(tmp_path):
+    from kvloop.events.config import NatsPlaneConfig
+    from kvloop.router.config import BusConfig
+
+    from .bus_helpers import NATS_PASSWORD, NATS_USER, nats_server
+    from .conftest import wait_until
+
+    with nats_server(tmp_path) as nats:
+        plane = NatsPlaneConfig(f"nats://{nats.host}:{nats.port}", user=NATS_USER,
+                                password=NATS_PASSWORD)
+        whole = _FakeWorker("whole")
+        cfg = RouterConfig(bus=BusConfig(plane=plane, allow_unsigned=True),
+                           liveness=LivenessConfig(poll_interval_s=0.2))
+        try:
+            with RouterThread(cfg, [WorkerSpec(whole.url)]) as rt:
+                def plane_reasons() -> list[str]:
+                    body = httpx.get(rt.url + "/health", timeout=10).json()
+                    assert body["status"] != "ok" or not body["reasons"], body
+                    return [r for r in body["reasons"] if "event plane" in r]
+
+                wait_until(lambda: rt.router.details["bus"]()["connected"], 10, "connected")
+                assert plane_reasons() == []
+                nats.stop()
+                down = wait_until(plane_reasons, 15, "/health to say the event plane is down")
+                assert "disconnected" in down[0] and "may be stale" in down[0], down
+                nats.start()
+                wait_until(lambda: not plane_reasons(), 30, "the reason gone once reconnected")
+        finally:
+            whole.close()

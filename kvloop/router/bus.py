@@ -91,6 +91,16 @@ class RouterBus:
     def connected(self) -> bool:
         return self.plane.stats.connected
 
+    def problems(self) -> list[str]:
+        """The /health reason while the connection is down: events, discovery and replica
+        tickets stop arriving, so the index and the fleet may be stale."""
+        if self.connected:
+            return []
+        st = self.plane.stats
+        return [f"event plane {self.config.plane.safe_url} is disconnected (disconnects so "
+                f"far: {st.disconnects}); reconnecting: KV events, discovery and replica "
+                "tickets are not arriving, so the index may be stale"]
+
     def describe(self) -> dict[str, Any]:
         """The `bus` part of /health: the connection and what it refused."""
         st = self.plane.stats

@@ -56,6 +56,7 @@ class RouterServer:
         if self.bus is not None:
             self.router.watchers.append(self.bus.watch)
             self.router.details["bus"] = self.bus.describe
+            self.router.problems.append(self.bus.problems)
             from kvloop.router.replicas import ReplicaSync
 
             replicas = ReplicaSync(self.router, self.bus.plane,
