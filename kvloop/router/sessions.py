@@ -2,7 +2,9 @@
 
 A session is named by the `x-session-id` header, else the body's `user` field (OpenAI's end-
 user id). The router keeps a digest of the name, never the name, in a bounded LRU table
-(`MAX_SESSIONS` entries, each forgotten `SESSION_TTL_S` after its last turn). The scorer
+(at most `MAX_SESSIONS` entries and `MAX_SESSION_BYTES` bytes, at `SESSION_ENTRY_BYTES`
+each: a client sending a new session id per request costs the router that much at most;
+each entry is forgotten `SESSION_TTL_S` after its last turn). The scorer
 credits the session's worker as if it held the session's last prompt (`Candidate.
 session_tokens`, weighted by `CostConfig.session_weight`): a soft preference that load still
 outweighs, so a multi-turn session stays where its cache is unless its worker is busier
@@ -22,10 +24,12 @@ from typing import Any
 
 SESSION_HEADER = "x-session-id"
 MAX_SESSIONS = 100_000
+MAX_SESSION_BYTES = 8 * 1024 * 1024
+SESSION_ENTRY_BYTES = 256   # one entry: its key, its turn and the table's link (measured: ~200)
 SESSION_TTL_S = 600.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SessionTurn:
     """Where a session's last turn went, its prompt length and when."""
 
@@ -48,8 +52,9 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any]) -> int | No
 class SessionTable:
     """Bounded LRU of session -> last turn; thread-safe (decisions may run on a thread)."""
 
-    def __init__(self, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S):
-        self.max_sessions = max_sessions
+    def __init__(self, max_sessions: int = MAX_SESSIONS, ttl_s: float = SESSION_TTL_S,
+                 max_bytes: int = MAX_SESSION_BYTES):
+        self.max_sessions = min(max_sessions, max_bytes // SESSION_ENTRY_BYTES)
         self.ttl_s = ttl_s
         self._turns: OrderedDict[int, SessionTurn] = OrderedDict()
         self._lock = threading.Lock()
