@@ -9,9 +9,10 @@ them at once must not take the router down for everyone. So:
   no room within `body_wait_s` gets 503 with `Retry-After` (reason `body_budget`). What a
   request holds is a small multiple of its body (its bytes, the parsed body, the re-encoded
   body the worker gets), so the router's memory stays within a few times the budget.
-- **Prompt work** (`PromptWork`): parsing, checking and tokenizing a body run on
-  `prompt_threads` threads, never on the event loop, so `/health`, `/metrics`, the worker
-  poller and small requests are answered while large prompts are read. A client that leaves
+- **Prompt work** (`PromptWork`): parsing, checking and tokenizing a body larger than
+  `INLINE_BODY_BYTES` run on `prompt_threads` threads, never on the event loop, so
+  `/health`, `/metrics`, the worker poller and small requests are answered while large
+  prompts are read. A client that leaves
   meanwhile keeps its reservation until its work item has finished (the thread still holds
   its body).
 - **Prompt length** (`kvloop.front.prompts.BoundedTokenizer`): a prompt is tokenized at most
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 BODY_BUDGET_REFUSED = "body_budget"   # x-kvloop-flow-rejected of a request with no room
+INLINE_BODY_BYTES = 32 * 1024   # smaller bodies are read and tokenized on the event loop
 
 
 @dataclass(frozen=True)
@@ -147,9 +149,13 @@ class PromptWork:
     def __init__(self, threads: int):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvloop-router-prompt")
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on a prompt thread. Cancelled (the client left): a call not started
-        never starts; a running one is waited for, so what it holds stays reserved."""
+    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, the work for a body of `size` bytes: on a prompt thread, unless the
+        body is small (`INLINE_BODY_BYTES`: microseconds of work, not worth two thread hops).
+        Cancelled (the client left): a call not started never starts; a running one is
+        waited for, so what it holds stays reserved."""
+        if size <= INLINE_BODY_BYTES:
+            return fn(*args)
         job: Future[T] = self._pool.submit(functools.partial(fn, *args))
         try:
             return await asyncio.shield(asyncio.wrap_future(job))

@@ -372,11 +372,11 @@ class RouterApp:
         """An embeddings request goes where its first input's prefix is cached (or by load),
         as is; it produces no token (`expected_output_tokens` 0) and never streams."""
         raw = await request.body()
-        read = await self.work.run(read_embedding_body, raw)
+        read = await self.work.run(len(raw), read_embedding_body, raw)
         if isinstance(read, Response):
             return read
         body, req = read
-        tokens = await self.work.run(self.prompts.embedding_ids, req,
+        tokens = await self.work.run(len(raw), self.prompts.embedding_ids, req,
                                      await self._tokenizing_model())
         return await self._send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
                                 self._worker_headers(request), False, False,
@@ -398,11 +398,12 @@ class RouterApp:
 
     async def forward(self, request: Request, path: str) -> Response:
         raw = await request.body()
-        read = await self.work.run(read_body, raw, path, self._fleet_member(request))
+        read = await self.work.run(len(raw), read_body, raw, path,
+                                 self._fleet_member(request))
         if isinstance(read, Response):
             return read
         body, stream, strip_usage = read
-        tokens = await self._token_ids(path, body)
+        tokens = await self._token_ids(len(raw), path, body)
         if isinstance(tokens, Response):
             return tokens
         if stream and strip_usage:
@@ -410,21 +411,23 @@ class RouterApp:
                                                "include_usage": True}}
         headers = self._worker_headers(request)
         if self.router.pd_mode():
-            return await self.pd.send(request, path, await self.work.run(_encoded, body),
-                                      body, tokens or [], headers, stream, strip_usage)
+            return await self.pd.send(request, path,
+                                      await self.work.run(len(raw), _encoded, body), body,
+                                      tokens or [], headers, stream, strip_usage)
         migration = Migration.of(path, body, headers, self.router.config.migration_limit,
                                  request, tokens or []) if stream else None
-        return await self._send(request, path, await self.work.run(_encoded, body), body,
+        return await self._send(request, path,
+                                await self.work.run(len(raw), _encoded, body), body,
                                 tokens or [], headers, stream, strip_usage,
                                 migration=migration)
 
-    async def _token_ids(self, path: str, body: dict[str, Any],
+    async def _token_ids(self, size: int, path: str, body: dict[str, Any],
                          history: list[Any] | None = None) -> list[int] | None | Response:
         """The prompt's ids, tokenized on a prompt thread (kvloop/router/limits.py); the 400
         a worker would answer when it fits no worker's context."""
         model = await self._tokenizing_model()
         try:
-            return await self.work.run(self.prompts.token_ids, path, body, model, history,
+            return await self.work.run(size, self.prompts.token_ids, path, body, model, history,
                                        fleet_context(self.router.registry.usable(ROLES)))
         except PromptTooLong as e:
             self.router.metrics.prompts_refused.inc()
@@ -435,12 +438,12 @@ class RouterApp:
         response, tokenized with that conversation; every stored answer is remembered
         (kvloop/router/responses.py). One worker serves it (no prefill/decode split)."""
         raw = await request.body()
-        read = await self.work.run(read_responses_body, raw)
+        read = await self.work.run(len(raw), read_responses_body, raw)
         if isinstance(read, Response):
             return read
         body, req = read
         held = self.affinity.holder(req.previous_response_id)
-        tokens = await self._token_ids(RESPONSES_PATH, body,
+        tokens = await self._token_ids(len(raw), RESPONSES_PATH, body,
                                        held.conversation if held else None)
         if isinstance(tokens, Response):
             return tokens

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -120,7 +121,11 @@ def response_headers(r: httpx.Response) -> dict[str, str]:
 # the `type` of a streamed event that ends its stream (Anthropic's Messages, Responses)
 _END_TYPES = frozenset({"message_stop", "error", "response.completed", "response.failed",
                         "response.incomplete"})
-_END_MARKS = tuple(f'"{t}"'.encode() for t in _END_TYPES)
+# what an event that ends or finishes a stream contains (one C-speed search per event; only
+# an event that matches is parsed: once or twice per stream)
+_END_OR_FINISH = re.compile(
+    rb'"(?:finish_reason|stop_reason)"\s*:\s*(?!null)|^\{\s*"error"|"type"\s*:\s*"(?:'
+    + b"|".join(re.escape(t.encode()) for t in sorted(_END_TYPES)) + rb')"')
 
 
 class StreamEnd:
@@ -139,8 +144,7 @@ class StreamEnd:
         if data == b"[DONE]":
             self.ended = True
             return
-        marked = any(m in data for m in _END_MARKS) or data.startswith(b'{"error"')
-        if not (marked or b"finish_reason" in data or b"stop_reason" in data):
+        if _END_OR_FINISH.search(data) is None:
             return
         payload = json_or_none(data)
         if not isinstance(payload, dict):
