@@ -698,8 +698,9 @@ class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
     debugging switches, the KV connectors (`kv_transfer`: prefill/decode, None: none;
     `kv_offload`: tiers below the pool, None: none; both: one MultiConnector,
-    `kvloop.engine.build.make_connectors`), and `auto_budget` (None: `scheduler.max_num_batched_tokens` as given;
-    else the runner's owner resolves it before building the engine, `AutoBudget`).
+    `kvloop.engine.build.make_connectors`), and `auto_budget` (None:
+    `scheduler.max_num_batched_tokens` as given; else `kvloop.engine.build_engine` resolves
+    it on the loaded runner, `AutoBudget`).
     `grammar_compile_timeout_s`: a structured-output grammar still compiling after this long
     fails its requests (`kvloop.core.compile_queue`)."""
 
