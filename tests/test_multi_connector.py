@@ -148,3 +148,52 @@ def test_stats_of_several_connectors_add_up():
     assert total.transfer_seconds == [0.5, 0.25]
     assert total.failures == {"error": 3, "mismatch": 1}
     assert (total.held_requests, total.loading_requests) == (2, 1)
+
+
+class Holder:
+    """A connector that offers `offer` tokens, holds finished requests' blocks, and reports
+    them in `finished_sending` when told (what a P/D connector and a tier do, reduced)."""
+
+    def __init__(self, offer: int | None):
+        self.offer = offer
+        self.allocs: list[tuple[list[int], int]] = []
+        self.done: set[str] = set()
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return (self.offer, bool(self.offer))
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        self.allocs.append((list(block_ids), num_external_tokens))
+
+    def request_finished(self, request, block_ids):
+        return True, ({"from": id(self)} if self.offer else None)
+
+    def get_finished(self, finished_req_ids):
+        from kvloop.core.outputs import KVConnectorOutput
+
+        out = KVConnectorOutput(finished_sending=set(self.done))
+        self.done.clear()
+        return out
+
+
+def test_the_first_offer_loads_and_a_request_is_freed_when_its_last_holder_reports():
+    first, second = Holder(0), Holder(32)
+    multi = MultiConnector([first, second])       # type: ignore[list-item]
+    request = d_request()
+    assert multi.get_num_new_matched_tokens(request, 0) == (32, True)
+    multi.update_state_after_alloc(request, [3, 4], 32)
+    assert (first.allocs, second.allocs) == ([([3, 4], 0)], [([3, 4], 32)])
+    assert multi.request_finished(request, [3, 4]) == (True, {"from": id(second)})
+    first.done.add(request.request_id)
+    assert multi.get_finished(set()).finished_sending == set()       # one holder left
+    second.done.add(request.request_id)
+    assert multi.get_finished(set()).finished_sending == {request.request_id}
+    assert Holder(None).get_num_new_matched_tokens(request, 0)[0] is None
+    assert MultiConnector([Holder(None), second]).get_num_new_matched_tokens(  # type: ignore[list-item]
+        request, 0) == (None, False)                                # still looking: ask again
+
+
+def d_request():
+    from kvloop.core.request import Request
+
+    return Request("r", list(range(40)), SamplingParams(max_tokens=1), 0.0, None)
