@@ -89,9 +89,9 @@ def engine_config_for(template: EngineConfig, runner: LoadedRunner,
                       runner_config: RunnerConfig, num_gpu_blocks: int | None = None,
                       kv_events: bool = False) -> EngineConfig:
     """The template with the runner's facts: KV capacity (at most `num_gpu_blocks`), context
-    length, resolved hash seed, adapters per step (`runner_config.lora`), KV events on with
-    `kv_events`, and with `auto_budget` the step budget measured on the runner
-    (`kvloop.core.budget`).
+    length, resolved hash seed, adapters per step (`runner_config.lora`'s, when it has them),
+    KV events on with `kv_events`, and with `auto_budget` the step budget measured on the
+    runner (`kvloop.core.budget`).
 
     `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish,
     and without chunked prefill to the step budget, so every prompt fits in one step.
@@ -106,7 +106,7 @@ def engine_config_for(template: EngineConfig, runner: LoadedRunner,
         max_len = capacity
     lora = runner_config.lora
     sched = dataclasses.replace(sched, max_model_len=max_len,
-                                max_loras=lora.max_loras if lora is not None else None)
+                                max_loras=lora.max_loras if lora is not None else sched.max_loras)
     if template.auto_budget is not None:
         sched = resolve_budget(sched, template.auto_budget, runner, cache.block_size)
     budget = sched.max_num_batched_tokens
