@@ -15,7 +15,6 @@ import asyncio
 import random
 import re
 import signal
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -309,3 +308,43 @@ def test_the_fallback_list_is_used_by_envoys_override_host_policy(fleet, tmp_pat
         assert all(w.in_flight() == 0 for w in router.registry.all())
         served = {w.name: w.served for w in router.registry.all()}
         assert served == {specs[0].name: 0, specs[1].name: 2}
+
+
+def _write(path: Path, specs: list[WorkerSpec]) -> None:
+    """Replace the discovery file at once (a reader never sees half of it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("workers:\n" + "".join(f"  - url: {s.url}\n    role: {s.role}\n"
+                                          for s in specs))
+    tmp.replace(path)
+
+
+def test_workers_join_and_leave_by_editing_the_discovery_file(fleet, tmp_path):
+    path = tmp_path / "workers.yaml"
+    specs = fleet.specs()
+    _write(path, specs[:1])
+    cfg = replace(router_config(), discovery_file=str(path))
+    with gateway(tmp_path, cfg, []) as gw:
+        registry = gw.rt.router.registry
+
+        def names() -> set[str]:
+            return {w.name for w in registry.all() if w.up}
+        wait_until(lambda: names() == {specs[0].name}, 20, "the file's worker to join")
+        _write(path, specs)
+        wait_until(lambda: names() == {s.name for s in specs}, 20, "two more to join")
+        for i in range(6):    # all three serve through Envoy
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": [200 + i] * 48,
+                                                             "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+        _write(path, specs[1:])
+        wait_until(lambda: names() == {s.name for s in specs[1:]}, 20, "one to leave")
+        path.write_text("workers: [{url: not-a-url}]\n")   # a bad edit changes nothing
+        wait_until(lambda: httpx.get(gw.rt.url + "/health").json()["discovery_file"]
+                   ["last_error"], 20, "the bad edit to be seen")
+        assert names() == {s.name for s in specs[1:]}
+        for i in range(4):
+            r = httpx.post(gw.url + "/v1/completions", json={"prompt": [300 + i] * 48,
+                                                             "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
+        assert specs[0].name not in {a["upstream"] for a in gw.access(10)[6:]}
+        health = httpx.get(gw.rt.url + "/health").json()["discovery_file"]
+        assert (health["joined"], health["left"], health["bad_reads"]) == (3, 1, 1)

@@ -1,8 +1,7 @@
 """The Envoy bootstrap that puts kvloop's endpoint picker in front of a fleet, written once.
 
     python -m kvloop.router.envoy_config --listen-port 8081 --picker 127.0.0.1:9002 \
-        --admin-port 9901 > envoy.yaml
-    envoy -c envoy.yaml --disable-hot-restart --concurrency 1
+        --admin-port 9901 --out envoy.yaml --run    # writes it, then runs envoy on it
 
 The standard Gateway API Inference Extension wiring (docs/gateway.md):
 - an `ext_proc` HTTP filter calling `kvloop router --ext-proc-port` with request headers
@@ -26,6 +25,7 @@ interpreter) on such a bootstrap, for tests and benchmarks.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", action="append", default=[], metavar="IP:PORT",
                    help="a worker of the STATIC cluster (--lb override_host)")
     p.add_argument("--message-timeout", type=float, default=120.0, metavar="SECONDS")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="write the bootstrap here (default: stdout)")
+    p.add_argument("--run", action="store_true",
+                   help="then run envoy on it (needs --out): no hot restart, 1 worker thread")
     args = p.parse_args(argv)
     host, _, port = args.picker.rpartition(":")
     try:
@@ -224,7 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                             args.lb, tuple(args.worker), args.message_timeout)
     except ValueError as e:
         raise SystemExit(f"envoy_config: {e}") from None
-    sys.stdout.write(render(cfg))
+    if args.out is None:
+        if args.run:
+            raise SystemExit("envoy_config: --run needs --out PATH")
+        sys.stdout.write(render(cfg))
+        return 0
+    Path(args.out).write_text(render(cfg))
+    if args.run:
+        argv_envoy = envoy_command(Path(args.out))
+        os.execv(argv_envoy[0], argv_envoy)
     return 0
 
 

@@ -60,7 +60,7 @@ from starlette.responses import Response
 from kvloop.front.anthropic import MESSAGES_PATH
 from kvloop.front.auth import Caller, presented_authorization
 from kvloop.front.drain import refused_by_drain
-from kvloop.front.openai import MaxTokens
+from kvloop.front.openai import MaxTokens, error_body
 from kvloop.router.envoy_config import (
     DESTINATION_HEADER,
     LB_NAMESPACE,
@@ -68,7 +68,7 @@ from kvloop.router.envoy_config import (
     SUBSET_KEY,
     SUBSET_NAMESPACE,
 )
-from kvloop.router.flow import Permit, Rejection
+from kvloop.router.flow import Permit, Rejection, rejection_response
 from kvloop.router.proxy import RouterApp, _SseRelay, read_body
 from kvloop.router.relay import cached_tokens, json_or_none
 from kvloop.router.router import NoWorkerError, Routed
@@ -238,8 +238,6 @@ class Exchange:
                 self.path, body, await self.app._tokenizing_model()) or []
         admitted = await self.app.flow.admit(self.app.flow.key_of(self.headers, body))
         if isinstance(admitted, Rejection):
-            from kvloop.router.flow import rejection_response
-
             return immediate_of(rejection_response(admitted, self.app.flow.cfg))
         self.permit = admitted
         exclude = self._outside_subset()
@@ -247,7 +245,7 @@ class Exchange:
             self.routed = await pick_worker(self.app, self.path, body, self.headers, tokens,
                                             exclude)
         except NoWorkerError as e:
-            return immediate(503, json.dumps(_error(str(e), 503)).encode())
+            return immediate(503, json.dumps(error_body(str(e), 503)).encode())
         finally:
             admitted.close()
         return self._picked(phase, exclude, body)
@@ -385,12 +383,6 @@ def _endpoint_or_none(name: str) -> str | None:
         return endpoint_of(name)
     except (OSError, ValueError):
         return None
-
-
-def _error(message: str, code: int) -> dict[str, Any]:
-    from kvloop.front.openai import error_body
-
-    return error_body(message, code)
 
 
 class EndpointPicker(pb_grpc.ExternalProcessorServicer):
