@@ -29,13 +29,13 @@ from kvloop.front.launcher import ServeProcess
 from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import RouterConfig
 from kvloop.router.envoy_config import GatewayConfig, launch_envoy
-from kvloop.router.fleet import Fleet
+from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.flow import OBJECTIVE_HEADER
 from kvloop.router.flow_config import FlowConfig, Objective
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.services import LocalService
 
-from .conftest import RouterThread, held_port, sdk, wait_until
+from .conftest import RouterThread, embedded_model_installed, held_port, sdk, wait_until
 from .test_router_fleet import (
     ADMIN,
     BS,
@@ -348,3 +348,36 @@ def test_workers_join_and_leave_by_editing_the_discovery_file(fleet, tmp_path):
         assert specs[0].name not in {a["upstream"] for a in gw.access(10)[6:]}
         health = httpx.get(gw.rt.url + "/health").json()["discovery_file"]
         assert (health["joined"], health["left"], health["bad_reads"]) == (3, 1, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not embedded_model_installed(), reason="needs the embedded model")
+def test_real_model_workers_behind_envoy(tmp_path):
+    """Two workers of the embedded SmolLM2 behind Envoy: a repeated conversation lands on the
+    worker holding its blocks (predicted == reported), and its stream is the model's text."""
+    f = Fleet(FleetConfig(2, "smollm2", ("both",), ("--max-model-len", "1024"),
+                          start_timeout_s=240, stop_timeout_s=10, echo_output=False))
+    try:
+        f.start()
+        with gateway(tmp_path, router_config(), f.specs()) as gw:
+            client = sdk(gw.url, "x", timeout=120)
+            model = client.models.list().data[0].id
+            for topic in ("gateways", "caches"):
+                msgs = [{"role": "user", "content": f"Write two sentences about {topic}. "
+                         + "Keep them short and plain. " * 8}]
+                first = client.chat.completions.create(model=model, messages=msgs,
+                                                       max_tokens=4, temperature=0)
+                parts = list(client.chat.completions.create(
+                    model=model, messages=msgs, max_tokens=4, temperature=0,
+                    stream=True, stream_options={"include_usage": True}))
+                text = "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+                assert text == first.choices[0].message.content   # greedy: the same text
+                usage = parts[-1].usage
+                assert usage.prompt_tokens_details.cached_tokens == \
+                    (usage.prompt_tokens - 1) // BS * BS > 0
+            predicted, reported = _verification(gw.rt)
+            assert reported > 0 and predicted == reported
+            upstreams = [a["upstream"] for a in gw.access(5)][1:]   # after /v1/models
+            assert upstreams[0] == upstreams[1] and upstreams[2] == upstreams[3]
+    finally:
+        f.stop()
