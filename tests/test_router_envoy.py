@@ -15,6 +15,7 @@ import asyncio
 import random
 import re
 import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -27,13 +28,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvloop.front.launcher import ServeProcess
 from kvloop.front.prometheus_text import metric_value
+from kvloop.router import envoy_config
 from kvloop.router.config import RouterConfig
 from kvloop.router.envoy_config import GatewayConfig, launch_envoy
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.flow import OBJECTIVE_HEADER
 from kvloop.router.flow_config import FlowConfig, Objective
 from kvloop.router.registry import WorkerSpec
-from kvloop.router.services import LocalService
+from kvloop.router.services import LocalService, find_binary
 
 from .conftest import RouterThread, embedded_model_installed, held_port, sdk, wait_until
 from .test_router_fleet import (
@@ -381,3 +383,19 @@ def test_real_model_workers_behind_envoy(tmp_path):
             assert upstreams[0] == upstreams[1] and upstreams[2] == upstreams[3]
     finally:
         f.stop()
+
+
+@pytest.mark.parametrize("lb", ["original_dst", "override_host"])
+def test_the_bootstrap_tool_writes_what_envoy_accepts(tmp_path, lb):
+    out = tmp_path / "envoy.yaml"
+    argv = ["--listen-port", "18081", "--picker", "127.0.0.1:19002", "--lb", lb,
+            "--worker", "127.0.0.1:8001", "--out", str(out)]
+    assert envoy_config.main(argv) == 0
+    assert out.read_text() == envoy_config.render(envoy_config.GatewayConfig(
+        18081, 19002, 9901, lb=lb, workers=("127.0.0.1:8001",)))
+    done = subprocess.run([find_binary("envoy"), "--mode", "validate", "-c", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "OK" in done.stdout + done.stderr, done.stderr[-2000:]
+    with pytest.raises(SystemExit, match="needs the workers"):
+        envoy_config.main(["--listen-port", "1", "--picker", "127.0.0.1:2",
+                           "--lb", "override_host"])

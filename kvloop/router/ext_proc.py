@@ -171,6 +171,7 @@ class Exchange:
         self.subset: frozenset[str] | None = None
         self.body = bytearray()
         self.routed: Routed | None = None
+        self.request: tuple[dict[str, Any], list[int]] = ({}, [])   # parsed body, tokens
         self.permit: Permit | None = None
         self.stream = False
         self.strip_usage = False
@@ -185,7 +186,7 @@ class Exchange:
         if kind == "request_body":
             return await self._request_body(req.request_body)
         if kind == "response_headers":
-            return self._response_headers(req)
+            return await self._response_headers(req)
         if kind == "response_body":
             return pb.ProcessingResponse(response_body=self._response_body(req.response_body))
         if kind == "request_trailers":
@@ -236,6 +237,7 @@ class Exchange:
             body, self.stream, self.strip_usage = read
             tokens = self.app.prompts.token_ids(
                 self.path, body, await self.app._tokenizing_model()) or []
+        self.request = (body, tokens)
         admitted = await self.app.flow.admit(self.app.flow.key_of(self.headers, body))
         if isinstance(admitted, Rejection):
             return immediate_of(rejection_response(admitted, self.app.flow.cfg))
@@ -295,7 +297,7 @@ class Exchange:
         return out, []
 
     # --- the answer -----------------------------------------------------------------------
-    def _response_headers(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def _response_headers(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
         headers = _headers(req.response_headers.headers)
         self.status = int(headers.get(":status", "0") or 0)
         mutation = pb.HeaderMutation(remove_headers=[SERVED_HEADER])
@@ -304,7 +306,7 @@ class Exchange:
         if self.routed is None:
             return answer
         served = _served(req.metadata_context) or headers.get(SERVED_HEADER)
-        self._account_served(served)
+        await self._account_served(served)
         if refused_by_drain(self.status, headers):
             self._finish(None, "draining")
             self.app.router.registry.mark_draining(self.routed.worker.name)
@@ -314,7 +316,7 @@ class Exchange:
             self._done()
         return answer
 
-    def _account_served(self, served: str | None) -> None:
+    async def _account_served(self, served: str | None) -> None:
         """Envoy served the request elsewhere than the pick (it fell back through the list):
         the pick's ticket closes unanswered and the server gets one of its own."""
         assert self.routed is not None
@@ -327,8 +329,10 @@ class Exchange:
         if name is None:
             return
         others = [w.name for w in self.app.router.registry.all() if w.name != name]
-        try:   # the same decision code, with only the server left to choose
-            self.routed = self.app.router.route([], others)
+        body, tokens = self.request
+        try:   # the same decision, with only the server left to choose
+            self.routed = await pick_worker(self.app, self.path, body, self.headers, tokens,
+                                            others)
         except NoWorkerError:
             return
         log.info("envoy served the request on %s, not the pick %s", name, first.worker.name)
