@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -48,7 +49,7 @@ from typing import Any
 
 from kvloop.bench.cli_args import HelpFormatter
 from kvloop.bench.router import _fresh_caches
-from kvloop.front.launcher import group_members, kvloop_command
+from kvloop.front.launcher import STOP_STEPS, group_members, kvloop_command, stop_processes
 from kvloop.router.services import LocalService, find_binary
 
 ARMS = ("kvloop", "envoy", "smg-cache-aware", "smg-prefix-hash", "round-robin")
@@ -137,8 +138,10 @@ class Arm:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for s in reversed(self.services):
-            s.stop()
+        steps = (signal.SIGINT, signal.SIGKILL) if self.name in SMG_POLICY else STOP_STEPS
+        for s in reversed(self.services):   # SMG ends on SIGINT (it ignores SIGTERM)
+            if s.proc is not None:
+                stop_processes([(s.argv[0], s.proc)], 5.0, steps=steps, group=True)
 
     def cpu_s(self) -> float:
         return sum(group_cpu_s(s.proc.pid) for s in self.services if s.proc is not None)
