@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 # third-party packages. None means anything (the benchmarks drive every layer).
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
+ROUTER_KVLOOP = ("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
+                 "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front")
+ROUTER_3P = ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq", "redis",
+             "yaml")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the package's __init__
     "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.lora_request",
@@ -76,10 +80,10 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
                        "kvloop.kv_transfer.params"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
-    "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                       "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front"),
-                      ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq",
-                       "redis")),
+    "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
+    # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
+    "kvloop.router.ext_proc": (ROUTER_KVLOOP,
+                               (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
     "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.front.tokenizer"),
                           ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),
