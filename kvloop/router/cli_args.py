@@ -1,6 +1,7 @@
 """`kvloop router` and `kvloop fleet`: flags -> frozen configs -> run.
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
+    kvloop router ... [--ext-proc-port PORT] [--discovery-file PATH]
     kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
                   [--pd-policy cost|always|never]
     kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
@@ -25,6 +26,7 @@ from kvloop.events.config import NatsPlaneConfig
 from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, add_worker_tls_args, tls_config, worker_tls
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
     PD_POLICIES,
@@ -161,6 +163,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                          "another worker, with the tokens already sent (0: never)")
     _add_security_args(p)
     _add_bus_args(p)
+    _add_gateway_args(p)
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("behind Envoy, and workers from a file (docs/gateway.md)")
+    g.add_argument("--ext-proc-port", type=int, default=None, metavar="PORT",
+                   help="also serve Envoy's ext_proc gRPC service on --host:PORT as the Gateway "
+                        "API Inference Extension's endpoint picker (0: a free port, printed)")
+    g.add_argument("--discovery-file", default=None, metavar="PATH",
+                   help="a YAML list of workers (url, role) watched for changes: workers "
+                        "added to it join, workers removed from it leave")
 
 
 def _add_flow_args(p: argparse.ArgumentParser) -> None:
@@ -267,6 +280,9 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
                                      "with no room waits, then 503 (kvloop/router/limits.py)")
     g.add_argument("--prompt-threads", type=int, default=dl.prompt_threads, metavar="N",
                    help="threads that parse and tokenize prompts off the event loop")
+    g = p.add_argument_group("TLS (the router's front, and https:// workers)")
+    add_tls_args(g)
+    add_worker_tls_args(g)
 
 
 def router_config(args: argparse.Namespace,
@@ -305,7 +321,8 @@ def router_config(args: argparse.Namespace,
                                 request_timeout_s=args.request_timeout),
         auth=auth,
         worker_api_key=args.worker_api_key or os.environ.get(WORKER_API_KEY_ENV) or None,
-        http_limits=http_limits(args), bus=bus_config(args),
+        http_limits=http_limits(args), tls=tls_config(args), worker_tls=worker_tls(args),
+        bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,
@@ -313,6 +330,7 @@ def router_config(args: argparse.Namespace,
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
         flow=flow_config(args), migration_limit=args.migration_limit,
+        ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
         limits=router_limits(args))
 
 

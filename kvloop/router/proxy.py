@@ -58,7 +58,14 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -243,7 +250,7 @@ class RouterApp:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            headers=self.worker_headers)
+            headers=self.worker_headers, verify=self.router.config.worker_tls.context())
         if self.router.index.remote:
             self._decider = ThreadPoolExecutor(1, thread_name_prefix="kvloop-router-decide")
         for spec in self.initial_workers:
@@ -507,11 +514,13 @@ class RouterApp:
         return secret is not None and secret.check_token(
             PURPOSE_INTERNAL_HTTP, request.headers.get(INTERNAL_TOKEN_HEADER))
 
-    def _trusted_front(self, request: Request) -> bool:
+    def _trusted_front(self, headers: Mapping[str, str]) -> bool:
         """May the caller set the fairness and objective headers (kvloop/router/flow.py)? A
         fleet member (the fleet token: a gateway or router of the fleet) or the admin key."""
-        presented = presented_authorization(request.headers)
-        return self._fleet_member(request) or (
+        presented = presented_authorization(headers)
+        secret = self.router.config.fleet_secret
+        return (secret is not None and secret.check_token(
+            PURPOSE_INTERNAL_HTTP, headers.get(INTERNAL_TOKEN_HEADER))) or (
             presented is not None and self.router.config.auth.identify(presented)
             is Caller.ADMIN)
 
@@ -601,7 +610,7 @@ class RouterApp:
         """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
         is routed, or the refusal to answer (499: the client left while queued). `size`: the
         body's bytes (the queue is bounded in bytes too)."""
-        key = self.flow.key_of(request.headers, body, self._trusted_front(request))
+        key = self.flow.key_of(request.headers, body, self._trusted_front(request.headers))
         permit = await unless_disconnected(request, self.flow.admit(key, size))
         if isinstance(permit, Disconnected):
             return Response(status_code=499)

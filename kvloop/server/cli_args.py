@@ -54,6 +54,7 @@ from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.cli_help import HelpFormatter
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, tls_config
 from kvloop.server.config import (
     DEFAULT_MAX_SPEC_BYTES,
     MAX_SPEC_FLAG,
@@ -265,6 +266,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
                    help="what a router may send here")
+    add_tls_args(g)
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests not yet scheduled beyond which new ones get 503")
     g.add_argument("--max-logprobs", type=int, default=20,
@@ -374,12 +376,15 @@ def auto_budget(args: argparse.Namespace) -> AutoBudget | None:
 
 
 def enable_prefix_caching(args: argparse.Namespace) -> bool:
-    """The flag when given; else on, except for `--role decode` (Dynamo's guidance: a decode
-    worker keeps no prefix cache, so it publishes no `BlockStored` a router would route on;
-    docs/disaggregation.md)."""
+    """The flag when given; else on, except for `--role decode` without a KV tier (Dynamo's
+    guidance: a decode worker keeps no prefix cache, so it publishes no `BlockStored` a router
+    would route on; docs/disaggregation.md). A decode worker with a tier keeps it: the tiers'
+    keys are the block hashes."""
     if args.enable_prefix_caching is not None:
         return bool(args.enable_prefix_caching)
-    return bool(args.role != "decode")
+    tiers = (args.kv_offloading_size is not None or args.kv_disk_path is not None
+             or args.kv_shared_store is not None)
+    return bool(args.role != "decode" or tiers)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -535,6 +540,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_stats=not args.disable_log_stats,
                         log_stats_interval_s=log_stats_interval(),
                         auth=auth_config(args), http_limits=http_limits(args),
+                        tls=tls_config(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
