@@ -261,6 +261,8 @@ def test_an_untrusted_caller_is_its_keys_tenant_in_the_default_band_or_below():
         k = flow.key_of({"authorization": "Bearer a", **headers}, body)
         assert (k.priority, k.tenant, k.queue_timeout_s) == (0, mine.tenant, None)
     assert flow.key_of({}, {"priority": 2}).priority == -2   # lowering itself is its right
+    batch = flow.key_of({"x-gateway-inference-objective": "batch"}, {})
+    assert (batch.priority, batch.queue_timeout_s) == (-1, 0.05)
 
 
 def test_a_client_sending_many_fairness_ids_cannot_move_a_victims_share():

@@ -19,10 +19,11 @@ A request's band is its objective's priority (`x-gateway-inference-objective`, l
 the objectives file; an unknown objective is the default band 0), else minus vLLM's
 `priority` field (vLLM serves lower values first; bands serve higher first), else 0. Its
 tenant is `x-gateway-inference-fairness-id`, else its API key, else one shared tenant;
-tenants are kept as digests, never as the strings a client sent. Those two headers and a
+tenants are kept as digests, never as the strings a client sent. The fairness header and a
 band above 0 are a *trusted* caller's only (`FlowConfig`: the fleet token, the admin key, or
-`--trusted-front`): from anyone else the headers are ignored and the band is at most 0, so a
-client can neither name itself many tenants nor jump the queue.
+`--trusted-front`): from anyone else the fairness header is ignored and an objective or
+`priority` may only lower its band, so a client can neither name itself many tenants nor
+jump the queue.
 
 Owner: `FlowControl` owns the queue (`FlowQueue`: pure, no I/O), the permits in transit and
 the dispatcher task that releases waiters; it reads workers only through `pool()`.
@@ -201,9 +202,12 @@ class FlowControl:
         """The request's band, tenant and queue timeout (module docstring); `trusted`: the
         caller is a trusted front (or `FlowConfig.trusted_front` says every caller is)."""
         trusted = trusted or self.cfg.trusted_front
-        if not trusted:
-            key = self._key(headers, body, None, None)
-            return FlowKey(min(key.priority, 0), key.tenant, key.queue_timeout_s)
+        if not trusted:   # its key's tenant; an objective or priority may only lower it
+            key = self._key(headers, body, headers.get(OBJECTIVE_HEADER), None)
+            if key.priority > 0:
+                key = self._key(headers, body, None, None)
+                return FlowKey(min(key.priority, 0), key.tenant, None)
+            return key
         return self._key(headers, body, headers.get(OBJECTIVE_HEADER),
                          headers.get(FAIRNESS_HEADER))
 

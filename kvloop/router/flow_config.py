@@ -53,11 +53,11 @@ class FlowConfig:
     objective's queue timeout or `queue_timeout_s`, and their bodies at most
     `max_queue_bytes` in all. Refusals carry `Retry-After: retry_after_s`.
 
-    The fairness and objective headers (and a body's `priority` above the default band)
-    are a trusted front's to set: a caller presenting the fleet token or the admin key, or
-    every caller with `trusted_front` (a gateway that sets them stands in front and no
-    client reaches the router itself). Anyone else is the tenant of its API key, in the
-    default band or below.
+    The fairness header, and an objective or `priority` above the default band, are a
+    trusted front's to set: a caller presenting the fleet token or the admin key, or every
+    caller with `trusted_front` (a gateway that sets them stands in front and no client
+    reaches the router itself). Anyone else is the tenant of its API key, in the default
+    band or below (an objective that lowers it counts).
     """
 
     enabled: bool = False
