@@ -118,7 +118,6 @@ def _load(url: str, watch: _Watch, pid: int) -> None:
         for r in answers:   # refused cheaply, in vLLM's words, never a 5xx
             assert r.status_code == 400, r.text[:300]
             assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
-        print("health latencies", sorted(watch.latencies)[-5:], len(watch.latencies))
         assert watch.latencies and max(watch.latencies) < HEALTH_LIMIT_S, watch.latencies
         assert all(b["status"] == "ok" for b in watch.bodies), watch.bodies
         assert peak < RSS_LIMIT_BYTES, f"router peak RSS {peak / 2**20:.0f} MiB"
