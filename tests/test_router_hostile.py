@@ -313,3 +313,46 @@ def test_the_session_table_is_bounded_in_entries_and_bytes():
     assert table.last_turn(session_key({"x-session-id": "s1999"}, {}), 2000.0) is not None
     assert table.last_turn(session_key({"x-session-id": "s0"}, {}), 2000.0) is None  # LRU
     assert SessionTable().max_sessions * SESSION_ENTRY_BYTES <= MAX_SESSION_BYTES
+
+
+# --- bodies in flight ---------------------------------------------------------------------------
+@pytest.mark.processes
+def test_bodies_in_flight_are_bounded_in_bytes():
+    """A request reserves its Content-Length before its body is read; one that finds no room
+    within `body_wait_s` gets 503 `body_budget`; the room comes back when a request ends."""
+    import socket
+    from dataclasses import replace
+
+    from kvloop.router.limits import BODY_BUDGET_REFUSED, RouterLimits
+
+    limits = replace(RouterLimits(), max_inflight_body_bytes=1000, body_wait_s=0.3)
+    body = json.dumps({"prompt": "x" * 500, "max_tokens": 1}).encode()
+    with RouterThread(RouterConfig(limits=limits), []) as rt:
+        host, port = rt.url.removeprefix("http://").split(":")
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: 800\r\n\r\n{\"prompt\": ")
+        try:
+            refused = _wait_for_refusal(rt.url, body)
+        finally:
+            slow.close()
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.headers["x-kvloop-flow-rejected"] == BODY_BUDGET_REFUSED
+        assert "bytes of request bodies" in refused.json()["error"]["message"]
+        from .conftest import wait_until
+
+        later = wait_until(lambda: (r := httpx.post(rt.url + "/v1/completions", content=body,
+                                                    headers={"content-type": "application/json"}))
+                           .headers.get("x-kvloop-flow-rejected") != BODY_BUDGET_REFUSED and r,
+                           10, "the slow request's bytes to come back")
+        assert later.status_code == 503 and "no worker is registered" in later.text   # routed
+
+
+def _wait_for_refusal(url: str, body: bytes) -> httpx.Response:
+    """The first answer refused for the body budget (the slow request's headers must reach
+    the router first)."""
+    from .conftest import wait_until
+
+    return wait_until(lambda: (r := httpx.post(url + "/v1/completions", content=body, headers={
+        "content-type": "application/json"}, timeout=10)).status_code == 503 and
+        r.headers.get("x-kvloop-flow-rejected") == "body_budget" and r, 10, "a refusal")
