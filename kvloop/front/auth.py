@@ -38,6 +38,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 API_KEY_ENV = "VLLM_API_KEY"
+# an ASGI scope key set only by the front's own in-process calls (batch lines,
+# kvloop/batch/inproc.py): no client can set a scope key, so the key check lets them through
+INTERNAL_CALLER_SCOPE = "kvloop.internal_caller"
 PUBLIC_PATHS = ("/health", "/ping", "/load", "/version", "/metrics")
 WORKER_INFO_PATH = "/kvloop/worker"   # a worker's identity, read by routers; public
 

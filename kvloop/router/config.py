@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvloop.batch.config import BatchConfig
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
@@ -278,6 +279,8 @@ class RouterConfig:
     `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
     `migration_limit`: how many times one stream may move to another worker when its worker
     fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
+    `batch`: the Batch API's storage and bounds (kvloop/batch; None: no /v1/files and
+    /v1/batches routes).
     """
 
     host: str = "127.0.0.1"
@@ -297,6 +300,7 @@ class RouterConfig:
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     migration_limit: int = 0
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:

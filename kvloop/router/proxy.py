@@ -104,6 +104,7 @@ from kvloop.front.openai import (
 from kvloop.front.prometheus_text import metric_value, samples
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
+from kvloop.router.batch import attach_batch
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
 from kvloop.router.migration import Migration
@@ -219,6 +220,7 @@ class RouterApp:
         self.affinity = ResponseAffinity()
         self.flow = FlowControl(cfg.flow, router.serving_pool, router.clock,
                                 router.metrics.prom)
+        self.batch = attach_batch(self.app, self.flow, cfg.batch) if cfg.batch else None
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -240,8 +242,12 @@ class RouterApp:
         for spec in self.initial_workers:
             await self.register(spec)
         self._poller = asyncio.create_task(self._poll_loop())
+        if self.batch is not None:
+            await self.batch.start()
 
     async def stop(self) -> None:
+        if self.batch is not None:
+            await self.batch.stop()
         await self.flow.stop()
         if self._poller is not None:
             self._poller.cancel()

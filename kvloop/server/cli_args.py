@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import (
     AUTO_BUDGET,
     AUTO_BUDGET_FLOOR,
@@ -316,6 +317,7 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     add_auth_args(g)
     add_fleet_secret_arg(g)
     add_limit_args(g)
+    add_batch_args(p, default_on=False)
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -539,7 +541,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
                         responses_store=store_config(args),
-                        default_sampling=defaults, lora=lora_serve(args))
+                        default_sampling=defaults, lora=lora_serve(args),
+                        batch=batch_config(args, http_limits(args).max_request_body_bytes))
     return serve, start, tokenizer
 
 
