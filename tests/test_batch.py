@@ -32,7 +32,7 @@ from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.flow import BATCH_PRIORITY
 from kvloop.router.flow_config import FlowConfig
 
-from .conftest import RouterThread, lines_until, sdk, wait_until
+from .conftest import RouterThread, lines_until, sdk, serving, wait_until
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 SIM_ARGS = ("--sim-speedup", "200", "--max-num-seqs", "4", "--max-num-batched-tokens", "512")
@@ -296,3 +296,27 @@ def test_router_killed_mid_batch_loses_and_repeats_nothing(fleet, tmp_path):
     assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
     kept = {o["custom_id"]: o["id"] for o in out}   # the lines answered before the kill
     assert all(kept[rec["custom_id"]] == rec["id"] for rec in on_disk.values())
+
+
+# --- a single `kvloop serve` --------------------------------------------------------------
+@pytest.mark.processes
+def test_a_single_server_runs_a_batch(tmp_path_factory, tmp_path):
+    """`kvloop serve --batch-dir`: the same routes, lines run on the server itself."""
+    with serving(tmp_path_factory, "batch_serve", [
+            "--model", "sim", "--sim-speedup", "200", "--api-key", KEY_A, "--api-key", KEY_B,
+            "--batch-dir", str(tmp_path)]) as srv:
+        a, b = sdk(srv.url, KEY_A), sdk(srv.url, KEY_B)
+        chat = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": f"hi {i}"}],
+                          "max_tokens": 3}} for i in range(5)]
+        f = a.files.create(file=("chat.jsonl", io.BytesIO(jsonl(chat))), purpose="batch")
+        batch = a.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+        done = finished(a, batch.id)
+        out = results(a, done.output_file_id)
+        with pytest.raises(openai.NotFoundError):
+            b.batches.retrieve(batch.id)
+        assert a.files.delete(f.id).deleted and a.files.list().data[0].purpose == "batch_output"
+    assert done.request_counts.model_dump() == {"total": 5, "completed": 5, "failed": 0}
+    assert sorted(o["custom_id"] for o in out) == [f"q{i}" for i in range(5)]
+    assert all(o["response"]["body"]["object"] == "chat.completion" for o in out)
