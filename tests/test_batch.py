@@ -320,3 +320,31 @@ def test_a_single_server_runs_a_batch(tmp_path_factory, tmp_path):
     assert done.request_counts.model_dump() == {"total": 5, "completed": 5, "failed": 0}
     assert sorted(o["custom_id"] for o in out) == [f"q{i}" for i in range(5)]
     assert all(o["response"]["body"]["object"] == "chat.completion" for o in out)
+
+
+# --- router replicas sharing Redis metadata ----------------------------------------------
+@pytest.mark.processes
+def test_replicas_share_batches_through_redis(fleet, tmp_path):
+    """Two routers, one directory, metadata in a real redis-server: a batch created on one
+    is seen (by its owner only) and run once."""
+    from kvloop.router.services import redis_url
+
+    from .bus_helpers import redis_server
+
+    with redis_server(tmp_path) as srv:
+        batch = BatchConfig(directory=str(tmp_path / "dir"), redis_url=redis_url(srv),
+                            retry_after_s=0.05)
+        cfg = RouterConfig(liveness=LivenessConfig(poll_interval_s=0.1), batch=batch,
+                           auth=AuthConfig(api_keys=(KEY_A, KEY_B)))
+        with RouterThread(cfg, fleet.specs()) as one, RouterThread(cfg, fleet.specs()) as two:
+            a1, a2, b2 = sdk(one.url, KEY_A), sdk(two.url, KEY_A), sdk(two.url, KEY_B)
+            rows = [line(f"x{i}", f"shared {i}") for i in range(40)]
+            created = submit(a1, rows)
+            assert a2.batches.retrieve(created.id).input_file_id == created.input_file_id
+            with pytest.raises(openai.NotFoundError):
+                b2.batches.retrieve(created.id)
+            done = finished(a2, created.id)
+            out = results(a2, done.output_file_id)
+            running = [len(r.server.app.batch.runner.tasks) for r in (one, two)]
+    assert done.status == "completed" and running == [0, 0]
+    assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
