@@ -99,6 +99,51 @@ def test_multipart_upload_is_read_byte_for_byte():
     assert isinstance(parse_multipart("application/json", b"{}"), str)
 
 
+def test_routes_refuse_bad_input_and_keep_each_key_within_its_quota(tmp_path):
+    """The routes alone (no runner started): 4xx in OpenAI's error shape, never a crash."""
+    import asyncio
+
+    from starlette.applications import Starlette
+
+    from kvloop.batch.routes import BatchService
+
+    cfg = BatchConfig(directory=str(tmp_path), tenant_quota_bytes=100, max_files_per_tenant=2,
+                      max_lines=3)
+    service = BatchService(cfg, send=None)   # type: ignore[arg-type]   # never sends
+    app = Starlette(routes=service.routes())
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", headers={"authorization":
+                                                                   "Bearer k"}) as c:
+            def up(data: bytes, purpose: str = "batch") -> Any:
+                return c.post("/v1/files", files={"file": ("f.jsonl", data)},
+                              data={"purpose": purpose})
+            codes = [(await c.post("/v1/files", json={"purpose": "batch"})).status_code,
+                     (await up(b"{}", "fine-tune")).status_code,
+                     (await up(b"{}\n" * 4)).status_code,            # over max_lines
+                     (await up(b"x" * 101)).status_code,             # over the quota
+                     (await up(b"{}\n")).status_code, (await up(b"{}\n")).status_code,
+                     (await up(b"{}\n")).status_code,                # a third file
+                     (await c.get("/v1/files/..%2F..%2Fetc%2Fpasswd")).status_code,
+                     (await c.get("/v1/files/file-" + "0" * 24 + "/content")).status_code,
+                     (await c.get("/v1/batches?limit=0")).status_code,
+                     (await c.post("/v1/batches", content=b"[1")).status_code]
+            fid = (await c.get("/v1/files")).json()["data"][0]["id"]
+            for body in ({"input_file_id": fid, "endpoint": "/v1/foo",
+                          "completion_window": "24h"},
+                         {"input_file_id": fid, "endpoint": COMPLETIONS,
+                          "completion_window": "1h"},
+                         {"input_file_id": fid, "endpoint": COMPLETIONS,
+                          "completion_window": "24h", "metadata": {"k": 1}}):
+                r = await c.post("/v1/batches", json=body)
+                assert r.json()["error"]["code"] == r.status_code
+                codes.append(r.status_code)
+            return codes
+    assert asyncio.run(run()) == [400, 400, 400, 429, 200, 200, 429, 404, 404, 400, 400,
+                                  400, 400, 400]
+
+
 # --- against a router on simulated workers -----------------------------------------------
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
@@ -265,8 +310,9 @@ def _router_process(fleet: Fleet, directory: Path) -> tuple[subprocess.Popen[str
         args += ["--worker", spec.url]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out = lines_until(proc, "kvloop router on ", 60)
-    return proc, out[-1].split("kvloop router on ", 1)[1].split()[0]
+    marker = "kvloop router on "
+    said = next(x for x in lines_until(proc, marker, 60) if marker in x)
+    return proc, said.split(marker, 1)[1].split()[0]
 
 
 @pytest.mark.processes
@@ -288,11 +334,13 @@ def test_router_killed_mid_batch_loses_and_repeats_nothing(fleet, tmp_path):
         a = sdk(url, "k")
         done = finished(a, bid, timeout=120)
         out = results(a, done.output_file_id)
+        errors = results(a, done.error_file_id)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(15)
     assert done.status == "completed"
-    assert done.request_counts.model_dump() == {"total": 300, "completed": 300, "failed": 0}
+    assert done.request_counts.model_dump() == {"total": 300, "completed": 300, "failed": 0}, \
+        errors[:3]
     assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
     kept = {o["custom_id"]: o["id"] for o in out}   # the lines answered before the kill
     assert all(kept[rec["custom_id"]] == rec["id"] for rec in on_disk.values())

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvloop.batch.runner import Answer
 from kvloop.front.auth import INTERNAL_CALLER_SCOPE
+from kvloop.front.openai import error_body
 
 LINE_TIMEOUT_S = 3600.0
 
@@ -29,7 +30,8 @@ class InProcessSender:
     def __init__(self, app: ASGIApp, headers: Callable[[str], Mapping[str, str]]):
         self._app = app
         self._headers = headers
-        self._client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self._marked),
+        transport = httpx.ASGITransport(app=self._marked, raise_app_exceptions=False)
+        self._client = httpx.AsyncClient(transport=transport,
                                          base_url="http://kvloop-batch",
                                          timeout=LINE_TIMEOUT_S)
 
@@ -37,14 +39,17 @@ class InProcessSender:
         await self._app({**scope, INTERNAL_CALLER_SCOPE: True}, receive, send)
 
     async def __call__(self, path: str, body: dict[str, Any], owner: str) -> Answer:
-        r = await self._client.post(path, content=json.dumps(body).encode(),
-                                    headers={"content-type": "application/json",
-                                             **self._headers(owner)})
+        try:
+            r = await self._client.post(path, content=json.dumps(body).encode(),
+                                        headers={"content-type": "application/json",
+                                                 **self._headers(owner)})
+        except httpx.HTTPError as e:   # the line's own timeout: its answer is this error
+            return Answer(504, error_body(f"the request failed: {e!r}", 504),
+                          "req_" + secrets.token_hex(12))
         try:
             answer: Any = r.json()
         except ValueError:
-            answer = {"error": {"message": r.text[:2000], "type": "server_error",
-                                "param": None, "code": r.status_code}}
+            answer = error_body(r.text[:2000], r.status_code)
         rid = r.headers.get("x-request-id") or (answer.get("id") if isinstance(answer, dict)
                                                 else None)
         return Answer(r.status_code, answer, str(rid or "req_" + secrets.token_hex(12)))
