@@ -120,7 +120,8 @@ class BatchService:
             obj = file_object(new_id(FILE_PREFIX), len(data), int(time.time()), filename,
                               "batch")
             await self._call(self.blobs.put, obj["id"], data)
-            await self._call(self.meta.put, "file", {**obj, "_owner": owner})
+            await self._call(self.meta.put, "file", {**obj, "_owner": owner,
+                                                     "_created_us": time.time_ns() // 1000})
         return JSONResponse(obj)
 
     def _file_problem(self, filename: str, data: bytes) -> tuple[str, int, str] | None:
@@ -211,7 +212,7 @@ class BatchService:
                          body.get("metadata"))
         data = await self._call(self.blobs.get, body["input_file_id"])
         await self._call(self.blobs.put, input_copy(b["id"]), data or b"")
-        b["_owner"] = owner
+        b.update(_owner=owner, _created_us=time.time_ns() // 1000)
         await self._call(self.meta.put, "batch", b)
         return b
 

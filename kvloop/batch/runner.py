@@ -257,7 +257,7 @@ class BatchRunner:
         await self.call(self.blobs.put, fid, data)
         obj = file_object(fid, len(data), int(self.clock()), f"{b['id']}_{which}.jsonl",
                           "batch_output")
-        obj["_owner"] = b["_owner"]
+        obj.update(_owner=b["_owner"], _created_us=time.time_ns() // 1000)
         await self.call(self.meta.put, "file", obj)
         return fid
 

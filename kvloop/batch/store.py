@@ -85,8 +85,14 @@ class Meta(Protocol):
     def release(self, bid: str, holder: str) -> None: ...
 
 
+def order_key(obj: dict[str, Any]) -> int:
+    """When `obj` was made, in microseconds (`created_at` is whole seconds: two objects made
+    in one second keep the order they were made in)."""
+    return int(obj.get("_created_us") or obj["created_at"] * 1_000_000)
+
+
 def _newest_first(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(objs, key=lambda o: (o["created_at"], o["id"]), reverse=True)
+    return sorted(objs, key=lambda o: (order_key(o), o["id"]), reverse=True)
 
 
 class DirMeta:
@@ -166,7 +172,7 @@ class RedisMeta:
     def put(self, kind: str, obj: dict[str, Any]) -> None:
         p = self.r.pipeline()
         p.set(f"{REDIS_PREFIX}{kind}:{obj['id']}", json.dumps(obj))
-        p.zadd(f"{REDIS_PREFIX}{kind}s:{obj['_owner']}", {obj["id"]: obj["created_at"]})
+        p.zadd(f"{REDIS_PREFIX}{kind}s:{obj['_owner']}", {obj["id"]: order_key(obj)})
         if kind == "batch":
             if obj["status"] in TERMINAL:
                 p.srem(REDIS_PREFIX + "active", obj["id"])
