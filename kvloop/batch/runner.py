@@ -174,7 +174,8 @@ class BatchRunner:
                 done[ln.index] = error_line(ln.custom_id, *ln.error)
                 await jr.append(ln.index, done[ln.index])
         stop: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        watcher = asyncio.create_task(self._watch(b, lines, done, stop))
+        ended = asyncio.Event()
+        watcher = asyncio.create_task(self._watch(b, lines, done, stop, ended))
         running: set[asyncio.Task[None]] = set()
         try:
             for ln in run_order([ln for ln in lines if ln.index not in done]):
@@ -189,7 +190,7 @@ class BatchRunner:
             for t in running:
                 t.cancel()
             await asyncio.gather(*running, return_exceptions=True)
-            watcher.cancel()
+            ended.set()      # the watcher ends between two saves, never inside one
             await asyncio.gather(watcher, return_exceptions=True)
         return stop.result() if stop.done() else "completed"
 
@@ -208,11 +209,16 @@ class BatchRunner:
         done[ln.index] = out
 
     async def _watch(self, b: dict[str, Any], lines: list[Line],
-                     done: dict[int, dict[str, Any]], stop: asyncio.Future[str]) -> None:
-        """Save the counts; stop the batch when it is cancelled or its window passes."""
+                     done: dict[int, dict[str, Any]], stop: asyncio.Future[str],
+                     ended: asyncio.Event) -> None:
+        """Save the counts; stop the batch when it is cancelled or its window passes; return
+        once `ended` is set."""
         saved = None
         while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), WATCH_INTERVAL_S)
+            if ended.is_set():
+                return
             if await self.call(self.meta.get, "cancel", b["id"]) is not None:
                 stop.set_result("cancelled")
                 return

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import threading
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +28,7 @@ REDIS_PREFIX = "kvloop:batch:"
 
 def write_atomic(path: Path, data: bytes) -> None:
     """`data` at `path`, whole or not at all (a crash leaves the old file or none)."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")   # one per writer
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.write(fd, data)
