@@ -280,6 +280,72 @@ def test_another_fleet_or_model_block_is_a_miss(tmp_path):
         other.shutdown()
 
 
+def forge(path: str, how: str, secret: FleetSecret, fp: bytes) -> None:
+    """A bad record in place of a good one: one bit flipped in its payload MAC region, or the
+    same header re-signed with the key anybody can compute (a forger without the secret)."""
+    from kvloop.kv_transfer.tier_record import decode_header, tier_key
+
+    data = Path(path).read_bytes()
+    if how == "flipped":
+        Path(path).write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        return
+    header, _ = decode_header(data, tier_key(secret, fp))
+    Path(path).write_bytes(encode_record(header, [], tier_key(None, fp)))
+
+
+@pytest.mark.parametrize("how", ["flipped", "forged"])
+def test_bad_shared_record_is_one_miss_then_quarantined(tmp_path, how, caplog):
+    """issue 37 (2): a shared store keeps a bad record (nothing of the fleet's is deleted), so
+    a lookup would find it again and again: the request loaded it once, recomputes, and the
+    record is quarantined until this worker's own write replaces it."""
+    store = SimKVBlockStore(BS)
+    shared = FileTier(str(tmp_path), 1 << 20, shared=True, key_prefix="")
+    rig = Rig([shared], store=store)
+    try:
+        rig.run("a1", A)
+        ha = hashes_of(rig, A, 4)
+        path = os.path.join(tmp_path, record_key(rig.connector.fp, ha[0]))
+        forge(path, how, SECRET, rig.connector.fp)
+        rig.run("b", B)                                  # A leaves the pool
+        caplog.clear()
+        out = rig.run("a2", A)                           # old code: never finished
+        assert out.error is None and out.num_cached_tokens == 0
+        assert rig.tokens("a2") == rig.tokens("a1")
+        assert rig.connector.record_errors == {"shared": 1}
+        refusals = [r for r in caplog.records if "refusing block" in r.getMessage()]
+        assert len(refusals) == 1
+        # the recompute wrote a good record in its place: the next request loads it
+        rig.run("b2", B)
+        assert rig.run("a3", A).num_cached_tokens == 16
+        assert rig.connector.record_errors == {"shared": 1}
+    finally:
+        rig.close()
+
+
+def test_quarantine_is_bounded_and_skips_the_record(tmp_path, monkeypatch):
+    """Refused (tier, key) pairs are remembered up to QUARANTINE_MAX, least recent out; a
+    quarantined record is neither offered nor read."""
+    from kvloop.kv_transfer import offloading
+
+    monkeypatch.setattr(offloading, "QUARANTINE_MAX", 2)
+    store = SimKVBlockStore(BS)
+    shared = FileTier(str(tmp_path), 1 << 20, shared=True, key_prefix="")
+    rig = Rig([shared], store=store)
+    try:
+        rig.run("a1", A)
+        ha = hashes_of(rig, A, 4)
+        for h in ha[:3]:
+            forge(os.path.join(tmp_path, record_key(rig.connector.fp, h)), "flipped", SECRET,
+                  rig.connector.fp)
+            assert rig.connector._read(h) is None
+        assert rig.connector.record_errors == {"shared": 3}
+        assert [rig.connector._held_below(h) for h in ha] == [True, False, False, True]
+        assert rig.connector._read(ha[2]) is None          # quarantined: not read again
+        assert rig.connector.record_errors == {"shared": 3}
+    finally:
+        rig.close()
+
+
 def test_disk_tier_announces_its_blocks_after_a_restart(tmp_path):
     store = SimKVBlockStore(BS)
     rig = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="")], store=store)

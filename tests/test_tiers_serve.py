@@ -113,6 +113,47 @@ def test_two_workers_share_a_redis_store(tmp_path_factory):
         client.close()
 
 
+def spoil_redis_record(client: Any, block_hash: bytes, how: str) -> None:
+    """One record of the store made bad: a bit flipped (a torn write, a redis fault) or the
+    header re-signed with the key anybody computes (a forger with redis access, no secret)."""
+    from kvloop.kv_transfer.tier_record import decode_header, encode_record, tier_key
+
+    [name] = [k for k in client.keys("kvloop:kv:*") if k.endswith(block_hash.hex().encode())]
+    data = client.get(name)
+    if how == "flipped":
+        client.set(name, data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        return
+    fp = bytes.fromhex(name.decode().removeprefix("kvloop:kv:").split("-")[0])
+    header, _ = decode_header(data, tier_key(SECRET, fp))
+    client.set(name, encode_record(header, [], tier_key(None, fp)))
+
+
+@pytest.mark.parametrize("how", ["flipped", "forged"])
+def test_a_bad_redis_record_costs_one_recompute(tmp_path_factory, how):
+    """issue 37 (2): the request whose first block's record is bad finishes (recomputed), the
+    refusal is counted once and logged once, and nothing loops."""
+    import redis
+
+    tmp = tmp_path_factory.mktemp("redis-bad")
+    with redis_server(tmp) as store:
+        args = [*SIM, "--num-gpu-blocks-override", "32",
+                "--kv-shared-store", f"redis://127.0.0.1:{store.port}"]
+        client = redis.Redis(host="127.0.0.1", port=store.port)
+        with serving(tmp_path_factory, f"tiers-bad-{how}", args,
+                     env=secret_env(SECRET)) as srv:
+            assert cached_tokens(srv, PROMPT) == 0
+            wait_until(lambda: len(client.keys("kvloop:kv:*")) >= 12, 10, "12 blocks stored")
+            spoil_redis_record(client, block_hashes(PROMPT, BS, "sha256")[0], how)
+            other = [7 + (i * 7919) % 30000 for i in range(480)]     # 30 blocks: the pool
+            assert cached_tokens(srv, other) == 0
+            assert cached_tokens(srv, PROMPT) == 0          # old code: never answered
+            assert srv.metric("kvloop:kv_transfer_failures_total", reason="corrupt") == 1
+            log = srv.log()
+            assert log.count("refusing block") == 1, log[-4000:]
+            assert log.count("missed in every tier") == 1, log[-4000:]
+        client.close()
+
+
 @pytest.mark.parametrize(("url", "why"), [
     ("redis://127.0.0.1:1", "needs the fleet secret"),
     ("redis://user:pw@127.0.0.1:1", "no credentials in the URL"),
