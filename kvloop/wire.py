@@ -77,6 +77,10 @@ KV_FAILURE_REASONS = (KV_FAILURE_UNREACHABLE, KV_FAILURE_MISMATCH, KV_FAILURE_RE
 # the API server answers it as vLLM answers finish_reason "error", 500, where an error the
 # engine refused a request with at admission is the client's (400).
 KV_LOAD_FAILED = "KV transfer failed"
+# How the error of a request whose LoRA adapter could not be read (its folder gone, a file
+# unreadable) begins: the engine unloads the adapter, the API server stops listing it and
+# answers 404 naming `model`, as for an adapter never loaded.
+LORA_UNAVAILABLE = "LoRA adapter unavailable"
 
 # `kv_transfer_params` (vLLM's keys, docs/disaggregation.md section 2): what a router's
 # prefill leg sends P (vLLM's proxy sends exactly these), and what D must find in P's answer,
