@@ -59,7 +59,8 @@ class Rig:
 
     def __init__(self, tiers: list[Tier], threshold: int = 1, runner: Any = None,
                  store: Any = None, blocks: int = POOL, block_size: int = BS,
-                 max_model_len: int = 128, compress: bool = False):
+                 max_model_len: int = 128, compress: bool = False,
+                 secret: FleetSecret | None = SECRET):
         self.store = store or SimKVBlockStore(block_size)
         runner = runner or SimWorkerRunner(None, blocks, max_model_len, block_size=block_size)
         offload = KVOffloadConfig(cpu_bytes=1, store_threshold=threshold, compress=compress)
@@ -70,7 +71,7 @@ class Rig:
                                       max_model_len=max_model_len),
             check_invariants=True, kv_offload=offload)
         self.connector = OffloadingConnector(offload, self.store, tiers, enable_events=True,
-                                             secret=SECRET)
+                                             secret=secret)
         self.connector.start()
         self.engine = EngineCore(config, runner, blocks, connector=self.connector)
         self.events: list[KVEvent] = []
@@ -364,6 +365,69 @@ def test_disk_tier_announces_its_blocks_after_a_restart(tmp_path):
         assert rig2.run("a2", A).num_cached_tokens == 16
     finally:
         rig2.close()
+
+
+def test_disk_tier_refuses_a_directory_others_can_write(tmp_path):
+    """issue 37 (7): a pre-existing 0777 tier directory (or one another user owns) could hold
+    another local user's records: refused at start; a new one is created 0700."""
+    import stat
+
+    from kvloop.kv_transfer.tiers import check_private_dir
+
+    shared_dir = tmp_path / "open"
+    shared_dir.mkdir()
+    os.chmod(shared_dir, 0o777)
+    with pytest.raises(ValueError, match="writable by other users"):
+        FileTier(str(shared_dir), 1 << 20, shared=False, key_prefix="")
+    os.chmod(shared_dir, 0o770)
+    with pytest.raises(ValueError, match="writable by other users"):
+        check_private_dir(str(shared_dir))
+    old = os.umask(0)
+    try:
+        FileTier(str(tmp_path / "new" / "tier"), 1 << 20, shared=False, key_prefix="")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "tier").st_mode) == 0o700
+    if os.geteuid() == 0:                     # as root: a directory another user owns
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to uid 65534"):
+            FileTier(str(theirs), 1 << 20, shared=False, key_prefix="")
+
+
+def test_without_a_secret_the_disk_tier_trusts_only_its_own_records(tmp_path):
+    """issue 37 (7): without a fleet secret a record's MAC is a checksum anybody computes, so
+    records found at start (planted, or a previous run's) are removed, never served; with
+    the secret a restart still finds its blocks (test above)."""
+    from kvloop.kv_transfer.tiers import make_tiers
+
+    prefix = "ab" * 16
+    store = SimKVBlockStore(BS)
+    rig = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="",
+                        trust_existing=False)], store=store, secret=None)
+    rig.run("a1", A)
+    rig.close()
+    planted = sorted(os.listdir(tmp_path))
+    assert len(planted) == 4
+    rig2 = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="",
+                         trust_existing=False)], store=SimKVBlockStore(BS), secret=None)
+    try:
+        rig2.flush()
+        assert not [e for e in rig2.take() if isinstance(e, BlockStored)]   # nothing announced
+        assert rig2.run("a2", A).num_cached_tokens == 0                     # nothing served
+        assert rig2.connector.record_errors == {}
+    finally:
+        rig2.close()
+    # the wiring: the configured disk tier trusts its files only when records are signed
+    config = KVOffloadConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    for name in planted:
+        (tmp_path / f"{prefix}-{name}").write_bytes(b"x")
+    [signed] = make_tiers(config, prefix, signed=True)
+    assert len(signed.keys()) == 4
+    [unsigned] = make_tiers(config, prefix, signed=False)
+    assert unsigned.keys() == [] and not [n for n in os.listdir(tmp_path)
+                                          if n.startswith(prefix)]
 
 
 # --- hypothesis: many requests, invariants across tiers -----------------------------------------

@@ -75,11 +75,12 @@ def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
     args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05",
             "--enable-kv-cache-events", "--kv-events-endpoint", "tcp://127.0.0.1:0",
             "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
-    with serving(tmp_path_factory, "tiers-disk-1", args) as srv:
+    env = secret_env(SECRET)       # records signed: a restart may trust its files
+    with serving(tmp_path_factory, "tiers-disk-1", args, env=env) as srv:
         assert cached_tokens(srv, PROMPT) == 0
         wait_until(lambda: len(os.listdir(disk)) >= 12, 10, "12 blocks on disk")
     expected = [event_int(h) for h in block_hashes(PROMPT, BS, "sha256")[:12]]
-    with serving(tmp_path_factory, "tiers-disk-2", args) as srv:
+    with serving(tmp_path_factory, "tiers-disk-2", args, env=env) as srv:
         # before any request, the worker has announced its disk's blocks, parents first
         announced = wait_until(lambda: replayed_stored(srv), 10, "the disk's BlockStored")
         assert [h for e in announced for h in e.block_hashes] == expected

@@ -28,7 +28,9 @@ path a remote prefill takes: nothing new in the scheduler.
   `{reason="corrupt"}` (or `mismatch`: another model), in `record_errors` per tier, and in
   a warning throttled to one line per `WARN_EVERY_S`.
 - **Restart.** Tiers that survive a restart (the disk) are read at start: every record whose
-  MAC and fingerprint check out is announced as a `BlockStored` (parents first).
+  MAC and fingerprint check out is announced as a `BlockStored` (parents first). Only with
+  the fleet secret: without it a record's MAC is a checksum anybody computes, so the disk
+  tier keeps only what this process writes (`tiers.FileTier`'s `trust_existing`).
 
 Owner: the engine thread calls every connector method and owns the request tables; the I/O
 thread owns the tiers' writes; the two share only queues, the result list and the event list
@@ -578,6 +580,6 @@ def make_offloading_connector(config: KVOffloadConfig, runner: object, cache: Ca
         raise ValueError("--kv-shared-store needs the fleet secret (--fleet-secret-file): "
                          "blocks in a shared store are signed with a key derived from it")
     fp = fingerprint_digest(store.fingerprint, store.block_size)
-    tiers = make_tiers(config, fp.hex())
+    tiers = make_tiers(config, fp.hex(), signed=secret is not None)
     return OffloadingConnector(config, store, tiers, enable_events=cache.enable_kv_cache_events,
                                int_hashes=cache.kv_events_int_hashes, secret=secret)
