@@ -74,7 +74,7 @@ def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv-disk")
     args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05",
             "--enable-kv-cache-events", "--kv-events-endpoint", "tcp://127.0.0.1:0",
-            "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
+            "--kv-events-replay-endpoint", "tcp://127.0.0.1:0", "--no-kv-events-curve"]
     env = secret_env(SECRET)       # records signed: a restart may trust its files
     with serving(tmp_path_factory, "tiers-disk-1", args, env=env) as srv:
         assert cached_tokens(srv, PROMPT) == 0
