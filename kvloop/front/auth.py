@@ -89,6 +89,16 @@ class AuthConfig:
             return Caller.ADMIN
         return Caller.API if _matches(digest, api) else Caller.INVALID
 
+    def owner(self, authorization: str | None) -> str | None:
+        """Who owns what this caller stores (a stored response): a digest of the configured
+        key it presents (API or admin), None for a caller with no configured key (with no
+        keys at all every caller is that one owner)."""
+        if self.identify(authorization) not in (Caller.API, Caller.ADMIN):
+            return None
+        token = bearer_token(authorization)
+        assert token is not None
+        return _digest(token).hex()
+
     def sees_private(self, authorization: str | None, peer_host: str | None) -> bool:
         """May this caller see process ids and file paths? (See the module docstring.)"""
         if self.identify(authorization) in (Caller.API, Caller.ADMIN):

@@ -360,8 +360,9 @@ def _add_responses_routes(app: FastAPI, ctx: ServerContext, store: ResponseStore
         return await create_response(ctx, store, body, request)
 
     @app.get(RESPONSES_PATH + "/{response_id}", **_answers(ResponseObject, 404))
-    async def response(response_id: str) -> ResponseObject:
-        return retrieve_response(store, response_id)
+    async def response(response_id: str, request: Request) -> ResponseObject:
+        owner = ctx.config.auth.owner(presented_authorization(request.headers))
+        return retrieve_response(store, response_id, owner)
 def _add_messages_routes(app: FastAPI, ctx: ServerContext) -> None:
     """Anthropic's Messages API (`kvloop.server.messages`); errors in Anthropic's shape."""
     anthropic = {"error_model": AnthropicErrorResponse}

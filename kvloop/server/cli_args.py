@@ -513,7 +513,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
-    kv_events = publisher_config_from_args(args)
+    kv_events = publisher_config_from_args(args, has_secret=secret is not None)
     advertised = advertised_host(args.host, args.advertise_host)
     kv_events = events_beyond_loopback(kv_events, args.host)
     engine = side_channel_beyond_loopback(engine, args, advertised.host)
