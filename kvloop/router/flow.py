@@ -15,6 +15,10 @@ router's own in-flight count beyond its `max_num_seqs` (exact, never stale). A p
 as one request on the fleet from its release until the router has opened its ticket
 (`Permit.close()`), so a burst released at once is not released twice.
 
+Batch lines (kvloop/batch) wait in their own band, `BATCH_PRIORITY`, below every objective's:
+never shed, released only when no other band waits. Only the router's own batch runner can
+name that band: its objective name (`batch_objective`) is random per router.
+
 A request's band is its objective's priority (`x-gateway-inference-objective`, looked up in
 the objectives file; an unknown objective is the default band 0), else minus vLLM's
 `priority` field (vLLM serves lower values first; bands serve higher first), else 0. Its
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -45,7 +50,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse
 
 from kvloop.front.auth import presented_authorization
-from kvloop.router.flow_config import FlowConfig
+from kvloop.router.flow_config import PRIORITY_RANGE, FlowConfig
 from kvloop.router.registry import WorkerState
 from kvloop.router.relay import error_response
 
@@ -56,6 +61,7 @@ QUEUE_FULL = "queue_full"        # `max_queue` waiting already: 503
 QUEUE_TIMEOUT = "queue_timeout"  # waited its whole queue timeout: 503
 REJECTIONS = (SHED, QUEUE_FULL, QUEUE_TIMEOUT)
 DISPATCH_TICK_S = 0.01           # how often a non-empty queue looks for headroom
+BATCH_PRIORITY = PRIORITY_RANGE[0] - 1   # below any objective's (an int32)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -86,6 +92,11 @@ class FlowKey:
     priority: int = 0
     tenant: int = 0
     queue_timeout_s: float | None = None   # None: the config's
+    sheddable: bool | None = None          # None: a negative priority is
+
+    @property
+    def shed_when_saturated(self) -> bool:
+        return self.priority < 0 if self.sheddable is None else self.sheddable
 
 
 @dataclass(eq=False)
@@ -193,6 +204,7 @@ class FlowControl:
         self.queue = FlowQueue()
         self.in_transit = 0
         self._seq = itertools.count()
+        self.batch_objective = "kvloop-batch-" + secrets.token_hex(16)
         self._dispatcher: asyncio.Task[None] | None = None
         self.metrics = FlowMetrics(self, prom or CollectorRegistry())
 
@@ -200,16 +212,21 @@ class FlowControl:
     def key_of(self, headers: Mapping[str, str], body: Mapping[str, Any],
                trusted: bool = False) -> FlowKey:
         """The request's band, tenant and queue timeout (module docstring); `trusted`: the
-        caller is a trusted front (or `FlowConfig.trusted_front` says every caller is)."""
+        caller is a trusted front (or `FlowConfig.trusted_front` says every caller is). The
+        batch objective's name is secret (random per router): whoever sends it is the
+        router's own batch runner, whose fairness header names the batch's owner."""
+        name = headers.get(OBJECTIVE_HEADER)
+        if name == self.batch_objective:
+            tenant = headers.get(FAIRNESS_HEADER) or presented_authorization(headers) or ""
+            return FlowKey(BATCH_PRIORITY, _digest(tenant), sheddable=False)
         trusted = trusted or self.cfg.trusted_front
         if not trusted:   # its key's tenant; an objective or priority may only lower it
-            key = self._key(headers, body, headers.get(OBJECTIVE_HEADER), None)
+            key = self._key(headers, body, name, None)
             if key.priority > 0:
                 key = self._key(headers, body, None, None)
                 return FlowKey(min(key.priority, 0), key.tenant, None)
             return key
-        return self._key(headers, body, headers.get(OBJECTIVE_HEADER),
-                         headers.get(FAIRNESS_HEADER))
+        return self._key(headers, body, name, headers.get(FAIRNESS_HEADER))
 
     def _key(self, headers: Mapping[str, str], body: Mapping[str, Any],
              objective_name: str | None, fairness_id: str | None) -> FlowKey:
@@ -232,7 +249,7 @@ class FlowControl:
         room = self.room()
         if not self.queue and (room is None or room > 0):
             return self._release_now(key, 0.0)
-        if key.priority < 0:
+        if key.shed_when_saturated:
             return self._reject(key, SHED, 429, "the fleet is saturated and this request is "
                                                 "sheddable (negative priority)")
         if len(self.queue) >= self.cfg.max_queue:
@@ -339,6 +356,8 @@ class FlowMetrics:
         self.prom.register(_QueueCollector(self))
 
     def band(self, priority: int) -> str:
+        if priority == BATCH_PRIORITY:
+            return "batch"
         return str(priority) if priority in self.known else "other"
 
 
