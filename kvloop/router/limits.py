@@ -30,17 +30,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvloop.front.openai import error_body
-
-if TYPE_CHECKING:
-    from kvloop.router.registry import WorkerState
 
 T = TypeVar("T")
 BODY_BUDGET_REFUSED = "body_budget"   # x-kvloop-flow-rejected of a request with no room
@@ -166,13 +163,3 @@ class PromptWork:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def fleet_context(workers: Sequence[WorkerState]) -> int | None:
-    """The largest `max_model_len` of the usable workers: a prompt at least this long fits
-    none of them. None when one of them does not say (no kvloop worker) or none is up."""
-    lens = [w.description.max_model_len if w.description is not None else None
-            for w in workers if w.up]
-    if not lens or any(n is None for n in lens):
-        return None
-    return max(n for n in lens if n is not None)

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvloop.front.embeddings import EmbeddingRequest, embedding_inputs
@@ -45,6 +45,7 @@ from kvloop.locate import EMBEDDED_NAME
 
 if TYPE_CHECKING:
     from kvloop.router.metrics import RouterMetrics
+    from kvloop.router.registry import WorkerState
 
 log = logging.getLogger("kvloop.router")
 
@@ -203,3 +204,13 @@ class _NoTokenizer:
 
 
 _NO_TOKENIZER = _NoTokenizer()
+
+
+def fleet_context(workers: Sequence[WorkerState]) -> int | None:
+    """The largest `max_model_len` of the usable workers: a prompt at least this long fits
+    none of them. None when one of them does not say (no kvloop worker) or none is up."""
+    lens = [w.description.max_model_len if w.description is not None else None
+            for w in workers if w.up]
+    if not lens or any(n is None for n in lens):
+        return None
+    return max(n for n in lens if n is not None)

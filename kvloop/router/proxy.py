@@ -117,10 +117,10 @@ from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_fr
 from kvloop.router.batch import attach_batch
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
-from kvloop.router.limits import BodyBudgetMiddleware, ByteBudget, PromptWork, fleet_context
+from kvloop.router.limits import BodyBudgetMiddleware, ByteBudget, PromptWork
 from kvloop.router.migration import Migration
 from kvloop.router.pd_proxy import PDFlow
-from kvloop.router.prompts import Fetch, PromptTokenizer
+from kvloop.router.prompts import Fetch, PromptTokenizer, fleet_context
 from kvloop.router.registry import (
     LoadSnapshot,
     WorkerDescription,
