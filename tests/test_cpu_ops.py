@@ -192,9 +192,27 @@ def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages():
     assert cpu_ops.huge_page_copies([]) == []
 
 
-def test_the_build_is_keyed_by_source_torch_and_cpu():
+def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch, tmp_path):
+    """The same inputs give the same name; a changed source or header, another torch version
+    or other CPU flags each give another (a build never loads where it was not built)."""
     name = cpu_ops.extension_name()
     assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()
+    source, header = tmp_path / "cpu_ops.cpp", tmp_path / "pool.h"
+    source.write_bytes(cpu_ops.SOURCE.read_bytes() + b"\n// one more line\n")
+    header.write_bytes(cpu_ops.HEADERS[0].read_bytes() + b"\n")
+    flags = cpu_ops._cpu_flags()
+    changes = {"source": (cpu_ops, "SOURCE", source),
+               "header": (cpu_ops, "HEADERS", [header, *cpu_ops.HEADERS[1:]]),
+               "torch": (torch, "__version__", torch.__version__ + ".post1"),
+               "cpu flag added": (cpu_ops, "_cpu_flags", lambda: flags.rstrip() + " amx_fp16"),
+               "cpu flag gone": (cpu_ops, "_cpu_flags", lambda: flags.rsplit(None, 1)[0])}
+    names = {}
+    for what, (owner, attr, value) in changes.items():
+        with monkeypatch.context() as m:
+            m.setattr(owner, attr, value)
+            names[what] = cpu_ops.extension_name()
+    assert len({name, *names.values()}) == 1 + len(changes), names
+    assert cpu_ops.extension_name() == name   # and back
 
 
 # --- kvloop's thread pool (csrc/pool.h) -----------------------------------------------------
