@@ -36,6 +36,7 @@ from tests.test_router_fleet import SIM_ARGS, router_config
 pytestmark = pytest.mark.processes   # fleets of real workers; routers on threads
 
 DRAIN_ARGS = ("--shutdown-timeout", "8")
+LONG_TOKENS = 1000   # seconds: b still drains when the router sends it a request
 
 
 @pytest.fixture
@@ -101,13 +102,16 @@ def _long_stream(url: str, max_tokens: int, out: list[int]) -> None:
     out.append(text.count('"text"'))
 
 
-@pytest.mark.parametrize("fleet", [(2, "--sim-speedup", "4")], indirect=True)
+@pytest.mark.parametrize("fleet", [(2, "--sim-speedup", "4", "--shutdown-timeout", "60")],
+                         indirect=True)   # a grace the stream never outlives, however loaded
 def test_a_draining_worker_is_left_alone_and_its_refusals_go_elsewhere(fleet):
     a, b = fleet.specs()
-    slow_poll = router_config(poll_interval_s=30.0)   # only the refusal path can save them
+    # only the refusal path can save them; round-robin: the second request goes to b
+    # whatever the router's stale view of its load (kv-aware would send it none)
+    slow_poll = router_config("round-robin", poll_interval_s=30.0)
     with RouterThread(slow_poll, [a, b]) as rt:
         out: list[int] = []
-        long = threading.Thread(target=_long_stream, args=(b.url, 300, out))
+        long = threading.Thread(target=_long_stream, args=(b.url, LONG_TOKENS, out))
         long.start()
         wait_until(lambda: out, 10, "the long stream to start")
         fleet.workers[1].signal(signal.SIGTERM)
@@ -116,20 +120,28 @@ def test_a_draining_worker_is_left_alone_and_its_refusals_go_elsewhere(fleet):
         refused = httpx.post(b.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert refused.status_code == 503 and refused.headers[DRAINING_HEADER] == "1"
         assert httpx.get(b.url + "/health").status_code == 503
-        with Load(rt.url, 1) as load:   # until the stream ended and both were seen
-            wait_until(lambda: not long.is_alive() and load.outcomes["200"] > 5
-                       and _refusals(rt, b.name) >= 1, 60,
-                       "the long stream to end, 6 answers and a refusal routed again")
+        for i in range(2):   # round-robin: one of them goes to b, is refused, goes to a
+            r = httpx.post(rt.url + "/v1/completions", timeout=60,
+                           json={"prompt": [100 + i] * 40, "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        assert long.is_alive(), "the stream ended first: b refused nothing while it drained"
+        assert _forwarded(rt, b.name, "draining") == 1
+        with Load(rt.url, 1) as load:   # until the stream ended and the counts are met
+            wait_until(lambda: not long.is_alive() and load.outcomes["200"] > 5, 90,
+                       "the long stream to end and 6 answers")
         long.join()
-        assert out == [200, 300]   # the drained worker finished what it held
+        assert out == [200, LONG_TOKENS]   # the drained worker finished what it held
         assert load.failures == [], load.outcomes
+        assert _forwarded(rt, b.name) == 1   # then left alone
         assert fleet.workers[1].wait(15) == 0
 
 
-def _refusals(rt: RouterThread, worker: str) -> float:
-    """The draining refusals `worker` answered the router (each routed again)."""
+def _forwarded(rt: RouterThread, worker: str, outcome: str | None = None) -> float:
+    """Requests the router forwarded to `worker` (with `outcome`: "draining" is a refusal
+    by a draining worker, routed again)."""
+    labels = {"worker": worker} | ({"outcome": outcome} if outcome else {})
     return metric_value(httpx.get(rt.url + "/metrics").text, "kvloop_router_requests_total",
-                        worker=worker, outcome="draining")
+                        **labels)
 
 
 def _restart(fleet: Fleet, i: int) -> UrlProcess:
