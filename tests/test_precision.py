@@ -84,6 +84,7 @@ def fp32_gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) ->
     return abs(top[ours[i]].logprob - top[theirs[i]].logprob)
 
 
+@pytest.mark.timeout(1200)   # ~2,300 single-thread steps: ~40 s quiet, 5 min seen at load 20
 def test_default_dtype_keeps_the_fp32_answers(prompts, mixed_auto):
     threads = torch.get_num_threads()
     try:
