@@ -7,7 +7,7 @@
        answer whole and take its top-level `kv_transfer_params`;
     3. POST the decode leg to D: the client's body plus P's `kv_transfer_params`, verbatim
        (local: the client's body alone); D's answer, streamed or not, goes back with D's
-       status and Content-Type (`RouterApp._relay` / `_whole`).
+       status and Content-Type (`SingleFlow._relay` / `_whole`).
 
 Both legs carry one `X-Request-Id` (the client's, else a new uuid4). A client that
 disconnects during the prefill leg closes P's connection (P aborts it) and D is never asked;
@@ -20,7 +20,7 @@ P is the client's error: it goes back to the client as P sent it. A decode worke
 the connection is marked down and the request is routed again (nothing reached it; a prefill
 leg done for it is left to its lease).
 
-Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP client, the relay),
+Owner: `PDFlow` owns nothing but its reference to the `SingleFlow` (the HTTP client, the relay),
 which it sees through `FlowApp`; the pieces both flows use are `relay.py`'s.
 """
 
@@ -101,7 +101,7 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
 
 
 class FlowApp(Protocol):
-    """What the P/D flow asks of the HTTP front it runs in (`kvloop.router.proxy.RouterApp`):
+    """What the P/D flow asks of the single-worker flow (`kvloop.router.single.SingleFlow`):
     its router, its HTTP client to the workers, flow control's admission, a routing decision
     off or on the event loop, and the single-worker flow's last two steps, reused for the
     decode leg."""
@@ -121,7 +121,7 @@ class FlowApp(Protocol):
 
 
 class PDFlow:
-    """The P/D flow of one `RouterApp` (through its `FlowApp` interface)."""
+    """The P/D flow beside one `SingleFlow` (through its `FlowApp` interface)."""
 
     def __init__(self, app: FlowApp):
         self.app = app
