@@ -88,6 +88,11 @@ class Membership:
         self.watchers: list[Callable[[Any], None]] = []   # run by check_liveness (the Router)
         self.index.on_lost(self.resync_index)
 
+    @property
+    def block_size(self) -> int:
+        """The fleet's block size (16 while no worker has said)."""
+        return self.hash_spec.block_size if self.hash_spec else 16
+
     def forget_cache(self, name: str) -> None:
         """Worker `name` lost its cache (a new epoch): what routing remembers of it goes
         (`Router` forgets its sessions)."""

@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import quote
@@ -96,6 +96,7 @@ from kvloop.router.poller import BadWorkerAnswer, WorkerPoller, describe_failure
 from kvloop.router.prompts import PromptTokenizer
 from kvloop.router.registry import WorkerDescription, WorkerSpec, event_source
 from kvloop.router.relay import error_response, json_or_none, response_headers
+from kvloop.router.request import RoutingRequest, routing_request
 from kvloop.router.responses import ResponseAffinity, completed_response
 from kvloop.router.router import Router
 from kvloop.router.single import SingleFlow
@@ -250,9 +251,17 @@ class RouterApp:
             return read
         body, req = read
         tokens = self.prompts.embedding_ids(req, await self._tokenizing_model())
-        return await self.single.send(request, EMBEDDINGS_PATH, raw, body, tokens or [],
-                                      self._worker_headers(request), False, False,
-                                      output_tokens=0)
+        rr = self._routing(request, EMBEDDINGS_PATH, body, tokens, output_tokens=0)
+        return await self.single.send(request, rr, raw, self._worker_headers(request), False,
+                                      False)
+
+    def _routing(self, request: Request, path: str, body: dict[str, Any],
+                 tokens: list[int] | None, exclude: Sequence[str] = (),
+                 output_tokens: int | None = None) -> RoutingRequest:
+        """The request's `RoutingRequest`, built once here (`kvloop.router.request`)."""
+        return routing_request(self.router, path, body, request.headers, tokens,
+                               self.flow.key_of(request.headers, body), exclude,
+                               output_tokens, self.router.config.migration_limit)
 
     async def _tokenizing_model(self) -> str | None:
         """The fleet's model, its tokenizer made ready first (local, the flag's, or fetched
@@ -277,14 +286,14 @@ class RouterApp:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}),
                                                "include_usage": True}}
         headers = self._worker_headers(request)
+        rr = self._routing(request, path, body, tokens)
         if self.router.pd_mode():
-            return await self.pd.send(request, path, json.dumps(body).encode(), body,
-                                      tokens or [], headers, stream, strip_usage)
+            return await self.pd.send(request, rr, json.dumps(body).encode(), body, headers,
+                                      stream, strip_usage)
         migration = Migration.of(path, body, headers, self.router.config.migration_limit,
-                                 request, tokens or []) if stream else None
-        return await self.single.send(request, path, json.dumps(body).encode(), body,
-                                      tokens or [], headers, stream, strip_usage,
-                                      migration=migration)
+                                 request, list(rr.tokens)) if rr.migratable else None
+        return await self.single.send(request, rr, json.dumps(body).encode(), headers,
+                                      stream, strip_usage, migration=migration)
 
     async def responses(self, request: Request) -> Response:
         """POST /v1/responses: a continuation goes to the worker holding its previous
@@ -301,9 +310,9 @@ class RouterApp:
         others = [w.name for w in self.router.registry.all()
                   if held is not None and w.name != held.worker]
         routed: list[str] = []
-        answer = await self.single.send(request, RESPONSES_PATH, raw, body, tokens or [],
-                                        self._worker_headers(request), bool(req.stream), False,
-                                        exclude=others, on_routed=routed.append)
+        rr = self._routing(request, RESPONSES_PATH, body, tokens, exclude=others)
+        answer = await self.single.send(request, rr, raw, self._worker_headers(request),
+                                        bool(req.stream), False, on_routed=routed.append)
         return self._remember(answer, routed, body)
 
     def _remember(self, answer: Response, routed: list[str], body: dict[str, Any]

@@ -22,17 +22,18 @@ remote one, the prefill worker, with a ticket on each; `prefill_done()` or
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvloop.config import KV_HOLDS, KV_LOADS, SchedulerConfig
+from kvloop.config import KV_LOADS, SchedulerConfig
 from kvloop.core.hashing import block_extra_keys
 from kvloop.events.types import event_int
+from kvloop.router import filters
 from kvloop.router.config import RouterConfig
+from kvloop.router.filters import Filter
 from kvloop.router.membership import Membership, SubscriberFactory, capacity
 from kvloop.router.membership import Subscription as Subscription
 from kvloop.router.membership import make_index as make_index
@@ -52,6 +53,7 @@ from kvloop.router.registry import (
     Ticket,
     WorkerState,
 )
+from kvloop.router.request import RoutingRequest, tokens_request
 from kvloop.router.scorer import (
     DECODE_LOAD,
     Candidate,
@@ -60,6 +62,7 @@ from kvloop.router.scorer import (
     hit_tokens,
     make_policy,
     rendezvous,
+    session_credit,
     tier_credit,
 )
 from kvloop.router.sessions import SessionTable
@@ -68,6 +71,12 @@ from kvloop.sim.latency import LatencyModel
 log = logging.getLogger("kvloop.router")
 
 SERVING_ORDER = (("both",), ("decode",), ("prefill",))
+# the profiles' filters (kvloop/router/filters.py), in order
+AGGREGATED: tuple[Filter, ...] = (filters.usable, filters.not_excluded)
+DECODE: tuple[Filter, ...] = (filters.role("decode"), filters.usable, filters.not_excluded,
+                              filters.adapter_holders)
+PREFILL: tuple[Filter, ...] = (filters.role("prefill"), filters.usable, filters.not_excluded,
+                               filters.prefill_capable, filters.adapter_holders)
 
 
 class NoWorkerError(RuntimeError):
@@ -83,6 +92,7 @@ class Routed:
     ticket: Ticket
     predicted_tokens: int
     num_blocks: int
+    request: RoutingRequest | None = None   # what was routed (a retry continues it)
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,7 @@ class Router(Membership):
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
         """Who serves a request end to end (aggregated): `both` workers; if none is up,
         `decode` workers (they prefill locally); `prefill` workers only when nothing else is
-        up. With decode workers and no `both` worker up, the HTTP front uses `route_pd()`.
+        up. With decode workers and no `both` worker up, P/D requests take `pick_pd()`.
         """
         for roles in SERVING_ORDER:
             pool = [w for w in self.registry.usable(roles) if w.name not in exclude]
@@ -172,41 +182,74 @@ class Router(Membership):
                 return pool
         return []
 
+    def pick(self, rr: RoutingRequest) -> Routed | PDRouted:
+        """THE routing decision, the one entry point of every front (the HTTP proxy, the
+        Envoy ext_proc endpoint picker): where `rr` goes, with a ticket opened on each leg.
+
+        In P/D mode (`pd_mode()`) a disaggregable request (`rr.disaggregable`) gets a
+        `PDRouted` (`pick_pd`: the decode profile, the P/D decision, the prefill profile);
+        any other a `Routed` (`pick_one`: the aggregated profile). Raises NoWorkerError when
+        no worker may take it. The caller closes every ticket it gets (`finish`, or
+        `abandon` when nothing is sent), reports the first token (`first_token`) and, for a
+        prefill leg, its outcome (`prefill_done` / `prefill_failed` / ...). A retry or a
+        migration picks again with `rr.continued(...)`, never with a request built anew.
+        """
+        if rr.disaggregable and self.pd_mode():
+            return self.pick_pd(rr)
+        return self.pick_one(rr)
+
+    def pick_one(self, rr: RoutingRequest) -> Routed:
+        """The aggregated profile: the serving pool (`SERVING_ORDER`, through `AGGREGATED`'s
+        filters), scored by the policy with the index's matches and the session's credit;
+        the session's turn recorded on the chosen worker."""
+        t0 = time.perf_counter()
+        workers = self._serving(rr)
+        if not workers:
+            raise NoWorkerError(self._no_worker_message())
+        hashes = list(rr.hashes)
+        matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
+        session = self._session_tokens(rr)
+        candidates = [self._candidate(w, matches.get(w.name, ()), session.get(w.name, 0))
+                      for w in workers]
+        decision = self.policy.choose(candidates, rr.scoring())
+        chosen = self.registry.get(decision.worker)
+        assert chosen is not None
+        n, bs = rr.prompt_tokens, rr.block_size
+        self.sessions.record(rr.session, chosen.name, n, self.clock())
+        tiers = matches.get(chosen.name, ())
+        predicted = hit_tokens(len(tiers), n, bs)
+        ticket = self._open(chosen, hashes, n, predicted, n - predicted,
+                            tiers=tiers[:predicted // bs])
+        self._count_decision(decision, chosen.name, n, predicted, t0)
+        return Routed(chosen, decision, ticket, predicted, len(hashes), rr)
+
+    def _serving(self, rr: RoutingRequest) -> list[WorkerState]:
+        everyone = self.registry.all()
+        for roles in SERVING_ORDER:
+            pool = filters.run((filters.role(*roles), *AGGREGATED), everyone, rr)
+            if pool:
+                return filters.adapter_holders(pool, rr)
+        return []
+
+    def _session_tokens(self, rr: RoutingRequest) -> dict[str, int]:
+        """{the worker of the session's last turn: that turn's prompt tokens} (empty: no
+        session, or none recent)."""
+        turn = self.sessions.last_turn(rr.session, self.clock())
+        return {} if turn is None else {turn.worker: turn.prompt_tokens}
+
     def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
               cache_salt: str | None = None, expected_output_tokens: int = 16,
               session: int | None = None, lora_name: str | None = None) -> Routed:
-        """Pick a worker for a prompt (run with LoRA adapter `lora_name`, None: the base
-        model) and open its ticket; `session` (a digest, `kvloop.router.sessions.session_key`)
-        steers it softly to the session's last worker. Raises NoWorkerError."""
-        t0 = time.perf_counter()
-        workers = self.serving_pool(exclude)
-        if not workers:
-            raise NoWorkerError(self._no_worker_message())
-        workers = _serving_adapter(workers, lora_name)
-        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
-        matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
-        turn = self.sessions.last_turn(session, self.clock())
-        candidates = [self._candidate(w, matches.get(w.name, ()),
-                                      turn.prompt_tokens if turn and turn.worker == w.name
-                                      else 0) for w in workers]
-        bs = self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
-                           expected_output_tokens, lora_name)
-        decision = self.policy.choose(candidates, req)
-        chosen = self.registry.get(decision.worker)
-        assert chosen is not None
-        self.sessions.record(session, chosen.name, len(token_ids), self.clock())
-        tiers = matches.get(chosen.name, ())
-        predicted = hit_tokens(len(tiers), len(token_ids), bs)
-        ticket = self._open(chosen, hashes, len(token_ids), predicted,
-                            len(token_ids) - predicted, tiers=tiers[:predicted // bs])
-        self._count_decision(decision, chosen.name, len(token_ids), predicted, t0)
-        return Routed(chosen, decision, ticket, predicted, len(hashes))
+        """`pick_one` of a bare prompt (run with LoRA adapter `lora_name`, None: the base
+        model); `session` (a digest, `kvloop.router.sessions.session_key`) steers it softly
+        to the session's last worker. Raises NoWorkerError."""
+        return self.pick_one(tokens_request(self, token_ids, exclude, cache_salt,
+                                            expected_output_tokens, session, lora_name))
 
     def _open(self, w: WorkerState, hashes: list[int], prompt_tokens: int, predicted: int,
               uncached: int, verify: bool = True, tiers: tuple[str, ...] = ()) -> Ticket:
         """Provisional entries (where the worker caches) and a ticket for one leg."""
-        bs = self.hash_spec.block_size if self.hash_spec else 16
+        bs = self.block_size
         caches = w.caches_prefixes
         if caches:
             self.index.add_provisional(w.name, hashes)
@@ -219,51 +262,71 @@ class Router(Membership):
 
     # --- prefill/decode disaggregation ----------------------------------------------------
     def pd_mode(self) -> bool:
-        """True while decode workers and no `both` worker are up: requests take the P/D
-        flow (`route_pd`); `both` workers keep the aggregated routing of `route()`."""
+        """True while decode workers and no `both` worker are up: P/D requests take
+        `pick_pd`; `both` workers keep the aggregated routing of `pick_one`."""
         return not self.registry.usable(("both",)) and bool(self.registry.usable(("decode",)))
 
     def route_pd(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
                  cache_salt: str | None = None, expected_output_tokens: int = 16,
-                 local_reason: str | None = None, lora_name: str | None = None) -> PDRouted:
-        """The decode worker (load first), remote or local prefill (the cost model, or
-        `local_reason` when the request cannot take a remote prefill) and the prefill
-        worker, each leg with its ticket. Raises NoWorkerError without a decode worker."""
+                 local_reason: str | None = None, lora_name: str | None = None,
+                 session: int | None = None) -> PDRouted:
+        """`pick_pd` of a bare prompt (`local_reason`: why it cannot take a remote
+        prefill, None: it can)."""
+        return self.pick_pd(tokens_request(self, token_ids, exclude, cache_salt,
+                                           expected_output_tokens, session, lora_name,
+                                           local_reason))
+
+    def pick_pd(self, rr: RoutingRequest) -> PDRouted:
+        """llm-d's P/D profile handler: the decode profile (`DECODE`'s filters; load first,
+        then the cache and the session's credit), the P/D decision (remote or local prefill:
+        the cost model, or `rr.local_reason`), then the prefill profile (`PREFILL`'s filters,
+        the policy), each leg with its ticket; the session's turn recorded on the decode
+        worker. Raises NoWorkerError without a decode worker."""
         t0 = time.perf_counter()
-        decoders = _serving_adapter([w for w in self.registry.usable(("decode",))
-                                     if w.name not in exclude], lora_name)
+        everyone = self.registry.all()
+        decoders = filters.run(DECODE, everyone, rr)
         if not decoders:
             raise NoWorkerError(self._no_worker_message())
-        prefillers = _serving_adapter([w for w in self.registry.usable(("prefill",))
-                                       if w.name not in exclude
-                                       and PREFILL_FAILING not in w.alarms
-                                       and w.kv_role in KV_HOLDS], lora_name)
-        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
+        prefillers = filters.run(PREFILL, everyone, rr)
+        hashes = list(rr.hashes)
         matches = self.index.match_tiers(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
-        n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens,
-                           lora_name)
+        req = rr.scoring()
         snaps = {w.name: self._pd_worker(w, matches.get(w.name, ()), req)
                  for w in decoders + prefillers}
-        d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
-                                         -rendezvous(req.prefix_key, w.name)))
-        if local_reason is None and d.kv_role not in KV_LOADS:
-            local_reason = DECODE_CANNOT_LOAD
+        d = self._decode_profile(decoders, snaps, rr)
+        local = rr.local_reason
+        if local is None and d.kv_role not in KV_LOADS:
+            local = DECODE_CANNOT_LOAD
         p_choice, est = None, None
-        if prefillers and local_reason is None and self.config.pd.policy != "never":
+        if prefillers and local is None and self.config.pd.policy != "never":
             p_choice = self.policy.choose(
                 [self._candidate(w, matches.get(w.name, ())) for w in prefillers], req)
             p = self.registry.get(p_choice.worker)
             assert p is not None
-            est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name], n,
-                           bs)
-        decision = PDDecision(False, local_reason) if local_reason else decide(
-            self.config.pd.policy, est)
+            est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name],
+                           rr.prompt_tokens, rr.block_size)
+        decision = PDDecision(False, local) if local else decide(self.config.pd.policy, est)
+        self.sessions.record(rr.session, d.name, rr.prompt_tokens, self.clock())
         routed = self._open_pd(d, p_choice if decision.remote else None, hashes, matches,
-                               req, decision)
+                               rr, decision)
         self._count_pd(routed, t0)
         return routed
+
+    def _decode_profile(self, decoders: list[WorkerState], snaps: dict[str, PDWorker],
+                        rr: RoutingRequest) -> WorkerState:
+        """The decode worker: load first (`decode_order`), the larger of its cache and its
+        session credit (`scorer.session_credit`) next, then a rendezvous tie-break."""
+        req, session = rr.scoring(), self._session_tokens(rr)
+        cfg = self.config.cost
+
+        def credit(w: WorkerState) -> int:
+            tokens = session.get(w.name, 0)
+            return int(session_credit(Candidate(w.name, session_tokens=tokens), req, cfg)) \
+                if tokens else 0
+
+        return min(decoders, key=lambda w: (decode_order(snaps[w.name], credit(w)),
+                                            -rendezvous(req.prefix_key, w.name)))
 
     def _pd_worker(self, w: WorkerState, tiers: tuple[str, ...],
                    req: RouteRequest) -> PDWorker:
@@ -289,23 +352,24 @@ class Router(Membership):
                              prefill.kv_bytes_per_token or cfg.kv_bytes_per_token)
 
     def _open_pd(self, d: WorkerState, p_choice: Decision | None, hashes: list[int],
-                 matches: dict[str, tuple[str, ...]], req: RouteRequest,
+                 matches: dict[str, tuple[str, ...]], rr: RoutingRequest,
                  decision: PDDecision) -> PDRouted:
-        n, bs = req.prompt_tokens, req.block_size
+        n, bs = rr.prompt_tokens, rr.block_size
         d_tiers = matches.get(d.name, ()) if not d.load_only else ()
         d_hit = hit_tokens(len(d_tiers), n, bs)
         d_decision = Decision(d.name, DECODE_LOAD)
         if p_choice is None:
             ticket = self._open(d, hashes, n, d_hit, n - d_hit, tiers=d_tiers[:d_hit // bs])
-            return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes)), None, decision)
+            return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes), rr), None,
+                            decision)
         p = self.registry.get(p_choice.worker)
         assert p is not None
         p_tiers = matches.get(p.name, ()) if not p.load_only else ()
         p_hit = hit_tokens(len(p_tiers), n, bs)
         p_ticket = self._open(p, hashes, n, p_hit, n - p_hit, tiers=p_tiers[:p_hit // bs])
         d_ticket = self._open(d, hashes, n, d_hit, min(1, n), verify=False)
-        return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes)),
-                        Routed(p, p_choice, p_ticket, p_hit, len(hashes)), decision)
+        return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes), rr),
+                        Routed(p, p_choice, p_ticket, p_hit, len(hashes), rr), decision)
 
     def _count_pd(self, r: PDRouted, t0: float) -> None:
         m, d = self.metrics, r.decision
@@ -429,7 +493,7 @@ class Router(Membership):
         self.metrics.actual_hit.labels(ticket.worker).inc(cached_tokens)
         w = self.registry.get(ticket.worker)
         if w is not None and w.up:
-            bs = self.hash_spec.block_size if self.hash_spec else 16
+            bs = self.block_size
             w.verifier.record(ticket.predicted_tokens, cached_tokens, bs, ticket.tiers)
 
     # --- health ---------------------------------------------------------------------------
@@ -514,25 +578,3 @@ class Router(Membership):
                    "prefill_failures": w.prefill_failures,
                    "kv_bytes_per_token": w.kv_bytes_per_token},
         }
-
-
-
-def _serving_adapter(workers: list[WorkerState], lora_name: str | None
-                     ) -> list[WorkerState]:
-    """The workers that have LoRA adapter `lora_name` loaded (per their description); all
-    of `workers` when none has (they answer for themselves: a 404)."""
-    if lora_name is None:
-        return workers
-    holders = [w for w in workers
-               if w.description is not None and lora_name in w.description.lora_adapters]
-    return holders or workers
-
-
-def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
-    """What identifies the prompt's prefix for rendezvous tie-breaks."""
-    if hashes:
-        return hashes[0]
-    digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -32,8 +32,8 @@ from starlette.responses import Response, StreamingResponse
 
 from kvloop.front.anthropic import MESSAGES_PATHS, anthropic_error_body, event
 from kvloop.front.drain import refused_by_drain
-from kvloop.front.openai import MaxTokens, error_body
-from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
+from kvloop.front.openai import error_body
+from kvloop.router.flow import FlowControl, FlowKey, Permit, Rejection, rejection_response
 from kvloop.router.migration import Migration
 from kvloop.router.relay import (
     RETRY,
@@ -46,8 +46,8 @@ from kvloop.router.relay import (
     response_headers,
     unless_disconnected,
 )
+from kvloop.router.request import RoutingRequest
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
-from kvloop.router.sessions import session_key
 from kvloop.router.sse import SseRelay, sse_event
 
 log = logging.getLogger("kvloop.router")
@@ -75,30 +75,22 @@ class SingleFlow:
         if self._decider is not None:
             self._decider.shutdown(wait=False)
 
-    async def send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
-                   tokens: list[int], headers: dict[str, str], stream: bool,
-                   strip_usage: bool, output_tokens: int | None = None,
-                   exclude: Sequence[str] = (),
+    async def send(self, request: Request, rr: RoutingRequest, raw: bytes,
+                   headers: dict[str, str], stream: bool, strip_usage: bool,
                    on_routed: Callable[[str], None] | None = None,
                    migration: Migration | None = None) -> Response:
-        """Wait for room (flow control), route (never to a worker of `exclude`), forward,
-        answer; `on_routed` hears the name of the worker that got the request;
-        `output_tokens`: what the request will produce (None: what its body asks for);
-        `migration`: a stream's, if it may move."""
+        """Wait for room (flow control), pick (`Router.pick_one`: never a worker of
+        `rr.exclude`), forward `raw` to `rr.path`, answer; `on_routed` hears the name of the
+        worker that got the request; `migration`: a stream's, if it may move."""
         assert self.client is not None
-        tried: list[str] = list(exclude)
         unanswered: Unanswered | None = None   # one retry after a connection closed so
-        if output_tokens is None:
-            output_tokens = MaxTokens.of_body(path, body).tokens(None)
-        permit = await self.admission(request, body)
+        permit = await self.admission(request, rr.flow_key)
         if isinstance(permit, Response):
             return permit
-        session = session_key(request.headers, body)
+        path = rr.path
         while True:
             try:
-                routed = await self.decide(self.router.route, tokens, tried,
-                                           body.get("cache_salt"), output_tokens, session,
-                                           self.router.adapter_of(body.get("model")))
+                routed = await self.decide(self.router.pick_one, rr)
             except NoWorkerError as e:
                 return unanswered.answer if unanswered else error_response(str(e), 503)
             finally:
@@ -111,7 +103,7 @@ class SingleFlow:
             if isinstance(upstream, Retry):
                 if isinstance(upstream, Unanswered):
                     unanswered = upstream
-                tried.append(name)
+                rr = rr.continued(exclude=[name])
                 continue
             if isinstance(upstream, Response):
                 return upstream
@@ -119,11 +111,11 @@ class SingleFlow:
             return await self.answer(request, upstream, routed, stream, strip_usage,
                                      migration)
 
-    async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
-        """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
-        is routed, or the refusal to answer (499: the client left while queued)."""
-        permit = await unless_disconnected(
-            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+    async def admission(self, request: Request, key: FlowKey | None) -> Permit | Response:
+        """Flow control's answer (kvloop/router/flow.py) for a request of flow `key` (None:
+        the default band and tenant): a permit, to close once the request is routed, or the
+        refusal to answer (499: the client left while queued)."""
+        permit = await unless_disconnected(request, self.flow.admit(key or FlowKey()))
         if isinstance(permit, Disconnected):
             return Response(status_code=499)
         if isinstance(permit, Rejection):
@@ -283,24 +275,28 @@ class SingleFlow:
                if failure is not None else
                f"worker {routed.worker.name} ended the stream early: {interrupted}")
         if migration is not None:
-            async for out in self._migrate(migration, routed.worker.name, strip_usage, msg):
+            async for out in self._migrate(migration, routed, strip_usage, msg):
                 yield out
             return
         yield (event(anthropic_error_body(msg, 502)) if messages
                else sse_event(error_body(msg, 502)) + b"data: [DONE]\n\n")
 
-    async def _migrate(self, m: Migration, failed: str, strip_usage: bool, msg: str
+    async def _migrate(self, m: Migration, left: Routed, strip_usage: bool, msg: str
                        ) -> AsyncIterator[bytes]:
-        """The rest of a stream whose worker `failed`, from another worker
-        (kvloop/router/migration.py); `msg`'s error event when none takes it."""
+        """The rest of a stream whose worker (`left`'s) failed, from another worker
+        (kvloop/router/migration.py), picked with `left`'s routing request continued (its
+        adapter, session and salt kept); `msg`'s error event when none takes it."""
         if m.finished:   # its last chunk was relayed: only the end was lost
             yield b"data: [DONE]\n\n"
             return
+        failed = left.worker.name
+        assert left.request is not None
+        rr = left.request
         leg = m.next_leg(failed)
         while not isinstance(leg, str):
             try:
-                routed = await self.decide(self.router.route, leg.tokens or m.tokens, m.failed,
-                                           m.body.get("cache_salt"), leg.max_tokens)
+                routed = await self.decide(self.router.pick_one, rr.continued(
+                    leg.tokens, m.failed, leg.max_tokens))
             except NoWorkerError as e:
                 leg = str(e)
                 break
