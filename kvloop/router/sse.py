@@ -24,6 +24,12 @@ class SseRelay:
         self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
+        """The whole events of `chunk` (and what was buffered) the client gets. Once the
+        stream has started, a chunk of whole events that no migration reads and that holds
+        no usage is relayed as it is, unparsed (the common case: one token's event)."""
+        if (self.started and self.migration is None and not self.buf
+                and chunk.endswith(b"\n\n") and b'"usage"' not in chunk):
+            return chunk
         self.buf += chunk
         out: list[bytes] = []
         while (found := event_end(self.buf)) is not None:
