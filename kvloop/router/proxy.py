@@ -197,7 +197,7 @@ class RouterApp:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            headers=self.worker_headers)
+            headers=self.worker_headers, verify=self.router.config.worker_tls.context())
         self.single.start(self.client)
         self.poller.attach(self.client)
         for spec in self.initial_workers:
