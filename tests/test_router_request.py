@@ -130,3 +130,17 @@ def test_the_relay_passes_token_events_through_unparsed_once_started():
     assert relay.feed(usage[:20]) == b"" and relay.feed(usage[20:] + b"data: [DONE]\n\n") \
         == b"data: [DONE]\n\n"
     assert relay.cached_tokens == 3
+
+
+def test_cpu_seconds_reads_a_process_cpu_time():
+    import os
+    import time
+
+    from kvloop.bench.router_cpu import cpu_seconds, text_prompts
+
+    before, t0 = cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - t0 < 0.2:   # burn 0.2 s of this process's CPU
+        pass
+    assert cpu_seconds(os.getpid()) - before >= 0.15
+    prompts = text_prompts(9, 8, 80, seed=1)
+    assert len(prompts) == 9 and prompts[0].split(" 0: ")[0] == prompts[8].split(" 8: ")[0]

@@ -7,8 +7,8 @@ Starts `--workers` simulated workers (`kvloop serve sim`, `kvloop.router.fleet`)
 `kvloop router` process in front of them, sends warm-up requests, then `--requests` streamed
 `/v1/completions` of ~1,500-token text prompts (8 shared prefixes + unique suffixes) at
 `--concurrency`, and reports the router process's CPU seconds (user + system, every thread,
-from /proc) per request. `--profile` runs the router under cProfile (timed by CPU seconds) and writes
-its profile there (the figures are then the profiler's, not the router's).
+from /proc) per request. `--profile` runs the router under cProfile (timed by CPU seconds)
+and writes its profile there (the figures are then the profiler's, not the router's).
 
 `cpu_seconds(pid)` is the reusable piece: `kvloop.bench.routers` reads any router's CPU with
 it (a kvloop router, SMG, Envoy).
