@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -98,6 +99,21 @@ class SimSettings:
             raise ValueError(f"--sim-copy-rate must be in [0, 1], got {self.copy_rate}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+# A PEFT adapter folder's two files (what kvloop reads of an adapter).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_folder_problem(path: str) -> str | None:
+    """Why folder `path` cannot be a PEFT adapter (not a folder, a file missing), or None.
+    Checked before a model loads (`--lora-modules`) and again when the adapter is read."""
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+               if not os.path.isfile(os.path.join(path, f))]
+    return f"no {' or '.join(missing)} in {path}" if missing else None
 
 
 @dataclass(frozen=True)
@@ -696,9 +712,11 @@ def check_shared_store_url(url: str) -> None:
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
-    debugging switches, the KV connector (`kv_transfer`; None: no prefill/decode
-    disaggregation), and `auto_budget` (None: `scheduler.max_num_batched_tokens` as given;
-    else the runner's owner resolves it before building the engine, `AutoBudget`).
+    debugging switches, the KV connectors (`kv_transfer`: prefill/decode, None: none;
+    `kv_offload`: tiers below the pool, None: none; both: one MultiConnector,
+    `kvloop.engine.build.make_connectors`), and `auto_budget` (None:
+    `scheduler.max_num_batched_tokens` as given; else `kvloop.engine.build_engine` resolves
+    it on the loaded runner, `AutoBudget`).
     `grammar_compile_timeout_s`: a structured-output grammar still compiling after this long
     fails its requests (`kvloop.core.compile_queue`)."""
 
@@ -715,9 +733,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
-        if self.kv_transfer is not None and self.kv_offload is not None:
-            raise ValueError("KV offloading tiers and --kv-transfer-config (prefill/decode) "
-                             "cannot be combined yet: give one")
         if self.kv_offload is not None and not self.cache.enable_prefix_caching:
             raise ValueError("KV offloading tiers need prefix caching (their keys are the "
                              "block hashes)")

@@ -1,6 +1,7 @@
 """`kvloop router` and `kvloop fleet`: flags -> frozen configs -> run.
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
+    kvloop router ... [--ext-proc-port PORT] [--discovery-file PATH]
     kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
                   [--pd-policy cost|always|never]
     kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import os
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
 from kvloop.events.cli_args import (
     NATS_CREDENTIAL_ENV,
@@ -25,6 +27,7 @@ from kvloop.events.config import NatsPlaneConfig
 from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, add_worker_tls_args, tls_config, worker_tls
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
     PD_POLICIES,
@@ -155,11 +158,23 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
     _add_flow_args(p)
+    add_batch_args(p)
     lv.add_argument("--migration-limit", type=int, default=0, metavar="N",
                     help="how many times a stream whose worker fails mid-stream moves to "
                          "another worker, with the tokens already sent (0: never)")
     _add_security_args(p)
     _add_bus_args(p)
+    _add_gateway_args(p)
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("behind Envoy, and workers from a file (docs/gateway.md)")
+    g.add_argument("--ext-proc-port", type=int, default=None, metavar="PORT",
+                   help="also serve Envoy's ext_proc gRPC service on --host:PORT as the Gateway "
+                        "API Inference Extension's endpoint picker (0: a free port, printed)")
+    g.add_argument("--discovery-file", default=None, metavar="PATH",
+                   help="a YAML list of workers (url, role) watched for changes: workers "
+                        "added to it join, workers removed from it leave")
 
 
 def _add_flow_args(p: argparse.ArgumentParser) -> None:
@@ -245,6 +260,9 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
                         "one, a client's Authorization header is passed through only when "
                         "the router itself requires no key")
     add_limit_args(g)
+    g = p.add_argument_group("TLS (the router's front, and https:// workers)")
+    add_tls_args(g)
+    add_worker_tls_args(g)
 
 
 def router_config(args: argparse.Namespace,
@@ -283,14 +301,18 @@ def router_config(args: argparse.Namespace,
                                 request_timeout_s=args.request_timeout),
         auth=auth,
         worker_api_key=args.worker_api_key or os.environ.get(WORKER_API_KEY_ENV) or None,
-        http_limits=http_limits(args), bus=bus_config(args),
+        http_limits=http_limits(args), tls=tls_config(args), worker_tls=worker_tls(args),
+        bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,
                     prefill_timeout_s=args.prefill_timeout),
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
-        flow=flow_config(args), migration_limit=args.migration_limit)
+        flow=flow_config(args), migration_limit=args.migration_limit,
+        ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
+        batch=batch_config(args, http_limits(args).max_request_body_bytes, args.index,
+                           args.redis_password))
 
 
 def _setup_logging(level: str) -> None:

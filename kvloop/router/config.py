@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvloop.batch.config import BatchConfig
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
+from kvloop.front.tls import TlsConfig, WorkerTls
 from kvloop.router.flow_config import FlowConfig
 from kvloop.trust import FleetSecret
 
@@ -270,14 +272,21 @@ class RouterConfig:
     `auth`: the keys clients (and admins) present to the router; `worker_api_key`: the key
     the router presents to every worker (polls and forwarded requests; without it a client's
     Authorization header is passed through); `http_limits`: body size and read timeouts of
-    the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
-    themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
+    the router's HTTP front; `tls`: HTTPS on that front, and `worker_tls` how the router
+    checks https:// workers (kvloop/front/tls.py); `bus`: the workers' events (and, with
+    discovery, the workers themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
     (kvloop/trust.py), which the router's bus and P/D legs prove membership with;
     `tokenizer`: a .gguf file or Hugging Face folder whose tokenizer the router uses for every
     model (vLLM's --tokenizer; None: its own copy of the workers' model, else the workers'
     `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
     `migration_limit`: how many times one stream may move to another worker when its worker
     fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
+    `ext_proc_port`: also serve Envoy's external processing gRPC service there, on `host`, as
+    the Gateway API Inference Extension's endpoint picker (None: not; 0: an ephemeral port;
+    kvloop/router/ext_proc.py). `discovery_file`: a YAML file of workers, watched for changes
+    (kvloop/router/discovery_file.py).
+    `batch`: the Batch API's storage and bounds (kvloop/batch; None: no /v1/files and
+    /v1/batches routes).
     """
 
     host: str = "127.0.0.1"
@@ -291,14 +300,21 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     worker_api_key: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    tls: TlsConfig | None = None
+    worker_tls: WorkerTls = field(default_factory=WorkerTls)
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     migration_limit: int = 0
+    ext_proc_port: int | None = None
+    discovery_file: str | None = None
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"ext_proc_port must be in [0, 65535], got {self.ext_proc_port}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.worker_api_key is not None:

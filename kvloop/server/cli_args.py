@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import (
     AUTO_BUDGET,
     AUTO_BUDGET_FLOOR,
@@ -54,6 +55,7 @@ from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.cli_help import HelpFormatter
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, tls_config
 from kvloop.server.config import (
     DEFAULT_MAX_SPEC_BYTES,
     MAX_SPEC_FLAG,
@@ -265,6 +267,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
                    help="what a router may send here")
+    add_tls_args(g)
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests not yet scheduled beyond which new ones get 503")
     g.add_argument("--max-logprobs", type=int, default=20,
@@ -316,6 +319,7 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     add_auth_args(g)
     add_fleet_secret_arg(g)
     add_limit_args(g)
+    add_batch_args(p, default_on=False)
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -374,12 +378,15 @@ def auto_budget(args: argparse.Namespace) -> AutoBudget | None:
 
 
 def enable_prefix_caching(args: argparse.Namespace) -> bool:
-    """The flag when given; else on, except for `--role decode` (Dynamo's guidance: a decode
-    worker keeps no prefix cache, so it publishes no `BlockStored` a router would route on;
-    docs/disaggregation.md)."""
+    """The flag when given; else on, except for `--role decode` without a KV tier (Dynamo's
+    guidance: a decode worker keeps no prefix cache, so it publishes no `BlockStored` a router
+    would route on; docs/disaggregation.md). A decode worker with a tier keeps it: the tiers'
+    keys are the block hashes."""
     if args.enable_prefix_caching is not None:
         return bool(args.enable_prefix_caching)
-    return bool(args.role != "decode")
+    tiers = (args.kv_offloading_size is not None or args.kv_disk_path is not None
+             or args.kv_shared_store is not None)
+    return bool(args.role != "decode" or tiers)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -506,7 +513,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
-    kv_events = publisher_config_from_args(args)
+    kv_events = publisher_config_from_args(args, has_secret=secret is not None)
     advertised = advertised_host(args.host, args.advertise_host)
     kv_events = events_beyond_loopback(kv_events, args.host)
     engine = side_channel_beyond_loopback(engine, args, advertised.host)
@@ -535,11 +542,13 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_stats=not args.disable_log_stats,
                         log_stats_interval_s=log_stats_interval(),
                         auth=auth_config(args), http_limits=http_limits(args),
+                        tls=tls_config(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
                         responses_store=store_config(args),
-                        default_sampling=defaults, lora=lora_serve(args))
+                        default_sampling=defaults, lora=lora_serve(args),
+                        batch=batch_config(args, http_limits(args).max_request_body_bytes))
     return serve, start, tokenizer
 
 

@@ -6,9 +6,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvloop.batch.config import BatchConfig
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.front.tls import TlsConfig
 from kvloop.server.generation_config import DefaultSampling
 from kvloop.server.lora import LoRAServe
 from kvloop.server.responses_store import ResponseStoreConfig
@@ -48,7 +50,8 @@ class ServeConfig:
     `--enable-log-requests`): one INFO line per request received, its prompt cut to
     `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
     `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
-    `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
+    `http_limits`: body size and read timeouts of the HTTP front; `tls`: HTTPS and client
+    certificates (kvloop/front/tls.py; None: plain HTTP). `shutdown_timeout_s`: how
     long a SIGTERM lets requests in flight finish (0: they end at once).
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
@@ -63,7 +66,8 @@ class ServeConfig:
     kvloop/server/generation_config.py). `kv_shared_store`: the shared KV store this worker
     reads (`--kv-shared-store`, a URL without credentials), named to routers so they credit
     its blocks to every worker reading it. `lora`: the LoRA
-    adapters served (kvloop/server/lora.py; None: no --enable-lora).
+    adapters served (kvloop/server/lora.py; None: no --enable-lora). `batch`: the Batch
+    API (kvloop/batch; None: no /v1/files and /v1/batches routes).
     """
 
     served_model_names: tuple[str, ...]
@@ -90,6 +94,7 @@ class ServeConfig:
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     auth: AuthConfig = field(default_factory=AuthConfig)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    tls: TlsConfig | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     fleet_secret: FleetSecret | None = None
@@ -97,6 +102,7 @@ class ServeConfig:
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
     default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
     lora: LoRAServe | None = None
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:
