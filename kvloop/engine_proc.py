@@ -68,6 +68,7 @@ from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
+from kvloop.engine_spans import EngineSpans, make_engine_spans
 from kvloop.events.config import KVEventsConfig
 from kvloop.kv_transfer import make_connector
 from kvloop.kv_transfer.offloading import make_offloading_connector
@@ -166,6 +167,7 @@ class EngineCoreProc:
         self.engine: EngineCore | None = None
         self.publisher: Any = None
         self.trace: TraceWriter | None = None
+        self.spans: EngineSpans | None = None   # --otlp-traces-endpoint (kvloop.engine_spans)
         self._last_stats_key: tuple[Any, ...] | None = None
         self._faults: list[str] = []     # the faults last sent to the API server
 
@@ -241,6 +243,7 @@ class EngineCoreProc:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
             self.trace = TraceWriter(cfg.trace_file)
+        self.spans = make_engine_spans(cfg.tracing, connector)
         return ready
 
     def _start_publisher(self, ready: EngineReady, ev_cfg: KVEventsConfig) -> EngineReady:
@@ -407,6 +410,8 @@ class EngineCoreProc:
                                       lora_name=msg.lora_name, client_index=msg.client_index,
                                       pooling_params=msg.pooling_params)
             engine.add_request(req)
+            if self.spans is not None:
+                self.spans.on_add(msg)
         except (ValueError, TypeError) as e:
             self._refuse(msg.request_id, str(e))
 
@@ -444,7 +449,10 @@ class EngineCoreProc:
         return ok
 
     def _process_engine_step(self, engine: EngineCore) -> None:
+        t0 = time.monotonic()
         result = engine.step()
+        if self.spans is not None:
+            self.spans.on_step(engine, result, t0, time.monotonic())
         self._publish_events(engine, result)
         if result.executed:
             if self.trace is not None and result.record is not None:
@@ -514,6 +522,8 @@ class EngineCoreProc:
             self.publisher.shutdown()
         if self.trace is not None:
             self.trace.close()
+        if self.spans is not None:
+            self.spans.tracer.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         self._dealer.close()

@@ -16,6 +16,7 @@ from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
 from kvloop.router.flow_config import FlowConfig
+from kvloop.tracing import TracingConfig
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -297,6 +298,7 @@ class RouterConfig:
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     migration_limit: int = 0
+    tracing: TracingConfig = field(default_factory=TracingConfig)   # kvloop.tracing
 
     def __post_init__(self) -> None:
         if self.migration_limit < 0:

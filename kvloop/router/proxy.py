@@ -58,6 +58,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -104,6 +105,7 @@ from kvloop.front.openai import (
 from kvloop.front.prometheus_text import metric_value, samples
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
+from kvloop.router import tracing
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
 from kvloop.router.migration import Migration
@@ -212,6 +214,7 @@ class RouterApp:
                                                         Exception: _internal_error})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
+        self.tracer = tracing.install_tracing(self.app, cfg.tracing)
         self.pd = PDFlow(self)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
@@ -253,6 +256,8 @@ class RouterApp:
             await self.client.aclose()
         if self._decider is not None:
             self._decider.shutdown(wait=False)
+        if self.tracer is not None:
+            self.tracer.shutdown()
         self.router.shutdown()
 
     # --- workers --------------------------------------------------------------------------
@@ -560,8 +565,9 @@ class RouterApp:
     async def admission(self, request: Request, body: dict[str, Any]) -> Permit | Response:
         """Flow control's answer (kvloop/router/flow.py): a permit, to close once the request
         is routed, or the refusal to answer (499: the client left while queued)."""
-        permit = await unless_disconnected(
-            request, self.flow.admit(self.flow.key_of(request.headers, body)))
+        key, t0 = self.flow.key_of(request.headers, body), time.monotonic()
+        permit = await unless_disconnected(request, self.flow.admit(key))
+        tracing.admitted(key, t0, permit)
         if isinstance(permit, Disconnected):
             return Response(status_code=499)
         if isinstance(permit, Rejection):
@@ -573,15 +579,20 @@ class RouterApp:
         on the router's one decision thread, so decisions stay serial and a frozen Redis
         stalls that thread, never the loop. A request cancelled meanwhile closes the tickets
         its decision opens."""
+        t0 = time.monotonic()
         if self._decider is None:
-            return route(*args)
+            result = route(*args)
+            tracing.decided(result, t0)
+            return result
         loop = asyncio.get_running_loop()
         decision = loop.run_in_executor(self._decider, functools.partial(route, *args))
         try:
-            return await asyncio.shield(decision)
+            result = await asyncio.shield(decision)
         except asyncio.CancelledError:
             decision.add_done_callback(self._abandon)
             raise
+        tracing.decided(result, t0)
+        return result
 
     def _abandon(self, decision: asyncio.Future[Any]) -> None:
         if not decision.cancelled() and decision.exception() is None:
@@ -599,6 +610,7 @@ class RouterApp:
         marked down: route again, once)."""
         assert self.client is not None
         w = routed.worker
+        headers = tracing.leg_headers(headers, routed, routed.worker.spec.role)
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
                                         headers=headers)
         sent = False
@@ -755,6 +767,7 @@ class RouterApp:
                 leg = f"{routed.worker.name} did not answer"
                 break
             self.router.metrics.migrations.labels(failed, "migrated").inc()
+            tracing.migrated(failed, routed, m.moves, len(m.output_ids))
             log.warning("stream migrated from worker %s to worker %s after %d tokens (move "
                         "%d of at most %d)", failed, routed.worker.name, len(m.output_ids),
                         m.moves, m.limit)

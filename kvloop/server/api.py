@@ -100,6 +100,7 @@ from kvloop.server.serving import (
     create_completion,
     create_generate,
 )
+from kvloop.server.tracing import TraceMiddleware
 from kvloop.version import __version__
 from kvloop.wire import (
     TOKENIZER_FILES_PATH,
@@ -294,6 +295,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     if ctx.loras.enabled:
         add_lora_routes(app, ctx.loras, ctx.config.served_model_names, ctx.client.call_utility,
                         APIError)
+    tracer = getattr(ctx.client, "tracer", None)
+    if tracer is not None:   # outermost: its span covers the whole request
+        app.add_middleware(TraceMiddleware, tracer=tracer)
     return app
 
 
