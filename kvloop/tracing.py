@@ -167,7 +167,9 @@ class Tracer:
 
         assert config.endpoint is not None
         self.config = config
-        attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service_name}
+        attrs: dict[str, Any] = {"process.pid": os.getpid()}
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            attrs[SERVICE_NAME] = service_name
         self._provider = TracerProvider(resource=Resource.create(attrs))
         self._provider.add_span_processor(BatchSpanProcessor(_exporter(config.endpoint)))
         self._tracer = self._provider.get_tracer("kvloop")

@@ -85,6 +85,7 @@ class Load:
     state: str = "new"          # new -> meta (waiting for the handshake) -> read -> delayed
     cancelled: bool = False
     shm_name: str | None = None  # the shared-memory file D named for its Read
+    transport: str | None = None  # the Read's: "tcp" or "shm" (None: no Read sent)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class LoadResult:
     seconds: float = 0.0
     invalid_block_ids: list[int] = field(default_factory=list)
     recompute: bool = False       # a cache miss whatever the policy (a checksum failed)
+    transport: str | None = None  # "tcp" or "shm"; None: nothing was read
 
 
 class ThrottledLog:
@@ -385,6 +387,7 @@ class TransferClient:
         same_host = peer.meta.host_id == host_id()
         transport = "shm" if self.transport == "shm" or (
             self.transport == "auto" and same_host) else "tcp"
+        load.transport = transport
         if transport == "shm" and self.store.has_payload:
             load.shm_name = shm.new_name()
         self._send(peer, Read(remote_request_id=load.remote_request_id,
@@ -544,7 +547,8 @@ class TransferClient:
         seconds = self.clock() - load.started
         if nbytes:
             self.counters.add_received(nbytes, seconds)
-        self._report(LoadResult(load.request_id, ok=True, nbytes=nbytes, seconds=seconds))
+        self._report(LoadResult(load.request_id, ok=True, nbytes=nbytes, seconds=seconds,
+                                transport=load.transport))
 
     def _fail(self, load: Load, error: _Failed, send_done: bool = True) -> None:
         if load.cancelled:

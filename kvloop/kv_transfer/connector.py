@@ -293,7 +293,7 @@ class KvloopConnector:
     def _transfer_attributes(self, r: LoadResult) -> dict[str, Any]:
         """One pull as span attributes: bytes, transport, milliseconds, its failure."""
         return {"kvloop.kv_transfer.bytes": r.nbytes,
-                "kvloop.kv_transfer.transport": self.config.extra.transport,
+                "kvloop.kv_transfer.transport": r.transport,
                 "kvloop.kv_transfer.ms": round(r.seconds * 1000, 3),
                 "kvloop.kv_transfer.ok": r.ok, "kvloop.kv_transfer.failure": r.reason}
 
