@@ -482,7 +482,8 @@ class EngineCoreProc:
         if stats is not None:
             pcs = stats.prefix_cache_stats
             key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
-                   stats.num_preemptions, pcs.requests, pcs.preempted_requests)
+                   stats.num_preemptions, pcs.requests, pcs.preempted_requests,
+                   *(stats.num_waiting_by_reason or {}).values())
             if stats.kv_transfer is not None:
                 key += (stats.kv_transfer.held_requests, stats.kv_transfer.loading_requests)
                 kv_counts = stats.kv_transfer.has_counts

@@ -150,6 +150,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_decoding_stats: SpecDecodingStats | None = None   # None: no drafts this step
     kv_transfer: KVTransferStats | None = None     # None: the engine has no KV connector
     lora: LoRAStats | None = None                  # None: LoRA is off
+    # vllm:num_requests_waiting_by_reason: capacity, deferred, each reason (core/waiting.py)
+    num_waiting_by_reason: dict[str, int] | None = None
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):
