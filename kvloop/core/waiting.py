@@ -38,7 +38,6 @@ from typing import Protocol
 
 from kvloop.core.request import Request, RequestStatus
 
-
 # `vllm:num_requests_waiting_by_reason` labels besides each reason's own (`reason_label`):
 CAPACITY = "capacity"   # vLLM's: waiting for room (token budget, KV blocks), held by nothing
 DEFERRED = "deferred"   # vLLM's: held by some reason (the sum of the reasons' labels)
