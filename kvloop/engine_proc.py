@@ -409,6 +409,7 @@ class EngineCoreProc:
             req = engine.make_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                       lora_name=msg.lora_name, client_index=msg.client_index,
                                       pooling_params=msg.pooling_params)
+            req.trace_headers = msg.trace_headers
             engine.add_request(req)
             if self.spans is not None:
                 self.spans.on_add(msg)

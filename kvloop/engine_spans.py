@@ -23,7 +23,15 @@ from typing import Any
 
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.request import RequestStatus
-from kvloop.tracing import Attr, TraceHeaders, Tracer, TracingConfig, epoch_ns, make_tracer
+from kvloop.tracing import (
+    Attr,
+    TraceHeaders,
+    Tracer,
+    TracingConfig,
+    epoch_ns,
+    make_tracer,
+    trace_headers,
+)
 from kvloop.wire import EngineCoreRequest
 
 
@@ -56,6 +64,17 @@ class EngineSpans:
         live = self._live.get(request_id)
         if live is not None:
             live.transfer = attributes
+
+    def on_read(self, read: Any, nbytes: int, t0: float, t1: float) -> None:
+        """P's side channel served a Read (its own thread): a span of D's request's trace,
+        if the Read carries a valid context (a peer's field: checked, bounded)."""
+        parent = trace_headers(read.trace_headers)
+        if parent is None:
+            return
+        self.tracer.record("kv_transfer.send", parent, epoch_ns(t0), epoch_ns(t1), {
+            "kvloop.kv_transfer.bytes": nbytes, "kvloop.kv_transfer.transport": read.transport,
+            "kvloop.kv_transfer.ms": round((t1 - t0) * 1000, 3),
+            "kvloop.kv_transfer.blocks": len(read.block_ids)})
 
     def on_step(self, engine: EngineCore, result: StepResult, t0: float, t1: float) -> None:
         """One step ran from `t0` to `t1` (monotonic seconds)."""
@@ -146,4 +165,7 @@ def make_engine_spans(config: TracingConfig | None, connector: Any) -> EngineSpa
     spans = EngineSpans(tracer)
     if hasattr(connector, "on_transfer"):
         connector.on_transfer = spans.on_transfer
+    server = getattr(connector, "server", None)   # P's side channel
+    if server is not None:
+        server.on_read = spans.on_read
     return spans

@@ -72,7 +72,7 @@ def test_one_request_through_router_p_and_d_is_one_trace_from_every_process(monk
                             "api_server.preprocess", "llm_request", "engine_core.queue",
                             "engine_core.kv_load", "engine_core.prefill",
                             "engine_core.prefill_chunk", "engine_core.decode",
-                            "engine_core.decode_step"}
+                            "engine_core.decode_step", "kv_transfer.send"}
                 spans = received.wait_for(lambda got: expected <= {
                     s.name for s in got if s.trace_id == trace_id} and len(
                     _named([s for s in got if s.trace_id == trace_id], "llm_request")) == 2
@@ -127,6 +127,14 @@ def test_one_request_through_router_p_and_d_is_one_trace_from_every_process(monk
     assert load.attributes["kvloop.kv_transfer.bytes"] == metric_value(
         d_metrics, "kvloop:kv_transfer_bytes_total", side="recv") > 0
     assert load.attributes["kvloop.external_tokens"] == usage["prompt_tokens"]   # from P
+    # P's side channel served D's Read under D's llm_request (the context came in the Read)
+    send, = _named(spans, "kv_transfer.send")
+    assert by_id[send.parent_id] is d_req and send.service == "kvloop-engine-core"
+    assert send.pid != load.pid and send.pid != d_req.pid
+    assert send.attributes["kvloop.kv_transfer.bytes"] == load.attributes[
+        "kvloop.kv_transfer.bytes"]
+    assert send.attributes["kvloop.kv_transfer.transport"] == load.attributes[
+        "kvloop.kv_transfer.transport"]
     decode_steps = [s for s in _named(spans, "engine_core.decode_step")
                     if by_id[s.parent_id] is d_req]
     assert len(decode_steps) == 3   # 4 tokens: the first from the prefill step
@@ -176,6 +184,7 @@ def test_trace_headers_are_checked_and_bounded():
         TracingConfig("http://x", ("everything",))
 
 
+@pytest.mark.processes
 def test_tracing_off_imports_no_opentelemetry():
     """With the flag off, no process of kvloop loads the OpenTelemetry SDK, an exporter or
     grpc (FastAPI itself imports the light opentelemetry API package: not ours)."""

@@ -86,6 +86,7 @@ class Load:
     cancelled: bool = False
     shm_name: str | None = None  # the shared-memory file D named for its Read
     transport: str | None = None  # the Read's: "tcp" or "shm" (None: no Read sent)
+    trace_headers: dict[str, str] | None = None   # the request's trace, passed on to P
 
 
 @dataclass
@@ -392,7 +393,7 @@ class TransferClient:
             load.shm_name = shm.new_name()
         self._send(peer, Read(remote_request_id=load.remote_request_id,
                               block_ids=load.remote_block_ids, transport=transport,
-                              shm_name=load.shm_name))
+                              shm_name=load.shm_name, trace_headers=load.trace_headers))
         peer.expect.append((load, self.clock() + self.transfer_timeout))
 
     def _on_replies(self, peer: _Peer) -> None:

@@ -211,7 +211,8 @@ class KvloopConnector:
                                       f"D needs {needed}",
                               invalid_block_ids=block_ids[hit_blocks:needed])
         return Load(rid, remote.peer, remote.request_id, remote.block_ids[hit_blocks:needed],
-                    block_ids[hit_blocks:needed], started=self.clock())
+                    block_ids[hit_blocks:needed], started=self.clock(),
+                    trace_headers=request.trace_headers)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvloopConnectorMetadata:
         meta = KvloopConnectorMetadata(loads=self._to_load)
