@@ -43,8 +43,13 @@ install-test: $(VENV)/.installed-test cpu-ops
 	command -v ip >/dev/null || (apt-get update -q && apt-get install -y -q iproute2) \
 		|| echo 'warning: iproute2 could not be installed; the multi-host test will be skipped'
 
+# MAX_TOKENS: the default cap on a request's output (the 135M demo model can ramble to its
+# 8,192-token context); a request asking for fewer gets fewer. `make serve MAX_TOKENS=2048`.
+MAX_TOKENS ?= 512
 serve: install
-	$(VENV)/bin/kvloop serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/kvloop serve --host $(HOST) --port $(PORT) \
+		--override-generation-config '{"max_new_tokens": $(MAX_TOKENS)}' \
+		|| { rc=$$?; [ $$rc -ne 2 ] || echo "make serve: another port: make serve PORT=8001"; exit $$rc; }
 
 lint: install-test
 	$(VENV)/bin/ruff check kvloop tests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -98,6 +99,21 @@ class SimSettings:
             raise ValueError(f"--sim-copy-rate must be in [0, 1], got {self.copy_rate}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+# A PEFT adapter folder's two files (what kvloop reads of an adapter).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_folder_problem(path: str) -> str | None:
+    """Why folder `path` cannot be a PEFT adapter (not a folder, a file missing), or None.
+    Checked before a model loads (`--lora-modules`) and again when the adapter is read."""
+    if not os.path.isdir(path):
+        return f"{path} is not a directory"
+    missing = [f for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
+               if not os.path.isfile(os.path.join(path, f))]
+    return f"no {' or '.join(missing)} in {path}" if missing else None
 
 
 @dataclass(frozen=True)

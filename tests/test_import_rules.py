@@ -23,7 +23,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.lora_request",
                 "kvloop.version", "kvloop.llm"), ()),
     "kvloop.__main__": (("kvloop.cli",), ()),
-    "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ()),   # subcommands' cli_args: by name
+    # subcommands' cli_args: by name; yaml: --config FILE
+    "kvloop.cli": (("kvloop", "kvloop.sim.replay"), ("yaml",)),
     "kvloop.config": ((), ()),
     "kvloop.sampling_params": ((), ("msgspec",)),
     "kvloop.pooling_params": ((), ("msgspec",)),   # beside sampling_params, for the same reasons

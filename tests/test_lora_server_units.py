@@ -27,6 +27,8 @@ def test_lora_modules_take_both_of_vllms_forms() -> None:
 
 
 def test_flags_build_the_runner_engine_and_server_settings(tmp_path) -> None:
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (tmp_path / name).write_text("{}")
     args = build_parser().parse_args([
         "serve", "--model", "sim", "--enable-lora", "--lora-modules", f"a={tmp_path}",
         "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5",
@@ -42,6 +44,17 @@ def test_flags_build_the_runner_engine_and_server_settings(tmp_path) -> None:
                 ["--enable-lora", "--max-cpu-loras", "0"]):
         with pytest.raises(ValueError):
             build_configs(build_parser().parse_args(["serve", "--model", "sim", *bad]))
+
+
+def test_a_start_up_adapter_folder_is_checked_before_the_model_loads(tmp_path) -> None:
+    """The README's LoRA line with no folder fails in the flags, not after a model load."""
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text("{}")
+    for path, says in ((tmp_path / "none", "is not a directory"),
+                       (tmp_path / "half", "no adapter_model.safetensors in")):
+        with pytest.raises(ValueError, match=says):
+            build_configs(build_parser().parse_args(
+                ["serve", "--model", "sim", "--enable-lora", "--lora-modules", f"x={path}"]))
 
 
 def test_allowed_dirs_confine_paths_through_dots_and_symlinks(tmp_path) -> None:

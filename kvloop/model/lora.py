@@ -31,12 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kvloop.config import LoRAConfig
+from kvloop.config import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRAConfig
 from kvloop.core.lora_slots import SlotLRU
 from kvloop.model.loader import ModelConfig
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 _PREFIX = "base_model.model.model.layers."
 # kvloop's fused layers and the PEFT module names each holds, in its output order

@@ -240,8 +240,14 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 def run_fleet(fleet_cfg: FleetConfig, router_cfg: RouterConfig, log_level: str) -> int:
     """Start the workers, serve the router until a signal, stop everything; exit code."""
+    from kvloop.front.sockets import BindError, bind_tcp
     from kvloop.router.server import RouterServer, announce
 
+    try:   # the router's port first: a port in use fails before any worker starts
+        sock = bind_tcp(router_cfg.host, router_cfg.port)
+    except BindError as e:
+        print(f"kvloop fleet: {e}", file=sys.stderr, flush=True)
+        return 2
     fleet = Fleet(fleet_cfg)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -251,7 +257,7 @@ def run_fleet(fleet_cfg: FleetConfig, router_cfg: RouterConfig, log_level: str) 
         print(f"kvloop fleet: starting {fleet_cfg.total} workers{pd} "
               f"(model {fleet_cfg.model})", flush=True)
         specs = fleet.start()
-        server = RouterServer(router_cfg, specs, log_level=log_level)
+        server = RouterServer(router_cfg, specs, log_level=log_level, sock=sock)
         signal.signal(signal.SIGTERM, _ignore)
         signal.signal(signal.SIGINT, _ignore)
         asyncio.run(server.serve(announce))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -39,7 +40,11 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig, workers: list[WorkerSpec],
                  subscriber_factory: SubscriberFactory | None = None,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", sock: socket.socket | None = None):
+        """`sock`: the listening socket, if the caller bound it already (`kvloop fleet` binds
+        before starting its workers, so a port in use fails at once); bound here otherwise,
+        before anything else starts (`BindError`: one line saying why)."""
+        self.sock = bind_tcp(config.host, config.port) if sock is None else sock
         if subscriber_factory is None:
             from kvloop.router.subscription import subscription_factory
 
@@ -66,12 +71,6 @@ class RouterServer:
 
                 self.discovery = Discovery(self.app, self.bus)
                 self.router.details["discovery"] = self.discovery.describe
-        try:
-            self.sock = bind_tcp(config.host, config.port)
-        except OSError:
-            if self.bus is not None:
-                self.bus.stop()
-            raise
         self.url = http_url(self.sock)
         self._log_level = log_level
         self._server: FrontServer | None = None

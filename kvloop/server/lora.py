@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvloop.config import LoRAConfig
+from kvloop.config import LoRAConfig, peft_folder_problem
 
 MAX_NAME_CHARS = 128
 MAX_PATH_CHARS = 4096
@@ -129,6 +129,11 @@ def lora_serve(args: argparse.Namespace) -> LoRAServe | None:
     modules = tuple(args.lora_modules or ())
     if len({m.name for m in modules}) != len(modules):
         raise ValueError("--lora-modules names must be distinct")
+    for m in modules:   # before the model loads, not after it
+        problem = peft_folder_problem(m.path)
+        if problem is not None:
+            raise ValueError(f"--lora-modules {m.name}: {problem} (a PEFT adapter folder: "
+                             f"docs/serving.md \"LoRA adapters\" says how to make one)")
     return LoRAServe(modules, tuple(args.lora_allowed_dirs or ()))
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import signal
 import socket
@@ -32,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from kvloop.front.advertise import is_loopback_host, url_with_host
-from kvloop.front.sockets import SERVE_ANNOUNCEMENT, bind_tcp, http_url
+from kvloop.front.sockets import SERVE_ANNOUNCEMENT, BindError, bind_tcp, http_url
 from kvloop.front.uvicorn_server import FrontServer
 from kvloop.server.announce import WorkerAnnouncer
 from kvloop.server.api import build_app, describe_worker
@@ -136,14 +135,6 @@ def _cache_info(ready: EngineReady) -> dict[str, str]:
             "prefix_caching_hash_algo": ready.hash_algo}
 
 
-def bind_error(host: str, port: int, e: OSError) -> str:
-    """One line saying why `host:port` cannot be bound and what to pass instead."""
-    if e.errno == errno.EADDRINUSE:
-        return (f"cannot listen on {host}:{port}: the port is in use; pass another --port "
-                f"(--port 0 picks a free one)")
-    return f"cannot listen on {host}:{port}: {e.strerror or e}; check --host and --port"
-
-
 async def _first(work: Any, stop: asyncio.Event) -> tuple[bool, Any]:
     """(True, result of `work`), or (False, None) if `stop` is set first (`work` cancelled)."""
     task = asyncio.ensure_future(work)
@@ -161,8 +152,8 @@ async def _first(work: Any, stop: asyncio.Event) -> tuple[bool, Any]:
 async def _serve(cfg: ServeConfig, start: EngineStartConfig, tokenizer: Any) -> int:
     try:
         sock = bind_tcp(cfg.host, cfg.port)
-    except OSError as e:
-        logger.error("%s", bind_error(cfg.host, cfg.port, e))
+    except BindError as e:
+        logger.error("%s", e)
         return 2
     try:
         return await _serve_on(sock, cfg, start, tokenizer)

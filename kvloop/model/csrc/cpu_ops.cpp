@@ -1060,10 +1060,20 @@ at::Tensor huge_page_buffer(int64_t nbytes) {
   TORCH_CHECK(nbytes > 0, "huge_page_buffer: nbytes must be > 0");
   constexpr size_t kHuge = size_t(2) << 20;
   const size_t size = (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge * kHuge;
-  void* p = std::aligned_alloc(kHuge, size);
-  TORCH_CHECK(p != nullptr, "huge_page_buffer: out of memory for ", nbytes, " bytes");
+  // A fresh anonymous mapping, never a reused heap chunk: pages the allocator had already
+  // faulted in as 4 KiB stay so whatever `madvise` says afterwards. Mapped one huge page
+  // longer, trimmed to a 2 MiB-aligned `size`, advised before the first touch.
+  const size_t span = size + kHuge;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "huge_page_buffer: out of memory for ", nbytes, " bytes");
+  const auto base = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t start = (base + kHuge - 1) / kHuge * kHuge;
+  if (start > base) munmap(raw, start - base);
+  const size_t tail = base + span - (start + size);
+  if (tail > 0) munmap(reinterpret_cast<void*>(start + size), tail);
+  void* p = reinterpret_cast<void*>(start);
   madvise(p, size, MADV_HUGEPAGE);          // advice: without THP the pages stay 4 KiB
-  return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); },
+  return torch::from_blob(p, {nbytes}, [size](void* q) { munmap(q, size); },
                           at::TensorOptions().dtype(at::kByte));
 }
 
