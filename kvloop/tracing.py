@@ -43,7 +43,6 @@ class Attr:
     """Span attribute names: vLLM's (`gen_ai.*`) where vLLM has one, else `kvloop.*`."""
 
     REQUEST_ID = "gen_ai.request.id"
-    RESPONSE_MODEL = "gen_ai.response.model"
     MAX_TOKENS = "gen_ai.request.max_tokens"
     TEMPERATURE = "gen_ai.request.temperature"
     TOP_P = "gen_ai.request.top_p"
@@ -56,7 +55,6 @@ class Attr:
     E2E = "gen_ai.latency.e2e"
     PREFILL = "gen_ai.latency.time_in_model_prefill"
     DECODE = "gen_ai.latency.time_in_model_decode"
-    INFERENCE = "gen_ai.latency.time_in_model_inference"
 
 
 def add_tracing_args(p: argparse.ArgumentParser | Any) -> None:

@@ -12,6 +12,7 @@ import random
 import secrets
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import httpx
@@ -20,12 +21,14 @@ import pytest
 from kvloop.front.prometheus_text import metric_value
 from kvloop.router.pd import ALWAYS
 from kvloop.router.registry import WorkerSpec
+from kvloop.sampling_params import SamplingParams
 from kvloop.tracing import TracingConfig, trace_headers
 
 from .conftest import RouterThread, serving
 from .otlp_receiver import ReceivedSpan, grpc_receiver, http_receiver
 from .test_router_fleet import random_ids
 from .test_router_pd_fleet import pd_fleet, pd_router
+from .test_tiers_engine import host_rig  # noqa: F401 (a fixture)
 
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}   # ms between batch exports (SDK default 5 s)
 
@@ -197,3 +200,49 @@ def test_tracing_off_imports_no_opentelemetry():
                          timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_tier_load_is_a_kv_load_span_of_the_engine(host_rig):  # noqa: F811
+    """In process: a prefix evicted to the host tier comes back through
+    WAITING_FOR_REMOTE_KVS; the engine's spans show its queue, the tier load (16 tokens,
+    as the output reports), prefill, decode and each step, under the request's context."""
+    from kvloop.engine_spans import EngineSpans
+    from kvloop.tracing import Tracer
+    from kvloop.wire import EngineCoreRequest
+
+    from .test_tiers_engine import A, B
+
+    rig = host_rig
+    rig.run("a1", A)
+    rig.run("b", B)                                  # A leaves the pool for the host tier
+    with grpc_receiver() as (endpoint, received):
+        tracer = Tracer(TracingConfig(endpoint, ("all",)), "kvloop-engine-core")
+        spans = EngineSpans(tracer)
+        trace_id, parent, headers = _client_context()
+        sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        rig.engine.add_request(rig.engine.make_request("a2", A, sp))
+        spans.on_add(EngineCoreRequest("a2", A, sp, trace_headers=headers))
+        outs = []
+        for _ in range(2000):
+            if outs and outs[-1].finished:
+                break
+            t0 = time.monotonic()
+            result = rig.engine.step()
+            spans.on_step(rig.engine, result, t0, time.monotonic())
+            outs += [o for o in result.outputs if o.request_id == "a2"]
+            rig.engine.wait_for_work(0.01)
+        tracer.flush()
+        got = received.wait_for(lambda s: len(s) >= 6, timeout=30)
+        tracer.shutdown()
+    assert outs[0].num_external_computed_tokens == 16
+    assert {s.trace_id for s in got} == {trace_id} and {s.parent_id for s in got} == {parent}
+    names = sorted(s.name for s in got)
+    assert names == sorted(["engine_core.queue", "engine_core.kv_load", "engine_core.prefill",
+                            "engine_core.prefill_chunk", "engine_core.decode",
+                            "engine_core.decode_step", "engine_core.decode_step"])
+    load, = _named(got, "engine_core.kv_load")
+    assert load.attributes == {"kvloop.external_tokens": 16}   # a tier: no P/D pull figures
+    prefill, = _named(got, "engine_core.prefill")
+    assert prefill.attributes["gen_ai.usage.cached_tokens"] == outs[0].num_cached_tokens == 16
+    assert prefill.attributes["kvloop.external_cached_tokens"] == 16
+    assert load.end_ns <= prefill.end_ns
