@@ -246,3 +246,15 @@ def test_a_tier_load_is_a_kv_load_span_of_the_engine(host_rig):  # noqa: F811
     assert prefill.attributes["gen_ai.usage.cached_tokens"] == outs[0].num_cached_tokens == 16
     assert prefill.attributes["kvloop.external_cached_tokens"] == 16
     assert load.end_ns <= prefill.end_ns
+
+
+def test_fleet_passes_the_tracing_flags_to_its_workers_as_serve_reads_them():
+    from kvloop.cli import build_parser
+    from kvloop.tracing import tracing_config
+
+    cfg = TracingConfig("http://127.0.0.1:4317", ("model", "worker"))
+    args = build_parser().parse_args(["serve", "--model", "sim", *cfg.to_args()])
+    assert tracing_config(args) == cfg
+    fleet = build_parser().parse_args(["fleet", *cfg.to_args()])
+    assert tracing_config(fleet) == cfg
+    assert TracingConfig().to_args() == []
