@@ -51,12 +51,14 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def http_url(sock: socket.socket) -> str:
-    """http://HOST:PORT of a bound socket (brackets around an IPv6 host)."""
+def http_url(sock: socket.socket, tls: bool = False) -> str:
+    """http://HOST:PORT (https:// when the front serves TLS) of a bound socket (brackets
+    around an IPv6 host)."""
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 def announced_url(announcement: str) -> str:
     """The regular expression of an announcement line, its URL as group 1."""
-    return re.escape(announcement).replace(re.escape("{url}"), r"(http://\S+)")
+    return re.escape(announcement).replace(re.escape("{url}"), r"(https?://\S+)")

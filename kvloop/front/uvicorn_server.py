@@ -23,21 +23,25 @@ from starlette.types import ASGIApp
 from kvloop.front.guard import http_protocol
 from kvloop.front.http_limits import HttpLimits
 from kvloop.front.sockets import http_url
+from kvloop.front.tls import TlsConfig
 
 SignalHandler = Callable[[int, FrameType | None], None]
 
 
 class FrontServer(uvicorn.Server):
-    """uvicorn on one bound socket (`url` names it), announcing when it accepts connections."""
+    """uvicorn on one bound socket (`url` names it), announcing when it accepts connections;
+    HTTPS with `tls` (kvloop.front.tls)."""
 
     def __init__(self, app: ASGIApp, sock: socket.socket, limits: HttpLimits, *,
                  log_level: str, graceful_shutdown_s: float, on_ready: Callable[[str], None],
-                 on_signal: SignalHandler | None = None):
+                 on_signal: SignalHandler | None = None, tls: TlsConfig | None = None):
+        options = tls.uvicorn_options() if tls is not None else {}
         super().__init__(uvicorn.Config(app, log_level=log_level, access_log=False,
                                         http=http_protocol(limits),
-                                        timeout_graceful_shutdown=int(graceful_shutdown_s)))
+                                        timeout_graceful_shutdown=int(graceful_shutdown_s),
+                                        **options))  # type: ignore[arg-type]
         self.sock = sock
-        self.url = http_url(sock)
+        self.url = http_url(sock, tls is not None)
         self._on_ready = on_ready
         self._on_signal = on_signal
 

@@ -25,6 +25,7 @@ from kvloop.events.config import NatsPlaneConfig
 from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, add_worker_tls_args, tls_config, worker_tls
 from kvloop.router.config import (
     DEFAULT_ROUTER_POLICY,
     PD_POLICIES,
@@ -247,6 +248,9 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
                         "one, a client's Authorization header is passed through only when "
                         "the router itself requires no key")
     add_limit_args(g)
+    g = p.add_argument_group("TLS (the router's front, and https:// workers)")
+    add_tls_args(g)
+    add_worker_tls_args(g)
 
 
 def router_config(args: argparse.Namespace,
@@ -285,7 +289,8 @@ def router_config(args: argparse.Namespace,
                                 request_timeout_s=args.request_timeout),
         auth=auth,
         worker_api_key=args.worker_api_key or os.environ.get(WORKER_API_KEY_ENV) or None,
-        http_limits=http_limits(args), bus=bus_config(args),
+        http_limits=http_limits(args), tls=tls_config(args), worker_tls=worker_tls(args),
+        bus=bus_config(args),
         pd=PDConfig(policy=args.pd_policy, latency_file=args.pd_latency_file,
                     speedup=args.pd_speedup, transfer_bandwidth=args.pd_transfer_bandwidth,
                     kv_bytes_per_token=args.pd_kv_bytes_per_token,

@@ -15,6 +15,7 @@ from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.events.types import TIER_DISK, TIER_HOST, TIER_SHARED
 from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
+from kvloop.front.tls import TlsConfig, WorkerTls
 from kvloop.router.flow_config import FlowConfig
 from kvloop.tracing import TracingConfig
 from kvloop.trust import FleetSecret
@@ -271,8 +272,9 @@ class RouterConfig:
     `auth`: the keys clients (and admins) present to the router; `worker_api_key`: the key
     the router presents to every worker (polls and forwarded requests; without it a client's
     Authorization header is passed through); `http_limits`: body size and read timeouts of
-    the router's HTTP front; `bus`: the workers' events (and, with discovery, the workers
-    themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
+    the router's HTTP front; `tls`: HTTPS on that front, and `worker_tls` how the router
+    checks https:// workers (kvloop/front/tls.py); `bus`: the workers' events (and, with
+    discovery, the workers themselves) on a NATS event plane; `fleet_secret`: the fleet's shared key
     (kvloop/trust.py), which the router's bus and P/D legs prove membership with;
     `tokenizer`: a .gguf file or Hugging Face folder whose tokenizer the router uses for every
     model (vLLM's --tokenizer; None: its own copy of the workers' model, else the workers'
@@ -292,6 +294,8 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     worker_api_key: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    tls: TlsConfig | None = None
+    worker_tls: WorkerTls = field(default_factory=WorkerTls)
     bus: BusConfig | None = None
     pd: PDConfig = field(default_factory=PDConfig)
     fleet_secret: FleetSecret | None = None

@@ -237,7 +237,7 @@ class RouterApp:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(lv.request_timeout_s, connect=lv.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            headers=self.worker_headers)
+            headers=self.worker_headers, verify=self.router.config.worker_tls.context())
         if self.router.index.remote:
             self._decider = ThreadPoolExecutor(1, thread_name_prefix="kvloop-router-decide")
         for spec in self.initial_workers:

@@ -71,13 +71,14 @@ class RouterServer:
 
                 self.discovery = Discovery(self.app, self.bus)
                 self.router.details["discovery"] = self.discovery.describe
-        self.url = http_url(self.sock)
+        self.url = http_url(self.sock, config.tls is not None)
         self._log_level = log_level
         self._server: FrontServer | None = None
 
     async def serve(self, on_ready: Callable[[RouterServer], None] | None = None) -> None:
         """Serve until `stop()` or a signal."""
         self._server = FrontServer(self.app.app, self.sock, self.router.config.http_limits,
+                                   tls=self.router.config.tls,
                                    log_level=self._log_level,
                                    graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
                                    on_ready=lambda url: self._ready(on_ready))

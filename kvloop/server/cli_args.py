@@ -54,6 +54,7 @@ from kvloop.front.auth import add_auth_args, auth_config
 from kvloop.front.cli_help import HelpFormatter
 from kvloop.front.http_limits import add_limit_args, http_limits
 from kvloop.front.sockets import DEFAULT_PORT
+from kvloop.front.tls import add_tls_args, tls_config
 from kvloop.server.config import (
     DEFAULT_MAX_SPEC_BYTES,
     MAX_SPEC_FLAG,
@@ -267,6 +268,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
                    help="port to listen on; 0 picks a free one (the URL is printed)")
     g.add_argument("--role", choices=ROLES, default=DEFAULT_ROLE,
                    help="what a router may send here")
+    add_tls_args(g)
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests not yet scheduled beyond which new ones get 503")
     g.add_argument("--max-logprobs", type=int, default=20,
@@ -538,6 +540,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         log_stats=not args.disable_log_stats,
                         log_stats_interval_s=log_stats_interval(),
                         auth=auth_config(args), http_limits=http_limits(args),
+                        tls=tls_config(args),
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,

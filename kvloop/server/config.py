@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
+from kvloop.front.tls import TlsConfig
 from kvloop.server.generation_config import DefaultSampling
 from kvloop.server.lora import LoRAServe
 from kvloop.server.responses_store import ResponseStoreConfig
@@ -48,7 +49,8 @@ class ServeConfig:
     `--enable-log-requests`): one INFO line per request received, its prompt cut to
     `max_log_len` characters and ids (None: whole); `log_stats`: a stats line every
     `log_stats_interval_s` while busy (kvloop/server/logs.py). `auth`: API keys;
-    `http_limits`: body size and read timeouts of the HTTP front. `shutdown_timeout_s`: how
+    `http_limits`: body size and read timeouts of the HTTP front; `tls`: HTTPS and client
+    certificates (kvloop/front/tls.py; None: plain HTTP). `shutdown_timeout_s`: how
     long a SIGTERM lets requests in flight finish (0: they end at once).
     `enable_auto_tool_choice` with `tool_call_parser` (one of `TOOL_CALL_PARSERS`) serves
     `tool_choice: "auto"` (kvloop/server/tools.py); without them it is a 400.
@@ -90,6 +92,7 @@ class ServeConfig:
     log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     auth: AuthConfig = field(default_factory=AuthConfig)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    tls: TlsConfig | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     fleet_secret: FleetSecret | None = None

@@ -204,8 +204,9 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
             logger.error("--lora-modules: %s", e)
             return 1
         discovery = signals.discovery = _announcer(ctx, start,
-                                                  advertised_url(cfg, http_url(sock)))
-        server = FrontServer(build_app(ctx), sock, cfg.http_limits,
+                                                  advertised_url(cfg, http_url(sock, cfg.tls
+                                                                               is not None)))
+        server = FrontServer(build_app(ctx), sock, cfg.http_limits, tls=cfg.tls,
                              log_level=cfg.uvicorn_log_level,
                              graceful_shutdown_s=cfg.graceful_shutdown_s,
                              on_ready=lambda url: _on_ready(url, discovery),
