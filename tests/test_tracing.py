@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -258,3 +259,55 @@ def test_fleet_passes_the_tracing_flags_to_its_workers_as_serve_reads_them():
     fleet = build_parser().parse_args(["fleet", *cfg.to_args()])
     assert tracing_config(fleet) == cfg
     assert TracingConfig().to_args() == []
+
+
+@pytest.mark.processes
+def test_a_migrated_stream_stays_one_trace_naming_both_workers(monkeypatch):
+    """kill -9 of the worker streaming a request (--migration-limit 1): the stream goes on
+    elsewhere in the same trace; `router.migrate` names both workers, a proxy leg goes to
+    each, and the new worker's API server continues the trace under its leg."""
+    from kvloop.router.fleet import Fleet, FleetConfig
+
+    from .test_router_fleet import SIM_ARGS, router_config
+
+    for k, v in FAST_EXPORT.items():
+        monkeypatch.setenv(k, v)
+    with grpc_receiver() as (endpoint, received):
+        fleet = Fleet(FleetConfig(2, "sim", ("both",), (*SIM_ARGS, "--sim-speedup", "4",
+                                                         "--otlp-traces-endpoint", endpoint),
+                                  start_timeout_s=120, stop_timeout_s=10, echo_output=False))
+        try:
+            fleet.start()
+            cfg = replace(router_config(), migration_limit=1, tracing=TracingConfig(endpoint))
+            with RouterThread(cfg, fleet.specs()) as rt:
+                trace_id, client_span, headers = _client_context()
+                victim, events = None, []
+                with httpx.stream("POST", rt.url + "/v1/completions", headers=headers,
+                                  timeout=60, json={"prompt": "Once upon a time",
+                                                    "max_tokens": 60, "ignore_eos": True,
+                                                    "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line)
+                        if len(events) == 3:
+                            victim = next(w for w in rt.router.registry.all() if w.in_flight())
+                            proc = next(p for p in fleet.workers if p.url == victim.spec.url)
+                            os.kill(proc.pid, signal.SIGKILL)
+                assert victim is not None and events[-1] == "data: [DONE]"
+                assert not any('"error"' in e for e in events)
+                spans = received.wait_for(lambda got: {"router.migrate", "llm_request"} <= {
+                    s.name for s in got if s.trace_id == trace_id}, timeout=60)
+        finally:
+            fleet.stop()
+    spans = [s for s in spans if s.trace_id == trace_id]
+    by_id = {s.span_id: s for s in spans}
+    other = next(w.name for w in rt.router.registry.all() if w.name != victim.name)
+    move, = _named(spans, "router.migrate")
+    assert (move.attributes["kvloop.migration.from"], move.attributes["kvloop.migration.to"],
+            move.attributes["kvloop.migration.move"]) == (victim.name, other, 1)
+    assert sorted(s.attributes["kvloop.worker"] for s in _named(spans, "router.proxy")) == \
+        sorted([victim.name, other])
+    resumed = [s for s in _named(spans, "api_server POST /v1/completions")
+               if by_id[s.parent_id].attributes["kvloop.worker"] == other]
+    assert len(resumed) == 1
