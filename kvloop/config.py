@@ -712,9 +712,11 @@ def check_shared_store_url(url: str) -> None:
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs: cache, scheduler, speculative decoding (None: off),
-    debugging switches, the KV connector (`kv_transfer`; None: no prefill/decode
-    disaggregation), and `auto_budget` (None: `scheduler.max_num_batched_tokens` as given;
-    else the runner's owner resolves it before building the engine, `AutoBudget`).
+    debugging switches, the KV connectors (`kv_transfer`: prefill/decode, None: none;
+    `kv_offload`: tiers below the pool, None: none; both: one MultiConnector,
+    `kvloop.engine.build.make_connectors`), and `auto_budget` (None:
+    `scheduler.max_num_batched_tokens` as given; else `kvloop.engine.build_engine` resolves
+    it on the loaded runner, `AutoBudget`).
     `grammar_compile_timeout_s`: a structured-output grammar still compiling after this long
     fails its requests (`kvloop.core.compile_queue`)."""
 
@@ -731,9 +733,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
-        if self.kv_transfer is not None and self.kv_offload is not None:
-            raise ValueError("KV offloading tiers and --kv-transfer-config (prefill/decode) "
-                             "cannot be combined yet: give one")
         if self.kv_offload is not None and not self.cache.enable_prefix_caching:
             raise ValueError("KV offloading tiers need prefix caching (their keys are the "
                              "block hashes)")

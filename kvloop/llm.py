@@ -38,8 +38,6 @@ carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("le
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -49,6 +47,7 @@ from typing import Any
 from kvloop.config import (
     AUTO_BUDGET,
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_MODEL_LEN,
     AutoBudget,
     CacheConfig,
     EngineConfig,
@@ -59,16 +58,14 @@ from kvloop.config import (
     SpeculativeConfig,
     budget_floor,
 )
-from kvloop.core.budget import resolve_budget
-from kvloop.core.engine import EngineCore
-from kvloop.core.kv_connector import KVConnector
 from kvloop.core.request import (
     NO_GRAMMAR_BACKEND,
     PoolingParams,
     SamplingParams,
     check_context_length,
 )
-from kvloop.core.runner import Runner, SplitRunner
+from kvloop.core.runner import LoadedRunner
+from kvloop.engine.build import BuiltEngine, build_engine
 from kvloop.front.processor import OutputOptions, OutputState, TokenLogprob, fan_out, model_stops
 from kvloop.front.tokenizer import Tokenizer
 from kvloop.lora_request import LoRARequest
@@ -189,8 +186,6 @@ class LLM:
         largest budget whose step stays within `target_tpot_ms` (`kvloop.core.budget`)."""
         spec = (SpeculativeConfig.from_dict(speculative_config)
                 if isinstance(speculative_config, dict) else speculative_config)
-        from kvloop.model import load_runner
-
         rc = RunnerConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             kv_cache_memory=kv_cache_memory, num_gpu_blocks_override=num_gpu_blocks_override,
@@ -198,9 +193,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             low_bit_max_tokens=low_bit_max_tokens,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
-        runner = load_runner(rc)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
-        config = engine_config(runner.max_model_len, block_size=rc.block_size,
+        config = engine_config(DEFAULT_MAX_MODEL_LEN, block_size=rc.block_size,
                                max_num_batched_tokens=max_num_batched_tokens,
                                max_num_seqs=max_num_seqs,
                                enable_prefix_caching=enable_prefix_caching,
@@ -210,47 +204,30 @@ class LLM:
                                log_stats=not disable_log_stats,
                                kv_transfer=kv_transfer_of(kv_transfer_config),
                                target_tpot_ms=target_tpot_ms)
-        if rc.lora is not None:
-            config = dataclasses.replace(config, scheduler=dataclasses.replace(
-                config.scheduler, max_loras=rc.lora.max_loras))
-        if config.auto_budget is not None:
-            config = dataclasses.replace(config, scheduler=resolve_budget(
-                config.scheduler, config.auto_budget, runner, rc.block_size))
-        self._init(runner, tok, config, runner.num_gpu_blocks, fleet_secret)
+        self._init(build_engine(rc, config, tokenizer=tok,
+                                secret=fleet_secret or load_fleet_secret()), tok)
 
     @classmethod
-    def from_runner(cls, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
-                    num_gpu_blocks: int, fleet_secret: FleetSecret | None = None) -> LLM:
-        """An LLM over an existing runner (tests and benchmarks share one loaded model);
-        `config.kv_transfer` builds a connector over the runner's block store."""
+    def from_runner(cls, runner: LoadedRunner, tokenizer: Tokenizer, config: EngineConfig,
+                    num_gpu_blocks: int | None = None,
+                    fleet_secret: FleetSecret | None = None) -> LLM:
+        """An LLM over an already loaded runner (tests and benchmarks share one model), built
+        as `LLM(...)` builds (`kvloop.engine.build_engine`), with at most `num_gpu_blocks` of
+        its KV blocks; `config` is the template (`engine_config`), its connectors
+        (`kv_transfer`, `kv_offload`) built over the runner's block store."""
+        rc = RunnerConfig(block_size=config.cache.block_size)
         llm = cls.__new__(cls)
-        llm._init(runner, tokenizer, config, num_gpu_blocks, fleet_secret)
+        llm._init(build_engine(rc, config, runner=runner, tokenizer=tokenizer,
+                               num_gpu_blocks=num_gpu_blocks,
+                               secret=fleet_secret or load_fleet_secret()), tokenizer)
         return llm
 
-    def _init(self, runner: Runner, tokenizer: Tokenizer, config: EngineConfig,
-              num_gpu_blocks: int, fleet_secret: FleetSecret | None) -> None:
-        self.runner = runner
+    def _init(self, built: BuiltEngine, tokenizer: Tokenizer) -> None:
+        self.engine = built.engine
+        self.runner = built.runner
+        self.config = built.config
+        self.kv_transfer_info = built.kv_transfer
         self.tokenizer = tokenizer
-        self.config = config
-        connector: KVConnector | None = None
-        self.kv_transfer_info = None
-        if config.kv_transfer is not None:
-            from kvloop.kv_transfer import make_connector
-
-            kv = make_connector(config.kv_transfer, runner,
-                                secret=fleet_secret or load_fleet_secret())
-            self.kv_transfer_info = kv.start()
-            connector = kv
-        elif config.kv_offload is not None:
-            from kvloop.kv_transfer.offloading import make_offloading_connector
-
-            tiers = make_offloading_connector(config.kv_offload, runner, config.cache,
-                                              secret=fleet_secret or load_fleet_secret())
-            tiers.start()
-            connector = tiers
-        self.engine = EngineCore(config, runner, num_gpu_blocks=num_gpu_blocks,
-                                 grammar_backend=_grammar_backend(runner, tokenizer),
-                                 connector=connector)
         self._ids = itertools.count()
         self._spec_stats = SpecDecodingStats()
 
@@ -527,17 +504,6 @@ def kv_transfer_of(config: KVTransferConfig | dict[str, Any] | str | None
     if isinstance(config, str):
         return KVTransferConfig.from_json(config)
     return KVTransferConfig.from_dict(config)
-
-
-def _grammar_backend(runner: Runner, tokenizer: Tokenizer) -> Any:
-    """The grammar backend factory for `runner` (None for a runner that cannot apply a
-    bitmask: structured output is then refused)."""
-    if not isinstance(runner, SplitRunner):
-        return None
-    from kvloop.structured import backend_for
-
-    vocab = max(int(getattr(runner, "vocab_size", 0)), tokenizer.vocab_size)
-    return functools.partial(backend_for, tokenizer, vocab)
 
 
 def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -41,6 +41,7 @@ RUN_TIME_NAMES = frozenset({
     "test_inner.py",   # a module tests/test_markers.py writes into pytester's folder
     "build-info.json",   # what `python -m kvloop.bench.llamacpp build` writes
     "cmake-flags.txt",   # likewise: the flags its binaries were built with
+    "routers.json", "routers-model.json",   # what `python -m kvloop.bench.routers` writes
 })
 
 REF = re.compile(

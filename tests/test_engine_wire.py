@@ -1,7 +1,7 @@
 """The engine core process's typed inputs: `RunnerConfig` (inside `EngineStartConfig`, on its
 stdin) and `SamplingParams` (inside each ADD), validated on both sides of the wire.
 
-The engine process runs for real (`python -m kvloop.engine_proc`, the simulator as its
+The engine process runs for real (`python -m kvloop.engine.proc`, the simulator as its
 runner) and is spoken to as the API server speaks to it: a ROUTER and a PULL socket bound on
 127.0.0.1, the start config on its stdin, msgpack frames.
 """
@@ -164,7 +164,7 @@ def engine() -> Iterator[Engine]:
     start = EngineStartConfig(engine=ENGINE, runner=RUNNER,
                               input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
                               output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT))
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine_proc"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
                             stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None
     try:

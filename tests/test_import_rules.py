@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 # third-party packages. None means anything (the benchmarks drive every layer).
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
+ROUTER_KVLOOP = ("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
+                 "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front",
+                 "kvloop.tracing")
+ROUTER_3P = ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq", "redis",
+             "yaml")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the package's __init__
     "kvloop": (("kvloop.sampling_params", "kvloop.pooling_params", "kvloop.lora_request",
@@ -34,19 +39,19 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.trust": ((), ("zmq",)),
     # OpenTelemetry only inside functions that run with --otlp-traces-endpoint
     "kvloop.tracing": ((), ("opentelemetry",)),
-    "kvloop.engine_spans": (("kvloop.tracing", "kvloop.core", "kvloop.wire"), ()),
     "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.pooling_params",
                      "kvloop.events.config",
                      "kvloop.trust", "kvloop.tracing"),
                     ("msgspec",)),
-    "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.model", "kvloop.front.processor",
-                    "kvloop.front.tokenizer", "kvloop.structured", "kvloop.wire",
-                    "kvloop.kv_transfer", "kvloop.trust", "kvloop.lora_request"), ("tqdm",)),
+    "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.engine", "kvloop.front.processor",
+                    "kvloop.front.tokenizer", "kvloop.wire", "kvloop.trust",
+                    "kvloop.lora_request"), ("tqdm",)),
     "kvloop.core": (CORE_KVLOOP, CORE_3P),
-    "kvloop.engine_proc": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
-                            "kvloop.events.publisher", "kvloop.events.nats_publisher",
-                            "kvloop.kv_transfer", "kvloop.trust", "kvloop.engine_spans"),
-                           ("msgspec", "zmq")),
+    # the engine's one assembly (build: by factory name, never the model) and its process
+    "kvloop.engine": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
+                       "kvloop.events.publisher", "kvloop.events.nats_publisher",
+                       "kvloop.kv_transfer", "kvloop.trust", "kvloop.tracing"),
+                      ("msgspec", "zmq")),
     "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params", "kvloop.pooling_params"),
                             CORE_3P),  # re-exports them
     # events.types: the offloading connector publishes its tiers' KV events (vLLM's
@@ -78,11 +83,10 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
                        "kvloop.kv_transfer.params", "kvloop.tracing"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
-    "kvloop.router": (("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                       "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front",
-                       "kvloop.tracing"),
-                      ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq",
-                       "redis")),
+    "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
+    # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
+    "kvloop.router.ext_proc": (ROUTER_KVLOOP,
+                               (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
     "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.front.tokenizer"),
                           ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),
@@ -190,7 +194,7 @@ def _module_graph() -> dict[str, set[str]]:
 def _package_graph(modules: dict[str, set[str]]) -> dict[str, set[str]]:
     """kvloop's parts and which others each one's modules import: its subpackages (core,
     model, server, router, events, kv_transfer, ...) and its top-level modules (config, wire,
-    sampling_params, llm, engine_proc, ...), each one part. The package's own `__init__`, the
+    sampling_params, llm, ...), each one part. The package's own `__init__`, the
     users' facade (`from kvloop import LLM, SamplingParams`), is no part: it stands above all
     of them (a module that imports it is still seen in the module graph)."""
     def package(mod: str) -> str | None:
@@ -284,7 +288,8 @@ def test_every_module_has_a_rule_and_the_rules_catch_violations():
     assert _violations("kvloop.core.engine", ["zmq"]) != []
     assert _violations("kvloop.core.engine_proc", ["zmq"]) != []
     assert _violations("kvloop.core.scheduler", ["kvloop.kv_transfer"]) != []
-    assert _violations("kvloop.engine_proc", ["zmq", "kvloop.events.publisher"]) == []
+    assert _violations("kvloop.engine.proc", ["zmq", "kvloop.events.publisher"]) == []
+    assert _violations("kvloop.engine.build", ["kvloop.model"]) != []
     assert _violations("kvloop.server.api", ["kvloop.cli"]) != []
     assert _violations("kvloop.bench.offline", ["torch", "kvloop.model"]) == []
 

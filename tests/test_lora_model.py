@@ -92,7 +92,7 @@ def test_mixed_batch_matches_peft_per_adapter(tiny):
     blocks = {"A": [1, 2], "B": [3, 4], "C": [5, 6], "D": [7, 8]}
     news = [_with_lora(_new(r, prompts[r], blocks[r], 0, 5), lora[r]) for r in "ABCD"]
     inputs, logits = runner.forward(_step(new=news, sampling=set("ABCD")))
-    assert inputs is not None and inputs.lora is not None
+    assert inputs is not None and inputs.step.lora is not None
     seqs = {r: prompts[r] + [int(logits[i].argmax())]
             for i, r in enumerate(inputs.sampling_req_ids)}
     for i, r in enumerate(inputs.sampling_req_ids):

@@ -210,7 +210,7 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
         for so, _ in mixed_batch_steps(np.random.default_rng(5)):
             inputs, logits = q4_runner.forward(so)
             assert inputs is not None
-            steps.append((inputs.input_ids.shape[0], logits.shape[0], logits))
+            steps.append((inputs.step.num_tokens, logits.shape[0], logits))
         for so, _ in mixed_batch_steps(np.random.default_rng(5)):
             q4_runner._update_states(_finish(so))
         return steps

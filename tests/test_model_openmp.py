@@ -15,7 +15,7 @@ import pytest
 PROBE = r"""
 import json, os, sys
 {pre}
-import kvloop.engine_proc  # what the engine process imports before it loads the model
+import kvloop.engine.proc  # what the engine process imports before it loads the model
 from kvloop.model import default_openmp_spin
 changed = default_openmp_spin()
 print(json.dumps({{"changed": changed, "spin": os.environ.get("GOMP_SPINCOUNT"),

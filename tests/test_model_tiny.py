@@ -324,7 +324,7 @@ def test_drafts_are_verified_in_the_same_forward_pass(tmp_path):
     probe.execute(first)
     inputs, logits = probe.forward(_spec_step("A", seq, 6, 1, drafts))
     assert inputs is not None and inputs.sampling_drafts == [drafts]
-    assert inputs.positions.tolist() == [6, 7, 8, 9]
+    assert inputs.step.positions.tolist() == [6, 7, 8, 9]
     assert logits.shape[0] == 4
     for j in range(4):
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""A prefill worker's engine process (`python -m kvloop.engine_proc`, the simulator)
+"""A prefill worker's engine process (`python -m kvloop.engine.proc`, the simulator)
 holding blocks for a decode engine in this process: its handshake reports the bound side
 channel, its output carries the params, and while idle it frees on Done and on lease expiry
 without spinning a core."""
@@ -53,7 +53,7 @@ def prefill_worker() -> Iterator[tuple[Engine, int]]:
                               input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
                               output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT),
                               fleet_secret=SECRET.to_text())
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine_proc"],
+    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
                             stdin=subprocess.PIPE, start_new_session=True)
     assert proc.stdin is not None
     try:

@@ -422,6 +422,18 @@ def test_tier_flags_and_vllm_json_give_the_same_host_tier():
     assert disk.kv_offload is not None and disk.kv_offload.disk_bytes == 1 << 30
 
 
+def test_pd_and_tier_flags_compose_on_a_decode_worker():
+    """--kv-transfer-config (P/D) and the tier flags give one config with both; a decode
+    worker with a tier keeps prefix caching (the tiers' keys are block hashes)."""
+    both = tier_config("--role", "decode", "--kv-disk-path", "/tmp/kv", "--kv-disk-size", "1",
+                       "--kv-transfer-config",
+                       '{"kv_connector": "KvloopConnector", "kv_role": "kv_consumer"}')
+    assert both.kv_transfer is not None and both.kv_transfer.kv_role == "kv_consumer"
+    assert both.kv_offload is not None and both.kv_offload.disk_path == "/tmp/kv"
+    assert both.cache.enable_prefix_caching
+    assert not tier_config("--role", "decode").cache.enable_prefix_caching
+
+
 @pytest.mark.parametrize(("argv", "why"), [
     (["--kv-offloading-size", "1"], "go together"),
     (["--kv-disk-path", "/tmp/kv"], "--kv-disk-size"),
@@ -432,8 +444,6 @@ def test_tier_flags_and_vllm_json_give_the_same_host_tier():
     (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",'
       ' "kv_connector_extra_config": {"cpu_bytes_to_use": 1, "block_size": 64}}'],
      "block_size"),
-    (["--kv-disk-path", "/tmp/kv", "--kv-disk-size", "1", "--kv-transfer-config",
-      '{"kv_connector": "KvloopConnector", "kv_role": "kv_both"}'], "cannot be combined"),
 ])
 def test_bad_tier_settings_are_refused_naming_the_problem(argv, why):
     with pytest.raises(ValueError, match=why):

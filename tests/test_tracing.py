@@ -207,7 +207,7 @@ def test_a_tier_load_is_a_kv_load_span_of_the_engine(host_rig):  # noqa: F811
     """In process: a prefix evicted to the host tier comes back through
     WAITING_FOR_REMOTE_KVS; the engine's spans show its queue, the tier load (16 tokens,
     as the output reports), prefill, decode and each step, under the request's context."""
-    from kvloop.engine_spans import EngineSpans
+    from kvloop.engine.spans import EngineSpans
     from kvloop.tracing import Tracer
     from kvloop.wire import EngineCoreRequest
 

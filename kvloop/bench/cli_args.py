@@ -68,6 +68,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    default=list(DEFAULT_TOKEN_RANGE), help="prompt token ids in [LOW, HIGH)")
     p.add_argument("--extra-body", type=json.loads, default={},
                    help="JSON object merged into every request body")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="send prompts as text (the ids decoded with the embedded model's "
+                        "tokenizer): for routers that take no token-id prompt (SMG)")
     p.add_argument("--api-key", help="bearer token")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     p.add_argument("--json-out", help="write the figures as JSON here")
@@ -109,7 +112,8 @@ def _configs(args: argparse.Namespace) -> list[Any]:
                   temperature=args.temperature, return_token_ids=args.return_token_ids,
                   warmup=args.warmup, timeout_s=args.timeout, api_key=args.api_key,
                   extra_body=tuple(args.extra_body.items()), progress=args.progress,
-                  seed=args.seed, token_range=tuple(args.token_range))
+                  seed=args.seed, token_range=tuple(args.token_range),
+                  text_prompts=args.text_prompts)
     cfgs = [BenchConfig(args.url, args.model, label=args.label, **common)]
     if args.compare:
         cfgs.append(BenchConfig(args.compare, args.compare_model, label=args.compare_label,

@@ -312,11 +312,12 @@ class RequestResult:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
-def completion_payload(model: str | None, prompt: list[int], max_tokens: int,
+def completion_payload(model: str | None, prompt: list[int] | str, max_tokens: int,
                        ignore_eos: bool = True, temperature: float = 0.0,
                        return_token_ids: bool = True,
                        extra: dict[str, Any] | None = None) -> bytes:
-    """The JSON body of a streamed /v1/completions request with a token-id prompt."""
+    """The JSON body of a streamed /v1/completions request with a token-id (or text)
+    prompt."""
     body: dict[str, Any] = {
         "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
         "stream": True, "stream_options": {"include_usage": True}}

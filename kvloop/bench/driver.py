@@ -57,6 +57,8 @@ class BenchConfig:
     seed: int = 0
     label: str | None = None
     token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
+    text_prompts: bool = False   # send each prompt as text: its ids decoded with the embedded
+                                 # model's tokenizer (routers that refuse token-id prompts)
 
     def __post_init__(self) -> None:
         Endpoint.parse(self.url)  # raises ValueError on a bad URL
@@ -98,12 +100,18 @@ class _Driver:
         self.results: list[RequestResult] = []
         self.stand_in_answers = 0
         self._extra = dict(cfg.extra_body)
+        self._decode: Callable[[list[int]], str] | None = None
+        if cfg.text_prompts:
+            from kvloop.front.tokenizer import load_vocabulary
+
+            self._decode = load_vocabulary(None).tokenizer.decode
 
     async def request(self, session_id: int, turn: int, prompt: list[int],
                       max_tokens: int) -> RequestResult:
         """One streamed completion with the per-request timeout; never raises."""
         cfg = self.cfg
-        body = completion_payload(self.model, prompt, max_tokens, cfg.ignore_eos,
+        sent = prompt if self._decode is None else self._decode(prompt)
+        body = completion_payload(self.model, sent, max_tokens, cfg.ignore_eos,
                                   cfg.temperature, cfg.return_token_ids, self._extra)
         result = RequestResult(session_id, turn, len(prompt), max_tokens)
         conn = self.pool.acquire()

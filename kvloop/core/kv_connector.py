@@ -30,8 +30,12 @@ connector's tiers; the engine publishes them after the pool's, in the same batch
 
 And what an engine loop needs beyond vLLM's API: `take_stats()` (one step's
 `KVTransferStats`), `request_ids_in_transfer()` (for the scheduler's invariants),
-`has_news()` (something to report: the engine should step) and `set_wakeup(fn)` (called from
-the connector's threads when news arrives, so an idle engine need not poll).
+`has_news()` (something to report: the engine should step), `set_wakeup(fn)` (called from
+the connector's threads when news arrives, so an idle engine need not poll) and `start()`
+(run the threads, once the engine exists; a P/D connector returns its side channel's address).
+
+Several connectors on one engine are one `kvloop.kv_transfer.multi.MultiConnector` (vLLM's):
+the scheduler still sees one.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import msgspec
 from kvloop.core.outputs import KVConnectorOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.events.types import KVEvent
-from kvloop.wire import KVTransferStats
+from kvloop.wire import KVTransferInfo, KVTransferStats
 
 # The shape of one transferred frame (a layer's blocks), the same for every runner
 KV_BLOCK_LAYOUT = "per layer: [2 (key, value), num_kv_heads, blocks, block_size, head_dim]"
@@ -133,6 +137,8 @@ class KVConnector(Protocol):
     def faults(self) -> list[str]: ...   # why an internal thread died (empty: none did)
 
     def set_wakeup(self, wakeup: Callable[[], None]) -> None: ...
+
+    def start(self) -> KVTransferInfo | None: ...
 
     def shutdown(self) -> None: ...
 

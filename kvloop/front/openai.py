@@ -493,7 +493,7 @@ class LoadResponse(TypedDict):
 
 
 class EngineStats(TypedDict):
-    """`GET /kvloop/stats`: the engine's blocks and queues (`engine_proc.engine_stats`)."""
+    """`GET /kvloop/stats`: the engine's blocks and queues (`kvloop.engine.proc.engine_stats`)."""
 
     num_gpu_blocks: int
     num_total_blocks: int

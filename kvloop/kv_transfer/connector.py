@@ -119,7 +119,7 @@ class KvloopConnector:
         self._loading: set[str] = set()               # D: loads not reported yet
         self._early_results: list[LoadResult] = []    # D: loads failed before the network
         self._metadata: KvloopConnectorMetadata | None = None
-        # hears each finished pull (kvloop.engine_spans: a trace's KV transfer span)
+        # hears each finished pull (kvloop/engine/spans.py: a trace's KV transfer span)
         self.on_transfer: Callable[[str, dict[str, Any]], None] | None = None
 
     @property

@@ -59,7 +59,7 @@ class SideChannelServer:
         self.store = store
         self.counters = counters
         self.wakeup = wakeup
-        # hears each Read served: (the Read, bytes, start, end monotonic; kvloop.engine_spans)
+        # hears each Read served: (the Read, bytes, start, end monotonic; engine/spans.py)
         self.on_read: Callable[[Read, int, float, float], None] | None = None
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)

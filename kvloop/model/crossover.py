@@ -29,6 +29,7 @@ import torch
 from kvloop.model.attention import AttentionMetadata
 from kvloop.model.llama import DecoderLayer, FusedDecode, Linear, LlamaModel
 from kvloop.model.quant import LowBitPolicy
+from kvloop.model.step import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,11 @@ def _decode_inputs(model: LlamaModel, num_layers: int, size: int
 def _dense_decode(layers: list[DecoderLayer], x: torch.Tensor, positions: torch.Tensor,
                   model: LlamaModel, caches: list[torch.Tensor], meta: AttentionMetadata
                   ) -> None:
+    step = StepInputs(input_ids=positions, positions=positions, meta=meta,
+                      logits_indices=positions[:0])            # the dense weights
     h, residual = x, None
     for layer, cache in zip(layers, caches, strict=True):
-        h, residual = layer.forward(h, residual, positions, model.rotary, cache, meta, False)
+        h, residual = layer.forward(h, residual, model.rotary, cache, step)
 
 
 def _run(linears: list[Linear], inputs: list[torch.Tensor], low_bit: bool) -> None:

@@ -45,6 +45,7 @@ from kvloop.model.quant import (
     low_bit_weight,
     rehome_low_bit,
 )
+from kvloop.model.step import StepInputs
 
 
 class Linear(nn.Module):
@@ -182,12 +183,12 @@ class Attention(nn.Module):
         d = self.head_dim
         self.split = [(self.num_heads + self.num_kv_heads) * d, self.num_kv_heads * d]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, low_bit: bool,
-                lora: LoRAStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor,
+                step: StepInputs) -> torch.Tensor:
         num_tokens = x.shape[0]
+        low_bit, lora, meta = step.low_bit, step.lora, step.meta
         qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
-        cpu_ops.rope_and_cache(qkv, positions, rotary.cos, rotary.sin, kv_cache,
+        cpu_ops.rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
         rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
         q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
@@ -203,8 +204,8 @@ class MLP(nn.Module):
         self.gate_up_proj = gate_up
         self.down_proj = down
 
-    def forward(self, x: torch.Tensor, low_bit: bool,
-                lora: LoRAStep | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        low_bit, lora = step.low_bit, step.lora
         gate_up = self.gate_up_proj.forward(x, low_bit, lora).contiguous()  # [T, 2 * ffn]
         return self.down_proj.forward(cpu_ops.silu_and_mul(gate_up), low_bit,
                                       lora)                                # [T, hidden]
@@ -218,10 +219,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = post_norm
         self.mlp = mlp
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                rotary: Rotary, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                low_bit: bool, lora: LoRAStep | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary,
+                kv_cache: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output (the embedding for layer 0, residual None);
         residual: the stream so far. -> (this layer's MLP output, the stream before it); the
         stream after the layer is their sum, which the next layer's norm adds first."""
@@ -230,9 +229,9 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.add_(h, None)        # h = norm(h)
         else:
             self.input_layernorm.add_(h, residual)    # residual += h; h = norm(residual)
-        h = self.self_attn.forward(h, positions, rotary, kv_cache, meta, low_bit, lora)
+        h = self.self_attn.forward(h, rotary, kv_cache, step)
         self.post_attention_layernorm.add_(h, residual)
-        return self.mlp.forward(h, low_bit, lora), residual
+        return self.mlp.forward(h, step), residual
 
 
 class LlamaModel(nn.Module):
@@ -273,31 +272,29 @@ class LlamaModel(nn.Module):
         self.fused_decode = FusedDecode.build(config, cast(list[DecoderLayer],
                                                            list(self.layers)))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                logits_indices: torch.Tensor, lora: LoRAStep | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [S] -> logits [S, vocab] fp32.
-        `lora`: the rows that use an adapter (None: every row is the base model's)."""
-        h, residual = self.decode_layers(input_ids, positions, kv_caches, meta, lora)
-        return self.compute_logits(h, residual, logits_indices)
+    def forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """`step` (`kvloop.model.step.StepInputs`: input ids and positions [T], attention
+        metadata, logits rows [S], adapter rows) -> logits [S, vocab] fp32."""
+        h, residual = self.decode_layers(step, kv_caches)
+        return self.compute_logits(h, residual, step.logits_indices)
 
-    def decode_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      kv_caches: list[torch.Tensor], meta: AttentionMetadata,
-                      lora: LoRAStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_layers(self, step: StepInputs, kv_caches: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
-        final norm (whose input is their sum). A step with adapter rows takes the layer loop
-        (`FusedDecode` has no LoRA)."""
-        h = F.embedding(input_ids, self.embed_tokens)                # [T, hidden]
+        final norm (whose input is their sum). The low-bit policy decides `step.low_bit`
+        here; a step with adapter rows takes the layer loop (`FusedDecode` has no LoRA)."""
+        h = F.embedding(step.input_ids, self.embed_tokens)           # [T, hidden]
         residual: torch.Tensor | None = None
-        num_tokens = input_ids.shape[0]
-        low_bit = self.low_bit.layers(num_tokens)
-        if (self.fused_decode is not None and lora is None and meta.num_decodes == num_tokens
+        num_tokens = step.num_tokens
+        step = step.with_low_bit(self.low_bit.layers(num_tokens))
+        if (self.fused_decode is not None and step.lora is None
+                and step.meta.num_decodes == num_tokens
                 and self.low_bit.fused_decode(num_tokens)):
-            h, residual = self.fused_decode.forward(h, positions, self.rotary, kv_caches, meta)
+            h, residual = self.fused_decode.forward(h, step.positions, self.rotary, kv_caches,
+                                                    step.meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                h, residual = layer.forward(h, residual, positions, self.rotary, kv_cache,
-                                            meta, low_bit, lora)
+                h, residual = layer.forward(h, residual, self.rotary, kv_cache, step)
         assert residual is not None
         return h, residual
 

@@ -69,6 +69,7 @@ from kvloop.model.sampler import (
     apply_token_bitmask,
     prompt_logprob_entries,
 )
+from kvloop.model.step import StepInputs
 
 
 @dataclass
@@ -119,14 +120,12 @@ class PromptRows:
 
 
 @dataclass
-class StepInputs:
-    """The tensors of one forward pass, in batch order."""
+class StepBatch:
+    """One step's batch, in batch order: what the model reads (`step`, its logits rows the
+    sampling rows and the prompt-logprob rows, [S + P]) and what sampling and pooling read."""
 
     req_ids: list[str]
-    input_ids: torch.Tensor        # [T]
-    positions: torch.Tensor        # [T]
-    logits_indices: torch.Tensor   # [S + P]: the sampling rows and the prompt-logprob rows
-    meta: AttentionMetadata
+    step: StepInputs
     sampling_rows: list[SamplingRow]
     sampling_req_ids: list[str]
     sampling_drafts: list[list[int]]   # drafts of each sampling request (most often [])
@@ -135,7 +134,6 @@ class StepInputs:
     pooling_normalize: list[bool]
     prompt_rows: list[PromptRows]
     sample_sel: list[int] | None   # the forward's logits rows that sample (None: all of them)
-    lora: LoRAStep | None = None   # the rows that use an adapter (None: none does)
 
 
 class ModelRunner:
@@ -231,7 +229,7 @@ class ModelRunner:
             out.pooler_output = _pooler_output(fwd.inputs, fwd.pooled)
         return out
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> RunnerOutput:
+    def _sample(self, inputs: StepBatch, logits: torch.Tensor) -> RunnerOutput:
         if not inputs.sampling_req_ids:    # only pooling requests, or partial chunks
             return self._make_output(inputs, [], [])
         if any(inputs.sampling_drafts):
@@ -250,7 +248,7 @@ class ModelRunner:
         return _Forward(inputs, logits, (start, time.perf_counter()), pooled)
 
     def forward(self, scheduler_output: SchedulerOutput
-                ) -> tuple[StepInputs | None, torch.Tensor]:
+                ) -> tuple[StepBatch | None, torch.Tensor]:
         """Update request state, run the model: (inputs, logits [S, vocab] fp32), for each
         entry of `inputs.sampling_req_ids` in order 1 + len(its drafts) rows (one without
         drafts). Used by `execute` and by tests; `forward_pooled` also pools."""
@@ -258,7 +256,7 @@ class ModelRunner:
         return inputs, logits
 
     def forward_pooled(self, scheduler_output: SchedulerOutput
-                       ) -> tuple[StepInputs | None, torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[StepBatch | None, torch.Tensor, torch.Tensor | None]:
         """`forward`, and the pooled vectors [P, hidden] fp32 of
         `inputs.pooling_req_ids`, in order (None when no request pools this step)."""
         self._update_states(scheduler_output)
@@ -267,26 +265,24 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         with torch.inference_mode():
             if not inputs.pooling_req_ids:
-                logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta, inputs.logits_indices, inputs.lora)
+                logits = self.model(inputs.step, self.kv_caches)
                 pooled = None
             else:
                 logits, pooled = self._forward_pooling(inputs)
         self.num_steps += 1
         return inputs, logits, pooled
 
-    def _forward_pooling(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_pooling(self, inputs: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """A step with pooling requests: the vectors first (`compute_logits` may normalize
         the hidden states in place), then the logits of the sampling rows."""
         model = self.model
-        h, residual = model.decode_layers(inputs.input_ids, inputs.positions, self.kv_caches,
-                                          inputs.meta, inputs.lora)
+        h, residual = model.decode_layers(inputs.step, self.kv_caches)
         pooled = model.final_hidden(h, residual, inputs.pooling_indices)   # [P, hidden]
         norm = torch.tensor(inputs.pooling_normalize, device=pooled.device)
         pooled = torch.where(norm[:, None], F.normalize(pooled, p=2.0, dim=-1), pooled)
-        if inputs.logits_indices.shape[0] == 0:
+        if inputs.step.logits_indices.shape[0] == 0:
             return torch.empty(0, self.vocab_size, device=pooled.device), pooled
-        return model.compute_logits(h, residual, inputs.logits_indices), pooled
+        return model.compute_logits(h, residual, inputs.step.logits_indices), pooled
 
     def shutdown(self) -> None:
         self._forward_thread.shutdown(wait=True)
@@ -327,7 +323,7 @@ class ModelRunner:
         return sorted(items, key=lambda s: s.num_tokens > 1)
 
     # --- inputs ---------------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepBatch:
         items = self._scheduled(so)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -359,19 +355,20 @@ class ModelRunner:
         pooling = [i for i in items if i.pools]
         meta = self._attention_metadata(items, torch.tensor(slots, dtype=torch.long, device=dev))
         sampling = [i for i in items if i.samples]
-        return StepInputs(
-            req_ids=[i.state.req_id for i in items],
+        step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            meta=meta, sampling_rows=[_sampling_row(i) for i in sampling],
+            meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            lora=self._lora_step(items))
+        return StepBatch(
+            req_ids=[i.state.req_id for i in items], step=step,
+            sampling_rows=[_sampling_row(i) for i in sampling],
             sampling_req_ids=[i.state.req_id for i in sampling],
             sampling_drafts=[i.drafts for i in sampling],
             pooling_indices=torch.tensor(pooling_indices, dtype=torch.long, device=dev),
             pooling_req_ids=[i.state.req_id for i in pooling],
             pooling_normalize=[_normalizes(i.state) for i in pooling],
-            prompt_rows=prompt_rows, sample_sel=sample_sel if prompt_rows else None,
-            lora=self._lora_step(items))
+            prompt_rows=prompt_rows, sample_sel=sample_sel if prompt_rows else None)
 
     def _lora_step(self, items: list[_Scheduled]) -> LoRAStep | None:
         """Make the step's adapters resident; their rows as (slot, start, end) ranges
@@ -431,7 +428,7 @@ class ModelRunner:
 
     # --- outputs --------------------------------------------------------------------------
     @staticmethod
-    def _make_output(inputs: StepInputs, tokens: list[list[int]],
+    def _make_output(inputs: StepBatch, tokens: list[list[int]],
                      logprobs: list[list[Logprobs] | None]) -> RunnerOutput:
         """Tokens and logprobs per sampling request -> per scheduled request."""
         by_req = dict(zip(inputs.sampling_req_ids, zip(tokens, logprobs, strict=True),
@@ -452,13 +449,13 @@ class _Forward:
     """A finished forward pass: its inputs (None: nothing scheduled), logits and
     (start, end) perf_counter times."""
 
-    inputs: StepInputs | None
+    inputs: StepBatch | None
     logits: torch.Tensor
     window: tuple[float, float]
     pooled: torch.Tensor | None = None    # [P, hidden]: `inputs.pooling_req_ids`' vectors
 
 
-def _apply_grammar(logits: torch.Tensor, inputs: StepInputs, grammar: GrammarOutput) -> None:
+def _apply_grammar(logits: torch.Tensor, inputs: StepBatch, grammar: GrammarOutput) -> None:
     """Mask the logits rows of the constrained requests with their bitmask rows: a request
     with k drafts has k + 1 logits rows and as many bitmask rows, in position order."""
     first_row: dict[str, int] = {}
@@ -487,7 +484,7 @@ def _normalizes(state: RequestState) -> bool:
     return state.pooling is not None and state.pooling.normalize
 
 
-def _pooler_output(inputs: StepInputs, pooled: torch.Tensor) -> list[list[float] | None]:
+def _pooler_output(inputs: StepBatch, pooled: torch.Tensor) -> list[list[float] | None]:
     """The vectors [P, hidden] of `inputs.pooling_req_ids` -> one entry per scheduled
     request (None for those that did not pool)."""
     by_req = dict(zip(inputs.pooling_req_ids, pooled.cpu().tolist(), strict=True))

@@ -1,6 +1,7 @@
 """`kvloop router` and `kvloop fleet`: flags -> frozen configs -> run.
 
     kvloop router --worker URL[,role][,events=EP][,replay=EP] ... [--port P] [--policy NAME]
+    kvloop router ... [--ext-proc-port PORT] [--discovery-file PATH]
     kvloop router --discover nats://HOST:PORT [--dyn-component C] [--index redis://HOST:PORT]
                   [--pd-policy cost|always|never]
     kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
@@ -163,6 +164,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                          "another worker, with the tokens already sent (0: never)")
     _add_security_args(p)
     _add_bus_args(p)
+    _add_gateway_args(p)
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("behind Envoy, and workers from a file (docs/gateway.md)")
+    g.add_argument("--ext-proc-port", type=int, default=None, metavar="PORT",
+                   help="also serve Envoy's ext_proc gRPC service on --host:PORT as the Gateway "
+                        "API Inference Extension's endpoint picker (0: a free port, printed)")
+    g.add_argument("--discovery-file", default=None, metavar="PATH",
+                   help="a YAML list of workers (url, role) watched for changes: workers "
+                        "added to it join, workers removed from it leave")
 
 
 def _add_flow_args(p: argparse.ArgumentParser) -> None:
@@ -298,6 +310,7 @@ def router_config(args: argparse.Namespace,
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
         flow=flow_config(args), migration_limit=args.migration_limit,
+        ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
         tracing=tracing_config(args))
 
 

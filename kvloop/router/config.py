@@ -281,6 +281,10 @@ class RouterConfig:
     `GET /kvloop/tokenizer`, kvloop/router/prompts.py).
     `migration_limit`: how many times one stream may move to another worker when its worker
     fails mid-stream (Dynamo's --migration-limit; 0: never, kvloop/router/migration.py).
+    `ext_proc_port`: also serve Envoy's external processing gRPC service there, on `host`, as
+    the Gateway API Inference Extension's endpoint picker (None: not; 0: an ephemeral port;
+    kvloop/router/ext_proc.py). `discovery_file`: a YAML file of workers, watched for changes
+    (kvloop/router/discovery_file.py).
     """
 
     host: str = "127.0.0.1"
@@ -302,9 +306,13 @@ class RouterConfig:
     tokenizer: str | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)
     migration_limit: int = 0
+    ext_proc_port: int | None = None
+    discovery_file: str | None = None
     tracing: TracingConfig = field(default_factory=TracingConfig)   # kvloop.tracing
 
     def __post_init__(self) -> None:
+        if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"ext_proc_port must be in [0, 65535], got {self.ext_proc_port}")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.worker_api_key is not None:

@@ -3,10 +3,11 @@
     1. connect to the NATS event plane, if configured (kvloop.router.bus); bind the HTTP
        socket (port 0 = ephemeral);
     2. start uvicorn; its lifespan registers the initial workers and starts the poller;
-    3. once it accepts connections: start discovery, if configured (kvloop.router.discovery),
-       and print "kvloop router on http://HOST:PORT";
-    4. on SIGTERM/SIGINT: stop accepting, end the poller, discovery, every KV-event
-       subscription, then the event plane.
+    3. once it accepts connections: start discovery, if configured (kvloop.router.discovery,
+       kvloop.router.discovery_file), and the endpoint picker for Envoy with --ext-proc-port
+       (kvloop.router.ext_proc), and print "kvloop router on http://HOST:PORT";
+    4. on SIGTERM/SIGINT: stop accepting, end the picker, the poller, discovery, every
+       KV-event subscription, then the event plane.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from kvloop.router.router import Router, SubscriberFactory
 if TYPE_CHECKING:
     from kvloop.router.bus import RouterBus
     from kvloop.router.discovery import Discovery
+    from kvloop.router.discovery_file import FileDiscovery
+    from kvloop.router.ext_proc import PickerServer
 
 log = logging.getLogger("kvloop.router")
 
@@ -58,6 +61,13 @@ class RouterServer:
             subscriber_factory = self.bus.factory(subscriber_factory)
         self.router = Router(config, subscriber_factory)
         self.app = RouterApp(self.router, workers)
+        self.picker: PickerServer | None = None
+        self.file_discovery: FileDiscovery | None = None
+        if config.discovery_file is not None:
+            from kvloop.router.discovery_file import FileDiscovery
+
+            self.file_discovery = FileDiscovery(self.app, config.discovery_file)
+            self.router.details["discovery_file"] = self.file_discovery.describe
         if self.bus is not None:
             self.router.watchers.append(self.bus.watch)
             self.router.details["bus"] = self.bus.describe
@@ -83,17 +93,35 @@ class RouterServer:
                                    graceful_shutdown_s=GRACEFUL_SHUTDOWN_S,
                                    on_ready=lambda url: self._ready(on_ready))
         try:
+            await self._start_picker()
             await self._server.serve()
         finally:
             self.sock.close()
+            if self.picker is not None:
+                await self.picker.stop()
+            if self.file_discovery is not None:
+                await self.file_discovery.stop()
             if self.discovery is not None:
                 await self.discovery.stop()
             if self.bus is not None:
                 self.bus.stop()
 
+    async def _start_picker(self) -> None:
+        """With --ext-proc-port: the endpoint picker's gRPC server, on this event loop."""
+        port = self.router.config.ext_proc_port
+        if port is None:
+            return
+        from kvloop.router.ext_proc import PickerServer
+
+        self.picker = PickerServer(self.app, self.router.config.host, port)
+        await self.picker.start()
+        self.router.details["ext_proc"] = self.picker.describe
+
     def _ready(self, on_ready: Callable[[RouterServer], None] | None) -> None:
         if self.discovery is not None:
             self.discovery.start()
+        if self.file_discovery is not None:
+            self.file_discovery.start()
         if on_ready is not None:
             on_ready(self)
 
@@ -117,6 +145,9 @@ def announce(server: RouterServer) -> None:
         print(f"  event plane {server.bus.config.plane.safe_url}: listening on "
               f"{server.bus.plane.listening}"
               f"{', discovering workers' if server.discovery else ''}", flush=True)
+    if server.picker is not None:
+        print(f"  endpoint picker (Envoy ext_proc) on {server.picker.host}:{server.picker.port}",
+              flush=True)
     print(f"{ROUTER_ANNOUNCEMENT.format(url=server.url)} (policy {server.router.config.policy})",
           flush=True)
 

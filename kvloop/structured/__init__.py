@@ -15,15 +15,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvloop.config import RunnerConfig
+    from kvloop.front.tokenizer import Tokenizer
     from kvloop.structured.xgrammar_backend import XgrammarBackend
 
 
-def load_backend(runner: RunnerConfig, vocab_size: int) -> XgrammarBackend:
-    """The grammar backend of the model `runner` serves, for logits of `vocab_size` ids."""
-    from kvloop.front.tokenizer import load_vocabulary
+def load_backend(runner: RunnerConfig, vocab_size: int,
+                 tokenizer: Tokenizer | None = None) -> XgrammarBackend:
+    """The grammar backend of the model `runner` serves, for logits of `vocab_size` ids:
+    over `tokenizer` when the caller has loaded one (the offline `LLM`), else over the
+    model's own vocabulary."""
+    if tokenizer is None:
+        from kvloop.front.tokenizer import load_vocabulary
 
-    vocab = load_vocabulary(runner.model)
-    return backend_for(vocab.tokenizer, max(vocab_size, vocab.vocab_size))
+        vocab = load_vocabulary(runner.model)
+        return backend_for(vocab.tokenizer, max(vocab_size, vocab.vocab_size))
+    return backend_for(tokenizer, max(vocab_size, tokenizer.vocab_size))
 
 
 def backend_for(tokenizer: Any, vocab_size: int) -> XgrammarBackend:

@@ -10,11 +10,12 @@
     output thread : output queue -> encode -> PUSH send
 
 Start-up handshake: the process connects its DEALER and PUSH to the API server's ROUTER and
-PULL, builds the runner (by factory name, so this module never imports a model or a
-simulator), then sends one `EngineReady` on the DEALER (the ROUTER learns its identity from
-it). A failed start sends `EngineStartFailed` instead and exits 1.
+PULL, builds the engine (`kvloop.engine.build.build_engine`, the same assembly as the offline
+`LLM`: runner by factory name, config, grammar backend, connectors), then sends one
+`EngineReady` on the DEALER (the ROUTER learns its identity from it). A failed start sends
+`EngineStartFailed` instead and exits 1.
 
-Process: `python -m kvloop.engine_proc`, started by the API server in a session of its
+Process: `python -m kvloop.engine.proc`, started by the API server in a session of its
 own, which writes one `EngineStartConfig` JSON line on its stdin and keeps the pipe open.
 
 Shutdown: the busy loop ends
@@ -29,23 +30,19 @@ built interrupts the build (exit 0). Every thread is joined before the process e
 holds a stdio lock at interpreter shutdown. An exception in the loop sends `ENGINE_CORE_DEAD`
 and exits 1.
 
-With a KV connector (`EngineConfig.kv_transfer`, built here by
-`kvloop.kv_transfer.make_connector`) the loop also runs while requests only wait on
-transfers; it then sleeps on the input queue, which the connector's threads wake (a
-`_WAKE` item) when a Done, a finished load or a failure arrives, and looks at lease expiry at
-least every `_IDLE_WAIT_S`.
+With a KV connector (P/D, tiers or both: `kvloop.engine.build.make_connectors`) the loop
+also runs while requests only wait on transfers; it then sleeps on the input queue, which the
+connector's threads wake (a `_WAKE` item) when a Done, a finished load or a failure arrives,
+and looks at lease expiry at least every `_IDLE_WAIT_S`.
 
 Owner: the busy loop alone touches the EngineCore (aborts excepted: thread-safe by design).
 It lives outside the pure core (`kvloop/core` imports no zmq and no KV connector): the
-composition root of the engine process, it builds the core, the runner, the connector and
-the publisher.
+engine process's composition root, it has the engine built and adds the sockets, the
+publisher and the trace.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import importlib
 import logging
 import os
 import queue
@@ -62,16 +59,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvloop.config import GRAMMAR_BACKEND, EngineConfig
-from kvloop.core.budget import resolve_budget
+from kvloop.config import GRAMMAR_BACKEND
 from kvloop.core.engine import EngineCore, StepResult
-from kvloop.core.hashing import resolve_seed
-from kvloop.core.runner import LoadedRunner
 from kvloop.core.trace import TraceWriter
-from kvloop.engine_spans import EngineSpans, make_engine_spans
+from kvloop.engine.build import build_engine
+from kvloop.engine.spans import EngineSpans, make_engine_spans
 from kvloop.events.config import KVEventsConfig
-from kvloop.kv_transfer import make_connector
-from kvloop.kv_transfer.offloading import make_offloading_connector
 from kvloop.trust import PURPOSE_KV_EVENTS, CurveKeys
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
@@ -97,55 +90,6 @@ _IDLE_WAIT_S = 0.1   # an idle busy loop looks at its stop conditions this often
 _WAKE = b"wake"      # input-queue item: the KV connector has news
 
 
-def resolve_factory(name: str) -> Callable[..., Any]:
-    """Import "module:function" and return the function."""
-    module, sep, attr = name.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"runner factory must look like 'module:function', got {name!r}")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
-
-
-def _engine_config_for(template: EngineConfig, runner: LoadedRunner) -> EngineConfig:
-    """The template with the runner's facts: KV capacity, context length, resolved hash seed,
-    and with `auto_budget` the step budget measured on the runner (`kvloop.core.budget`).
-
-    `max_model_len` is clamped to what the KV cache holds, so a lone request can always finish,
-    and without chunked prefill to the step budget, so every prompt fits in one step.
-    """
-    cache, sched = template.cache, template.scheduler
-    num_blocks, max_len = runner.num_gpu_blocks, runner.max_model_len
-    capacity = (num_blocks - 1) * cache.block_size
-    if capacity < max_len:
-        logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
-                       "using %d", max_len, num_blocks - 1, cache.block_size, capacity, capacity)
-        max_len = capacity
-    if template.auto_budget is not None:
-        sched = resolve_budget(dataclasses.replace(sched, max_model_len=max_len),
-                               template.auto_budget, runner, cache.block_size)
-    budget = sched.max_num_batched_tokens
-    if not sched.enable_chunked_prefill and budget < max_len:
-        logger.warning("max_model_len %d exceeds max_num_batched_tokens %d without chunked "
-                       "prefill (a prompt must fit in one step); using %d", max_len, budget,
-                       budget)
-        max_len = budget
-    seed = resolve_seed(cache.prefix_caching_hash_algo, cache.hash_seed)
-    return dataclasses.replace(
-        template,
-        cache=dataclasses.replace(cache, num_gpu_blocks=num_blocks, hash_seed=seed),
-        scheduler=dataclasses.replace(sched, max_model_len=max_len))
-
-
-def _log_engine_config(config: EngineConfig) -> None:
-    """The engine's step and cache settings, once, as it starts serving."""
-    sched, cache = config.scheduler, config.cache
-    logger.info("engine config: max_num_batched_tokens %d%s, max_num_seqs %d, max_model_len "
-                "%d, chunked prefill %s, num_gpu_blocks %d of %d tokens, prefix caching %s",
-                sched.max_num_batched_tokens, " (auto)" if config.auto_budget else "",
-                sched.max_num_seqs, sched.max_model_len,
-                "on" if sched.enable_chunked_prefill else "off", cache.num_gpu_blocks,
-                cache.block_size, "on" if cache.enable_prefix_caching else "off")
-
-
 class EngineCoreProc:
     """One engine core behind ZMQ sockets. Built and run inside the engine process."""
 
@@ -167,7 +111,7 @@ class EngineCoreProc:
         self.engine: EngineCore | None = None
         self.publisher: Any = None
         self.trace: TraceWriter | None = None
-        self.spans: EngineSpans | None = None   # --otlp-traces-endpoint (kvloop.engine_spans)
+        self.spans: EngineSpans | None = None   # --otlp-traces-endpoint (engine/spans.py)
         self._last_stats_key: tuple[Any, ...] | None = None
         self._faults: list[str] = []     # the faults last sent to the API server
 
@@ -202,31 +146,12 @@ class EngineCoreProc:
 
     def _build(self) -> EngineReady:
         cfg = self.config
-        runner: LoadedRunner = resolve_factory(cfg.runner.factory)(cfg.runner)
-        econf = _engine_config_for(cfg.engine, runner)
-        if cfg.kv_events is not None:
-            econf = dataclasses.replace(
-                econf, cache=dataclasses.replace(econf.cache, enable_kv_cache_events=True))
-        grammar_factory = cfg.runner.grammar_backend_factory
-        grammar = (functools.partial(resolve_factory(grammar_factory), cfg.runner,
-                                     runner.vocab_size) if grammar_factory else None)
-        connector = None
-        if econf.kv_transfer is not None:
-            connector = make_connector(econf.kv_transfer, runner, secret=cfg.secret())
-        tiers = None
-        if econf.kv_offload is not None:
-            tiers = make_offloading_connector(econf.kv_offload, runner, econf.cache,
-                                              secret=cfg.secret())
-        self.engine = EngineCore(econf, runner, num_gpu_blocks=econf.cache.num_gpu_blocks,
-                                 grammar_backend=grammar, connector=connector or tiers)
-        _log_engine_config(econf)
-        kv_transfer = None
-        if connector is not None:
-            connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
-            kv_transfer = connector.start()
-        if tiers is not None:
-            tiers.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
-            tiers.start()
+        built = build_engine(cfg.runner, cfg.engine, kv_events=cfg.kv_events is not None,
+                             secret=cfg.secret())
+        self.engine = engine = built.engine
+        if engine.connector is not None:
+            engine.connector.set_wakeup(lambda: self.input_queue.put((_WAKE, None)))
+        econf, runner = engine.config, built.runner
         ready = EngineReady(
             wire_version=WIRE_VERSION, pid=os.getpid(),
             model_name=runner.model_name,
@@ -237,13 +162,14 @@ class EngineCoreProc:
             max_num_batched_tokens=econf.scheduler.max_num_batched_tokens,
             max_num_seqs=econf.scheduler.max_num_seqs,
             vocab_size=runner.vocab_size, epoch=cfg.epoch, kv_events=None,
-            kv_transfer=kv_transfer,
-            structured_output_backend=GRAMMAR_BACKEND if grammar else None)
+            kv_transfer=built.kv_transfer,
+            structured_output_backend=(GRAMMAR_BACKEND if engine.structured_output is not None
+                                       else None))
         if cfg.kv_events is not None:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
             self.trace = TraceWriter(cfg.trace_file)
-        self.spans = make_engine_spans(cfg.tracing, connector)
+        self.spans = make_engine_spans(cfg.tracing, engine.connector)
         return ready
 
     def _start_publisher(self, ready: EngineReady, ev_cfg: KVEventsConfig) -> EngineReady:
@@ -621,7 +547,7 @@ def _run(proc: EngineCoreProc) -> int:
 
 
 def main() -> int:
-    """`python -m kvloop.engine_proc`: read one `EngineStartConfig` JSON line on stdin."""
+    """`python -m kvloop.engine.proc`: read one `EngineStartConfig` JSON line on stdin."""
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = sys.stdin.buffer.readline()

@@ -163,9 +163,10 @@ def make_engine_spans(config: TracingConfig | None, connector: Any) -> EngineSpa
     if tracer is None:
         return None
     spans = EngineSpans(tracer)
-    if hasattr(connector, "on_transfer"):
-        connector.on_transfer = spans.on_transfer
-    server = getattr(connector, "server", None)   # P's side channel
-    if server is not None:
-        server.on_read = spans.on_read
+    for c in getattr(connector, "connectors", [connector]):   # a MultiConnector's, or it
+        if hasattr(c, "on_transfer"):
+            c.on_transfer = spans.on_transfer
+        server = getattr(c, "server", None)   # P's side channel
+        if server is not None:
+            server.on_read = spans.on_read
     return spans
