@@ -193,7 +193,7 @@ def test_tracing_off_imports_no_opentelemetry():
     """With the flag off, no process of kvloop loads the OpenTelemetry SDK, an exporter or
     grpc (FastAPI itself imports the light opentelemetry API package: not ours)."""
     code = ("import sys; from kvloop.server import api, client; from kvloop.router import "
-            "proxy; import kvloop.engine_proc; from kvloop.tracing import make_tracer, "
+            "proxy; import kvloop.engine.proc; from kvloop.tracing import make_tracer, "
             "TracingConfig; assert make_tracer(TracingConfig(), 'x') is None; "
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
             "'opentelemetry.exporter', 'opentelemetry.proto', 'grpc'))))")
@@ -261,6 +261,15 @@ def test_fleet_passes_the_tracing_flags_to_its_workers_as_serve_reads_them():
     assert TracingConfig().to_args() == []
 
 
+def _resumed_on(spans: list[ReceivedSpan], trace_id: str, worker: str) -> bool:
+    """The trace has its migration span and `worker`'s API-server span under its leg."""
+    mine = {s.span_id: s for s in spans if s.trace_id == trace_id}
+    return any(s.name == "router.migrate" for s in mine.values()) and any(
+        s.name == "api_server POST /v1/completions" and s.parent_id in mine
+        and mine[s.parent_id].attributes.get("kvloop.worker") == worker
+        for s in mine.values())
+
+
 @pytest.mark.processes
 def test_a_migrated_stream_stays_one_trace_naming_both_workers(monkeypatch):
     """kill -9 of the worker streaming a request (--migration-limit 1): the stream goes on
@@ -296,13 +305,14 @@ def test_a_migrated_stream_stays_one_trace_naming_both_workers(monkeypatch):
                             os.kill(proc.pid, signal.SIGKILL)
                 assert victim is not None and events[-1] == "data: [DONE]"
                 assert not any('"error"' in e for e in events)
-                spans = received.wait_for(lambda got: {"router.migrate", "llm_request"} <= {
-                    s.name for s in got if s.trace_id == trace_id}, timeout=60)
+                other = next(w.name for w in rt.router.registry.all()
+                             if w.name != victim.name)
+                spans = received.wait_for(lambda got: _resumed_on(got, trace_id, other),
+                                          timeout=60)
         finally:
             fleet.stop()
     spans = [s for s in spans if s.trace_id == trace_id]
     by_id = {s.span_id: s for s in spans}
-    other = next(w.name for w in rt.router.registry.all() if w.name != victim.name)
     move, = _named(spans, "router.migrate")
     assert (move.attributes["kvloop.migration.from"], move.attributes["kvloop.migration.to"],
             move.attributes["kvloop.migration.move"]) == (victim.name, other, 1)
