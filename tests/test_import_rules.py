@@ -20,7 +20,7 @@ CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ROUTER_KVLOOP = ("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
                  "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front",
-                 "kvloop.tracing")
+                 "kvloop.batch", "kvloop.tracing")
 ROUTER_3P = ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq", "redis",
              "yaml")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
@@ -81,12 +81,14 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
-                       "kvloop.kv_transfer.params", "kvloop.tracing"),
+                       "kvloop.kv_transfer.params", "kvloop.batch", "kvloop.tracing"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
     # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
     "kvloop.router.ext_proc": (ROUTER_KVLOOP,
                                (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
+    # the Batch API: below the router and the API server, on the shared front package
+    "kvloop.batch": (("kvloop.front",), ("starlette", "httpx", "redis")),
     "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.front.tokenizer"),
                           ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
 from kvloop.events.cli_args import (
     NATS_CREDENTIAL_ENV,
@@ -159,6 +160,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
     _add_flow_args(p)
+    add_batch_args(p)
     lv.add_argument("--migration-limit", type=int, default=0, metavar="N",
                     help="how many times a stream whose worker fails mid-stream moves to "
                          "another worker, with the tokens already sent (0: never)")
@@ -311,6 +313,8 @@ def router_config(args: argparse.Namespace,
         tokenizer=getattr(args, "tokenizer", None),
         flow=flow_config(args), migration_limit=args.migration_limit,
         ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
+        batch=batch_config(args, http_limits(args).max_request_body_bytes, args.index,
+                           args.redis_password),
         tracing=tracing_config(args))
 
 

@@ -106,6 +106,7 @@ from kvloop.front.prometheus_text import metric_value, samples
 from kvloop.front.responses import RESPONSES_PATH, ResponsesRequest
 from kvloop.front.tokenizer_files import MAX_TOKENIZER_FILES_BYTES, tokenizer_from_files
 from kvloop.router import tracing
+from kvloop.router.batch import attach_batch
 from kvloop.router.config import RouterConfig
 from kvloop.router.flow import FlowControl, Permit, Rejection, rejection_response
 from kvloop.router.migration import Migration
@@ -222,6 +223,7 @@ class RouterApp:
         self.affinity = ResponseAffinity()
         self.flow = FlowControl(cfg.flow, router.serving_pool, router.clock,
                                 router.metrics.prom)
+        self.batch = attach_batch(self.app, self.flow, cfg.batch) if cfg.batch else None
 
     # --- lifecycle ------------------------------------------------------------------------
     @asynccontextmanager
@@ -243,8 +245,12 @@ class RouterApp:
         for spec in self.initial_workers:
             await self.register(spec)
         self._poller = asyncio.create_task(self._poll_loop())
+        if self.batch is not None:
+            await self.batch.start()
 
     async def stop(self) -> None:
+        if self.batch is not None:
+            await self.batch.stop()
         await self.flow.stop()
         if self._poller is not None:
             self._poller.cancel()
