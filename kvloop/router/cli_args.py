@@ -42,6 +42,7 @@ from kvloop.router.config import (
 )
 from kvloop.router.flow_config import FlowConfig, load_objectives
 from kvloop.router.registry import WorkerSpec
+from kvloop.tracing import add_tracing_args, tracing_config
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
 WORKER_API_KEY_ENV = "KVLOOP_WORKER_API_KEY"   # the key the router presents to workers
@@ -95,6 +96,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "vLLM's --tokenizer; default: the router's own copy of the model the "
                         "workers name, else fetched from a worker's GET /kvloop/tokenizer "
                         "with --worker-api-key)")
+    add_tracing_args(p)
     h = p.add_argument_group("fleet hashing (default: learned from the first worker)")
     h.add_argument("--block-size", type=int, default=None)
     h.add_argument("--hash-algo", default=None)
@@ -312,7 +314,8 @@ def router_config(args: argparse.Namespace,
         flow=flow_config(args), migration_limit=args.migration_limit,
         ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
         batch=batch_config(args, http_limits(args).max_request_body_bytes, args.index,
-                           args.redis_password))
+                           args.redis_password),
+        tracing=tracing_config(args))
 
 
 def _setup_logging(level: str) -> None:
@@ -385,7 +388,7 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         # a fleet of its own: a secret of its own (unless given)
         cfg = _fleet_worker_key(router_config(args, default_secret=FleetSecret.generate()))
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
-                            worker_args=tuple(extra),
+                            worker_args=(*cfg.tracing.to_args(), *extra),
                             start_timeout_s=args.worker_start_timeout,
                             worker_api_key=cfg.worker_api_key,
                             event_plane=cfg.bus.plane if cfg.bus is not None else None,

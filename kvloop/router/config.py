@@ -18,6 +18,7 @@ from kvloop.front.auth import AuthConfig, check_key
 from kvloop.front.http_limits import HttpLimits
 from kvloop.front.tls import TlsConfig, WorkerTls
 from kvloop.router.flow_config import FlowConfig
+from kvloop.tracing import TracingConfig
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -311,6 +312,7 @@ class RouterConfig:
     ext_proc_port: int | None = None
     discovery_file: str | None = None
     batch: BatchConfig | None = None
+    tracing: TracingConfig = field(default_factory=TracingConfig)   # kvloop.tracing
 
     def __post_init__(self) -> None:
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
