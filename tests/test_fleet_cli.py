@@ -217,3 +217,40 @@ def test_restart_policy_backs_off_and_refuses_bad_values():
     for bad in (dict(max_restarts=-1), dict(backoff_s=0), dict(backoff_s=60.0)):
         with pytest.raises(ValueError):
             RestartPolicy(**bad)
+
+
+@pytest.mark.processes
+def test_a_worker_that_keeps_dying_is_restarted_at_most_max_restarts_times(capsys):
+    """The restart limit: a killed worker whose port another process then holds fails its
+    one restart (the bind error, printed with its exit code) and is left dead."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from kvloop.router.config import RestartPolicy
+    from kvloop.router.fleet import Fleet
+
+    cfg = FleetConfig(1, "sim", worker_args=("--sim-speedup", "40"), echo_output=False,
+                      restart=RestartPolicy(max_restarts=1, backoff_s=1.0))
+    fleet = Fleet(cfg)
+    try:
+        [spec] = fleet.start()
+        first = fleet.workers[0]
+        squatter = socket.socket()
+        first.signal(signal.SIGKILL)
+        first.wait(10)
+        squatter.bind(("127.0.0.1", urlsplit(spec.url).port))   # before the 1 s backoff ends
+        squatter.listen()
+        err: list[str] = []
+        wait_until(lambda: err.append(capsys.readouterr().err) or "not restarted" in
+                   "".join(err), 60, "the fleet to give up on the worker")
+        text = "".join(err)
+        assert "ended, killed by SIGKILL (exit code -9); restart 1 of 1 in 1 s" in text
+        assert re.search(r"ended, exit code [1-9]\d*; not restarted: --max-worker-restarts "
+                         r"1 reached", text), text
+        with fleet.lock:
+            second = fleet.workers[0]
+        assert second is not first and not second.alive() and second.proc.returncode > 0
+        assert "in use" in second.log()
+        squatter.close()
+    finally:
+        fleet.stop()

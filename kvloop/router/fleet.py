@@ -270,8 +270,8 @@ class Fleet:
         if r.in_a_row >= policy.max_restarts:
             r.gave_up = True
             print(f"kvloop fleet: worker {i} (pid {pid}) ended, {exit_text(code)}; not "
-                  f"restarted ({r.in_a_row} restarts in a row, --max-worker-restarts "
-                  f"{policy.max_restarts})", file=sys.stderr, flush=True)
+                  f"restarted: --max-worker-restarts {policy.max_restarts} reached",
+                  file=sys.stderr, flush=True)
             return
         delay = policy.delay_s(r.in_a_row)
         r.due = now + delay
