@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import enum
 import json
+import re
+from re import _constants as re_constants  # type: ignore[attr-defined]
+from re import _parser as re_parser  # type: ignore[attr-defined]
 from typing import Any
 
 import msgspec
@@ -113,6 +116,17 @@ class StructuredOutputsParams(msgspec.Struct, frozen=True, omit_defaults=True):
         if kind == StructuredOutputKind.JSON_OBJECT:
             return ""
         return str(getattr(self, kind.value))
+
+    @property
+    def compile_cost(self) -> int:
+        """What compiling it roughly costs, in the units of its spec's length: a regex's or
+        grammar's size with its bounded repeats unrolled (`expansion_cost`: a 12-byte
+        `[a-z]{1,128}` costs 2,048), else the spec's length. The compile queue orders by it
+        and the API refuses a regex or grammar over `MAX_EXPANSION`."""
+        kind = self.kind
+        if kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
+            return max(len(self.spec), expansion_cost(self.spec, kind))
+        return len(self.spec)
 
     @property
     def key(self) -> tuple[StructuredOutputKind, str, bool]:
@@ -286,3 +300,51 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     @property
     def effective_eos(self) -> int | None:
         return None if self.ignore_eos else self.eos_token_id
+
+
+# A regex's or grammar's size once its bounded repeats are unrolled, as the grammar compiler
+# unrolls them: a literal counts 1, a character class `CLASS_COST` (the compiler builds a
+# token mask per class state: measured, `[a-z]{1,200}` takes 2.4 s on one core where
+# `(a{1,20}){1,20}`, 400 literals, takes 1 ms); `x{m,n}` counts n times x, `*`/`+` twice.
+CLASS_COST = 16
+MAX_EXPANSION = 2048
+_GRAMMAR_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def expansion_cost(spec: str, kind: StructuredOutputKind) -> int:
+    """The unrolled size of a regex (parsed by Python's `re` parser; one that does not
+    parse is left to the compiler) or, for a grammar, of its repeats (each `{m,n}` counted
+    as n character classes: a conservative bound)."""
+    if kind == StructuredOutputKind.GRAMMAR:
+        return sum(int(hi or lo) * CLASS_COST for lo, hi in _GRAMMAR_REPEAT.findall(spec))
+    try:
+        parsed = re_parser.parse(spec)
+    except (re.error, RecursionError, OverflowError):
+        return 0
+    return _cost(parsed)
+
+
+def _cost(items: Any) -> int:
+    total = 0
+    for op, arg in items:
+        total += _item_cost(op, arg)
+        if total > MAX_EXPANSION:
+            return total
+    return total
+
+
+def _item_cost(op: Any, arg: Any) -> int:
+    c = re_constants
+    if op in (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)):
+        lo, hi, sub = arg
+        times = 2 if hi == c.MAXREPEAT else max(int(hi), 1)
+        return times * _cost(sub)
+    if op == c.SUBPATTERN:
+        return _cost(arg[-1])
+    if op == c.BRANCH:
+        return sum(_cost(branch) for branch in arg[1])
+    if op in (c.ASSERT, c.ASSERT_NOT, getattr(c, "ATOMIC_GROUP", None)):
+        return _cost(arg[-1] if isinstance(arg, tuple) else arg)
+    if op in (c.IN, c.ANY, c.NOT_LITERAL, c.CATEGORY):
+        return CLASS_COST
+    return 1

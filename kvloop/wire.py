@@ -70,12 +70,17 @@ KV_FAILURE_MISMATCH = "mismatch"         # P's fingerprint or block size differs
 KV_FAILURE_REFUSED = "refused"           # P refused the Read (unknown or expired request)
 KV_FAILURE_TRUNCATED = "truncated"       # P answered fewer blocks or bytes than asked for
 KV_FAILURE_ERROR = "error"               # anything else (a bad reply, a failed write)
+KV_FAILURE_CORRUPT = "corrupt"           # a tier record failed its MAC, hash or size check
 KV_FAILURE_REASONS = (KV_FAILURE_UNREACHABLE, KV_FAILURE_MISMATCH, KV_FAILURE_REFUSED,
-                      KV_FAILURE_TRUNCATED, KV_FAILURE_ERROR)
+                      KV_FAILURE_TRUNCATED, KV_FAILURE_ERROR, KV_FAILURE_CORRUPT)
 # How the `EngineCoreOutput.error` of a request failed by its KV load (policy "fail") begins:
 # the API server answers it as vLLM answers finish_reason "error", 500, where an error the
 # engine refused a request with at admission is the client's (400).
 KV_LOAD_FAILED = "KV transfer failed"
+# How the error of a request whose LoRA adapter could not be read (its folder gone, a file
+# unreadable) begins: the engine unloads the adapter, the API server stops listing it and
+# answers 404 naming `model`, as for an adapter never loaded.
+LORA_UNAVAILABLE = "LoRA adapter unavailable"
 
 # `kv_transfer_params` (vLLM's keys, docs/disaggregation.md section 2): what a router's
 # prefill leg sends P (vLLM's proxy sends exactly these), and what D must find in P's answer,

@@ -106,14 +106,21 @@ def test_publisher_flags_build_the_config():
     assert publisher_config_from_args(ap.parse_args([])) is None
     assert publisher_config_from_args(ap.parse_args(["--kv-events-topic", "kv"])) is None
     assert publisher_config_from_args(ap.parse_args(["--enable-kv-cache-events"])) == \
-        KVEventsConfig()
+        KVEventsConfig(omit_token_ids=True)      # no subscriber authenticates: hashes only
+    assert publisher_config_from_args(ap.parse_args(["--enable-kv-cache-events"]),
+                                      has_secret=True) == KVEventsConfig(curve=True)
+    assert publisher_config_from_args(ap.parse_args(
+        ["--enable-kv-cache-events", "--no-kv-events-curve"]), has_secret=True) == \
+        KVEventsConfig(omit_token_ids=True)
+    assert publisher_config_from_args(ap.parse_args(
+        ["--enable-kv-cache-events", "--no-kv-events-omit-token-ids"])) == KVEventsConfig()
     cfg = publisher_config_from_args(ap.parse_args(
         ["--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint",
          "tcp://127.0.0.1:0", "--kv-events-topic", "kv", "--kv-events-recency",
          "--no-kv-events-heartbeat"]))
     assert cfg == KVEventsConfig(endpoint="tcp://127.0.0.1:0",
                                  replay_endpoint="tcp://127.0.0.1:0", topic="kv",
-                                 recency=True, heartbeat=False)
+                                 recency=True, heartbeat=False, omit_token_ids=True)
     with pytest.raises(ValueError, match="endpoint must look like tcp://HOST:PORT"):
         publisher_config_from_args(ap.parse_args(["--kv-events-endpoint", "127.0.0.1:5557"]))
     with pytest.raises(SystemExit):

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "kvloop"
 CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ROUTER_KVLOOP = ("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
-                 "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front")
+                 "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front",
+                 "kvloop.batch")
 ROUTER_3P = ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq", "redis",
              "yaml")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
@@ -78,12 +79,14 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
-                       "kvloop.kv_transfer.params"),
+                       "kvloop.kv_transfer.params", "kvloop.batch"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
     # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
     "kvloop.router.ext_proc": (ROUTER_KVLOOP,
                                (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
+    # the Batch API: below the router and the API server, on the shared front package
+    "kvloop.batch": (("kvloop.front",), ("starlette", "httpx", "redis")),
     "kvloop.structured": (("kvloop.config", "kvloop.core.request", "kvloop.front.tokenizer"),
                           ("xgrammar", "numpy")),
     "kvloop.viz": ((), ("matplotlib",)),

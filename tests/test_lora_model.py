@@ -192,6 +192,40 @@ def test_bad_adapters_are_refused(tiny, tmp_path):
     assert runner.list_loras() == ["x"]
 
 
+@pytest.mark.parametrize("alpha", [1e308, -1e308, 1e6])
+def test_absurd_lora_alpha_is_refused(tiny, tmp_path, alpha):
+    """issue 37 (low): lora_alpha 1e308 is finite but scales B to inf; an absurd scale is
+    refused naming it, before any weight is used."""
+    _, folder, adapters = tiny
+    x_path = adapters["x"][1]
+    bad = tmp_path / "alpha"
+    bad.mkdir()
+    cfg = json.loads((x_path / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": alpha}))
+    (bad / "adapter_model.safetensors").write_bytes((x_path / "adapter_model.safetensors")
+                                                    .read_bytes())
+    runner = _runner(folder, max_loras=1)
+    with pytest.raises(LoRAError, match="lora_alpha .* gives a scale"):
+        runner.add_lora("alpha", str(bad))
+    assert runner.list_loras() == []
+
+
+def test_nonfinite_lora_weights_are_refused(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder, adapters = tiny
+    x_path = adapters["x"][1]
+    bad = tmp_path / "nan"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((x_path / "adapter_config.json").read_text())
+    tensors = load_file(str(x_path / "adapter_model.safetensors"))
+    key = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="not finite"):
+        _runner(folder, max_loras=1).add_lora("nan", str(bad))
+
+
 # --- through the engine (offline LLM): scheduler, hashing, waiting ------------------------
 def _peft_greedy(model, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
@@ -347,3 +381,45 @@ def test_a_reloaded_name_never_hits_the_old_weights_blocks(tiny, lora_llm):
     assert again.outputs[0].token_ids == _peft_greedy(adapters["y"][0], prompt, 3)
     assert first.outputs[0].token_ids == _peft_greedy(adapters["x"][0], prompt, 3)
     engine.remove_lora("r")
+
+
+def test_an_unreadable_adapter_fails_one_request_not_the_engine(tiny, lora_llm, tmp_path):
+    """issue 37 (3): max_loras 1, max_cpu_loras 1; adapter "gone" leaves host memory (another
+    is read after it), then its folder is removed: its request fails with LORA_UNAVAILABLE,
+    the base request in the same steps finishes, the adapter is unloaded (not listed), and a
+    later request for it fails the same way. Old code: LoRAError out of the step."""
+    import shutil
+
+    from kvloop import SamplingParams
+    from kvloop.wire import LORA_UNAVAILABLE
+
+    _, _, adapters = tiny
+    engine = lora_llm.engine
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["x"][1], gone)
+    engine.add_lora("gone", str(gone))
+    engine.add_lora("evictor", str(adapters["y"][1]))     # host memory: evictor only
+    shutil.rmtree(gone)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    reqs = [engine.make_request("g1", [5, 6, 7], sp, lora_name="gone"),
+            engine.make_request("b1", [5, 6, 8], sp)]
+    for r in reqs:
+        engine.add_request(r)
+    errors: dict[str, str] = {}
+    for _ in range(50):
+        if not engine.has_unfinished_requests():
+            break
+        for o in engine.step().outputs:
+            if o.error:
+                errors[o.request_id] = o.error
+    assert list(errors) == ["g1"] and errors["g1"].startswith(LORA_UNAVAILABLE), errors
+    assert "gone" in errors["g1"]
+    assert reqs[0].status == RequestStatus.FINISHED_ERROR
+    assert len(reqs[1].output_token_ids) == 3
+    assert "gone" not in engine.list_loras() and "gone" not in engine.runner.list_loras()
+    again = engine.make_request("g2", [5, 6, 7], sp, lora_name="gone")
+    engine.add_request(again)
+    out = engine.step()
+    assert [o.error.startswith(LORA_UNAVAILABLE) for o in out.outputs
+            if o.request_id == "g2" and o.error] == [True]
+    engine.remove_lora("evictor")

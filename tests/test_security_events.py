@@ -259,6 +259,58 @@ def test_an_anonymous_client_learns_no_event_address_and_reads_nothing(worker) -
         stranger.close()
 
 
+# --- the defaults: no prompt tokens to a keyless subscriber ------------------------------------
+def test_default_event_settings_give_no_keyless_subscriber_token_ids(tmp_path) -> None:
+    """issue 37 (4): `kvloop serve` with the fleet secret turns CURVE on by itself; without
+    it (no subscriber can authenticate) BlockStored carries no token ids unless asked."""
+    from kvloop.server.cli_args import build_configs
+    from tests.test_serve_cli import serve_args
+
+    secret_file = tmp_path / "fleet.secret"
+    write_secret_file(str(secret_file), SECRET)
+    events = ("--model", "sim", "--enable-kv-cache-events")
+    keyed = build_configs(serve_args(*events, "--fleet-secret-file", str(secret_file)))[1]
+    assert keyed.kv_events is not None
+    assert keyed.kv_events.curve and not keyed.kv_events.omit_token_ids
+    keyless = build_configs(serve_args(*events))[1]
+    assert keyless.kv_events is not None
+    assert not keyless.kv_events.curve and keyless.kv_events.omit_token_ids
+    opted = build_configs(serve_args(*events, "--no-kv-events-omit-token-ids"))[1]
+    assert opted.kv_events is not None and not opted.kv_events.omit_token_ids
+
+
+@pytest.mark.processes
+def test_a_raw_subscriber_of_a_default_worker_reads_no_token_ids(tmp_path) -> None:
+    """issue 37 (4): a worker started with events and nothing else (no secret, no key): a
+    plain SUB and DEALER on its sockets get the block hashes, never a prompt token."""
+    args = ["--model", "sim", "--sim-speedup", "100", "--kv-events-endpoint", LOCAL,
+            "--kv-events-replay-endpoint", LOCAL]
+    with ServeProcess(args, tmp_path / "serve.log").start(timeout_s=60) as srv:
+        facts = httpx.get(srv.url + "/kvloop/worker", timeout=10).json()["kv_events"]
+        assert facts["curve"] is False and facts["token_ids"] is False
+        stranger = Stranger(facts["endpoint"], facts["replay_endpoint"])
+        try:
+            time.sleep(0.5)                    # the SUB's subscription reaches the PUB
+            r = httpx.post(srv.url + "/v1/completions", timeout=30,
+                           json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            stranger.ask_everything()
+            frames = stranger.received(wait_ms=2000)
+        finally:
+            stranger.close()
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+    stored = []
+    for msg in frames:
+        try:
+            batch = dec.decode(msg[-1])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue                           # heartbeats, info, snapshot framing
+        stored += [e for e in batch.events if isinstance(e, BlockStored)]
+    assert len({h for e in stored for h in e.block_hashes}) >= 4      # it saw the blocks
+    assert [t for e in stored for t in e.token_ids] == []             # and no prompt token
+    assert all(not e.lookahead_token_ids for e in stored)
+
+
 # --- the router on hashes only --------------------------------------------------------------
 @pytest.mark.processes
 def test_the_router_routes_by_prefix_on_events_without_token_ids() -> None:

@@ -118,3 +118,37 @@ def test_embeddings_run_with_the_adapter(fleet) -> None:
         vectors[model] = r.json()["data"][0]["embedding"]
     assert len(vectors["x"]) == len(vectors["base"]) == 64
     assert vectors["x"] != vectors["base"]
+
+
+def test_a_removed_adapter_folder_costs_one_request_not_the_worker(fleet) -> None:
+    """issue 37 (3): with --max-loras 1 (and host memory for one adapter), "gone" leaves
+    host memory when "evictor" is loaded, then its folder is removed: one request for it
+    gets a 404 in OpenAI's shape, the worker lives, /v1/models and the worker facts stop
+    naming it (routers stop sending it here). Old code: the engine step raised, the worker
+    exited."""
+    import shutil
+
+    srv, facts = fleet
+    admin = bearer(ADMIN)
+    load = srv.url + "/v1/load_lora_adapter"
+    gone = facts["allowed"] / "gone"
+    shutil.copytree(facts["allowed"] / "x", gone)
+    for name, path in (("gone", gone), ("evictor", facts["allowed"] / "y")):
+        r = httpx.post(load, json={"lora_name": name, "lora_path": str(path)}, headers=admin,
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    shutil.rmtree(gone)
+    r = httpx.post(srv.url + "/v1/completions", json={
+        "model": "gone", "prompt": [5, 6, 7], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and "unavailable" in err["message"], err
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    assert "gone" not in {m.id for m in sdk(srv.url).models.list().data}
+    assert "gone" not in httpx.get(srv.url + "/kvloop/worker").json()["lora_adapters"]
+    with pytest.raises(openai.NotFoundError):
+        sdk(srv.url).completions.create(model="gone", prompt=[5, 6, 7], max_tokens=2)
+    assert _greedy(srv, "x", [5, 6, 7])            # the worker still serves its adapters
+    r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "evictor"},
+                   headers=admin, timeout=60)
+    assert r.status_code == 200, r.text

@@ -19,13 +19,14 @@ from .conftest import bearer, sdk, serving
 pytestmark = pytest.mark.processes   # a real `kvloop serve` for the module
 
 KEY = "responses-key"
+OTHER_KEY = "another-tenants-key"
 MAX_ENTRIES = 3
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     with serving(tmp_path_factory, "serve_responses", [
-            "--model", "sim", "--sim-speedup", "100", "--api-key", KEY,
+            "--model", "sim", "--sim-speedup", "100", "--api-key", KEY, "--api-key", OTHER_KEY,
             "--responses-store-max-entries", str(MAX_ENTRIES)]) as srv:
         yield srv
 
@@ -191,3 +192,27 @@ def test_the_routes_need_the_api_key(server: ServeProcess) -> None:
     stats = httpx.get(server.url + "/kvloop/stats", headers=bearer(KEY)).json()
     assert stats["num_running_reqs"] == stats["num_waiting_reqs"] == 0, stats
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it(client: openai.OpenAI,
+                                                              server: ServeProcess) -> None:
+    """issue 37 (9): another API key can neither read nor continue it: 404, as an unknown id
+    (so the id's existence is not told either); its own key still can."""
+    mine = client.responses.create(model="sim", input="my secret", max_output_tokens=2)
+    other = sdk(server.url, OTHER_KEY)
+    with pytest.raises(openai.NotFoundError) as e:
+        other.responses.retrieve(mine.id)
+    assert e.value.body == {"message": f"Response with id '{mine.id}' not found.",
+                            "type": "NotFoundError", "param": "response_id", "code": 404}
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model="sim", input="go on", max_output_tokens=1,
+                               previous_response_id=mine.id)
+    assert client.responses.retrieve(mine.id).id == mine.id
+    theirs = other.responses.create(model="sim", input="x", max_output_tokens=1,
+                                    previous_response_id=None)
+    assert other.responses.retrieve(theirs.id).id == theirs.id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(theirs.id)
+    go_on = client.responses.create(model="sim", input="go on", max_output_tokens=1,
+                                    previous_response_id=mine.id)
+    assert go_on.previous_response_id == mine.id

@@ -315,7 +315,7 @@ def test_build_configs_sim() -> None:
     # the engine gets the vocabulary's facts, not the model file
     assert (runner.sim.vocab_size, runner.max_model_len) == (49152, 8192)
     assert runner.sim.text_token_ids == load_sim_model(None).text_token_ids
-    assert start.kv_events == KVEventsConfig(topic="t")
+    assert start.kv_events == KVEventsConfig(topic="t", omit_token_ids=True)   # no secret
     back = msgspec.json.decode(msgspec.json.encode(start), type=EngineStartConfig)
     assert back == start
 

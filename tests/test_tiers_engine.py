@@ -59,7 +59,8 @@ class Rig:
 
     def __init__(self, tiers: list[Tier], threshold: int = 1, runner: Any = None,
                  store: Any = None, blocks: int = POOL, block_size: int = BS,
-                 max_model_len: int = 128, compress: bool = False):
+                 max_model_len: int = 128, compress: bool = False,
+                 secret: FleetSecret | None = SECRET):
         self.store = store or SimKVBlockStore(block_size)
         runner = runner or SimWorkerRunner(None, blocks, max_model_len, block_size=block_size)
         offload = KVOffloadConfig(cpu_bytes=1, store_threshold=threshold, compress=compress)
@@ -70,7 +71,7 @@ class Rig:
                                       max_model_len=max_model_len),
             check_invariants=True, kv_offload=offload)
         self.connector = OffloadingConnector(offload, self.store, tiers, enable_events=True,
-                                             secret=SECRET)
+                                             secret=secret)
         self.connector.start()
         self.engine = EngineCore(config, runner, blocks, connector=self.connector)
         self.events: list[KVEvent] = []
@@ -280,6 +281,72 @@ def test_another_fleet_or_model_block_is_a_miss(tmp_path):
         other.shutdown()
 
 
+def forge(path: str, how: str, secret: FleetSecret, fp: bytes) -> None:
+    """A bad record in place of a good one: one bit flipped in its payload MAC region, or the
+    same header re-signed with the key anybody can compute (a forger without the secret)."""
+    from kvloop.kv_transfer.tier_record import decode_header, tier_key
+
+    data = Path(path).read_bytes()
+    if how == "flipped":
+        Path(path).write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        return
+    header, _ = decode_header(data, tier_key(secret, fp))
+    Path(path).write_bytes(encode_record(header, [], tier_key(None, fp)))
+
+
+@pytest.mark.parametrize("how", ["flipped", "forged"])
+def test_bad_shared_record_is_one_miss_then_quarantined(tmp_path, how, caplog):
+    """issue 37 (2): a shared store keeps a bad record (nothing of the fleet's is deleted), so
+    a lookup would find it again and again: the request loaded it once, recomputes, and the
+    record is quarantined until this worker's own write replaces it."""
+    store = SimKVBlockStore(BS)
+    shared = FileTier(str(tmp_path), 1 << 20, shared=True, key_prefix="")
+    rig = Rig([shared], store=store)
+    try:
+        rig.run("a1", A)
+        ha = hashes_of(rig, A, 4)
+        path = os.path.join(tmp_path, record_key(rig.connector.fp, ha[0]))
+        forge(path, how, SECRET, rig.connector.fp)
+        rig.run("b", B)                                  # A leaves the pool
+        caplog.clear()
+        out = rig.run("a2", A)                           # old code: never finished
+        assert out.error is None and out.num_cached_tokens == 0
+        assert rig.tokens("a2") == rig.tokens("a1")
+        assert rig.connector.record_errors == {"shared": 1}
+        refusals = [r for r in caplog.records if "refusing block" in r.getMessage()]
+        assert len(refusals) == 1
+        # the recompute wrote a good record in its place: the next request loads it
+        rig.run("b2", B)
+        assert rig.run("a3", A).num_cached_tokens == 16
+        assert rig.connector.record_errors == {"shared": 1}
+    finally:
+        rig.close()
+
+
+def test_quarantine_is_bounded_and_skips_the_record(tmp_path, monkeypatch):
+    """Refused (tier, key) pairs are remembered up to QUARANTINE_MAX, least recent out; a
+    quarantined record is neither offered nor read."""
+    from kvloop.kv_transfer import offloading
+
+    monkeypatch.setattr(offloading, "QUARANTINE_MAX", 2)
+    store = SimKVBlockStore(BS)
+    shared = FileTier(str(tmp_path), 1 << 20, shared=True, key_prefix="")
+    rig = Rig([shared], store=store)
+    try:
+        rig.run("a1", A)
+        ha = hashes_of(rig, A, 4)
+        for h in ha[:3]:
+            forge(os.path.join(tmp_path, record_key(rig.connector.fp, h)), "flipped", SECRET,
+                  rig.connector.fp)
+            assert rig.connector._read(h) is None
+        assert rig.connector.record_errors == {"shared": 3}
+        assert [rig.connector._held_below(h) for h in ha] == [True, False, False, True]
+        assert rig.connector._read(ha[2]) is None          # quarantined: not read again
+        assert rig.connector.record_errors == {"shared": 3}
+    finally:
+        rig.close()
+
+
 def test_disk_tier_announces_its_blocks_after_a_restart(tmp_path):
     store = SimKVBlockStore(BS)
     rig = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="")], store=store)
@@ -298,6 +365,69 @@ def test_disk_tier_announces_its_blocks_after_a_restart(tmp_path):
         assert rig2.run("a2", A).num_cached_tokens == 16
     finally:
         rig2.close()
+
+
+def test_disk_tier_refuses_a_directory_others_can_write(tmp_path):
+    """issue 37 (7): a pre-existing 0777 tier directory (or one another user owns) could hold
+    another local user's records: refused at start; a new one is created 0700."""
+    import stat
+
+    from kvloop.kv_transfer.tiers import check_private_dir
+
+    shared_dir = tmp_path / "open"
+    shared_dir.mkdir()
+    os.chmod(shared_dir, 0o777)
+    with pytest.raises(ValueError, match="writable by other users"):
+        FileTier(str(shared_dir), 1 << 20, shared=False, key_prefix="")
+    os.chmod(shared_dir, 0o770)
+    with pytest.raises(ValueError, match="writable by other users"):
+        check_private_dir(str(shared_dir))
+    old = os.umask(0)
+    try:
+        FileTier(str(tmp_path / "new" / "tier"), 1 << 20, shared=False, key_prefix="")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "tier").st_mode) == 0o700
+    if os.geteuid() == 0:                     # as root: a directory another user owns
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to uid 65534"):
+            FileTier(str(theirs), 1 << 20, shared=False, key_prefix="")
+
+
+def test_without_a_secret_the_disk_tier_trusts_only_its_own_records(tmp_path):
+    """issue 37 (7): without a fleet secret a record's MAC is a checksum anybody computes, so
+    records found at start (planted, or a previous run's) are removed, never served; with
+    the secret a restart still finds its blocks (test above)."""
+    from kvloop.kv_transfer.tiers import make_tiers
+
+    prefix = "ab" * 16
+    store = SimKVBlockStore(BS)
+    rig = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="",
+                        trust_existing=False)], store=store, secret=None)
+    rig.run("a1", A)
+    rig.close()
+    planted = sorted(os.listdir(tmp_path))
+    assert len(planted) == 4
+    rig2 = Rig([FileTier(str(tmp_path), 1 << 20, shared=False, key_prefix="",
+                         trust_existing=False)], store=SimKVBlockStore(BS), secret=None)
+    try:
+        rig2.flush()
+        assert not [e for e in rig2.take() if isinstance(e, BlockStored)]   # nothing announced
+        assert rig2.run("a2", A).num_cached_tokens == 0                     # nothing served
+        assert rig2.connector.record_errors == {}
+    finally:
+        rig2.close()
+    # the wiring: the configured disk tier trusts its files only when records are signed
+    config = KVOffloadConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=1 << 20)
+    for name in planted:
+        (tmp_path / f"{prefix}-{name}").write_bytes(b"x")
+    [signed] = make_tiers(config, prefix, signed=True)
+    assert len(signed.keys()) == 4
+    [unsigned] = make_tiers(config, prefix, signed=False)
+    assert unsigned.keys() == [] and not [n for n in os.listdir(tmp_path)
+                                          if n.startswith(prefix)]
 
 
 # --- hypothesis: many requests, invariants across tiers -----------------------------------------

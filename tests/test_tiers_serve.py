@@ -74,12 +74,13 @@ def test_restarted_worker_answers_its_old_prefix_from_disk(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv-disk")
     args = [*SIM, "--kv-disk-path", str(disk), "--kv-disk-size", "0.05",
             "--enable-kv-cache-events", "--kv-events-endpoint", "tcp://127.0.0.1:0",
-            "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]
-    with serving(tmp_path_factory, "tiers-disk-1", args) as srv:
+            "--kv-events-replay-endpoint", "tcp://127.0.0.1:0", "--no-kv-events-curve"]
+    env = secret_env(SECRET)       # records signed: a restart may trust its files
+    with serving(tmp_path_factory, "tiers-disk-1", args, env=env) as srv:
         assert cached_tokens(srv, PROMPT) == 0
         wait_until(lambda: len(os.listdir(disk)) >= 12, 10, "12 blocks on disk")
     expected = [event_int(h) for h in block_hashes(PROMPT, BS, "sha256")[:12]]
-    with serving(tmp_path_factory, "tiers-disk-2", args) as srv:
+    with serving(tmp_path_factory, "tiers-disk-2", args, env=env) as srv:
         # before any request, the worker has announced its disk's blocks, parents first
         announced = wait_until(lambda: replayed_stored(srv), 10, "the disk's BlockStored")
         assert [h for e in announced for h in e.block_hashes] == expected
@@ -110,6 +111,47 @@ def test_two_workers_share_a_redis_store(tmp_path_factory):
             for srv in (a, b):
                 facts = httpx.get(srv.url + "/kvloop/worker").json()
                 assert facts["kv_shared_store"] == f"redis://127.0.0.1:{store.port}"
+        client.close()
+
+
+def spoil_redis_record(client: Any, block_hash: bytes, how: str) -> None:
+    """One record of the store made bad: a bit flipped (a torn write, a redis fault) or the
+    header re-signed with the key anybody computes (a forger with redis access, no secret)."""
+    from kvloop.kv_transfer.tier_record import decode_header, encode_record, tier_key
+
+    [name] = [k for k in client.keys("kvloop:kv:*") if k.endswith(block_hash.hex().encode())]
+    data = client.get(name)
+    if how == "flipped":
+        client.set(name, data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
+        return
+    fp = bytes.fromhex(name.decode().removeprefix("kvloop:kv:").split("-")[0])
+    header, _ = decode_header(data, tier_key(SECRET, fp))
+    client.set(name, encode_record(header, [], tier_key(None, fp)))
+
+
+@pytest.mark.parametrize("how", ["flipped", "forged"])
+def test_a_bad_redis_record_costs_one_recompute(tmp_path_factory, how):
+    """issue 37 (2): the request whose first block's record is bad finishes (recomputed), the
+    refusal is counted once and logged once, and nothing loops."""
+    import redis
+
+    tmp = tmp_path_factory.mktemp("redis-bad")
+    with redis_server(tmp) as store:
+        args = [*SIM, "--num-gpu-blocks-override", "32",
+                "--kv-shared-store", f"redis://127.0.0.1:{store.port}"]
+        client = redis.Redis(host="127.0.0.1", port=store.port)
+        with serving(tmp_path_factory, f"tiers-bad-{how}", args,
+                     env=secret_env(SECRET)) as srv:
+            assert cached_tokens(srv, PROMPT) == 0
+            wait_until(lambda: len(client.keys("kvloop:kv:*")) >= 12, 10, "12 blocks stored")
+            spoil_redis_record(client, block_hashes(PROMPT, BS, "sha256")[0], how)
+            other = [7 + (i * 7919) % 30000 for i in range(480)]     # 30 blocks: the pool
+            assert cached_tokens(srv, other) == 0
+            assert cached_tokens(srv, PROMPT) == 0          # old code: never answered
+            assert srv.metric("kvloop:kv_transfer_failures_total", reason="corrupt") == 1
+            log = srv.log()
+            assert log.count("refusing block") == 1, log[-4000:]
+            assert log.count("missed in every tier") == 1, log[-4000:]
         client.close()
 
 

@@ -4,7 +4,9 @@ A grammar compile cannot be interrupted (xgrammar has no cancel, and it runs in 
 GIL released), and its cost grows steeply with the schema: one request could hold the
 compile workers for minutes. So the queue decides which compile runs when:
 
-- smallest first: pending compiles start in order of their spec's size (then arrival);
+- smallest first: pending compiles start in order of their spec's compile cost (then
+  arrival): its length, or a regex's or grammar's unrolled size
+  (`StructuredOutputsParams.compile_cost`: a 12-byte `[a-z]{1,128}` weighs 2,048);
 - slots: at most `num_workers` compiles run that started less than `slow_after_s` ago. A
   compile older than that keeps its thread but gives up its slot, so a tiny schema behind a
   big one waits at most `slow_after_s`; at most `max_slow` compiles may be slow at once (past
@@ -86,7 +88,7 @@ class CompileQueue:
         self._dispatcher: threading.Thread | None = None
 
     def submit(self, size: int, fn: Callable[[], Any]) -> CompileJob:
-        """Queue `fn` (a compile of a `size`-character spec) for one waiter."""
+        """Queue `fn` (a compile of a spec of compile cost `size`) for one waiter."""
         job = CompileJob(size, next(self._seq), fn, submitted_at=self._clock())
         with self._cv:
             if self._stopped:

@@ -29,6 +29,8 @@ loop can sleep in `wait_for_work()` (or its own wait, woken by `set_wakeup`'s ca
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -61,6 +63,8 @@ from kvloop.core.trace import StepRecord, StepTiming, make_step_record
 from kvloop.core.waiting import AdapterSlots
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger("kvloop.engine")
 
 
 @dataclass
@@ -103,6 +107,8 @@ class EngineCore:
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
+        if self.scheduler.adapter_slots is not None and isinstance(runner, LoRARunner):
+            self.scheduler.adapter_slots.set_reader(self._read_lora)
         self._split_runner = runner if isinstance(runner, SplitRunner) else None
         if grammar_backend is not None and self._split_runner is None:
             raise ValueError("structured output needs a runner with execute_model and "
@@ -276,6 +282,21 @@ class EngineCore:
     def list_loras(self) -> list[str]:
         return [] if self.scheduler.adapter_slots is None else sorted(
             self.scheduler.adapter_slots.names)
+
+    def _read_lora(self, name: str) -> str | None:
+        """Ready adapter `name` for a step (`AdapterSlots.set_reader`): None, or why it
+        cannot be read, after unloading it from the runner (one request fails, not the
+        engine)."""
+        assert isinstance(self.runner, LoRARunner)
+        try:
+            self.runner.prepare_lora(name)
+            return None
+        except ValueError as e:
+            why = str(e)
+        logger.warning("LoRA adapter %r cannot be read; unloading it: %s", name, why)
+        with contextlib.suppress(ValueError):
+            self.runner.remove_lora(name)
+        return why
 
     def _lora(self) -> tuple[AdapterSlots, LoRARunner]:
         slots = self.scheduler.adapter_slots

@@ -83,5 +83,10 @@ class LoRARunner(Runner, Protocol):
         """Forget adapter `name` (ValueError: not registered)."""
         ...
 
+    def prepare_lora(self, name: str) -> None:
+        """Make registered adapter `name` ready for the next steps (read again from its
+        folder if it left host memory); ValueError: it cannot be read now."""
+        ...
+
     def list_loras(self) -> list[str]:
         ...

@@ -217,7 +217,8 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
             self.compiles.retain(job)
             return job
-        job = self.compiles.submit(len(params.spec), functools.partial(self._compile, params))
+        job = self.compiles.submit(params.compile_cost,
+                                   functools.partial(self._compile, params))
         self._cache[key] = job
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -33,9 +33,14 @@ request keeps its place while the requests behind it are admitted
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from kvloop.core.request import Request, RequestStatus
+from kvloop.wire import LORA_UNAVAILABLE
+
+MAX_UNREADABLE = 64     # adapters remembered as unreadable (for the error of those waiting)
 
 
 class Readiness(enum.Enum):
@@ -124,6 +129,12 @@ class AdapterSlots:
     finishes (a preempted one keeps its place). An adapter removed while a request waits
     for it fails that request.
 
+    `set_reader(read)`: before a request is admitted, `read(name)` makes its adapter ready
+    (the runner reads it again if it left host memory) and returns None, or why it cannot
+    be read (its folder removed or moved): then the adapter is unregistered here (the
+    reader has unloaded it from the runner), and this request and every one waiting for it
+    fail with a `LORA_UNAVAILABLE` error; the engine lives on.
+
     `hash_key(name)`: what a request's LoRA extra key carries beside the name. None the
     first time a name is registered (so a router, which knows names only, computes the same
     hashes); after the name is registered again (an adapter reloaded, perhaps with new
@@ -138,6 +149,11 @@ class AdapterSlots:
         self._registrations: dict[str, int] = {}     # times each name was registered
         self.users: dict[str, int] = {}            # adapter -> admitted requests using it
         self._admitted: dict[str, str] = {}       # request id -> its adapter
+        self._read: Callable[[str], str | None] | None = None
+        self.unreadable: OrderedDict[str, str] = OrderedDict()   # name -> why, recent last
+
+    def set_reader(self, read: Callable[[str], str | None]) -> None:
+        self._read = read
 
     def holds_new(self, request: Request) -> bool:
         return request.lora_name is not None
@@ -149,12 +165,26 @@ class AdapterSlots:
             return Readiness.FAILED
         if name not in self.users and len(self.users) >= self.max_loras:
             return Readiness.NOT_YET
+        why = self._read(name) if self._read is not None else None
+        if why is not None:
+            self._mark_unreadable(name, why)
+            return Readiness.FAILED
         self.users[name] = self.users.get(name, 0) + 1
         self._admitted[request.request_id] = name
         return Readiness.READY
 
     def error(self, request: Request) -> str:
+        why = self.unreadable.get(request.lora_name or "")
+        if why is not None:
+            return f"{LORA_UNAVAILABLE}: {why} (the adapter is unloaded)"
         return f"LoRA adapter {request.lora_name!r} is not loaded"
+
+    def _mark_unreadable(self, name: str, why: str) -> None:
+        self.unregister(name)
+        self.unreadable[name] = why
+        self.unreadable.move_to_end(name)
+        while len(self.unreadable) > MAX_UNREADABLE:
+            self.unreadable.popitem(last=False)
 
     def release(self, request: Request) -> None:
         name = self._admitted.pop(request.request_id, None)
@@ -168,6 +198,7 @@ class AdapterSlots:
         return name in self.users
 
     def register(self, name: str) -> None:
+        self.unreadable.pop(name, None)
         n = self._registrations.get(name, 0)
         self._registrations[name] = n + 1
         self.names[name] = None if n == 0 else f"kvloop-reload-{n}"

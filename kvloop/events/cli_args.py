@@ -158,13 +158,17 @@ def add_publisher_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-heartbeat", action=argparse.BooleanOptionalAction,
                    default=None, help="heartbeats on their own topic (default: on when "
                                       "--kv-events-topic is not empty)")
-    g.add_argument("--kv-events-curve", action="store_true",
+    g.add_argument("--kv-events-curve", action=argparse.BooleanOptionalAction, default=None,
                    help="the event sockets (PUB and replay) admit only CURVE clients holding "
-                        "the fleet secret (--fleet-secret-file); others receive nothing. On "
-                        "in kvloop fleet")
-    g.add_argument("--kv-events-omit-token-ids", action="store_true",
+                        "the fleet secret (--fleet-secret-file); others receive nothing "
+                        "(default: on whenever the worker has the fleet secret and publishes "
+                        "over ZMQ)")
+    g.add_argument("--kv-events-omit-token-ids", action=argparse.BooleanOptionalAction,
+                   default=None,
                    help="publish BlockStored events with empty token_ids (block hashes only; "
-                        "docs/events.md says which consumers still work)")
+                        "docs/events.md says which consumers still work); default: on unless "
+                        "every subscriber authenticates (CURVE, or a NATS plane with "
+                        "credentials), so no keyless local user reads prompt tokens"),
     add_event_plane_args(g, consumer=False)
 
 
@@ -214,16 +218,24 @@ def event_plane_from_args(args: argparse.Namespace, component: str,
         password=cred["nats_password"], token=cred["nats_token"])
 
 
-def publisher_config_from_args(args: argparse.Namespace) -> KVEventsConfig | None:
-    """The `KVEventsConfig` of `add_publisher_args`' flags, or None when events are off.
-    Raises ValueError for an endpoint the publisher cannot use."""
+def publisher_config_from_args(args: argparse.Namespace,
+                               has_secret: bool = False) -> KVEventsConfig | None:
+    """The `KVEventsConfig` of `add_publisher_args`' flags, or None when events are off;
+    `has_secret`: the worker holds the fleet secret (CURVE then defaults on). Token ids are
+    published only to authenticated subscribers unless the flags say otherwise. Raises
+    ValueError for an endpoint the publisher cannot use."""
     role = getattr(args, "role", "both")
     nats = event_plane_from_args(args, COMPONENT_OF_ROLE.get(role, COMPONENT_OF_ROLE["both"]))
     if args.kv_events_endpoint is None and not args.enable_kv_cache_events and nats is None:
         return None
+    curve = args.kv_events_curve
+    if curve is None:
+        curve = has_secret and nats is None
+    omit = args.kv_events_omit_token_ids
+    if omit is None:
+        omit = not (curve or (nats is not None and nats.authenticated))
     return KVEventsConfig(endpoint=args.kv_events_endpoint,
                           replay_endpoint=args.kv_events_replay_endpoint,
                           topic=args.kv_events_topic, recency=args.kv_events_recency,
                           heartbeat=args.kv_events_heartbeat, nats=nats,
-                          curve=args.kv_events_curve,
-                          omit_token_ids=args.kv_events_omit_token_ids)
+                          curve=curve, omit_token_ids=omit)

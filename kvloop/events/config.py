@@ -92,6 +92,13 @@ class NatsPlaneConfig:
     def safe_url(self) -> str:
         return redact_url(self.url)
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether the server is asked for credentials (in the URL or the fields): only
+        holders of them can subscribe, as far as the server enforces it."""
+        parts = urlsplit(self.url)
+        return bool(self.user or self.token or parts.username)
+
     def __repr__(self) -> str:   # dataclass's would print the password and the token
         return (f"NatsPlaneConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
                 f"component={self.component!r}, payload_format={self.payload_format!r})")

@@ -38,6 +38,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 API_KEY_ENV = "VLLM_API_KEY"
+# an ASGI scope key set only by the front's own in-process calls (batch lines,
+# kvloop/batch/inproc.py): no client can set a scope key, so the key check lets them through
+INTERNAL_CALLER_SCOPE = "kvloop.internal_caller"
 PUBLIC_PATHS = ("/health", "/ping", "/load", "/version", "/metrics")
 WORKER_INFO_PATH = "/kvloop/worker"   # a worker's identity, read by routers; public
 
@@ -85,6 +88,16 @@ class AuthConfig:
         if admin is not None and hmac.compare_digest(digest, admin):
             return Caller.ADMIN
         return Caller.API if _matches(digest, api) else Caller.INVALID
+
+    def owner(self, authorization: str | None) -> str | None:
+        """Who owns what this caller stores (a stored response): a digest of the configured
+        key it presents (API or admin), None for a caller with no configured key (with no
+        keys at all every caller is that one owner)."""
+        if self.identify(authorization) not in (Caller.API, Caller.ADMIN):
+            return None
+        token = bearer_token(authorization)
+        assert token is not None
+        return _digest(token).hex()
 
     def sees_private(self, authorization: str | None, peer_host: str | None) -> bool:
         """May this caller see process ids and file paths? (See the module docstring.)"""

@@ -27,7 +27,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvloop.front.anthropic import AnthropicErrorMiddleware
-from kvloop.front.auth import AuthConfig, Caller, RouteRules, presented_authorization
+from kvloop.front.auth import (
+    INTERNAL_CALLER_SCOPE,
+    AuthConfig,
+    Caller,
+    RouteRules,
+    presented_authorization,
+)
 from kvloop.front.http_limits import HttpLimits
 from kvloop.front.openai import error_body
 
@@ -54,7 +60,8 @@ class AuthMiddleware:
         self.rules = rules
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or \
+                scope.get(INTERNAL_CALLER_SCOPE) is True:
             await self.app(scope, receive, send)
             return
         caller = self.config.identify(presented_authorization(Headers(scope=scope)))

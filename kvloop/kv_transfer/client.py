@@ -55,7 +55,7 @@ from kvloop.kv_transfer.protocol import (
     frame_checksum,
     host_id,
 )
-from kvloop.kv_transfer.stats import TransferCounters
+from kvloop.kv_transfer.stats import ThrottledLog, TransferCounters
 from kvloop.trust import CurveKeys
 from kvloop.wire import (
     KV_FAILURE_ERROR,
@@ -69,7 +69,6 @@ logger = logging.getLogger("kvloop.kv_transfer")
 PeerKey = tuple[str, str, int]     # (P's engine id, host, port)
 _MAX_POLL_S = 0.1
 DEFAULT_MAX_PEERS = 64          # DEALERs open at once (one per prefill engine)
-_WARN_EVERY_S = 10.0            # one line per kind of repeated warning per this many seconds
 
 
 @dataclass
@@ -98,26 +97,6 @@ class LoadResult:
     seconds: float = 0.0
     invalid_block_ids: list[int] = field(default_factory=list)
     recompute: bool = False       # a cache miss whatever the policy (a checksum failed)
-
-
-class ThrottledLog:
-    """Warnings of one kind at most once per `every` seconds, with a count of those held back
-    (a peer that misbehaves in a loop cannot fill the log)."""
-
-    def __init__(self, log: logging.Logger, every: float = _WARN_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.log, self.every, self.clock = log, every, clock
-        self._last: dict[str, tuple[float, int]] = {}   # format -> (last logged, held back)
-
-    def warning(self, fmt: str, *args: Any) -> None:
-        now = self.clock()
-        last, held = self._last.get(fmt, (-float("inf"), 0))
-        if now - last < self.every:
-            self._last[fmt] = (last, held + 1)
-            return
-        self._last[fmt] = (now, 0)
-        suffix = f" ({held} more like this in the last {self.every:g} s)" if held else ""
-        self.log.warning(fmt + suffix, *args)
 
 
 class _Failed(Exception):

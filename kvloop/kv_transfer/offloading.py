@@ -19,8 +19,18 @@ path a remote prefill takes: nothing new in the scheduler.
   runner's cache; a block that fails is a miss, counted, dropped from its tier: the request
   recomputes from there (`recompute_recving`, whatever the load-failure policy). A block
   found only in a slower tier is copied into the faster ones.
+- **Refused records.** A record that fails its checks costs a request one load at most: a
+  request whose load failed is offered nothing more (it recomputes), and the record's key is
+  quarantined for this worker (`QUARANTINE_MAX` keys, least recent out) so no lookup offers
+  it again: a shared store keeps a bad record (another worker may hold the key that accepts
+  it) and would otherwise be found again at every lookup. A record this worker writes under
+  the key lifts its quarantine. Each refusal counts as `kvloop:kv_transfer_failures_total`
+  `{reason="corrupt"}` (or `mismatch`: another model), in `record_errors` per tier, and in
+  a warning throttled to one line per `WARN_EVERY_S`.
 - **Restart.** Tiers that survive a restart (the disk) are read at start: every record whose
-  MAC and fingerprint check out is announced as a `BlockStored` (parents first).
+  MAC and fingerprint check out is announced as a `BlockStored` (parents first). Only with
+  the fleet secret: without it a record's MAC is a checksum anybody computes, so the disk
+  tier keeps only what this process writes (`tiers.FileTier`'s `trust_existing`).
 
 Owner: the engine thread calls every connector method and owns the request tables; the I/O
 thread owns the tiers' writes; the two share only queues, the result list and the event list
@@ -44,7 +54,7 @@ from kvloop.core.kv_connector import REMOTE_CACHED_TOKENS_KEY, KVBlockStore
 from kvloop.core.outputs import KVConnectorOutput, SchedulerOutput
 from kvloop.core.request import Request
 from kvloop.events.types import BlockRemoved, BlockStored, KVEvent, event_int
-from kvloop.kv_transfer.stats import TransferCounters
+from kvloop.kv_transfer.stats import ThrottledLog, TransferCounters
 from kvloop.kv_transfer.tier_record import (
     RecordError,
     ShortPrefix,
@@ -59,10 +69,16 @@ from kvloop.kv_transfer.tier_record import (
 )
 from kvloop.kv_transfer.tiers import Tier, make_tiers
 from kvloop.trust import FleetSecret
-from kvloop.wire import KV_FAILURE_ERROR, KV_FAILURE_MISMATCH, KVTransferStats
+from kvloop.wire import (
+    KV_FAILURE_CORRUPT,
+    KV_FAILURE_ERROR,
+    KV_FAILURE_MISMATCH,
+    KVTransferStats,
+)
 
 logger = logging.getLogger("kvloop.kv_offload")
 MAX_PENDING_STORES = 4096      # blocks queued for the I/O thread; beyond: not stored (counted)
+QUARANTINE_MAX = 4096          # refused (tier, key) pairs remembered; beyond: least recent out
 _CLEAR = object()              # the I/O thread's job: empty the private tiers
 
 
@@ -117,6 +133,9 @@ class OffloadingConnector:
         self.key = tier_key(secret, self.fp)
         self.counters = TransferCounters()
         self.record_errors: dict[str, int] = {}       # tier name -> records refused
+        self._quarantine: OrderedDict[tuple[str, str], None] = OrderedDict()  # refused records
+        self._missed: set[str] = set()                # requests whose tier load failed
+        self._warn = ThrottledLog(logger, clock=clock)
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._stored_upto: dict[str, int] = {}        # leading blocks considered for storing
@@ -150,21 +169,29 @@ class OffloadingConnector:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens past the local hit whose blocks some tier holds (side-effect free)."""
-        if request.request_id not in self._requests:
+        """Tokens past the local hit whose blocks some tier holds with a record not refused
+        (side-effect free); none for a request whose tier load failed (it recomputes)."""
+        rid = request.request_id
+        if rid not in self._requests or rid in self._missed:
             return 0, False
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
         keys = [record_key(self.fp, h) for h in request.block_hashes[first:last]]
         held = [False] * len(keys)
         for tier in self.tiers:       # each tier asked once for the whole run
-            held = [a or b for a, b in zip(held, tier.contains_many(keys), strict=True)]
+            usable = [has and not self._quarantined(tier, k)
+                      for k, has in zip(keys, tier.contains_many(keys), strict=True)]
+            held = [a or b for a, b in zip(held, usable, strict=True)]
         n = held.index(False) if False in held else len(held)
         return (n * bs, True) if n else (0, False)
 
+    def _quarantined(self, tier: Tier, key: str) -> bool:
+        with self._lock:
+            return (tier.name, key) in self._quarantine
+
     def _held_below(self, block_hash: bytes) -> bool:
         key = record_key(self.fp, block_hash)
-        return any(t.contains(key) for t in self.tiers)
+        return any(t.contains(key) and not self._quarantined(t, key) for t in self.tiers)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -248,6 +275,7 @@ class OffloadingConnector:
         self._requests.pop(rid, None)
         self._block_ids.pop(rid, None)
         self._stored_upto.pop(rid, None)
+        self._missed.discard(rid)
         return rid in self._loading, None
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -286,6 +314,8 @@ class OffloadingConnector:
             self._loading.discard(r.request_id)
             out.finished_recving.add(r.request_id)
             if r.invalid_block_ids:
+                if r.request_id in self._requests:
+                    self._missed.add(r.request_id)        # one miss per request, no more
                 out.invalid_block_ids.update(r.invalid_block_ids)
                 out.failed_recving[r.request_id] = r.message
                 out.recompute_recving.add(r.request_id)   # a tier miss: prefill here
@@ -372,11 +402,14 @@ class OffloadingConnector:
         key = record_key(self.fp, block.header.block_hash)
         record = encode_record(block.header, block.frames, self.key)
         for tier in self.tiers:
-            if not tier.contains(key):
+            if self._quarantined(tier, key) or not tier.contains(key):
                 self._put(tier, key, record, block.header)
 
     def _put(self, tier: Tier, key: str, record: bytes, header: TierBlockHeader) -> None:
+        """Write `record` into `tier` (replacing a refused one: its quarantine ends)."""
         evicted = tier.put(key, record)
+        with self._lock:
+            self._quarantine.pop((tier.name, key), None)
         self.counters.add_sent(len(record))
         removed = [_hash_of(k) for k in evicted]
         self._mark_below([header.block_hash], removed)
@@ -416,7 +449,7 @@ class OffloadingConnector:
         size), copied into the faster tiers; None: no tier has a valid one."""
         key = record_key(self.fp, block_hash)
         for depth, tier in enumerate(self.tiers):
-            record = tier.get(key)
+            record = None if self._quarantined(tier, key) else tier.get(key)
             if record is None:
                 continue
             try:
@@ -433,12 +466,18 @@ class OffloadingConnector:
         return None
 
     def _refuse(self, tier: Tier, key: str, block_hash: bytes, why: str) -> None:
-        logger.warning("KV tier %s: dropping block %s: %s", tier.name, block_hash.hex()[:16],
-                       why)
+        """A record that failed its checks: counted, dropped (a private tier) and quarantined
+        for this worker (see the module docstring), its removal published."""
+        self._warn.warning("KV tier %s: refusing block %s: %s", tier.name,
+                           block_hash.hex()[:16], why)
         with self._lock:
             self.record_errors[tier.name] = self.record_errors.get(tier.name, 0) + 1
+            self._quarantine[(tier.name, key)] = None
+            self._quarantine.move_to_end((tier.name, key))
+            while len(self._quarantine) > QUARANTINE_MAX:
+                self._quarantine.popitem(last=False)
         self.counters.add_failure(KV_FAILURE_MISMATCH if "fingerprint" in why
-                                  else KV_FAILURE_ERROR)
+                                  else KV_FAILURE_CORRUPT)
         tier.discard(key)
         self._mark_below([], [block_hash])
         self._emit(tier, stored=[], removed=[block_hash])
@@ -541,6 +580,6 @@ def make_offloading_connector(config: KVOffloadConfig, runner: object, cache: Ca
         raise ValueError("--kv-shared-store needs the fleet secret (--fleet-secret-file): "
                          "blocks in a shared store are signed with a key derived from it")
     fp = fingerprint_digest(store.fingerprint, store.block_size)
-    tiers = make_tiers(config, fp.hex())
+    tiers = make_tiers(config, fp.hex(), signed=secret is not None)
     return OffloadingConnector(config, store, tiers, enable_events=cache.enable_kv_cache_events,
                                int_hashes=cache.kv_events_int_hashes, secret=secret)

@@ -10,7 +10,10 @@ connector can publish their `BlockRemoved`.
 - `FileTier`: one file per record in a directory (`MEDIUM_STORAGE`): written to a temporary
   name and renamed, so a reader never sees half a file it would take for whole (a torn file
   is still caught by the record's MAC). Used for the local disk (`LOCAL`; its index is
-  rebuilt from the directory at start, oldest file first) and for a `file://` shared store
+  rebuilt from the directory at start, oldest file first, only when records are signed with
+  the fleet secret: without one their MAC is a checksum anybody can compute, so the tier
+  trusts only what this process wrote and removes this model's older files; the directory
+  must be this user's and writable by nobody else, created 0700) and for a `file://` shared store
   (`REMOTE`: another worker's files count as held; nothing is scanned or deleted but this
   worker's own writes, evicted within its `shared_bytes`).
 - `RedisTier`: a `redis://` shared store (`MEDIUM_STORAGE`, `REMOTE`); the server bounds its
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -156,26 +160,35 @@ class FileTier:
     medium = MEDIUM_STORAGE
 
     def __init__(self, directory: str, capacity: int, *, shared: bool, key_prefix: str,
-                 max_record_bytes: int = 256 << 20):
+                 max_record_bytes: int = 256 << 20, trust_existing: bool = True):
+        """`trust_existing` (a private tier): index the records already in `directory`
+        (False: remove this model's, they may be anybody's). ValueError: a private tier's
+        directory is not this user's, or others can write to it."""
         self.name = "shared" if shared else "disk"
         self.max_record_bytes = max_record_bytes
         self.locality: str | None = LOCALITY_REMOTE if shared else LOCALITY_LOCAL
         self.directory = directory
         self.shared = shared
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not os.path.isdir(directory):
+            os.makedirs(directory, mode=0o700)
+            os.chmod(directory, 0o700)      # whatever the umask
+        if not shared:
+            check_private_dir(directory)
         self._lock = threading.Lock()
         self._index = _LRUIndex(capacity)
         if not shared:
-            self._scan(key_prefix)
+            self._scan(key_prefix, trust_existing)
 
-    def _scan(self, key_prefix: str) -> None:
-        """Index this model's files already there, oldest first (a restart finds its blocks);
-        temporary files of a writer that died are removed."""
+    def _scan(self, key_prefix: str, trust: bool) -> None:
+        """Index this model's files already there, oldest first (a restart finds its blocks;
+        not `trust`ed: removed instead); temporary files of a writer that died are removed."""
         found = []
         for entry in os.scandir(self.directory):
-            if entry.name.endswith(".tmp"):
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if entry.name.endswith(".tmp") or (not trust and entry.name.startswith(key_prefix)):
                 os.unlink(entry.path)
-            elif entry.name.startswith(key_prefix) and entry.is_file():
+            elif entry.name.startswith(key_prefix):
                 st = entry.stat()
                 found.append((st.st_mtime, entry.name, st.st_size))
         for _, name, size in sorted(found):
@@ -349,14 +362,31 @@ class RedisTier:
         self._client.close()
 
 
-def make_tiers(config: KVOffloadConfig, key_prefix: str) -> list[Tier]:
-    """The configured tiers, fastest first."""
+def check_private_dir(directory: str) -> None:
+    """ValueError unless `directory` is a directory owned by this user that no other user
+    can write to (another local user could plant records in it)."""
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"KV disk tier: {directory} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"KV disk tier: {directory} belongs to uid {st.st_uid}, not to "
+                         f"this user ({os.geteuid()}); use a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ValueError(f"KV disk tier: {directory} is writable by other users (mode "
+                         f"{stat.S_IMODE(st.st_mode):o}); chmod 700 it or use another")
+
+
+def make_tiers(config: KVOffloadConfig, key_prefix: str, *,
+               signed: bool = False) -> list[Tier]:
+    """The configured tiers, fastest first; `signed`: records carry the fleet secret's MAC
+    (a restarted disk tier may trust its files)."""
     tiers: list[Tier] = []
     if config.cpu_bytes:
         tiers.append(HostTier(config.cpu_bytes))
     if config.disk_path is not None:
         tiers.append(FileTier(config.disk_path, config.disk_bytes, shared=False,
-                              key_prefix=key_prefix, max_record_bytes=config.max_block_bytes))
+                              key_prefix=key_prefix, max_record_bytes=config.max_block_bytes,
+                              trust_existing=signed))
     url = config.shared_store
     if url is not None and url.startswith("file://"):
         tiers.append(FileTier(urlsplit(url).path, config.shared_bytes or (1 << 62),

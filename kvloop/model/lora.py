@@ -36,6 +36,7 @@ from kvloop.core.lora_slots import SlotLRU
 from kvloop.model.loader import ModelConfig
 
 MAX_CONFIG_BYTES = 1 << 20
+MAX_LORA_SCALE = 1e4      # |lora_alpha / r| beyond this is refused (PEFT's are ~0.1-100)
 _PREFIX = "base_model.model.model.layers."
 # kvloop's fused layers and the PEFT module names each holds, in its output order
 ATTN_PARTS = ("q_proj", "k_proj", "v_proj")
@@ -130,7 +131,11 @@ def _rank_and_scale(peft: dict[str, object], name: str, max_rank: int) -> tuple[
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) \
             or not math.isfinite(alpha):
         raise LoRAError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} is not a number")
-    return rank, alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+    scale = alpha / (math.sqrt(rank) if peft.get("use_rslora") else rank)
+    if not abs(scale) <= MAX_LORA_SCALE:
+        raise LoRAError(f"LoRA adapter {name!r}: lora_alpha {alpha!r} gives a scale of "
+                        f"{scale:.3g}, over {MAX_LORA_SCALE:g}")
+    return rank, scale
 
 
 def _check_file_size(file: Path, config: ModelConfig, rank: int, name: str) -> None:
@@ -161,7 +166,11 @@ def _pair_weights(tensors: dict[str, torch.Tensor], config: ModelConfig, rank: i
                 or tuple(b.shape) != (out_f, rank):
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module}: A and B must be "
                             f"[{rank}, {in_f}] and [{out_f}, {rank}]")
-        weights[(layer, module)] = (a.float().contiguous(), (b.float() * scale).contiguous())
+        a, b = a.float().contiguous(), (b.float() * scale).contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module}: weights are "
+                            f"not finite (inf or nan, or overflow once scaled)")
+        weights[(layer, module)] = (a, b)
     if not weights:
         raise LoRAError(f"LoRA adapter {name!r}: no LoRA weights")
     return weights
@@ -254,6 +263,12 @@ class LoRASlots:
 
     def names(self) -> list[str]:
         return list(self.paths)
+
+    def prepare(self, name: str) -> None:
+        """Make sure a step can use registered adapter `name`: resident in a slot, or its
+        host copy read now (LoRAError: its folder or files cannot be read any more)."""
+        if name not in self.slots.resident:
+            self._host_copy(name)
 
     def activate(self, names: set[str]) -> dict[str, int]:
         """Make every adapter of `names` (at most `max_loras`, all registered) resident,

@@ -173,6 +173,9 @@ class ModelRunner:
     def remove_lora(self, name: str) -> None:
         self._lora_slots().unregister(name)
 
+    def prepare_lora(self, name: str) -> None:
+        self._lora_slots().prepare(name)
+
     def list_loras(self) -> list[str]:
         return [] if self.lora_slots is None else self.lora_slots.names()
 

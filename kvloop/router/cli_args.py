@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
 from kvloop.events.cli_args import (
     NATS_CREDENTIAL_ENV,
@@ -166,6 +167,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     lv.add_argument("--verify-miss-ratio", type=float, default=dl.verify_miss_ratio)
     lv.add_argument("--request-timeout", type=float, default=dl.request_timeout_s)
     _add_flow_args(p)
+    add_batch_args(p)
     lv.add_argument("--migration-limit", type=int, default=0, metavar="N",
                     help="how many times a stream whose worker fails mid-stream moves to "
                          "another worker, with the tokens already sent (0: never)")
@@ -317,7 +319,9 @@ def router_config(args: argparse.Namespace,
         fleet_secret=fleet_secret_from_args(args) or default_secret,
         tokenizer=getattr(args, "tokenizer", None),
         flow=flow_config(args), migration_limit=args.migration_limit,
-        ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file)
+        ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
+        batch=batch_config(args, http_limits(args).max_request_body_bytes, args.index,
+                           args.redis_password))
 
 
 def _setup_logging(level: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from kvloop.batch.config import BatchConfig
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_SIM_BANDWIDTH
 from kvloop.core.hashing import DEFAULT_CRYPTO_SEED
 from kvloop.events.config import NatsPlaneConfig, redact_url
@@ -284,6 +285,8 @@ class RouterConfig:
     the Gateway API Inference Extension's endpoint picker (None: not; 0: an ephemeral port;
     kvloop/router/ext_proc.py). `discovery_file`: a YAML file of workers, watched for changes
     (kvloop/router/discovery_file.py).
+    `batch`: the Batch API's storage and bounds (kvloop/batch; None: no /v1/files and
+    /v1/batches routes).
     """
 
     host: str = "127.0.0.1"
@@ -307,6 +310,7 @@ class RouterConfig:
     migration_limit: int = 0
     ext_proc_port: int | None = None
     discovery_file: str | None = None
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:

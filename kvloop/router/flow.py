@@ -15,6 +15,10 @@ router's own in-flight count beyond its `max_num_seqs` (exact, never stale). A p
 as one request on the fleet from its release until the router has opened its ticket
 (`Permit.close()`), so a burst released at once is not released twice.
 
+Batch lines (kvloop/batch) wait in their own band, `BATCH_PRIORITY`, below every objective's:
+never shed, released only when no other band waits. Only the router's own batch runner can
+name that band: its objective name (`batch_objective`) is random per router.
+
 A request's band is its objective's priority (`x-gateway-inference-objective`, looked up in
 the objectives file; an unknown objective is the default band 0), else minus vLLM's
 `priority` field (vLLM serves lower values first; bands serve higher first), else 0. Its
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import secrets
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +46,7 @@ from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse
 
 from kvloop.front.auth import presented_authorization
-from kvloop.router.flow_config import FlowConfig
+from kvloop.router.flow_config import PRIORITY_RANGE, FlowConfig
 from kvloop.router.registry import WorkerState
 from kvloop.router.relay import error_response
 
@@ -52,6 +57,7 @@ QUEUE_FULL = "queue_full"        # `max_queue` waiting already: 503
 QUEUE_TIMEOUT = "queue_timeout"  # waited its whole queue timeout: 503
 REJECTIONS = (SHED, QUEUE_FULL, QUEUE_TIMEOUT)
 DISPATCH_TICK_S = 0.01           # how often a non-empty queue looks for headroom
+BATCH_PRIORITY = PRIORITY_RANGE[0] - 1   # below any objective's (an int32)
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -82,6 +88,11 @@ class FlowKey:
     priority: int = 0
     tenant: int = 0
     queue_timeout_s: float | None = None   # None: the config's
+    sheddable: bool | None = None          # None: a negative priority is
+
+    @property
+    def shed_when_saturated(self) -> bool:
+        return self.priority < 0 if self.sheddable is None else self.sheddable
 
 
 @dataclass(eq=False)
@@ -183,20 +194,24 @@ class FlowControl:
         self.queue = FlowQueue()
         self.in_transit = 0
         self._seq = itertools.count()
+        self.batch_objective = "kvloop-batch-" + secrets.token_hex(16)
         self._dispatcher: asyncio.Task[None] | None = None
         self.metrics = FlowMetrics(self, prom or CollectorRegistry())
 
     # --- classification -------------------------------------------------------------------
     def key_of(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> FlowKey:
         """The request's band, tenant and queue timeout (module docstring)."""
-        objective = self.cfg.objective(headers.get(OBJECTIVE_HEADER))
+        name = headers.get(OBJECTIVE_HEADER)
+        tenant = headers.get(FAIRNESS_HEADER) or presented_authorization(headers) or ""
+        if name == self.batch_objective:
+            return FlowKey(BATCH_PRIORITY, _digest(tenant), sheddable=False)
+        objective = self.cfg.objective(name)
         if objective is not None:
             priority, timeout = objective.priority, objective.queue_timeout_s
         else:
             vllm = body.get("priority")
             priority = -vllm if isinstance(vllm, int) and not isinstance(vllm, bool) else 0
             timeout = None
-        tenant = headers.get(FAIRNESS_HEADER) or presented_authorization(headers) or ""
         return FlowKey(priority, _digest(tenant), timeout)
 
     # --- admission ------------------------------------------------------------------------
@@ -207,7 +222,7 @@ class FlowControl:
         room = self.room()
         if not self.queue and (room is None or room > 0):
             return self._release_now(key, 0.0)
-        if key.priority < 0:
+        if key.shed_when_saturated:
             return self._reject(key, SHED, 429, "the fleet is saturated and this request is "
                                                 "sheddable (negative priority)")
         if len(self.queue) >= self.cfg.max_queue:
@@ -310,6 +325,8 @@ class FlowMetrics:
         self.prom.register(_QueueCollector(self))
 
     def band(self, priority: int) -> str:
+        if priority == BATCH_PRIORITY:
+            return "batch"
         return str(priority) if priority in self.known else "other"
 
 

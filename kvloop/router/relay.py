@@ -1,4 +1,4 @@
-"""What the router's two request flows share: `proxy.RouterApp`'s (one worker) and
+"""What the router's two request flows share: `single.SingleFlow`'s (one worker) and
 `pd_proxy.PDFlow`'s (a prefill leg, then a decode leg).
 
 - a leg the client's disconnect cancels (`unless_disconnected` -> `DISCONNECTED`);
@@ -68,7 +68,7 @@ async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | Discon
 
 
 class Retry:
-    """`RouterApp.open_upstream`'s answer when the worker refused the connection: route
+    """`SingleFlow.open_upstream`'s answer when the worker refused the connection: route
     again."""
 
 

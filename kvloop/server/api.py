@@ -20,9 +20,11 @@ types (`_answers`). `tests/test_serve_schema.py` holds a live server to it with 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -33,6 +35,8 @@ from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from kvloop.batch.inproc import InProcessSender
+from kvloop.batch.routes import BatchService
 from kvloop.front.advertise import advertised_endpoint
 from kvloop.front.anthropic import (
     COUNT_TOKENS_PATH,
@@ -282,8 +286,9 @@ class KvloopAPI(FastAPI):
 
 def build_app(ctx: ServerContext) -> FastAPI:
     """The FastAPI application of one server (all state in `ctx`)."""
+    batch: list[BatchService] = []
     app = KvloopAPI(SERVER_RULES, title="kvloop", version=__version__, docs_url=None,
-                    redoc_url=None)
+                    redoc_url=None, lifespan=functools.partial(_batch_lifespan, batch))
     _add_error_handlers(app)
     install(app, ctx.config.auth, SERVER_RULES, ctx.config.http_limits)
     _add_openai_routes(app, ctx)
@@ -294,7 +299,21 @@ def build_app(ctx: ServerContext) -> FastAPI:
     if ctx.loras.enabled:
         add_lora_routes(app, ctx.loras, ctx.config.served_model_names, ctx.client.call_utility,
                         APIError)
+    if ctx.config.batch is not None:   # the Batch API (kvloop/batch): its lines run here
+        batch.append(BatchService(ctx.config.batch, InProcessSender(app, lambda owner: {})))
+        app.router.routes.extend(batch[0].routes())
     return app
+
+
+@contextlib.asynccontextmanager
+async def _batch_lifespan(batch: list[BatchService], app: FastAPI) -> AsyncIterator[None]:
+    for service in batch:
+        await service.start()
+    try:
+        yield
+    finally:
+        for service in batch:
+            await service.stop()
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -341,8 +360,9 @@ def _add_responses_routes(app: FastAPI, ctx: ServerContext, store: ResponseStore
         return await create_response(ctx, store, body, request)
 
     @app.get(RESPONSES_PATH + "/{response_id}", **_answers(ResponseObject, 404))
-    async def response(response_id: str) -> ResponseObject:
-        return retrieve_response(store, response_id)
+    async def response(response_id: str, request: Request) -> ResponseObject:
+        owner = ctx.config.auth.owner(presented_authorization(request.headers))
+        return retrieve_response(store, response_id, owner)
 def _add_messages_routes(app: FastAPI, ctx: ServerContext) -> None:
     """Anthropic's Messages API (`kvloop.server.messages`); errors in Anthropic's shape."""
     anthropic = {"error_model": AnthropicErrorResponse}

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import (
     AUTO_BUDGET,
     AUTO_BUDGET_FLOOR,
@@ -318,6 +319,7 @@ def _add_security_args(p: argparse.ArgumentParser) -> None:
     add_auth_args(g)
     add_fleet_secret_arg(g)
     add_limit_args(g)
+    add_batch_args(p, default_on=False)
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -511,7 +513,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
     if sim is not None:
         runner = sim_runner_config(args, runner, sim)
     secret = fleet_secret_from_args(args)
-    kv_events = publisher_config_from_args(args)
+    kv_events = publisher_config_from_args(args, has_secret=secret is not None)
     advertised = advertised_host(args.host, args.advertise_host)
     kv_events = events_beyond_loopback(kv_events, args.host)
     engine = side_channel_beyond_loopback(engine, args, advertised.host)
@@ -545,7 +547,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         tool_call_parser=args.tool_call_parser, fleet_secret=secret,
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
                         responses_store=store_config(args),
-                        default_sampling=defaults, lora=lora_serve(args))
+                        default_sampling=defaults, lora=lora_serve(args),
+                        batch=batch_config(args, http_limits(args).max_request_body_bytes))
     return serve, start, tokenizer
 
 

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvloop.batch.config import BatchConfig
 from kvloop.config import DEFAULT_POLICY, DEFAULT_ROLE, ROLES, Role
 from kvloop.front.auth import AuthConfig
 from kvloop.front.http_limits import HttpLimits
@@ -65,7 +66,8 @@ class ServeConfig:
     kvloop/server/generation_config.py). `kv_shared_store`: the shared KV store this worker
     reads (`--kv-shared-store`, a URL without credentials), named to routers so they credit
     its blocks to every worker reading it. `lora`: the LoRA
-    adapters served (kvloop/server/lora.py; None: no --enable-lora).
+    adapters served (kvloop/server/lora.py; None: no --enable-lora). `batch`: the Batch
+    API (kvloop/batch; None: no /v1/files and /v1/batches routes).
     """
 
     served_model_names: tuple[str, ...]
@@ -100,6 +102,7 @@ class ServeConfig:
     responses_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
     default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
     lora: LoRAServe | None = None
+    batch: BatchConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:

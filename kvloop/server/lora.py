@@ -150,3 +150,7 @@ class LoRANames:
 
     def __contains__(self, name: object) -> bool:
         return name in self.paths
+
+    def forget(self, name: str) -> None:
+        """The engine unloaded `name` (it could not be read): no longer listed or served."""
+        self.paths.pop(name, None)

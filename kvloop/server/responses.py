@@ -31,6 +31,7 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvloop.front.auth import presented_authorization
 from kvloop.front.openai import DeltaToolCall, MaxTokens, ToolCall, Usage
 from kvloop.front.prompts import chat_prompt
 from kvloop.front.responses import (
@@ -64,8 +65,10 @@ def not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
 
 
-def retrieve_response(store: ResponseStore, response_id: str) -> ResponseObject:
-    entry = store.get(response_id)
+def retrieve_response(store: ResponseStore, response_id: str,
+                      owner: str | None) -> ResponseObject:
+    """`owner`'s stored response (another key's: 404, as an unknown id)."""
+    entry = store.get(response_id, owner)
     if entry is None:
         raise not_found(response_id)
     return entry.response  # type: ignore[return-value]
@@ -93,16 +96,18 @@ class Turn:
     prompt: list[int]
     params: SamplingParams
     tools: ToolPlan
+    owner: str | None = None       # the caller's key (`AuthConfig.owner`): what it may read
 
 
-def prepare(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest) -> tuple[
-        Turn, Generation]:
-    """The request checked, converted and submitted (APIError for what cannot run)."""
+def prepare(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest,
+            owner: str | None = None) -> tuple[Turn, Generation]:
+    """The request checked, converted and submitted (APIError for what cannot run);
+    `previous_response_id` must name one of `owner`'s stored responses."""
     ctx.check_model(req.model)
     _check_request(req)
     history: list[Message] = []
     if req.previous_response_id is not None:
-        prev = store.get(req.previous_response_id)
+        prev = store.get(req.previous_response_id, owner)
         if prev is None:
             raise not_found(req.previous_response_id)
         history = prev.conversation
@@ -121,13 +126,14 @@ def prepare(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest) -> 
     gen = Generation(ctx, make_children(ctx, rid, [prompt], [params], req.model), constraint)
     gen.submit()
     log_received(ctx, rid, [prompt], [params])
-    turn = Turn(req, rid, int(time.time()), history, prompt, params, tools)
+    turn = Turn(req, rid, int(time.time()), history, prompt, params, tools, owner)
     return turn, gen
 
 
 async def create_response(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest,
                           request: Request) -> Response:
-    turn, gen = prepare(ctx, store, req)
+    owner = ctx.config.auth.owner(presented_authorization(request.headers))
+    turn, gen = prepare(ctx, store, req, owner)
     if req.stream:
         if gen.error_param is not None:
             await gen.verdict()
@@ -148,7 +154,8 @@ def _status(finish_reason: str | None) -> str:
 
 def _store(store: ResponseStore, turn: Turn, body: ResponseObject) -> None:
     if turn.req.store:
-        store.put(dict(body), conversation_after(turn.history, turn.req, body["output"]))
+        store.put(dict(body), conversation_after(turn.history, turn.req, body["output"]),
+                  turn.owner)
 
 
 # --- the response object -----------------------------------------------------------------------

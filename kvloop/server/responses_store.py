@@ -9,6 +9,9 @@ the most recently used. vLLM keeps its store unbounded and off unless
 `VLLM_ENABLE_RESPONSES_API_STORE=1`; kvloop stores by default, within these bounds
 (`--responses-store-max-entries 0` turns storing off).
 
+Each entry belongs to the API key that created it (`AuthConfig.owner`): another key, or no
+key, finds nothing under its id (a 404, as an unknown id: the id's existence is not told).
+
 Owner: one `ResponseStore` per API server, used only on its event loop (no lock needed).
 """
 
@@ -65,6 +68,7 @@ class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
     size: int
+    owner: str | None = None          # `AuthConfig.owner` of the key that created it
 
 
 class ResponseStore:
@@ -76,16 +80,19 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The stored response, now the most recently used; None if unknown or evicted."""
+    def get(self, response_id: str, owner: str | None = None) -> StoredResponse | None:
+        """`owner`'s stored response, now the most recently used; None if unknown, evicted
+        or another owner's."""
         entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(response_id)
         return entry
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Store `response` under its id, evicting the least recently used to fit; False
-        when it alone is over the byte bound or storing is off."""
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            owner: str | None = None) -> bool:
+        """Store `response` under its id for `owner`, evicting the least recently used to
+        fit; False when it alone is over the byte bound or storing is off."""
         size = len(msgspec.json.encode(response)) + len(msgspec.json.encode(conversation))
         if self.config.max_entries == 0 or size > self.config.max_bytes:
             return False
@@ -93,7 +100,7 @@ class ResponseStore:
         while self._entries and (len(self._entries) >= self.config.max_entries
                                  or self.num_bytes + size > self.config.max_bytes):
             self._drop(next(iter(self._entries)))
-        self._entries[response["id"]] = StoredResponse(response, conversation, size)
+        self._entries[response["id"]] = StoredResponse(response, conversation, size, owner)
         self.num_bytes += size
         return True
 

@@ -88,7 +88,13 @@ from kvloop.server.sampling_extras import (
 from kvloop.server.structured import ConstraintError, check_size, requested_constraint
 from kvloop.server.tools import Answer, ToolCallStream, ToolPlan, answer, plan_tools
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP
-from kvloop.wire import KV_LOAD_FAILED, EngineCoreOutput, EngineCoreRequest, EngineReady
+from kvloop.wire import (
+    KV_LOAD_FAILED,
+    LORA_UNAVAILABLE,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineReady,
+)
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
@@ -466,6 +472,9 @@ class Generation:
                 if child is None:
                     continue
                 delta = child.state.process(item)
+                if delta.error is not None and delta.error.startswith(LORA_UNAVAILABLE) \
+                        and child.lora_name is not None:
+                    self.ctx.loras.forget(child.lora_name)
                 if child.state.finished:
                     del self._pending[child.request_id]
                     client.finish_request(child.request_id, child.state.finish_reason or "stop")
@@ -486,7 +495,7 @@ class Generation:
             return    # failed while running: the stream reports it (a 500 when not streaming)
         async with contextlib.aclosing(self.deltas()) as it:
             async for _, delta in it:
-                raise APIError(400, delta.error or item.error, self.error_param)
+                raise engine_error(delta.error or item.error, self.error_param)
 
     async def stream_deltas(self) -> AsyncGenerator[tuple[Child, Delta], None]:
         """`deltas()` for a stream: shutdown, engine death or a child's error end it quietly,
@@ -530,9 +539,12 @@ def engine_error(message: str, param: str | None = None) -> APIError:
     """The answer to a request the engine ended with an error: 500 when it failed while
     running (its KV load failed: vLLM's finish_reason "error", docs/vllm-facts.md#openai-server),
     else 400 naming `param` (the engine refused it at admission, or its grammar: it can
-    never run on this worker)."""
+    never run on this worker); 404 naming `model` when its LoRA adapter could not be read
+    (the adapter is unloaded: as for one never loaded)."""
     if message.startswith(KV_LOAD_FAILED):
         return APIError(500, message)
+    if message.startswith(LORA_UNAVAILABLE):
+        return APIError(404, message, "model")
     return APIError(400, message, param)
 
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvloop.core.request import StructuredOutputsParams
+from kvloop.core.request import StructuredOutputKind, StructuredOutputsParams
 from kvloop.front.openai import SamplingRequest
+from kvloop.sampling_params import MAX_EXPANSION
 from kvloop.server.config import MAX_SPEC_FLAG
 
 logger = logging.getLogger("kvloop.server")
@@ -72,12 +73,22 @@ def requested_constraint(req: SamplingRequest, extra: tuple[str, dict[str, Any]]
 
 def check_size(params: StructuredOutputsParams, param: str, max_bytes: int) -> None:
     """ConstraintError naming the limit and its flag when the constraint's text (the
-    schema's JSON, the regex, the grammar, the choices) is longer than `max_bytes`."""
+    schema's JSON, the regex, the grammar, the choices) is longer than `max_bytes`, or a
+    regex or grammar would expand past `MAX_EXPANSION` (its `compile_cost`)."""
     size = len(params.spec.encode())
     if size > max_bytes:
         raise ConstraintError(f"The structured-output constraint of {param} is {size} bytes; "
                               f"this server compiles at most {max_bytes} bytes "
                               f"({MAX_SPEC_FLAG}).", param)
+    kind = params.kind
+    if kind in (StructuredOutputKind.REGEX, StructuredOutputKind.GRAMMAR):
+        cost = params.compile_cost
+        if cost > MAX_EXPANSION:
+            raise ConstraintError(
+                f"The {kind.value} of {param} repeats too much to compile in reasonable time "
+                f"(about {cost} expanded states, at most {MAX_EXPANSION}: a bounded repeat "
+                f"such as {{1,1000}} of a character class is compiled as that many copies); "
+                f"use a smaller bound or an unbounded * or +.", param)
 
 
 def _from_response_format(req: SamplingRequest) -> tuple[str, dict[str, Any]] | None:

@@ -129,6 +129,11 @@ class SimWorkerRunner:
     def list_loras(self) -> list[str]:
         return list(self._loras)
 
+    def prepare_lora(self, name: str) -> None:
+        """Nothing to read: the simulator keeps no weights (a registered name is ready)."""
+        if name not in self._loras:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded")
+
     def _load_adapters(self, so: SchedulerOutput) -> None:
         """Make the step's adapters resident; wait the modelled time of those loaded."""
         names = {d.lora_name for d in so.scheduled_new_reqs if d.lora_name is not None}
