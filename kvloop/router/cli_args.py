@@ -38,6 +38,7 @@ from kvloop.router.config import (
     IndexConfig,
     LivenessConfig,
     PDConfig,
+    RestartPolicy,
     RouterConfig,
 )
 from kvloop.router.flow_config import FlowConfig, load_objectives
@@ -77,6 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
     f.add_argument("--worker-start-timeout", type=float, default=300.0)
+    f.add_argument("--max-worker-restarts", type=int, default=RestartPolicy.max_restarts,
+                   metavar="N",
+                   help="a worker whose process ends is started again (same flags, same "
+                        "port), at most N times in a row (0: never; default %(default)s)")
+    f.add_argument("--worker-restart-backoff", type=float, default=RestartPolicy.backoff_s,
+                   metavar="S",
+                   help="seconds before a dead worker's restart, doubling per restart in a "
+                        f"row up to {RestartPolicy.max_backoff_s:g} (default %(default)s)")
     add_router_args(f)
     f.add_argument("worker_args", nargs=argparse.REMAINDER,
                    help="after '--': flags passed to every `kvloop serve`")
@@ -395,7 +404,10 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
                             nats_port=nats_port, num_prefill=args.prefill,
                             num_decode=args.decode,
                             kv_connector_extra_config=args.kv_connector_extra_config,
-                            fleet_secret=cfg.fleet_secret)
+                            fleet_secret=cfg.fleet_secret,
+                            restart=RestartPolicy(args.max_worker_restarts,
+                                                  args.worker_restart_backoff)
+                            if args.max_worker_restarts else None)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):
