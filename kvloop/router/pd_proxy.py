@@ -36,6 +36,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvloop.router import tracing
 from kvloop.router.flow import FlowKey, Permit
 from kvloop.router.pd import (
     NO_KV_TRANSFER_PARAMS,
@@ -175,6 +176,7 @@ class PDFlow:
         cfg = self.router.config
         timeout = httpx.Timeout(cfg.pd.prefill_timeout_s,
                                 connect=cfg.liveness.connect_timeout_s)
+        headers = tracing.leg_headers(headers, routed.prefill, "prefill")
         try:
             r = await client.post(p.spec.url + path, headers=headers, timeout=timeout,
                                   content=json.dumps(prefill_body(body, path)).encode())
@@ -191,6 +193,7 @@ class PDFlow:
             return None
         finally:
             self.router.metrics.pd_prefill_seconds.observe(time.perf_counter() - t0)
+            tracing.leg_done(routed.prefill)
         if r.status_code >= 500:
             self.router.prefill_failed(routed, PREFILL_HTTP_ERROR,
                                        f"HTTP {r.status_code}: {r.text[:200]}")

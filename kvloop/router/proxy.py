@@ -87,6 +87,7 @@ from kvloop.front.embeddings import EMBEDDINGS_PATH
 from kvloop.front.guard import install
 from kvloop.front.openai import error_body, http_error_body
 from kvloop.front.responses import RESPONSES_PATH
+from kvloop.router import tracing
 from kvloop.router.batch import attach_batch
 from kvloop.router.bodies import read_body, read_embedding_body, read_responses_body
 from kvloop.router.config import RouterConfig
@@ -175,6 +176,7 @@ class RouterApp:
                                                         Exception: _internal_error})
         cfg = router.config
         install(self.app, cfg.auth, ROUTER_RULES, cfg.http_limits)
+        self.tracer = tracing.install_tracing(self.app, cfg.tracing)
         self.worker_headers = ({"authorization": f"Bearer {cfg.worker_api_key}"}
                                if cfg.worker_api_key else {})
         self.fleet_headers = fleet_headers(cfg)
@@ -216,6 +218,8 @@ class RouterApp:
         if self.client is not None:
             await self.client.aclose()
         self.single.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()
         self.router.shutdown()
 
     # --- workers --------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ from starlette.responses import Response, StreamingResponse
 from kvloop.front.anthropic import MESSAGES_PATHS, anthropic_error_body, event
 from kvloop.front.drain import refused_by_drain
 from kvloop.front.openai import error_body
+from kvloop.router import tracing
 from kvloop.router.flow import FlowControl, FlowKey, Permit, Rejection, rejection_response
 from kvloop.router.migration import Migration
 from kvloop.router.relay import (
@@ -115,7 +117,9 @@ class SingleFlow:
         """Flow control's answer (kvloop/router/flow.py) for a request of flow `key` (None:
         the default band and tenant): a permit, to close once the request is routed, or the
         refusal to answer (499: the client left while queued)."""
-        permit = await unless_disconnected(request, self.flow.admit(key or FlowKey()))
+        key, t0 = key or FlowKey(), time.monotonic()
+        permit = await unless_disconnected(request, self.flow.admit(key))
+        tracing.admitted(key, t0, permit)
         if isinstance(permit, Disconnected):
             return Response(status_code=499)
         if isinstance(permit, Rejection):
@@ -127,15 +131,20 @@ class SingleFlow:
         on the router's one decision thread, so decisions stay serial and a frozen Redis
         stalls that thread, never the loop. A request cancelled meanwhile closes the tickets
         its decision opens."""
+        t0 = time.monotonic()
         if self._decider is None:
-            return route(*args)
+            result = route(*args)
+            tracing.decided(result, t0)
+            return result
         loop = asyncio.get_running_loop()
         decision = loop.run_in_executor(self._decider, functools.partial(route, *args))
         try:
-            return await asyncio.shield(decision)
+            result = await asyncio.shield(decision)
         except asyncio.CancelledError:
             decision.add_done_callback(self._abandon)
             raise
+        tracing.decided(result, t0)
+        return result
 
     def _abandon(self, decision: asyncio.Future[Any]) -> None:
         if not decision.cancelled() and decision.exception() is None:
@@ -153,6 +162,7 @@ class SingleFlow:
         marked down: route again, once)."""
         assert self.client is not None
         w = routed.worker
+        headers = tracing.leg_headers(headers, routed, routed.worker.spec.role)
         req = self.client.build_request("POST", w.spec.url + path, content=raw,
                                         headers=headers)
         sent = False
@@ -313,6 +323,7 @@ class SingleFlow:
                 leg = f"{routed.worker.name} did not answer"
                 break
             self.router.metrics.migrations.labels(failed, "migrated").inc()
+            tracing.migrated(failed, routed, m.moves, len(m.output_ids))
             log.warning("stream migrated from worker %s to worker %s after %d tokens (move "
                         "%d of at most %d)", failed, routed.worker.name, len(m.output_ids),
                         m.moves, m.limit)
