@@ -57,8 +57,13 @@ lint: install-test
 typecheck: install-test
 	$(VENV)/bin/mypy kvloop
 
+# The whole suite on TEST_WORKERS pytest-xdist processes; `--dist loadscope` keeps a module's
+# tests on one worker, so a module's fixtures (fleets, servers, the loaded model) start once.
+# Every test takes its ports from the kernel and its files from tmp_path, so workers share
+# nothing; tests/conftest.py's `processes` check runs inside each worker.
+TEST_WORKERS ?= 2
 test: install-test lint typecheck
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope
 
 # The edit-test loop: the in-process tests, not those marked `processes` (they start
 # processes or servers) or `slow` (the real model, benchmarks, waits that prove nothing

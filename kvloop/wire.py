@@ -17,6 +17,7 @@ from kvloop.config import EngineConfig, Role, RunnerConfig
 from kvloop.events.config import KVEventsConfig
 from kvloop.pooling_params import PoolingParams
 from kvloop.sampling_params import SamplingParams
+from kvloop.tracing import TracingConfig
 from kvloop.trust import FleetSecret
 
 WIRE_VERSION = 4
@@ -154,6 +155,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_decoding_stats: SpecDecodingStats | None = None   # None: no drafts this step
     kv_transfer: KVTransferStats | None = None     # None: the engine has no KV connector
     lora: LoRAStats | None = None                  # None: LoRA is off
+    # vllm:num_requests_waiting_by_reason: capacity, deferred, each reason (core/waiting.py)
+    num_waiting_by_reason: dict[str, int] | None = None
 
 
 class TopLogprobs(msgspec.Struct, array_like=True):
@@ -227,6 +230,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     lora_name: str | None = None
     client_index: int = 0
     pooling_params: PoolingParams | None = None   # a pooling request: no token, a vector
+    # W3C traceparent/tracestate of the API server's span (kvloop.tracing; None: untraced)
+    trace_headers: dict[str, str] | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
@@ -437,6 +442,7 @@ class EngineStartConfig(msgspec.Struct, omit_defaults=True):
     log_level: str = "INFO"
     shutdown_timeout_s: float = 0.0
     fleet_secret: str | None = None   # the fleet secret's text (kvloop.trust); never printed
+    tracing: TracingConfig | None = None   # --otlp-traces-endpoint (kvloop.tracing)
 
     def __repr__(self) -> str:
         return f"EngineStartConfig(engine_index={self.engine_index}, epoch={self.epoch!r}, ...)"

@@ -338,7 +338,7 @@ def test_lifecycle_errors_and_idempotent_shutdown():
     t0 = time.monotonic()
     pub.shutdown()
     pub.shutdown()
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10   # no linger on unsent frames: no hang
     assert pub.stats.published == 1  # what was queued went out before the sockets closed
     pub.publish(batch(AllBlocksCleared()))  # after shutdown: a no-op
     assert pub.stats.published == 1

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -132,3 +134,123 @@ def test_a_worker_that_cannot_start_is_named_and_the_fleet_cleans_up(tmp_path):
     with pytest.raises(RuntimeError, match="worker 0 did not start"):
         kept.start()
     assert "--no-such-flag" in (tmp_path / "worker0.log").read_text()
+
+
+@pytest.mark.processes
+def test_fleet_restarts_a_killed_worker_on_its_port_and_the_router_serves_through_it_again():
+    """kill -9 of one of two workers: the fleet starts it again (a new pid on the same URL,
+    the exit printed with its code), the router marks it down then up and routes to it again
+    (round-robin), and requests kept succeeding on the other worker meanwhile."""
+    cmd = [sys.executable, "-m", "kvloop", "fleet", "--workers", "2", "--port", "0",
+           "--policy", "round-robin", "--max-worker-restarts", "2",
+           "--worker-restart-backoff", "1", "--", "--sim-speedup", "40"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counts = {"ok": 0, "failed": 0}
+    stop = threading.Event()
+
+    def client(url: str) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post(url + "/v1/completions", json={"prompt": [7] * 8,
+                                                              "max_tokens": 2})
+                    counts["ok" if r.status_code == 200 else "failed"] += 1
+                except httpx.HTTPError:
+                    counts["failed"] += 1
+
+    try:
+        lines = lines_until(proc, "kvloop router on", 90)
+        url = re.search(r"kvloop router on (http://\S+)", "\n".join(lines)).group(1)
+        victim_url = sorted(w["url"] for w in httpx.get(url + "/workers").json().values())[0]
+        old_pid = httpx.get(victim_url + "/kvloop/worker").json()["api_pid"]
+        thread = threading.Thread(target=client, args=(url,), daemon=True)
+        thread.start()
+        wait_until(lambda: counts["ok"] >= 4, 30, "requests through the fleet")
+        os.kill(old_pid, signal.SIGKILL)
+        wait_until(lambda: any(not w["up"] for w in httpx.get(url + "/workers").json()
+                               .values()), 30, "the router to mark the killed worker down")
+        down_ok = counts["ok"]
+
+        def new_pid() -> int | None:
+            try:
+                pid = httpx.get(victim_url + "/kvloop/worker", timeout=2).json()["api_pid"]
+            except httpx.HTTPError:
+                return None
+            return pid if pid != old_pid else None
+
+        pid = wait_until(new_pid, 60, "the killed worker back on its URL")
+        assert counts["ok"] > down_ok   # the other worker served while it was away
+        wait_until(lambda: all(w["up"] for w in httpx.get(url + "/workers").json().values()),
+                   30, "the router to re-admit the restarted worker")
+        wait_until(lambda: _generated(victim_url) > 0, 30, "the router to route to it again")
+        stop.set()
+        thread.join(35)
+        # only the request in flight on the killed worker may have failed (one client)
+        assert counts["failed"] <= 1 and counts["ok"] > down_ok
+        assert alive(pid) and not alive(old_pid)
+        text = "\n".join(lines)
+        assert re.search(rf"worker \d \(pid {old_pid}\) ended, killed by SIGKILL \(exit code "
+                         rf"-9\); restart 1 of 2 in 1 s on port \d+", text), text[-3000:]
+        assert f"serving again on {victim_url} (pid {pid})" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        wait_until(lambda: not alive(pid), 10, "the restarted worker to stop with the fleet")
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _generated(url: str) -> float:
+    from kvloop.front.prometheus_text import metric_value
+
+    return metric_value(httpx.get(url + "/metrics").text, "vllm:generation_tokens_total")
+
+
+def test_restart_policy_backs_off_and_refuses_bad_values():
+    from kvloop.router.config import RestartPolicy
+    from kvloop.router.fleet import exit_text
+
+    p = RestartPolicy(max_restarts=5, backoff_s=1.0, max_backoff_s=8.0)
+    assert [p.delay_s(n) for n in range(6)] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert exit_text(-9) == "killed by SIGKILL (exit code -9)" and exit_text(3) == "exit code 3"
+    for bad in (dict(max_restarts=-1), dict(backoff_s=0), dict(backoff_s=60.0)):
+        with pytest.raises(ValueError):
+            RestartPolicy(**bad)
+
+
+@pytest.mark.processes
+def test_a_worker_that_keeps_dying_is_restarted_at_most_max_restarts_times(capsys):
+    """The restart limit: a killed worker whose port another process then holds fails its
+    one restart (the bind error, printed with its exit code) and is left dead."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from kvloop.router.config import RestartPolicy
+    from kvloop.router.fleet import Fleet
+
+    cfg = FleetConfig(1, "sim", worker_args=("--sim-speedup", "40"), echo_output=False,
+                      restart=RestartPolicy(max_restarts=1, backoff_s=1.0))
+    fleet = Fleet(cfg)
+    try:
+        [spec] = fleet.start()
+        first = fleet.workers[0]
+        squatter = socket.socket()
+        first.signal(signal.SIGKILL)
+        first.wait(10)
+        squatter.bind(("127.0.0.1", urlsplit(spec.url).port))   # before the 1 s backoff ends
+        squatter.listen()
+        err: list[str] = []
+        wait_until(lambda: err.append(capsys.readouterr().err) or "not restarted" in
+                   "".join(err), 60, "the fleet to give up on the worker")
+        text = "".join(err)
+        assert "ended, killed by SIGKILL (exit code -9); restart 1 of 1 in 1 s" in text
+        assert re.search(r"ended, exit code [1-9]\d*; not restarted: --max-worker-restarts "
+                         r"1 reached", text), text
+        with fleet.lock:
+            second = fleet.workers[0]
+        assert second is not first and not second.alive() and second.proc.returncode > 0
+        assert "in use" in second.log()
+        squatter.close()
+    finally:
+        fleet.stop()

@@ -20,7 +20,7 @@ CORE_KVLOOP = ("kvloop.config", "kvloop.wire", "kvloop.events.types")
 CORE_3P = ("msgspec", "cbor2", "xxhash")
 ROUTER_KVLOOP = ("kvloop.config", "kvloop.locate", "kvloop.wire", "kvloop.core.hashing",
                  "kvloop.events", "kvloop.sim.latency", "kvloop.trust", "kvloop.front",
-                 "kvloop.batch")
+                 "kvloop.batch", "kvloop.tracing")
 ROUTER_3P = ("httpx", "starlette", "anyio", "msgspec", "prometheus_client", "zmq", "redis",
              "yaml")
 ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
@@ -37,9 +37,11 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.locate": ((), ()),
     "kvloop.version": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
+    # OpenTelemetry only inside functions that run with --otlp-traces-endpoint
+    "kvloop.tracing": ((), ("opentelemetry",)),
     "kvloop.wire": (("kvloop.config", "kvloop.sampling_params", "kvloop.pooling_params",
                      "kvloop.events.config",
-                     "kvloop.trust"),
+                     "kvloop.trust", "kvloop.tracing"),
                     ("msgspec",)),
     "kvloop.llm": (("kvloop.config", "kvloop.core", "kvloop.engine", "kvloop.front.processor",
                     "kvloop.front.tokenizer", "kvloop.wire", "kvloop.trust",
@@ -48,7 +50,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     # the engine's one assembly (build: by factory name, never the model) and its process
     "kvloop.engine": (("kvloop.config", "kvloop.wire", "kvloop.core", "kvloop.events.config",
                        "kvloop.events.publisher", "kvloop.events.nats_publisher",
-                       "kvloop.kv_transfer", "kvloop.trust"),
+                       "kvloop.kv_transfer", "kvloop.trust", "kvloop.tracing"),
                       ("msgspec", "zmq")),
     "kvloop.core.request": ((*CORE_KVLOOP, "kvloop.sampling_params", "kvloop.pooling_params"),
                             CORE_3P),  # re-exports them
@@ -79,7 +81,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
-                       "kvloop.kv_transfer.params", "kvloop.batch"),
+                       "kvloop.kv_transfer.params", "kvloop.batch", "kvloop.tracing"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
     # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)

@@ -356,7 +356,7 @@ def test_without_heartbeats_the_same_lease_expires(engines):
 # --- aborts -------------------------------------------------------------------------------------
 def test_an_abort_while_loading_frees_p_at_once_and_d_when_the_transfer_ends(engines):
     p = engines()
-    d = engines(sim_bandwidth=3 * BLOCK_BYTES / 1.0)    # this load takes 1 s
+    d = engines(sim_bandwidth=3 * BLOCK_BYTES / 2.0)    # this load takes 2 s
     params = prefill(p, "p1", PROMPT)
     sp = SamplingParams(max_tokens=2, temperature=0, extra_args={"kv_transfer_params": params})
     d.add_request(d.make_request("d1", PROMPT, sp))
@@ -369,10 +369,10 @@ def test_an_abort_while_loading_frees_p_at_once_and_d_when_the_transfer_ends(eng
     assert d.scheduler.requests["d1"].status == RequestStatus.FINISHED_ABORTED
     assert free(d) == usable(d) - 3                     # held: the transfer may still write
     settle(p)                                           # the Done came with the abort
-    assert free(p) == usable(p) and time.monotonic() - t0 < 0.8
+    assert free(p) == usable(p) and time.monotonic() - t0 < 1.6   # before the load ends
     assert free(d) == usable(d) - 3
     run_until(d, lambda: "d1" not in d.scheduler.requests, what="D's blocks back")
-    assert free(d) == usable(d) and time.monotonic() - t0 >= 0.5
+    assert free(d) == usable(d) and time.monotonic() - t0 >= 1.0   # not at the abort
 
 
 def test_an_abort_before_d_schedules_tells_p_to_free(engines):

@@ -17,7 +17,7 @@ from kvloop.events.types import (
 )
 from kvloop.router.config import HashSpec, IndexConfig, LivenessConfig, RouterConfig
 from kvloop.router.feed import EventFeed
-from kvloop.router.proxy import _SseRelay, parse_load
+from kvloop.router.poller import parse_load
 from kvloop.router.registry import (
     CONFIG_MISMATCH,
     NO_EVENT_SOURCE,
@@ -30,6 +30,7 @@ from kvloop.router.registry import (
 )
 from kvloop.router.router import NoWorkerError, Router
 from kvloop.router.scorer import COLD, PREFIX_HIT
+from kvloop.router.sse import SseRelay as _SseRelay
 from kvloop.wire import KVEventsInfo
 
 from .conftest import FakeClock, block_removed, block_stored, event_batch, serving

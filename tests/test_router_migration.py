@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import signal
 import threading
 from collections.abc import Iterator
@@ -26,8 +27,9 @@ import pytest
 from kvloop.front.prometheus_text import metric_value
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.migration import Leg, Migration, refusal
-from tests.conftest import RouterThread
-from tests.test_router_fleet import SIM_ARGS, router_config
+from kvloop.router.sessions import SESSION_HEADER, session_key
+from tests.conftest import RouterThread, wait_until
+from tests.test_router_fleet import ADMIN, SIM_ARGS, random_ids, router_config
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -194,8 +196,10 @@ def _body(i: int) -> tuple[str, dict[str, Any]]:
 class Stream:
     """One client stream on its own thread: its events' payloads, and whether it started."""
 
-    def __init__(self, url: str, i: int):
-        self.path, self.body = _body(i)
+    def __init__(self, url: str, i: int, body: tuple[str, dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None):
+        self.path, self.body = body or _body(i)
+        self.headers = headers or {}
         self.payloads: list[Any] = []
         self.url = url
         self.started = threading.Event()
@@ -203,7 +207,8 @@ class Stream:
         self.thread.start()
 
     def _run(self) -> None:
-        with httpx.stream("POST", self.url + self.path, json=self.body, timeout=60) as r:
+        with httpx.stream("POST", self.url + self.path, json=self.body, timeout=60,
+                          headers=self.headers) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -224,7 +229,7 @@ class Stream:
         usage = chunks[-1]["usage"]
         assert usage["completion_tokens"] == MAX_TOKENS
         assert usage["total_tokens"] == usage["prompt_tokens"] + MAX_TOKENS
-        if self.body["return_token_ids"]:
+        if self.body.get("return_token_ids"):
             assert sum(len(ch.get("token_ids", [])) for ch in choices) == MAX_TOKENS
         else:
             assert not any("token_ids" in ch for ch in choices)
@@ -343,3 +348,55 @@ def test_greedy_text_of_a_migrated_stream_equals_an_uninterrupted_run(model_flee
     dead = next(i for i, p in enumerate(model_fleet.workers) if not p.alive())
     model_fleet.workers[dead] = model_fleet.worker(dead)
     model_fleet.workers[dead].start(300)
+
+
+# --- a migrated stream keeps its LoRA adapter and its session -------------------------------
+@pytest.fixture
+def lora_fleet(tmp_path) -> Iterator[Fleet]:
+    """3 simulated workers; adapter `c` loaded on workers 0 and 1, not on worker 2."""
+    (tmp_path / "c").mkdir()
+    args = SIM_ARGS + ("--sim-speedup", "4", "--enable-lora", "--max-loras", "2",
+                       "--lora-allowed-dirs", str(tmp_path))
+    f = Fleet(FleetConfig(3, "sim", ("both",), args, start_timeout_s=120, stop_timeout_s=10,
+                          echo_output=False))
+    try:
+        f.start()
+        for w in f.workers[:2]:
+            r = httpx.post(f"{w.url}/v1/load_lora_adapter", headers=ADMIN, timeout=30,
+                           json={"lora_name": "c", "lora_path": str(tmp_path / "c")})
+            assert r.status_code == 200, r.text
+        yield f
+    finally:
+        f.stop()
+
+
+@pytest.mark.processes
+def test_a_migrated_stream_keeps_its_adapter_and_its_session(lora_fleet):
+    """The prompt's base-model blocks sit on worker 2, which lacks the adapter: a
+    continuation routed without its adapter goes there (its hashes match) and gets a 404.
+    With the adapter, it goes on on the other holder, and the session follows it."""
+    f = lora_fleet
+    prompt = random_ids(random.Random(7), 512)
+    cfg = replace(router_config(), migration_limit=1)
+    with RouterThread(cfg, f.specs()) as rt:
+        bystander = f.specs()[2].name
+        r = httpx.post(f.workers[2].url + "/v1/completions", timeout=60,
+                       json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        wait_until(lambda: rt.router.index.worker_blocks(bystander) >= 512 // 16, 30,
+                   "the base-model blocks of the prompt on worker 2 in the index")
+        body = {"model": "c", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        s = Stream(rt.url, 0, body=(COMPLETIONS, body), headers={SESSION_HEADER: "s-7"})
+        victim, held = _kill_the_busiest(rt, f, [s])
+        assert held == 1 and victim != bystander
+        s.thread.join(60)
+        assert not s.thread.is_alive()
+        s.check_one_answer()
+        survivor = next(w.name for w in f.specs()[:2] if w.name != victim)
+        text = httpx.get(rt.url + "/metrics").text
+        assert metric_value(text, "kvloop_router_migrations_total", worker=victim,
+                            outcome="migrated") == 1
+        turn = rt.router.sessions.last_turn(session_key({SESSION_HEADER: "s-7"}, {}),
+                                            rt.router.clock())
+        assert turn is not None and turn.worker == survivor

@@ -23,9 +23,10 @@ from kvloop.router.pd import (
     decide,
     estimate,
     fingerprint_bytes_per_token,
+    local_reason,
     prefill_seconds,
 )
-from kvloop.router.pd_proxy import PREFILL_PARAMS, answer_params, local_reason, prefill_body
+from kvloop.router.pd_proxy import PREFILL_PARAMS, answer_params, prefill_body
 from kvloop.router.registry import (
     NO_KV_CONNECTOR,
     NO_STORED_BLOCKS,

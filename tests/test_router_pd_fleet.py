@@ -228,6 +228,25 @@ def test_streaming_through_the_router_keeps_sse_and_the_reported_hit(fleet):
         assert pd_decisions(rt, "remote", ALWAYS) == 2
 
 
+def test_a_sessions_turns_keep_their_decode_worker(fleet):
+    """Eight turns of one session (`x-session-id`), each on an unrelated prompt, with both
+    decode workers idle between turns: every decode leg goes to the session's decode worker
+    (without session affinity the prompts' own tie-breaks spread them over both)."""
+    decoders = [w.url for w in fleet.specs() if w.role == "decode"]
+    served = lambda: [metric_value(metrics(u), "vllm:request_success_total")  # noqa: E731
+                      for u in decoders]
+    rng = random.Random(11)
+    with RouterThread(pd_router(), fleet.specs()) as rt:
+        before = served()
+        for _ in range(8):
+            r = httpx.post(rt.url + "/v1/completions", headers={"x-session-id": "chat-42"},
+                           json={"prompt": random_ids(rng, 64), "max_tokens": 2,
+                                 "ignore_eos": True}, timeout=30)
+            assert r.status_code == 200, r.text
+        after = served()
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 8]
+
+
 def test_the_cost_model_decides_with_real_workers(fleet):
     """Idle decode workers: a short prompt stays local, a long uncached one too (P would take
     as long), the same long prompt once P caches it goes remote; all counted."""

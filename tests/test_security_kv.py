@@ -352,7 +352,7 @@ def test_params_are_bounded_before_any_work(p: ServeProcess, d: ServeProcess) ->
                    headers={**ROUTER, "content-type": "application/json"})
     took = time.monotonic() - t0
     assert r.status_code == 400 and "names 3000000 blocks" in r.json()["error"]["message"]
-    assert took < 3.0, took
+    assert took < 6.0, took   # parsed and refused: no work per block id
     for change, message in (({"remote_block_ids": [0, 1, 2, 3]}, "at most 3 of 16 tokens"),
                             ({"remote_host": "evil host/x"}, "must be a hostname or an IP"),
                             ({"remote_engine_id": "e" * 300}, "longer than 256"),

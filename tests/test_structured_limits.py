@@ -80,10 +80,8 @@ def test_a_slow_compile_yields_its_slot_to_a_tiny_one(held: Held) -> None:
     q = queue(slow_after_s=0.2)
     slow = q.submit(60_000, held.compile("slow"))
     wait_until(lambda: held.started == ["slow"], what="the slow compile")
-    t0 = time.monotonic()
     tiny = q.submit(10, lambda: "tiny")
-    assert tiny.future.result(5) == "tiny"
-    assert time.monotonic() - t0 < 1.0 and not slow.future.done()
+    assert tiny.future.result(5) == "tiny" and not slow.future.done()   # it passed the slow one
     held.let_go()
     assert slow.future.result(5) == "slow"
     q.shutdown()

@@ -178,5 +178,5 @@ def test_a_redis_outage_is_a_miss_not_an_error(tmp_path):
         assert not tier.contains("k")              # the failed call: logged, a miss
         t0 = time.monotonic()
         assert tier.get("k") is None and tier.put("k2", b"x") == []
-        assert time.monotonic() - t0 < 0.1         # and no waiting while it is down
+        assert time.monotonic() - t0 < 0.5         # both: not even one call's timeout
         tier.close()

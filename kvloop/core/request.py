@@ -157,6 +157,8 @@ class Request:
             dict(params) if params is not None else None)
         self.num_external_computed_tokens = 0   # tokens loaded from a remote prefill (vLLM)
         self.num_local_cached_tokens: int | None = None   # the pool's hit of a loaded request
+        # the W3C context of its trace (kvloop.tracing): the KV connector passes it to P
+        self.trace_headers: dict[str, str] | None = None
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

@@ -767,7 +767,8 @@ class Scheduler:
             num_total_blocks=pool.num_usable_blocks,
             prefix_cache_stats=self.kv.take_prefix_cache_stats(),
             num_preemptions=self._step_preemptions, step_index=self.step_index,
-            spec_decoding_stats=self._spec_stats)
+            spec_decoding_stats=self._spec_stats,
+            num_waiting_by_reason=self.wait_reasons.count(self.waiting))
         self._step_preemptions = 0
         self._spec_stats = None
         if self.adapter_slots is not None:

@@ -34,13 +34,22 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kvloop.core.request import Request, RequestStatus
 from kvloop.wire import LORA_UNAVAILABLE
 
 MAX_UNREADABLE = 64     # adapters remembered as unreadable (for the error of those waiting)
+
+# `vllm:num_requests_waiting_by_reason` labels besides each reason's own (`reason_label`):
+CAPACITY = "capacity"   # vLLM's: waiting for room (token budget, KV blocks), held by nothing
+DEFERRED = "deferred"   # vLLM's: held by some reason (the sum of the reasons' labels)
+
+
+def reason_label(status: RequestStatus) -> str:
+    """A reason's label: its status without WAITING_FOR_ (WAITING_FOR_LORA -> "lora")."""
+    return status.name.removeprefix("WAITING_FOR_").lower()
 
 
 class Readiness(enum.Enum):
@@ -239,6 +248,20 @@ class WaitReasons:
     def release(self, request: Request) -> None:
         for reason in self._by_status.values():
             reason.release(request)
+
+    def count(self, waiting: Iterable[Request]) -> dict[str, int]:
+        """The waiting requests by reason: `CAPACITY`, `DEFERRED` and every registered
+        reason's label, zeros included (so each series exists from the first step)."""
+        by_status = dict.fromkeys(self._by_status, 0)
+        capacity = 0
+        for r in waiting:
+            if r.status in by_status:
+                by_status[r.status] += 1
+            else:
+                capacity += 1
+        out = {CAPACITY: capacity, DEFERRED: sum(by_status.values())}
+        out.update((reason_label(s), n) for s, n in by_status.items())
+        return out
 
     def statuses(self) -> tuple[RequestStatus, ...]:
         """The statuses of held requests (for the scheduler's invariants)."""

@@ -63,6 +63,7 @@ from kvloop.config import GRAMMAR_BACKEND
 from kvloop.core.engine import EngineCore, StepResult
 from kvloop.core.trace import TraceWriter
 from kvloop.engine.build import build_engine
+from kvloop.engine.spans import EngineSpans, make_engine_spans
 from kvloop.events.config import KVEventsConfig
 from kvloop.trust import PURPOSE_KV_EVENTS, CurveKeys
 from kvloop.wire import (
@@ -110,6 +111,7 @@ class EngineCoreProc:
         self.engine: EngineCore | None = None
         self.publisher: Any = None
         self.trace: TraceWriter | None = None
+        self.spans: EngineSpans | None = None   # --otlp-traces-endpoint (engine/spans.py)
         self._last_stats_key: tuple[Any, ...] | None = None
         self._faults: list[str] = []     # the faults last sent to the API server
 
@@ -167,6 +169,7 @@ class EngineCoreProc:
             ready = self._start_publisher(ready, cfg.kv_events)
         if cfg.trace_file:
             self.trace = TraceWriter(cfg.trace_file)
+        self.spans = make_engine_spans(cfg.tracing, engine.connector)
         return ready
 
     def _start_publisher(self, ready: EngineReady, ev_cfg: KVEventsConfig) -> EngineReady:
@@ -332,7 +335,10 @@ class EngineCoreProc:
             req = engine.make_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                       lora_name=msg.lora_name, client_index=msg.client_index,
                                       pooling_params=msg.pooling_params)
+            req.trace_headers = msg.trace_headers
             engine.add_request(req)
+            if self.spans is not None:
+                self.spans.on_add(msg)
         except (ValueError, TypeError) as e:
             self._refuse(msg.request_id, str(e))
 
@@ -370,7 +376,10 @@ class EngineCoreProc:
         return ok
 
     def _process_engine_step(self, engine: EngineCore) -> None:
+        t0 = time.monotonic()
         result = engine.step()
+        if self.spans is not None:
+            self.spans.on_step(engine, result, t0, time.monotonic())
         self._publish_events(engine, result)
         if result.executed:
             if self.trace is not None and result.record is not None:
@@ -400,7 +409,8 @@ class EngineCoreProc:
         if stats is not None:
             pcs = stats.prefix_cache_stats
             key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks,
-                   stats.num_preemptions, pcs.requests, pcs.preempted_requests)
+                   stats.num_preemptions, pcs.requests, pcs.preempted_requests,
+                   *(stats.num_waiting_by_reason or {}).values())
             if stats.kv_transfer is not None:
                 key += (stats.kv_transfer.held_requests, stats.kv_transfer.loading_requests)
                 kv_counts = stats.kv_transfer.has_counts
@@ -440,6 +450,8 @@ class EngineCoreProc:
             self.publisher.shutdown()
         if self.trace is not None:
             self.trace.close()
+        if self.spans is not None:
+            self.spans.tracer.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         self._dealer.close()

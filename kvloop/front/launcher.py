@@ -167,9 +167,7 @@ class UrlProcess:
         assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            m = self.url_pattern.search(self.log())
-            if m:
-                self.url = m.group(1)
+            if self.poll_url():
                 return self
             if self.proc.poll() is not None:
                 break
@@ -180,6 +178,13 @@ class UrlProcess:
         self._join_relay()
         last = "\n    ".join(self.log().splitlines()[-TAIL_LINES:])
         raise RuntimeError(f"{self.name} did not start ({why}); last output:\n    {last}")
+
+    def poll_url(self) -> bool:
+        """Has the log announced the URL yet? (If so, `url` is set.) Never waits."""
+        m = self.url_pattern.search(self.log())
+        if m:
+            self.url = m.group(1)
+        return m is not None
 
     def _relay(self) -> None:
         """Print the log's lines, prefixed with `echo`, as they are written, until the

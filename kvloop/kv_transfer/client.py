@@ -84,6 +84,8 @@ class Load:
     state: str = "new"          # new -> meta (waiting for the handshake) -> read -> delayed
     cancelled: bool = False
     shm_name: str | None = None  # the shared-memory file D named for its Read
+    transport: str | None = None  # the Read's: "tcp" or "shm" (None: no Read sent)
+    trace_headers: dict[str, str] | None = None   # the request's trace, passed on to P
 
 
 @dataclass
@@ -97,6 +99,7 @@ class LoadResult:
     seconds: float = 0.0
     invalid_block_ids: list[int] = field(default_factory=list)
     recompute: bool = False       # a cache miss whatever the policy (a checksum failed)
+    transport: str | None = None  # "tcp" or "shm"; None: nothing was read
 
 
 class _Failed(Exception):
@@ -364,11 +367,12 @@ class TransferClient:
         same_host = peer.meta.host_id == host_id()
         transport = "shm" if self.transport == "shm" or (
             self.transport == "auto" and same_host) else "tcp"
+        load.transport = transport
         if transport == "shm" and self.store.has_payload:
             load.shm_name = shm.new_name()
         self._send(peer, Read(remote_request_id=load.remote_request_id,
                               block_ids=load.remote_block_ids, transport=transport,
-                              shm_name=load.shm_name))
+                              shm_name=load.shm_name, trace_headers=load.trace_headers))
         peer.expect.append((load, self.clock() + self.transfer_timeout))
 
     def _on_replies(self, peer: _Peer) -> None:
@@ -523,7 +527,8 @@ class TransferClient:
         seconds = self.clock() - load.started
         if nbytes:
             self.counters.add_received(nbytes, seconds)
-        self._report(LoadResult(load.request_id, ok=True, nbytes=nbytes, seconds=seconds))
+        self._report(LoadResult(load.request_id, ok=True, nbytes=nbytes, seconds=seconds,
+                                transport=load.transport))
 
     def _fail(self, load: Load, error: _Failed, send_done: bool = True) -> None:
         if load.cancelled:

@@ -119,6 +119,8 @@ class KvloopConnector:
         self._loading: set[str] = set()               # D: loads not reported yet
         self._early_results: list[LoadResult] = []    # D: loads failed before the network
         self._metadata: KvloopConnectorMetadata | None = None
+        # hears each finished pull (kvloop/engine/spans.py: a trace's KV transfer span)
+        self.on_transfer: Callable[[str, dict[str, Any]], None] | None = None
 
     @property
     def info(self) -> KVTransferInfo:
@@ -209,7 +211,8 @@ class KvloopConnector:
                                       f"D needs {needed}",
                               invalid_block_ids=block_ids[hit_blocks:needed])
         return Load(rid, remote.peer, remote.request_id, remote.block_ids[hit_blocks:needed],
-                    block_ids[hit_blocks:needed], started=self.clock())
+                    block_ids[hit_blocks:needed], started=self.clock(),
+                    trace_headers=request.trace_headers)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvloopConnectorMetadata:
         meta = KvloopConnectorMetadata(loads=self._to_load)
@@ -279,12 +282,21 @@ class KvloopConnector:
         for r in results:
             self._loading.discard(r.request_id)
             out.finished_recving.add(r.request_id)
+            if self.on_transfer is not None and not r.cancelled:
+                self.on_transfer(r.request_id, self._transfer_attributes(r))
             if not (r.ok or r.cancelled):
                 out.invalid_block_ids.update(r.invalid_block_ids)
                 out.failed_recving[r.request_id] = f"{r.reason}: {r.message}"
                 if r.recompute:
                     out.recompute_recving.add(r.request_id)
         return out
+
+    def _transfer_attributes(self, r: LoadResult) -> dict[str, Any]:
+        """One pull as span attributes: bytes, transport, milliseconds, its failure."""
+        return {"kvloop.kv_transfer.bytes": r.nbytes,
+                "kvloop.kv_transfer.transport": r.transport,
+                "kvloop.kv_transfer.ms": round(r.seconds * 1000, 3),
+                "kvloop.kv_transfer.ok": r.ok, "kvloop.kv_transfer.failure": r.reason}
 
     def _release_leases(self, out: KVConnectorOutput) -> None:
         expired = self.leases.sweep()

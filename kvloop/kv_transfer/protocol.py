@@ -58,6 +58,7 @@ class Read(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     block_ids: list[int]
     transport: str = "tcp"      # "tcp": raw frames after the reply; "shm": a /dev/shm file
     shm_name: str | None = None  # shm: the file D named (kvloop.kv_transfer.shm.new_name)
+    trace_headers: dict[str, str] | None = None   # W3C context of D's request (tracing)
 
 
 class ReadReply(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,8 @@ class SideChannelServer:
         self.store = store
         self.counters = counters
         self.wakeup = wakeup
+        # hears each Read served: (the Read, bytes, start, end monotonic; engine/spans.py)
+        self.on_read: Callable[[Read, int, float, float], None] | None = None
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         host_part = f"[{host}]" if ":" in host else host
@@ -144,7 +147,7 @@ class SideChannelServer:
             self._sock.send_multipart([identity, encode(ReadReply(status=READ_REFUSED,
                                                                   error=refusal))])
             return
-        shm_file = None
+        shm_file, t0 = None, time.monotonic()
         try:
             reply, frames, shm_file = self._read(read)
         except Exception as e:  # a failed read must answer D, not kill the side channel
@@ -155,6 +158,8 @@ class SideChannelServer:
         self._sock.send_multipart([identity, encode(reply), *frames], copy=False)
         if reply.status == READ_OK:
             self.counters.add_sent(reply.nbytes)
+            if self.on_read is not None:
+                self.on_read(read, reply.nbytes, t0, time.monotonic())
 
     def _read(self, read: Read) -> tuple[ReadReply, list[Any], str | None]:
         """The reply, the raw frames to send after it (TCP) and the file written (shm)."""

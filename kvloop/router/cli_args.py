@@ -38,11 +38,13 @@ from kvloop.router.config import (
     IndexConfig,
     LivenessConfig,
     PDConfig,
+    RestartPolicy,
     RouterConfig,
 )
 from kvloop.router.flow_config import FlowConfig, load_objectives
 from kvloop.router.limits import RouterLimits
 from kvloop.router.registry import WorkerSpec
+from kvloop.tracing import add_tracing_args, tracing_config
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
 WORKER_API_KEY_ENV = "KVLOOP_WORKER_API_KEY"   # the key the router presents to workers
@@ -77,6 +79,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--roles", default=DEFAULT_ROLE,
                    help="comma-separated roles, cycled over the workers (both|prefill|decode)")
     f.add_argument("--worker-start-timeout", type=float, default=300.0)
+    f.add_argument("--max-worker-restarts", type=int, default=RestartPolicy.max_restarts,
+                   metavar="N",
+                   help="a worker whose process ends is started again (same flags, same "
+                        "port), at most N times in a row (0: never; default %(default)s)")
+    f.add_argument("--worker-restart-backoff", type=float, default=RestartPolicy.backoff_s,
+                   metavar="S",
+                   help="seconds before a dead worker's restart, doubling per restart in a "
+                        f"row up to {RestartPolicy.max_backoff_s:g} (default %(default)s)")
     add_router_args(f)
     f.add_argument("worker_args", nargs=argparse.REMAINDER,
                    help="after '--': flags passed to every `kvloop serve`")
@@ -96,6 +106,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "vLLM's --tokenizer; default: the router's own copy of the model the "
                         "workers name, else fetched from a worker's GET /kvloop/tokenizer "
                         "with --worker-api-key)")
+    add_tracing_args(p)
     h = p.add_argument_group("fleet hashing (default: learned from the first worker)")
     h.add_argument("--block-size", type=int, default=None)
     h.add_argument("--hash-algo", default=None)
@@ -335,6 +346,7 @@ def router_config(args: argparse.Namespace,
         ext_proc_port=args.ext_proc_port, discovery_file=args.discovery_file,
         batch=batch_config(args, http_limits(args).max_request_body_bytes, args.index,
                            args.redis_password),
+        tracing=tracing_config(args),
         limits=router_limits(args))
 
 
@@ -408,14 +420,17 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
         # a fleet of its own: a secret of its own (unless given)
         cfg = _fleet_worker_key(router_config(args, default_secret=FleetSecret.generate()))
         fleet = FleetConfig(num_workers=args.workers, model=args.model, roles=roles,
-                            worker_args=tuple(extra),
+                            worker_args=(*cfg.tracing.to_args(), *extra),
                             start_timeout_s=args.worker_start_timeout,
                             worker_api_key=cfg.worker_api_key,
                             event_plane=cfg.bus.plane if cfg.bus is not None else None,
                             nats_port=nats_port, num_prefill=args.prefill,
                             num_decode=args.decode,
                             kv_connector_extra_config=args.kv_connector_extra_config,
-                            fleet_secret=cfg.fleet_secret)
+                            fleet_secret=cfg.fleet_secret,
+                            restart=RestartPolicy(args.max_worker_restarts,
+                                                  args.worker_restart_backoff)
+                            if args.max_worker_restarts else None)
     except ValueError as e:
         raise SystemExit(f"kvloop fleet: {e}") from None
     if any(r not in ROLES for r in roles):

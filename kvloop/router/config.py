@@ -19,6 +19,7 @@ from kvloop.front.http_limits import HttpLimits
 from kvloop.front.tls import TlsConfig, WorkerTls
 from kvloop.router.flow_config import FlowConfig
 from kvloop.router.limits import RouterLimits
+from kvloop.tracing import TracingConfig
 from kvloop.trust import FleetSecret
 
 POLICIES = ("kv-aware", "round-robin", "least-loaded", "random")
@@ -315,6 +316,7 @@ class RouterConfig:
     ext_proc_port: int | None = None
     discovery_file: str | None = None
     batch: BatchConfig | None = None
+    tracing: TracingConfig = field(default_factory=TracingConfig)   # kvloop.tracing
 
     def __post_init__(self) -> None:
         if self.ext_proc_port is not None and not 0 <= self.ext_proc_port < 65536:
@@ -338,3 +340,29 @@ class RouterConfig:
                 "admit only the workers' signed messages; --allow-unsigned-bus admits unsigned "
                 "ones (insecure: anyone who can publish on the bus then adds workers, withdraws "
                 "them and writes the index; docs/security.md)")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How `kvloop fleet` restarts a worker whose process ended without being asked to: with
+    the same arguments on the port it had, `backoff_s` after the exit, doubling per
+    consecutive restart up to `max_backoff_s`; after `max_restarts` restarts in a row it is
+    left dead. A restarted worker that has served for `reset_after_s` starts the count
+    again. A restarted worker that announces no URL within the fleet's start timeout is
+    killed (and counts as another exit)."""
+
+    max_restarts: int = 5
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-worker-restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError(f"--worker-restart-backoff must be in (0, {self.max_backoff_s:g}]"
+                             f", got {self.backoff_s:g}")
+
+    def delay_s(self, restarts: int) -> float:
+        """The wait before restart number `restarts + 1` in a row."""
+        return min(self.max_backoff_s, self.backoff_s * 2.0 ** restarts)

@@ -61,6 +61,7 @@ from kvloop.front.anthropic import MESSAGES_PATH
 from kvloop.front.auth import Caller, presented_authorization
 from kvloop.front.drain import refused_by_drain
 from kvloop.front.openai import MaxTokens, error_body
+from kvloop.router.bodies import read_body
 from kvloop.router.envoy_config import (
     DESTINATION_HEADER,
     LB_NAMESPACE,
@@ -69,10 +70,11 @@ from kvloop.router.envoy_config import (
     SUBSET_NAMESPACE,
 )
 from kvloop.router.flow import Permit, Rejection, rejection_response
-from kvloop.router.proxy import RouterApp, _SseRelay, read_body
+from kvloop.router.proxy import RouterApp
 from kvloop.router.relay import cached_tokens, json_or_none
+from kvloop.router.request import routing_request
 from kvloop.router.router import NoWorkerError, Routed
-from kvloop.router.sessions import session_key
+from kvloop.router.sse import SseRelay
 
 log = logging.getLogger("kvloop.router")
 
@@ -88,12 +90,13 @@ async def pick_worker(app: RouterApp, path: str, body: Mapping[str, Any],
                       headers: Mapping[str, str], tokens: Sequence[int],
                       exclude: Sequence[str]) -> Routed:
     """The router's decision for one request seen by Envoy: the one adapter between the
-    picker and the router's routing code (the HTTP proxy calls the same `Router.route`).
-    Raises NoWorkerError."""
+    picker and the router's routing code. The same `RoutingRequest` as the HTTP proxy builds,
+    decided by the aggregated profile (`Router.pick_one`: Envoy carries one leg, so no P/D)
+    through the proxy's one decision path. Raises NoWorkerError."""
     output_tokens = MaxTokens.of_body(path, body).tokens(None) if path in ROUTED_PATHS else 0
-    return await app.decide(app.router.route, list(tokens), list(exclude),
-                            body.get("cache_salt"), output_tokens,
-                            session_key(headers, body), app.router.adapter_of(body.get("model")))
+    rr = routing_request(app.router, path, body, headers, tokens, exclude=exclude,
+                         output_tokens=output_tokens)
+    return await app.single.decide(app.router.pick_one, rr)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,7 +178,7 @@ class Exchange:
         self.permit: Permit | None = None
         self.stream = False
         self.strip_usage = False
-        self.relay: _SseRelay | None = None
+        self.relay: SseRelay | None = None
         self.answer = bytearray()
         self.status = 0
 
@@ -281,7 +284,7 @@ class Exchange:
         metadata.update({LB_NAMESPACE: {
             DESTINATION_HEADER: ",".join(endpoint_of(n) for n in names)}})
         if self.stream:
-            self.relay = _SseRelay(self.strip_usage)
+            self.relay = SseRelay(self.strip_usage)
         if phase == "request_headers":
             return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
                                          dynamic_metadata=metadata)

@@ -9,7 +9,11 @@
        starts, watches and stops them; their other output is relayed, prefixed with the
        worker's number);
     3. run the router in this process with those workers, print where everything listens;
-    4. one Ctrl-C or SIGTERM stops the router, then every worker (SIGTERM, then SIGKILL
+    4. while it runs, a worker whose process ends (a crash, a kill -9) is started again
+       (`RestartPolicy`: same arguments, on the port it had, after a backoff that doubles
+       per consecutive restart, at most `max_restarts` in a row; each exit is printed with
+       its code). The router's poller marks it down meanwhile and up once it answers;
+    5. one Ctrl-C or SIGTERM stops the router, then every worker (SIGTERM, then SIGKILL
        after a grace period). Workers are also told to die with this process on Linux.
 
 With `--event-plane nats` (a local nats-server, started first on `nats_port` and stopped
@@ -34,23 +38,50 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvloop.config import KV_ROLE_OF, ROLES, Role
 from kvloop.events.cli_args import nats_credential_env
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.front.auth import API_KEY_ENV
 from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command, stop_all
-from kvloop.router.config import RouterConfig
+from kvloop.router.config import RestartPolicy, RouterConfig
 from kvloop.router.registry import WorkerSpec
 from kvloop.trust import FleetSecret, secret_env
 
 if TYPE_CHECKING:
     from kvloop.router.services import LocalService
+
+
+WATCH_S = 0.2   # how often the fleet looks for ended workers
+
+
+@dataclass
+class _Restarts:
+    """One worker's restart state (owned by `Fleet`, under its lock)."""
+
+    port: int
+    in_a_row: int = 0
+    due: float | None = None      # when the next start is due (None: none pending)
+    started: float = 0.0          # when the current process was started
+    serving: bool = True          # the current process announced its URL
+    gave_up: bool = False
+
+
+def exit_text(code: int | None) -> str:
+    """A process's exit status in words (a negative code: the signal that ended it)."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 @dataclass(frozen=True)
@@ -61,8 +92,8 @@ class FleetConfig:
     `worker_api_key`, every worker requires that key: it is handed to them as $VLLM_API_KEY
     (not on their command lines), and the router presents it (its `worker_api_key`).
     `fleet_secret` goes to every worker as $KVLOOP_FLEET_SECRET (kvloop/trust.py).
-    `log_dir` keeps the workers' logs (`workerI.log`; None: a temporary folder, removed when
-    they stop)."""
+    `log_dir` keeps the workers' logs (`workerI.log`, a restarted one's `workerI.N.log`;
+    None: a temporary folder, removed when they stop). `restart`: see `RestartPolicy`."""
 
     num_workers: int
     model: str = "sim"
@@ -80,6 +111,7 @@ class FleetConfig:
     num_decode: int = 0
     kv_connector_extra_config: str | None = None
     fleet_secret: FleetSecret | None = None
+    restart: RestartPolicy | None = None   # None: a worker that ends stays dead
 
     def __post_init__(self) -> None:
         for flag, n in (("--workers", self.num_workers), ("--prefill", self.num_prefill),
@@ -167,7 +199,9 @@ class FleetConfig:
 
 class Fleet:
     """N worker processes of one `FleetConfig` (`kvloop.front.launcher.UrlProcess`es; their
-    logs in `config.log_dir`, else in a temporary folder removed by `stop()`)."""
+    logs in `config.log_dir`, else in a temporary folder removed by `stop()`). With
+    `config.restart`, a thread started by `start()` restarts the ones that end (`workers[i]`
+    is then the new process; read it under `lock`)."""
 
     def __init__(self, config: FleetConfig):
         self.config = config
@@ -175,11 +209,16 @@ class Fleet:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="kvloop-fleet-"))
         self.workers = [self.worker(i) for i in range(config.total)]
         self.nats: LocalService | None = None
+        self.lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._restarts: list[_Restarts] = []
 
-    def worker(self, i: int, *extra_args: str) -> UrlProcess:
+    def worker(self, i: int, *extra_args: str, log_name: str | None = None) -> UrlProcess:
         """Worker `i`'s process, not started (`extra_args` come after the fleet's)."""
         cfg = self.config
-        return UrlProcess(cfg.argv(i) + list(extra_args), self.log_dir / f"worker{i}.log",
+        return UrlProcess(cfg.argv(i) + list(extra_args),
+                          self.log_dir / (log_name or f"worker{i}.log"),
                           SERVE_URL_LINE, cfg.env(), name=f"worker {i}",
                           echo=f"[worker {i}] " if cfg.echo_output else None)
 
@@ -195,7 +234,73 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+        if self.config.restart is not None:
+            now = time.monotonic()
+            self._restarts = [_Restarts(port=urlsplit(w.url).port or 0, started=now)
+                              for w in self.workers]
+            # prctl's death signal follows the thread that started a worker: this one lives
+            # as long as the fleet does
+            self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                             name="kvloop fleet restarts")
+            self._watcher.start()
         return self.specs()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(WATCH_S):
+            with self.lock:
+                for i in range(len(self.workers)):
+                    if not self._stopping.is_set():
+                        self._tend(i, time.monotonic())
+
+    def _tend(self, i: int, now: float) -> None:
+        """Look after worker `i` once: restart it when due, note it serving again, or note
+        that it ended and schedule its restart (or give up on it)."""
+        policy, r, w = self.config.restart, self._restarts[i], self.workers[i]
+        assert policy is not None and w.proc is not None
+        if r.gave_up:
+            return
+        if r.due is not None:
+            if now >= r.due:
+                self._relaunch(i, now)
+            return
+        if w.alive():
+            self._note_serving(i, w, r, now, policy)
+            return
+        code, pid = w.proc.returncode, w.pid
+        if r.in_a_row >= policy.max_restarts:
+            r.gave_up = True
+            print(f"kvloop fleet: worker {i} (pid {pid}) ended, {exit_text(code)}; not "
+                  f"restarted: --max-worker-restarts {policy.max_restarts} reached",
+                  file=sys.stderr, flush=True)
+            return
+        delay = policy.delay_s(r.in_a_row)
+        r.due = now + delay
+        print(f"kvloop fleet: worker {i} (pid {pid}) ended, {exit_text(code)}; restart "
+              f"{r.in_a_row + 1} of {policy.max_restarts} in {delay:g} s on port {r.port}",
+              file=sys.stderr, flush=True)
+
+    def _note_serving(self, i: int, w: UrlProcess, r: _Restarts, now: float,
+                      policy: RestartPolicy) -> None:
+        if not r.serving:
+            if w.poll_url():
+                r.serving = True
+                print(f"kvloop fleet: worker {i} serving again on {w.url} (pid {w.pid})",
+                      flush=True)
+            elif now - r.started > self.config.start_timeout_s:
+                print(f"kvloop fleet: worker {i} (pid {w.pid}) announced no URL in "
+                      f"{self.config.start_timeout_s:g} s; killing it", file=sys.stderr,
+                      flush=True)
+                w.signal(signal.SIGKILL)
+        elif r.in_a_row and now - r.started >= policy.reset_after_s:
+            r.in_a_row = 0
+
+    def _relaunch(self, i: int, now: float) -> None:
+        r = self._restarts[i]
+        r.in_a_row += 1
+        r.due, r.serving, r.started = None, False, now
+        w = self.worker(i, "--port", str(r.port), log_name=f"worker{i}.{r.in_a_row}.log")
+        w.launch()
+        self.workers[i] = w
 
     def _start_nats(self) -> None:
         cfg = self.config
@@ -217,7 +322,11 @@ class Fleet:
                 for i, w in enumerate(self.workers) if w.url]
 
     def stop(self) -> None:
-        """SIGTERM every worker, then SIGKILL the ones still alive after the grace period."""
+        """Stop restarting; SIGTERM every worker, then SIGKILL the ones still alive after the
+        grace period."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join()
         stop_all(self.workers, self.config.stop_timeout_s)
         if self.nats is not None:
             self.nats.stop()

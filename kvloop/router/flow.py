@@ -93,6 +93,7 @@ class FlowKey:
     tenant: int = 0
     queue_timeout_s: float | None = None   # None: the config's
     sheddable: bool | None = None          # None: a negative priority is
+    body_bytes: int = 0                    # what its body holds while it waits
 
     @property
     def shed_when_saturated(self) -> bool:
@@ -241,9 +242,10 @@ class FlowControl:
         return FlowKey(priority, _digest(tenant), timeout)
 
     # --- admission ------------------------------------------------------------------------
-    async def admit(self, key: FlowKey, size: int = 0) -> Permit | Rejection:
+    async def admit(self, key: FlowKey, size: int | None = None) -> Permit | Rejection:
         """Wait for room (module docstring); cancelled (the client left): leaves the queue.
-        `size`: the request's body bytes, which it holds while it waits."""
+        `size`: the request's body bytes, which it holds while it waits (None: the key's)."""
+        size = key.body_bytes if size is None else size
         if not self.cfg.enabled:
             return FREE
         room = self.room()

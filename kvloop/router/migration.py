@@ -31,7 +31,7 @@ string split across the move is not seen; a seeded sampler restarts its seed on 
 worker.
 
 Owner: one `Migration` per relayed stream, owned by that stream's relay
-(kvloop/router/proxy.py); it is the only one that changes it.
+(kvloop/router/single.py); it is the only one that changes it.
 """
 
 from __future__ import annotations

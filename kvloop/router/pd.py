@@ -31,7 +31,9 @@ cheaply. The time of an HTTP round trip is not modelled.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvloop.sim.latency import LatencyModel
 
@@ -167,9 +169,10 @@ def decide(policy: str, est: Estimate | None) -> PDDecision:
     return PDDecision(False, LOCAL_CHEAPER, est)
 
 
-def decode_order(d: PDWorker) -> tuple[int, float, int]:
-    """Sort key of decode candidates (lower first): load, KV usage, then cache."""
-    return d.active, round(d.kv_usage, 2), -d.cached_tokens
+def decode_order(d: PDWorker, session_tokens: int = 0) -> tuple[int, float, int]:
+    """Sort key of decode candidates (lower first): load, KV usage, then the larger of its
+    cache and its session credit (`session_tokens`, prompt tokens)."""
+    return d.active, round(d.kv_usage, 2), -max(d.cached_tokens, session_tokens)
 
 
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
@@ -189,3 +192,16 @@ def fingerprint_bytes_per_token(fingerprint: object) -> float | None:
         return None
     layers, heads, head_dim = (int(x) for x in dims)   # type: ignore[arg-type]
     return float(2 * layers * heads * head_dim * size)
+
+
+def local_reason(body: Mapping[str, Any]) -> str | None:
+    """Why this request cannot take a remote prefill (None: it can). One prefill leg hands
+    on one prompt's blocks: several choices or prompts stay local, and a client's own
+    `kv_transfer_params` are its business (passed to D as they are)."""
+    if body.get("kv_transfer_params") is not None:
+        return CLIENT_PARAMS
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
+    if batch or (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+        return MULTIPLE_PROMPTS
+    return None

@@ -1,13 +1,13 @@
 """The router's P/D flow over HTTP (docs/disaggregation.md sections 2 and 6).
 
-    1. route_pd: the decode worker D, remote or local prefill, the prefill worker P;
+    1. Router.pick_pd: the decode worker D, remote or local prefill, the prefill worker P;
     2. remote: POST the prefill leg to P: the client's body with `kv_transfer_params`
        {do_remote_decode: true, ...}, max_tokens 1 (and max_completion_tokens 1 where the
        client set it or on chat), min_tokens 1, stream false, no stream_options; read P's
        answer whole and take its top-level `kv_transfer_params`;
     3. POST the decode leg to D: the client's body plus P's `kv_transfer_params`, verbatim
        (local: the client's body alone); D's answer, streamed or not, goes back with D's
-       status and Content-Type (`RouterApp._relay` / `_whole`).
+       status and Content-Type (`SingleFlow._relay` / `_whole`).
 
 Both legs carry one `X-Request-Id` (the client's, else a new uuid4). A client that
 disconnects during the prefill leg closes P's connection (P aborts it) and D is never asked;
@@ -20,7 +20,7 @@ P is the client's error: it goes back to the client as P sent it. A decode worke
 the connection is marked down and the request is routed again (nothing reached it; a prefill
 leg done for it is left to its lease).
 
-Owner: `PDFlow` owns nothing but its reference to the `RouterApp` (the HTTP client, the relay),
+Owner: `PDFlow` owns nothing but its reference to the `SingleFlow` (the HTTP client, the relay),
 which it sees through `FlowApp`; the pieces both flows use are `relay.py`'s.
 """
 
@@ -36,11 +36,9 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvloop.front.openai import MaxTokens
-from kvloop.router.flow import Permit
+from kvloop.router import tracing
+from kvloop.router.flow import FlowKey, Permit
 from kvloop.router.pd import (
-    CLIENT_PARAMS,
-    MULTIPLE_PROMPTS,
     NO_KV_TRANSFER_PARAMS,
     PREFILL_CONNECTION,
     PREFILL_HTTP_ERROR,
@@ -55,6 +53,7 @@ from kvloop.router.relay import (
     response_headers,
     unless_disconnected,
 )
+from kvloop.router.request import RoutingRequest
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
 from kvloop.wire import PREFILL_PARAMS, missing_remote_keys
 
@@ -74,19 +73,6 @@ def prefill_body(body: dict[str, Any], path: str) -> dict[str, Any]:
     return out
 
 
-def local_reason(body: dict[str, Any]) -> str | None:
-    """Why this request cannot take a remote prefill (None: it can). One prefill leg hands
-    on one prompt's blocks: several choices or prompts stay local, and a client's own
-    `kv_transfer_params` are its business (passed to D as they are)."""
-    if body.get("kv_transfer_params") is not None:
-        return CLIENT_PARAMS
-    prompt = body.get("prompt")
-    batch = isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)
-    if batch or (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
-        return MULTIPLE_PROMPTS
-    return None
-
-
 def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
     """P's `kv_transfer_params` if D can use them, else (None, what is wrong)."""
     params = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
@@ -101,7 +87,7 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
 
 
 class FlowApp(Protocol):
-    """What the P/D flow asks of the HTTP front it runs in (`kvloop.router.proxy.RouterApp`):
+    """What the P/D flow asks of the single-worker flow (`kvloop.router.single.SingleFlow`):
     its router, its HTTP client to the workers, flow control's admission, a routing decision
     off or on the event loop, and the single-worker flow's last two steps, reused for the
     decode leg."""
@@ -109,8 +95,7 @@ class FlowApp(Protocol):
     router: Router
     client: httpx.AsyncClient | None
 
-    async def admission(self, request: Request, body: dict[str, Any], size: int = 0
-                        ) -> Permit | Response: ...
+    async def admission(self, request: Request, key: FlowKey | None) -> Permit | Response: ...
 
     async def decide(self, route: Callable[..., PDRouted], *args: Any) -> PDRouted: ...
 
@@ -122,27 +107,25 @@ class FlowApp(Protocol):
 
 
 class PDFlow:
-    """The P/D flow of one `RouterApp` (through its `FlowApp` interface)."""
+    """The P/D flow beside one `SingleFlow` (through its `FlowApp` interface)."""
 
     def __init__(self, app: FlowApp):
         self.app = app
         self.router = app.router
 
-    async def send(self, request: Request, path: str, raw: bytes, body: dict[str, Any],
-                   tokens: list[int], headers: dict[str, str], stream: bool,
+    async def send(self, request: Request, rr: RoutingRequest, raw: bytes,
+                   body: dict[str, Any], headers: dict[str, str], stream: bool,
                    strip_usage: bool) -> Response:
+        """`body` (`raw` encoded) through `Router.pick_pd(rr)`'s legs; a decode worker that
+        refuses the connection is excluded and the request picked again."""
         headers = {**headers, REQUEST_ID: headers.get(REQUEST_ID) or uuid.uuid4().hex}
-        tried: list[str] = []
-        permit = await self.app.admission(request, body, len(raw))
+        path = rr.path
+        permit = await self.app.admission(request, rr.flow_key)
         if isinstance(permit, Response):
             return permit
         while True:
             try:
-                routed = await self.app.decide(self.router.route_pd, tokens, tried,
-                                               body.get("cache_salt"),
-                                               MaxTokens.of_body(path, body).tokens(None),
-                                               local_reason(body),
-                                               self.router.adapter_of(body.get("model")))
+                routed = await self.app.decide(self.router.pick_pd, rr)
             except NoWorkerError as e:
                 return error_response(str(e), 503)
             finally:
@@ -156,7 +139,7 @@ class PDFlow:
                 self.router.finish(routed.decode.ticket, None, "disconnected")
                 raise
             if answer is RETRY:
-                tried.append(routed.decode.worker.name)
+                rr = rr.continued(exclude=[routed.decode.worker.name])
                 continue
             assert isinstance(answer, Response)
             return answer
@@ -193,6 +176,7 @@ class PDFlow:
         cfg = self.router.config
         timeout = httpx.Timeout(cfg.pd.prefill_timeout_s,
                                 connect=cfg.liveness.connect_timeout_s)
+        headers = tracing.leg_headers(headers, routed.prefill, "prefill")
         try:
             r = await client.post(p.spec.url + path, headers=headers, timeout=timeout,
                                   content=json.dumps(prefill_body(body, path)).encode())
@@ -209,6 +193,7 @@ class PDFlow:
             return None
         finally:
             self.router.metrics.pd_prefill_seconds.observe(time.perf_counter() - t0)
+            tracing.leg_done(routed.prefill)
         if r.status_code >= 500:
             self.router.prefill_failed(routed, PREFILL_HTTP_ERROR,
                                        f"HTTP {r.status_code}: {r.text[:200]}")

@@ -1,4 +1,4 @@
-"""What the router's two request flows share: `proxy.RouterApp`'s (one worker) and
+"""What the router's two request flows share: `single.SingleFlow`'s (one worker) and
 `pd_proxy.PDFlow`'s (a prefill leg, then a decode leg).
 
 - a leg the client's disconnect cancels (`unless_disconnected` -> `DISCONNECTED`);
@@ -69,7 +69,7 @@ async def unless_disconnected(request: Request, leg: Awaitable[T]) -> T | Discon
 
 
 class Retry:
-    """`RouterApp.open_upstream`'s answer when the worker refused the connection: route
+    """`SingleFlow.open_upstream`'s answer when the worker refused the connection: route
     again."""
 
 
@@ -138,6 +138,16 @@ class StreamEnd:
     def __init__(self) -> None:
         self.ended = False
         self.finished = False
+
+    def note_events(self, chunk: bytes) -> None:
+        """Whole events relayed unparsed: each read only if the chunk may end or finish."""
+        if b"[DONE]" not in chunk and b'"error"' not in chunk and \
+                _END_OR_FINISH.search(chunk) is None:
+            return
+        for event in chunk.replace(b"\r\n", b"\n").split(b"\n\n"):
+            lines = [ln[5:].strip() for ln in event.splitlines() if ln.startswith(b"data:")]
+            if lines:
+                self.note(b"\n".join(lines))
 
     def note(self, data: bytes) -> None:
         """One event's data (SSE `data:` lines joined)."""

@@ -1,9 +1,10 @@
 """The router's brain, without HTTP: register workers, hash prompts, pick, account.
 
-Owner: `Router` owns the prefix index, the registry, the event feeds and subscribers and
-the metrics; the HTTP front (`proxy.py`) calls `route()` / `first_token()` / `finish()`
-around each forwarded request and `register()` / `worker_down()` when it learns about a
-worker, and nothing else.
+Owner: `Router` owns the policy, the session table and the tickets' life; its base
+`Membership` (`membership.py`) owns the prefix index, the registry, the event feeds and
+subscribers, the alarms and the metrics. The HTTP front (`proxy.py`) calls `route()` /
+`first_token()` / `finish()` around each forwarded request and `register()` /
+`worker_down()` when it learns about a worker, and nothing else.
 
 Request lifecycle:
     1. route(tokens): hash full blocks with the fleet's algorithm and seed; match the
@@ -21,22 +22,21 @@ remote one, the prefill worker, with a ticket on each; `prefill_done()` or
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvloop.config import KV_HOLDS, KV_LOADS, SchedulerConfig
-from kvloop.core.hashing import BlockHasher, block_extra_keys
+from kvloop.config import KV_LOADS, SchedulerConfig
+from kvloop.core.hashing import block_extra_keys
 from kvloop.events.types import event_int
-from kvloop.front.advertise import unreachable_from_afar
-from kvloop.router.config import HashSpec, IndexConfig, RouterConfig
-from kvloop.router.feed import EventFeed
-from kvloop.router.index import BlockIndex, PrefixIndex
-from kvloop.router.metrics import RouterMetrics
+from kvloop.router import filters
+from kvloop.router.config import RouterConfig
+from kvloop.router.filters import Filter
+from kvloop.router.membership import Membership, SubscriberFactory, capacity
+from kvloop.router.membership import Subscription as Subscription
+from kvloop.router.membership import make_index as make_index
 from kvloop.router.pd import (
     DECODE_CANNOT_LOAD,
     PREFILL_TIMEOUT,
@@ -49,21 +49,11 @@ from kvloop.router.pd import (
     fingerprint_bytes_per_token,
 )
 from kvloop.router.registry import (
-    CONFIG_MISMATCH,
-    NO_EVENT_SOURCE,
-    NO_KV_CONNECTOR,
     PREFILL_FAILING,
-    UNREACHABLE_EVENT_SOURCE,
-    WRONG_EVENT_SOURCE,
-    Alarm,
-    EventSource,
-    Registry,
     Ticket,
-    WorkerDescription,
-    WorkerSpec,
     WorkerState,
-    event_source,
 )
+from kvloop.router.request import RoutingRequest, tokens_request
 from kvloop.router.scorer import (
     DECODE_LOAD,
     Candidate,
@@ -72,6 +62,7 @@ from kvloop.router.scorer import (
     hit_tokens,
     make_policy,
     rendezvous,
+    session_credit,
     tier_credit,
 )
 from kvloop.router.sessions import SessionTable
@@ -80,30 +71,16 @@ from kvloop.sim.latency import LatencyModel
 log = logging.getLogger("kvloop.router")
 
 SERVING_ORDER = (("both",), ("decode",), ("prefill",))
-
-
-def make_index(config: IndexConfig, clock: Callable[[], float] = time.monotonic) -> BlockIndex:
-    """The index `config` asks for: shared in Redis with `config.url`, else in memory."""
-    if config.url is None:
-        return PrefixIndex(config, clock)
-    from kvloop.router.redis_index import RedisIndex
-
-    return RedisIndex(config, clock)
+# the profiles' filters (kvloop/router/filters.py), in order
+AGGREGATED: tuple[Filter, ...] = (filters.usable, filters.not_excluded)
+DECODE: tuple[Filter, ...] = (filters.role("decode"), filters.usable, filters.not_excluded,
+                              filters.adapter_holders)
+PREFILL: tuple[Filter, ...] = (filters.role("prefill"), filters.usable, filters.not_excluded,
+                               filters.prefill_capable, filters.adapter_holders)
 
 
 class NoWorkerError(RuntimeError):
     """No usable worker for the request (the HTTP front answers 503)."""
-
-
-class Subscription(Protocol):
-    """A running KV-event subscription to one worker."""
-
-    def stop(self) -> None: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-SubscriberFactory = Callable[[EventSource, EventFeed], Subscription]
 
 
 @dataclass(frozen=True)
@@ -115,6 +92,7 @@ class Routed:
     ticket: Ticket
     predicted_tokens: int
     num_blocks: int
+    request: RoutingRequest | None = None   # what was routed (a retry continues it)
 
 
 @dataclass(frozen=True)
@@ -148,237 +126,26 @@ class TicketPeers(Protocol):
     def closed(self, t: Ticket) -> None: ...
 
 
-class Router:
-    """Index + registry + policy + feeds; thread-safe for one event loop plus feeds."""
+class Router(Membership):
+    """Membership (`kvloop.router.membership`) + policy + sessions + tickets; thread-safe
+    for one event loop plus feeds."""
 
     def __init__(self, config: RouterConfig | None = None,
                  subscriber_factory: SubscriberFactory | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.config = config or RouterConfig()
-        self.clock = clock
-        self.index: BlockIndex = make_index(self.config.index, clock)
-        self.registry = Registry(self.config.liveness, clock,
-                                 self.config.pd.failures_to_skip)
-        self.metrics = RouterMetrics(self.registry, self.index, clock)
+        super().__init__(config, subscriber_factory, clock)
         self.latency = LatencyModel.from_file(self.config.pd.latency_file,
                                               self.config.pd.speedup)
         self.last_fallback: Fallback | None = None
         self.sessions = SessionTable()
         self.policy = make_policy(self.config.policy, self.config.cost,
                                   self.config.random_seed)
-        self.hash_spec: HashSpec | None = self.config.hash_spec
-        self.hasher = self._make_hasher(self.hash_spec)
-        self._subscriber_factory = subscriber_factory
-        self._feeds: dict[str, EventFeed] = {}
-        self._subs: dict[str, Subscription] = {}
-        self._epochs: dict[str, tuple[str | None, EventSource | None]] = {}
-        self._lock = threading.RLock()
-        self.watchers: list[Callable[[Router], None]] = []   # run by check_liveness
         self.details: dict[str, Callable[[], dict[str, Any]]] = {}   # more of /health
         self.problems: list[Callable[[], list[str]]] = []   # more /health reasons
         self.replicas: TicketPeers | None = None   # tells other routers of each ticket
-        self.index.on_lost(self.resync_index)
 
-    @staticmethod
-    def _make_hasher(spec: HashSpec | None) -> BlockHasher | None:
-        return None if spec is None else BlockHasher(spec.block_size, spec.algo, spec.seed)
-
-    # --- membership -----------------------------------------------------------------------
-    def register(self, spec: WorkerSpec, desc: WorkerDescription | None) -> list[str]:
-        """Add (or refresh) a worker that answered with `desc` (None: it is no kvloop worker,
-        so its hashing is not known); returns warnings.
-
-        The first worker that discloses its hashing fixes the fleet's, unless the config
-        did. A worker that disagrees (block size, algorithm, seed, role) is kept for
-        load-only routing, its events are refused, and a `config_mismatch` alarm says why.
-        """
-        with self._lock:
-            w = self.registry.get(spec.name) or self.registry.add(spec)
-            offered = desc.hash_spec() if desc is not None else None
-            if self.hash_spec is None and offered is not None:
-                self.hash_spec = offered
-                self.hasher = self._make_hasher(offered)
-                log.info("fleet hashing: %s (from %s)", offered.describe(), spec.name)
-                self._rehash_feeds()
-            self.index.add_worker(spec.name, _capacity(desc))
-            self.index.set_shared_store(spec.name, desc.kv_shared_store if desc else None)
-            identity = (desc.epoch if desc is not None else None, event_source(spec, desc))
-            before = self._epochs.get(spec.name)
-            self._epochs[spec.name] = identity
-            if before != identity:   # a new epoch: the worker's old cache is gone
-                cache_gone = before is not None and before[0] != identity[0]
-                if cache_gone:
-                    self.sessions.forget_worker(spec.name)
-                self._restart_feed(w, spec, desc, cache_gone)
-            self.registry.mark_up(spec.name, desc)
-            return self._check_worker(w, spec, desc)
-
-    def _rehash_feeds(self) -> None:
-        """Workers registered before the fleet's hashing was known get a working feed."""
-        for w in self.registry.all():
-            feed = self._feeds.get(w.name)
-            if w.up and feed is not None and feed.hasher is None:
-                self._restart_feed(w, w.spec, w.description, cache_gone=False)
-
-    def deregister(self, name: str) -> bool:
-        with self._lock:
-            self._stop_feed(name)
-            self._epochs.pop(name, None)
-            dropped = self.index.remove_worker(name)
-            removed = self.registry.remove(name) is not None
-        if removed:
-            log.info("worker %s deregistered (%d index entries dropped)", name, dropped)
-        return removed
-
-    def worker_down(self, name: str, reason: str) -> None:
-        """`name` stopped answering: drop its entries; its subscription restarts on return."""
-        with self._lock:
-            if not self.registry.mark_down(name, reason):
-                return
-            self._stop_feed(name)
-            self._epochs.pop(name, None)
-            dropped = self.index.forget_worker(name)   # what other replicas see stays
-        log.warning("worker %s is down (%s): %d index entries dropped; new requests go "
-                    "to other workers", name, reason, dropped)
-
-    def _restart_feed(self, w: WorkerState, spec: WorkerSpec,
-                      desc: WorkerDescription | None, cache_gone: bool) -> None:
-        """A new subscription; the index forgets what this router knew of the worker (and,
-        when `cache_gone`, what any replica sharing the index knew)."""
-        self._stop_feed(w.name)
-        if cache_gone:
-            self.index.clear_worker(w.name)
-        else:
-            self.index.forget_worker(w.name)
-        self.registry.restart_liveness(w.name)
-        feed = EventFeed(w.name, self.index, self.hasher, w.events, self._on_mismatch,
-                         self.registry.note_signal)
-        self._feeds[w.name] = feed
-        source = event_source(spec, desc)
-        if source is None or self._subscriber_factory is None:
-            w.subscriber_stats = None
-            return
-        sub = self._subscriber_factory(source, feed)
-        self._subs[w.name] = sub
-        w.subscriber_stats = sub.stats
-
-    def _stop_feed(self, name: str, wait: bool = False) -> None:
-        """End `name`'s subscription. Its feed refuses everything from now on, so the
-        subscriber thread may finish in the background (never blocking the event loop)."""
-        sub = self._subs.pop(name, None)
-        feed = self._feeds.pop(name, None)
-        if feed is not None:
-            feed.refusing = "stopped"
-        if sub is None:
-            return
-        if wait:
-            _stop_quietly(name, sub)
-        else:
-            threading.Thread(target=_stop_quietly, args=(name, sub), daemon=True,
-                             name=f"kvloop-router-unsub-{name}").start()
-
-    def feed(self, name: str) -> EventFeed | None:
-        return self._feeds.get(name)
-
-    def _check_worker(self, w: WorkerState, spec: WorkerSpec,
-                      desc: WorkerDescription | None) -> list[str]:
-        problems = self._mismatches(spec, desc)
-        warnings: list[str] = []
-        if problems:
-            detail = "; ".join(problems)
-            feed = self._feeds.get(w.name)
-            if feed is not None:
-                feed.refuse(detail)
-            self._raise(w.name, CONFIG_MISMATCH, detail + " (its KV events are refused)")
-            warnings.append(f"{w.name}: {detail}")
-        else:
-            self._clear(w.name, CONFIG_MISMATCH)
-        source = event_source(spec, desc)
-        if source is None and (desc is None or desc.enable_prefix_caching):
-            detail = _no_source_detail(desc)
-            self._raise(w.name, NO_EVENT_SOURCE, detail)
-            warnings.append(f"{w.name}: {detail}")
-        else:
-            self._clear(w.name, NO_EVENT_SOURCE)
-        far = unreachable_from_afar(spec.url, source.endpoint if source else None)
-        if far is not None:
-            self._raise(w.name, UNREACHABLE_EVENT_SOURCE, far)
-            warnings.append(f"{w.name}: {far}")
-        else:
-            self._clear(w.name, UNREACHABLE_EVENT_SOURCE)
-        missing = _missing_connector(w)
-        if missing is not None:
-            warnings.append(f"{w.name}: {missing}")
-        if missing is not None and w.role == "prefill":
-            self._raise(w.name, NO_KV_CONNECTOR, missing)
-        else:
-            self._clear(w.name, NO_KV_CONNECTOR)
-            if missing is not None:   # it serves, prefilling locally: a warning, no alarm
-                log.warning("worker %s: %s", w.name, missing)
-        return warnings
-
-    def hashing_mismatches(self, desc: WorkerDescription) -> list[str]:
-        """How `desc`'s block size, hash algorithm and seed differ from the fleet's (none
-        while the fleet's hashing is not known yet)."""
-        fleet = self.hash_spec
-        out: list[str] = []
-        if fleet is not None:
-            for field, theirs, ours in (("block size", desc.block_size, fleet.block_size),
-                                        ("hash algorithm", desc.hash_algo, fleet.algo),
-                                        ("hash seed", desc.hash_seed, fleet.seed)):
-                if theirs != ours:
-                    out.append(f"{field} {theirs!r} differs from the fleet's {ours!r}")
-        return out
-
-    def _mismatches(self, spec: WorkerSpec, desc: WorkerDescription | None) -> list[str]:
-        if desc is None:
-            return []
-        out = self.hashing_mismatches(desc)
-        if desc.role != spec.role:
-            out.append(f"it serves role {desc.role!r} but was registered as {spec.role!r}")
-        return out
-
-    def _on_mismatch(self, name: str, detail: str) -> None:
-        self._raise(name, CONFIG_MISMATCH, detail + " (seen in its KV events; refused)")
-
-    # --- alarms ---------------------------------------------------------------------------
-    def raise_alarm(self, name: str, kind: str, detail: str) -> None:
-        """Raise alarm `kind` on worker `name` (a watcher's finding); logged once."""
-        self._raise(name, kind, detail)
-
-    def clear_alarm(self, name: str, kind: str) -> None:
-        self._clear(name, kind)
-
-    def _raise(self, name: str, kind: str, detail: str) -> None:
-        alarm = self.registry.raise_alarm(name, kind, detail)
-        if alarm is not None:
-            self._announce(alarm)
-
-    def _clear(self, name: str, kind: str) -> None:
-        alarm = self.registry.clear_alarm(name, kind)
-        if alarm is not None:
-            log.warning("worker %s: %s cleared", name, kind)
-
-    def _announce(self, alarm: Alarm) -> None:
-        self.metrics.alarms_raised.labels(alarm.worker, alarm.kind).inc()
-        log.warning("%s; routing to %s is load-only (no cache credit) until this clears",
-                    alarm.message, alarm.worker)
-
-    def check_liveness(self) -> list[Alarm]:
-        """Re-evaluate time- and verification-based alarms; returns the new ones."""
-        raised, cleared = self.registry.evaluate()
-        for watch in self.watchers:
-            watch(self)
-        for a in raised:
-            feed = self._feeds.get(a.worker)
-            if a.kind == WRONG_EVENT_SOURCE and feed is not None:
-                feed.refuse(a.detail)
-            self._announce(a)
-        for a in cleared:
-            log.warning("worker %s: %s cleared; cache-aware routing to it resumes",
-                        a.worker, a.kind)
-        self.index.expire_provisional()
-        return raised
+    def forget_cache(self, name: str) -> None:
+        self.sessions.forget_worker(name)
 
     # --- routing --------------------------------------------------------------------------
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
@@ -407,7 +174,7 @@ class Router:
     def serving_pool(self, exclude: Sequence[str] = ()) -> list[WorkerState]:
         """Who serves a request end to end (aggregated): `both` workers; if none is up,
         `decode` workers (they prefill locally); `prefill` workers only when nothing else is
-        up. With decode workers and no `both` worker up, the HTTP front uses `route_pd()`.
+        up. With decode workers and no `both` worker up, P/D requests take `pick_pd()`.
         """
         for roles in SERVING_ORDER:
             pool = [w for w in self.registry.usable(roles) if w.name not in exclude]
@@ -415,41 +182,74 @@ class Router:
                 return pool
         return []
 
+    def pick(self, rr: RoutingRequest) -> Routed | PDRouted:
+        """THE routing decision, the one entry point of every front (the HTTP proxy, the
+        Envoy ext_proc endpoint picker): where `rr` goes, with a ticket opened on each leg.
+
+        In P/D mode (`pd_mode()`) a disaggregable request (`rr.disaggregable`) gets a
+        `PDRouted` (`pick_pd`: the decode profile, the P/D decision, the prefill profile);
+        any other a `Routed` (`pick_one`: the aggregated profile). Raises NoWorkerError when
+        no worker may take it. The caller closes every ticket it gets (`finish`, or
+        `abandon` when nothing is sent), reports the first token (`first_token`) and, for a
+        prefill leg, its outcome (`prefill_done` / `prefill_failed` / ...). A retry or a
+        migration picks again with `rr.continued(...)`, never with a request built anew.
+        """
+        if rr.disaggregable and self.pd_mode():
+            return self.pick_pd(rr)
+        return self.pick_one(rr)
+
+    def pick_one(self, rr: RoutingRequest) -> Routed:
+        """The aggregated profile: the serving pool (`SERVING_ORDER`, through `AGGREGATED`'s
+        filters), scored by the policy with the index's matches and the session's credit;
+        the session's turn recorded on the chosen worker."""
+        t0 = time.perf_counter()
+        workers = self._serving(rr)
+        if not workers:
+            raise NoWorkerError(self._no_worker_message())
+        hashes = list(rr.hashes)
+        matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
+        session = self._session_tokens(rr)
+        candidates = [self._candidate(w, matches.get(w.name, ()), session.get(w.name, 0))
+                      for w in workers]
+        decision = self.policy.choose(candidates, rr.scoring())
+        chosen = self.registry.get(decision.worker)
+        assert chosen is not None
+        n, bs = rr.prompt_tokens, rr.block_size
+        self.sessions.record(rr.session, chosen.name, n, self.clock())
+        tiers = matches.get(chosen.name, ())
+        predicted = hit_tokens(len(tiers), n, bs)
+        ticket = self._open(chosen, hashes, n, predicted, n - predicted,
+                            tiers=tiers[:predicted // bs])
+        self._count_decision(decision, chosen.name, n, predicted, t0)
+        return Routed(chosen, decision, ticket, predicted, len(hashes), rr)
+
+    def _serving(self, rr: RoutingRequest) -> list[WorkerState]:
+        everyone = self.registry.all()
+        for roles in SERVING_ORDER:
+            pool = filters.run((filters.role(*roles), *AGGREGATED), everyone, rr)
+            if pool:
+                return filters.adapter_holders(pool, rr)
+        return []
+
+    def _session_tokens(self, rr: RoutingRequest) -> dict[str, int]:
+        """{the worker of the session's last turn: that turn's prompt tokens} (empty: no
+        session, or none recent)."""
+        turn = self.sessions.last_turn(rr.session, self.clock())
+        return {} if turn is None else {turn.worker: turn.prompt_tokens}
+
     def route(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
               cache_salt: str | None = None, expected_output_tokens: int = 16,
               session: int | None = None, lora_name: str | None = None) -> Routed:
-        """Pick a worker for a prompt (run with LoRA adapter `lora_name`, None: the base
-        model) and open its ticket; `session` (a digest, `kvloop.router.sessions.session_key`)
-        steers it softly to the session's last worker. Raises NoWorkerError."""
-        t0 = time.perf_counter()
-        workers = self.serving_pool(exclude)
-        if not workers:
-            raise NoWorkerError(self._no_worker_message())
-        workers = _serving_adapter(workers, lora_name)
-        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
-        matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
-        turn = self.sessions.last_turn(session, self.clock())
-        candidates = [self._candidate(w, matches.get(w.name, ()),
-                                      turn.prompt_tokens if turn and turn.worker == w.name
-                                      else 0) for w in workers]
-        bs = self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(len(token_ids), bs, _prefix_key(hashes, token_ids),
-                           expected_output_tokens, lora_name)
-        decision = self.policy.choose(candidates, req)
-        chosen = self.registry.get(decision.worker)
-        assert chosen is not None
-        self.sessions.record(session, chosen.name, len(token_ids), self.clock())
-        tiers = matches.get(chosen.name, ())
-        predicted = hit_tokens(len(tiers), len(token_ids), bs)
-        ticket = self._open(chosen, hashes, len(token_ids), predicted,
-                            len(token_ids) - predicted, tiers=tiers[:predicted // bs])
-        self._count_decision(decision, chosen.name, len(token_ids), predicted, t0)
-        return Routed(chosen, decision, ticket, predicted, len(hashes))
+        """`pick_one` of a bare prompt (run with LoRA adapter `lora_name`, None: the base
+        model); `session` (a digest, `kvloop.router.sessions.session_key`) steers it softly
+        to the session's last worker. Raises NoWorkerError."""
+        return self.pick_one(tokens_request(self, token_ids, exclude, cache_salt,
+                                            expected_output_tokens, session, lora_name))
 
     def _open(self, w: WorkerState, hashes: list[int], prompt_tokens: int, predicted: int,
               uncached: int, verify: bool = True, tiers: tuple[str, ...] = ()) -> Ticket:
         """Provisional entries (where the worker caches) and a ticket for one leg."""
-        bs = self.hash_spec.block_size if self.hash_spec else 16
+        bs = self.block_size
         caches = w.caches_prefixes
         if caches:
             self.index.add_provisional(w.name, hashes)
@@ -462,51 +262,71 @@ class Router:
 
     # --- prefill/decode disaggregation ----------------------------------------------------
     def pd_mode(self) -> bool:
-        """True while decode workers and no `both` worker are up: requests take the P/D
-        flow (`route_pd`); `both` workers keep the aggregated routing of `route()`."""
+        """True while decode workers and no `both` worker are up: P/D requests take
+        `pick_pd`; `both` workers keep the aggregated routing of `pick_one`."""
         return not self.registry.usable(("both",)) and bool(self.registry.usable(("decode",)))
 
     def route_pd(self, token_ids: Sequence[int], exclude: Sequence[str] = (),
                  cache_salt: str | None = None, expected_output_tokens: int = 16,
-                 local_reason: str | None = None, lora_name: str | None = None) -> PDRouted:
-        """The decode worker (load first), remote or local prefill (the cost model, or
-        `local_reason` when the request cannot take a remote prefill) and the prefill
-        worker, each leg with its ticket. Raises NoWorkerError without a decode worker."""
+                 local_reason: str | None = None, lora_name: str | None = None,
+                 session: int | None = None) -> PDRouted:
+        """`pick_pd` of a bare prompt (`local_reason`: why it cannot take a remote
+        prefill, None: it can)."""
+        return self.pick_pd(tokens_request(self, token_ids, exclude, cache_salt,
+                                           expected_output_tokens, session, lora_name,
+                                           local_reason))
+
+    def pick_pd(self, rr: RoutingRequest) -> PDRouted:
+        """llm-d's P/D profile handler: the decode profile (`DECODE`'s filters; load first,
+        then the cache and the session's credit), the P/D decision (remote or local prefill:
+        the cost model, or `rr.local_reason`), then the prefill profile (`PREFILL`'s filters,
+        the policy), each leg with its ticket; the session's turn recorded on the decode
+        worker. Raises NoWorkerError without a decode worker."""
         t0 = time.perf_counter()
-        decoders = _serving_adapter([w for w in self.registry.usable(("decode",))
-                                     if w.name not in exclude], lora_name)
+        everyone = self.registry.all()
+        decoders = filters.run(DECODE, everyone, rr)
         if not decoders:
             raise NoWorkerError(self._no_worker_message())
-        prefillers = _serving_adapter([w for w in self.registry.usable(("prefill",))
-                                       if w.name not in exclude
-                                       and PREFILL_FAILING not in w.alarms
-                                       and w.kv_role in KV_HOLDS], lora_name)
-        hashes = self.block_hashes(token_ids, cache_salt, lora_name)
+        prefillers = filters.run(PREFILL, everyone, rr)
+        hashes = list(rr.hashes)
         matches = self.index.match_tiers(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
-        n, bs = len(token_ids), self.hash_spec.block_size if self.hash_spec else 16
-        req = RouteRequest(n, bs, _prefix_key(hashes, token_ids), expected_output_tokens,
-                           lora_name)
+        req = rr.scoring()
         snaps = {w.name: self._pd_worker(w, matches.get(w.name, ()), req)
                  for w in decoders + prefillers}
-        d = min(decoders, key=lambda w: (decode_order(snaps[w.name]),
-                                         -rendezvous(req.prefix_key, w.name)))
-        if local_reason is None and d.kv_role not in KV_LOADS:
-            local_reason = DECODE_CANNOT_LOAD
+        d = self._decode_profile(decoders, snaps, rr)
+        local = rr.local_reason
+        if local is None and d.kv_role not in KV_LOADS:
+            local = DECODE_CANNOT_LOAD
         p_choice, est = None, None
-        if prefillers and local_reason is None and self.config.pd.policy != "never":
+        if prefillers and local is None and self.config.pd.policy != "never":
             p_choice = self.policy.choose(
                 [self._candidate(w, matches.get(w.name, ())) for w in prefillers], req)
             p = self.registry.get(p_choice.worker)
             assert p is not None
-            est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name], n,
-                           bs)
-        decision = PDDecision(False, local_reason) if local_reason else decide(
-            self.config.pd.policy, est)
+            est = estimate(self.latency, self._transfer(p), snaps[d.name], snaps[p.name],
+                           rr.prompt_tokens, rr.block_size)
+        decision = PDDecision(False, local) if local else decide(self.config.pd.policy, est)
+        self.sessions.record(rr.session, d.name, rr.prompt_tokens, self.clock())
         routed = self._open_pd(d, p_choice if decision.remote else None, hashes, matches,
-                               req, decision)
+                               rr, decision)
         self._count_pd(routed, t0)
         return routed
+
+    def _decode_profile(self, decoders: list[WorkerState], snaps: dict[str, PDWorker],
+                        rr: RoutingRequest) -> WorkerState:
+        """The decode worker: load first (`decode_order`), the larger of its cache and its
+        session credit (`scorer.session_credit`) next, then a rendezvous tie-break."""
+        req, session = rr.scoring(), self._session_tokens(rr)
+        cfg = self.config.cost
+
+        def credit(w: WorkerState) -> int:
+            tokens = session.get(w.name, 0)
+            return int(session_credit(Candidate(w.name, session_tokens=tokens), req, cfg)) \
+                if tokens else 0
+
+        return min(decoders, key=lambda w: (decode_order(snaps[w.name], credit(w)),
+                                            -rendezvous(req.prefix_key, w.name)))
 
     def _pd_worker(self, w: WorkerState, tiers: tuple[str, ...],
                    req: RouteRequest) -> PDWorker:
@@ -532,23 +352,24 @@ class Router:
                              prefill.kv_bytes_per_token or cfg.kv_bytes_per_token)
 
     def _open_pd(self, d: WorkerState, p_choice: Decision | None, hashes: list[int],
-                 matches: dict[str, tuple[str, ...]], req: RouteRequest,
+                 matches: dict[str, tuple[str, ...]], rr: RoutingRequest,
                  decision: PDDecision) -> PDRouted:
-        n, bs = req.prompt_tokens, req.block_size
+        n, bs = rr.prompt_tokens, rr.block_size
         d_tiers = matches.get(d.name, ()) if not d.load_only else ()
         d_hit = hit_tokens(len(d_tiers), n, bs)
         d_decision = Decision(d.name, DECODE_LOAD)
         if p_choice is None:
             ticket = self._open(d, hashes, n, d_hit, n - d_hit, tiers=d_tiers[:d_hit // bs])
-            return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes)), None, decision)
+            return PDRouted(Routed(d, d_decision, ticket, d_hit, len(hashes), rr), None,
+                            decision)
         p = self.registry.get(p_choice.worker)
         assert p is not None
         p_tiers = matches.get(p.name, ()) if not p.load_only else ()
         p_hit = hit_tokens(len(p_tiers), n, bs)
         p_ticket = self._open(p, hashes, n, p_hit, n - p_hit, tiers=p_tiers[:p_hit // bs])
         d_ticket = self._open(d, hashes, n, d_hit, min(1, n), verify=False)
-        return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes)),
-                        Routed(p, p_choice, p_ticket, p_hit, len(hashes)), decision)
+        return PDRouted(Routed(d, d_decision, d_ticket, d_hit, len(hashes), rr),
+                        Routed(p, p_choice, p_ticket, p_hit, len(hashes), rr), decision)
 
     def _count_pd(self, r: PDRouted, t0: float) -> None:
         m, d = self.metrics, r.decision
@@ -630,7 +451,7 @@ class Router:
             in_flight=w.in_flight(), prefilling=len(prefilling),
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
             running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
-            capacity_blocks=_capacity(w.description),
+            capacity_blocks=capacity(w.description),
             indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name),
             session_tokens=session_tokens,
             lora_adapters=w.load.lora_adapters, max_loras=w.load.max_loras)
@@ -672,7 +493,7 @@ class Router:
         self.metrics.actual_hit.labels(ticket.worker).inc(cached_tokens)
         w = self.registry.get(ticket.worker)
         if w is not None and w.up:
-            bs = self.hash_spec.block_size if self.hash_spec else 16
+            bs = self.block_size
             w.verifier.record(ticket.predicted_tokens, cached_tokens, bs, ticket.tiers)
 
     # --- health ---------------------------------------------------------------------------
@@ -757,70 +578,3 @@ class Router:
                    "prefill_failures": w.prefill_failures,
                    "kv_bytes_per_token": w.kv_bytes_per_token},
         }
-
-    def resync_index(self) -> None:
-        """The index lost what the workers told it (a shared Redis that restarted or missed
-        writes): every live worker's subscription starts again, and its snapshot or replay
-        re-stores its blocks (what Redis still holds of it is cleared first: it may be
-        stale)."""
-        with self._lock:
-            workers = [w for w in self.registry.all() if w.up and w.name in self._feeds]
-            for w in workers:
-                self._restart_feed(w, w.spec, w.description, cache_gone=True)
-        log.warning("index resync: %d workers asked for their blocks again", len(workers))
-
-    def shutdown(self) -> None:
-        with self._lock:
-            for name in list(self._subs):
-                self._stop_feed(name, wait=True)
-        self.index.close()
-
-
-def _stop_quietly(name: str, sub: Subscription) -> None:
-    try:
-        sub.stop()
-    except Exception:  # a dead socket must not break deregistration
-        log.exception("stopping the KV-event subscription of %s failed", name)
-
-
-def _serving_adapter(workers: list[WorkerState], lora_name: str | None
-                     ) -> list[WorkerState]:
-    """The workers that have LoRA adapter `lora_name` loaded (per their description); all
-    of `workers` when none has (they answer for themselves: a 404)."""
-    if lora_name is None:
-        return workers
-    holders = [w for w in workers
-               if w.description is not None and lora_name in w.description.lora_adapters]
-    return holders or workers
-
-
-def _prefix_key(hashes: list[int], token_ids: Sequence[int]) -> int:
-    """What identifies the prompt's prefix for rendezvous tie-breaks."""
-    if hashes:
-        return hashes[0]
-    digest = hashlib.blake2b(repr(list(token_ids[:64])).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def _missing_connector(w: WorkerState) -> str | None:
-    """The `no_kv_connector` detail of a P/D worker whose connector cannot serve its role."""
-    need = {"prefill": (KV_HOLDS, "holds blocks for a decode worker: no prefill leg goes to it"),
-            "decode": (KV_LOADS, "loads blocks from a prefill worker: it prefills every request "
-                              "itself")}.get(w.role)
-    if need is None or w.kv_role in need[0]:
-        return None
-    has = "no KV connector" if w.kv_role is None else f"a {w.kv_role} KV connector"
-    return f"{w.role} worker with {has}; it needs one that {need[1]}"
-
-
-def _no_source_detail(desc: WorkerDescription | None) -> str:
-    """The `no_event_source` detail: no endpoint at all, or one hidden from this router."""
-    if desc is not None and desc.api_key_required and not desc.api_key_accepted:
-        return ("it hides its KV-event endpoint from this router: it requires an API key "
-                "and did not accept the router's (--worker-api-key)")
-    return "it advertises no KV-event endpoint"
-
-
-def _capacity(desc: WorkerDescription | None) -> int | None:
-    """The worker's usable KV blocks (None: not known)."""
-    return desc.kv_capacity_blocks if desc is not None else None

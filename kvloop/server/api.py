@@ -104,6 +104,7 @@ from kvloop.server.serving import (
     create_completion,
     create_generate,
 )
+from kvloop.server.tracing import TraceMiddleware
 from kvloop.version import __version__
 from kvloop.wire import (
     TOKENIZER_FILES_PATH,
@@ -302,6 +303,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     if ctx.config.batch is not None:   # the Batch API (kvloop/batch): its lines run here
         batch.append(BatchService(ctx.config.batch, InProcessSender(app, lambda owner: {})))
         app.router.routes.extend(batch[0].routes())
+    tracer = getattr(ctx.client, "tracer", None)
+    if tracer is not None:   # outermost: its span covers the whole request
+        app.add_middleware(TraceMiddleware, tracer=tracer)
     return app
 
 

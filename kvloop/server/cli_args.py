@@ -69,6 +69,7 @@ from kvloop.server.generation_config import AUTO, VLLM, DefaultSampling, default
 from kvloop.server.lora import add_lora_args, lora_config, lora_serve
 from kvloop.server.responses_store import add_store_args, store_config
 from kvloop.sim.byte_vocab import BYTE_VOCAB
+from kvloop.tracing import add_tracing_args, tracing_config
 from kvloop.trust import add_fleet_secret_arg, fleet_secret_from_args
 from kvloop.wire import EngineStartConfig
 
@@ -121,6 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_security_args(p)
     add_store_args(p)
     add_lora_args(p)
+    add_tracing_args(p)
     p.set_defaults(func=run_serve)
 
 
@@ -525,7 +527,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                               trace_file=args.trace_file, kv_events=kv_events,
                               epoch=uuid.uuid4().hex, log_level=args.log_level.upper(),
                               shutdown_timeout_s=args.shutdown_timeout,
-                              fleet_secret=None if secret is None else secret.to_text())
+                              fleet_secret=None if secret is None else secret.to_text(),
+                              tracing=tracing_config(args))
     model_path = sim.source if sim is not None else (model or None)
     defaults = generation_defaults(args, model, sim)
     serve = ServeConfig(served_model_names=names, model_path=model_path, host=args.host,

@@ -45,6 +45,8 @@ import zmq.asyncio
 
 from kvloop.front.launcher import stop_processes
 from kvloop.server.metrics import RequestTimes, ServerMetrics
+from kvloop.server.tracing import end_llm_request, start_llm_request
+from kvloop.tracing import Span, make_tracer
 from kvloop.wire import (
     ENGINE_CORE_DEAD,
     WIRE_VERSION,
@@ -99,6 +101,7 @@ class _Tracked:
     times: RequestTimes
     scheduled: bool = False
     engine_finished: bool = False
+    span: Span | None = None    # its `llm_request` span (--otlp-traces-endpoint)
 
 
 class EngineClient:
@@ -126,6 +129,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.metrics: ServerMetrics | None = None
+        self.tracer = make_tracer(start_config.tracing, "kvloop-api-server")
         self.ready: EngineReady | None = None
         self.dead = False
         self.faults: list[str] = []  # the engine's internal threads that died (EngineCoreOutputs)
@@ -205,6 +209,10 @@ class EngineClient:
                              num_prompt_tokens=len(request.prompt_token_ids),
                              max_tokens=request.sampling_params.max_tokens)
         self._requests[rid] = _Tracked(queue, times)
+        if self.tracer is not None:
+            span = self._requests[rid].span = start_llm_request(self.tracer, request,
+                                                                 times.arrival)
+            request.trace_headers = span.headers
         self._num_unscheduled += 1
         self._send([self._identity, RequestType.ADD, msgspec.msgpack.encode(request)])
 
@@ -222,6 +230,8 @@ class EngineClient:
                         msgspec.msgpack.encode([request_id])])
         if self.metrics is not None:
             self.metrics.observe_finished(t.times, reason, time.monotonic())
+        if t.span is not None:
+            end_llm_request(t.span, t.times, reason, time.monotonic())
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -389,6 +399,8 @@ class EngineClient:
             await asyncio.get_running_loop().run_in_executor(None, functools.partial(
                 stop_processes, [("engine core", proc)], timeout_s / 2, steps=ENGINE_STOP_STEPS))
             logger.info("engine core process exited with code %s", proc.returncode)
+        if self.tracer is not None:
+            self.tracer.shutdown()
         self._router.close()
         self._pull.close()
         self._ctx.term()

@@ -118,11 +118,13 @@ class ServerMetrics:
         self.waiting = self._gauge("vllm:num_requests_waiting",
                                    "Number of requests waiting to be processed.",
                                    names).labels(**lab)
-        by_reason = self._gauge("vllm:num_requests_waiting_by_reason",
-                                "Number of requests waiting, by reason.", names + ["reason"])
-        self.waiting_capacity = by_reason.labels(**lab, reason="capacity")
-        self.waiting_deferred = by_reason.labels(**lab, reason="deferred")
-        self.waiting_deferred.set(0)
+        # labels: capacity, deferred (vLLM's) and each of the engine's waiting reasons
+        self.waiting_by_reason = self._gauge(
+            "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason "
+            "(capacity: for room; deferred: held by any other reason, which the other "
+            "labels name).", names + ["reason"])
+        for reason in ("capacity", "deferred"):
+            self.waiting_by_reason.labels(**lab, reason=reason).set(0)
         sleep = self._gauge("vllm:engine_sleep_state", "Engine sleep state (1 = current).",
                             names + ["sleep_state"])
         for state in ("awake", "weights_offloaded", "discard_all"):
@@ -238,7 +240,8 @@ class ServerMetrics:
         """One engine step's gauges and prefix-cache counters (preempted lookups excluded)."""
         self.running.set(stats.num_running_reqs)
         self.waiting.set(stats.num_waiting_reqs)
-        self.waiting_capacity.set(stats.num_waiting_reqs)
+        for reason, n in (stats.num_waiting_by_reason or {}).items():
+            self.waiting_by_reason.labels(**self._labels, reason=reason).set(n)
         self.kv_usage.set(stats.kv_cache_usage)
         if stats.num_preemptions:
             self.preemptions.inc(stats.num_preemptions)
