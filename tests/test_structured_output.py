@@ -299,8 +299,9 @@ def tokens_of(outs) -> list[int]:
 
 
 def test_a_slow_grammar_does_not_delay_other_requests(llm):
-    """The free request gets every token while the big schema compiles: its whole run takes
-    a fraction of the compile, and no step waits for the compile."""
+    """The free request gets every token while the big schema compiles: one token a step,
+    all twelve before the compile is done (a step that waited for the compile would find it
+    done), and the slow request runs once it is."""
     engine = llm.engine
     engine.structured_output.backend  # noqa: B018  (built: its import is not the compile)
     slow = engine.make_request("slow", [5, 6, 7], SamplingParams(
@@ -319,11 +320,7 @@ def test_a_slow_grammar_does_not_delay_other_requests(llm):
         if any(o.request_id == "free" and o.finished for o in res.outputs):
             free_done = time.perf_counter() - t0
     assert slow.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-    while not slow.structured_output_request.poll():
-        engine.step()
-    compile_s = time.perf_counter() - t0
-    assert free_done < compile_s / 4, (free_done, compile_s)
-    assert max(steps) < compile_s / 4, (max(steps), compile_s)
+    assert len(steps) == 12                             # a token in every step
     outputs, _ = run_to_end(engine)
     assert slow.status == RequestStatus.FINISHED_LENGTH_CAPPED and not outputs["slow"][-1].error
     assert engine.block_pool.get_num_free_blocks() == engine.block_pool.num_usable_blocks
