@@ -24,11 +24,12 @@ text or token ids.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 TRACE_HEADERS = ("traceparent", "tracestate")
 MAX_TRACE_HEADER_LEN = 512      # W3C: traceparent is 55 chars; tracestate at most 512
@@ -200,6 +201,54 @@ class Tracer:
 
     def shutdown(self) -> None:
         self._provider.shutdown()
+
+
+S = TypeVar("S")   # a front's per-request trace state
+
+
+class PostSpanMiddleware(Generic[S]):
+    """ASGI middleware: a SERVER span named `{name} POST {path}` around every POST,
+    continuing the request's `traceparent`, its status code set when the answer starts. A
+    front subclasses it with `name`, `current` (the context variable its hooks read) and
+    `opened(span, start_ns)` / `closed(state)` (the per-request state kept there while the
+    request runs, and how it ends)."""
+
+    name = ""
+    current: contextvars.ContextVar[S | None]
+
+    def __init__(self, app: Any, tracer: Tracer):
+        self.app = app
+        self.tracer = tracer
+
+    def opened(self, span: Span, start_ns: int) -> S:
+        raise NotImplementedError
+
+    def closed(self, state: S) -> None:
+        raise NotImplementedError
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers", ())}
+        start_ns = time.time_ns()
+        span = self.tracer.start(f"{self.name} POST {scope['path']}", trace_headers(headers),
+                                 {"http.request.method": "POST", "url.path": scope["path"]},
+                                 start_ns, kind="SERVER")
+        state = self.opened(span, start_ns)
+        token = self.current.set(state)
+
+        async def traced_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                span.set({"http.response.status_code": message["status"]})
+            await send(message)
+
+        try:
+            await self.app(scope, receive, traced_send)
+        finally:
+            self.current.reset(token)
+            self.closed(state)
 
 
 def make_tracer(config: TracingConfig | None, service_name: str) -> Tracer | None:

@@ -21,7 +21,14 @@ from typing import Any
 
 from kvloop.router.flow import FlowKey, Permit
 from kvloop.router.router import PDRouted, Routed
-from kvloop.tracing import Span, Tracer, TracingConfig, epoch_ns, make_tracer, trace_headers
+from kvloop.tracing import (
+    PostSpanMiddleware,
+    Span,
+    Tracer,
+    TracingConfig,
+    epoch_ns,
+    make_tracer,
+)
 
 
 class RequestTrace:
@@ -43,35 +50,17 @@ CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
     "kvloop_router_trace", default=None)
 
 
-class TraceMiddleware:
+class TraceMiddleware(PostSpanMiddleware[RequestTrace]):
     """Opens a `RequestTrace` around every POST (module docstring)."""
 
-    def __init__(self, app: Any, tracer: Tracer):
-        self.app = app
-        self.tracer = tracer
+    name = "router"
+    current = CURRENT
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", ())}
-        root = self.tracer.start(f"router POST {scope['path']}", trace_headers(headers),
-                                 {"http.request.method": "POST", "url.path": scope["path"]},
-                                 kind="SERVER")
-        trace = RequestTrace(self.tracer, root)
-        token = CURRENT.set(trace)
+    def opened(self, span: Span, start_ns: int) -> RequestTrace:
+        return RequestTrace(self.tracer, span)
 
-        async def traced_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                root.set({"http.response.status_code": message["status"]})
-            await send(message)
-
-        try:
-            await self.app(scope, receive, traced_send)
-        finally:
-            CURRENT.reset(token)
-            trace.end()
+    def closed(self, state: RequestTrace) -> None:
+        state.end()
 
 
 def install_tracing(app: Any, config: TracingConfig) -> Tracer | None:

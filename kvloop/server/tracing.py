@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloop.server.metrics import RequestTimes
-from kvloop.tracing import Attr, Span, Tracer, epoch_ns, trace_headers
+from kvloop.tracing import Attr, PostSpanMiddleware, Span, Tracer, epoch_ns
 from kvloop.wire import EngineCoreRequest
 
 
@@ -36,35 +36,17 @@ CURRENT: contextvars.ContextVar[HttpTrace | None] = contextvars.ContextVar(
     "kvloop_http_trace", default=None)
 
 
-class TraceMiddleware:
+class TraceMiddleware(PostSpanMiddleware[HttpTrace]):
     """An HTTP SERVER span around every POST (module docstring)."""
 
-    def __init__(self, app: Any, tracer: Tracer):
-        self.app = app
-        self.tracer = tracer
+    name = "api_server"
+    current = CURRENT
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", ())}
-        start_ns = time.time_ns()
-        span = self.tracer.start(f"api_server POST {scope['path']}", trace_headers(headers),
-                                 {"http.request.method": "POST", "url.path": scope["path"]},
-                                 start_ns, kind="SERVER")
-        token = CURRENT.set(HttpTrace(span, start_ns))
+    def opened(self, span: Span, start_ns: int) -> HttpTrace:
+        return HttpTrace(span, start_ns)
 
-        async def traced_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                span.set({"http.response.status_code": message["status"]})
-            await send(message)
-
-        try:
-            await self.app(scope, receive, traced_send)
-        finally:
-            CURRENT.reset(token)
-            span.end()
+    def closed(self, state: HttpTrace) -> None:
+        state.span.end()
 
 
 def start_llm_request(tracer: Tracer, request: EngineCoreRequest, arrival: float) -> Span:
