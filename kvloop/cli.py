@@ -23,10 +23,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
     with open(args.trace, encoding="utf-8") as f:
         trace = json.load(f)
-    text = dump_steplog(replay(trace))
+    steps = replay(trace)
+    text = dump_steplog(steps)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
+        print(f"kvloop replay: {len(steps['steps'])} steps of {args.trace} written to "
+              f"{args.out}",
+              file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

@@ -525,6 +525,9 @@ class OffloadingConnector:
                     headers[header.block_hash] = header
             self._mark_below(list(headers), [])
             self._emit(tier, stored=_parents_first(headers), removed=[])
+            if headers:   # a restart that found its blocks says so (start-up's one line)
+                logger.info("KV tier %s: %d blocks found from before, announced", tier.name,
+                            len(headers))
 
 
     def _read_header(self, tier: Tier, key: str) -> TierBlockHeader | None:

@@ -94,7 +94,7 @@ class Discovery:
         if ann.withdrawn:
             if self.last_heard.pop(name, None) is not None and router.deregister(name):
                 self.left += 1
-                log.warning("discovery: worker %s withdrew", name)
+                log.info("discovery: worker %s withdrew", name)
             return
         self.last_heard[name] = router.clock()
         if name in self._busy:
@@ -113,7 +113,7 @@ class Discovery:
             await self.app.register(spec)
             if w is None:
                 self.joined += 1
-                log.warning("discovery: worker %s joined (role %s, model %s)", name,
+                log.info("discovery: worker %s joined (role %s, model %s)", name,
                             spec.role, ann.info.model)
         finally:
             self._busy.discard(name)

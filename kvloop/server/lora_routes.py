@@ -3,6 +3,7 @@ for the flags and the security rules these apply)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -16,6 +17,8 @@ from kvloop.server.lora import MAX_NAME_CHARS, MAX_PATH_CHARS, LoRANames, check_
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 ROUTES = frozenset({("POST", LOAD_PATH), ("POST", UNLOAD_PATH)})
+
+logger = logging.getLogger("kvloop.server")
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -98,3 +101,5 @@ async def load_startup_modules(names: LoRANames, call: EngineCall) -> None:
         path = os.path.realpath(module.path)
         await call("add_lora", module.name, path)
         names.paths[module.name] = path
+        logger.info("LoRA adapter %r loaded from %s (model=%s selects it)", module.name,
+                    path, module.name)
