@@ -70,3 +70,18 @@ def test_allowed_dirs_confine_paths_through_dots_and_symlinks(tmp_path) -> None:
                  str(tmp_path / "allowed-not")):
         assert serve.allowed_path(path) is None, path
     assert LoRAServe().allowed_path(str(allowed / "a")) is None
+
+
+@pytest.mark.slow
+def test_the_adapter_recipe_writes_a_folder_the_runner_reads(tmp_path) -> None:
+    """docs/serving.md's recipe: `python -m kvloop.bench.lora --write-adapter DIR` makes a
+    folder that passes the start-up check and the runner's reader."""
+    from kvloop.bench.lora import main
+    from kvloop.model.loader import load_model
+    from kvloop.model.lora import read_peft_adapter
+
+    assert main(["--write-adapter", str(tmp_path / "demo"), "--rank", "4"]) == 0
+    build_configs(build_parser().parse_args(
+        ["serve", "--model", "sim", "--enable-lora", "--lora-modules", f"demo={tmp_path}/demo"]))
+    adapter = read_peft_adapter("demo", str(tmp_path / "demo"), load_model(None).config, 16)
+    assert adapter.rank == 4

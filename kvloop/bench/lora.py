@@ -47,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--write-adapter", default=None, metavar="DIR",
+                   help="only write one random (untrained) PEFT adapter of --rank for --model "
+                        "into DIR and exit: a folder to try --lora-modules with")
     args = p.parse_args(argv)
     try:
         args.adapters = [int(x) for x in args.adapters.split(",")]
@@ -128,6 +131,14 @@ def _one(llm: Any, prompts: list[dict[str, Any]], sp: Any, loras: list[Any], n: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_adapter:
+        from kvloop.model.loader import load_model
+
+        folder = write_random_adapter(Path(args.write_adapter), load_model(args.model).config,
+                                      args.rank, args.seed)
+        print(f"a random rank-{args.rank} PEFT adapter in {folder}: "
+              f"kvloop serve --enable-lora --lora-modules NAME={folder}")
+        return 0
     results = run(args)
     print(f"{'adapters':>8} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'vs base':>8}")
     for r in results:
