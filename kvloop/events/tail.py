@@ -58,13 +58,15 @@ def format_event(ev: KVEvent) -> str:
 
 def format_batch(wb: WorkerBatch) -> str:
     """A batch as a header line plus one line per event."""
-    epoch = (wb.epoch or "?")[:8]
+    # the publisher's epoch once known (a heartbeat or the replay socket tells it; vLLM's
+    # publishers have none): left out until then, never a placeholder on every line
+    epoch = f" epoch={wb.epoch[:8]}" if wb.epoch else ""
     if wb.is_reset:
-        return f"-- reset ({wb.reason}): forget every block of {wb.worker_id} [epoch {epoch}]"
+        return f"-- reset ({wb.reason}): forget every block of {wb.worker_id}{epoch}"
     ts = dt.datetime.fromtimestamp(wb.batch.ts).isoformat(timespec="milliseconds")
     where = (f"snapshot through seq={wb.seq - 1}" if wb.source == "snapshot" and wb.seq
              else f"seq={wb.seq} {wb.source}")
-    head = (f"{where} epoch={epoch} ts={ts} dp={wb.batch.data_parallel_rank} "
+    head = (f"{where}{epoch} ts={ts} dp={wb.batch.data_parallel_rank} "
             f"events={len(wb.events)}")
     return "\n".join([head] + [format_event(ev) for ev in wb.events])
 
