@@ -4,6 +4,7 @@ not runtime): the layering (a whitelist per package) and no import circle anywhe
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -104,16 +105,17 @@ def _modules():
         yield name, path
 
 
-def _statements(path: Path, modname: str) -> list[tuple[str, list[str]]]:
+@functools.cache   # every test reads every module: parse each once per session
+def _statements(path: Path, modname: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(module, names) of every import statement of the module, wherever it stands (function
-    bodies and `if TYPE_CHECKING:` blocks included): `import a.b` -> ("a.b", []),
+    bodies and `if TYPE_CHECKING:` blocks included): `import a.b` -> ("a.b", ()),
     `from .x import y` -> ("<package>.x", ["y"])."""
     tree = ast.parse(path.read_text(), str(path))
-    out = []
+    out: list[tuple[str, tuple[str, ...]]] = []
     pkg = modname if path.name == "__init__.py" else modname.rsplit(".", 1)[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.extend((a.name, []) for a in node.names)
+            out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
@@ -121,8 +123,8 @@ def _statements(path: Path, modname: str) -> list[tuple[str, list[str]]]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            out.append((mod, [a.name for a in node.names]))
-    return out
+            out.append((mod, tuple(a.name for a in node.names)))
+    return tuple(out)
 
 
 def _imports(path: Path, modname: str) -> list[str]:
