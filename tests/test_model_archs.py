@@ -1,0 +1,177 @@
+"""Qwen3, Llama 3.x (llama3 RoPE), Phi-3 (fused projections, partial LongRoPE) and Qwen3-MoE
+on kvloop's engine against transformers fp32, from a Hugging Face folder and from a GGUF file
+written with llama.cpp's names for the architecture.
+
+For each: greedy tokens equal to transformers' token for token, and each token's logprob
+within 1e-4, for a request alone, in a batch, in small chunks (a 5-token budget), after a
+prefix-cache hit, and after a preemption (a pool too small for the batch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvloop.config import RunnerConfig
+from kvloop.model import load_runner
+from kvloop.model.loader import hf_config, load_model
+from tests.arch_helpers import (
+    LONGROPE_ORIGINAL,
+    MAX_TOKENS,
+    Run,
+    arch_model,
+    make_engine,
+    reference_greedy,
+    run_engine,
+    write_arch_folder,
+    write_arch_gguf,
+)
+from tests.test_model_tiny import TINY_VOCAB
+
+BS = 4
+POOL = 64
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = np.random.default_rng(7)
+    tok = lambda n: rng.integers(3, TINY_VOCAB, n).tolist()  # noqa: E731
+    a = tok(14)
+    return {"a": a, "b": a[:8] + tok(5), "c": tok(6)}       # b shares a's first 2 blocks
+
+
+def _runner(path):
+    return load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                    block_size=BS, num_threads=1,
+                                    num_gpu_blocks_override=POOL))
+
+
+def _assert_matches(run: Run, expected: dict[str, tuple[list[int], list[float]]],
+                    what: str) -> None:
+    for rid, (tokens, logprobs) in expected.items():
+        assert run.tokens[rid] == tokens, f"{what}, request {rid}"
+        got = run.logprobs[rid]
+        assert len(got) == MAX_TOKENS
+        worst = max(abs(x - y) for x, y in zip(got, logprobs, strict=True))
+        assert worst <= 1e-4, f"{what}, request {rid}: logprob off by {worst}"
+
+
+CASES = [("qwen3", "hf"), ("qwen3", "hf-old"), ("qwen3", "gguf"),
+         ("llama3", "hf"), ("llama3", "hf-old"), ("llama3", "gguf"),
+         ("phi3", "hf"), ("phi3", "hf-old"), ("phi3", "gguf"),
+         ("qwen3moe", "hf"), ("qwen3moe", "hf-old"), ("qwen3moe", "gguf")]
+
+
+@pytest.mark.parametrize("arch,source", CASES, ids=[f"{a}-{s}" for a, s in CASES])
+def test_greedy_equals_transformers_however_scheduled(tmp_path, arch, source):
+    # llama.cpp's qwen3moe has no dense layers: the GGUF model has experts in every layer
+    overrides = {"mlp_only_layers": []} if (arch, source) == ("qwen3moe", "gguf") else {}
+    hf = arch_model(arch, seed=1, **overrides)
+    if source == "gguf":
+        path = write_arch_gguf(hf, arch, tmp_path / "m.gguf")
+    else:
+        path = write_arch_folder(hf, tmp_path / "m", old_form=source == "hf-old")
+    runner = _runner(path)
+    prompts = _prompts()
+    expected = {rid: reference_greedy(hf, ids) for rid, ids in prompts.items()}
+
+    for rid, ids in prompts.items():                               # alone
+        _assert_matches(run_engine(make_engine(runner, POOL), {rid: ids}),
+                        {rid: expected[rid]}, "alone")
+    engine = make_engine(runner, POOL)
+    batched = run_engine(engine, prompts)
+    _assert_matches(batched, expected, "batched")
+    assert batched.prefix_hits["b"] == 8                         # b hit a's two blocks
+    again = run_engine(engine, {"a2": prompts["a"]})               # a's 3 full blocks cached
+    assert again.prefix_hits == {"a2": 12}
+    _assert_matches(again, {"a2": expected["a"]}, "cached")
+    chunked = run_engine(make_engine(runner, POOL, budget=5), prompts)
+    _assert_matches(chunked, expected, "chunked")
+    tiny = run_engine(make_engine(runner, 8), prompts)
+    assert tiny.preempted, "the tiny pool should have forced a preemption"
+    _assert_matches(tiny, expected, "preempted")
+
+
+def test_config_forms_agree_and_name_the_parts(tmp_path):
+    """transformers 5's config.json and the older form give the same ModelConfig; the parts
+    each family needs are read."""
+    for arch in ("qwen3", "llama3", "phi3", "qwen3moe"):
+        hf = arch_model(arch)
+        new = json.loads((write_arch_folder(hf, tmp_path / arch) / "config.json").read_text())
+        old = json.loads((write_arch_folder(hf, tmp_path / f"{arch}-old", old_form=True)
+                          / "config.json").read_text())
+        assert "rope_parameters" in new and "rope_parameters" not in old
+        assert hf_config(new) == hf_config(old), arch
+    phi = hf_config(new := json.loads((tmp_path / "phi3" / "config.json").read_text()))
+    assert (phi.architecture, phi.head_dim, phi.rotary_dim) == ("phi3", 16, 12)
+    assert phi.rope_scaling.rope_type == "longrope"
+    assert phi.rope_scaling.attention_factor == pytest.approx(
+        math.sqrt(1 + math.log(256 / LONGROPE_ORIGINAL) / math.log(LONGROPE_ORIGINAL)))
+    moe = hf_config(json.loads((tmp_path / "qwen3moe" / "config.json").read_text()))
+    assert moe.moe is not None and moe.qk_norm
+    assert (moe.moe.num_experts, moe.moe.num_experts_per_tok, moe.moe.sparse_layers,
+            moe.moe.norm_topk_prob) == (8, 2, (0, 2), True)
+    assert "num_local_experts" in json.loads(
+        (tmp_path / "qwen3moe" / "config.json").read_text())
+    llama = hf_config(json.loads((tmp_path / "llama3" / "config.json").read_text()))
+    assert (llama.rope_scaling.rope_type, llama.rope_scaling.factor,
+            llama.rope_scaling.original_max_position_embeddings) == ("llama3", 8.0, 16)
+    assert new["architectures"] == ["Phi3ForCausalLM"]
+
+
+def test_gguf_and_folder_load_the_same_weights(tmp_path):
+    """Both loaders end in the same names and values: fused and stacked tensors split,
+    llama's Q/K unpermuted, partial-RoPE rows reordered alike; GGUF's config equals the
+    folder's where GGUF carries the field."""
+    for arch in ("qwen3", "llama3", "phi3", "qwen3moe"):
+        overrides = {"mlp_only_layers": []} if arch == "qwen3moe" else {}
+        hf = arch_model(arch, seed=2, **overrides)
+        folder = load_model(str(write_arch_folder(hf, tmp_path / arch)))
+        gguf = load_model(str(write_arch_gguf(hf, arch, tmp_path / f"{arch}.gguf")))
+        assert gguf.config.architecture == folder.config.architecture
+        assert (gguf.config.head_dim, gguf.config.rotary_dims, gguf.config.moe) == (
+            folder.config.head_dim, folder.config.rotary_dims, folder.config.moe)
+        names = set(folder.weights) - {"lm_head.weight"}
+        assert names <= set(gguf.weights), sorted(names - set(gguf.weights))
+        for name in names:
+            assert torch.equal(gguf.weights[name], folder.weights[name]), (arch, name)
+
+
+def test_longrope_tables_switch_to_long_factors_at_the_original_context():
+    """Positions below `original_max_position_embeddings` turn by the short factors, from
+    there on by the long ones (transformers' frequencies for a sequence that long), cos and
+    sin times the attention factor; the unturned quarter of each head stays cos 1, sin 0."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvloop.model.llama import Rotary
+
+    hf = arch_model("phi3")
+    config = hf_config(hf.config.to_dict() | {"architectures": ["Phi3ForCausalLM"]})
+    rotary = Rotary(config, 128, torch.device("cpu"))
+    init = ROPE_INIT_FUNCTIONS["longrope"]
+    short, factor = init(hf.config, torch.device("cpu"))
+    long, _ = init(hf.config, torch.device("cpu"), seq_len=LONGROPE_ORIGINAL + 1)
+    assert factor == pytest.approx(config.rope_scaling.attention_factor)
+    for pos, inv_freq in ((5, short), (LONGROPE_ORIGINAL - 1, short),
+                          (LONGROPE_ORIGINAL, long), (100, long)):
+        angles = pos * inv_freq
+        torch.testing.assert_close(rotary.cos[pos, :6], angles.cos() * factor)
+        torch.testing.assert_close(rotary.sin[pos, :6], angles.sin() * factor)
+        assert rotary.cos[pos, 6:].eq(1).all() and rotary.sin[pos, 6:].eq(0).all()
+
+
+def test_unsupported_architectures_fail_before_loading_with_the_list(tmp_path):
+    from kvloop.model.loader import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+
+    folder = write_arch_folder(arch_model("qwen3"), tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").write_bytes(b"not read")    # loading would fail on this
+    with pytest.raises(ValueError, match="unsupported model") as err:
+        load_model(str(folder))
+    for name in [*HF_ARCHITECTURES, *GGUF_ARCHITECTURES]:
+        assert name in str(err.value)
