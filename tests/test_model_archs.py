@@ -19,6 +19,7 @@ import torch
 from kvloop.config import RunnerConfig
 from kvloop.model import load_runner
 from kvloop.model.loader import hf_config, load_model
+from kvloop.model.quant import low_bit_supported
 from tests.arch_helpers import (
     LONGROPE_ORIGINAL,
     MAX_TOKENS,
@@ -175,3 +176,71 @@ def test_unsupported_architectures_fail_before_loading_with_the_list(tmp_path):
         load_model(str(folder))
     for name in [*HF_ARCHITECTURES, *GGUF_ARCHITECTURES]:
         assert name in str(err.value)
+
+
+def test_the_memory_plan_counts_every_expert(tmp_path):
+    """The KV budget is what is left beside the weights: a mixture of experts' weights are
+    counted whole (every expert of every sparse layer), from either file."""
+    from kvloop.model.setup import model_weight_bytes
+
+    hf = arch_model("qwen3moe", mlp_only_layers=[])
+    params = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    assert experts > params // 2                     # the experts are most of the model
+    for path in (write_arch_folder(hf, tmp_path / "m"),
+                 write_arch_gguf(hf, "qwen3moe", tmp_path / "m.gguf")):
+        loaded = load_model(str(path))
+        assert model_weight_bytes(loaded.weights, torch.float32) == 4 * params
+        assert model_weight_bytes(loaded.weights, torch.bfloat16) == 2 * params
+
+
+@pytest.mark.skipif(not low_bit_supported(torch.device("cpu")), reason="no low-bit path here")
+def test_4bit_experts_run_on_the_low_bit_path(tmp_path):
+    """A Qwen3-MoE GGUF with Q4_0 experts (llama.cpp's stacked ffn_*_exps): every expert
+    keeps its own rows of the blocks as a 4-bit weight equal to its dequantized dense copy,
+    and a step on the low-bit path gives the dense path's greedy tokens."""
+    from kvloop.model.llama import MLP, SparseMoE
+    from kvloop.model.quant import Int4Weight, LowBitPolicy
+
+    hf = arch_model("qwen3moe", seed=4, mlp_only_layers=[])
+    path = write_arch_gguf(hf, "qwen3moe", tmp_path / "q4.gguf", quant="Q4_0")
+    runner = load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                      block_size=BS, num_threads=1,
+                                      num_gpu_blocks_override=POOL, low_bit_max_tokens=0))
+    model = runner.model
+    for layer in model.layers:
+        moe = layer.mlp
+        assert isinstance(moe, SparseMoE) and len(moe.experts) == 8
+        for expert in moe.experts:
+            assert isinstance(expert, MLP)
+            for linear in (expert.gate_up_proj, expert.down_proj):
+                assert isinstance(linear.low_bit, Int4Weight)
+                dense = linear.forward(torch.eye(linear.low_bit.in_features)).t()
+                torch.testing.assert_close(linear.low_bit.dequantize(), dense,
+                                           rtol=1e-2, atol=2e-3)
+    assert model.fused_decode is None                 # the fused stack has no experts
+    prompts = _prompts()
+    dense = run_engine(make_engine(runner, POOL), prompts)
+    rows: list[int] = []
+    for layer in model.layers:                 # count the rows the experts' 4-bit matmuls see
+        for expert in layer.mlp.experts:
+            weight = expert.gate_up_proj.low_bit
+            weight.matmul = _counting(weight.matmul, rows)
+    model.low_bit = LowBitPolicy(1000, 0)
+    low = run_engine(make_engine(runner, POOL), prompts)
+    # every token computed (b's 8 cached ones aside) went through 2 experts in each of the
+    # 3 layers
+    assert low.prefix_hits["b"] == 8
+    tokens = sum(len(ids) + MAX_TOKENS - 1 for ids in prompts.values()) - 8
+    assert sum(rows) == tokens * 2 * len(model.layers) and len(model.layers) == 3
+    for rid in prompts:
+        assert low.tokens[rid][:2] == dense.tokens[rid][:2], rid
+        assert max(abs(a - b) for a, b in zip(low.logprobs[rid][:2], dense.logprobs[rid][:2],
+                                              strict=True)) < 0.1
+
+
+def _counting(matmul, rows: list[int]):
+    def run(x):
+        rows.append(x.shape[0])
+        return matmul(x)
+    return run
