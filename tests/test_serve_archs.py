@@ -1,0 +1,47 @@
+"""`kvloop serve DIR` on a tiny Qwen3 folder and a tiny Qwen3-MoE folder: a completion
+equals transformers' greedy tokens, and /metrics exposes the same `vllm:` families for the
+mixture of experts as for the dense model (experts add no metric and change none)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.arch_helpers import arch_model, reference_greedy, write_arch_folder
+from tests.test_model_tiny import TINY_VOCAB
+
+from .conftest import serving
+
+pytestmark = pytest.mark.processes
+
+
+def _serve_and_complete(tmp_path_factory: pytest.TempPathFactory, arch: str
+                        ) -> set[str]:
+    """Serve a tiny `arch` folder, check one greedy completion; -> its vllm: families."""
+    hf = arch_model(arch, seed=9)
+    folder = write_arch_folder(hf, tmp_path_factory.mktemp(arch) / arch)
+    prompt = np.random.default_rng(3).integers(3, TINY_VOCAB, 9).tolist()
+    expected, _ = reference_greedy(hf, prompt, 5)
+    with serving(tmp_path_factory, f"serve_{arch}", [
+            "--model", str(folder), "--dtype", "float32", "--device", "cpu",
+            "--num-threads", "1", "--block-size", "4", "--num-gpu-blocks-override", "64"],
+            timeout_s=120) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "model": arch, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] == expected
+        assert choice["finish_reason"] == "length"
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    return set(re.findall(r"^# TYPE (vllm:\w+)", metrics, flags=re.MULTILINE))
+
+
+def test_serve_answers_for_qwen3_and_qwen3_moe_with_the_same_metrics(tmp_path_factory):
+    dense = _serve_and_complete(tmp_path_factory, "qwen3")
+    moe = _serve_and_complete(tmp_path_factory, "qwen3moe")
+    assert "vllm:generation_tokens" in dense or "vllm:generation_tokens_total" in dense, dense
+    assert len(dense) > 10 and moe == dense
