@@ -165,17 +165,32 @@ def test_longrope_tables_switch_to_long_factors_at_the_original_context():
 
 
 def test_unsupported_architectures_fail_before_loading_with_the_list(tmp_path):
-    from kvloop.model.loader import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+    """A folder or GGUF of another architecture: `kvloop serve`'s start-up check and the
+    loader both refuse it with the supported list, before any weight is read."""
+    import gguf
+
+    from kvloop.locate import GGUF_ARCHITECTURES, HF_ARCHITECTURES
+    from kvloop.server.cli_args import check_architecture
 
     folder = write_arch_folder(arch_model("qwen3"), tmp_path / "m")
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "model.safetensors").write_bytes(b"not read")    # loading would fail on this
-    with pytest.raises(ValueError, match="unsupported model") as err:
-        load_model(str(folder))
-    for name in [*HF_ARCHITECTURES, *GGUF_ARCHITECTURES]:
-        assert name in str(err.value)
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path, what in ((folder, "unsupported model"),
+                       (tmp_path / "x.gguf", "unsupported GGUF architecture 'gpt2'")):
+        for refuse in (check_architecture, load_model):
+            with pytest.raises(ValueError, match=what) as err:
+                refuse(str(path))
+            for name in [*HF_ARCHITECTURES, *GGUF_ARCHITECTURES]:
+                assert name in str(err.value)
+    check_architecture(str(write_arch_gguf(arch_model("phi3"), "phi3", tmp_path / "p.gguf")))
 
 
 def test_the_memory_plan_counts_every_expert(tmp_path):
@@ -244,3 +259,14 @@ def _counting(matmul, rows: list[int]):
         rows.append(x.shape[0])
         return matmul(x)
     return run
+
+
+def test_lora_is_refused_where_adapters_would_not_fit(tmp_path):
+    """A mixture of experts has no dense MLP for an adapter, a partial-RoPE model reorders
+    its Q/K rows: `--enable-lora` stops the start with the reason."""
+    from kvloop.config import LoRAConfig
+
+    for arch, reason in (("qwen3moe", "mixture-of-experts"), ("phi3", "partial-RoPE")):
+        runner = _runner(write_arch_folder(arch_model(arch), tmp_path / arch))
+        with pytest.raises(ValueError, match=reason):
+            runner.enable_lora(LoRAConfig(1, 8))

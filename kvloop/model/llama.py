@@ -408,6 +408,9 @@ class LlamaModel(nn.Module):
         (in `precision.activations`) -> the slots' owner."""
         if self.config.moe is not None:
             raise ValueError("LoRA adapters are not supported on a mixture-of-experts model")
+        if self.config.rotary_dims != self.config.head_dim:
+            raise ValueError("LoRA adapters are not supported on a partial-RoPE model (its Q "
+                             "and K rows are reordered at load)")
         layers: list[dict[str, LinearLoRA]] = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
             attn, mlp = layer.self_attn, cast(MLP, layer.mlp)

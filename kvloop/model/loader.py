@@ -28,26 +28,21 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
+from kvloop.locate import (
+    GGUF_ARCHITECTURES,
+    ModelNotFoundError,
+    find_model_path,
+    gguf_family,
+    hf_family,
+    model_name_for,
+)
 from kvloop.model.gguf import RawTensor
 
 T = TypeVar("T", torch.Tensor, RawTensor)
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                    "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3"}
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                   "qwen3_moe": "qwen3moe", "phi3": "phi3"}
 _GGUF_PERMUTED_QK = ("llama", "mistral")
 _QK_NORM = ("qwen3", "qwen3moe")          # RMSNorm over each head's Q and K before RoPE
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-
-
-def supported_architectures() -> str:
-    """What an unsupported-architecture error lists (config.json names, then GGUF names)."""
-    return (f"Hugging Face {', '.join(HF_ARCHITECTURES)}; "
-            f"GGUF {', '.join(GGUF_ARCHITECTURES)}")
 
 
 @dataclass(frozen=True)
@@ -229,10 +224,7 @@ def load_gguf(path: str
 
 
 def gguf_config(f: Any) -> ModelConfig:
-    arch = f.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; "
-                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    arch = gguf_family(f.architecture)
     heads = int(f.arch_value("attention.head_count"))
     hidden = int(f.arch_value("embedding_length"))
     rope_dims = f.arch_value("rope.dimension_count")
@@ -343,7 +335,7 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """config.json -> ModelConfig: transformers 5's form (`rope_parameters` holding
     rope_theta, the scaling and partial_rotary_factor; `num_local_experts`) and the older one
     (`rope_scaling`, `rope_theta`, `num_experts` at the top)."""
-    arch = _hf_architecture(cfg)
+    arch = hf_family(cfg)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -387,17 +379,6 @@ def _hf_context_length(cfg: dict[str, Any]) -> int:
     if window and cfg.get("use_sliding_window", True):
         length = min(length, int(window))
     return length
-
-
-def _hf_architecture(cfg: dict[str, Any]) -> str:
-    for name in cfg.get("architectures") or []:
-        if name in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[name]
-    model_type = cfg.get("model_type")
-    if model_type in _HF_MODEL_TYPES:
-        return _HF_MODEL_TYPES[str(model_type)]
-    raise ValueError(f"unsupported model: architectures={cfg.get('architectures')}, "
-                     f"model_type={model_type!r}; supported: {supported_architectures()}")
 
 
 def _hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
