@@ -169,6 +169,7 @@ def _write_hparams(w, cfg, arch: str) -> None:
         w.add_value_length(head_dim)
     if arch == "phi3":
         _write_longrope(w, cfg, head_dim)
+        w.add_sliding_window(cfg.sliding_window or 0)
     if arch == "qwen3moe":
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -270,3 +270,32 @@ def test_lora_is_refused_where_adapters_would_not_fit(tmp_path):
         runner = _runner(write_arch_folder(arch_model(arch), tmp_path / arch))
         with pytest.raises(ValueError, match=reason):
             runner.enable_lora(LoRAConfig(1, 8))
+
+
+def test_a_gguf_sliding_window_caps_the_context_as_the_folder_does(tmp_path):
+    """Phi-3-mini-4k's window (2047 there): no sliding window runs, so the context stops
+    at it, from a GGUF (llama.cpp's `phi3.attention.sliding_window`, 0 for none) as from
+    config.json."""
+    for window, context in ((40, 40), (None, 256)):
+        hf = arch_model("phi3", sliding_window=window)
+        for path in (write_arch_folder(hf, tmp_path / f"m{window}"),
+                     write_arch_gguf(hf, "phi3", tmp_path / f"m{window}.gguf")):
+            assert load_model(str(path)).config.max_position_embeddings == context, path
+
+
+def test_the_offline_benchmark_runs_on_a_tiny_moe_folder(tmp_path):
+    """`python -m kvloop.bench.offline --model DIR` on a tiny Qwen3-MoE folder: both sides
+    (transformers' own Qwen3MoeForCausalLM of the folder) give every figure."""
+    from kvloop.bench.offline import main
+
+    folder = write_arch_folder(arch_model("qwen3moe", max_position_embeddings=512),
+                               tmp_path / "moe")
+    out = tmp_path / "figures.json"
+    main(["--model", str(folder), "--dtype", "float32", "--threads", "1", "--repeats", "1",
+          "--prefill-len", "32", "--decode-tokens", "4", "--num-requests", "2",
+          "--input-len", "8", "--output-len", "4", "--kv-cache-memory", str(1 << 22),
+          "--json-out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["setup"]["model"] == "moe"
+    for side in ("kvloop", "hf"):
+        assert all(doc[side][k] > 0 for k in ("prefill", "decode", "throughput")), doc

@@ -244,11 +244,19 @@ def gguf_config(f: Any) -> ModelConfig:
         rms_norm_eps=float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(f.arch_value("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(f),
-        max_position_embeddings=int(f.arch_value("context_length", 4096)),
+        max_position_embeddings=_gguf_context_length(f),
         tie_word_embeddings="output.weight" not in f.tensor_names(),
         attention_bias=any(n.endswith("attn_q.bias") for n in f.tensor_names()),
         rotary_dim=int(rope_dims) if partial and rope_dims else None,
         moe=_gguf_moe(f))
+
+
+def _gguf_context_length(f: Any) -> int:
+    """context_length, capped by a sliding window as `_hf_context_length` caps it (llama.cpp
+    writes phi3's; 0 there means none)."""
+    length = int(f.arch_value("context_length", 4096))
+    window = f.arch_value("attention.sliding_window")
+    return min(length, int(window)) if window else length
 
 
 def _gguf_moe(f: Any) -> MoEConfig | None:
