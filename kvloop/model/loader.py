@@ -436,22 +436,29 @@ def to_kvloop_layout(config: ModelConfig, tensors: dict[str, T]) -> dict[str, T]
 
 
 def _split_fused(config: ModelConfig, name: str, tensor: T) -> dict[str, T]:
+    """One parameter -> its parts under their own names (itself when it is not fused)."""
     d = config.head_dim
-    prefix, _, local = name.rpartition("self_attn.qkv_proj.")
-    if _:
+    if (qkv := _split_name(name, "self_attn.qkv_proj.")) is not None:
+        prefix, local = qkv
         sizes = [config.num_attention_heads * d, config.num_key_value_heads * d,
                  config.num_key_value_heads * d]
         return _split_rows(tensor, sizes, [f"{prefix}self_attn.{p}.{local}"
                                            for p in ("q_proj", "k_proj", "v_proj")])
-    prefix, _, local = name.rpartition("mlp.gate_up_proj.")
-    if _:
+    if (gate_up := _split_name(name, "mlp.gate_up_proj.")) is not None:
+        prefix, local = gate_up
         half = _num_rows(tensor) // 2
         return _split_rows(tensor, [half, half], [f"{prefix}mlp.{p}.{local}"
                                                   for p in ("gate_proj", "up_proj")])
-    prefix, _, part = name.rpartition("mlp.experts.")
-    if _ and part in _STACKED_EXPERTS:
-        return _split_experts(config, prefix + "mlp.experts.", part, tensor)
+    experts = _split_name(name, "mlp.experts.")
+    if experts is not None and experts[1] in _STACKED_EXPERTS:
+        return _split_experts(config, experts[0] + "mlp.experts.", experts[1], tensor)
     return {name: tensor}
+
+
+def _split_name(name: str, marker: str) -> tuple[str, str] | None:
+    """(what comes before `marker`, what comes after) when `name` holds it."""
+    before, found, after = name.rpartition(marker)
+    return (before, after) if found else None
 
 
 # stacked experts [experts, out, in] -> the per-expert parts each holds (in row order)
