@@ -254,6 +254,27 @@ def test_4bit_experts_run_on_the_low_bit_path(tmp_path):
                                               strict=True)) < 0.1
 
 
+
+@pytest.mark.skipif(not low_bit_supported(torch.device("cpu")), reason="no low-bit path here")
+@pytest.mark.parametrize("arch", ["phi3", "qwen3"])
+def test_4bit_fused_and_reordered_rows_stay_aligned(tmp_path, arch):
+    """Phi-3's fused attn_qkv / ffn_up split, and its partial-RoPE Q/K reordering, applied
+    to a Q4_0 GGUF's blocks as to the dequantized copy: each linear layer's 4-bit weight
+    holds the dense weight's rows in the same order."""
+    from kvloop.model.quant import Int4Weight
+
+    path = write_arch_gguf(arch_model(arch, seed=6), arch, tmp_path / "q4.gguf", quant="Q4_0")
+    runner = load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                      block_size=BS, num_threads=1,
+                                      num_gpu_blocks_override=POOL, low_bit_max_tokens=0))
+    linears = [m for m in runner.model.linears() if m is not runner.model.lm_head]
+    assert len(linears) == 4 * len(runner.model.layers)
+    for linear in linears:
+        assert isinstance(linear.low_bit, Int4Weight)
+        dense = linear.forward(torch.eye(linear.low_bit.in_features)).t()
+        torch.testing.assert_close(linear.low_bit.dequantize(), dense, rtol=1e-2, atol=2e-3)
+
+
 def _counting(matmul, rows: list[int]):
     def run(x):
         rows.append(x.shape[0])
