@@ -320,3 +320,45 @@ def test_the_offline_benchmark_runs_on_a_tiny_moe_folder(tmp_path):
     assert doc["setup"]["model"] == "moe"
     for side in ("kvloop", "hf"):
         assert all(doc[side][k] > 0 for k in ("prefill", "decode", "throughput")), doc
+
+
+def test_published_configs_parse():
+    """The fields of published config.json files (abridged: what kvloop reads) give the
+    shapes those models have."""
+    phi4_mini = {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064,
+        "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "sliding_window": 262144, "tie_word_embeddings": True, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 48,
+                         "short_factor": [1.0] * 48}}
+    phi = hf_config(phi4_mini)
+    assert (phi.head_dim, phi.rotary_dims, phi.max_position_embeddings) == (128, 96, 131072)
+    assert phi.rope_scaling.attention_factor == pytest.approx(
+        math.sqrt(1 + math.log(32) / math.log(4096)))
+    qwen3_moe = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "rope_theta": 1000000.0, "rope_scaling": None,
+        "max_position_embeddings": 40960, "sliding_window": None, "use_sliding_window": False}
+    moe = hf_config(qwen3_moe)
+    assert moe.moe is not None and moe.moe.sparse_layers == tuple(range(48))
+    assert (moe.moe.num_experts, moe.moe.num_experts_per_tok, moe.head_dim) == (128, 8, 128)
+    llama32 = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": True}
+    llama = hf_config(llama32)
+    assert (llama.rope_theta, llama.tie_word_embeddings, llama.head_dim) == (5e5, True, 64)
+    assert (llama.rope_scaling.rope_type, llama.rope_scaling.factor) == ("llama3", 32.0)
+    assert llama.rope_scaling.original_max_position_embeddings == 8192
+    with pytest.raises(ValueError, match="unsupported rope scaling 'yarn'"):
+        hf_config({**qwen3_moe, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
