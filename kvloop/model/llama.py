@@ -207,13 +207,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: fl
 
 
 class Attention(nn.Module):
-    """`qk_norm` (Qwen3): RMSNorm weights [D] for each head's Q and for each head's K, applied
-    before RoPE."""
+    """`qk_norm` (Qwen3): the RMSNorms (weights [D]) of each head's Q and of each head's K,
+    applied before RoPE."""
 
     def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear,
                  qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
-        self.qk_norm = qk_norm
+        self.q_norm: RMSNorm | None = qk_norm[0] if qk_norm is not None else None
+        self.k_norm: RMSNorm | None = qk_norm[1] if qk_norm is not None else None
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -228,7 +229,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         low_bit, lora, meta = step.low_bit, step.lora, step.meta
         qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
-        if self.qk_norm is not None:
+        if self.q_norm is not None:
             self._norm_qk(qkv.view(num_tokens, -1, self.head_dim))
         cpu_ops.rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache,
                                meta.slot_mapping, self.num_heads, self.num_kv_heads)
@@ -239,11 +240,10 @@ class Attention(nn.Module):
 
     def _norm_qk(self, rows: torch.Tensor) -> None:
         """rows [T, H + 2K, D]: each Q and K head RMS-normalized in place."""
-        assert self.qk_norm is not None
-        q_norm, k_norm = self.qk_norm
+        assert self.q_norm is not None and self.k_norm is not None
         h, k = self.num_heads, self.num_kv_heads
-        rows[:, :h] = q_norm.forward(rows[:, :h])
-        rows[:, h:h + k] = k_norm.forward(rows[:, h:h + k])
+        rows[:, :h] = self.q_norm.forward(rows[:, :h])
+        rows[:, h:h + k] = self.k_norm.forward(rows[:, h:h + k])
 
 
 class MLP(nn.Module):
@@ -458,7 +458,7 @@ class FusedDecode:
         ops = cpu_ops.load()
         if ops is None or not layers:
             return None
-        if any(not isinstance(layer.mlp, MLP) or layer.self_attn.qk_norm is not None
+        if any(not isinstance(layer.mlp, MLP) or layer.self_attn.q_norm is not None
                for layer in layers) or config.rotary_dims != config.head_dim:
             return None                     # the stack has no MoE, Q/K norm or partial RoPE
         quantized: list[torch.Tensor] = []
