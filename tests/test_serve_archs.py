@@ -1,6 +1,7 @@
 """`kvloop serve DIR` on a tiny Qwen3 folder and a tiny Qwen3-MoE folder: a completion
 equals transformers' greedy tokens, and /metrics exposes the same `vllm:` families for the
-mixture of experts as for the dense model (experts add no metric and change none)."""
+mixture of experts as for the dense model (experts add no metric and change none); behind
+the router, a Qwen3-MoE worker's reported prefix hits are the ones the router predicted."""
 
 from __future__ import annotations
 
@@ -45,3 +46,43 @@ def test_serve_answers_for_qwen3_and_qwen3_moe_with_the_same_metrics(tmp_path_fa
     moe = _serve_and_complete(tmp_path_factory, "qwen3moe")
     assert "vllm:generation_tokens" in dense or "vllm:generation_tokens_total" in dense, dense
     assert len(dense) > 10 and moe == dense
+
+
+def test_the_router_predicts_the_hits_a_qwen3_moe_worker_reports(tmp_path):
+    """A mixture of experts changes nothing the router sees: in front of a real Qwen3-MoE
+    worker, a repeated prompt's predicted cached tokens equal the worker's reported ones."""
+    from kvloop.front.prometheus_text import metric_value
+    from kvloop.router.fleet import Fleet, FleetConfig
+
+    from .conftest import RouterThread, wait_until
+    from .test_router_fleet import ADMIN_KEY, router_config
+
+    series = ("kvloop_router_predicted_hit_tokens_total",
+              "kvloop_router_actual_hit_tokens_total")
+    folder = write_arch_folder(arch_model("qwen3moe", seed=5), tmp_path / "moe")
+    fleet = Fleet(FleetConfig(1, str(folder), ("both",), (
+        "--dtype", "float32", "--device", "cpu", "--num-threads", "1", "--block-size", "4",
+        "--num-gpu-blocks-override", "64", "--admin-api-key", ADMIN_KEY),
+        start_timeout_s=120, echo_output=False))
+    fleet.start()
+    try:
+        with RouterThread(router_config(), fleet.specs()) as rt:
+            wait_until(lambda: all(w.description is not None
+                                   for w in rt.router.registry.all()), 30, "the worker")
+            prompt = np.random.default_rng(8).integers(3, TINY_VOCAB, 18).tolist()
+            hits = []
+            for _ in range(2):
+                before = httpx.get(rt.url + "/metrics", timeout=30).text
+                r = httpx.post(rt.url + "/v1/completions", json={
+                    "model": "moe", "prompt": prompt, "max_tokens": 2, "ignore_eos": True},
+                    timeout=60)
+                assert r.status_code == 200, r.text
+                cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                after = httpx.get(rt.url + "/metrics", timeout=30).text
+                predicted, actual = (metric_value(after, n) - metric_value(before, n)
+                                     for n in series)
+                assert predicted == actual == cached
+                hits.append(cached)
+            assert hits == [0, 16]               # the repeat hits its 4 full blocks of 4
+    finally:
+        fleet.stop()
