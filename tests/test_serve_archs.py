@@ -86,3 +86,22 @@ def test_the_router_predicts_the_hits_a_qwen3_moe_worker_reports(tmp_path):
             assert hits == [0, 16]               # the repeat hits its 4 full blocks of 4
     finally:
         fleet.stop()
+
+
+def test_another_architecture_is_a_one_line_start_up_error(tmp_path):
+    """`kvloop serve` on a folder of an architecture kvloop does not run: one line naming
+    what it runs, exit code 2, before the engine process starts."""
+    import json
+
+    from .test_serve_cli import run_serve
+
+    folder = write_arch_folder(arch_model("qwen3"), tmp_path / "neox")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = run_serve(str(folder), "--port", "0", "--device", "cpu")
+    lines = (r.stdout + r.stderr).splitlines()
+    assert r.returncode == 2, lines
+    assert len(lines) == 1 and " ERROR api[" in lines[0], lines
+    assert "unsupported model: architectures=['GPTNeoXForCausalLM']" in lines[0]
+    assert "Qwen3MoeForCausalLM" in lines[0] and "GGUF llama" in lines[0]
