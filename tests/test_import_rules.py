@@ -79,6 +79,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                       "jinja2", "tokenizers", "msgspec")),
     "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.pooling_params",
                        "kvloop.config", "kvloop.wire",
+                       "kvloop.locate",   # the supported architectures, checked at start
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
