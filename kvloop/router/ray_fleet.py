@@ -502,13 +502,16 @@ def run_ray_fleet(fleet: FleetConfig, router_cfg: RouterConfig, ray_cfg: RayFlee
         print(f"kvloop fleet: cannot connect to Ray at {ray_cfg.address}: "
               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
+    control = None
     try:
         control = _running_control(ray)
         if control is not None:
             return scale_running(ray, control, fleet.num_workers, ray_cfg.scale_timeout_s)
         return _serve(RayFleet(fleet, router_cfg, ray_cfg, log_level))
     finally:
-        ray.shutdown()
+        ray.shutdown()   # after it, no actor's output is relayed: "stopped" is the last line
+        if control is None:
+            print("kvloop fleet: stopped", flush=True)
 
 
 def _serve(rf: RayFleet) -> int:
@@ -533,7 +536,6 @@ def _serve(rf: RayFleet) -> int:
         rf.stop()
         for s, h in old.items():
             signal.signal(s, h)
-        print("kvloop fleet: stopped", flush=True)
     return code
 
 
