@@ -324,7 +324,7 @@ class RayFleet:
     def _add_worker(self) -> None:
         i = self._next_index
         self._next_index += 1
-        actor = self.ray.remote(WorkerHost).options(
+        actor: Any = self.ray.remote(WorkerHost).options(
             num_cpus=self.ray_cfg.worker_cpus, max_restarts=self._max_restarts(),
             max_task_retries=-1, max_concurrency=4, scheduling_strategy="SPREAD",
         ).remote(self.fleet, i, self.ray_cfg)
@@ -444,7 +444,7 @@ class RayFleet:
 # --- the command -----------------------------------------------------------------------------
 
 
-def _connect(ray: Any, address: str) -> None:
+def _connect(ray: Any, address: str | None) -> None:
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=True,
              logging_level="WARNING", configure_logging=True)
 
