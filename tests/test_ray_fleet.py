@@ -25,7 +25,8 @@ import httpx
 import pytest
 
 from kvloop.front.launcher import group_members, stop_processes
-from kvloop.router.ray_fleet import worker_host
+from kvloop.router.fleet import FleetConfig
+from kvloop.router.ray_fleet import check_supported, start_error, worker_host
 from tests.conftest import alive, held_port, lines_until, wait_until
 
 pytestmark = pytest.mark.processes
@@ -52,7 +53,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[str]:
     """A one-node Ray cluster (2 CPUs, no dashboard) in a session of its own; its address.
     Stopped by signalling that session (not `ray stop`, which would stop every Ray cluster of
@@ -151,6 +152,14 @@ def _stream(url: str, lines: list[str], out: dict) -> None:
                 out["after_drain"] += 1
 
 
+def test_a_start_failure_is_one_line():
+    text = "worker 0 did not start (exited with code 2); last output:\n    usage: ...\n" \
+           "    kvloop serve: error: unrecognized arguments: --x\n"
+    assert start_error(text) == ("worker 0 did not start (exited with code 2): kvloop serve: "
+                                 "error: unrecognized arguments: --x")
+    assert start_error("router did not start in 5 s") == "router did not start in 5 s"
+
+
 def test_worker_host_is_the_nodes_address_unless_the_fleet_keeps_to_loopback():
     assert worker_host("127.0.0.1", "10.0.0.5") == "127.0.0.1"
     assert worker_host("localhost", "10.0.0.5") == "localhost"
@@ -159,6 +168,32 @@ def test_worker_host_is_the_nodes_address_unless_the_fleet_keeps_to_loopback():
 
 
 @pytest.mark.timeout(900)
+def test_what_ray_does_not_run_yet_is_refused_in_words():
+    check_supported(FleetConfig(2))
+    with pytest.raises(ValueError, match="--prefill and --decode are not supported"):
+        check_supported(FleetConfig(0, num_prefill=1, num_decode=1))
+    with pytest.raises(ValueError, match="a running nats-server"):
+        check_supported(FleetConfig(1, nats_port=4222))
+
+
+def _host_actors() -> list[int]:
+    """This host's processes of kvloop's actors (Ray names an actor's process after it)."""
+    return [p for name in ("ray::WorkerHost", "ray::RouterHost", "kvloop.router.ray_fleet")
+            for p in _processes_mentioning(name)]
+
+
+def test_a_worker_that_cannot_start_fails_the_fleet_in_words(ray_cluster):
+    r = subprocess.run([sys.executable, "-m", "kvloop", "fleet", "--ray", ray_cluster,
+                        "--workers", "1", "--port", "0", "--", "--no-such-flag"],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("kvloop fleet: worker 0 did not start (exited with code 2): kvloop serve: error: "
+            "unrecognized arguments: --no-such-flag") in r.stderr.splitlines(), r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert r.stdout.splitlines()[-1] == "kvloop fleet: stopped"
+    wait_until(lambda: not _host_actors(), 60, "the fleet's actors and processes to end")
+
+
 def test_fleet_on_ray_restarts_a_killed_worker_and_drains_on_scale_down(ray_cluster):
     env = {**_env(), "KVLOOP_FLEET_SECRET": SECRET}
     fleet_cmd = [sys.executable, "-m", "kvloop", "fleet", "--ray", ray_cluster]

@@ -101,6 +101,16 @@ def check_supported(fleet: FleetConfig) -> None:
                          "(--event-plane nats://HOST:PORT) that every node reaches")
 
 
+def start_error(text: str) -> str:
+    """A process's start failure in one line: `UrlProcess`'s first line, without the log
+    it quotes, and that log's last line (a parser's error, a traceback's exception)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "did not start"
+    head = lines[0].removesuffix("; last output:")
+    return head if len(lines) == 1 else f"{head}: {lines[-1]}"
+
+
 def worker_host(fleet_host: str, node_ip: str) -> str:
     """Where a worker listens: its node's IP address (as Ray knows it: the router, on
     another node maybe, reaches it there), or the loopback address when the fleet's --host
@@ -129,19 +139,22 @@ class _ProcessHost:
         self._failed: str | None = None
 
     def _run(self, make: Any, timeout_s: float) -> None:
-        """Start `make()`'s process from the watching thread; return once it serves."""
+        """Start `make()`'s process from the watching thread; return once it serves or
+        failed to (`where()` then says why: a constructor that raised would fill the
+        driver's output with Ray's tracebacks)."""
         threading.Thread(target=self._watch, args=(make, timeout_s), daemon=True,
                          name=f"kvloop ray {self.name}").start()
-        if not self._ready.wait(timeout_s + 30.0) or self._failed is not None:
-            raise RuntimeError(self._failed or f"{self.name} did not start")
+        if not self._ready.wait(timeout_s + 30.0):
+            self._failed = f"{self.name} did not start in {timeout_s:g} s"
 
     def _watch(self, make: Any, timeout_s: float) -> None:
         try:
             self.proc = make()
             assert self.proc is not None
             self.proc.start(timeout_s)
-        except Exception as e:   # said by the constructor: Ray reports it, no restart
-            self._failed = str(e)
+        except Exception as e:   # said by `where()`
+            self._failed = start_error(str(e))
+            shutil.rmtree(self.dir, ignore_errors=True)
             self._ready.set()
             return
         self._ready.set()
@@ -150,13 +163,16 @@ class _ProcessHost:
             return
         print(f"kvloop fleet: {self.name} (pid {self.proc.pid}) ended, {exit_text(code)}; "
               "its actor exits for Ray to restart it", file=sys.stderr, flush=True)
+        shutil.rmtree(self.dir, ignore_errors=True)   # its log was relayed (`echo`)
         os._exit(EXIT_CODE_DIED)
 
     def where(self) -> dict[str, Any]:
-        """Its URL, its process id and the node it runs on."""
+        """Its URL, its process id and the node it runs on; or {"error": why it did not
+        start}."""
         import ray
 
-        assert self.proc is not None
+        if self._failed is not None or self.proc is None:
+            return {"error": self._failed or f"{self.name} did not start"}
         return {"url": self.proc.url, "pid": self.proc.pid,
                 "node_ip": ray.util.get_node_ip_address()}
 
@@ -209,7 +225,7 @@ class RouterHost(_ProcessHost):
         def make() -> UrlProcess:
             return UrlProcess(kvloop_command(die_with_parent=True, module=__name__),
                               self.dir / "router.log", ROUTER_URL_LINE, name=self.name,
-                              stdin=payload)
+                              stdin=payload, echo="[router] ")
 
         self._run(make, timeout_s)
 
@@ -288,6 +304,8 @@ class RayFleet:
         self.router_url = ""
         self.control: Any = None
         self._next_index = 0
+        self._wanted = fleet.num_workers
+        self.lost = 0                # workers gone for good since `_wanted` was set
         self._router_pending: Any = None
 
     # -- start ----------------------------------------------------------------------------
@@ -308,10 +326,10 @@ class RayFleet:
         for _ in range(self.fleet.num_workers):
             self._add_worker()
         deadline = time.monotonic() + self.fleet.start_timeout_s + 60.0
-        self.router_url = ray.get(self.router.where.remote(),
-                                  timeout=self._left(deadline))["url"]
+        self.router_url = _served(ray.get(self.router.where.remote(),
+                                          timeout=self._left(deadline)))["url"]
         for w in self.workers:
-            self._note(w, ray.get(w.pending, timeout=self._left(deadline)))
+            self._note(w, _served(ray.get(w.pending, timeout=self._left(deadline))))
             w.pending = None
         self._push()
         self._report()
@@ -361,14 +379,21 @@ class RayFleet:
                 continue
             ref, w.pending = w.pending, None
             try:
-                self._note(w, self.ray.get(ref))
+                self._note(w, _served(self.ray.get(ref)))
             except self.ray.exceptions.ActorUnavailableError:
                 continue   # restarting, or out of reach for a moment: asked again
             except self.ray.exceptions.RayActorError as e:
-                print(f"kvloop fleet: worker {w.index} is gone for good (its restarts are "
-                      f"spent: --max-worker-restarts {self._max_restarts()}): {e}",
-                      file=sys.stderr, flush=True)
-                self.workers.remove(w)
+                self._lose(w, f"Ray restarts it no more (--max-worker-restarts "
+                              f"{self._max_restarts()}): {_first_line(e)}")
+            except RuntimeError as e:   # restarted, it did not start
+                self._lose(w, str(e))
+
+    def _lose(self, w: _Worker, why: str) -> None:
+        print(f"kvloop fleet: worker {w.index} is gone for good: {why}", file=sys.stderr,
+              flush=True)
+        self.ray.kill(w.actor, no_restart=True)
+        self.workers.remove(w)
+        self.lost += 1
 
     def _poll_router(self) -> None:
         if self._router_pending is None:
@@ -376,18 +401,24 @@ class RayFleet:
         ready, _ = self.ray.wait([self._router_pending], timeout=0)
         if ready:
             ref, self._router_pending = self._router_pending, None
-            url = self.ray.get(ref)["url"]
+            url = _served(self.ray.get(ref))["url"]
             if url != self.router_url:
                 print(f"kvloop fleet: router restarted; "
                       f"{ROUTER_ANNOUNCEMENT.format(url=url)}", flush=True)
             self.router_url = url
 
     def _scale(self, wanted: int) -> None:
+        """Start or drain workers to reach `wanted` less those lost for good since it was
+        last set (a worker whose restarts are spent is not replaced by a new one until the
+        fleet is scaled again)."""
+        if wanted != self._wanted:
+            self._wanted, self.lost = wanted, 0
+        wanted = max(0, wanted - self.lost)
         while len(self.workers) < wanted:
             self._add_worker()
             print(f"kvloop fleet: scaling up: worker {self.workers[-1].index} starting",
                   flush=True)
-        while len(self.workers) > max(wanted, 0):
+        while len(self.workers) > wanted:
             w = self.workers.pop()
             print(f"kvloop fleet: scaling down: draining worker {w.index} ({w.url}, up to "
                   f"{self.ray_cfg.drain_timeout_s:g} s)", flush=True)
@@ -403,7 +434,7 @@ class RayFleet:
                 code = self.ray.get(w.drain)
                 how = exit_text(code) if code is not None else "killed after the drain timeout"
             except self.ray.exceptions.RayActorError as e:
-                how = f"its actor died: {e}"
+                how = f"its actor died: {_first_line(e)}"
             self.ray.kill(w.actor, no_restart=True)
             self.draining.remove(w)
             print(f"kvloop fleet: worker {w.index} drained and removed ({how})", flush=True)
@@ -439,6 +470,18 @@ class RayFleet:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)
+
+
+def _served(where: dict[str, Any]) -> dict[str, Any]:
+    """A host actor's `where()`, or RuntimeError saying why its process did not start."""
+    if "error" in where:
+        raise RuntimeError(where["error"])
+    return where
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 # --- the command -----------------------------------------------------------------------------
@@ -499,8 +542,8 @@ def run_ray_fleet(fleet: FleetConfig, router_cfg: RouterConfig, ray_cfg: RayFlee
     try:
         _connect(ray, None if ray_cfg.address == "auto" else ray_cfg.address)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        print(f"kvloop fleet: cannot connect to Ray at {ray_cfg.address}: "
-              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"kvloop fleet: cannot connect to Ray at {ray_cfg.address}: {_first_line(e)}",
+              file=sys.stderr)
         return 2
     control = None
     try:
@@ -528,7 +571,7 @@ def _serve(rf: RayFleet) -> int:
     except _Stop as e:
         print(f"kvloop fleet: {e}; stopping", flush=True)
     except (RuntimeError, rf.ray.exceptions.RayError) as e:
-        print(f"kvloop fleet: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"kvloop fleet: {_first_line(e)}", file=sys.stderr, flush=True)
         code = 1
     finally:
         for s in old:
