@@ -55,6 +55,7 @@ import yaml
 from kvloop.front.launcher import (
     ROUTER_URL_LINE,
     SERVE_URL_LINE,
+    TAIL_LINES,
     UrlProcess,
     kvloop_command,
 )
@@ -161,9 +162,11 @@ class _ProcessHost:
         code = self.proc.proc.wait() if self.proc.proc is not None else None
         if self._stopping.is_set():
             return
+        tail = "" if self.proc.echo is not None else "; its last output:\n    " + \
+            "\n    ".join(self.proc.log().splitlines()[-TAIL_LINES:])
         print(f"kvloop fleet: {self.name} (pid {self.proc.pid}) ended, {exit_text(code)}; "
-              "its actor exits for Ray to restart it", file=sys.stderr, flush=True)
-        shutil.rmtree(self.dir, ignore_errors=True)   # its log was relayed (`echo`)
+              f"its actor exits for Ray to restart it{tail}", file=sys.stderr, flush=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
         os._exit(EXIT_CODE_DIED)
 
     def where(self) -> dict[str, Any]:
@@ -212,7 +215,9 @@ class WorkerHost(_ProcessHost):
 class RouterHost(_ProcessHost):
     """The fleet's router: `kvloop router` in a child process that reads its `RouterConfig`
     (the fleet secret and keys inside) from its standard input, with `--discovery-file` set
-    to a file of this actor's that `set_workers` writes."""
+    to a file of this actor's that `set_workers` writes. Its output stays in its log (its
+    own "kvloop router on" line must not reach the driver's output before the driver's),
+    whose last lines are printed if it ends unasked."""
 
     def __init__(self, router_cfg: RouterConfig, log_level: str, timeout_s: float) -> None:
         super().__init__("router")
@@ -225,7 +230,7 @@ class RouterHost(_ProcessHost):
         def make() -> UrlProcess:
             return UrlProcess(kvloop_command(die_with_parent=True, module=__name__),
                               self.dir / "router.log", ROUTER_URL_LINE, name=self.name,
-                              stdin=payload, echo="[router] ")
+                              stdin=payload)
 
         self._run(make, timeout_s)
 
