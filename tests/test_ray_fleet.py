@@ -2,9 +2,10 @@
 with every process it started): the router and two sim workers as Ray actors; a worker
 killed with SIGKILL comes back (a new pid, restarted by Ray), the router admits it and routes
 to it, and clients lose at most the requests in flight on it; running the command again with
-fewer workers drains the removed one (its stream finishes whole) and removes it; one SIGTERM
-stops the fleet. The fleet secret is on no command line, and the router's process is not
-given it in its environment either (its standard input brings it)."""
+fewer workers drains the removed one (its stream finishes whole) and removes it; a killed
+router comes back too and gets the workers; one SIGTERM stops the fleet. The fleet secret is
+on no command line, and the router's process is not given it in its environment either (its
+standard input brings it)."""
 
 from __future__ import annotations
 
@@ -257,6 +258,19 @@ def test_fleet_on_ray_restarts_a_killed_worker_and_drains_on_scale_down(ray_clus
         r = httpx.post(router + "/v1/completions", json={"prompt": [9, 9], "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200
+
+        # the router killed: Ray restarts its actor on this node (--port 0: a new port), and
+        # the fleet hands the new router its worker
+        os.kill(router_pid, signal.SIGKILL)
+        restarted = wait_until(lambda: next((m.group(1) for ln in list(lines) if (
+            m := re.search(r"router restarted; kvloop router on (http://\S+)", ln))), None),
+            120, "Ray to restart the router")
+        wait_until(lambda: {n: w["up"] for n, w in _workers(restarted).items()}
+                   == {url0b.split("//")[1]: True}, 60, "the new router to admit worker 0")
+        r = httpx.post(restarted + "/v1/completions", json={"prompt": [9, 9], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        [router_pid] = _processes_mentioning("kvloop.router.ray_fleet")
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
