@@ -7,6 +7,7 @@
     kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
                  [--policy NAME] [--roles R,...] [--api-key KEY]
                  [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
+    kvloop fleet --ray auto|HOST:PORT [--workers N] ...   (the same fleet as Ray actors)
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="N `kvloop serve` workers and a router on this "
                                           "host. --event-plane nats starts a nats-server of "
                                           "its own and puts the KV events on it "
-                                          "(--event-plane nats://HOST:PORT: a running one).")
+                                          "(--event-plane nats://HOST:PORT: a running one). "
+                                          "--ray ADDRESS: the router and the workers as "
+                                          "actors of a Ray cluster (docs/deploy.md).")
     f.add_argument("--workers", type=int, default=0,
                    help="number of workers of --roles (default: none besides --prefill and "
                         "--decode)")
