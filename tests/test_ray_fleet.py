@@ -177,6 +177,18 @@ def test_what_ray_does_not_run_yet_is_refused_in_words():
         check_supported(FleetConfig(1, nats_port=4222))
 
 
+def test_no_cluster_at_the_address_is_one_line_at_once():
+    with held_port() as nobody:   # bound, not listening: a connection is refused
+        port = nobody.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvloop", "fleet", "--ray",
+                            f"127.0.0.1:{port}", "--workers", "1", "--port", "0"],
+                           capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        f"kvloop fleet: cannot connect to Ray at 127.0.0.1:{port}: [Errno 111] Connection "
+        "refused (is a cluster running there? `ray start --head` starts one)"], r.stderr
+
+
 def _host_actors() -> list[int]:
     """This host's processes of kvloop's actors (Ray names an actor's process after it)."""
     return [p for name in ("ray::WorkerHost", "ray::RouterHost", "kvloop.router.ray_fleet")

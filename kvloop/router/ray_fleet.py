@@ -42,6 +42,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 NAMESPACE = "kvloop"          # the Ray namespace of a fleet's actors
 CONTROL_NAME = "fleet"        # the control actor's name in it (one fleet per namespace)
 TICK_S = 0.5                  # how often the driver looks at its actors
+CONNECT_TIMEOUT_S = 10.0      # the head's address must answer a TCP connect within this
 CALL_TIMEOUT_S = 30.0         # a short actor call (stop, set_workers) answers within this
 EXIT_CODE_DIED = 1            # an actor whose process ended unasked exits with this
 
@@ -275,7 +277,11 @@ def router_child() -> int:
     from kvloop.router.server import run_router
 
     cfg, log_level = pickle.loads(sys.stdin.buffer.read())
-    return run_router(cfg, [], log_level)
+    try:
+        return run_router(cfg, [], log_level)
+    except OSError as e:   # the port taken meanwhile, the index or the plane out of reach
+        print(f"kvloop router: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -497,6 +503,33 @@ def _connect(ray: Any, address: str | None) -> None:
              logging_level="WARNING", configure_logging=True)
 
 
+def _reachable(address: str) -> None:
+    """OSError unless something listens at the head's HOST:PORT (Ray itself would retry a
+    dead address for minutes); `auto` is Ray's to find."""
+    if address == "auto":
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError("give auto or the head's HOST:PORT")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+        pass
+
+
+def _port_free(router_cfg: RouterConfig) -> bool:
+    """The router's port, checked here before anything starts (its actor runs on this node):
+    a port in use is the line every kvloop front says (`BindError`)."""
+    from kvloop.front.sockets import BindError, bind_tcp
+
+    if router_cfg.port == 0:
+        return True
+    try:
+        bind_tcp(router_cfg.host, router_cfg.port).close()
+    except BindError as e:
+        print(f"kvloop fleet: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def _running_control(ray: Any) -> Any:
     """The control actor of a fleet already running in the namespace, or None."""
     try:
@@ -544,11 +577,14 @@ def run_ray_fleet(fleet: FleetConfig, router_cfg: RouterConfig, ray_cfg: RayFlee
         print("kvloop fleet: --ray needs Ray: pip install 'kvloop[ray]'", file=sys.stderr)
         return 2
     check_supported(fleet)
+    if not _port_free(router_cfg):
+        return 2
     try:
+        _reachable(ray_cfg.address)
         _connect(ray, None if ray_cfg.address == "auto" else ray_cfg.address)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        print(f"kvloop fleet: cannot connect to Ray at {ray_cfg.address}: {_first_line(e)}",
-              file=sys.stderr)
+    except (ConnectionError, RuntimeError, ValueError, OSError) as e:
+        print(f"kvloop fleet: cannot connect to Ray at {ray_cfg.address}: {_first_line(e)} "
+              "(is a cluster running there? `ray start --head` starts one)", file=sys.stderr)
         return 2
     control = None
     try:
