@@ -168,7 +168,6 @@ def test_worker_host_is_the_nodes_address_unless_the_fleet_keeps_to_loopback():
     assert worker_host("192.0.2.9", "10.0.0.5") == "10.0.0.5"
 
 
-@pytest.mark.timeout(900)
 def test_what_ray_does_not_run_yet_is_refused_in_words():
     check_supported(FleetConfig(2))
     with pytest.raises(ValueError, match="--prefill and --decode are not supported"):
@@ -207,6 +206,35 @@ def test_a_worker_that_cannot_start_fails_the_fleet_in_words(ray_cluster):
     wait_until(lambda: not _host_actors(), 60, "the fleet's actors and processes to end")
 
 
+def test_a_killed_fleet_command_takes_its_actors_and_processes_with_them(ray_cluster):
+    """The actors belong to the command's Ray driver: when it dies (kill -9: nothing of it
+    runs), Ray ends them, and their processes die with them. The actors' own processes
+    never held the secret in their environment."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvloop", "fleet", "--ray", ray_cluster, "--workers", "1",
+         "--port", "0", "--", "--sim-speedup", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**_env(), "KVLOOP_FLEET_SECRET": SECRET}, start_new_session=True)
+    try:
+        lines = lines_until(proc, "kvloop router on", 240)
+        [(url, pid)] = _serving(lines).values()
+        [router_pid] = _processes_mentioning("kvloop.router.ray_fleet")
+        actors = _processes_mentioning("ray::WorkerHost") + \
+            _processes_mentioning("ray::RouterHost")
+        assert len(actors) == 2
+        for actor in actors:
+            assert SECRET.encode() not in Path(f"/proc/{actor}/environ").read_bytes()
+        assert SECRET.encode() in Path(f"/proc/{pid}/environ").read_bytes()   # kvloop serve's
+        proc.kill()
+        proc.wait(30)
+        wait_until(lambda: not alive(pid) and not alive(router_pid) and not _host_actors(),
+                   120, "Ray to end the dead command's actors and their processes")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(900)
 def test_fleet_on_ray_restarts_a_killed_worker_and_drains_on_scale_down(ray_cluster):
     env = {**_env(), "KVLOOP_FLEET_SECRET": SECRET}
     fleet_cmd = [sys.executable, "-m", "kvloop", "fleet", "--ray", ray_cluster]

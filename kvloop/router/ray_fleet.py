@@ -471,12 +471,13 @@ class RayFleet:
         ray = self.ray
         everyone = self.workers + self.draining
         refs = [w.actor.stop.remote(self.fleet.stop_timeout_s) for w in everyone]
+        wait_s = self.fleet.stop_timeout_s + CALL_TIMEOUT_S
+        # an actor that cannot answer (dead, restarting, its node gone) is killed below
+        with contextlib.suppress(Exception):
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         if self.router is not None:
             with contextlib.suppress(Exception):
-                ray.get(refs, timeout=self.fleet.stop_timeout_s + CALL_TIMEOUT_S)
-            with contextlib.suppress(Exception):
-                ray.get(self.router.stop.remote(self.fleet.stop_timeout_s),
-                        timeout=self.fleet.stop_timeout_s + CALL_TIMEOUT_S)
+                ray.wait([self.router.stop.remote(self.fleet.stop_timeout_s)], timeout=wait_s)
         for actor in [w.actor for w in everyone] + [self.router, self.control]:
             if actor is not None:
                 with contextlib.suppress(Exception):
