@@ -225,6 +225,9 @@ def test_a_killed_fleet_command_takes_its_actors_and_processes_with_them(ray_clu
         for actor in actors:
             assert SECRET.encode() not in Path(f"/proc/{actor}/environ").read_bytes()
         assert SECRET.encode() in Path(f"/proc/{pid}/environ").read_bytes()   # kvloop serve's
+        # its log in the Ray session's folder (removed with it), not left in /tmp
+        assert re.search(r"/session_[^/]+/kvloop/kvloop-[^/]+/worker\.log$",
+                         os.readlink(f"/proc/{pid}/fd/1"))
         proc.kill()
         proc.wait(30)
         wait_until(lambda: not alive(pid) and not alive(router_pid) and not _host_actors(),

@@ -128,6 +128,20 @@ def worker_host(fleet_host: str, node_ip: str) -> str:
 # --- the actors (plain classes: `ray.remote` wraps them at run time) ------------------------
 
 
+def _scratch_root() -> str | None:
+    """Where an actor keeps its process's log (and the router's file): under the Ray
+    session's folder on its node, which Ray's own clean-up covers, so an actor killed
+    without a word leaves nothing elsewhere (None: the system's temporary folder)."""
+    try:
+        from ray._private.worker import global_worker
+
+        path = Path(global_worker.node.get_session_dir_path()) / "kvloop"
+        path.mkdir(exist_ok=True)
+        return str(path)
+    except Exception:   # a private Ray API: only a nicer place, never a reason to fail
+        return None
+
+
 class _ProcessHost:
     """One child process, started and watched by a thread of this actor's (Linux's death
     signal follows the thread that started a child: this one lives as long as the child).
@@ -135,7 +149,7 @@ class _ProcessHost:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.dir = Path(tempfile.mkdtemp(prefix="kvloop-ray-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="kvloop-", dir=_scratch_root()))
         self.proc: UrlProcess | None = None
         self._stopping = threading.Event()
         self._ready = threading.Event()
