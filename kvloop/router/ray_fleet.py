@@ -135,7 +135,8 @@ def _scratch_root() -> str | None:
     try:
         from ray._private.worker import global_worker
 
-        path = Path(global_worker.node.get_session_dir_path()) / "kvloop"
+        node: Any = global_worker.node
+        path = Path(node.get_session_dir_path()) / "kvloop"
         path.mkdir(exist_ok=True)
         return str(path)
     except Exception:   # a private Ray API: only a nicer place, never a reason to fail
