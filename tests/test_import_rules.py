@@ -86,6 +86,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                        "kvloop.kv_transfer.params", "kvloop.batch", "kvloop.tracing"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
+    # ray only inside functions that run with `kvloop fleet --ray` (the ray extra)
+    "kvloop.router.ray_fleet": (ROUTER_KVLOOP, (*ROUTER_3P, "ray")),
     # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
     "kvloop.router.ext_proc": (ROUTER_KVLOOP,
                                (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
