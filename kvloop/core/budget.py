@@ -18,6 +18,13 @@ after the model is loaded and before any request:
 3. choice (`choose_budget`): the largest candidate within the target on a monotone
    (isotonic) fit of the timings; the floor, flagged, when even the floor's step is over.
 
+4. attention's cost (`attention_keys_per_token`, for a measured runner only): one chunk of the
+   chosen budget timed after `CONTEXT_PROBE_TOKENS` computed tokens against the same chunk
+   fresh; the difference, per attended key, against the fresh step's time per token gives K,
+   the keys that cost one budget token (`kvloop.core.chunk_cost`), so a chunk late in a long
+   prompt is shortened until its step fits the target too. None when the context adds no
+   time (or no such context fits), and for a `ModelledRunner` (its model has no such term).
+
 Without chunked prefill nothing is measured: a prompt must fit in one step, so the budget
 covers the context length (vLLM's rule, `non_chunked_budget`). The choice is logged (INFO,
 what was measured and why this budget; WARNING when the floor misses a target the user
@@ -48,6 +55,7 @@ from kvloop.core.runner import LoadedRunner, ModelledRunner
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TIME_LIMIT_S = 2.0   # measured steps stop before their total would pass this
+CONTEXT_PROBE_TOKENS = 1024      # computed tokens before the chunk that times attention
 DECODE_CONTEXT = 31              # tokens computed for the decode that rides along
 _PREFIX = "kvloop-budget-"       # ids of the synthetic requests
 _DECODE_ID = _PREFIX + "decode"
@@ -170,6 +178,36 @@ def step_timings(runner: LoadedRunner, sizes: Sequence[int], target_s: float, *,
         runner.execute(steps.finish())
 
 
+def attention_timings(runner: LoadedRunner, budget: int, context: int, *, block_size: int,
+                      seed: int = 1) -> tuple[float, float]:
+    """(fresh, late): the seconds of one step of `budget` tokens (a chunk of `budget - 1`
+    and the decode riding along) with the chunk fresh, then after `context` computed tokens
+    (the faster of two fresh steps; the late one once: its context is computed first,
+    untimed). Leaves the runner with no synthetic request."""
+    steps = _SyntheticSteps(runner.vocab_size, block_size, random.Random(seed))
+    runner.execute(steps.warm_up())
+    try:
+        fresh = min(_timed(runner, steps.step(budget)) for _ in range(2))
+        runner.execute(steps.context(context, budget - 1))
+        return fresh, _timed(runner, steps.late_chunk())
+    finally:
+        runner.execute(steps.finish())
+
+
+def keys_per_token(budget: int, context: int, fresh_s: float, late_s: float) -> int | None:
+    """K of `kvloop.core.chunk_cost` from `attention_timings`: a step costs a * (n + keys /
+    K), the late chunk attends `(budget - 1) * context` more keys than the fresh one, so
+    a / K = (late - fresh) / that; a from the fresh step (its own keys counted). None when
+    the context added no time."""
+    n = budget - 1
+    extra = late_s - fresh_s
+    if n < 1 or context < 1 or extra <= 0:
+        return None
+    per_key = extra / (n * context)                          # a / K
+    per_token = (fresh_s - per_key * n * (n + 1) / 2) / n    # a (the decode's token ignored)
+    return max(1, round(per_token / per_key))
+
+
 def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], target_s: float,
                   time_limit_s: float) -> list[tuple[int, float]]:
     """(b, step_time(b)) for `sizes` in order, until one is over `target_s` (timed twice, the
@@ -214,6 +252,7 @@ class _SyntheticSteps:
         self.decode_blocks = list(range(1, 1 + _num_blocks(DECODE_CONTEXT + 1, block_size)))
         self.live: set[str] = set()
         self._count = 0
+        self._late = CachedRequestData(_DECODE_ID, [], 0, [], 0)   # set by `context`
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(n)]
@@ -243,6 +282,31 @@ class _SyntheticSteps:
                                total_num_scheduled_tokens=num_tokens,
                                finished_req_ids=finished, sampling_req_ids={rid, _DECODE_ID})
 
+    def context(self, num_computed: int, chunk: int) -> SchedulerOutput:
+        """A fresh prompt of `num_computed + chunk` tokens, its first `num_computed` computed
+        (no decode rides along); `late_chunk` computes the rest."""
+        finished = self.live - {_DECODE_ID}
+        rid = f"{_PREFIX}late"
+        self.live = {_DECODE_ID, rid}
+        prompt = self._tokens(num_computed + chunk)
+        first = self.decode_blocks[-1] + 1
+        blocks = list(range(first, first + _num_blocks(len(prompt), self.block_size)))
+        new = NewRequestData(rid, prompt, prompt, _GREEDY, blocks, 0, prompt[:num_computed])
+        self._late = CachedRequestData(rid, [], num_computed, prompt[num_computed:], 0)
+        return SchedulerOutput(scheduled_new_reqs=[new], num_scheduled_tokens={rid: num_computed},
+                               total_num_scheduled_tokens=num_computed,
+                               finished_req_ids=finished)
+
+    def late_chunk(self) -> SchedulerOutput:
+        """The rest of `context`'s prompt and one decode token."""
+        late = self._late
+        decode = CachedRequestData(_DECODE_ID, [], DECODE_CONTEXT, self._tokens(1), 1)
+        n = len(late.token_ids)
+        return SchedulerOutput(scheduled_cached_reqs=[late, decode],
+                               num_scheduled_tokens={late.req_id: n, _DECODE_ID: 1},
+                               total_num_scheduled_tokens=n + 1,
+                               sampling_req_ids={late.req_id, _DECODE_ID})
+
     def finish(self) -> SchedulerOutput:
         finished, self.live = self.live, set()
         return SchedulerOutput(finished_req_ids=finished)
@@ -269,4 +333,26 @@ def resolve_budget(sched: SchedulerConfig, auto: AutoBudget, runner: LoadedRunne
                        choice.timings[0][1] * 1e3)
     else:
         logger.info("%s", choice.describe(how))
-    return dataclasses.replace(sched, max_num_batched_tokens=choice.budget)
+    keys = None if isinstance(runner, ModelledRunner) else _measure_keys(
+        runner, choice.budget, sched.max_model_len, block_size)
+    return dataclasses.replace(sched, max_num_batched_tokens=choice.budget,
+                               attention_keys_per_token=keys)
+
+
+def _measure_keys(runner: LoadedRunner, budget: int, max_model_len: int,
+                  block_size: int) -> int | None:
+    """`keys_per_token` measured at `CONTEXT_PROBE_TOKENS` of context (less where the
+    context length or the KV cache holds less); logs what it found."""
+    kv_tokens = (runner.num_gpu_blocks - 1 - _num_blocks(DECODE_CONTEXT + 1, block_size)) * block_size
+    room = min(max_model_len, kv_tokens) - budget
+    context = min(CONTEXT_PROBE_TOKENS, room)
+    if budget < 2 or context < budget:
+        return None
+    fresh, late = attention_timings(runner, budget, context, block_size=block_size)
+    keys = keys_per_token(budget, context, fresh, late)
+    logger.info("attention cost: a %d-token step took %.1f ms fresh, %.1f ms after %d computed "
+                "tokens: %s", budget, fresh * 1e3, late * 1e3, context,
+                "no extra time, chunks counted by tokens" if keys is None else
+                f"{keys} attended keys cost one budget token (chunks late in a long prompt "
+                f"shorten to keep the step within the target)")
+    return keys
