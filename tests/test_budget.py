@@ -207,10 +207,11 @@ def test_attention_timings_leave_the_runner_as_they_found_it(tiny_gguf: str) -> 
         assert fresh > 0 and late > 0
         assert runner.requests == {} and runner._pending is None
         assert torch.equal(runner.sampler.generator.get_state(), rng_state)
-        # the decode's blocks 1-2, then the 256 + 31 tokens of the late prompt: blocks 3-20
+        # the decode's blocks 1-2, the fresh prompts' 3-4, the late prompt's 256 + 3 * 31
+        # tokens 5-26; nothing past them, never the null block 0
         for kv in runner.kv_caches:
-            assert not kv[:, :, 0].any() and kv[:, :, 1:21].abs().sum(dim=(0, 1, 3, 4)).all()
-            assert not kv[:, :, 21:].any()
+            assert not kv[:, :, 0].any() and kv[:, :, 1:27].abs().sum(dim=(0, 1, 3, 4)).all()
+            assert not kv[:, :, 27:].any()
     finally:
         runner.shutdown()
 
