@@ -232,6 +232,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None   # a pooling request: no token, a vector
     # W3C traceparent/tracestate of the API server's span (kvloop.tracing; None: untraced)
     trace_headers: dict[str, str] | None = None
+    # who sent it: a digest of its API key (None: keyless); its grammar compile's tenant
+    tenant: str | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):
