@@ -270,11 +270,11 @@ def probe_soak(out: Path, seconds: float = 40.0, real: bool = False) -> dict[str
         model = model_of(w.url)
         api, eng = (w.proc.pid if w.proc else 0), engine_pid(w)
         statuses: Counter[str] = Counter()
-        asyncio.run(_mixed(w.url, model, 20, statuses))
+        asyncio.run(mixed_requests(w.url, model, 20, statuses))
         before = {"api": rss_mib(api), "engine": rss_mib(eng)}
         n, t0 = 0, time.monotonic()
         while time.monotonic() - t0 < seconds:
-            n += asyncio.run(_mixed(w.url, model, 20, statuses))
+            n += asyncio.run(mixed_requests(w.url, model, 20, statuses))
         after = {"api": rss_mib(api), "engine": rss_mib(eng)}
         stats = w.wait_idle(30)
         return {"requests": n, "seconds": round(time.monotonic() - t0, 1),
@@ -285,7 +285,7 @@ def probe_soak(out: Path, seconds: float = 40.0, real: bool = False) -> dict[str
                 "free_blocks": [stats.get("num_free_blocks"), stats.get("num_total_blocks")]}
 
 
-async def _mixed(url: str, model: str, rounds: int, statuses: Counter[str]) -> int:
+async def mixed_requests(url: str, model: str, rounds: int, statuses: Counter[str]) -> int:
     """`rounds` of six kinds of request, four at a time; returns how many were sent and
     counts their statuses (a cut stream counts as "cut")."""
     sent = 0
