@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +123,11 @@ def probe_large_prompts(out: Path) -> dict[str, Any]:
 
 
 def _healthy(workers: Any) -> Any:
-    items = workers if isinstance(workers, list) else workers.get("workers", workers)
-    if isinstance(items, list):
-        return [{k: w.get(k) for k in ("url", "healthy", "state") if k in w} for w in items]
-    return items
+    """The router's /workers as {name: up}."""
+    if isinstance(workers, dict):
+        return {name: info.get("up") for name, info in workers.items()
+                if isinstance(info, dict)}
+    return workers
 
 
 def probe_long_prefill(out: Path) -> dict[str, Any]:
@@ -291,26 +292,29 @@ async def mixed_requests(url: str, model: str, rounds: int, statuses: Counter[st
     sent = 0
     async with httpx.AsyncClient(timeout=120) as c:
         for i in range(rounds):
-            prompt = f"soak {i} " + "text " * (i % 7 * 20)
-            kinds: list[Callable[[], Any]] = [
-                lambda: c.post(url + "/v1/completions", json={
-                    "model": model, "prompt": prompt, "max_tokens": 8, "logprobs": 2}),
-                lambda: c.post(url + "/v1/completions", json={
-                    "model": model, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}),
-                lambda: c.post(url + "/v1/chat/completions", json={
-                    "model": model, "max_tokens": 8, "n": 2,
-                    "messages": [{"role": "user", "content": prompt}]}),
-                lambda: c.post(url + "/v1/embeddings", json={"model": model, "input": prompt}),
-                lambda: c.post(url + "/tokenize", json={"model": model, "prompt": prompt}),
-                lambda: _cut_stream(c, url, model, prompt),
-            ]
+            kinds = _one_round(c, url, model, f"soak {i} " + "text " * (i % 7 * 20))
             for start in range(0, len(kinds), 4):
-                done = await asyncio.gather(*(k() for k in kinds[start:start + 4]),
-                                            return_exceptions=True)
+                done = await asyncio.gather(*kinds[start:start + 4], return_exceptions=True)
                 statuses.update(str(d.status_code) if isinstance(d, httpx.Response)
                                 else "cut" if d is None else type(d).__name__ for d in done)
             sent += len(kinds)
     return sent
+
+
+def _one_round(c: httpx.AsyncClient, url: str, model: str,
+               prompt: str) -> list[Coroutine[Any, Any, Any]]:
+    return [
+        c.post(url + "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 8, "logprobs": 2}),
+        c.post(url + "/v1/completions", json={
+            "model": model, "prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}),
+        c.post(url + "/v1/chat/completions", json={
+            "model": model, "max_tokens": 8, "n": 2,
+            "messages": [{"role": "user", "content": prompt}]}),
+        c.post(url + "/v1/embeddings", json={"model": model, "input": prompt}),
+        c.post(url + "/tokenize", json={"model": model, "prompt": prompt}),
+        _cut_stream(c, url, model, prompt),
+    ]
 
 
 async def _cut_stream(c: httpx.AsyncClient, url: str, model: str, prompt: str) -> None:

@@ -20,7 +20,8 @@ after the model is loaded and before any request:
 
 4. attention's cost (`attention_keys_per_token`, for a measured runner only): a step of the
    chosen budget timed with its chunk after `CONTEXT_PROBE_TOKENS` computed tokens and with
-   it fresh (`ATTENTION_ROUNDS` of each, alternated, the fastest kept); the difference, per attended key, against the fresh step's time per token gives K,
+   it fresh (`ATTENTION_ROUNDS` of each, alternated, the fastest kept); the difference,
+   per attended key, against the fresh step's time per token gives K,
    the keys that cost one budget token (`kvloop.core.chunk_cost`), so a chunk late in a long
    prompt is shortened until its step fits the target too. None when the context adds no
    time (or no such context fits), and for a `ModelledRunner` (its model has no such term).
@@ -355,7 +356,8 @@ def _measure_keys(runner: LoadedRunner, budget: int, max_model_len: int,
                   block_size: int) -> int | None:
     """`keys_per_token` measured at `CONTEXT_PROBE_TOKENS` of context (less where the
     context length or the KV cache holds less); logs what it found."""
-    kv_tokens = (runner.num_gpu_blocks - 1 - _num_blocks(DECODE_CONTEXT + 1, block_size)) * block_size
+    decode_blocks = _num_blocks(DECODE_CONTEXT + 1, block_size)
+    kv_tokens = (runner.num_gpu_blocks - 1 - decode_blocks) * block_size
     room = min(max_model_len, kv_tokens) - (ATTENTION_ROUNDS + 1) * budget
     context = min(CONTEXT_PROBE_TOKENS, room)
     if budget < 2 or context < budget:
