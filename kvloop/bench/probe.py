@@ -130,12 +130,13 @@ def _healthy(workers: Any) -> Any:
     return workers
 
 
-def probe_long_prefill(out: Path) -> dict[str, Any]:
+def probe_long_prefill(out: Path, *budget: str) -> dict[str, Any]:
     """Finding 6: one long `prompt_logprobs` request (and one long embeddings request) beside
     a streaming decode on the embedded model: the stream's gaps between tokens while the
     long one runs. With the attention-weighted budget (docs/serving.md) its chunks shorten
-    late in the prompt, so the gaps stay near the step budget's time."""
-    with worker(out, "long_worker", "--max-model-len", "4096") as w:
+    late in the prompt, so the gaps stay near the step budget's time; `budget` (e.g.
+    `--max-num-batched-tokens 128`) for the rule before, every token counted 1."""
+    with worker(out, "long_worker", "--max-model-len", "4096", *budget) as w:
         model = model_of(w.url)
         text = " ".join(f"word{i % 97}" for i in range(1100))   # about 3,000 tokens
         result: dict[str, Any] = {"budget_log": _grep(w.log(), "attention cost")}
@@ -262,6 +263,67 @@ def probe_malformed_kv_params(out: Path) -> dict[str, Any]:
         return {"statuses": seen, "health": httpx.get(w.url + "/health").status_code}
 
 
+PATHOLOGICAL_REGEX = "[a-z]{1,1000}[0-9]{1,1000}[A-Z]{1,1000}"   # ~9 s of xgrammar, once
+
+
+def probe_compile_share(out: Path) -> dict[str, Any]:
+    """Finding 5: six clients of one API key send the pathological regex (400 before any
+    compile) and six slow schemas under the size limit (seconds of compile each); a victim
+    with another key sends a tiny json_schema while they compile: its status and time."""
+    keys = ["attacker-key-probe", "victim-key-probe"]
+    with worker(out, "compile_worker", "--max-model-len", "512", "--api-key", keys[0],
+                "--api-key", keys[1]) as w:
+        attacker, victim = ({"Authorization": f"Bearer {k}"} for k in keys)
+        model = model_of(w.url, attacker)
+
+        def chat(headers: dict[str, str], constraint: dict[str, Any]) -> Any:
+            return {"model": model, "max_tokens": 8, "temperature": 0.0,
+                    "messages": [{"role": "user", "content": "Answer in JSON."}], **constraint}
+
+        def schema(tag: str, n: int, pattern: str) -> dict[str, Any]:
+            props = {f"{tag}{i}": {"type": "string", "pattern": pattern} for i in range(n)}
+            return {"response_format": {"type": "json_schema", "json_schema": {
+                "name": tag, "schema": {"type": "object", "properties": props,
+                                        "required": list(props)}}}}
+
+        async def run() -> dict[str, Any]:
+            async with httpx.AsyncClient(timeout=180) as c:
+                url = w.url + "/v1/chat/completions"
+                warm = await c.post(url, headers=victim, json=chat(victim, schema("w", 1, "a")))
+                regexes = [c.post(url, headers=attacker, json=chat(attacker, {
+                    "structured_outputs": {"regex": PATHOLOGICAL_REGEX}})) for _ in range(6)]
+                slow = [c.post(url, headers=attacker, json=chat(attacker, schema(
+                    f"s{i}x", 300, "[a-z]{1,20}"))) for i in range(6)]
+                started = asyncio.gather(*regexes, *slow)
+                await asyncio.sleep(1.0)
+                t0 = time.monotonic()
+                tiny = await c.post(url, headers=victim, json=chat(victim, schema("t", 1, "b")))
+                took = time.monotonic() - t0
+                done = await started
+            return {"warm_up": warm.status_code,
+                    "regex_statuses": [r.status_code for r in done[:6]],
+                    "slow_schema_statuses": [r.status_code for r in done[6:]],
+                    "victim_status": tiny.status_code, "victim_s": round(took, 2)}
+        return asyncio.run(run())
+
+
+def probe_count_tokens(out: Path) -> dict[str, Any]:
+    """Low: `/v1/messages/count_tokens` with and without `tools`, and the input tokens
+    `/v1/messages` reports for the same request (the embedded model's template)."""
+    with worker(out, "count_worker", *SIM) as w:
+        base = {"model": "sim", "messages": [{"role": "user", "content": "Weather?"}]}
+        tools = [{"name": "get_weather", "description": "The weather of a city",
+                  "input_schema": {"type": "object",
+                                   "properties": {"city": {"type": "string"}}}}]
+        count = [httpx.post(w.url + "/v1/messages/count_tokens", timeout=30,
+                            json={**base, **extra}).json()["input_tokens"]
+                 for extra in ({}, {"tools": tools})]
+        served = httpx.post(w.url + "/v1/messages", timeout=30, json={
+            **base, "tools": tools, "tool_choice": {"type": "none"}, "max_tokens": 1}).json()
+        return {"count_without_tools": count[0], "count_with_tools": count[1],
+                "messages_input_tokens": served["usage"]["input_tokens"]}
+
+
 def probe_soak(out: Path, seconds: float = 40.0, real: bool = False) -> dict[str, Any]:
     """Low: a bounded loop of mixed requests (completions, streams cut short, chat, logprobs,
     prompt logprobs, embeddings, n=2, tokenize) against one worker; RSS of the API server and
@@ -331,10 +393,14 @@ async def _cut_stream(c: httpx.AsyncClient, url: str, model: str, prompt: str) -
 PROBES: dict[str, Callable[[Path], dict[str, Any]]] = {
     "large-prompts": probe_large_prompts,
     "long-prefill": probe_long_prefill,
+    "long-prefill-tokens": lambda out: probe_long_prefill(out, "--max-num-batched-tokens",
+                                                          "128"),
     "world-writable-tier": probe_world_writable_tier,
     "responses-owner": probe_responses_owner,
     "deep-json": probe_deep_json,
     "malformed-kv-params": probe_malformed_kv_params,
+    "compile-share": probe_compile_share,
+    "count-tokens": probe_count_tokens,
     "soak-sim": probe_soak,
     "soak-real": lambda out: probe_soak(out, seconds=30.0, real=True),
 }
