@@ -4,8 +4,8 @@ vLLM counts every scheduled token as 1: a step of `max_num_batched_tokens` token
 the same time wherever its tokens sit. On a CPU that holds only near the start of a prompt:
 a chunk of n query tokens after p computed ones attends to about n * (p + n / 2) keys, and
 late in a long prompt that attention outweighs everything else the step does (measured on
-SmolLM2-135M, 2 cores: a 128-token chunk at position 7,000 takes 10-40x the step of 128 fresh
-tokens). Every decode riding in that step waits for all of it, so one long embeddings,
+SmolLM2-135M, 2 cores: a 128-token chunk at position 7,000 takes about 10x the step of 128
+fresh tokens). Every decode riding in that step waits for all of it, so one long embeddings,
 `prompt_logprobs` or plain prompt gave the others a token every second or more (issue 37,
 item 6).
 
