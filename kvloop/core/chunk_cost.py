@@ -18,7 +18,9 @@ one token is charged
 and the scheduler gives a request the longest chunk whose charge fits what is left of the
 budget: a step stays within the time the budget was chosen for, at any context length.
 A single token (a decode) is charged 1: decodes attend through their own kernel, at a cost
-per key far below a chunk's. `K` None: every token costs 1 (vLLM's rule, the default).
+per key far below a chunk's. A speculative decode's 1 + k tokens are a chunk (they attend
+through the chunk's path), so late in a long context its drafts may be cut. `K` None: every
+token costs 1 (vLLM's rule, the default).
 
 Pure functions: the scheduler owns the budget they are applied to.
 """
