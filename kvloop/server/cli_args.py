@@ -223,9 +223,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="order of waiting requests")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' "
-                        "(ngram only; prompt_lookup_min and _max default to 5, one given: "
-                        "both) (default: off)")
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
+                        "'{\"method\": \"suffix\", \"num_speculative_tokens\": 16}' "
+                        "(ngram: prompt_lookup_min and _max default to 5, one given: both; "
+                        "suffix: vLLM's suffix_decoding_* keys, docs/serving.md) "
+                        "(default: off)")
     g.add_argument("--trace-file", default=None,
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
@@ -576,10 +578,7 @@ def startup_lines(serve: ServeConfig, start: EngineStartConfig) -> list[str]:
     lines = [serve.default_sampling.describe()]
     spec = start.engine.speculative
     if spec is not None:
-        lines.append(f"speculative decoding on: {spec.method}, up to "
-                     f"{spec.num_speculative_tokens} draft tokens per step (n-grams of "
-                     f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens from the "
-                     f"request's own context)")
+        lines.append(f"speculative decoding on: {spec.describe()}")
     if serve.log_requests:
         lines.append("request logging on (--enable-log-requests): every prompt and its "
                      "token ids are logged")
