@@ -284,6 +284,25 @@ class SuffixTree:
             stack.extend(node.children.values())
         return n
 
+    def check_invariants(self) -> None:
+        """AssertionError unless: every node is its parent's child under its first token,
+        refers to a live sequence at an occurrence of its whole path, has a count above 0
+        and (below the root) above each child's (no node that could be merged), the path is
+        at most max_depth long, and the root counts every token held."""
+        assert self._root.count == sum(len(s) for s in self._seqs.values())
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
+        while stack:
+            node, path = stack.pop()
+            for key, child in node.children.items():
+                assert child.parent is node and child.count > 0 and child.seq in self._seqs
+                assert node is self._root or child.count < node.count
+                seq = self._seqs[child.seq]
+                full = path + tuple(seq[child.start:child.start + child.length])
+                first = child.start + child.length - len(full)
+                assert full[len(path)] == key and len(full) <= self.max_depth
+                assert first >= 0 and tuple(seq[first:child.start + child.length]) == full
+                stack.append((child, full))
+
     def counts(self) -> dict[tuple[int, ...], int]:
         """Every substring held (length <= max_depth) -> its count, read off the nodes
         (tests compare it with a brute-force count)."""
