@@ -196,6 +196,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     pooling_output: list[float] | None = None
     # the part of num_cached_tokens loaded from outside the pool (a KV tier, P's hit)
     num_external_computed_tokens: int = 0
+    # on the finishing output: the request's own drafts and acceptances (None: no drafts)
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -272,13 +272,15 @@ def agent_engine(k: int, blocks: int = 64, method: str = "suffix", max_seqs: int
 
 
 def run_to_end(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: int):
-    """Add the requests, step until all finish: their tokens, the spec stats, the steps."""
+    """Add the requests, step until all finish: their tokens, the spec stats, the steps,
+    and each request's own stats (from its finishing output)."""
     for rid, prompt in prompts.items():
         engine.add_request(engine.make_request(
             rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                         ignore_eos=True)))
     tokens: dict[str, list[int]] = {}
     total, steps = SpecDecodingStats(), 0
+    own: dict[str, SpecDecodingStats | None] = {}
     for _ in range(500):
         if not engine.has_unfinished_requests():
             break
@@ -286,10 +288,12 @@ def run_to_end(engine: EngineCore, prompts: dict[str, list[int]], max_tokens: in
         steps += 1
         for o in result.outputs:
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                own[o.request_id] = o.spec_decoding_stats
         if result.stats is not None and result.stats.spec_decoding_stats is not None:
             total.add(result.stats.spec_decoding_stats)
     assert not engine.has_unfinished_requests()
-    return tokens, total, steps
+    return tokens, total, steps, own
 
 
 def test_an_agent_turn_drafts_from_the_previous_turn_s_answer():
@@ -299,13 +303,15 @@ def test_an_agent_turn_drafts_from_the_previous_turn_s_answer():
     accepted, plus the bonus token: 1 -> 3 -> 7 -> 15 tokens in 4 steps, 1 + 3 + 7 = 11
     drafts in 3 verifications, every one accepted."""
     engine = agent_engine(k=8)
-    first, stats1, steps1 = run_to_end(engine, {"turn1": [1, 2, 3, 4]}, max_tokens=15)
+    first, stats1, steps1, own1 = run_to_end(engine, {"turn1": [1, 2, 3, 4]}, max_tokens=15)
     assert first == {"turn1": SCRIPT[:15]}
     assert stats1 == SpecDecodingStats() and steps1 == 15
-    second, stats2, steps2 = run_to_end(engine, {"turn2": [1, 2, 3, 4, 5, 6]}, max_tokens=15)
+    second, stats2, steps2, own2 = run_to_end(engine, {"turn2": [1, 2, 3, 4, 5, 6]}, max_tokens=15)
     assert second == {"turn2": SCRIPT[:15]} and steps2 == 4
     assert stats2 == SpecDecodingStats(num_drafts=3, num_draft_tokens=11, num_accepted_tokens=11,
                                        num_accepted_tokens_per_pos=[3, 2, 2, 1, 1, 1, 1])
+    # each request's own figure, on its finishing output: turn 1 drafted nothing
+    assert own1 == {"turn1": None} and own2 == {"turn2": stats2}
     assert isinstance(engine.proposer, SuffixProposer)
     assert engine.proposer.cache.active_requests == set()
     assert engine.proposer.cache.global_tree.num_tokens == 30      # both answers kept
@@ -316,10 +322,10 @@ def test_a_tool_output_in_the_prompt_is_drafted_from_the_request_s_own_tree():
     the request's own tree; n-gram (k = 8, its default n-gram of 5 tokens) waits for a
     5-token match, then copies 8 (14 tokens in 6 steps)."""
     tool = [1, 2, *SCRIPT, 3]
-    got, stats, steps = run_to_end(agent_engine(k=8), {"edit": tool}, max_tokens=15)
+    got, stats, steps, _ = run_to_end(agent_engine(k=8), {"edit": tool}, max_tokens=15)
     assert got == {"edit": SCRIPT[:15]} and steps == 4
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 11, 11)
-    got, stats, steps = run_to_end(agent_engine(k=8, method="ngram"), {"edit": tool},
+    got, stats, steps, _ = run_to_end(agent_engine(k=8, method="ngram"), {"edit": tool},
                                    max_tokens=14)
     assert got == {"edit": SCRIPT[:14]} and steps == 6   # 5 plain steps, then 8 + 1
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 8, 8)
@@ -329,9 +335,13 @@ def test_speculation_keeps_the_output_through_chunks_and_preemptions():
     """Four requests at once in a pool too small for them, 16-token chunks: the suffix
     drafts change no token, and accepted drafts save steps."""
     prompts = {f"r{i}": [1 + i, 2, 3, *SCRIPT[:i * 3]] for i in range(4)}
-    plain, none, plain_steps = run_to_end(agent_engine(0, blocks=12, budget=16), prompts, 30)
-    got, stats, steps = run_to_end(agent_engine(6, blocks=12, budget=16), prompts, 30)
+    plain, none, plain_steps, _ = run_to_end(agent_engine(0, blocks=12, budget=16), prompts, 30)
+    got, stats, steps, own = run_to_end(agent_engine(6, blocks=12, budget=16), prompts, 30)
     assert got == plain and none == SpecDecodingStats()
     assert {len(t) for t in got.values()} == {30}
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens <= 6 * stats.num_drafts
     assert steps < plain_steps
+    summed = SpecDecodingStats()
+    for s in own.values():
+        summed.add(s or SpecDecodingStats())
+    assert summed == stats                 # the per-request figures add up to the counters

@@ -52,7 +52,9 @@ from kvloop.front.openai import (
     GenerateSamplingParams,
     GenerateStreamResponse,
     MaxTokens,
+    ResponseMetrics,
     SamplingRequest,
+    SpecDecodingSummary,
     TopLogprob,
     Usage,
     error_body,
@@ -94,6 +96,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineReady,
+    SpecDecodingStats,
 )
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -603,6 +606,32 @@ def usage(children: list[Child], prompts: list[list[int]]) -> Usage:
             "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def response_metrics(ctx: ServerContext, children: list[Child]) -> ResponseMetrics | None:
+    """vLLM's per-request `metrics` (`--per-request-spec-decode-metrics summary` with
+    speculative decoding on; None otherwise): the acceptance summary of the request's one
+    sequence (null for n > 1, all zeros when it drafted nothing)."""
+    k = ctx.config.spec_decode_metrics_k
+    if k is None:
+        return None
+    if len(children) != 1:
+        return {"speculative_decoding": None}
+    return {"speculative_decoding": spec_summary(children[0].state.spec_decoding_stats, k)}
+
+
+def spec_summary(stats: SpecDecodingStats | None, k: int) -> SpecDecodingSummary:
+    """The summary of one request's drafts (`per_pos[j]`: steps that accepted more than j
+    drafts, so exactly j is `per_pos[j - 1] - per_pos[j]`)."""
+    stats = stats or SpecDecodingStats()
+    steps, drafted, accepted = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+    per_pos = [*stats.num_accepted_tokens_per_pos, *[0] * (k + 1)][:k + 1]
+    at_least = [steps, *per_pos]
+    return {"mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_histogram": [at_least[j] - at_least[j + 1] for j in range(k + 1)],
+            "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": drafted, "num_spec_tokens": k}
+
+
 def handed_on(children: list[Child]) -> dict[str, Any] | None:
     """The `kv_transfer_params` a worker hands on (a prefill worker's, for the decode
     worker), from the finishing output of the request's one engine request; None when it has
@@ -691,6 +720,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         "model": ctx.served_name(req.model), "choices": choices,
         "usage": usage(gen.children, prompts), "system_fingerprint": None,
         "kv_transfer_params": handed_on(gen.children)}
+    metrics = response_metrics(ctx, gen.children)
+    if metrics is not None:
+        body["metrics"] = metrics
     return JSONResponse(body)
 
 
@@ -829,6 +861,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     prompt_lps = gen.children[0].state.prompt_logprobs
     if prompt_lps is not None:
         body["prompt_logprobs"] = prompt_logprobs_body(prompt_lps, ctx.token_str)
+    metrics = response_metrics(ctx, gen.children)
+    if metrics is not None:
+        body["metrics"] = metrics
     return JSONResponse(body)
 
 
