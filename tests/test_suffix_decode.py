@@ -171,6 +171,7 @@ def test_the_global_tree_holds_at_most_max_cached_requests_responses():
         cache.stop(rid)
     assert cache.num_cached_responses == 5 and cache.global_tree.num_sequences == 5
     assert cache.global_tree.num_tokens == 20 and not cache.active_requests
+    assert cache.global_tree.num_nodes() <= 2 * 20      # nothing left of the evicted ones
     cache.global_tree.check_invariants()
 
 

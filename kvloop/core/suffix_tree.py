@@ -33,11 +33,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
+Ends = tuple[int, int] | dict[int, int] | None
+
+
 class _Node:
     """A trie node: the edge into it is `tokens[seq][start:start + length]`, and that
     reference points at an occurrence of the node's whole path (root to here). `ends`: for
-    some suffixes that end exactly here, their sequence and end index (one per sequence), so
-    that references into a removed sequence can be moved to a live one."""
+    the suffixes that end exactly here, their sequence and end index (one per sequence), so
+    that references into a removed sequence can be moved to a live one: None, one
+    (seq, end) pair (the usual case) or a dict. `children`: None for a leaf (memory: most
+    nodes are leaves)."""
 
     __slots__ = ("children", "count", "ends", "length", "parent", "seq", "start")
 
@@ -47,8 +52,41 @@ class _Node:
         self.start = start
         self.length = length
         self.count = count
-        self.children: dict[int, _Node] = {}
-        self.ends: dict[int, int] = {}
+        self.children: dict[int, _Node] | None = None
+        self.ends: Ends = None
+
+    def child(self, token: int) -> _Node | None:
+        return self.children.get(token) if self.children else None
+
+    def add_child(self, token: int, child: _Node) -> None:
+        if self.children is None:
+            self.children = {}
+        self.children[token] = child
+
+    def set_end(self, seq_id: int, end: int) -> None:
+        ends = self.ends
+        if ends is None or (isinstance(ends, tuple) and ends[0] == seq_id):
+            self.ends = (seq_id, end)
+        elif isinstance(ends, tuple):
+            self.ends = {ends[0]: ends[1], seq_id: end}
+        else:
+            ends[seq_id] = end
+
+    def pop_end(self, seq_id: int) -> None:
+        ends = self.ends
+        if isinstance(ends, tuple):
+            if ends[0] == seq_id:
+                self.ends = None
+        elif ends is not None:
+            ends.pop(seq_id, None)
+            if len(ends) == 1:
+                self.ends = next(iter(ends.items()))
+
+    def end_seqs(self) -> dict[int, int]:
+        ends = self.ends
+        if ends is None:
+            return {}
+        return {ends[0]: ends[1]} if isinstance(ends, tuple) else ends
 
 
 @dataclass
@@ -94,17 +132,17 @@ class SuffixTree:
     def _grow(self, node: _Node, seq_id: int, pos: int, token: int) -> _Node:
         """The suffix of `seq_id` ending at `node` (at position pos - 1) takes `token`
         (position pos); returns the node where it now ends."""
-        child = node.children.get(token)
+        child = node.child(token)
         if child is None:
             return self._grow_new(node, seq_id, pos, token)
         if node is not self._root and node.count == child.count + 1:
             return self._grow_merged(node, child, seq_id, pos, token)
-        node.ends.pop(seq_id, None)
+        node.pop_end(seq_id)
         if child.length > 1:
             child = self._split(node, child, token)
         child.count += 1
         child.seq, child.start = seq_id, pos + 1 - child.length
-        child.ends[seq_id] = pos + 1
+        child.set_end(seq_id, pos + 1)
         return child
 
     def _grow_new(self, node: _Node, seq_id: int, pos: int, token: int) -> _Node:
@@ -113,12 +151,12 @@ class SuffixTree:
         if node is not self._root and node.count == 1:
             node.seq, node.start = seq_id, pos - node.length
             node.length += 1
-            node.ends = {seq_id: pos + 1}
+            node.ends = (seq_id, pos + 1)
             return node
         leaf = _Node(node, seq_id, pos, 1, 1)
-        leaf.ends[seq_id] = pos + 1
-        node.children[token] = leaf
-        node.ends.pop(seq_id, None)
+        leaf.ends = (seq_id, pos + 1)
+        node.add_child(token, leaf)
+        node.pop_end(seq_id)
         return leaf
 
     def _grow_merged(self, node: _Node, child: _Node, seq_id: int, pos: int,
@@ -132,18 +170,17 @@ class SuffixTree:
             key = self._seqs[node.seq][node.start]
             child.length = node.length + 1
             child.parent = parent
-            parent.children[key] = child
+            parent.add_child(key, child)
             target = child
         else:
-            del node.children[token]
+            node.children = {self._seqs[child.seq][child.start + 1]: child}
             child.start += 1
             child.length -= 1
-            node.children[self._seqs[child.seq][child.start]] = child
             node.length += 1
             target = node
         target.count = node.count
         target.seq, target.start = seq_id, pos + 1 - target.length
-        target.ends[seq_id] = pos + 1
+        target.set_end(seq_id, pos + 1)
         return target
 
     def _split(self, node: _Node, child: _Node, token: int) -> _Node:
@@ -152,8 +189,8 @@ class SuffixTree:
         child.start += 1
         child.length -= 1
         child.parent = head
-        head.children[self._seqs[child.seq][child.start]] = child
-        node.children[token] = head
+        head.add_child(self._seqs[child.seq][child.start], child)
+        node.add_child(token, head)
         return head
 
     # --- removing -------------------------------------------------------------------------
@@ -173,18 +210,18 @@ class SuffixTree:
         path: list[_Node] = []
         idx = start
         while idx < len(seq):
-            child = node.children.get(seq[idx])
+            child = node.child(seq[idx])
             if child is None:
                 break
             child.count -= 1
             if child.count == 0:
-                del node.children[seq[idx]]
+                _drop_child(node, seq[idx])
                 break
-            child.ends.pop(seq_id, None)
+            child.pop_end(seq_id)
             idx += child.length
             node = child
             path.append(child)
-        if path and len(node.children) == 1:
+        if path and node.children is not None and len(node.children) == 1:
             (only,) = node.children.values()
             if only.count == node.count:
                 path[-1] = self._merge_into_child(node, only)
@@ -198,7 +235,7 @@ class SuffixTree:
         child.start -= node.length
         child.length += node.length
         child.parent = parent
-        parent.children[self._seqs[child.seq][child.start]] = child
+        parent.add_child(self._seqs[child.seq][child.start], child)
         return child
 
     def _repoint(self, path: list[_Node], seq_id: int) -> None:
@@ -209,9 +246,10 @@ class SuffixTree:
         while leaf.children:
             leaf = next(iter(leaf.children.values()))
             distance += leaf.length
-        if not leaf.ends or seq_id in leaf.ends:
+        ends = leaf.end_seqs()
+        if not ends or seq_id in ends:
             return
-        ref_seq, end = next(iter(leaf.ends.items()))
+        ref_seq, end = next(iter(ends.items()))
         end -= distance
         for node in reversed(path):
             end -= node.length
@@ -241,7 +279,7 @@ class SuffixTree:
         node, idx = self._root, 0
         for token in pattern:
             if idx == node.length:
-                child = node.children.get(token)
+                child = node.child(token)
                 if child is None:
                     return None
                 node, idx = child, 0
@@ -280,8 +318,9 @@ class SuffixTree:
         stack, n = [self._root], 0
         while stack:
             node = stack.pop()
-            n += len(node.children)
-            stack.extend(node.children.values())
+            if node.children:
+                n += len(node.children)
+                stack.extend(node.children.values())
         return n
 
     def check_invariants(self) -> None:
@@ -293,7 +332,8 @@ class SuffixTree:
         stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
         while stack:
             node, path = stack.pop()
-            for key, child in node.children.items():
+            assert node.children is None or node.children
+            for key, child in (node.children or {}).items():
                 assert child.parent is node and child.count > 0 and child.seq in self._seqs
                 assert node is self._root or child.count < node.count
                 seq = self._seqs[child.seq]
@@ -310,7 +350,7 @@ class SuffixTree:
         stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
         while stack:
             node, prefix = stack.pop()
-            for child in node.children.values():
+            for child in (node.children or {}).values():
                 edge = self._seqs[child.seq][child.start:child.start + child.length]
                 for i in range(1, len(edge) + 1):
                     out[prefix + tuple(edge[:i])] = child.count
@@ -318,11 +358,18 @@ class SuffixTree:
         return out
 
 
+def _drop_child(node: _Node, token: int) -> None:
+    assert node.children is not None
+    del node.children[token]
+    if not node.children:
+        node.children = None
+
+
 def _most_frequent(node: _Node) -> _Node | None:
     """The child with the highest count; of equal counts, the smaller token id."""
     best: _Node | None = None
     best_key = 0
-    for key, child in node.children.items():
+    for key, child in (node.children or {}).items():
         if best is None or (child.count, -key) > (best.count, -best_key):
             best, best_key = child, key
     return best
