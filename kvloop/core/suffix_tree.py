@@ -32,7 +32,6 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-
 Ends = tuple[int, int] | dict[int, int] | None
 
 
