@@ -17,6 +17,7 @@ from kvloop.front.prometheus_text import metric_value
 from kvloop.server import cli_args
 
 from .conftest import post, serving, wait_until
+from .test_pd_serve import sse_events
 from .test_serve_cli import run_serve, serve_args
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
@@ -86,6 +87,8 @@ def test_drafts_are_verified_and_counted(server: ServeProcess, trace: Path) -> N
 def test_suffix_drafts_are_verified_and_counted(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A chat in an agent loop: the second turn's answer repeats the first's (greedy, the
     same question), drafted from the global tree; each answer reports its own figure."""
+    import httpx
+
     with serving(tmp_path_factory, "serve_suffix", [
             "--model", "sim", "--sim-speedup", "50", "--speculative-config", SUFFIX,
             "--num-gpu-blocks-override", "128", "--max-model-len", "512",
@@ -105,6 +108,14 @@ def test_suffix_drafts_are_verified_and_counted(tmp_path_factory: pytest.TempPat
         assert "speculative decoding on: suffix, up to 3 draft tokens per step" in srv.log()
         n2 = post(srv, "/v1/chat/completions", {**body, "n": 2}).json()
         assert n2["metrics"] == {"speculative_decoding": None}     # vLLM's: n = 1 only
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=stream,
+                          timeout=60) as r:
+            events = sse_events(list(r.iter_lines()))
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+        streamed = events[-2]["metrics"]["speculative_decoding"]     # on the usage chunk
+        assert streamed["num_spec_tokens"] == 3 and streamed["num_draft_tokens"] > 0
+        assert all("metrics" not in e for e in events[:-2])
 
 
 def test_the_flag_reaches_the_engine_config() -> None:

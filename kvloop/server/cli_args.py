@@ -232,8 +232,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--per-request-spec-decode-metrics", choices=PER_REQUEST_SPEC_METRICS,
                    default="none",
                    help="summary: completions and chat completions carry the request's "
-                        "draft acceptance in metrics.speculative_decoding (vLLM's; n = 1 only, "
-                        "not in streams)")
+                        "draft acceptance in metrics.speculative_decoding (vLLM's; n = 1 only; "
+                        "streams: on the usage chunk)")
     g.add_argument("--trace-file", default=None,
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",

@@ -1022,7 +1022,11 @@ async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation
             yield sse({"id": base, "object": obj, "created": created,
                        "model": ctx.served_name(req.model), "choices": [choice]})
     if req.stream_options and req.stream_options.include_usage:
-        yield sse({"id": base, "object": obj, "created": created,
-                   "model": ctx.served_name(req.model), "choices": [],
-                   "usage": usage(gen.children, prompts)})
+        tail: dict[str, Any] = {"id": base, "object": obj, "created": created,
+                                "model": ctx.served_name(req.model), "choices": [],
+                                "usage": usage(gen.children, prompts)}
+        metrics = response_metrics(ctx, gen.children)   # vLLM's: on the usage chunk
+        if metrics is not None:
+            tail["metrics"] = metrics
+        yield sse(tail)
     yield SSE_DONE
