@@ -70,6 +70,9 @@ def test_drafts_are_verified_and_counted(server: ServeProcess, trace: Path) -> N
     for o in own:
         assert o["num_spec_tokens"] == 3 and len(o["acceptance_histogram"]) == 4
         assert sum(o["acceptance_histogram"]) == o["num_spec_steps"]
+        assert [sum(col) for col in zip(*[row + [0] * (4 - len(row)) for row in o[
+            "acceptance_histogram_by_draft_length"].values()], strict=True)] == \
+            o["acceptance_histogram"]
         assert sum(j * n for j, n in enumerate(o["acceptance_histogram"])) == \
             o["num_accepted_draft_tokens"]
         assert o["mean_acceptance_length"] == 1 + o["num_accepted_draft_tokens"] / o[

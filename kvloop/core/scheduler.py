@@ -61,6 +61,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     LoRAStats,
     PromptLogprobsChunk,
+    RequestSpecDecodingStats,
     SchedulerStats,
     SpecDecodingStats,
     TopLogprobs,
@@ -609,7 +610,7 @@ class Scheduler:
         if rejected > 0:
             request.num_computed_tokens -= rejected
         if request.spec_decoding_stats is None:
-            request.spec_decoding_stats = SpecDecodingStats()
+            request.spec_decoding_stats = RequestSpecDecodingStats()
         request.spec_decoding_stats.observe_draft(num_drafts, num_accepted)
         if self.log_stats:
             if self._spec_stats is None:

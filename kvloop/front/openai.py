@@ -279,11 +279,13 @@ class Usage(TypedDict):
 class SpecDecodingSummary(TypedDict):
     """vLLM's per-request acceptance summary (`metrics.speculative_decoding` with
     `--per-request-spec-decode-metrics summary`): `acceptance_histogram[j]` counts the
-    verification steps that accepted exactly j drafts (length k + 1)."""
+    verification steps that accepted exactly j drafts (length k + 1); by draft length:
+    the same for the steps that verified n drafts (key n as text, k + 1 counts)."""
 
     mean_acceptance_length: float
     draft_acceptance_rate: float
     acceptance_histogram: list[int]
+    acceptance_histogram_by_draft_length: dict[str, list[int]]
     num_spec_steps: int
     num_accepted_draft_tokens: int
     num_draft_tokens: int

@@ -96,7 +96,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineReady,
-    SpecDecodingStats,
+    RequestSpecDecodingStats,
 )
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -618,16 +618,16 @@ def response_metrics(ctx: ServerContext, children: list[Child]) -> ResponseMetri
     return {"speculative_decoding": spec_summary(children[0].state.spec_decoding_stats, k)}
 
 
-def spec_summary(stats: SpecDecodingStats | None, k: int) -> SpecDecodingSummary:
-    """The summary of one request's drafts (`per_pos[j]`: steps that accepted more than j
-    drafts, so exactly j is `per_pos[j - 1] - per_pos[j]`)."""
-    stats = stats or SpecDecodingStats()
-    steps, drafted, accepted = stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
-    per_pos = [*stats.num_accepted_tokens_per_pos, *[0] * (k + 1)][:k + 1]
-    at_least = [steps, *per_pos]
+def spec_summary(stats: RequestSpecDecodingStats | None, k: int) -> SpecDecodingSummary:
+    """vLLM's summary of one request's drafts (all zeros for None: it drafted nothing)."""
+    stats = stats or RequestSpecDecodingStats()
+    steps, drafted, accepted = (stats.num_spec_steps, stats.num_draft_tokens,
+                                stats.num_accepted_tokens)
     return {"mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "acceptance_histogram": [at_least[j] - at_least[j + 1] for j in range(k + 1)],
+            "acceptance_histogram": stats.histogram(k),
+            "acceptance_histogram_by_draft_length": {
+                str(n): row for n, row in sorted(stats.by_draft_length.items())},
             "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
             "num_draft_tokens": drafted, "num_spec_tokens": k}
 
