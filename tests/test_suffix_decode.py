@@ -162,6 +162,45 @@ def test_the_global_tree_drafts_from_earlier_responses_and_evicts_the_oldest():
     assert off.global_tree.num_tokens == 0 and off.active_requests == {"r3"}
 
 
+def test_the_cache_drafts_as_brute_force_over_its_requests():
+    """Random requests over 3 token ids, several active at once, starting and stopping in a
+    random order: every draft is the brute-force draft of the request's prompt + output, or
+    of the last `max_cached` responses (outputs only) when that scores strictly higher."""
+    rng = random.Random(5)
+    for _ in range(25):
+        depth, max_cached = rng.randint(2, 6), rng.randint(0, 3)
+        cache = SuffixCache(depth, max_cached)
+        own: dict[str, list[int]] = {}
+        responses: dict[str, list[int]] = {}        # in start order, as the global tree's
+        for step in range(30):
+            if len(own) < 3 and (not own or rng.random() < 0.3):
+                rid = f"r{step}"
+                own[rid] = [rng.randint(0, 2) for _ in range(rng.randint(1, 6))]
+                cache.start(rid, own[rid])
+                if max_cached:
+                    responses[rid] = []
+                    while len(responses) > max_cached:
+                        del responses[next(iter(responses))]
+            rid = rng.choice(sorted(own))
+            if rng.random() < 0.2:
+                cache.stop(rid)
+                del own[rid]
+                continue
+            new = [rng.randint(0, 2) for _ in range(rng.randint(1, 3))]
+            cache.extend(rid, new)
+            own[rid] += new
+            if rid in responses:
+                responses[rid] += new
+            context = own[rid][-depth:]
+            local = brute_speculate(brute_counts({0: own[rid]}, depth), depth, context, 4, 1.0,
+                                    0.1)
+            glob = brute_speculate(brute_counts(dict(enumerate(responses.values())), depth),
+                                   depth, context, 4, 1.0, 0.1)
+            want = glob[0] if glob[1] > local[1] else local[0]
+            assert cache.speculate(rid, context, 4, 1.0, 0.1).token_ids == want
+        cache.global_tree.check_invariants()
+
+
 def test_the_global_tree_holds_at_most_max_cached_requests_responses():
     cache = SuffixCache(8, 5)
     for i in range(40):

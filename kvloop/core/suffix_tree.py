@@ -131,6 +131,10 @@ class SuffixTree:
     def _grow(self, node: _Node, seq_id: int, pos: int, token: int) -> _Node:
         """The suffix of `seq_id` ending at `node` (at position pos - 1) takes `token`
         (position pos); returns the node where it now ends."""
+        if node.count == 1 and node.seq == seq_id and node is not self._root:
+            node.length += 1                      # a leaf only this suffix reaches (the
+            node.ends = (seq_id, pos + 1)         # usual case in text that does not repeat)
+            return node
         child = node.child(token)
         if child is None:
             return self._grow_new(node, seq_id, pos, token)
