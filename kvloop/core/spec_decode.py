@@ -12,8 +12,10 @@ Where it runs and how drafts travel (vLLM's synchronous engine,
 docs/vllm-facts.md#speculative-decoding):
 
     step N   schedule -> execute -> update_from_output      (tokens appended, stops checked)
-             propose: for every request that sampled in step N and is still running,
-                      `proposer.propose(...)` -> `Scheduler.update_draft_token_ids`
+             propose: for every request that sampled in step N and is still running
+                      (the proposer also sees those that just finished, and which
+                      requests are live), `proposer.propose(...)` ->
+                      `Scheduler.update_draft_token_ids`
                       sets `request.spec_token_ids` (the engine's post-step, in the engine
                       process, on CPU; it reads only token ids, so the real runner and the
                       simulator get the same drafts)
@@ -147,7 +149,7 @@ class SuffixProposer:
         self._num_seen: dict[str, int] = {}     # request id -> its tokens in the trees
 
     def propose(self, requests: Sequence[Request],
-                live: Container[str] = ()) -> dict[str, list[int]]:
+                live: Container[str]) -> dict[str, list[int]]:
         """Learn the requests' new tokens, then draft for each unfinished one; forget the
         requests that finished or are not `live`."""
         drafts: dict[str, list[int]] = {}
