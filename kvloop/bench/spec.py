@@ -2,7 +2,7 @@
 """Speculative decoding benchmark: n-gram and suffix drafts against plain decoding, offline.
 
     python -m kvloop.bench.spec [--model PATH] [--methods ngram,suffix] [--ks 0,2,4]
-                                [--concurrency 1,8] [--workloads copy,random]
+                                [--concurrency 1,8] [--workloads copy,chat,random]
                                 [--num-requests 16] ...
 
 For each workload, concurrency c, method and k (0: no speculation, run once), one engine
@@ -12,6 +12,8 @@ together) runs the same requests, greedy with EOS ignored, and reports:
 - output tok/s: output tokens / wall time of the whole run;
 - acceptance: accepted / drafted tokens, and the mean acceptance length (1 + accepted per
   draft, vLLM's figure), from `LLM.get_metrics()`;
+- passes: output tokens - accepted drafts, the model's token-emitting passes summed over
+  the requests (what speculation saves, independent of the machine's load);
 - speedup over k = 0 at the same workload and concurrency;
 - whether every output equals k = 0's token for token (greedy speculation must not change
   them; a "no" is a bug, or a near-tie that batching flips).
@@ -21,9 +23,11 @@ with vLLM's defaults: trees of depth 24 over the request and the last 10,000 res
 its maximum draft length). Workloads: `copy` asks the model to repeat or lightly edit a
 paragraph of real text that is in its prompt (chat template applied), cycling through 4
 paragraphs under 3 instructions, so the output repeats the prompt and earlier answers, as
-an agent loop repeats tool output (repetitive); `random` is random token ids in, where
-drafts rarely match (non-repetitive). Prompts are the same for every run, so the prefix
-cache and suffix decoding's global tree start empty each time (a fresh engine each time).
+an agent loop repeats tool output (repetitive); `chat` asks open-ended questions (8, in
+turn), with nothing to copy (non-repetitive); `random` is random token ids in (a small
+model's greedy answer to noise tends to loop, so its drafts do match). Prompts are the same
+for every run, so the prefix cache and suffix decoding's global tree start empty each time
+(a fresh engine each time).
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ INSTRUCTIONS = (
 
 
 METHODS = ("ngram", "suffix")
+WORKLOADS = ("copy", "chat", "random")
+QUESTIONS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold.",
+    "What are three good habits for staying healthy while working from home?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me some ideas for a birthday party for a seven-year-old who loves dinosaurs.",
+    "Why do leaves change colour in autumn?",
+    "Write a polite email asking a neighbour to trim a tree that blocks the sun.",
+    "What is the difference between weather and climate?",
+)
 
 
 @dataclass
@@ -75,6 +90,7 @@ class Result:
     accepted: int
     acceptance_rate: float
     mean_acceptance_length: float
+    passes: int = 0   # token-emitting passes over all requests: output tokens - accepted
     speedup: float = 1.0
     same_as_k0: bool = True
 
@@ -88,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default="ngram,suffix", help="ngram, suffix")
     p.add_argument("--ks", default="0,2,4", help="num_speculative_tokens values (0: off)")
     p.add_argument("--concurrency", default="1,8", help="max_num_seqs values")
-    p.add_argument("--workloads", default="copy,random", help="copy, random")
+    p.add_argument("--workloads", default="copy,chat,random", help=", ".join(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=256, help="random workload's prompts")
@@ -104,9 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = _ints(p, "--concurrency", args.concurrency)
     args.workloads = args.workloads.split(",")
     args.methods = args.methods.split(",")
-    bad = [w for w in args.workloads if w not in ("copy", "random")]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or min(args.ks) < 0 or min(args.concurrency) < 1:
-        p.error("--workloads takes copy and random; --ks >= 0; --concurrency >= 1")
+        p.error(f"--workloads takes {', '.join(WORKLOADS)}; --ks >= 0; --concurrency >= 1")
     if [m for m in args.methods if m not in METHODS]:
         p.error(f"--methods takes {', '.join(METHODS)}")
     return args
@@ -143,6 +159,21 @@ def _encode(tokenizer: Any, content: str) -> list[int]:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": content}],
                                          add_generation_prompt=True)
     return list(tokenizer.encode(chat, add_special_tokens=False))
+
+
+def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """`n` open-ended chat questions (cycling through `QUESTIONS`): nothing to copy."""
+    return [_encode(tokenizer, QUESTIONS[j % len(QUESTIONS)]) for j in range(n)]
+
+
+def workload_prompts(workload: str, runner: Any, tokenizer: Any,
+                     args: argparse.Namespace) -> list[list[int]]:
+    if workload == "copy":
+        return copy_prompts(tokenizer, args.num_requests,
+                            runner.max_model_len - args.output_len - 1)
+    if workload == "chat":
+        return chat_prompts(tokenizer, args.num_requests)
+    return random_prompts(runner.vocab_size, args.num_requests, args.input_len, args.seed)
 
 
 def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -189,16 +220,14 @@ def run_one(runner: Any, tokenizer: Any, args: argparse.Namespace, prompts: list
                   seconds=seconds, tok_per_s=n_out / seconds if seconds > 0 else 0.0,
                   drafted=drafted, accepted=accepted,
                   acceptance_rate=accepted / drafted if drafted else 0.0,
-                  mean_acceptance_length=1 + accepted / drafts if drafts else 1.0), tokens
+                  mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
+                  passes=n_out - accepted), tokens
 
 
 def run_all(runner: Any, tokenizer: Any, args: argparse.Namespace) -> list[Result]:
     results = []
     for workload in args.workloads:
-        room = runner.max_model_len - args.output_len - 1
-        prompts = (copy_prompts(tokenizer, args.num_requests, room) if workload == "copy" else
-                   random_prompts(runner.vocab_size, args.num_requests, args.input_len,
-                                  args.seed))
+        prompts = workload_prompts(workload, runner, tokenizer, args)
         for c in args.concurrency:
             results.extend(run_concurrency(runner, tokenizer, args, prompts, c, workload))
     return results
@@ -227,12 +256,12 @@ def run_concurrency(runner: Any, tokenizer: Any, args: argparse.Namespace,
 def report(results: list[Result], setup: dict[str, Any]) -> str:
     lines = [" ".join(f"{k}={v}" for k, v in setup.items()),
              f"{'workload':<9}{'conc':>5}{'method':>7}{'k':>3}{'out tok/s':>11}{'speedup':>9}"
-             f"{'accept':>8}{'mean len':>10}{'drafted':>9}{'same':>6}"]
+             f"{'accept':>8}{'mean len':>10}{'drafted':>9}{'passes':>8}{'same':>6}"]
     for r in results:
         lines.append(f"{r.workload:<9}{r.concurrency:>5}{r.method:>7}{r.k:>3}"
                      f"{r.tok_per_s:>11.1f}"
                      f"{r.speedup:>8.2f}x{100 * r.acceptance_rate:>7.1f}%"
-                     f"{r.mean_acceptance_length:>10.2f}{r.drafted:>9}"
+                     f"{r.mean_acceptance_length:>10.2f}{r.drafted:>9}{r.passes:>8}"
                      f"{'yes' if r.same_as_k0 else 'NO':>6}")
     return "\n".join(lines)
 
