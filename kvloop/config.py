@@ -354,12 +354,12 @@ def _spec_int(name: str, value: object, low: int = 1) -> int:
 
 
 def _spec_float(name: str, value: object, low: float, high: float | None) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, int | float)
-    if not ok or value < low or (high is not None and value > high):   # type: ignore[operator]
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low \
+            or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"speculative config: {name} must be a number {bound}, "
                          f"got {value!r}")
-    return float(value)   # type: ignore[arg-type]
+    return float(value)
 
 
 @dataclass(frozen=True)
