@@ -23,11 +23,11 @@ with vLLM's defaults: trees of depth 24 over the request and the last 10,000 res
 its maximum draft length). Workloads: `copy` asks the model to repeat or lightly edit a
 paragraph of real text that is in its prompt (chat template applied), cycling through 4
 paragraphs under 3 instructions, so the output repeats the prompt and earlier answers, as
-an agent loop repeats tool output (repetitive); `chat` asks open-ended questions (8, in
-turn), with nothing to copy (non-repetitive); `random` is random token ids in (a small
-model's greedy answer to noise tends to loop, so its drafts do match). Prompts are the same
-for every run, so the prefix cache and suffix decoding's global tree start empty each time
-(a fresh engine each time).
+an agent loop repeats tool output (repetitive); `chat` asks open-ended questions (16, each
+once up to --num-requests 16), with nothing to copy (non-repetitive); `random` is random
+token ids in (a small model's greedy answer to noise tends to loop, so its drafts do
+match). Prompts are the same for every run, so the prefix cache and suffix decoding's
+global tree start empty each time (a fresh engine each time).
 """
 
 from __future__ import annotations
@@ -74,6 +74,14 @@ QUESTIONS = (
     "Why do leaves change colour in autumn?",
     "Write a polite email asking a neighbour to trim a tree that blocks the sun.",
     "What is the difference between weather and climate?",
+    "Suggest a three-day itinerary for a first visit to Lisbon.",
+    "How does a bicycle stay upright when it moves?",
+    "Write a haiku about a rainy Monday morning.",
+    "What should I pack for a weekend of camping in the mountains?",
+    "Explain what a budget is and why a family might keep one.",
+    "Describe the taste of a ripe mango to someone who has never had one.",
+    "What are the pros and cons of learning to play the piano as an adult?",
+    "Tell me about the history of the printing press in a few paragraphs.",
 )
 
 
