@@ -340,27 +340,52 @@ class AutoBudget:
 
 
 # Speculative decoding (`--speculative-config`, `LLM(speculative_config=...)`): the methods
-# kvloop runs, vLLM's default n-gram window, and the keys its JSON may hold.
-SPEC_METHODS = ("ngram",)
+# kvloop runs, vLLM's default n-gram window and suffix-decoding settings, and the keys its
+# JSON may hold (each method's own keys are refused with the other method).
+SPEC_METHODS = ("ngram", "suffix")
 DEFAULT_PROMPT_LOOKUP = 5      # vLLM's prompt_lookup_min and _max when neither is given
-SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min",
-                    "prompt_lookup_max", "model")
+NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+SUFFIX_KEYS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+               "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+SUFFIX_DEFAULTS: dict[str, Any] = dict(zip(SUFFIX_KEYS, (24, 10000, 1.0, 0.1), strict=True))
+SPEC_CONFIG_KEYS = ("method", "num_speculative_tokens", *NGRAM_KEYS, "model", *SUFFIX_KEYS)
 
 
-def _spec_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
+def _spec_int(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"speculative config: {name} must be an integer >= {low}, "
+                         f"got {value!r}")
     return value
+
+
+def _spec_float(name: str, value: object, low: float, high: float | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < low \
+            or (high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"speculative config: {name} must be a number {bound}, "
+                         f"got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, vLLM's `SpeculativeConfig` for the one method kvloop runs:
-    `ngram` (prompt lookup: drafts copied from the request's own context, no draft model;
-    docs/vllm-facts.md#speculative-decoding). Each decoding request proposes up to
-    `num_speculative_tokens` (k) drafts after each step; the next step schedules 1 + k tokens
-    for it and verifies them in one forward pass. The n-gram matched is between
-    `prompt_lookup_min` and `prompt_lookup_max` tokens long.
+    """Speculative decoding, vLLM's `SpeculativeConfig` for the methods kvloop runs, both
+    model-free (docs/vllm-facts.md#speculative-decoding, docs/serving.md):
+
+    - `ngram` (prompt lookup): drafts copied from the request's own context after the last
+      n-gram (between `prompt_lookup_min` and `prompt_lookup_max` tokens) that occurred
+      before;
+    - `suffix` (suffix decoding, kvloop.core.suffix_tree): drafts from suffix trees over the
+      request's prompt and output and over the responses of the last
+      `suffix_decoding_max_cached_requests` requests (0: none), the most frequent
+      continuation of the longest useful match; a draft is at most
+      `suffix_decoding_max_spec_factor` times the match length, keeps only tokens whose
+      estimated probability is >= `suffix_decoding_min_token_prob`, and match plus draft
+      fit in `suffix_decoding_max_tree_depth` tokens.
+
+    Each decoding request proposes up to `num_speculative_tokens` (k) drafts after each
+    step (suffix decoding: a variable number, at most k); the next step schedules 1 + drafts
+    tokens for it and verifies them in one forward pass.
 
     Build it from vLLM's keys with `from_dict` (or `parse` for the flag's JSON text), which
     fills the defaults as vLLM does; the constructor only validates.
@@ -370,6 +395,11 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    suffix_decoding_max_tree_depth: int = SUFFIX_DEFAULTS["suffix_decoding_max_tree_depth"]
+    suffix_decoding_max_cached_requests: int = SUFFIX_DEFAULTS[
+        "suffix_decoding_max_cached_requests"]
+    suffix_decoding_max_spec_factor: float = SUFFIX_DEFAULTS["suffix_decoding_max_spec_factor"]
+    suffix_decoding_min_token_prob: float = SUFFIX_DEFAULTS["suffix_decoding_min_token_prob"]
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -381,13 +411,22 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+        _spec_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
+        _spec_int("suffix_decoding_max_cached_requests",
+                  self.suffix_decoding_max_cached_requests, low=0)
+        _spec_float("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor,
+                    0.0, None)
+        _spec_float("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob,
+                    0.0, 1.0)
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> SpeculativeConfig:
         """vLLM's rules for its keys: `method` "ngram" (or "[ngram]", or left out with
-        `model` "ngram"); `num_speculative_tokens` required; neither lookup bound given: both
-        `DEFAULT_PROMPT_LOOKUP`; one given: the other copies it. ValueError naming the key
-        for anything else (unknown keys, draft models, other methods)."""
+        `model` "ngram") or "suffix"; `num_speculative_tokens` required for ngram, and for
+        suffix defaulting to `suffix_decoding_max_tree_depth`; neither lookup bound given:
+        both `DEFAULT_PROMPT_LOOKUP`; one given: the other copies it; suffix keys left out:
+        `SUFFIX_DEFAULTS`. ValueError naming the key for anything else (unknown keys, keys
+        of the other method, draft models, other methods)."""
         if not isinstance(spec, Mapping):
             raise ValueError(f"speculative config must be a JSON object, got {spec!r}")
         unknown = sorted(set(spec) - set(SPEC_CONFIG_KEYS))
@@ -395,6 +434,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown key(s) {', '.join(unknown)}; "
                              f"kvloop knows {', '.join(SPEC_CONFIG_KEYS)}")
         method = _spec_method(spec.get("method"), spec.get("model"))
+        _refuse_other_methods_keys(spec, method)
+        if method == "suffix":
+            return _suffix_config(spec)
         if spec.get("num_speculative_tokens") is None:
             raise ValueError("speculative config: num_speculative_tokens is required")
         lo: Any = spec.get("prompt_lookup_min")
@@ -413,6 +455,34 @@ class SpeculativeConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not JSON ({e}): {text!r}") from None
         return cls.from_dict(spec)
+
+    def describe(self) -> str:
+        """For the start-up log: the method, its draft bound and where drafts come from."""
+        head = f"{self.method}, up to {self.num_speculative_tokens} draft tokens per step"
+        if self.method == "suffix":
+            return (f"{head} (suffix trees of depth {self.suffix_decoding_max_tree_depth} "
+                    f"over the request's own context and the last "
+                    f"{self.suffix_decoding_max_cached_requests} responses)")
+        return (f"{head} (n-grams of {self.prompt_lookup_min}-{self.prompt_lookup_max} "
+                f"tokens from the request's own context)")
+
+
+def _refuse_other_methods_keys(spec: Mapping[str, Any], method: str) -> None:
+    foreign = NGRAM_KEYS if method == "suffix" else SUFFIX_KEYS
+    given = [k for k in foreign if spec.get(k) is not None]
+    if given:
+        owner = "ngram" if method == "suffix" else "suffix"
+        raise ValueError(f"speculative config: {', '.join(given)} belong(s) to method "
+                         f"{owner!r}, not {method!r}")
+
+
+def _suffix_config(spec: Mapping[str, Any]) -> SpeculativeConfig:
+    """Method "suffix": vLLM's defaults for the keys left out."""
+    values = {k: spec[k] if spec.get(k) is not None else v for k, v in SUFFIX_DEFAULTS.items()}
+    depth = values["suffix_decoding_max_tree_depth"]
+    k = spec.get("num_speculative_tokens")
+    return SpeculativeConfig(num_speculative_tokens=depth if k is None else k, method="suffix",
+                             **values)
 
 
 def _spec_method(method: object, model: object) -> str:

@@ -65,6 +65,37 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
             per_pos[i] += n
 
 
+class RequestSpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """One request's draft verifications (vLLM's per-request figure): `by_draft_length[n][j]`
+    counts the steps that verified n drafts and accepted exactly j of them (j = 0..n)."""
+
+    by_draft_length: dict[int, list[int]] = msgspec.field(default_factory=dict)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        row = self.by_draft_length.setdefault(num_draft_tokens, [0] * (num_draft_tokens + 1))
+        row[num_accepted_tokens] += 1
+
+    @property
+    def num_spec_steps(self) -> int:
+        return sum(sum(row) for row in self.by_draft_length.values())
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(n * sum(row) for n, row in self.by_draft_length.items())
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(j * c for row in self.by_draft_length.values() for j, c in enumerate(row))
+
+    def histogram(self, k: int) -> list[int]:
+        """Steps that accepted exactly j drafts, j = 0..k."""
+        out = [0] * (k + 1)
+        for row in self.by_draft_length.values():
+            for j, c in enumerate(row[:k + 1]):
+                out[j] += c
+        return out
+
+
 # Why a KV load failed (`KVTransferStats.failures`, `kvloop:kv_transfer_failures_total{reason}`)
 KV_FAILURE_UNREACHABLE = "unreachable"   # no answer from P within transfer_timeout
 KV_FAILURE_MISMATCH = "mismatch"         # P's fingerprint or block size differs from D's
@@ -237,6 +268,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     pooling_output: list[float] | None = None
     # the part of num_cached_tokens loaded from outside the pool (a KV tier, P's hit)
     num_external_computed_tokens: int = 0
+    # on the finishing output: the request's own drafts and acceptances (None: no drafts)
+    spec_decoding_stats: RequestSpecDecodingStats | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,17 +19,23 @@ def test_the_benchmark_runs_every_case_and_reports_them(tmp_path, capsys) -> Non
                "--concurrency", "1,2", "--num-requests", "2", "--output-len", "4",
                "--input-len", "8", "--num-gpu-blocks-override", "64", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "workload" in text and text.count("\ncopy ") == 4 and text.count("\nrandom ") == 4
+    assert "workload" in text and text.count("\ncopy ") == 6 and text.count("\nrandom ") == 6
+    assert text.count("\nchat ") == 6
     results = json.loads(out.read_text())["results"]
-    assert [(r["workload"], r["concurrency"], r["k"]) for r in results] == [
-        (w, c, k) for w in ("copy", "random") for c in (1, 2) for k in (0, 2)]
+    assert [(r["workload"], r["concurrency"], r["method"], r["k"]) for r in results] == [
+        (w, c, m, k) for w in ("copy", "chat", "random") for c in (1, 2)
+        for m, k in (("-", 0), ("ngram", 2), ("suffix", 2))]
     for r in results:
         assert r["output_tokens"] == 8 and r["same_as_k0"] is True
         assert 0 <= r["accepted"] <= r["drafted"]
+        assert r["passes"] == r["output_tokens"] - r["accepted"]
         assert r["k"] or r["drafted"] == 0
 
 
 def test_bad_arguments_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         spec.parse_args(["--workloads", "copy,other"])
-    assert "--workloads takes copy and random" in capsys.readouterr().err
+    assert "--workloads takes copy, chat, random" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        spec.parse_args(["--methods", "ngram,eagle"])
+    assert "--methods takes ngram, suffix" in capsys.readouterr().err

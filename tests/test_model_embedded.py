@@ -178,11 +178,19 @@ COPY_TASKS = [
 ]
 
 
-def test_speculation_keeps_greedy_output_token_for_token(llm_fp32):
-    """n-gram drafts verified by the real model: a batch of three greedy copy tasks (where
-    prompt lookup finds what the output repeats) and a seeded random request, in 32-token
-    chunks and a pool small enough to preempt; the greedy outputs equal plain decoding's
-    token for token, and drafts were proposed and accepted."""
+SPEC_METHODS = {
+    "ngram": SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5),
+    "suffix": SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 3}),
+}
+
+
+@pytest.mark.parametrize("method", sorted(SPEC_METHODS))
+def test_speculation_keeps_greedy_output_token_for_token(llm_fp32, method):
+    """n-gram or suffix drafts verified by the real model: a batch of three greedy copy
+    tasks (where prompt lookup and the request's suffix tree find what the output repeats)
+    and a seeded random request, in 32-token chunks and a pool small enough to preempt; the
+    greedy outputs equal plain decoding's token for token, and drafts were proposed and
+    accepted."""
     tok = llm_fp32.get_tokenizer()
     prompts = [[{"role": "user", "content": t}] for t in [*COPY_TASKS, "Write a haiku."]]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -197,8 +205,7 @@ def test_speculation_keeps_greedy_output_token_for_token(llm_fp32):
         return run, [list(o.outputs[0].token_ids) for o in outs]
 
     plain, expected = generate(None)
-    spec, got = generate(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2,
-                                           prompt_lookup_max=5))
+    spec, got = generate(SPEC_METHODS[method])
     assert got[:3] == expected[:3]
     assert [len(t) for t in got] == [24] * 4
     for run in (plain, spec):

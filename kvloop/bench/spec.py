@@ -1,24 +1,33 @@
 
-"""Speculative decoding benchmark: n-gram drafts against plain decoding, offline.
+"""Speculative decoding benchmark: n-gram and suffix drafts against plain decoding, offline.
 
-    python -m kvloop.bench.spec [--model PATH] [--ks 0,2,4] [--concurrency 1,8]
-                                [--workloads copy,random] [--num-requests 16] ...
+    python -m kvloop.bench.spec [--model PATH] [--methods ngram,suffix] [--ks 0,2,4]
+                                [--concurrency 1,8] [--workloads copy,chat,random]
+                                [--num-requests 16] ...
 
-For each workload, concurrency c and k (0: no speculation), one engine (`LLM.from_runner`
-over one loaded model, `max_num_seqs` = c, so at most c requests decode together) runs the
-same requests, greedy with EOS ignored, and reports:
+For each workload, concurrency c, method and k (0: no speculation, run once), one engine
+(`LLM.from_runner` over one loaded model, `max_num_seqs` = c, so at most c requests decode
+together) runs the same requests, greedy with EOS ignored, and reports:
 
 - output tok/s: output tokens / wall time of the whole run;
 - acceptance: accepted / drafted tokens, and the mean acceptance length (1 + accepted per
   draft, vLLM's figure), from `LLM.get_metrics()`;
+- passes: output tokens - accepted drafts, the model's token-emitting passes summed over
+  the requests (what speculation saves, independent of the machine's load);
 - speedup over k = 0 at the same workload and concurrency;
 - whether every output equals k = 0's token for token (greedy speculation must not change
   them; a "no" is a bug, or a near-tie that batching flips).
 
-Workloads: `copy` asks the model to repeat or lightly edit a paragraph of real text that is
-in its prompt (chat template applied), where prompt lookup finds what the output copies;
-`random` is random token ids in, where n-gram drafts rarely match. Prompts are the same for
-every k, so the prefix cache is reset between runs (a fresh engine each time).
+Methods: `ngram` (prompt lookup, `--prompt-lookup-min/max`) and `suffix` (suffix decoding
+with vLLM's defaults: trees of depth 24 over the request and the last 10,000 responses; k is
+its maximum draft length). Workloads: `copy` asks the model to repeat or lightly edit a
+paragraph of real text that is in its prompt (chat template applied), cycling through 4
+paragraphs under 3 instructions, so the output repeats the prompt and earlier answers, as
+an agent loop repeats tool output (repetitive); `chat` asks open-ended questions (16, each
+once up to --num-requests 16), with nothing to copy (non-repetitive); `random` is random
+token ids in (a small model's greedy answer to noise tends to loop, so its drafts do
+match). Prompts are the same for every run, so the prefix cache and suffix decoding's
+global tree start empty each time (a fresh engine each time).
 """
 
 from __future__ import annotations
@@ -54,10 +63,33 @@ INSTRUCTIONS = (
 )
 
 
+METHODS = ("ngram", "suffix")
+WORKLOADS = ("copy", "chat", "random")
+QUESTIONS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a refrigerator keeps food cold.",
+    "What are three good habits for staying healthy while working from home?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me some ideas for a birthday party for a seven-year-old who loves dinosaurs.",
+    "Why do leaves change colour in autumn?",
+    "Write a polite email asking a neighbour to trim a tree that blocks the sun.",
+    "What is the difference between weather and climate?",
+    "Suggest a three-day itinerary for a first visit to Lisbon.",
+    "How does a bicycle stay upright when it moves?",
+    "Write a haiku about a rainy Monday morning.",
+    "What should I pack for a weekend of camping in the mountains?",
+    "Explain what a budget is and why a family might keep one.",
+    "Describe the taste of a ripe mango to someone who has never had one.",
+    "What are the pros and cons of learning to play the piano as an adult?",
+    "Tell me about the history of the printing press in a few paragraphs.",
+)
+
+
 @dataclass
 class Result:
     workload: str
     concurrency: int
+    method: str      # "-" for k = 0
     k: int
     output_tokens: int
     seconds: float
@@ -66,6 +98,7 @@ class Result:
     accepted: int
     acceptance_rate: float
     mean_acceptance_length: float
+    passes: int = 0   # token-emitting passes over all requests: output tokens - accepted
     speedup: float = 1.0
     same_as_k0: bool = True
 
@@ -76,9 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    p.add_argument("--methods", default="ngram,suffix", help="ngram, suffix")
     p.add_argument("--ks", default="0,2,4", help="num_speculative_tokens values (0: off)")
     p.add_argument("--concurrency", default="1,8", help="max_num_seqs values")
-    p.add_argument("--workloads", default="copy,random", help="copy, random")
+    p.add_argument("--workloads", default="copy,chat,random", help=", ".join(WORKLOADS))
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--input-len", type=int, default=256, help="random workload's prompts")
@@ -93,9 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ks = _ints(p, "--ks", args.ks)
     args.concurrency = _ints(p, "--concurrency", args.concurrency)
     args.workloads = args.workloads.split(",")
-    bad = [w for w in args.workloads if w not in ("copy", "random")]
+    args.methods = args.methods.split(",")
+    bad = [w for w in args.workloads if w not in WORKLOADS]
     if bad or min(args.ks) < 0 or min(args.concurrency) < 1:
-        p.error("--workloads takes copy and random; --ks >= 0; --concurrency >= 1")
+        p.error(f"--workloads takes {', '.join(WORKLOADS)}; --ks >= 0; --concurrency >= 1")
+    if [m for m in args.methods if m not in METHODS]:
+        p.error(f"--methods takes {', '.join(METHODS)}")
     return args
 
 
@@ -132,21 +169,46 @@ def _encode(tokenizer: Any, content: str) -> list[int]:
     return list(tokenizer.encode(chat, add_special_tokens=False))
 
 
+def chat_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """`n` open-ended chat questions (cycling through `QUESTIONS`): nothing to copy."""
+    return [_encode(tokenizer, QUESTIONS[j % len(QUESTIONS)]) for j in range(n)]
+
+
+def workload_prompts(workload: str, runner: Any, tokenizer: Any,
+                     args: argparse.Namespace) -> list[list[int]]:
+    if workload == "copy":
+        return copy_prompts(tokenizer, args.num_requests,
+                            runner.max_model_len - args.output_len - 1)
+    if workload == "chat":
+        return chat_prompts(tokenizer, args.num_requests)
+    return random_prompts(runner.vocab_size, args.num_requests, args.input_len, args.seed)
+
+
 def random_prompts(vocab_size: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     low = min(1000, vocab_size // 2)
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(n)]
 
 
-def run_one(runner: Any, tokenizer: Any, args: argparse.Namespace, prompts: list[list[int]],
-            concurrency: int, k: int) -> tuple[Result, list[list[int]]]:
-    """One engine, one workload, one (concurrency, k): the result and every output."""
-    from kvloop import LLM, SamplingParams
+def speculative(method: str, k: int, args: argparse.Namespace) -> Any:
+    """The engine's SpeculativeConfig for (method, k); None for k = 0."""
     from kvloop.config import SpeculativeConfig
+
+    if not k:
+        return None
+    if method == "suffix":
+        return SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": k})
+    return SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=args.prompt_lookup_min,
+                             prompt_lookup_max=args.prompt_lookup_max)
+
+
+def run_one(runner: Any, tokenizer: Any, args: argparse.Namespace, prompts: list[list[int]],
+            concurrency: int, method: str, k: int) -> tuple[Result, list[list[int]]]:
+    """One engine, one workload, one (concurrency, method, k): the result and every output."""
+    from kvloop import LLM, SamplingParams
     from kvloop.llm import engine_config
 
-    spec = (SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=args.prompt_lookup_min,
-                              prompt_lookup_max=args.prompt_lookup_max) if k else None)
+    spec = speculative(method, k, args)
     config = engine_config(runner.max_model_len,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_num_seqs=concurrency, speculative=spec, log_stats=True)
@@ -161,42 +223,53 @@ def run_one(runner: Any, tokenizer: Any, args: argparse.Namespace, prompts: list
     drafted = getattr(metrics.get("vllm:spec_decode_num_draft_tokens"), "value", 0)
     accepted = getattr(metrics.get("vllm:spec_decode_num_accepted_tokens"), "value", 0)
     n_out = sum(len(t) for t in tokens)
-    return Result(workload="", concurrency=concurrency, k=k, output_tokens=n_out,
+    return Result(workload="", concurrency=concurrency, method=method if k else "-", k=k,
+                  output_tokens=n_out,
                   seconds=seconds, tok_per_s=n_out / seconds if seconds > 0 else 0.0,
                   drafted=drafted, accepted=accepted,
                   acceptance_rate=accepted / drafted if drafted else 0.0,
-                  mean_acceptance_length=1 + accepted / drafts if drafts else 1.0), tokens
+                  mean_acceptance_length=1 + accepted / drafts if drafts else 1.0,
+                  passes=n_out - accepted), tokens
 
 
 def run_all(runner: Any, tokenizer: Any, args: argparse.Namespace) -> list[Result]:
     results = []
     for workload in args.workloads:
-        room = runner.max_model_len - args.output_len - 1
-        prompts = (copy_prompts(tokenizer, args.num_requests, room) if workload == "copy" else
-                   random_prompts(runner.vocab_size, args.num_requests, args.input_len,
-                                  args.seed))
+        prompts = workload_prompts(workload, runner, tokenizer, args)
         for c in args.concurrency:
-            base: tuple[Result, list[list[int]]] | None = None
-            for k in sorted(args.ks):
-                res, tokens = run_one(runner, tokenizer, args, prompts, c, k)
-                res.workload = workload
-                if base is None:
-                    base = (res, tokens)
-                else:
-                    res.speedup = res.tok_per_s / base[0].tok_per_s if base[0].tok_per_s else 0
-                    res.same_as_k0 = tokens == base[1]
-                results.append(res)
+            results.extend(run_concurrency(runner, tokenizer, args, prompts, c, workload))
+    return results
+
+
+def run_concurrency(runner: Any, tokenizer: Any, args: argparse.Namespace,
+                    prompts: list[list[int]], c: int, workload: str) -> list[Result]:
+    """k = 0 first (when asked for), then every method at every k > 0, each compared with
+    the first run."""
+    cases = [("-", 0)] if 0 in args.ks else []
+    cases += [(m, k) for m in args.methods for k in sorted(args.ks) if k]
+    results: list[Result] = []
+    base: tuple[Result, list[list[int]]] | None = None
+    for method, k in cases:
+        res, tokens = run_one(runner, tokenizer, args, prompts, c, method, k)
+        res.workload = workload
+        if base is None:
+            base = (res, tokens)
+        else:
+            res.speedup = res.tok_per_s / base[0].tok_per_s if base[0].tok_per_s else 0
+            res.same_as_k0 = tokens == base[1]
+        results.append(res)
     return results
 
 
 def report(results: list[Result], setup: dict[str, Any]) -> str:
     lines = [" ".join(f"{k}={v}" for k, v in setup.items()),
-             f"{'workload':<9}{'conc':>5}{'k':>3}{'out tok/s':>11}{'speedup':>9}"
-             f"{'accept':>8}{'mean len':>10}{'drafted':>9}{'same':>6}"]
+             f"{'workload':<9}{'conc':>5}{'method':>7}{'k':>3}{'out tok/s':>11}{'speedup':>9}"
+             f"{'accept':>8}{'mean len':>10}{'drafted':>9}{'passes':>8}{'same':>6}"]
     for r in results:
-        lines.append(f"{r.workload:<9}{r.concurrency:>5}{r.k:>3}{r.tok_per_s:>11.1f}"
+        lines.append(f"{r.workload:<9}{r.concurrency:>5}{r.method:>7}{r.k:>3}"
+                     f"{r.tok_per_s:>11.1f}"
                      f"{r.speedup:>8.2f}x{100 * r.acceptance_rate:>7.1f}%"
-                     f"{r.mean_acceptance_length:>10.2f}{r.drafted:>9}"
+                     f"{r.mean_acceptance_length:>10.2f}{r.drafted:>9}{r.passes:>8}"
                      f"{'yes' if r.same_as_k0 else 'NO':>6}")
     return "\n".join(lines)
 
@@ -219,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
              "lookup": f"{args.prompt_lookup_min}-{args.prompt_lookup_max}"}
     warm = argparse.Namespace(**{**vars(args), "output_len": 2})
     run_one(runner, tokenizer, warm, copy_prompts(tokenizer, 1, runner.max_model_len - 3), 1,
-            max(args.ks))
+            args.methods[0], max(args.ks))
     results = run_all(runner, tokenizer, args)
     print(report(results, setup))
     if args.json:

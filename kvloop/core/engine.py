@@ -53,7 +53,7 @@ from kvloop.core.request import (
 )
 from kvloop.core.runner import LoRARunner, Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
-from kvloop.core.spec_decode import NgramProposer
+from kvloop.core.spec_decode import make_proposer
 from kvloop.core.structured_output import (
     GrammarBackend,
     StructuredOutputManager,
@@ -118,7 +118,7 @@ class EngineCore:
         self.structured_output = (StructuredOutputManager(grammar_backend, limits=limits)
                                   if grammar_backend is not None else None)
         spec = config.speculative
-        self.proposer = (NgramProposer(spec, config.scheduler.max_model_len)
+        self.proposer = (make_proposer(spec, config.scheduler.max_model_len)
                          if spec is not None else None)
         self._pending_aborts: list[str] = []
         self._abort_lock = threading.Lock()
@@ -204,8 +204,9 @@ class EngineCore:
         admissions = self.scheduler.last_admissions
         result, timing = self._execute(out)
         self._apply_aborts()
+        sampling = self._sampling_requests(out)
         outputs = self.scheduler.update_from_output(out, result)
-        self._propose_drafts(out)
+        self._propose_drafts(out, sampling)
         events = self.take_event_batch()
         stats = self.scheduler.make_stats() if self.config.log_stats else None
         if self.config.check_invariants:
@@ -244,13 +245,20 @@ class EngineCore:
         result = runner.sample_tokens(grammar)
         return result, StepTiming.of(result.forward_time, window)
 
-    def _propose_drafts(self, out: SchedulerOutput) -> None:
-        """Drafts for the next step, for the requests that sampled in `out` and still run."""
+    def _sampling_requests(self, out: SchedulerOutput) -> list[Request]:
+        """The requests that sample in `out` (taken before accounting, which lets go of the
+        ones that finish), for the proposer; [] without speculative decoding."""
+        if self.proposer is None:
+            return []
+        requests = self.scheduler.requests
+        return [requests[rid] for rid in sorted(out.sampling_req_ids) if rid in requests]
+
+    def _propose_drafts(self, out: SchedulerOutput, sampling: list[Request]) -> None:
+        """Drafts for the next step, for the requests that sampled in `out` and still run
+        (the proposer also sees those that just finished, and which requests are live)."""
         if self.proposer is None:
             return
-        requests = self.scheduler.requests
-        sampled = [requests[rid] for rid in out.sampling_req_ids if rid in requests]
-        drafts = self.proposer.propose(sampled)
+        drafts = self.proposer.propose(sampling, self.scheduler.requests)
         if drafts:
             self.scheduler.update_draft_token_ids(drafts, out)
 

@@ -22,6 +22,7 @@ from kvloop.sampling_params import NO_GRAMMAR_BACKEND as NO_GRAMMAR_BACKEND
 from kvloop.sampling_params import SamplingParams as SamplingParams
 from kvloop.sampling_params import StructuredOutputKind as StructuredOutputKind
 from kvloop.sampling_params import StructuredOutputsParams as StructuredOutputsParams
+from kvloop.wire import RequestSpecDecodingStats
 
 
 class RequestGrammar(Protocol):
@@ -147,6 +148,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens: int | None = None  # prefix hit at the first admission
         self.spec_token_ids: list[int] = []
+        # its drafts' verifications so far (None: none yet), for the per-request figure
+        self.spec_decoding_stats: RequestSpecDecodingStats | None = None
         # its grammar, attached by the engine's StructuredOutputManager (None: unconstrained)
         self.structured_output_request: RequestGrammar | None = None
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

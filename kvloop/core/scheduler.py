@@ -62,6 +62,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     LoRAStats,
     PromptLogprobsChunk,
+    RequestSpecDecodingStats,
     SchedulerStats,
     SpecDecodingStats,
     TopLogprobs,
@@ -585,6 +586,7 @@ class Scheduler:
             if is_stopped:
                 out.finish_reason = finish_reason(request.status)
                 out.stop_reason = request.stop_reason
+                out.spec_decoding_stats = request.spec_decoding_stats
                 if request.status == RequestStatus.FINISHED_ERROR:
                     out.error = GRAMMAR_REJECTED.format(token=kept[-1])
                 stopped.add(rid)
@@ -623,6 +625,9 @@ class Scheduler:
         rejected = num_drafts - num_accepted
         if rejected > 0:
             request.num_computed_tokens -= rejected
+        if request.spec_decoding_stats is None:
+            request.spec_decoding_stats = RequestSpecDecodingStats()
+        request.spec_decoding_stats.observe_draft(num_drafts, num_accepted)
         if self.log_stats:
             if self._spec_stats is None:
                 self._spec_stats = SpecDecodingStats()

@@ -276,6 +276,26 @@ class Usage(TypedDict):
     prompt_tokens_details: PromptTokensDetails
 
 
+class SpecDecodingSummary(TypedDict):
+    """vLLM's per-request acceptance summary (`metrics.speculative_decoding` with
+    `--per-request-spec-decode-metrics summary`): `acceptance_histogram[j]` counts the
+    verification steps that accepted exactly j drafts (length k + 1); by draft length:
+    the same for the steps that verified n drafts (key n as text, k + 1 counts)."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    acceptance_histogram_by_draft_length: dict[str, list[int]]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+
+
+class ResponseMetrics(TypedDict):
+    speculative_decoding: SpecDecodingSummary | None
+
+
 class CompletionLogprobs(TypedDict):
     """Legacy completions logprobs, one entry per token (echoed prompt tokens have null
     logprobs)."""
@@ -320,6 +340,7 @@ class CompletionResponse(TypedDict):
     usage: Usage
     system_fingerprint: None
     kv_transfer_params: dict[str, Any] | None   # what a decode worker needs (P/D), else None
+    metrics: NotRequired[ResponseMetrics]   # --per-request-spec-decode-metrics summary
 
 
 class CompletionStreamResponse(TypedDict):
@@ -402,6 +423,7 @@ class ChatCompletionResponse(TypedDict):
     kv_transfer_params: dict[str, Any] | None   # what a decode worker needs (P/D), else None
     prompt_token_ids: NotRequired[list[int]]
     prompt_logprobs: NotRequired[PromptLogprobs]   # when asked for
+    metrics: NotRequired[ResponseMetrics]   # --per-request-spec-decode-metrics summary
 
 
 class ChatDelta(TypedDict):

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvloop.core.request import SamplingParams
-from kvloop.wire import EngineCoreOutput, PromptLogprobsChunk
+from kvloop.wire import EngineCoreOutput, PromptLogprobsChunk, RequestSpecDecodingStats
 
 
 def model_stops(params: SamplingParams, tokenizer: Any) -> SamplingParams:
@@ -162,6 +162,8 @@ class OutputState:
         self.num_cached_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None   # from the finishing output
         self.pooling_output: list[float] | None = None   # a pooling request's vector
+        # the request's drafts and acceptances, from the finishing output
+        self.spec_decoding_stats: RequestSpecDecodingStats | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._sent = 0
@@ -186,6 +188,8 @@ class OutputState:
             self.kv_transfer_params = out.kv_transfer_params
         if out.pooling_output is not None:
             self.pooling_output = out.pooling_output
+        if out.spec_decoding_stats is not None:
+            self.spec_decoding_stats = out.spec_decoding_stats
         delta = Delta()
         lps = out.new_logprobs or []
         n = len(out.new_token_ids)

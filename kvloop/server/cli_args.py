@@ -83,6 +83,7 @@ EMBEDDED_ALIAS = "smollm2"   # the embedded SmolLM2-135M-Instruct (a local path 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?)[bB]?\s*$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+PER_REQUEST_SPEC_METRICS = ("none", "summary")   # vLLM's levels but `detailed`
 
 
 def parse_size(text: str) -> int:
@@ -223,9 +224,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="order of waiting requests")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' "
-                        "(ngram only; prompt_lookup_min and _max default to 5, one given: "
-                        "both) (default: off)")
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5}' or "
+                        "'{\"method\": \"suffix\", \"num_speculative_tokens\": 16}' "
+                        "(ngram: prompt_lookup_min and _max default to 5, one given: both; "
+                        "suffix: vLLM's suffix_decoding_* keys, docs/serving.md) "
+                        "(default: off)")
+    g.add_argument("--per-request-spec-decode-metrics", choices=PER_REQUEST_SPEC_METRICS,
+                   default="none",
+                   help="summary: completions and chat completions carry the request's "
+                        "draft acceptance in metrics.speculative_decoding (vLLM's; n = 1 only; "
+                        "streams: on the usage chunk)")
     g.add_argument("--trace-file", default=None,
                    help="append one JSON line per engine step to this file (default: none)")
     g.add_argument("--debug-check-invariants", action="store_true",
@@ -568,8 +576,17 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
                         max_structured_output_bytes=args.structured_outputs_max_spec_bytes,
                         responses_store=store_config(args),
                         default_sampling=defaults, lora=lora_serve(args),
-                        batch=batch_config(args, http_limits(args).max_request_body_bytes))
+                        batch=batch_config(args, http_limits(args).max_request_body_bytes),
+                        spec_decode_metrics_k=spec_decode_metrics_k(args, engine))
     return serve, start, tokenizer
+
+
+def spec_decode_metrics_k(args: argparse.Namespace, engine: EngineConfig) -> int | None:
+    """k for the per-request acceptance summary; None when off or nothing is drafted."""
+    spec = engine.speculative
+    if args.per_request_spec_decode_metrics == "none" or spec is None:
+        return None
+    return spec.num_speculative_tokens
 
 
 def generation_defaults(args: argparse.Namespace, model: str,
@@ -593,10 +610,7 @@ def startup_lines(serve: ServeConfig, start: EngineStartConfig) -> list[str]:
     lines = [serve.default_sampling.describe()]
     spec = start.engine.speculative
     if spec is not None:
-        lines.append(f"speculative decoding on: {spec.method}, up to "
-                     f"{spec.num_speculative_tokens} draft tokens per step (n-grams of "
-                     f"{spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens from the "
-                     f"request's own context)")
+        lines.append(f"speculative decoding on: {spec.describe()}")
     if serve.log_requests:
         lines.append("request logging on (--enable-log-requests): every prompt and its "
                      "token ids are logged")

@@ -68,6 +68,9 @@ class ServeConfig:
     its blocks to every worker reading it. `lora`: the LoRA
     adapters served (kvloop/server/lora.py; None: no --enable-lora). `batch`: the Batch
     API (kvloop/batch; None: no /v1/files and /v1/batches routes).
+    `spec_decode_metrics_k`: the engine's `num_speculative_tokens` when completions and chat
+    completions carry each request's acceptance summary (`--per-request-spec-decode-metrics
+    summary` with speculative decoding on; kvloop/server/serving.py); None: they carry none.
     """
 
     served_model_names: tuple[str, ...]
@@ -103,6 +106,7 @@ class ServeConfig:
     default_sampling: DefaultSampling = field(default_factory=DefaultSampling)
     lora: LoRAServe | None = None
     batch: BatchConfig | None = None
+    spec_decode_metrics_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_structured_output_bytes < 1:

@@ -52,7 +52,9 @@ from kvloop.front.openai import (
     GenerateSamplingParams,
     GenerateStreamResponse,
     MaxTokens,
+    ResponseMetrics,
     SamplingRequest,
+    SpecDecodingSummary,
     TopLogprob,
     Usage,
     error_body,
@@ -94,6 +96,7 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineReady,
+    RequestSpecDecodingStats,
 )
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -613,6 +616,32 @@ def usage(children: list[Child], prompts: list[list[int]]) -> Usage:
             "completion_tokens": completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def response_metrics(ctx: ServerContext, children: list[Child]) -> ResponseMetrics | None:
+    """vLLM's per-request `metrics` (`--per-request-spec-decode-metrics summary` with
+    speculative decoding on; None otherwise): the acceptance summary of the request's one
+    sequence (null for n > 1, all zeros when it drafted nothing)."""
+    k = ctx.config.spec_decode_metrics_k
+    if k is None:
+        return None
+    if len(children) != 1:
+        return {"speculative_decoding": None}
+    return {"speculative_decoding": spec_summary(children[0].state.spec_decoding_stats, k)}
+
+
+def spec_summary(stats: RequestSpecDecodingStats | None, k: int) -> SpecDecodingSummary:
+    """vLLM's summary of one request's drafts (all zeros for None: it drafted nothing)."""
+    stats = stats or RequestSpecDecodingStats()
+    steps, drafted, accepted = (stats.num_spec_steps, stats.num_draft_tokens,
+                                stats.num_accepted_tokens)
+    return {"mean_acceptance_length": 1 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_histogram": stats.histogram(k),
+            "acceptance_histogram_by_draft_length": {
+                str(n): row for n, row in sorted(stats.by_draft_length.items())},
+            "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": drafted, "num_spec_tokens": k}
+
+
 def handed_on(children: list[Child]) -> dict[str, Any] | None:
     """The `kv_transfer_params` a worker hands on (a prefill worker's, for the decode
     worker), from the finishing output of the request's one engine request; None when it has
@@ -702,6 +731,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
         "model": ctx.served_name(req.model), "choices": choices,
         "usage": usage(gen.children, prompts), "system_fingerprint": None,
         "kv_transfer_params": handed_on(gen.children)}
+    metrics = response_metrics(ctx, gen.children)
+    if metrics is not None:
+        body["metrics"] = metrics
     return JSONResponse(body)
 
 
@@ -840,6 +872,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     prompt_lps = gen.children[0].state.prompt_logprobs
     if prompt_lps is not None:
         body["prompt_logprobs"] = prompt_logprobs_body(prompt_lps, ctx.token_str)
+    metrics = response_metrics(ctx, gen.children)
+    if metrics is not None:
+        body["metrics"] = metrics
     return JSONResponse(body)
 
 
@@ -998,7 +1033,11 @@ async def _stream_tail(ctx: ServerContext, req: SamplingRequest, gen: Generation
             yield sse({"id": base, "object": obj, "created": created,
                        "model": ctx.served_name(req.model), "choices": [choice]})
     if req.stream_options and req.stream_options.include_usage:
-        yield sse({"id": base, "object": obj, "created": created,
-                   "model": ctx.served_name(req.model), "choices": [],
-                   "usage": usage(gen.children, prompts)})
+        tail: dict[str, Any] = {"id": base, "object": obj, "created": created,
+                                "model": ctx.served_name(req.model), "choices": [],
+                                "usage": usage(gen.children, prompts)}
+        metrics = response_metrics(ctx, gen.children)   # vLLM's: on the usage chunk
+        if metrics is not None:
+            tail["metrics"] = metrics
+        yield sse(tail)
     yield SSE_DONE
