@@ -110,6 +110,7 @@ def test_the_two_host_recipe_runs_as_printed(tmp_path):
             background = line.rstrip().endswith("&")
             command = line.rstrip().removesuffix("&").strip()
             where = [] if host is None else ["ip", "netns", "exec", b.ns[host]]
+            command = command.replace(" deploy/", f" {ROOT}/deploy/")
             argv = [*where, "bash", "-c", command]
             if not background:
                 subprocess.run(argv, cwd=tmp_path, env=env, check=True, timeout=60)
