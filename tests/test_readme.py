@@ -238,6 +238,12 @@ def events_tail(sh: Shell, cmd: str) -> None:
     wait_log(log, "BlockStored", 30)
 
 
+def export_tokenizer(sh: Shell, cmd: str) -> None:
+    assert "tokenizer written to tokenizer" in sh.run(cmd, 120)
+    config = (sh.cwd / "tokenizer" / "tokenizer_config.json").read_text()
+    assert (sh.cwd / "tokenizer" / "tokenizer.json").is_file() and "chat_template" in config
+
+
 def bench_router(sh: Shell, cmd: str) -> None:
     sh.run(cmd, 240)   # a shared prefix routed on the workers' events: hits foreseen and got
     assert metric(sh.ports["8000"], r"kvloop_router_predicted_hit_tokens_total") > 0
@@ -264,6 +270,7 @@ CHECKS: dict[str, Callable[[Shell, str], None]] = {
     "kvloop.bench.scheduler": scheduler_bench,
     "kvloop.bench.tiers": tiers_bench,
     "--kv-disk-path": tiered_worker,
+    "kvloop export-tokenizer": export_tokenizer,
 }
 
 
