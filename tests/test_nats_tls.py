@@ -170,8 +170,8 @@ async def _permissions(tls_nats: TlsNats) -> dict[str, Any]:
 
     def first(role: str, what: str) -> str:
         """`what` when a permissions violation names it, else what the server said."""
-        return what if any("permissions violation" in e.lower() and what in e for e in errors[role]) \
-            else "; ".join(errors[role])
+        named = any("permissions violation" in e.lower() and what in e for e in errors[role])
+        return what if named else "; ".join(errors[role])
 
     return {"router received": got,
             "worker subscribing to events": first("worker", f'subscription to "{DATA}"'),

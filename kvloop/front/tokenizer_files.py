@@ -59,7 +59,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "generation_config.json")
 
 
-def write_hf_folder(tok: Tokenizer, folder: str | Path,
+def write_hf_folder(tok: Tokenizer | ByteTokenizer, folder: str | Path,
                     model_max_length: int | None = None) -> list[Path]:
     """`tok` as a Hugging Face tokenizer folder (created if missing; these files replaced):
     the `tokenizers` JSON as built from the GGUF, the special tokens by name, the chat
