@@ -36,7 +36,7 @@ tok = AutoTokenizer.from_pretrained(sys.argv[1])
 texts, messages = json.loads(sys.argv[2]), json.loads(sys.argv[3])
 print(json.dumps({"ids": [tok(t)["input_ids"] for t in texts],
                   "decoded": [tok.decode(tok(t)["input_ids"]) for t in texts],
-                  "bos": tok.bos_token_id, "eos": tok.eos_token_id,
+                  "special": [tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token],
                   "chat": tok.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True)}))
 """
@@ -68,7 +68,8 @@ def test_transformers_loads_the_folder_offline_with_kvloops_ids(exported, tmp_pa
     got = offline_load(exported, tmp_path)
     assert got["ids"] == [mine.encode(t) for t in TEXTS]
     assert got["decoded"] == TEXTS
-    assert (got["bos"], got["eos"]) == (mine.bos_token_id, mine.eos_token_id) == (1, 2)
+    assert (mine.bos_token_id, mine.eos_token_id) == (1, 2)
+    assert got["special"] == [mine.id_to_token(i) for i in (1, 2, 2, 0)]   # GGUF's pad, unk
     assert got["chat"] == mine.apply_chat_template(MESSAGES)
 
 
@@ -80,8 +81,10 @@ def test_the_ids_are_transformers_own_reading_of_the_gguf(exported, tmp_path):
 
     folder, name = find_model_path(None).rsplit("/", 1)
     reference = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    assert offline_load(exported, tmp_path)["ids"] == [reference(t)["input_ids"]
-                                                       for t in TEXTS]
+    got = offline_load(exported, tmp_path)
+    assert got["ids"] == [reference(t)["input_ids"] for t in TEXTS]
+    assert got["special"] == [reference.bos_token, reference.eos_token, reference.pad_token,
+                              reference.unk_token]
 
 
 def test_kvloop_reads_the_folder_back(exported):

@@ -8,6 +8,7 @@ password, and each role where its permissions end."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -125,6 +126,26 @@ def test_the_roles_connect_and_strangers_are_refused(tls_nats):
         connect(tls_nats.plane("router", password="not-the-password"))
     with pytest.raises(OSError, match="Authorization Violation"):   # a user's, another's pw
         connect(tls_nats.plane("worker", password=PASSWORDS["router"]))
+
+
+def test_a_server_without_tls_never_gets_the_password(tmp_path):
+    """A kvloop client with a CA speaks TLS first: a server (or a man in the middle) that
+    answers in the clear gets a TLS hello, never a CONNECT with the password."""
+    from kvloop.events.nats_plane import TLS_FIRST_HINT
+    from kvloop.router.services import local_nats
+
+    ca = write_pki(tmp_path)["ca"]
+    with ExitStack() as stack:
+        port = stack.enter_context(held_port()).getsockname()[1]
+        plain = stack.enter_context(local_nats("127.0.0.1", port, tmp_path / "plain.log",
+                                               user=USERS["router"],
+                                               password=PASSWORDS["router"]))
+        cfg = NatsPlaneConfig(f"nats://127.0.0.1:{plain.port}", user=USERS["router"],
+                              password=PASSWORDS["router"], tls_ca=ca, connect_timeout_s=3)
+        with pytest.raises(OSError, match="WRONG_VERSION_NUMBER") as refused:
+            connect(cfg)
+        assert str(refused.value).endswith(TLS_FIRST_HINT)
+        assert connect(dataclasses.replace(cfg, tls_ca=None))   # the same server, in clear
 
 
 def test_each_role_is_held_to_its_permissions(tls_nats):

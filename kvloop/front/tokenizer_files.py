@@ -60,9 +60,11 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
 
 
 def write_hf_folder(tok: Tokenizer | ByteTokenizer, folder: str | Path,
-                    model_max_length: int | None = None) -> list[Path]:
+                    model_max_length: int | None = None,
+                    more_special_ids: dict[str, int] | None = None) -> list[Path]:
     """`tok` as a Hugging Face tokenizer folder (created if missing; these files replaced):
-    the `tokenizers` JSON as built from the GGUF, the special tokens by name, the chat
+    the `tokenizers` JSON as built from the GGUF, the special tokens by name (bos, eos and
+    `more_special_ids`: {"pad_token": id, "unk_token": id}, `gguf_special_ids`), the chat
     template, and every end-of-sequence id in `generation_config.json`. Returns the paths
     written. Raises ValueError for a tokenizer without a vocabulary (the simulator's)."""
     if not isinstance(tok, Tokenizer):
@@ -70,7 +72,7 @@ def write_hf_folder(tok: Tokenizer | ByteTokenizer, folder: str | Path,
                          f"simulator's byte tokenizer)")
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    special = _special_tokens(tok)
+    special = _special_tokens(tok, more_special_ids or {})
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", **special,
         "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids",
@@ -95,10 +97,19 @@ def write_hf_folder(tok: Tokenizer | ByteTokenizer, folder: str | Path,
     return paths
 
 
-def _special_tokens(tok: Tokenizer) -> dict[str, str]:
-    """The bos and eos tokens by their text (the names `tokenizer_config.json` uses)."""
+def gguf_special_ids(meta: dict[str, Any]) -> dict[str, int]:
+    """The padding and unknown token ids a GGUF's metadata names, by their
+    `tokenizer_config.json` names (what transformers' own GGUF reader sets)."""
+    keys = {"pad_token": "tokenizer.ggml.padding_token_id",
+            "unk_token": "tokenizer.ggml.unknown_token_id"}
+    return {name: int(meta[key]) for name, key in keys.items() if meta.get(key) is not None}
+
+
+def _special_tokens(tok: Tokenizer, more: dict[str, int]) -> dict[str, str]:
+    """The special tokens by their text (the names `tokenizer_config.json` uses)."""
     out = {}
-    for key, token_id in (("bos_token", tok.bos_token_id), ("eos_token", tok.eos_token_id)):
+    ids = {"bos_token": tok.bos_token_id, "eos_token": tok.eos_token_id, **more}
+    for key, token_id in ids.items():
         text = None if token_id is None else tok.id_to_token(token_id)
         if text:
             out[key] = text

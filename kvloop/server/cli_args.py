@@ -144,8 +144,9 @@ def _add_export_tokenizer(subparsers: argparse._SubParsersAction) -> None:
 def run_export_tokenizer(args: argparse.Namespace) -> int:
     """`kvloop export-tokenizer DIR [--model M]`: one line naming the folder, or a one-line
     error (a model that is not found, or has no vocabulary)."""
+    from kvloop.front.gguf_metadata import read_gguf_metadata
     from kvloop.front.tokenizer import load_vocabulary  # type: ignore[import-not-found]
-    from kvloop.front.tokenizer_files import write_hf_folder
+    from kvloop.front.tokenizer_files import gguf_special_ids, write_hf_folder
 
     model = embedded_alias(args.model)
     if model == "sim":
@@ -153,7 +154,9 @@ def run_export_tokenizer(args: argparse.Namespace) -> int:
                          "vocabulary to export; pass --model with a real model")
     try:
         vocab = load_vocabulary(model)
-        paths = write_hf_folder(vocab.tokenizer, args.out_dir, vocab.context_length)
+        more = gguf_special_ids(read_gguf_metadata(vocab.source)) \
+            if vocab.source.endswith(".gguf") else {}
+        paths = write_hf_folder(vocab.tokenizer, args.out_dir, vocab.context_length, more)
     except (OSError, ValueError) as e:
         raise SystemExit(f"kvloop export-tokenizer: {e}") from None
     print(f"kvloop export-tokenizer: {vocab.tokenizer.model_name}'s tokenizer written to "
