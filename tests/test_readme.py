@@ -310,6 +310,7 @@ def test_lines_run_as_help(cmd: str, tmp_path: Path, free_port: Callable[[], int
     assert "usage:" in out and "default" in out
 
 
+@pytest.mark.timeout(900)   # every README line in turn, two model loads among them: over 300 s
 def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[], int]) -> None:
     """In README order, in one folder: a line may use what an earlier one left (a worker
     still up, steps.jsonl, fleet.key); fleets end before the next fleet takes port 8000."""

@@ -99,6 +99,7 @@ class NatsPlaneConfig:
     def tls(self) -> bool:
         """Whether the connection is TLS (a `tls://` URL or a CA)."""
         return urlsplit(self.url).scheme == "tls" or self.tls_ca is not None
+
     @property
     def safe_url(self) -> str:
         return redact_url(self.url)
