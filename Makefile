@@ -42,6 +42,8 @@ install-test: $(VENV)/.installed-test cpu-ops
 		--no-install-recommends redis-server)
 	command -v ip >/dev/null || (apt-get update -q && apt-get install -y -q iproute2) \
 		|| echo 'warning: iproute2 could not be installed; the multi-host test will be skipped'
+	# openssl makes the NATS certificates of docs/router.md's two-host recipe, which that test runs.
+	command -v openssl >/dev/null || (apt-get update -q && apt-get install -y -q openssl)
 
 # MAX_TOKENS: the default cap on a request's output (the 135M demo model can ramble to its
 # 8,192-token context); a request asking for fewer gets fewer. `make serve MAX_TOKENS=2048`.

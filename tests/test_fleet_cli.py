@@ -74,6 +74,25 @@ def test_fleet_config_builds_worker_command_lines():
         raise AssertionError(f"{bad} accepted")
 
 
+@pytest.mark.processes
+def test_fleet_hands_its_workers_the_nats_ca_and_refuses_it_for_its_own_server(tmp_path):
+    from kvloop.events.config import NatsPlaneConfig
+    from kvloop.front.launcher import kvloop_command
+
+    ca = tmp_path / "ca.crt"
+    ca.write_text("a CA")
+    plane = NatsPlaneConfig("nats://10.0.0.9:4222", tls_ca=str(ca))
+    argv = FleetConfig(2, "sim", event_plane=plane).argv(0)
+    assert argv[argv.index("--nats-tls-ca") + 1] == str(ca)
+    assert argv[argv.index("--event-plane") + 1] == "nats://10.0.0.9:4222"
+    done = subprocess.run(kvloop_command("fleet", "--workers", "1", "--event-plane", "nats",
+                                         "--nats-tls-ca", str(ca), "--", "--model", "sim"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "kvloop fleet: --event-plane nats starts a nats-server on this host without TLS" \
+        in done.stderr
+
+
 def test_fleet_config_of_a_pd_fleet():
     import json
 

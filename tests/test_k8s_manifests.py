@@ -20,12 +20,15 @@ from kubernetes.client import ApiClient, models  # noqa: E402
 
 from kvloop.cli import _expand_config, build_parser  # noqa: E402
 
+from .pki_helpers import write_pki  # noqa: E402
+
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 SCHEMA = yaml.safe_load((K8S / "schemas" / "gaie-v1.yaml").read_text())
 CORE_GROUPS = {"v1": "V1", "apps/v1": "V1"}
 PRIMITIVES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "bool": (bool,),
                                            "float": (int, float), "object": (object,),
                                            "datetime": (str, datetime.datetime), "bytes": (str,)}
+NATS_CA_DIR = "/etc/kvloop-nats-tls"
 COMMAND_OF = {"worker.yaml": "serve", "router.yaml": "router", "epp.yaml": "router"}
 
 
@@ -133,6 +136,11 @@ def test_each_config_map_holds_a_config_file_its_command_parses(
     command = COMMAND_OF[key]
     assert text.startswith(f"# kvloop {command} --config /etc/kvloop/{key}\n")
     path = tmp_path / key
+    ca = yaml.safe_load(text).get("nats-tls-ca")
+    if ca is not None:   # the CA the pod mounts (checked below), as a file here
+        assert ca == f"{NATS_CA_DIR}/ca.crt"
+        write_pki(tmp_path)
+        text = text.replace(ca, str(tmp_path / "ca.pem"))
     path.write_text(text)
     parser = build_parser()
     args = parser.parse_args(_expand_config([command, "--config", str(path)], parser))
@@ -143,18 +151,25 @@ def test_each_config_map_holds_a_config_file_its_command_parses(
             if c.get("command", [""])[-1] == f"/etc/kvloop/{key}"]
     assert runs and all(c["command"] == ["kvloop", command, "--config", f"/etc/kvloop/{key}"]
                         for c in runs)
+    if ca is not None:
+        assert all({"name": "nats-ca", "mountPath": NATS_CA_DIR, "readOnly": True}
+                   in c["volumeMounts"] for c in runs)
     if command == "router":   # the router's own checks (with the secret the pod gets)
         from kvloop.router.cli_args import router_config
 
         monkeypatch.setenv("KVLOOP_FLEET_SECRET", "s" * 40)
-        monkeypatch.setenv("KVLOOP_NATS_USER", "kvloop")
+        monkeypatch.setenv("KVLOOP_NATS_USER", "kvloop-router")
         monkeypatch.setenv("KVLOOP_NATS_PASSWORD", "pw")
         cfg = router_config(args)
         assert cfg.fleet_secret is not None and cfg.bus is not None
+        assert cfg.bus.plane.tls and cfg.bus.plane.user == "kvloop-router"
     else:
+        from kvloop.events.cli_args import publisher_config_from_args
         from kvloop.server.cli_args import check_flags
 
         check_flags(args)
+        events = publisher_config_from_args(args)
+        assert events is not None and events.nats is not None and events.nats.tls
 
 
 def test_the_pool_the_picker_and_the_workers_agree() -> None:
@@ -182,3 +197,42 @@ def test_the_pool_the_picker_and_the_workers_agree() -> None:
     assert cfg["shutdown-timeout"] < worker["spec"]["terminationGracePeriodSeconds"]
     env = {e["name"]: e for e in worker["spec"]["containers"][0]["env"]}
     assert re.match(r"/run/kvloop/", env["KVLOOP_FLEET_SECRET_FILE"]["value"])
+
+
+def test_nats_runs_the_recipes_config_with_tls_and_a_user_per_role() -> None:
+    """The NATS server runs deploy/nats/nats-server.conf (its copy here is the same bytes)
+    from the folder where the TLS Secret is mounted as nats-tls/, with both roles'
+    passwords; each kvloop pod is its role's user, with that role's password, and mounts the
+    CA from the same Secret."""
+    conf = K8S.parent / "nats" / "nats-server.conf"
+    assert (K8S / "base" / "nats-server.conf").read_bytes() == conf.read_bytes()
+    users = dict(re.findall(r'user: "([\w-]+)", password: \$(\w+)', conf.read_text()))
+    assert users == {"kvloop-worker": "KVLOOP_NATS_WORKER_PASSWORD",
+                     "kvloop-router": "KVLOOP_NATS_ROUTER_PASSWORD"}
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in MANIFESTS}
+    fleet = docs[("Secret", "kvloop-fleet")]["stringData"]
+    tls = docs[("Secret", "kvloop-nats-tls")]
+    assert tls["type"] == "kubernetes.io/tls" and set(tls["stringData"]) == {
+        "tls.crt", "tls.key", "ca.crt"}
+    nats = docs[("Deployment", "kvloop-nats")]["spec"]["template"]["spec"]
+    (server,) = nats["containers"]
+    assert server["args"] == ["-c", "/etc/nats/conf/nats-server.conf"]
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    assert mounts["tls"] == f"{server['workingDir']}/nats-tls"
+    volumes = {v["name"]: v for v in nats["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "kvloop-nats-tls"
+    kustomization = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert {"name": volumes["conf"]["configMap"]["name"], "files": ["nats-server.conf"]} \
+        in kustomization["configMapGenerator"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in server["env"]}
+    assert set(env) == set(users.values())
+    assert all(ref["name"] == "kvloop-fleet" and ref["key"] in fleet for ref in env.values())
+    for name in ("kvloop-worker", "kvloop-router", "kvloop-epp"):
+        pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        role = "kvloop-worker" if name == "kvloop-worker" else "kvloop-router"
+        pod_env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert pod_env["KVLOOP_NATS_USER"]["value"] == role
+        assert pod_env["KVLOOP_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"] == env[users[role]]
+        ca = next(v for v in pod["volumes"] if v["name"] == "nats-ca")["secret"]
+        assert ca == {"secretName": "kvloop-nats-tls",
+                      "items": [{"key": "ca.crt", "path": "ca.crt"}]}

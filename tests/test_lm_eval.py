@@ -12,6 +12,8 @@ generations must be equal (float32) and accuracy the same (both).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,6 @@ from typing import Any
 import pytest
 
 from kvloop.front.launcher import ServeProcess
-from kvloop.front.tokenizer import find_model_path
 
 from .conftest import embedded_model_installed, serving
 
@@ -58,12 +59,12 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The GGUF's tokenizer as transformers reads it, saved where both backends load it."""
-    from transformers import AutoTokenizer
-
-    folder, name = find_model_path(None).rsplit("/", 1)
-    out = tmp_path_factory.mktemp("hf_tokenizer")
-    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    """The GGUF's tokenizer as a Hugging Face folder, made as docs/serving.md's lm-eval
+    recipe makes it (`kvloop export-tokenizer DIR`; tests/test_export_tokenizer.py checks its
+    ids against transformers' own GGUF reader); both backends load it, offline."""
+    out = tmp_path_factory.mktemp("hf_tokenizer") / "smollm2-tokenizer"
+    subprocess.run([sys.executable, "-m", "kvloop", "export-tokenizer", str(out)], check=True,
+                   timeout=120)
     return str(out)
 
 
@@ -118,3 +119,36 @@ def test_local_completions_match_the_hf_backend(server, task_dir, hf_tokenizer, 
     assert got["acc"] == reference["acc"]
     if kind == "float32":
         assert got["kvloop_gen"] == reference["kvloop_gen"]
+
+
+def docs_recipe() -> list[str]:
+    """The lines of docs/serving.md's lm-eval recipe, as printed."""
+    text = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    block = text.split("<!-- lm-eval recipe -->", 1)[1].split("```sh\n", 1)[1]
+    return [ln for ln in block.split("```", 1)[0].splitlines() if ln.strip()]
+
+
+def test_the_docs_recipe_runs_offline(server, task_dir, tmp_path):
+    """docs/serving.md's two lines in an empty folder, with no hub and an empty HF cache:
+    the port and the task folder swapped for this test's, `.venv/bin/` for this
+    interpreter's."""
+    import os
+    import re
+
+    kind, srv = server
+    if kind != "default":
+        pytest.skip("the recipe serves with make serve's defaults; run once")
+    port = srv.url.rsplit(":", 1)[1]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "empty-hf-home")}
+    outputs = []
+    for line in docs_recipe():
+        line = re.sub(r"\b8000\b", port, line).replace("my-tasks", str(task_dir)).replace(
+            ".venv/bin/", f"{Path(sys.executable).parent}/")
+        r = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (line, r.stderr[-3000:])
+        outputs.append(r.stdout)
+    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    table = outputs[-1]
+    assert re.search(r"kvloop_mc\s*\|.*\|acc\s*\|", table), table
+    assert re.search(r"kvloop_gen\s*\|.*\|exact_match\|", table), table

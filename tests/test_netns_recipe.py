@@ -2,8 +2,9 @@
 router host, host A, host B) on one bridge, each with the address the recipe names; this
 test's own namespace joins the bridge to talk to the router. The router must find the four
 workers (two per host on the same ports: four identities), and predict exactly the cached
-tokens the workers report, for text and chat. Namespaces, the bridge and processes are
-removed even when the test fails."""
+tokens the workers report, for text and chat; NATS runs with TLS and its users, and no log
+shows a password. Namespaces, the bridge and processes are removed even when the test
+fails."""
 
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ def test_the_two_host_recipe_runs_as_printed(tmp_path):
             background = line.rstrip().endswith("&")
             command = line.rstrip().removesuffix("&").strip()
             where = [] if host is None else ["ip", "netns", "exec", b.ns[host]]
+            command = command.replace(" deploy/", f" {ROOT}/deploy/")
             argv = [*where, "bash", "-c", command]
             if not background:
                 subprocess.run(argv, cwd=tmp_path, env=env, check=True, timeout=60)
@@ -144,8 +146,14 @@ def test_the_two_host_recipe_runs_as_printed(tmp_path):
         assert actual > 0 and predicted == actual, workers
         health = httpx.get(router + "/health", timeout=10).json()
         assert health["status"] == "ok", health
-    for log_path in tmp_path.glob("step*.log"):
-        assert "Traceback" not in log_path.read_text(errors="replace"), log_path
+    logs = {p: p.read_text(errors="replace") for p in tmp_path.glob("step*.log")}
+    passwords = [(tmp_path / f"nats-{role}.pw").read_text().strip()
+                 for role in ("worker", "router")]
+    for log_path, text in logs.items():
+        assert "Traceback" not in text, log_path
+        assert not any(pw in text for pw in passwords), f"{log_path} shows a NATS password"
+    # the bus ran deploy/nats/nats-server.conf: TLS required of every client
+    assert sum("TLS required for client connections" in t for t in logs.values()) == 1
 
 
 def _logs(folder: Path) -> str:

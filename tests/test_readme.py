@@ -238,6 +238,12 @@ def events_tail(sh: Shell, cmd: str) -> None:
     wait_log(log, "BlockStored", 30)
 
 
+def export_tokenizer(sh: Shell, cmd: str) -> None:
+    assert "tokenizer written to tokenizer" in sh.run(cmd, 120)
+    config = (sh.cwd / "tokenizer" / "tokenizer_config.json").read_text()
+    assert (sh.cwd / "tokenizer" / "tokenizer.json").is_file() and "chat_template" in config
+
+
 def bench_router(sh: Shell, cmd: str) -> None:
     sh.run(cmd, 240)   # a shared prefix routed on the workers' events: hits foreseen and got
     assert metric(sh.ports["8000"], r"kvloop_router_predicted_hit_tokens_total") > 0
@@ -264,6 +270,7 @@ CHECKS: dict[str, Callable[[Shell, str], None]] = {
     "kvloop.bench.scheduler": scheduler_bench,
     "kvloop.bench.tiers": tiers_bench,
     "--kv-disk-path": tiered_worker,
+    "kvloop export-tokenizer": export_tokenizer,
 }
 
 
@@ -303,6 +310,7 @@ def test_lines_run_as_help(cmd: str, tmp_path: Path, free_port: Callable[[], int
     assert "usage:" in out and "default" in out
 
 
+@pytest.mark.timeout(900)   # every README line in turn, two model loads among them: over 300 s
 def test_the_readme_lines_run_as_printed(tmp_path: Path, free_port: Callable[[], int]) -> None:
     """In README order, in one folder: a line may use what an earlier one left (a worker
     still up, steps.jsonl, fleet.key); fleets end before the next fleet takes port 8000."""

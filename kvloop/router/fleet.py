@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kvloop.config import KV_ROLE_OF, ROLES, Role
-from kvloop.events.cli_args import nats_credential_env
+from kvloop.events.cli_args import nats_credential_env, nats_tls_args
 from kvloop.events.config import NatsPlaneConfig, redact_url
 from kvloop.front.auth import API_KEY_ENV
 from kvloop.front.launcher import SERVE_URL_LINE, UrlProcess, kvloop_command, stop_all
@@ -194,7 +194,7 @@ class FleetConfig:
             return ["--kv-events-endpoint", f"tcp://{h}:0",
                     "--kv-events-replay-endpoint", f"tcp://{h}:0", *curve]
         return ["--event-plane", plane.url, "--dyn-namespace", plane.namespace,
-                "--event-plane-format", plane.payload_format]
+                "--event-plane-format", plane.payload_format, *nats_tls_args(plane)]
 
 
 class Fleet:

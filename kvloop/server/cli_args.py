@@ -125,6 +125,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_lora_args(p)
     add_tracing_args(p)
     p.set_defaults(func=run_serve)
+    _add_export_tokenizer(subparsers)
+
+
+def _add_export_tokenizer(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export-tokenizer", help="write a model's tokenizer as a Hugging Face folder",
+        description="Write the model's tokenizer (from its GGUF: vocabulary, merges, special "
+                    "tokens, chat template) as a Hugging Face tokenizer folder, so tools that "
+                    "load a tokenizer by name (lm-eval's tokenizer=DIR, transformers' "
+                    "AutoTokenizer) work offline with kvloop's exact token ids.")
+    p.add_argument("out_dir", metavar="DIR", help="the folder to write (created if missing)")
+    p.add_argument("--model", default=None,
+                   help=f"a local GGUF file or Hugging Face folder, or '{EMBEDDED_ALIAS}' "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.set_defaults(func=run_export_tokenizer)
+
+
+def run_export_tokenizer(args: argparse.Namespace) -> int:
+    """`kvloop export-tokenizer DIR [--model M]`: one line naming the folder, or a one-line
+    error (a model that is not found, or has no vocabulary)."""
+    from kvloop.front.gguf_metadata import read_gguf_metadata
+    from kvloop.front.tokenizer import load_vocabulary  # type: ignore[import-not-found]
+    from kvloop.front.tokenizer_files import gguf_special_ids, write_hf_folder
+
+    model = embedded_alias(args.model)
+    if model == "sim":
+        raise SystemExit("kvloop export-tokenizer: the simulator's byte tokenizer has no "
+                         "vocabulary to export; pass --model with a real model")
+    try:
+        vocab = load_vocabulary(model)
+        more = gguf_special_ids(read_gguf_metadata(vocab.source)) \
+            if vocab.source.endswith(".gguf") else {}
+        paths = write_hf_folder(vocab.tokenizer, args.out_dir, vocab.context_length, more)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"kvloop export-tokenizer: {e}") from None
+    print(f"kvloop export-tokenizer: {vocab.tokenizer.model_name}'s tokenizer written to "
+          f"{args.out_dir} ({', '.join(p.name for p in paths)})")
+    return 0
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -339,7 +377,12 @@ def model_arg(args: argparse.Namespace) -> str | None:
     tag, flag = args.model_tag, args.model
     if tag is not None and flag is not None and tag != flag:
         raise ValueError(f"two models given: {tag!r} and --model {flag!r}; pass one")
-    model = tag if tag is not None else flag
+    return embedded_alias(tag if tag is not None else flag)
+
+
+def embedded_alias(model: str | None) -> str | None:
+    """`model`, or None for the embedded model's short name (`EMBEDDED_ALIAS`) unless a local
+    path has that name."""
     return None if model == EMBEDDED_ALIAS and not Path(model).exists() else model
 
 
