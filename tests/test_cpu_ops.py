@@ -399,17 +399,18 @@ def test_a_tiny_model_gives_transformers_greedy_tokens_with_and_without_the_exte
         ops, tmp_path):
     """A tiny fp32 Llama (head_dim 64: the vectorised attention; 2 query heads per KV head)
     on kvloop with `KVLOOP_CPU_OPS=0` (the pure-torch twins), and on each kernel variant
-    this CPU runs: every run's greedy tokens equal transformers' `generate`."""
+    this CPU runs: every run's greedy tokens equal transformers' (fp32, argmax each step)."""
     from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
 
     model = tiny_hf_model(seed=21, hidden_size=256, intermediate_size=192,
                           num_attention_heads=4, num_key_value_heads=2)
     path = write_tiny_gguf(model, tmp_path / "t.gguf")
     want = []
-    with torch.no_grad():
+    with torch.no_grad():                   # greedy, EOS included (kvloop's ignore_eos)
         for prompt in E2E_PROMPTS:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=E2E_TOKENS,
-                                 do_sample=False, pad_token_id=0)
+            ids = torch.tensor([prompt])
+            for _ in range(E2E_TOKENS):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
             want.append(ids[0, len(prompt):].tolist())
     runnable = [v[0] for v in ops.cpu_kernel_variants() if v[3]]
     got = _greedy_in_process(path, [None, *runnable])
