@@ -58,7 +58,7 @@ def test_the_variants_are_the_ones_the_tests_run_and_the_best_is_chosen(ops):
     assert ops.cpu_kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
     with pytest.raises(ValueError, match="no CPU kernels named"):
         ops.use_cpu_kernels("sse9")
-    for name, needs, built, runs_here in listed:
+    for name, _needs, built, runs_here in listed:
         if built and not runs_here:
             with pytest.raises(ValueError, match="cannot run"):
                 ops.use_cpu_kernels(name)

@@ -1,4 +1,4 @@
-"""Fused layer ops on CPU (a small C++ extension, csrc/cpu_ops.cpp) with pure-torch twins.
+"""Fused layer ops on CPU (a small C++ extension, csrc/) with pure-torch twins.
 
 Each op below does what its `torch_*` twin does, in one call instead of 4-12 eager ops;
 the twins run where the extension is absent (no compiler, another device, or
