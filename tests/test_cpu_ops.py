@@ -224,6 +224,35 @@ def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_the_lm_head_argmax_is_the_argmax_of_its_logits_exactly(ops, variant, rows, dtype):
+    """`q8_matmul_argmax` / `q4_matmul_argmax` (greedy decoding's LM head, the logits row
+    never written whole) give, per row, exactly `argmax` of the matmul's own output (in
+    x's dtype) and that maximum; equal logits (duplicated weight rows, among them each
+    row's winner) go to the first column, as torch.argmax does. 1,000 columns: many
+    tasks on the pool, and a last one shorter than the rest."""
+    g = torch.Generator().manual_seed(rows * 31 + (dtype == torch.bfloat16))
+    n, k = 1000, 96
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(n, k // 32, generator=g) * 0.01
+    qs, scale, offset = _random_q4(n, k, g)
+    winners = ops.q8_matmul(x, q8.view(torch.uint8), s8).float().argmax(-1)
+    for i, w in enumerate(winners.tolist()):     # a copy of row w's weights further on
+        q8[900 + i], s8[900 + i] = q8[w], s8[w]
+        q8[10 + i], s8[10 + i] = q8[w], s8[w]        # ... and one before it
+    for got, logits in [
+            (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8),
+             ops.q8_matmul(x, q8.view(torch.uint8), s8)),
+            (ops.q4_matmul_argmax(x, qs, scale, offset), ops.q4_matmul(x, qs, scale, offset))]:
+        columns, values = got
+        assert logits.dtype == dtype and columns.dtype == torch.int64
+        assert torch.equal(columns, logits.float().argmax(-1))
+        assert torch.equal(values, logits.float().max(-1).values)
+    assert (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8)[0] < 100).all()   # the copies
+
+
 def _huge_page_bytes_at(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address` (smaps)."""
     inside = False

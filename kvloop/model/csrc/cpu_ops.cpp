@@ -109,6 +109,42 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   return y;
 }
 
+// (columns [M] int64, values [M] fp32): each row's argmax of x @ W.T and its value.
+template <int Bits>
+std::tuple<at::Tensor, at::Tensor> quant_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
+                                                       const at::Tensor& scale,
+                                                       const float* offset) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(qs, "qs");
+  check_cpu_contiguous(scale, "scale");
+  const int64_t rows = x.size(0), k_in = x.size(1), n_out = qs.size(0);
+  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) == k_in * Bits / 8 &&
+              scale.size(0) == n_out && scale.size(1) == k_in / 32 && n_out > 0 &&
+              n_out < (int64_t(1) << 32), "quantized matmul argmax: shapes disagree");
+  auto columns = at::empty({rows}, at::kLong);
+  auto values = at::empty({rows}, at::kFloat);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
+                                  "quant_matmul_argmax", [&] {
+    kvloop::quant_matmul_argmax<Bits, scalar_t>(
+        active_kernels(), x.data_ptr<scalar_t>(), static_cast<const uint8_t*>(qs.data_ptr()),
+        scale.data_ptr<float>(), offset, rows, n_out, k_in, columns.data_ptr<int64_t>(),
+        values.data_ptr<float>());
+  });
+  return {columns, values};
+}
+
+std::tuple<at::Tensor, at::Tensor> q4_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
+                                                    const at::Tensor& scale,
+                                                    const at::Tensor& offset) {
+  check_cpu_contiguous(offset, "offset");
+  return quant_matmul_argmax<4>(x, qs, scale, offset.data_ptr<float>());
+}
+
+std::tuple<at::Tensor, at::Tensor> q8_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
+                                                    const at::Tensor& scale) {
+  return quant_matmul_argmax<8>(x, qs, scale, nullptr);
+}
+
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& offset) {
   check_cpu_contiguous(offset, "offset");
@@ -296,6 +332,10 @@ void register_pool_tests(pybind11::module& m);   // testing.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x)");
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
+  m.def("q4_matmul_argmax", &q4_matmul_argmax,
+        "(argmax, max) of each row of x @ W.T, 4-bit W, never writing the row whole");
+  m.def("q8_matmul_argmax", &q8_matmul_argmax,
+        "(argmax, max) of each row of x @ W.T, 8-bit W, never writing the row whole");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");

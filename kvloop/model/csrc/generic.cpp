@@ -13,7 +13,9 @@
 #include "pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 namespace kvloop {
@@ -410,54 +412,130 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
   });
 }
 
-// y [M, N] = x [M, K] @ W.T (QuantMatmul: W's layout). From kFpRows rows, 4-bit weights
-// take the fp32 kernel; else x is quantized per row and group to int16 and each group's dot
-// product is integer. Columns go to the pool's threads in whole cache lines; each task
-// runs its columns for 4 rows of x at a time (then 2, then 1; the fp32 kernel: the 1-3 rows
-// left at once), so the weights stream once per 4 rows.
-template <int Bits, typename T>
-void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
-                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
-  QuantMatmul mm{qs, scale, offset, Bits, k_in, k_in / 32, k_in * Bits / 8,
-                 nullptr, nullptr, nullptr};
-  const bool fp = Bits == 4 && rows >= kFpRows;
+namespace {
+
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the fp32
+// kernel (x widened); else x is quantized per row and group to int16 and each group's dot
+// product is integer. Neither copied nor moved: `mm` points into it.
+struct PreparedMatmul {
+  QuantMatmul mm;
+  bool fp;
+  ColumnsFn columns;
   std::vector<float> xf;
   QuantizedRows xq;
   std::vector<int16_t> xp;
-  if (fp) {
-    xf = widen(x, rows * k_in);
-    mm.xf = xf.data();
-  } else {
-    xq = quantize_rows(k, x, rows, k_in);
-    mm.xq = &xq;
-    if (Bits == 4 && k.q4_pairs) xp = pair_order(xq, rows, k_in);
-    mm.xv = xp.empty() ? xq.q.data() : xp.data();
+
+  template <typename T>
+  PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
+                 const float* offset, int64_t rows, int64_t k_in)
+      : mm{qs, scale, offset, bits, k_in, k_in / 32, k_in * bits / 8, nullptr, nullptr, nullptr},
+        fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if (fp) {
+      xf = widen(x, rows * k_in);
+      mm.xf = xf.data();
+    } else {
+      xq = quantize_rows(k, x, rows, k_in);
+      mm.xq = &xq;
+      if (bits == 4 && k.q4_pairs) xp = pair_order(xq, rows, k_in);
+      mm.xv = xp.empty() ? xq.q.data() : xp.data();
+    }
   }
-  const ColumnsFn columns = fp ? k.fp_columns : k.int_columns;
+  PreparedMatmul(const PreparedMatmul&) = delete;
+  PreparedMatmul& operator=(const PreparedMatmul&) = delete;
+
+  // fn(r0, mb) over the rows in tiles of 4 (then 2, then 1; the fp32 kernel: the 1-3 rows
+  // left at once), so the weights stream once per 4 rows.
+  template <typename Fn>
+  void tiles(int64_t rows, const Fn& fn) const {
+    int64_t r0 = 0;
+    for (; rows - r0 >= 4; r0 += 4) fn(r0, 4);
+    if (fp) {
+      if (rows > r0) fn(r0, static_cast<int>(rows - r0));
+      return;
+    }
+    if (rows - r0 >= 2) {
+      fn(r0, 2);
+      r0 += 2;
+    }
+    if (rows - r0 >= 1) fn(r0, 1);
+  }
+};
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W.T (QuantMatmul: W's layout). Columns go to the pool's threads in
+// whole cache lines; each task runs its columns tile by tile of rows (PreparedMatmul).
+template <int Bits, typename T>
+void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
-    int64_t r0 = 0;
-    auto pass = [&](int mb) {
+    p.tiles(rows, [&](int64_t r0, int mb) {
       if constexpr (std::is_same_v<T, float>) {
-        columns(mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
+        p.columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
       } else {
         const int64_t width = end - begin;
         buf.resize(mb * width);
-        columns(mm, r0, mb, begin, end, buf.data(), width);
+        p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
         for (int m = 0; m < mb; ++m)
           for (int64_t n = 0; n < width; ++n)
             y[(r0 + m) * n_out + begin + n] = static_cast<T>(buf[m * width + n]);
       }
-      r0 += mb;
-    };
-    while (rows - r0 >= 4) pass(4);
-    if (fp) {
-      if (rows > r0) pass(static_cast<int>(rows - r0));
-    } else {
-      if (rows - r0 >= 2) pass(2);
-      if (rows - r0 >= 1) pass(1);
+    });
+  }, kColumnsPerLine);
+}
+
+namespace {
+
+// A (value, column) pair as one integer whose order is the pair's: larger value first, then
+// the lower column (torch.argmax's first maximum). -0.0 orders below +0.0, NaN above +inf.
+inline uint64_t argmax_key(float value, int64_t column) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<uint64_t>(bits) << 32) | (0xffffffffu - static_cast<uint32_t>(column));
+}
+
+inline void argmax_of_key(uint64_t key, int64_t* column, float* value) {
+  *column = 0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu);
+  uint32_t bits = static_cast<uint32_t>(key >> 32);
+  bits = (bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits;
+  std::memcpy(value, &bits, sizeof bits);
+}
+
+}  // namespace
+
+// For each row of x: the column of y = x @ W.T with the largest value (the first, on a tie)
+// and that value, y as quant_matmul rounds it to T; y is never written whole (each task
+// keeps one tile of its columns, in cache). Greedy decoding's LM head.
+template <int Bits, typename T>
+void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                         const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
+                         int64_t* column, float* value) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+  std::vector<std::atomic<uint64_t>> best(rows);
+  for (auto& b : best) b.store(0, std::memory_order_relaxed);
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+    const int64_t width = end - begin;
+    std::vector<float> buf;
+    std::vector<uint64_t> mine(rows, 0);
+    p.tiles(rows, [&](int64_t r0, int mb) {
+      buf.resize(mb * width);
+      p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+      for (int m = 0; m < mb; ++m)
+        for (int64_t n = 0; n < width; ++n) {
+          const float v = to_f(static_cast<T>(buf[m * width + n]));
+          mine[r0 + m] = std::max(mine[r0 + m], argmax_key(v, begin + n));
+        }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      uint64_t seen = best[r].load(std::memory_order_relaxed);
+      while (mine[r] > seen && !best[r].compare_exchange_weak(seen, mine[r])) {
+      }
     }
   }, kColumnsPerLine);
+  for (int64_t r = 0; r < rows; ++r) argmax_of_key(best[r].load(), column + r, value + r);
 }
 
 #define KVLOOP_INSTANTIATE(T)                                                                 \
@@ -474,7 +552,13 @@ void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* 
   template void quant_matmul<4, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
                                    const float*, T*, int64_t, int64_t, int64_t);              \
   template void quant_matmul<8, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t);
+                                   const float*, T*, int64_t, int64_t, int64_t);              \
+  template void quant_matmul_argmax<4, T>(const Kernels&, const T*, const uint8_t*,           \
+                                          const float*, const float*, int64_t, int64_t,       \
+                                          int64_t, int64_t*, float*);                         \
+  template void quant_matmul_argmax<8, T>(const Kernels&, const T*, const uint8_t*,           \
+                                          const float*, const float*, int64_t, int64_t,       \
+                                          int64_t, int64_t*, float*);
 
 KVLOOP_INSTANTIATE(double)
 KVLOOP_INSTANTIATE(float)

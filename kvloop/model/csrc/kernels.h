@@ -132,6 +132,13 @@ template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in);
 
+// For each row of x, the column of x @ W.T with the largest value (the first of equals) and
+// that value (rounded to T as quant_matmul's y), without writing y whole.
+template <int Bits, typename T>
+void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                         const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
+                         int64_t* column, float* value);
+
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T>
 void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
