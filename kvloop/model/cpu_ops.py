@@ -13,6 +13,10 @@ the twins run where the extension is absent (no compiler, another device, or
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
+- `q4_matmul` / `q8_matmul(x, ...)`: x @ W.T on 4-bit / 8-bit group-32 weights
+  (`kvloop.model.quant` holds them), and `q4_matmul_argmax` / `q8_matmul_argmax`: each
+  row's (argmax, max) of the same product without writing the row whole (greedy
+  decoding's LM head; twin: the matmul, then argmax);
 - `DecodeStack(norms, quantized, ...)` (extension only, no twin: its oracle is the Python
   layer loop, see `kvloop.model.llama.FusedDecode`): built once from the weights, its
   `forward` runs every decoder layer of a step of decodes in one call, with the 4-bit
