@@ -36,33 +36,32 @@ def ops():
 @pytest.fixture(params=VARIANTS)
 def variant(request, ops):
     """Each kernel variant in turn, where this CPU runs it (skipped otherwise, with why)."""
-    info = {v[0]: v for v in ops.cpu_kernel_variants()}[request.param]
-    _, needs, built, runs_here = info
-    if not built:
-        pytest.skip(f"{request.param} kernels are not built for this architecture")
-    if not runs_here:
-        pytest.skip(f"this CPU cannot run the {request.param} kernels (they need: {needs})")
-    before = ops.cpu_kernels()
-    ops.use_cpu_kernels(request.param)
-    yield request.param
-    ops.use_cpu_kernels(before)
+    info = {v.name: v for v in cpu_ops.kernel_variants()}[request.param]
+    if not info.built:
+        pytest.skip(f"{info.name} kernels are not built for this architecture")
+    if not info.runs_here:
+        pytest.skip(f"this CPU cannot run the {info.name} kernels (they need: {info.needs})")
+    before = cpu_ops.kernels()
+    cpu_ops.use_kernels(info.name)
+    yield info.name
+    cpu_ops.use_kernels(before)
 
 
 def test_the_variants_are_the_ones_the_tests_run_and_the_best_is_chosen(ops):
     """The test's list is the extension's; the process runs the best variant this CPU runs
     (unless KVLOOP_CPU_ISA names one); an unknown or unrunnable name is a ValueError."""
-    listed = ops.cpu_kernel_variants()
-    assert tuple(v[0] for v in listed) == VARIANTS
-    assert listed[-1][2:] == (True, True)               # generic: built and run everywhere
-    best = next(v[0] for v in listed if v[3])
-    assert ops.cpu_kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
+    listed = cpu_ops.kernel_variants()
+    assert tuple(v.name for v in listed) == VARIANTS
+    assert listed[-1].built and listed[-1].runs_here     # generic: built and run everywhere
+    best = next(v.name for v in listed if v.runs_here)
+    assert cpu_ops.kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
     with pytest.raises(ValueError, match="no CPU kernels named"):
-        ops.use_cpu_kernels("sse9")
-    for name, _needs, built, runs_here in listed:
-        if built and not runs_here:
+        cpu_ops.use_kernels("sse9")
+    for v in listed:
+        if v.built and not v.runs_here:
             with pytest.raises(ValueError, match="cannot run"):
-                ops.use_cpu_kernels(name)
-    assert ops.cpu_kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
+                cpu_ops.use_kernels(v.name)
+    assert cpu_ops.kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
 
 
 @pytest.mark.processes
@@ -441,7 +440,7 @@ def test_a_tiny_model_gives_transformers_greedy_tokens_with_and_without_the_exte
             for _ in range(E2E_TOKENS):
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
             want.append(ids[0, len(prompt):].tolist())
-    runnable = [v[0] for v in ops.cpu_kernel_variants() if v[3]]
+    runnable = [v.name for v in cpu_ops.kernel_variants() if v.runs_here]
     got = _greedy_in_process(path, [None, *runnable])
     assert all(len(t) == E2E_TOKENS for t in want)
     assert got == {name: want for name in [None, *runnable]}
