@@ -109,12 +109,8 @@ def load(build: bool = False) -> Any:
         logger.warning("kvloop's CPU ops failed to build or load (%s); using the pure-torch "
                        "ops", exc)
         _module = None
-    if _module is None:
-        return None
-    forced = os.environ.get(KERNELS_ENV)
-    if forced:
-        use_kernels(forced)
-    logger.info("kvloop's CPU ops: %s kernels", _module.cpu_kernels())
+    if _module is not None:
+        _use_forced_kernels(_module)
     return _module
 
 
@@ -125,7 +121,16 @@ def build() -> Any:
     if _module is None:
         _module = _load_or_build(True)
         _tried = True
+        _use_forced_kernels(_module)
     return _module
+
+
+def _use_forced_kernels(module: Any) -> None:
+    """The variant `KVLOOP_CPU_ISA` names, if any (ValueError where it cannot run here)."""
+    forced = os.environ.get(KERNELS_ENV)
+    if forced:
+        module.use_cpu_kernels(forced)
+    logger.info("kvloop's CPU ops: %s kernels", module.cpu_kernels())
 
 
 def _load_or_build(build: bool) -> Any:
@@ -319,7 +324,7 @@ def main() -> int:
     try:
         module = build()
     except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
-        print(f"kvloop CPU ops: the build FAILED: {exc}", file=sys.stderr)
+        print(f"kvloop CPU ops: FAILED to build or load: {exc}", file=sys.stderr)
         return 1
     runs = [v[0] for v in module.cpu_kernel_variants() if v[3]]
     print(f"kvloop CPU ops: built {extension_name()}; kernels {module.cpu_kernels()} "
