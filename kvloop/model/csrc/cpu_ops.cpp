@@ -203,8 +203,8 @@ class DecodeStack {
     auto act = at::empty({tokens, ffn_}, embedded.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "DecodeStack",
                                     [&] {
-      const Step<scalar_t> step{active_kernels(), tokens, embedded.size(1), dim, h.data_ptr<scalar_t>(),
-                                residual.data_ptr<scalar_t>(), qkv.data_ptr<scalar_t>(),
+      const Step<scalar_t> step{active_kernels(), tokens, embedded.size(1), dim,
+                                h.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), qkv.data_ptr<scalar_t>(),
                                 attn.data_ptr<scalar_t>(), gu.data_ptr<scalar_t>(),
                                 act.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(),
                                 slots.data_ptr<int64_t>(), cos.data_ptr<float>(),

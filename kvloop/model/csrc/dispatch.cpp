@@ -19,6 +19,7 @@ bool always() { return true; }
 // __builtin_cpu_supports also asks the OS (XGETBV): a feature whose registers the kernel
 // does not save counts as absent.
 bool cpu_runs_avx2() {
+  __builtin_cpu_init();          // (idempotent; needed where this runs before constructors)
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
