@@ -214,6 +214,44 @@ def test_greedy_tokens_are_the_argmax_of_the_logits_exactly(q4_runner, rows):
             assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+def test_plain_greedy_steps_take_their_tokens_fused_with_the_lm_head(tmp_path):
+    """Steps whose every row is plain greedy run `LlamaModel.greedy` (no logits row; on
+    kvloop's kernel the LM head fused with the argmax) and give the tokens the sampler
+    gives from the logits, which a row asking for logprobs (or a random one) still takes."""
+    from kvloop import LLM, SamplingParams
+
+    llm = LLM(str(write_q4_gguf(tmp_path)), dtype="float32", device="cpu", block_size=4,
+              num_threads=1, num_gpu_blocks_override=64, low_bit_max_tokens=0)
+    model = llm.runner.model
+    calls: list[int] = []
+    greedy = model.greedy
+
+    def spy(step, kv_caches):
+        calls.append(step.logits_indices.shape[0])
+        return greedy(step, kv_caches)
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(20, 33)), [9] * 6)]
+    try:
+        model.greedy = spy
+        for policy in (LowBitPolicy(1000, 1000), LowBitPolicy(0, 0)):   # low-bit head, dense
+            model.low_bit = policy
+            calls.clear()
+            plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                         ignore_eos=True), use_tqdm=False)
+            assert len(calls) >= 6 and sum(calls) == 3 * 6           # every sampled row
+            calls.clear()
+            sampled = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                           ignore_eos=True, logprobs=1),
+                                   use_tqdm=False)
+            assert calls == []                                        # the logits path
+            assert ([o.outputs[0].token_ids for o in plain]
+                    == [o.outputs[0].token_ids for o in sampled])
+    finally:
+        del model.greedy
+        model.low_bit = LowBitPolicy(0, 0)
+        llm.shutdown()
+
+
 def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
     """Steps of at most `max_tokens` tokens run the layers' low-bit weights, at most
     `max_logits_rows` sampled rows the head's; the others the dense ones."""

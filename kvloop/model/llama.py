@@ -286,6 +286,12 @@ class LlamaModel(nn.Module):
         h, residual = self.decode_layers(step, kv_caches)
         return self.compute_logits(h, residual, step.logits_indices)
 
+    def greedy(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """`forward`'s argmax of each logits row [S] int64, exactly, without the logits where
+        the LM head runs low-bit (`greedy_tokens`)."""
+        h, residual = self.decode_layers(step, kv_caches)
+        return self.greedy_tokens(h, residual, step.logits_indices)
+
     def decode_layers(self, step: StepInputs, kv_caches: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
