@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 
@@ -318,6 +321,34 @@ def test_the_build_is_keyed_by_source_torch_flags_and_architecture():
     assert cpu_ops.extension_name() == cpu_ops.build_key(
         sources, torch.__version__, cpu_ops._FLAGS, __import__("platform").machine())
     assert "-march=native" not in cpu_ops._FLAGS
+
+
+_WIDE = re.compile(r"%[yz]mm\d|%xmm(1[6-9]|2\d|3[01])\b|%k[1-7]\b")      # AVX and AVX-512
+_EVEX = re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[1-7]\b")      # AVX-512 only
+
+
+@pytest.mark.processes                   # objdump
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 variants")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_wide_instructions_live_only_in_their_variants_code(ops):
+    """The library runs on any x86-64 CPU: every function that touches a 256- or 512-bit
+    register (or an AVX-512 mask) belongs to one instruction set's namespace, AVX-512
+    registers only to the AVX-512 one, and both namespaces do use theirs (their target
+    regions took effect). A shared inline function compiled wide would break this."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ops.__file__],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    wide: dict[str, set[str]] = {}
+    function = ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line[line.index("<") + 1:-2]
+        elif _WIDE.search(line):
+            wide.setdefault(function, set()).add("evex" if _EVEX.search(line) else "avx")
+    outside = [f for f in wide if "kvloop::avx2::" not in f and "kvloop::avx512::" not in f]
+    assert outside == []
+    assert [f for f in wide if "kvloop::avx2::" in f and "evex" in wide[f]] == []
+    assert any("kvloop::avx2::" in f for f in wide)
+    assert any("kvloop::avx512::" in f and "evex" in kinds for f, kinds in wide.items())
 
 
 # --- kvloop's thread pool (csrc/pool.h) -----------------------------------------------------
