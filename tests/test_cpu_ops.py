@@ -1,21 +1,88 @@
-"""kvloop's fused C++ CPU ops against their pure-torch twins (the oracle), fp32 and bf16.
+"""kvloop's fused C++ CPU ops against their pure-torch twins (the oracle), fp32 and bf16, on
+every kernel variant this CPU runs (csrc/dispatch.cpp; the others are skipped, saying why).
 
 Shapes: SmolLM2's (9 heads, 3 KV heads, head_dim 64) and a tiny GQA one (4/2/16), blocks
 of 16 and 4, ragged decode lengths, slots scattered over the pool. The ops are built by
-`python -m kvloop.model.cpu_ops` (the Makefile's install step); where they are not built
-the test says so and skips.
+`python -m kvloop.model.cpu_ops` (the Makefile's install step); where they cannot be built
+these tests fail (a broken build must not pass `make test` as skips). One end-to-end test
+runs a tiny model with the extension off (`KVLOOP_CPU_OPS=0`), on every variant and under
+transformers: the same greedy tokens.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kvloop.model import cpu_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
-                                reason="kvloop's CPU ops are not built (python -m "
-                                       "kvloop.model.cpu_ops)")
+VARIANTS = ("avx512", "avx2", "generic")    # csrc/dispatch.cpp's kVariants, best first
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The extension, built where absent; a build that fails fails the test."""
+    try:
+        return cpu_ops.build()
+    except Exception as exc:  # noqa: BLE001 - the failure is the message
+        pytest.fail(f"kvloop's CPU ops do not build: {exc}")
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request, ops):
+    """Each kernel variant in turn, where this CPU runs it (skipped otherwise, with why)."""
+    info = {v.name: v for v in cpu_ops.kernel_variants()}[request.param]
+    if not info.built:
+        pytest.skip(f"{info.name} kernels are not built for this architecture")
+    if not info.runs_here:
+        pytest.skip(f"this CPU cannot run the {info.name} kernels (they need: {info.needs})")
+    before = cpu_ops.kernels()
+    cpu_ops.use_kernels(info.name)
+    yield info.name
+    cpu_ops.use_kernels(before)
+
+
+def test_the_variants_are_the_ones_the_tests_run_and_the_best_is_chosen(ops):
+    """The test's list is the extension's; the process runs the best variant this CPU runs
+    (unless KVLOOP_CPU_ISA names one); an unknown or unrunnable name is a ValueError."""
+    listed = cpu_ops.kernel_variants()
+    assert tuple(v.name for v in listed) == VARIANTS
+    assert listed[-1].built and listed[-1].runs_here     # generic: built and run everywhere
+    best = next(v.name for v in listed if v.runs_here)
+    assert cpu_ops.kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
+    with pytest.raises(ValueError, match="no CPU kernels named"):
+        cpu_ops.use_kernels("sse9")
+    for v in listed:
+        if v.built and not v.runs_here:
+            with pytest.raises(ValueError, match="cannot run"):
+                cpu_ops.use_kernels(v.name)
+    assert cpu_ops.kernels() == os.environ.get(cpu_ops.KERNELS_ENV, best)
+
+
+@pytest.mark.processes
+def test_kvloop_cpu_isa_forces_a_variant_and_rejects_one_the_cpu_cannot_run(ops):
+    """`KVLOOP_CPU_ISA=generic` in a fresh process runs the generic kernels; a name the
+    CPU cannot run (or no variant has) stops the load with a ValueError."""
+    code = "from kvloop.model import cpu_ops; print(cpu_ops.kernels())"
+    env = {**os.environ, cpu_ops.KERNELS_ENV: "generic"}
+    env.pop(cpu_ops.ENV_SWITCH, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.split() == ["generic"]
+    env[cpu_ops.KERNELS_ENV] = "sse9"
+    failed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert failed.returncode != 0 and "no CPU kernels named 'sse9'" in failed.stderr
+
+
 SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4)]     # heads, kv heads, head_dim, blocks, bs
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 0.0)]
 
@@ -27,14 +94,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm(dtype, tol, with_residual):
+def test_add_rms_norm(ops, dtype, tol, with_residual):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 576, generator=g).to(dtype)
     res = torch.randn(7, 576, generator=g).to(dtype) if with_residual else None
     w = torch.rand(576, generator=g).to(dtype)
     x1, r1 = x.clone(), None if res is None else res.clone()
     x2, r2 = x.clone(), None if res is None else res.clone()
-    cpu_ops.load().add_rms_norm(x1, r1, w, 1e-5)
+    ops.add_rms_norm(x1, r1, w, 1e-5)
     cpu_ops.torch_add_rms_norm(x2, r2, w, 1e-5)
     _close(x1, x2, tol * 4)
     if res is not None:
@@ -43,7 +110,7 @@ def test_add_rms_norm(dtype, tol, with_residual):
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
-def test_rope_and_cache(dtype, tol, heads, kv_heads, dim, blocks, bs):
+def test_rope_and_cache(ops, dtype, tol, heads, kv_heads, dim, blocks, bs):
     g = torch.Generator().manual_seed(1)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -52,8 +119,8 @@ def test_rope_and_cache(dtype, tol, heads, kv_heads, dim, blocks, bs):
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
     caches = [torch.zeros(2, kv_heads, blocks, bs, dim, dtype=dtype) for _ in range(2)]
     outs = [qkv.clone(), qkv.clone()]
-    cpu_ops.load().rope_and_cache(outs[0], positions, angles.cos(), angles.sin(), caches[0],
-                                  slots, heads, kv_heads)
+    ops.rope_and_cache(outs[0], positions, angles.cos(), angles.sin(), caches[0], slots,
+                       heads, kv_heads)
     cpu_ops.torch_rope_and_cache(outs[1], positions, angles.cos(), angles.sin(), caches[1],
                                  slots, heads, kv_heads)
     _close(outs[0], outs[1], tol)
@@ -63,29 +130,30 @@ def test_rope_and_cache(dtype, tol, heads, kv_heads, dim, blocks, bs):
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
-def test_decode_attention(dtype, tol, heads, kv_heads, dim, blocks, bs):
+def test_decode_attention(ops, variant, dtype, tol, heads, kv_heads, dim, blocks, bs):
     g = torch.Generator().manual_seed(2)
     cache = torch.randn(2, kv_heads, blocks, bs, dim, generator=g).to(dtype)
     table = torch.randint(1, blocks, (4, 5), generator=g)
     seq_lens = torch.tensor([1, bs + 1, 5 * bs, 3 * bs - 2])
     q = torch.randn(4, heads, dim, generator=g).to(dtype)
-    got = cpu_ops.load().decode_attention(q, cache, table, seq_lens, dim ** -0.5)
+    got = ops.decode_attention(q, cache, table, seq_lens, dim ** -0.5)
     want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, dim ** -0.5)
     assert got.shape == (4, heads * dim) and got.dtype == dtype
     _close(got, want, tol + (8e-3 if dtype == torch.bfloat16 else 0))
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_silu_and_mul(dtype, tol):
+def test_silu_and_mul(ops, variant, dtype, tol):
     x = torch.randn(5, 3072, generator=torch.Generator().manual_seed(3)).to(dtype)
-    got = cpu_ops.load().silu_and_mul(x)
+    got = ops.silu_and_mul(x)
     assert got.shape == (5, 1536) and got.dtype == dtype
     _close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
-def test_decode_attention_over_long_contexts_and_every_tile_tail(dtype, tol, group):
+def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, dtype, tol,
+                                                                 group):
     """The vectorised path (head_dim a multiple of 64; fp32 or bf16 cache) at lengths around
     its 8-key tiles and far past a block, where the scores span many tiles; for every group
     of query heads per KV head: 2-4 share each key's load where AVX-512 gives the registers,
@@ -96,7 +164,7 @@ def test_decode_attention_over_long_contexts_and_every_tile_tail(dtype, tol, gro
     table = torch.stack([torch.randperm(89, generator=g)[:88] + 1 for _ in lens])
     q = torch.randn(len(lens), 3 * group, 64, generator=g).to(dtype)
     seq_lens = torch.tensor(lens)
-    got = cpu_ops.load().decode_attention(q, cache, table, seq_lens, 0.125)
+    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
     want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125)
     assert got.shape == want.shape == (len(lens), 3 * group * 64)
     err = (got.float() - want.float()).abs().max().item()
@@ -117,14 +185,13 @@ def _dequantized_q4(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
 
 @pytest.mark.parametrize("k", [576, 96])            # 18 groups (8 + 8 + 2), 3 groups
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-def test_quantized_matmuls_on_every_path(rows, k):
+def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
     """q4 and q8 matmuls against their dequantized weights in fp64, on each kernel: 1-2 rows
     (int16 activations, 8 groups' sums in one vector, then the groups left over), 3 and more
     (q4: fp32 rows against weights dequantized in registers; q8: 4-row integer tiles). The
     integer kernels round x to 16 bits per group (~2^-16 of its largest value); the fp32
     one only sums in another order. 200 columns: from K = 576 the pool splits them in chunks."""
     g = torch.Generator().manual_seed(rows * 1000 + k)
-    ops = cpu_ops.load()
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(200, k, g)
     want = x.double() @ _dequantized_q4(qs, scale, offset).T
@@ -140,13 +207,12 @@ def test_quantized_matmuls_on_every_path(rows, k):
 
 @pytest.mark.parametrize("k", [576, 96])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
-def test_quantized_matmuls_on_bf16_rows(rows, k):
+def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows (and q8 at
     every count) the integer kernel, x rounded to int16 per group (on AVX-512 VNNI, the
     `dpwssd` one); 3 and more q4 rows the fp32 kernel on x widened exactly (11 = 4 + 4 + 3
     rows). Each y is rounded to bf16 (2^-9 relative)."""
     g = torch.Generator().manual_seed(rows * 1000 + k + 7)
-    ops = cpu_ops.load()
     x = torch.randn(rows, k, generator=g).bfloat16()
     qs, scale, offset = _random_q4(200, k, g)
     want = x.double() @ _dequantized_q4(qs, scale, offset).T
@@ -158,6 +224,35 @@ def test_quantized_matmuls_on_bf16_rows(rows, k):
     want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
     got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_the_lm_head_argmax_is_the_argmax_of_its_logits_exactly(ops, variant, rows, dtype):
+    """`q8_matmul_argmax` / `q4_matmul_argmax` (greedy decoding's LM head, the logits row
+    never written whole) give, per row, exactly `argmax` of the matmul's own output (in
+    x's dtype) and that maximum; equal logits (duplicated weight rows, among them each
+    row's winner) go to the first column, as torch.argmax does. 1,000 columns: many
+    tasks on the pool, and a last one shorter than the rest."""
+    g = torch.Generator().manual_seed(rows * 31 + (dtype == torch.bfloat16))
+    n, k = 1000, 96
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(n, k // 32, generator=g) * 0.01
+    qs, scale, offset = _random_q4(n, k, g)
+    winners = ops.q8_matmul(x, q8.view(torch.uint8), s8).float().argmax(-1)
+    for i, w in enumerate(winners.tolist()):     # a copy of row w's weights further on
+        q8[900 + i], s8[900 + i] = q8[w], s8[w]
+        q8[10 + i], s8[10 + i] = q8[w], s8[w]        # ... and one before it
+    for got, logits in [
+            (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8),
+             ops.q8_matmul(x, q8.view(torch.uint8), s8)),
+            (ops.q4_matmul_argmax(x, qs, scale, offset), ops.q4_matmul(x, qs, scale, offset))]:
+        columns, values = got
+        assert logits.dtype == dtype and columns.dtype == torch.int64
+        assert torch.equal(columns, logits.float().argmax(-1))
+        assert torch.equal(values, logits.float().max(-1).values)
+    assert (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8)[0] < 100).all()   # the copies
 
 
 def _huge_page_bytes_at(address: int) -> int:
@@ -180,7 +275,7 @@ def _thp_fault_fallbacks() -> int:
         return sum(int(line.split()[1]) for line in f if line.startswith("thp_fault_fallback "))
 
 
-def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages():
+def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages(ops):
     tensors = [torch.randint(0, 256, (3072, 288), dtype=torch.uint8),
                torch.randn(3072, 18), torch.randint(-128, 128, (7, 5), dtype=torch.int8),
                torch.randn(4096, 144)]
@@ -202,35 +297,65 @@ def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages():
     assert cpu_ops.huge_page_copies([]) == []
 
 
-def test_the_build_is_keyed_by_source_torch_and_cpu(monkeypatch, tmp_path):
-    """The same inputs give the same name; a changed source or header, another torch version
-    or other CPU flags each give another (a build never loads where it was not built)."""
-    name = cpu_ops.extension_name()
-    assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.extension_name()
-    source, header = tmp_path / "cpu_ops.cpp", tmp_path / "pool.h"
-    source.write_bytes(cpu_ops.SOURCE.read_bytes() + b"\n// one more line\n")
-    header.write_bytes(cpu_ops.HEADERS[0].read_bytes() + b"\n")
-    flags = cpu_ops._cpu_flags()
-    changes = {"source": (cpu_ops, "SOURCE", source),
-               "header": (cpu_ops, "HEADERS", [header, *cpu_ops.HEADERS[1:]]),
-               "torch": (torch, "__version__", torch.__version__ + ".post1"),
-               "cpu flag added": (cpu_ops, "_cpu_flags", lambda: flags.rstrip() + " amx_fp16"),
-               "cpu flag gone": (cpu_ops, "_cpu_flags", lambda: flags.rsplit(None, 1)[0])}
-    names = {}
-    for what, (owner, attr, value) in changes.items():
-        with monkeypatch.context() as m:
-            m.setattr(owner, attr, value)
-            names[what] = cpu_ops.extension_name()
-    assert len({name, *names.values()}) == 1 + len(changes), names
-    assert cpu_ops.extension_name() == name   # and back
+def test_the_build_is_keyed_by_source_torch_flags_and_architecture():
+    """`build_key` of the same inputs is the same name; a changed source file, another file,
+    another torch version, other compiler flags or another architecture each give another.
+    The CPU's features are no input: one build serves every CPU of its architecture."""
+    sources = {p.name: p.read_bytes() for p in cpu_ops.source_files()}
+    assert {"generic.cpp", "dispatch.cpp", "kernels.h", "pool.h"} <= set(sources)
+    inputs = (sources, "2.13.0", ["-O3", "-fopenmp"], "x86_64")
+    name = cpu_ops.build_key(*inputs)
+    assert name.startswith("kvloop_cpu_ops_") and name == cpu_ops.build_key(*inputs)
+    changed = {
+        "source": ({**sources, "generic.cpp": sources["generic.cpp"] + b"\n"}, *inputs[1:]),
+        "header": ({**sources, "pool.h": sources["pool.h"] + b" "}, *inputs[1:]),
+        "file added": ({**sources, "x86_amx.cpp": b""}, *inputs[1:]),
+        "file renamed": ({("a" + k if k == "pool.h" else k): v for k, v in sources.items()},
+                         *inputs[1:]),
+        "torch": (sources, "2.13.0+cpu", *inputs[2:]),
+        "flags": (sources, "2.13.0", ["-O2", "-fopenmp"], "x86_64"),
+        "architecture": (*inputs[:3], "aarch64"),
+    }
+    names = {what: cpu_ops.build_key(*args) for what, args in changed.items()}
+    assert len({name, *names.values()}) == 1 + len(changed), names
+    assert cpu_ops.extension_name() == cpu_ops.build_key(
+        sources, torch.__version__, cpu_ops._FLAGS, __import__("platform").machine())
+    assert "-march=native" not in cpu_ops._FLAGS
+
+
+_WIDE = re.compile(r"%[yz]mm\d|%xmm(1[6-9]|2\d|3[01])\b|%k[1-7]\b")      # AVX and AVX-512
+_EVEX = re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[1-7]\b")      # AVX-512 only
+
+
+@pytest.mark.processes                   # objdump
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 variants")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_wide_instructions_live_only_in_their_variants_code(ops):
+    """The library runs on any x86-64 CPU: every function that touches a 256- or 512-bit
+    register (or an AVX-512 mask) belongs to one instruction set's namespace, AVX-512
+    registers only to the AVX-512 one, and both namespaces do use theirs (their target
+    regions took effect). A shared inline function compiled wide would break this."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ops.__file__],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+    wide: dict[str, set[str]] = {}
+    function = ""
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            function = line[line.index("<") + 1:-2]
+        elif _WIDE.search(line):
+            wide.setdefault(function, set()).add("evex" if _EVEX.search(line) else "avx")
+    outside = [f for f in wide if "kvloop::avx2::" not in f and "kvloop::avx512::" not in f]
+    assert outside == []
+    assert [f for f in wide if "kvloop::avx2::" in f and "evex" in wide[f]] == []
+    assert any("kvloop::avx2::" in f for f in wide)
+    assert any("kvloop::avx512::" in f and "evex" in kinds for f, kinds in wide.items())
 
 
 # --- kvloop's thread pool (csrc/pool.h) -----------------------------------------------------
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_pool_runs_every_chunk_exactly_once(threads):
+def test_the_pool_runs_every_chunk_exactly_once(ops, threads):
     """`pool_run_ids` fails inside if a chunk runs twice or never; on every size, also more
     threads than cores."""
-    ops = cpu_ops.load()
     try:
         ops.set_pool_threads(threads)
         assert ops.pool_threads() == threads
@@ -240,11 +365,10 @@ def test_the_pool_runs_every_chunk_exactly_once(threads):
         ops.set_pool_threads(torch.get_num_threads())
 
 
-def test_concurrent_callers_share_the_pool_without_deadlock():
+def test_concurrent_callers_share_the_pool_without_deadlock(ops):
     """One caller at a time runs on the workers; another meanwhile runs its chunks itself."""
     import threading
 
-    ops = cpu_ops.load()
     ops.set_pool_threads(2)
     errors: list[BaseException] = []
 
@@ -264,11 +388,8 @@ def test_concurrent_callers_share_the_pool_without_deadlock():
 
 
 @pytest.mark.processes
-def test_a_forked_child_rebuilds_the_pool():
+def test_a_forked_child_rebuilds_the_pool(ops):
     """The workers do not survive fork(); the child's first call builds a fresh pool."""
-    import os
-
-    ops = cpu_ops.load()
     ops.set_pool_threads(2)
     ops.pool_run_ids(1000)                    # the parent's workers exist
     pid = os.fork()
@@ -282,19 +403,75 @@ def test_a_forked_child_rebuilds_the_pool():
 
 
 @pytest.mark.processes
-def test_jobs_of_changing_sizes_back_to_back_never_lose_a_chunk():
+def test_jobs_of_changing_sizes_back_to_back_never_lose_a_chunk(ops):
     """200,000 jobs of 2-64 chunks back to back on 2 threads, in a child process (a lost
     job hangs its caller: the child is killed after 120 s). The pool used to hang here
     within seconds: a worker leaving one job checked its stale claim against the next
     job's larger chunk count and ran a chunk twice."""
-    import subprocess
-    import sys
-
     code = ("from kvloop.model import cpu_ops; cpu_ops.set_pool_threads(2); "
-            "print(cpu_ops.load().pool_stress(200_000))")
+            "print(cpu_ops.build().pool_stress(200_000))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=120, check=True).stdout
     except subprocess.TimeoutExpired:
         pytest.fail("a job of the pool never finished (the caller hung)")
     assert out.split() == ["0"]
+
+
+# --- end to end: a tiny model with the extension, without it, and under transformers -------
+E2E_PROMPTS = [[5, 6, 7], list(range(40, 61)), [9] * 37]     # 3, 21 and 37 tokens
+E2E_TOKENS = 8
+_GREEDY_SCRIPT = """
+import json, sys
+from kvloop import LLM, SamplingParams
+from kvloop.model import cpu_ops
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", block_size=16, num_threads=1,
+          num_gpu_blocks_override=32)
+params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])], params,
+                    use_tqdm=False)
+print(json.dumps({"kernels": cpu_ops.kernels(),
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+llm.shutdown()
+"""
+
+
+def _greedy_in_process(path, variants):
+    """variant -> greedy tokens of E2E_PROMPTS, in a child process per variant (None: the
+    extension off)."""
+    out = {}
+    for name in variants:
+        env = {k: v for k, v in os.environ.items()
+               if k not in (cpu_ops.ENV_SWITCH, cpu_ops.KERNELS_ENV)}
+        env.update({cpu_ops.ENV_SWITCH: "0"} if name is None else {cpu_ops.KERNELS_ENV: name})
+        run = subprocess.run([sys.executable, "-c", _GREEDY_SCRIPT, str(path),
+                              json.dumps(E2E_PROMPTS), str(E2E_TOKENS)], env=env,
+                             capture_output=True, text=True, timeout=300, check=True)
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["kernels"] == name
+        out[name] = result["tokens"]
+    return out
+
+
+@pytest.mark.processes
+def test_a_tiny_model_gives_transformers_greedy_tokens_with_and_without_the_extension(
+        ops, tmp_path):
+    """A tiny fp32 Llama (head_dim 64: the vectorised attention; 2 query heads per KV head)
+    on kvloop with `KVLOOP_CPU_OPS=0` (the pure-torch twins), and on each kernel variant
+    this CPU runs: every run's greedy tokens equal transformers' (fp32, argmax each step)."""
+    from tests.test_model_tiny import tiny_hf_model, write_tiny_gguf
+
+    model = tiny_hf_model(seed=21, hidden_size=256, intermediate_size=192,
+                          num_attention_heads=4, num_key_value_heads=2)
+    path = write_tiny_gguf(model, tmp_path / "t.gguf")
+    want = []
+    with torch.no_grad():                   # greedy, EOS included (kvloop's ignore_eos)
+        for prompt in E2E_PROMPTS:
+            ids = torch.tensor([prompt])
+            for _ in range(E2E_TOKENS):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            want.append(ids[0, len(prompt):].tolist())
+    runnable = [v.name for v in cpu_ops.kernel_variants() if v.runs_here]
+    got = _greedy_in_process(path, [None, *runnable])
+    assert all(len(t) == E2E_TOKENS for t in want)
+    assert got == {name: want for name in [None, *runnable]}

@@ -192,6 +192,66 @@ def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):
         assert len(storages) == 1 and storages.pop() % (2 << 20) == 0
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_greedy_tokens_are_the_argmax_of_the_logits_exactly(q4_runner, rows):
+    """`greedy_tokens` (the LM head fused with the argmax where the head runs low-bit, on
+    kvloop's kernel; else argmax of the logits) picks exactly what `compute_logits` then
+    argmax picks, on the low-bit head and the dense one, for all rows or some."""
+    model = q4_runner.model
+    assert model.lm_head.low_bit.kernel == ("kvloop" if cpu_ops.load() else "torch")
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows + 1, model.config.hidden_size, generator=g)
+    residual = torch.randn(rows + 1, model.config.hidden_size, generator=g)
+    for indices in (torch.arange(rows + 1), torch.arange(1, rows + 1)):
+        for policy in (LowBitPolicy(0, 0), LowBitPolicy(0, 1000)):
+            model.low_bit = policy
+            try:
+                logits = model.compute_logits(h.clone(), residual.clone(), indices)
+                tokens = model.greedy_tokens(h.clone(), residual.clone(), indices)
+            finally:
+                model.low_bit = LowBitPolicy(0, 0)
+            assert tokens.dtype == torch.int64 and tokens.shape == (len(indices),)
+            assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_plain_greedy_steps_take_their_tokens_fused_with_the_lm_head(tmp_path):
+    """Steps whose every row is plain greedy run `LlamaModel.greedy` (no logits row; on
+    kvloop's kernel the LM head fused with the argmax) and give the tokens the sampler
+    gives from the logits, which a row asking for logprobs (or a random one) still takes."""
+    from kvloop import LLM, SamplingParams
+
+    llm = LLM(str(write_q4_gguf(tmp_path)), dtype="float32", device="cpu", block_size=4,
+              num_threads=1, num_gpu_blocks_override=64, low_bit_max_tokens=0)
+    model = llm.runner.model
+    calls: list[int] = []
+    greedy = model.greedy
+
+    def spy(step, kv_caches):
+        calls.append(step.logits_indices.shape[0])
+        return greedy(step, kv_caches)
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(20, 33)), [9] * 6)]
+    try:
+        model.greedy = spy
+        for policy in (LowBitPolicy(1000, 1000), LowBitPolicy(0, 0)):   # low-bit head, dense
+            model.low_bit = policy
+            calls.clear()
+            plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                         ignore_eos=True), use_tqdm=False)
+            assert len(calls) >= 6 and sum(calls) == 3 * 6           # every sampled row
+            calls.clear()
+            sampled = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6,
+                                                           ignore_eos=True, logprobs=1),
+                                   use_tqdm=False)
+            assert calls == []                                        # the logits path
+            assert ([o.outputs[0].token_ids for o in plain]
+                    == [o.outputs[0].token_ids for o in sampled])
+    finally:
+        del model.greedy
+        model.low_bit = LowBitPolicy(0, 0)
+        llm.shutdown()
+
+
 def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
     """Steps of at most `max_tokens` tokens run the layers' low-bit weights, at most
     `max_logits_rows` sampled rows the head's; the others the dense ones."""

@@ -1,4 +1,4 @@
-"""Fused layer ops on CPU (a small C++ extension, csrc/cpu_ops.cpp) with pure-torch twins.
+"""Fused layer ops on CPU (a small C++ extension, csrc/) with pure-torch twins.
 
 Each op below does what its `torch_*` twin does, in one call instead of 4-12 eager ops;
 the twins run where the extension is absent (no compiler, another device, or
@@ -13,17 +13,31 @@ the twins run where the extension is absent (no compiler, another device, or
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
+- `q4_matmul` / `q8_matmul(x, ...)`: x @ W.T on 4-bit / 8-bit group-32 weights
+  (`kvloop.model.quant` holds them), and `q4_matmul_argmax` / `q8_matmul_argmax`: each
+  row's (argmax, max) of the same product without writing the row whole (greedy
+  decoding's LM head; twin: the matmul, then argmax);
 - `DecodeStack(norms, quantized, ...)` (extension only, no twin: its oracle is the Python
   layer loop, see `kvloop.model.llama.FusedDecode`): built once from the weights, its
   `forward` runs every decoder layer of a step of decodes in one call, with the 4-bit
   weights, on kvloop's own thread pool (csrc/pool.h).
 
-Building: `python -m kvloop.model.cpu_ops` (the Makefile's install step) compiles it with
-`torch.utils.cpp_extension` (-O3 -march=native) into `.venv`-independent cache
-`~/.cache/kvloop/torch_extensions/<name>`, the name keyed by the source, torch's version and
-the CPU's flags (a build never loads on a CPU it was not built for). Loading never compiles
-unless asked (`load(build=True)`): a process that finds no build uses the twins and says so
-once in the log.
+Kernels: csrc/ holds the portable kernels and drivers (generic.cpp), one file per instruction
+set (x86_avx2.cpp; x86_avx512.cpp: AVX-512 F/BW/VL/DQ with VNNI), all built on every machine
+(each in a region compiled for its own target, none with -march=native), and one dispatch
+table (dispatch.cpp) that runs the best variant this CPU can execute, chosen once per
+process from the CPU's own feature bits; `KVLOOP_CPU_ISA=<name>` (`KERNELS_ENV`) makes it
+run another (an error where this CPU cannot run it), and `use_kernels` does the same in a
+running process (tests run every variant this way). docs/cpu-performance.md, "Kernels and
+dispatch", says how to add a kernel or a variant.
+
+Building: `python -m kvloop.model.cpu_ops` (the Makefile's install step; it exits non-zero
+when the build fails) compiles it with `torch.utils.cpp_extension` into `.venv`-independent
+cache `~/.cache/kvloop/torch_extensions/<name>`, the name keyed by the sources, torch's
+version, the compiler flags and the machine's architecture (`build_key`; not its CPU's
+features: one build serves every CPU of the architecture). Loading never compiles unless
+asked (`load(build=True)`): a process that finds no build, or cannot build (no compiler),
+uses the twins and says so once in the log.
 """
 
 from __future__ import annotations
@@ -31,7 +45,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,64 +56,94 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-HEADERS = [Path(__file__).parent / "csrc" / "pool.h"]
+CSRC = Path(__file__).parent / "csrc"
 CACHE_ROOT = Path(os.environ.get("KVLOOP_CACHE", Path.home() / ".cache" / "kvloop"))
 ENV_SWITCH = "KVLOOP_CPU_OPS"          # "0": never use the extension
+KERNELS_ENV = "KVLOOP_CPU_ISA"         # a kernel variant's name: run it, not the best one
 # -fopenmp: at::parallel_for is a header template that runs serially unless _OPENMP is
 # defined; the extension then links libgomp, which resolves to the one torch has loaded.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+# No -march: the library runs on any CPU of its architecture; the instruction-set files
+# choose their own targets (csrc/isa.h).
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
 
 _module: Any = None
 _tried = False
 
 
-def extension_name() -> str:
-    """Name of this source's build for this torch and this CPU."""
+def source_files() -> list[Path]:
+    """Every file of the extension's source (what the build key hashes), sorted."""
+    return sorted(p for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def build_key(sources: dict[str, bytes], torch_version: str, flags: list[str],
+              machine: str) -> str:
+    """The build's name for these source files (name -> bytes), torch version, compiler flags
+    and machine architecture (`platform.machine()`)."""
     key = hashlib.sha256()
-    for path in [SOURCE, *HEADERS]:
-        key.update(path.read_bytes())
-    key.update(torch.__version__.encode())
-    key.update(" ".join(_FLAGS).encode())
-    key.update(_cpu_flags().encode())
+    for name in sorted(sources):
+        key.update(name.encode() + b"\0" + sources[name] + b"\0")
+    for part in (torch_version, " ".join(flags), machine):
+        key.update(part.encode() + b"\0")
     return f"kvloop_cpu_ops_{key.hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return ""
+def extension_name() -> str:
+    """Name of this source's build for this torch on this architecture."""
+    return build_key({p.name: p.read_bytes() for p in source_files()}, torch.__version__,
+                     _FLAGS, platform.machine())
 
 
 def load(build: bool = False) -> Any:
-    """The compiled module, or None (no build and `build` False, or the build failed)."""
+    """The compiled module, or None (`KVLOOP_CPU_OPS=0`, no build and `build` False, or the
+    build failed: a warning says so). Raises ValueError where `KVLOOP_CPU_ISA` names kernels
+    this CPU or build cannot run."""
     global _module, _tried
     if _module is not None or (_tried and not build):
         return _module
     _tried = True
     if os.environ.get(ENV_SWITCH) == "0":
         return None
-    name = extension_name()
-    directory = CACHE_ROOT / "torch_extensions" / name
-    library = directory / f"{name}.so"
     try:
-        if library.is_file():
-            _module = _import(name, library)     # no compiler run, no subprocess
-        elif build:
-            _module = _compile(name, directory)
-        else:
-            logger.warning("kvloop's CPU ops are not built for this CPU (run `python -m "
-                           "kvloop.model.cpu_ops`); using the slower pure-torch ops")
+        _module = _load_or_build(build)
     except Exception as exc:   # no compiler, no headers, a broken build: the twins serve
         logger.warning("kvloop's CPU ops failed to build or load (%s); using the pure-torch "
                        "ops", exc)
         _module = None
+    if _module is not None:
+        _use_forced_kernels(_module)
     return _module
+
+
+def build() -> Any:
+    """The compiled module, built now where absent (whatever `KVLOOP_CPU_OPS` says); raises
+    where it cannot be built or loaded."""
+    global _module, _tried
+    if _module is None:
+        _module = _load_or_build(True)
+        _tried = True
+        _use_forced_kernels(_module)
+    return _module
+
+
+def _use_forced_kernels(module: Any) -> None:
+    """The variant `KVLOOP_CPU_ISA` names, if any (ValueError where it cannot run here)."""
+    forced = os.environ.get(KERNELS_ENV)
+    if forced:
+        module.use_cpu_kernels(forced)
+    logger.info("kvloop's CPU ops: %s kernels", module.cpu_kernels())
+
+
+def _load_or_build(build: bool) -> Any:
+    name = extension_name()
+    directory = CACHE_ROOT / "torch_extensions" / name
+    library = directory / f"{name}.so"
+    if library.is_file():
+        return _import(name, library)     # no compiler run, no subprocess
+    if build:
+        return _compile(name, directory)
+    logger.warning("kvloop's CPU ops are not built (run `python -m kvloop.model.cpu_ops`); "
+                   "using the slower pure-torch ops")
+    return None
 
 
 def _import(name: str, library: Path) -> Any:
@@ -114,8 +160,44 @@ def _compile(name: str, directory: Path) -> Any:
     from torch.utils.cpp_extension import load as load_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS,
-                          build_directory=str(directory), verbose=False)
+    sources = [str(p) for p in source_files() if p.suffix == ".cpp"]
+    return load_extension(name=name, sources=sources, extra_cflags=_FLAGS,
+                          extra_include_paths=[str(CSRC)], build_directory=str(directory),
+                          verbose=False)
+
+
+def kernels() -> str | None:
+    """The kernel variant the ops run ("avx512", "avx2", "generic"); None without the
+    extension."""
+    ops = load()
+    return None if ops is None else str(ops.cpu_kernels())
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One variant of the kernels (csrc/dispatch.cpp): the CPU features it needs (as
+    /proc/cpuinfo names them), whether this build has it (its architecture's) and whether
+    this CPU runs it."""
+
+    name: str
+    needs: str
+    built: bool
+    runs_here: bool
+
+
+def kernel_variants() -> list[KernelVariant]:
+    """Every variant, best first (empty without the extension)."""
+    ops = load()
+    return [] if ops is None else [KernelVariant(*v) for v in ops.cpu_kernel_variants()]
+
+
+def use_kernels(name: str) -> None:
+    """Run the named kernel variant from now on, process-wide (what `KVLOOP_CPU_ISA` does at
+    load); ValueError where it is unknown or cannot run here."""
+    ops = _module if _module is not None else load()
+    if ops is None:
+        raise ValueError("kvloop's CPU ops are not loaded")
+    ops.use_cpu_kernels(name)
 
 
 def available(device: torch.device) -> bool:
@@ -236,11 +318,17 @@ def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> int:
-    """Build the extension for this CPU (a no-op when built); exit 0 also when it cannot be
-    built (kvloop then runs its pure-torch ops), saying so."""
+    """Build the extension for this machine (a no-op when built); exit 1, saying why, when it
+    cannot be built (kvloop then runs its pure-torch ops, but `make test` must fail)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    module = load(build=True)
-    print(f"kvloop CPU ops: {'built ' + extension_name() if module else 'not built'}")
+    try:
+        module = build()
+    except Exception as exc:  # noqa: BLE001 - reported, and the exit status says it
+        print(f"kvloop CPU ops: FAILED to build or load: {exc}", file=sys.stderr)
+        return 1
+    runs = [v[0] for v in module.cpu_kernel_variants() if v[3]]
+    print(f"kvloop CPU ops: built {extension_name()}; kernels {module.cpu_kernels()} "
+          f"(this CPU runs: {', '.join(runs)})")
     return 0
 
 

@@ -88,6 +88,14 @@ class Linear(nn.Module):
             self.lora.add_(y, x, lora)
         return y
 
+    def argmax(self, x: torch.Tensor, low_bit: bool = False) -> torch.Tensor:
+        """x [T, in] -> [T] int64: each row's argmax of `forward(x, low_bit)` (no LoRA), the
+        first of equal maxima, exactly; the low-bit weight's fused kernel where it serves
+        (the output rows never written whole)."""
+        if low_bit and self.low_bit is not None and self.bias is None:
+            return self.low_bit.argmax(x)
+        return self._base(x, low_bit).argmax(dim=-1)
+
     def _base(self, x: torch.Tensor, low_bit: bool) -> torch.Tensor:
         if low_bit and self.low_bit is not None:
             y = self.low_bit.matmul(x)
@@ -366,6 +374,12 @@ class LlamaModel(nn.Module):
         h, residual = self.decode_layers(step, kv_caches)
         return self.compute_logits(h, residual, step.logits_indices)
 
+    def greedy(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """`forward`'s argmax of each logits row [S] int64, exactly, without the logits where
+        the LM head runs low-bit (`greedy_tokens`)."""
+        h, residual = self.decode_layers(step, kv_caches)
+        return self.greedy_tokens(h, residual, step.logits_indices)
+
     def decode_layers(self, step: StepInputs, kv_caches: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
@@ -390,10 +404,26 @@ class LlamaModel(nn.Module):
                        logits_indices: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows `logits_indices` [S] of `decode_layers`'
         output -> logits [S, vocab] fp32. Normalizes `h` in place when every row samples."""
-        if logits_indices.shape[0] != h.shape[0]:    # else every row samples, in order
-            h, residual = h[logits_indices], residual[logits_indices]
-        self.norm.add_(h, residual)                  # h = norm(residual + h): [S, hidden]
+        h = self._final_norm(h, residual, logits_indices)
         return self.lm_head.forward(h, self.low_bit.head(h.shape[0])).float()  # [S, V]
+
+    def greedy_tokens(self, h: torch.Tensor, residual: torch.Tensor,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        """The argmax [S] int64 of each row `compute_logits` returns, exactly (the first of
+        equal maxima), without the logits where the LM head runs low-bit (fused with the
+        argmax: `Int8Weight.argmax`). For steps whose every row samples greedily and plainly
+        (no logprobs, penalties, masks or grammar): the caller's choice."""
+        h = self._final_norm(h, residual, logits_indices)
+        return self.lm_head.argmax(h, self.low_bit.head(h.shape[0]))
+
+    def _final_norm(self, h: torch.Tensor, residual: torch.Tensor,
+                    logits_indices: torch.Tensor) -> torch.Tensor:
+        """norm(residual + h) of the rows `logits_indices` [S] -> [S, hidden] (in place in `h`
+        when every row samples, in order)."""
+        if logits_indices.shape[0] != h.shape[0]:
+            h, residual = h[logits_indices], residual[logits_indices]
+        self.norm.add_(h, residual)
+        return h
 
     def final_hidden(self, h: torch.Tensor, residual: torch.Tensor,
                      indices: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,14 @@ class Int4Weight(_QuantWeight):
                                                        scales_and_zeros)
         return y.to(x.dtype)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T] int64: each row's argmax of `matmul(x)` (the first of equal
+        maxima), exactly; on kvloop's kernel without writing the row whole
+        (`cpu_ops.q4_matmul_argmax`)."""
+        if self.kernel == "kvloop":
+            return self._ops.q4_matmul_argmax(x.contiguous(), *self.tensors)[0]
+        return self.matmul(x).argmax(dim=-1)
+
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel sees it (for tests)."""
         eye = torch.eye(self.in_features, dtype=torch.float32 if self.kernel == "kvloop"
@@ -136,6 +144,14 @@ class Int8Weight(_QuantWeight):
             return self._ops.q8_matmul(x.contiguous(), *self.tensors)
         q, scale = self.tensors
         return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), q, scale).to(x.dtype)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T] int64: each row's argmax of `matmul(x)` (the first of equal
+        maxima), exactly; on kvloop's kernel without writing the row whole
+        (`cpu_ops.q8_matmul_argmax`: greedy decoding's LM head)."""
+        if self.kernel == "kvloop":
+            return self._ops.q8_matmul_argmax(x.contiguous(), *self.tensors)[0]
+        return self.matmul(x).argmax(dim=-1)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel holds it (for tests)."""

@@ -214,6 +214,11 @@ class ModelRunner:
         fwd = pending.result()
         if fwd.inputs is None:
             return RunnerOutput(forward_time=fwd.window)
+        if fwd.greedy is not None:      # tokens already chosen with the LM head (no grammar)
+            out = self._make_output(fwd.inputs, [[t] for t in fwd.greedy],
+                                    [None] * len(fwd.greedy))
+            out.forward_time = fwd.window
+            return out
         return self._forward_thread.submit(self._finish, fwd, grammar_output).result()
 
     def _finish(self, fwd: _Forward, grammar_output: GrammarOutput | None) -> RunnerOutput:
@@ -247,7 +252,15 @@ class ModelRunner:
                        started: threading.Event) -> _Forward:
         start = time.perf_counter()
         started.set()
-        inputs, logits, pooled = self.forward_pooled(scheduler_output)
+        self._update_states(scheduler_output)
+        inputs = None if scheduler_output.is_empty else self._prepare_inputs(scheduler_output)
+        if inputs is not None and _plain_greedy(inputs):
+            with torch.inference_mode():
+                tokens = self.model.greedy(inputs.step, self.kv_caches).tolist()
+            self.num_steps += 1
+            return _Forward(inputs, torch.empty(0, self.vocab_size),
+                            (start, time.perf_counter()), greedy=tokens)
+        inputs, logits, pooled = self._run(inputs)
         return _Forward(inputs, logits, (start, time.perf_counter()), pooled)
 
     def forward(self, scheduler_output: SchedulerOutput
@@ -263,9 +276,15 @@ class ModelRunner:
         """`forward`, and the pooled vectors [P, hidden] fp32 of
         `inputs.pooling_req_ids`, in order (None when no request pools this step)."""
         self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
+        return self._run(None if scheduler_output.is_empty
+                         else self._prepare_inputs(scheduler_output))
+
+    def _run(self, inputs: StepBatch | None
+             ) -> tuple[StepBatch | None, torch.Tensor, torch.Tensor | None]:
+        """`forward_pooled` after the state update: the model on `inputs` (None: nothing
+        scheduled)."""
+        if inputs is None:
             return None, torch.empty(0, self.vocab_size), None
-        inputs = self._prepare_inputs(scheduler_output)
         with torch.inference_mode():
             if not inputs.pooling_req_ids:
                 logits = self.model(inputs.step, self.kv_caches)
@@ -456,6 +475,17 @@ class _Forward:
     logits: torch.Tensor
     window: tuple[float, float]
     pooled: torch.Tensor | None = None    # [P, hidden]: `inputs.pooling_req_ids`' vectors
+    greedy: list[int] | None = None       # every row plain greedy: its token (no logits)
+
+
+def _plain_greedy(inputs: StepBatch) -> bool:
+    """Every row of the step samples one plain greedy token (`SamplingRow.plain_greedy`:
+    nothing reads the logits but the argmax), and nothing else needs the logits (prompt
+    logprobs, drafts, pooling): the model may return the tokens alone
+    (`LlamaModel.greedy`, the LM head fused with the argmax)."""
+    return (bool(inputs.sampling_rows) and inputs.sample_sel is None and not inputs.prompt_rows
+            and not inputs.pooling_req_ids and not any(inputs.sampling_drafts)
+            and all(row.plain_greedy for row in inputs.sampling_rows))
 
 
 def _apply_grammar(logits: torch.Tensor, inputs: StepBatch, grammar: GrammarOutput) -> None:

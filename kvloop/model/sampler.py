@@ -71,6 +71,15 @@ class SamplingRow:
         return banned
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads or changes the logits before the argmax (no
+        logprobs, token filters, min_tokens mask, penalties or grammar): its token is the
+        argmax of the raw logits, which the runner may take fused with the LM head."""
+        p = self.params
+        return (p.greedy and p.logprobs is None and p.structured_outputs is None
+                and not p.filters_tokens and not self.needs_penalties and not self.masked_ids)
+
+    @property
     def masked_ids(self) -> list[int]:
         """Token ids forbidden now by min_tokens (EOS and stop ids)."""
         p = self.params

@@ -17,7 +17,9 @@
 // Resizing (`get(n)`, at start-up) must not race a `run` on the same pool.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <pthread.h>
 #include <sched.h>
 

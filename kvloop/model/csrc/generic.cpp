@@ -1,0 +1,569 @@
+// The portable kernels (plain C++ for the architecture's baseline: any CPU of it runs them)
+// and the drivers of every op, which call the active variant's inner kernels (kernels.h).
+//
+// Why fused ops: a decode step of a small model is ~10 eager ops per layer that each cost
+// more in dispatch and thread wake-ups than in arithmetic. These ops do one layer's norm,
+// RoPE + KV write, decode attention and SwiGLU in one call each, in fp32 math, parallel over
+// rows with at::parallel_for (torch's own thread pool: no second OpenMP runtime) or, for the
+// low-bit decode path, on kvloop's pool (pool.h): the quantized matmuls and `DecodeStack`.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include "pool.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+namespace kvloop {
+namespace {
+
+// at::parallel_for's grain for `rows` rows of `row_cost` operations each: the calling thread
+// alone below kParallelWork operations in all (waking torch's other OpenMP threads costs
+// more than it saves there: measured, a decode step of single-row ops ran 20 ms serial and
+// 27-40 ms with every op parallel), else tasks of at least kTaskWork operations.
+constexpr int64_t kParallelWork = 1 << 22;
+constexpr int64_t kTaskWork = 1 << 18;
+
+inline int64_t grain(int64_t rows, int64_t row_cost) {
+  row_cost = std::max<int64_t>(1, row_cost);
+  if (rows * row_cost < kParallelWork) return rows + 1;
+  return std::max<int64_t>(1, kTaskWork / row_cost);
+}
+
+// On kvloop's pool (`pooled`) the break-even is far lower: its workers are awake during a
+// decode step, so a region costs a few atomics, not a futex wake-up.
+constexpr int64_t kPoolWork = 1 << 16;
+constexpr int64_t kPoolTask = 1 << 15;
+
+// fn(begin, end) over `rows` rows of `row_cost` operations each: on kvloop's pool or torch's.
+// `align` (pool only): every chunk but the last a multiple of it.
+template <typename Fn>
+void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn, int64_t align = 1) {
+  row_cost = std::max<int64_t>(1, row_cost);
+  if (!pooled) {
+    at::parallel_for(0, rows, grain(rows, row_cost), fn);
+  } else if (rows * row_cost < kPoolWork) {
+    if (rows > 0) fn(0, rows);
+  } else {
+    const int64_t chunk = std::max<int64_t>(1, kPoolTask / row_cost);
+    kvloop::pool_for(rows, (chunk + align - 1) / align * align, fn);
+  }
+}
+
+// The output columns of a quantized matmul go to the pool's threads in whole cache lines of
+// y (16 fp32 columns), so two threads never write one line (measured: with unaligned chunks
+// the second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
+constexpr int64_t kColumnsPerLine = 16;
+
+template <typename T>
+AttendFn<T> attend_of(const Kernels& k) {
+  if constexpr (std::is_same_v<T, float>) return k.attend_f32;
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) return k.attend_bf16;
+  else if constexpr (std::is_same_v<T, c10::Half>) return k.attend_f16;
+  else return generic_attend<T>;     // fp64 (torch's dispatch includes it): no variant
+}
+
+// out[i] = silu(gate[i]) * up[i], silu rounded to T first, as the unfused
+// silu-then-multiply does.
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t f) {
+  for (int64_t i = 0; i < f; ++i) {
+    const float g = to_f(gate[i]);
+    const T silu = static_cast<T>(g / (1.f + std::exp(-g)));
+    out[i] = static_cast<T>(to_f(silu) * to_f(up[i]));
+  }
+}
+
+void generic_silu_mul_f32(const float* gate, const float* up, float* out, int64_t f) {
+  silu_mul_row<float>(gate, up, out, f);
+}
+
+// One row, per group of 32: dx = max|x| / 32767, q = round-to-nearest-even(x / dx).
+void generic_quantize_row(const float* x, int64_t k_in, int16_t* q, float* d, float* s) {
+  for (int64_t g = 0; g < k_in / 32; ++g) {
+    const float* xg = x + g * 32;
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float dx = amax / kQMax, inv = dx > 0.f ? 1.f / dx : 0.f;
+    int64_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xg[i] * inv));
+      q[g * 32 + i] = static_cast<int16_t>(v);
+      sum += v;
+    }
+    d[g] = dx;
+    s[g] = dx * static_cast<float>(sum);
+  }
+}
+
+// A group's 32 weights as integers, in x's order: 4-bit (16 bytes, byte i = weights i and
+// i + 16) or 8-bit (32 signed bytes).
+template <int Bits>
+inline int32_t weight_at(const uint8_t* group, int i) {
+  if constexpr (Bits == 4) return i < 16 ? (group[i] & 15) : (group[i - 16] >> 4);
+  else return static_cast<int8_t>(group[i]);
+}
+
+// The integer kernel (llama.cpp's recipe for Q4 x Q8, with 16-bit activations):
+//   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq) + offset[n, g] dx[m, g] sum(xq).
+template <int Bits, int MB>
+void int_columns_of(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
+                    int64_t out_stride) {
+  const QuantizedRows& xq = *mm.xq;
+  const int64_t groups = mm.groups;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = mm.qs + n * mm.row_bytes;
+    const float* sc = mm.scale + n * groups;
+    const float* of = mm.offset ? mm.offset + n * groups : nullptr;
+    float acc[MB], tail[MB];
+    for (int m = 0; m < MB; ++m) acc[m] = tail[m] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = row + g * Bits * 4;
+      for (int m = 0; m < MB; ++m) {
+        const int64_t r = r0 + m;
+        const int16_t* xg = xq.q.data() + r * mm.k_in + g * 32;
+        int32_t dot = 0;
+        for (int i = 0; i < 32; ++i) dot += weight_at<Bits>(group, i) * xg[i];
+        acc[m] += sc[g] * xq.d[r * groups + g] * static_cast<float>(dot);
+        if (of) tail[m] += of[g] * xq.s[r * groups + g];
+      }
+    }
+    for (int m = 0; m < MB; ++m) out[m * out_stride + (n - begin)] = acc[m] + tail[m];
+  }
+}
+
+template <int Bits>
+void int_columns_bits(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                      int64_t end, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 4: return int_columns_of<Bits, 4>(mm, r0, begin, end, out, out_stride);
+    case 3: return int_columns_of<Bits, 3>(mm, r0, begin, end, out, out_stride);
+    case 2: return int_columns_of<Bits, 2>(mm, r0, begin, end, out, out_stride);
+    default: return int_columns_of<Bits, 1>(mm, r0, begin, end, out, out_stride);
+  }
+}
+
+void generic_int_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                         int64_t end, float* out, int64_t out_stride) {
+  if (mm.bits == 4) int_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
+  else int_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
+}
+
+// 4-bit weights dequantized (q * scale + offset, as `Int4Weight.dequantize`) against fp32
+// rows, in 8 lanes of two accumulators as the vector kernels sum.
+template <int MB>
+void fp_columns_of(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
+                   int64_t out_stride) {
+  const int64_t groups = mm.groups;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = mm.qs + n * mm.row_bytes;
+    float a0[MB][8] = {}, a1[MB][8] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = row + g * 16;
+      const float sc = mm.scale[n * groups + g], of = mm.offset[n * groups + g];
+      float w[32];
+      for (int i = 0; i < 16; ++i) {
+        w[i] = static_cast<float>(group[i] & 15) * sc + of;
+        w[i + 16] = static_cast<float>(group[i] >> 4) * sc + of;
+      }
+      for (int m = 0; m < MB; ++m) {
+        const float* x = mm.xf + (r0 + m) * mm.k_in + g * 32;
+        for (int j = 0; j < 8; ++j) {
+          a0[m][j] += w[j] * x[j];
+          a1[m][j] += w[8 + j] * x[8 + j];
+          a0[m][j] += w[16 + j] * x[16 + j];
+          a1[m][j] += w[24 + j] * x[24 + j];
+        }
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      float total = 0.f;
+      for (int j = 0; j < 8; ++j) total += a0[m][j] + a1[m][j];
+      out[m * out_stride + (n - begin)] = total;
+    }
+  }
+}
+
+void generic_fp_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                        int64_t end, float* out, int64_t out_stride) {
+  switch (rows) {
+    case 4: return fp_columns_of<4>(mm, r0, begin, end, out, out_stride);
+    case 3: return fp_columns_of<3>(mm, r0, begin, end, out, out_stride);
+    case 2: return fp_columns_of<2>(mm, r0, begin, end, out, out_stride);
+    default: return fp_columns_of<1>(mm, r0, begin, end, out, out_stride);
+  }
+}
+
+// x's int16 values with each pair of groups (g, g + 1) as [x_g 0-15, x_g+1 0-15,
+// x_g 16-31, x_g+1 16-31] (an odd last group as it is): the order in which a 512-bit
+// register of two 4-bit groups' widened bytes holds their weights (x86_avx512.cpp).
+std::vector<int16_t> pair_order(const QuantizedRows& xq, int64_t rows, int64_t k_in) {
+  std::vector<int16_t> out(xq.q.size());
+  const int64_t pairs = k_in / 64;
+  for (int64_t m = 0; m < rows; ++m) {
+    const int16_t* src = xq.q.data() + m * k_in;
+    int16_t* dst = out.data() + m * k_in;
+    for (int64_t p = 0; p < pairs; ++p, src += 64, dst += 64) {
+      std::copy(src, src + 16, dst);
+      std::copy(src + 32, src + 48, dst + 16);
+      std::copy(src + 16, src + 32, dst + 32);
+      std::copy(src + 48, src + 64, dst + 48);
+    }
+    std::copy(src, xq.q.data() + (m + 1) * k_in, dst);
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<float> widen(const T* x, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_f(x[i]);
+  return out;
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const Kernels& k, const T* x, int64_t rows, int64_t k_in) {
+  const int64_t groups = k_in / 32;
+  QuantizedRows out{std::vector<int16_t>(rows * k_in), std::vector<float>(rows * groups),
+                    std::vector<float>(rows * groups)};
+  for (int64_t m = 0; m < rows; ++m) {
+    std::vector<float> wide;
+    const float* xf;
+    if constexpr (std::is_same_v<T, float>) {
+      xf = x + m * k_in;
+    } else {              // bf16 and fp16 widen to fp32 exactly
+      wide = widen(x + m * k_in, k_in);
+      xf = wide.data();
+    }
+    k.quantize_row(xf, k_in, out.q.data() + m * k_in, out.d.data() + m * groups,
+                   out.s.data() + m * groups);
+  }
+  return out;
+}
+
+}  // namespace
+
+// --- the portable inner kernels ------------------------------------------------------------
+template <typename T>
+void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+                    const int64_t* slot, int64_t len, float* scores, T* out,
+                    int64_t out_stride) {
+  const int64_t stride = (len + 7) / 8 * 8;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = keys + slot[t] * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * dim;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < dim; ++i) s += qg[i] * to_f(k[i]);
+      scores[g * stride + t] = s;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * stride;
+    const float top = *std::max_element(sg, sg + len);
+    float total = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - top);
+      total += sg[t];
+    }
+    const float inv = 1.f / total;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::vector<float> acc(group * dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = vals + slot[t] * dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * stride + t];
+      float* ag = acc.data() + g * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) ag[i] += p * to_f(v[i]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < dim; ++i) out[g * out_stride + i] = static_cast<T>(acc[g * dim + i]);
+}
+
+const Kernels& generic_kernels() {
+  static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
+                             generic_attend<c10::Half>, generic_silu_mul_f32,
+                             generic_quantize_row, generic_int_columns, generic_fp_columns,
+                             false};
+  return table;
+}
+
+// --- the drivers ---------------------------------------------------------------------------
+// residual += x (when residual is given); x = residual / rms(residual) * weight.
+template <typename T>
+void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps,
+                  bool pooled) {
+  par_for(pooled, rows, dim * 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      T* rr = residual ? residual + r * dim : nullptr;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < dim; ++i) {
+        float v = to_f(xr[i]) + (rr ? to_f(rr[i]) : 0.f);
+        buf[i] = v;
+        sum += v * v;
+      }
+      if (rr) {
+        for (int64_t i = 0; i < dim; ++i) rr[i] = static_cast<T>(buf[i]);
+        // the normalised value is computed from the stored (rounded) residual, as an
+        // unfused add followed by a norm would
+        for (int64_t i = 0; i < dim; ++i) buf[i] = to_f(rr[i]);
+        sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += buf[i] * buf[i];
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+      for (int64_t i = 0; i < dim; ++i) xr[i] = static_cast<T>(buf[i] * inv * to_f(weight[i]));
+    }
+  });
+}
+
+// qkv [T, (H + 2K) * D]: rotate the H + K query/key heads in place (half-split pairs), then
+// store K and V into the paged cache [2, K, blocks, block_size, D] at slot_mapping[t].
+template <typename T>
+void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
+                    T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                    int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled) {
+  const int64_t half = dim / 2;
+  const int64_t row = (heads + 2 * kv_heads) * dim;
+  par_for(pooled, tokens, row * 3, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* base = qkv + t * row;
+      const float* c = cos + positions[t] * half;
+      const float* s = sin + positions[t] * half;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* v = base + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(v[i]), x2 = to_f(v[i + half]);
+          v[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+          v[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      const int64_t slot = slots[t];
+      for (int64_t kv = 0; kv < 2; ++kv) {
+        const T* src = base + (heads + kv * kv_heads) * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          T* dst = cache + ((kv * kv_heads + h) * cache_tokens + slot) * dim;
+          std::copy(src + h * dim, src + (h + 1) * dim, dst);
+        }
+      }
+    }
+  });
+}
+
+// One query token per request: out[r, h] = softmax(q[r, h] . K[r]^T * scale) V[r], keys read
+// in place from the paged cache through block_table; the query heads of a KV head together
+// (the variant's `attend`). q's rows are `q_row` elements apart (heads * dim when
+// contiguous; more when q is the first part of a fused qkv row).
+template <typename T>
+void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cache,
+                      const int64_t* block_table, const int64_t* seq_lens, T* out,
+                      int64_t reqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, int64_t cache_tokens, int64_t max_blocks,
+                      float scale, bool pooled) {
+  const int64_t group = heads / kv_heads;
+  int64_t longest = 1;
+  for (int64_t r = 0; r < reqs; ++r) longest = std::max(longest, seq_lens[r]);
+  const T* values = cache + kv_heads * cache_tokens * dim;
+  const AttendFn<T> attend = attend_of<T>(k);
+  par_for(pooled, reqs * kv_heads, longest * dim * group * 2, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), scores;
+    std::vector<int64_t> slot;            // the request's cache slots (shared by its KV heads)
+    int64_t slot_request = -1;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i = 0; i < dim; ++i)
+          qf[g * dim + i] = to_f(q[r * q_row + (kh * group + g) * dim + i]) * scale;
+      if (slot_request != r) {
+        const int64_t* blocks = block_table + r * max_blocks;
+        slot.resize(len);
+        for (int64_t t = 0; t < len; ++t)
+          slot[t] = blocks[t / block_size] * block_size + t % block_size;
+        slot_request = r;
+      }
+      scores.resize(group * ((len + 7) / 8 * 8));
+      attend(qf.data(), group, dim, cache + kh * cache_tokens * dim,
+             values + kh * cache_tokens * dim, slot.data(), len, scores.data(),
+             out + (r * heads + kh * group) * dim, dim);
+    }
+  });
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, F + i] for x [T, 2F].
+template <typename T>
+void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f, bool pooled) {
+  par_for(pooled, rows, f * 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * f;
+      if constexpr (std::is_same_v<T, float>) k.silu_mul_f32(gate, gate + f, out + r * f, f);
+      else silu_mul_row<T>(gate, gate + f, out + r * f, f);
+    }
+  });
+}
+
+namespace {
+
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the fp32
+// kernel (x widened); else x is quantized per row and group to int16 and each group's dot
+// product is integer. Neither copied nor moved: `mm` points into it.
+struct PreparedMatmul {
+  QuantMatmul mm;
+  bool fp;
+  ColumnsFn columns;
+  std::vector<float> xf;
+  QuantizedRows xq;
+  std::vector<int16_t> xp;
+
+  template <typename T>
+  PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
+                 const float* offset, int64_t rows, int64_t k_in)
+      : mm{qs, scale, offset, bits, k_in, k_in / 32, k_in * bits / 8, nullptr, nullptr, nullptr},
+        fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if (fp) {
+      xf = widen(x, rows * k_in);
+      mm.xf = xf.data();
+    } else {
+      xq = quantize_rows(k, x, rows, k_in);
+      mm.xq = &xq;
+      if (bits == 4 && k.q4_pairs) xp = pair_order(xq, rows, k_in);
+      mm.xv = xp.empty() ? xq.q.data() : xp.data();
+    }
+  }
+  PreparedMatmul(const PreparedMatmul&) = delete;
+  PreparedMatmul& operator=(const PreparedMatmul&) = delete;
+
+  // fn(r0, mb) over the rows in tiles of 4 (then 2, then 1; the fp32 kernel: the 1-3 rows
+  // left at once), so the weights stream once per 4 rows.
+  template <typename Fn>
+  void tiles(int64_t rows, const Fn& fn) const {
+    int64_t r0 = 0;
+    for (; rows - r0 >= 4; r0 += 4) fn(r0, 4);
+    if (fp) {
+      if (rows > r0) fn(r0, static_cast<int>(rows - r0));
+      return;
+    }
+    if (rows - r0 >= 2) {
+      fn(r0, 2);
+      r0 += 2;
+    }
+    if (rows - r0 >= 1) fn(r0, 1);
+  }
+};
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ W.T (QuantMatmul: W's layout). Columns go to the pool's threads in
+// whole cache lines; each task runs its columns tile by tile of rows (PreparedMatmul).
+template <int Bits, typename T>
+void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
+    p.tiles(rows, [&](int64_t r0, int mb) {
+      if constexpr (std::is_same_v<T, float>) {
+        p.columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
+      } else {
+        const int64_t width = end - begin;
+        buf.resize(mb * width);
+        p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+        for (int m = 0; m < mb; ++m)
+          for (int64_t n = 0; n < width; ++n)
+            y[(r0 + m) * n_out + begin + n] = static_cast<T>(buf[m * width + n]);
+      }
+    });
+  }, kColumnsPerLine);
+}
+
+namespace {
+
+// A (value, column) pair as one integer whose order is the pair's: larger value first, then
+// the lower column (torch.argmax's first maximum). -0.0 orders below +0.0, NaN above +inf.
+inline uint64_t argmax_key(float value, int64_t column) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<uint64_t>(bits) << 32) | (0xffffffffu - static_cast<uint32_t>(column));
+}
+
+inline void argmax_of_key(uint64_t key, int64_t* column, float* value) {
+  *column = 0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu);
+  uint32_t bits = static_cast<uint32_t>(key >> 32);
+  bits = (bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits;
+  std::memcpy(value, &bits, sizeof bits);
+}
+
+}  // namespace
+
+// For each row of x: the column of y = x @ W.T with the largest value (the first, on a tie)
+// and that value, y as quant_matmul rounds it to T; y is never written whole (each task
+// keeps one tile of its columns, in cache). Greedy decoding's LM head.
+template <int Bits, typename T>
+void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                         const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
+                         int64_t* column, float* value) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+  std::vector<std::atomic<uint64_t>> best(rows);
+  for (auto& b : best) b.store(0, std::memory_order_relaxed);
+  par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
+    const int64_t width = end - begin;
+    std::vector<float> buf;
+    std::vector<uint64_t> mine(rows, 0);
+    p.tiles(rows, [&](int64_t r0, int mb) {
+      buf.resize(mb * width);
+      p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+      for (int m = 0; m < mb; ++m)
+        for (int64_t n = 0; n < width; ++n) {
+          const float v = to_f(static_cast<T>(buf[m * width + n]));
+          mine[r0 + m] = std::max(mine[r0 + m], argmax_key(v, begin + n));
+        }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      uint64_t seen = best[r].load(std::memory_order_relaxed);
+      while (mine[r] > seen && !best[r].compare_exchange_weak(seen, mine[r])) {
+      }
+    }
+  }, kColumnsPerLine);
+  for (int64_t r = 0; r < rows; ++r) argmax_of_key(best[r].load(), column + r, value + r);
+}
+
+#define KVLOOP_INSTANTIATE(T)                                                                 \
+  template void generic_attend<T>(const float*, int64_t, int64_t, const T*, const T*,         \
+                                  const int64_t*, int64_t, float*, T*, int64_t);              \
+  template void add_rms_norm<T>(T*, T*, const T*, int64_t, int64_t, float, bool);             \
+  template void rope_and_cache<T>(T*, const int64_t*, const float*, const float*, T*,         \
+                                  const int64_t*, int64_t, int64_t, int64_t, int64_t,         \
+                                  int64_t, bool);                                             \
+  template void decode_attention<T>(const Kernels&, const T*, int64_t, const T*,              \
+                                    const int64_t*, const int64_t*, T*, int64_t, int64_t,     \
+                                    int64_t, int64_t, int64_t, int64_t, int64_t, float, bool); \
+  template void silu_and_mul<T>(const Kernels&, const T*, T*, int64_t, int64_t, bool);        \
+  template void quant_matmul<4, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
+                                   const float*, T*, int64_t, int64_t, int64_t);              \
+  template void quant_matmul<8, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
+                                   const float*, T*, int64_t, int64_t, int64_t);              \
+  template void quant_matmul_argmax<4, T>(const Kernels&, const T*, const uint8_t*,           \
+                                          const float*, const float*, int64_t, int64_t,       \
+                                          int64_t, int64_t*, float*);                         \
+  template void quant_matmul_argmax<8, T>(const Kernels&, const T*, const uint8_t*,           \
+                                          const float*, const float*, int64_t, int64_t,       \
+                                          int64_t, int64_t*, float*);
+
+KVLOOP_INSTANTIATE(double)
+KVLOOP_INSTANTIATE(float)
+KVLOOP_INSTANTIATE(c10::BFloat16)
+KVLOOP_INSTANTIATE(c10::Half)
+#undef KVLOOP_INSTANTIATE
+
+}  // namespace kvloop

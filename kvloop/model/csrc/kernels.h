@@ -1,0 +1,148 @@
+// kvloop's CPU kernels: the dispatch table every instruction-set variant fills, and the
+// drivers (generic.cpp) that run an op with a table.
+//
+// Layout (docs/cpu-performance.md, "Kernels and dispatch"):
+// - generic.cpp: the portable kernels (plain C++, built for the architecture's baseline) and
+//   the drivers: threading, row quantization, tiling; each driver calls the table's inner
+//   kernels where a variant has faster ones;
+// - x86_avx2.cpp, x86_avx512.cpp: one file per instruction set, each compiled for its own
+//   target inside a `KVLOOP_TARGET` region (isa.h), each filling a `Kernels` table;
+// - dispatch.cpp: the variants in order (`kVariants`: the one place a variant is
+//   registered), the CPU's check of each, and the process's choice;
+// - cpu_ops.cpp: the torch bindings and `DecodeStack`, which call the drivers with the chosen
+//   table.
+// This header includes no torch header: the ISA files must not instantiate torch's inline
+// code with their target flags (the linker keeps one copy of an inline function, and a
+// wide-vector copy would then run on every CPU).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvloop {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+// Rows of x quantized per group of 32 to int16 (dx = max|x| / 32767): the integer kernels'
+// operand.
+constexpr float kQMax = 32767.f;
+
+struct QuantizedRows {
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> d;       // [M, G]: dx
+  std::vector<float> s;       // [M, G]: dx * sum(xq)
+};
+
+// One quantized matmul y = x @ W.T as the column kernels read it. W [N, K] in groups of 32:
+// 4-bit: qs [N, K/2] (per group 16 bytes, byte i = weight i low nibble, weight i + 16 high),
+// scale and offset [N, K/32] (w = q * scale + offset); 8-bit: qs [N, K] signed, scale
+// [N, K/32], offset nullptr.
+struct QuantMatmul {
+  const uint8_t* qs;
+  const float* scale;
+  const float* offset;
+  int bits;
+  int64_t k_in, groups, row_bytes;
+  const QuantizedRows* xq;    // the integer kernels: x as int16 per group
+  const int16_t* xv;          // xq->q in the order `int_columns` reads it (`q4_pairs`)
+  const float* xf;            // the fp32 kernels: x widened to fp32, [M, K]
+};
+
+// y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
+// out[m * out_stride + (n - begin)].
+using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                           int64_t end, float* out, int64_t out_stride);
+
+// One request's decode attention for one KV head: `group` query heads qf [group, dim]
+// (already scaled), keys and values at `slot[0, len)` (token rows of `dim`), scores scratch
+// [group, stride] (stride = len rounded up to 8), out [group] rows `out_stride` apart.
+template <typename T>
+using AttendFn = void (*)(const float* qf, int64_t group, int64_t dim, const T* keys,
+                          const T* vals, const int64_t* slot, int64_t len, float* scores,
+                          T* out, int64_t out_stride);
+
+// One row of fp32 x quantized per group of 32: q [K], d and s [K / 32] (QuantizedRows).
+using QuantizeRowFn = void (*)(const float* x, int64_t k_in, int16_t* q, float* d, float* s);
+
+// out[i] = silu(gate[i]) * up[i], i < f (fp32 rows).
+using SiluMulFn = void (*)(const float* gate, const float* up, float* out, int64_t f);
+
+// What an instruction-set variant provides; every entry is set (a variant starts from the
+// generic table and replaces what it does faster). An op whose kernel has no variant (the
+// norm, RoPE) is not here: generic.cpp alone holds it.
+struct Kernels {
+  const char* name;
+  AttendFn<float> attend_f32;
+  AttendFn<c10::BFloat16> attend_bf16;
+  AttendFn<c10::Half> attend_f16;
+  SiluMulFn silu_mul_f32;
+  QuantizeRowFn quantize_row;
+  ColumnsFn int_columns;      // the integer kernel: x int16, W 4- or 8-bit
+  ColumnsFn fp_columns;       // 4-bit W dequantized against fp32 x (from kFpRows rows)
+  bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
+};
+
+// From this many rows on, a 4-bit matmul runs `fp_columns` (fp32 rows against weights
+// dequantized in registers: no rounding of x; measured on AVX2, all 4-bit matmuls of a step
+// of SmolLM2-135M on 2 threads: 8 rows 30 -> 25 ms, 16 rows 59 -> 52 ms); below it, and for
+// 8-bit weights, `int_columns`.
+constexpr int64_t kFpRows = 3;
+
+// The portable table (generic.cpp) and each instruction set's (its own file; nullptr where
+// not built for this architecture).
+const Kernels& generic_kernels();
+const Kernels* avx2_kernels();
+const Kernels* avx512_kernels();
+
+// The variants in dispatch order and the process's choice (dispatch.cpp).
+struct Variant {
+  const char* name;
+  const char* needs;              // the CPU features it needs, as /proc/cpuinfo names them
+  const Kernels* (*kernels)();    // nullptr: not built for this architecture
+  bool (*cpu_runs)();             // the CPU (and OS) can run it
+};
+const std::vector<Variant>& variants();
+const Kernels& active_kernels();
+// Makes the named variant the process's choice; throws std::invalid_argument for an unknown
+// name and std::runtime_error where this build or CPU cannot run it.
+void use_variant(const char* name);
+
+// --- the drivers (generic.cpp): each op of cpu_ops.cpp on raw pointers ---------------------
+// `pooled`: on kvloop's pool (pool.h), else torch's OpenMP team.
+template <typename T>
+void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps,
+                  bool pooled);
+template <typename T>
+void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
+                    T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                    int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled);
+template <typename T>
+void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cache,
+                      const int64_t* block_table, const int64_t* seq_lens, T* out,
+                      int64_t reqs, int64_t heads, int64_t kv_heads, int64_t dim,
+                      int64_t block_size, int64_t cache_tokens, int64_t max_blocks,
+                      float scale, bool pooled);
+template <typename T>
+void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f, bool pooled);
+template <int Bits, typename T>
+void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in);
+
+// For each row of x, the column of x @ W.T with the largest value (the first of equals) and
+// that value (rounded to T as quant_matmul's y), without writing y whole.
+template <int Bits, typename T>
+void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
+                         const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
+                         int64_t* column, float* value);
+
+// The portable inner kernels, for a variant to fall back on (generic.cpp).
+template <typename T>
+void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+                    const int64_t* slot, int64_t len, float* scores, T* out,
+                    int64_t out_stride);
+
+}  // namespace kvloop
