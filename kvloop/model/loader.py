@@ -18,13 +18,16 @@ from typing import Any
 
 import torch
 
+from kvloop.core.kv_cache_groups import KVCacheGroupSpec, group_size, kv_cache_groups
 from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
 from kvloop.model.gguf import RawTensor
 
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2"}
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+                    "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3"}
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+_HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 _GGUF_PERMUTED_QK = ("llama", "mistral")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,16 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # sliding-window attention: the window (tokens a query sees, itself included) and each
+    # layer's type ("sliding_attention" / "full_attention"); no types: every layer slides
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3 (`kvloop.model.gemma3`): the sliding layers' RoPE base, the attention scale's
+    # 1/sqrt(query_pre_attn_scalar), the MLP activation and a tanh cap on the logits
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in GGUF_ARCHITECTURES:
@@ -65,11 +78,32 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.rope_scaling.rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope scaling {self.rope_scaling.rope_type!r}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_types)} layer_types for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; "
+                             f"supported: {', '.join(LAYER_TYPES)}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV-cache groups of the layers (`kvloop.core.kv_cache_groups`)."""
+        return kv_cache_groups([self.layer_window(i) for i in range(self.num_hidden_layers)])
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        """Bytes of K and V per token of one block, per byte of element size: a block holds
+        the layers of one KV-cache group (all layers for a model of one attention type)."""
+        return 2 * group_size(self.kv_cache_groups) * self.num_key_value_heads * self.head_dim
 
 
 @dataclass
@@ -117,6 +151,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GGUF_GEMMA3_LAYER_NAMES = {   # Gemma 3's four norms (llama.cpp's names) and q/k norms
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight",
@@ -132,16 +174,19 @@ def load_gguf(path: str
     f = GGUFFile(path)
     config = gguf_config(f)
     permuted = config.architecture in _GGUF_PERMUTED_QK
+    layer_names = _GGUF_GEMMA3_LAYER_NAMES if config.architecture == "gemma3" else None
     weights: dict[str, torch.Tensor] = {}
     for name, array in f.tensors():
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = _gguf_to_hf_name(name, layer_names)
         if hf_name is None:
             continue
         tensor = torch.from_numpy(array)
+        if layer_names is not None and hf_name.endswith("norm.weight"):
+            tensor = tensor - 1.0    # llama.cpp stores Gemma's norms as 1 + w; HF keeps w
         weights[hf_name] = _maybe_unpermute(hf_name, tensor, config) if permuted else tensor
     quantized: dict[str, RawTensor] = {}
     for name, raw in f.raw_tensors():
-        hf_name = _gguf_to_hf_name(name)
+        hf_name = _gguf_to_hf_name(name, layer_names)
         if hf_name is None:
             continue
         if permuted:
@@ -165,7 +210,7 @@ def gguf_config(f: Any) -> ModelConfig:
     vocab = f.arch_value("vocab_size")
     if vocab is None:
         vocab = f.tensor_shape("token_embd.weight")[0]
-    return ModelConfig(
+    kwargs: dict[str, Any] = dict(
         architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(f.arch_value("feed_forward_length")),
         num_hidden_layers=int(f.arch_value("block_count")),
@@ -178,6 +223,26 @@ def gguf_config(f: Any) -> ModelConfig:
         max_position_embeddings=int(f.arch_value("context_length", 4096)),
         tie_word_embeddings="output.weight" not in f.tensor_names(),
         attention_bias=any(n.endswith("attn_q.bias") for n in f.tensor_names()))
+    if arch == "gemma3":
+        kwargs.update(_gguf_gemma3(f, hidden, heads, head_dim))
+    return ModelConfig(**kwargs)
+
+
+def _gguf_gemma3(f: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp runs it: every 6th layer global (or the file's
+    `attention.sliding_window_pattern`), local RoPE base 10000, attention scale
+    1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 62-layer 27B)."""
+    layers = int(f.arch_value("block_count"))
+    pattern = f.arch_value("attention.sliding_window_pattern")
+    pattern = int(pattern) if isinstance(pattern, int | float) else 6
+    scalar = hidden // heads if layers == 62 else head_dim
+    return {"sliding_window": int(f.arch_value("attention.sliding_window", 4096)),
+            "layer_types": tuple("sliding_attention" if (i + 1) % pattern else
+                                 "full_attention" for i in range(layers)),
+            "rope_local_theta": 10_000.0, "query_pre_attn_scalar": float(scalar),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(f.arch_value("rope.freq_base", 1_000_000.0))}
 
 
 def _gguf_rope_scaling(f: Any) -> RopeScaling:
@@ -189,12 +254,13 @@ def _gguf_rope_scaling(f: Any) -> RopeScaling:
     raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str] | None = None) -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    names = layer_names or _GGUF_LAYER_NAMES
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -243,7 +309,10 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     hidden = int(cfg["hidden_size"])
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") else None)
-    return ModelConfig(
+    extra = _hf_sliding_window(cfg, arch)
+    if arch == "gemma3":
+        extra.update(_hf_gemma3(cfg))
+    kwargs: dict[str, Any] = dict(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
@@ -253,18 +322,57 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rope_scaling=_hf_rope_scaling(scaling),
         max_position_embeddings=_hf_context_length(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)))
+    kwargs.update(extra)
+    return ModelConfig(**kwargs)
 
 
 def _hf_context_length(cfg: dict[str, Any]) -> int:
-    """max_position_embeddings, capped by a sliding window (not implemented: past the window
-    full attention would differ from the model's)."""
-    length = int(cfg.get("max_position_embeddings", 4096))
-    window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", True):
-        length = min(length, int(window))
-    return length
+    return int(cfg.get("max_position_embeddings", 4096))
+
+
+def _hf_sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as transformers 5.x reads them: `layer_types`
+    when the config lists them; else Qwen2's `use_sliding_window` (off: no window) with
+    layers from `max_window_layers` on sliding; else (Mistral) every layer slides."""
+    window = cfg.get("sliding_window") or (4096 if arch == "gemma3" else None)
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {}
+    types = None if arch == "mistral" else cfg.get("layer_types")   # Mistral: every layer
+    if types is None and arch == "gemma3":   # the older form: every `pattern`-th is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(int(cfg["num_hidden_layers"]))]
+    if types is None and arch == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(int(cfg["num_hidden_layers"]))]
+    return {"sliding_window": int(window), "layer_types": tuple(types or ())}
+
+
+def _hf_gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, from transformers 5.x's per-layer-type `rope_parameters` or the
+    older `rope_theta` / `rope_local_base_freq` / `rope_scaling` (full layers only)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 configs have none)")
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type") else None)
+    return {
+        "head_dim": int(cfg.get("head_dim") or 256),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(full.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0),
+        "rope_scaling": _hf_rope_scaling(scaling),
+        "rope_local_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                                  or 10_000.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "hidden_activation": str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
 
 
 def _hf_architecture(cfg: dict[str, Any]) -> str:
@@ -272,6 +380,8 @@ def _hf_architecture(cfg: dict[str, Any]) -> str:
         if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
     model_type = cfg.get("model_type")
+    if model_type in _HF_MODEL_TYPES:
+        return _HF_MODEL_TYPES[model_type]
     if model_type in GGUF_ARCHITECTURES:
         return str(model_type)
     raise ValueError(f"unsupported model: architectures={cfg.get('architectures')}, "
