@@ -155,3 +155,25 @@ def test_events_carry_the_group():
     removed = [(e.group_idx, e.block_hashes[0]) for e in kv.take_events()
                if isinstance(e, BlockRemoved)]
     assert sorted(removed) == sorted((g, event_int(h)) for g in (0, 1) for h in r.block_hashes)
+
+
+def test_every_group_adopts_its_hits_before_any_allocates():
+    """A free hit of group 1 at the front of the free queue must not become group 0's new
+    block (both groups' layers would then write one block)."""
+    kv = manager()
+    a = request("a", list(range(8)))
+    c = request("c", list(range(50, 58)))
+    admit(kv, a)
+    admit(kv, c)
+    kv.free(a)
+    kv.free(c)
+    assert free_ids(kv) == [9, 10, 11, 2, 1, 4, 3, 6, 5, 8, 7]
+    kv.block_pool.get_new_blocks(3)            # the unhashed front: 9, 10, 11
+    b = request("b", list(range(8)) + [99])
+    hits, n = kv.get_computed_group_blocks(b)
+    assert n == 8 and [[x.block_id for x in h] for h in hits] == [[1, 2], [3, 4]]
+    assert kv.allocate_group_slots(b, 1, n, hits) is not None
+    # all four hits leave the free queue first; then each group takes one new block (a
+    # group-by-group order would hand group 0 block 4, group 1's hit, at the front then)
+    assert ids(kv, "b") == [[1, 2, 6], [3, 4, 5]]
+    assert free_ids(kv) == [8, 7]

@@ -105,16 +105,21 @@ class GroupTable:
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
         return num_new + evictable_hits
 
-    def adopt_and_allocate(self, request_id: str, hits: list[KVCacheBlock],
-                           num_tokens: int) -> list[KVCacheBlock]:
-        """Touch and adopt `hits` (first allocation only), then take blocks for `num_tokens`
-        -> the new blocks. Assumes they fit (`num_blocks_to_allocate`)."""
+    def adopt(self, request_id: str, hits: list[KVCacheBlock]) -> None:
+        """Touch `hits` (out of the free queue) and adopt them (first allocation only).
+        Every group adopts before any allocates: a free hit block of one group must not
+        be handed to another as a new block."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         if hits:
             self.pool.touch(hits)
             if request_id not in self.num_cached_block:
                 req_blocks.extend(hits)
                 self.num_cached_block[request_id] = len(hits)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Take blocks for `num_tokens` -> the new blocks. Assumes they fit
+        (`num_blocks_to_allocate`)."""
+        req_blocks = self.req_to_blocks[request_id]
         num_new_blocks = cdiv(num_tokens, self.block_size) - len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
@@ -283,8 +288,9 @@ class KVCacheManager:
                         self.max_model_len)
         if self._num_blocks_to_allocate(rid, need_slot, hits) + watermark > free:
             return None
-        new_blocks = tuple(t.adopt_and_allocate(rid, h, need_slot)
-                           for t, h in zip(self.tables, hits, strict=True))
+        for table, group_hits in zip(self.tables, hits, strict=True):
+            table.adopt(rid, group_hits)
+        new_blocks = tuple(t.allocate(rid, need_slot) for t in self.tables)
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
