@@ -238,13 +238,17 @@ class Router(Membership):
             if not hashes or not is_hybrid(groups):
                 continue
             name = w.name
-            n = hit_blocks(lambda keys, name=name: set(self.index.held(name, keys)), hashes,
-                           dict(groups), max_blocks, bs)
+            n = hit_blocks(self._held_by(name), hashes, dict(groups), max_blocks, bs)
             if n:
                 matches[name] = (TIER_DEVICE,) * n
             else:
                 matches.pop(name, None)
         return matches
+
+    def _held_by(self, name: str) -> Callable[[list[int]], set[int]]:
+        def held(keys: list[int]) -> set[int]:
+            return set(self.index.held(name, keys))
+        return held
 
     def _serving(self, rr: RoutingRequest) -> list[WorkerState]:
         everyone = self.registry.all()
