@@ -21,6 +21,7 @@ from kvloop.core.kv_cache_groups import FULL_ATTENTION, SLIDING_WINDOW, KVCacheG
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.request import Request, SamplingParams
 from kvloop.events.types import BlockStored, KVEventBatch
+from kvloop.events.view import CacheView
 from kvloop.router.groups import GroupSpec
 from kvloop.router.registry import CONFIG_MISMATCH, WorkerSpec
 
@@ -39,6 +40,7 @@ class HybridWorker:
         self.hasher = BlockHasher(BS, "sha256", "s")
         self.feed = feed
         self.running: list[Request] = []
+        self.view = CacheView(keep_blocks=True)   # what a publisher's snapshot is made of
 
     def admit(self, rid: str, prompt: list[int]) -> int | None:
         """The engine's hit for `prompt` (None: no room; nothing admitted)."""
@@ -67,6 +69,7 @@ class HybridWorker:
         events = self.kv.take_events()
         if events:
             self.feed.on_batch(KVEventBatch(ts=1.0, events=events))
+            self.view.apply(events)
 
 
 def prompt_family(rng: np.random.Generator) -> list[int]:
@@ -106,6 +109,18 @@ def test_predicted_equals_reported_on_a_sliding_window_worker():
     assert subs["w:1"].feed.counters.groups == {
         0: GroupSpec("full_attention"), 1: GroupSpec("sliding_window", 8)}
     assert r.check_liveness() == [] and not r.registry.get("w:1").alarms
+    # a router that joins late learns the worker from a snapshot: the same predictions
+    late, _, late_subs = make_router()
+    late.register(WorkerSpec("http://w:1"), desc(block_size=BS))
+    late_subs["w:1"].feed.on_batch(KVEventBatch(ts=1.0, events=worker.view.snapshot_events()))
+    for _ in range(20):
+        prompt = prompt_family(rng) if rng.integers(0, 2) else worker_repeat(worker, rng)
+        hashes = r.block_hashes(prompt)
+        want = r._group_matches(r.index.match_tiers(hashes, ["w:1"]), hashes,
+                                [r.registry.get("w:1")], len(prompt))
+        got = late._group_matches(late.index.match_tiers(hashes, ["w:1"]), hashes,
+                                  [late.registry.get("w:1")], len(prompt))
+        assert got == want
 
 
 def worker_repeat(worker: HybridWorker, rng: np.random.Generator) -> list[int]:
