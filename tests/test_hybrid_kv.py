@@ -177,3 +177,50 @@ def test_every_group_adopts_its_hits_before_any_allocates():
     # group-by-group order would hand group 0 block 4, group 1's hit, at the front then)
     assert ids(kv, "b") == [[1, 2, 6], [3, 4, 5]]
     assert free_ids(kv) == [8, 7]
+
+
+def test_random_operations_keep_invariants_and_never_serve_a_stale_window():
+    """Random admissions (shared prefixes), decodes, frees and preemptions on a tiny pool:
+    after every operation the manager's invariants hold; every hit block is cached for its
+    group under the request's own hash at that position; a full group's hit is whole and a
+    sliding group's hit holds every block of the window before the hit point."""
+    import random
+
+    rnd = random.Random(7)
+    kv = manager(20)
+    running = []
+    stems = [list(range(10, 22)), list(range(40, 48))]
+    for step in range(400):
+        op = rnd.random()
+        if op < 0.35 and len(running) < 4:
+            prompt = rnd.choice(stems) + [rnd.randrange(60, 70) for _ in range(rnd.randrange(9))]
+            if running and rnd.random() < 0.3:     # a running request's whole sequence
+                prompt = list(running[0].all_token_ids) + [99]
+            req = request(f"r{step}", prompt)
+            hits, n = kv.get_computed_group_blocks(req)
+            check_hits(kv, req, hits, n)
+            if kv.allocate_group_slots(req, req.num_tokens - n, n, hits) is not None:
+                req.num_computed_tokens = req.num_tokens
+                running.append(req)
+        elif op < 0.8 and running:
+            req = rnd.choice(running)
+            if kv.allocate_group_slots(req, 1) is None:
+                kv.free(req)                        # preempted: back to nothing
+                running.remove(req)
+            else:
+                req.num_computed_tokens += 1
+                req.append_output_token_ids(rnd.randrange(60, 70))
+        elif running:
+            kv.free(running.pop(rnd.randrange(len(running))))
+        kv.check_invariants()
+
+
+def check_hits(kv: KVCacheManager, req, hits, n: int) -> None:
+    num = n // BS
+    for g, (spec, blocks) in enumerate(zip(GROUPS, hits, strict=True)):
+        assert len(blocks) == num
+        first = 0 if spec.sliding_window is None else max(0, num * BS - spec.sliding_window + 1) // BS
+        for i, b in enumerate(blocks):
+            if i < first and spec.sliding_window is not None:
+                continue                           # before the window: may be null
+            assert not b.is_null and b.block_hash == req.block_hashes[i] and b.group_id == g
