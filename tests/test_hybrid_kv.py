@@ -219,8 +219,9 @@ def check_hits(kv: KVCacheManager, req, hits, n: int) -> None:
     num = n // BS
     for g, (spec, blocks) in enumerate(zip(GROUPS, hits, strict=True)):
         assert len(blocks) == num
-        first = 0 if spec.sliding_window is None else max(0, num * BS - spec.sliding_window + 1) // BS
+        window = spec.sliding_window
+        first = 0 if window is None else max(0, num * BS - window + 1) // BS
         for i, b in enumerate(blocks):
-            if i < first and spec.sliding_window is not None:
+            if i < first:
                 continue                           # before the window: may be null
             assert not b.is_null and b.block_hash == req.block_hashes[i] and b.group_id == g
