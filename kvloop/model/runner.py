@@ -308,16 +308,24 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.all_token_ids),
-                [list(new.block_ids), *(list(ids) for ids in new.group_block_ids)],
+                self._group_tables(new.block_ids, new.group_block_ids),
                 new.sampling_params, new.pooling_params, new.lora_name)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids[0].extend(cached.new_block_ids)
-            for table, ids in zip(state.block_ids[1:], cached.new_group_block_ids,
-                                  strict=False):
+            new_ids = self._group_tables(cached.new_block_ids, cached.new_group_block_ids)
+            for table, ids in zip(state.block_ids, new_ids, strict=True):
                 table.extend(ids)
             c = cached.num_computed_tokens
             state.token_ids[c:] = cached.token_ids
+
+    def _group_tables(self, block_ids: list[int], group_block_ids: list[list[int]]
+                      ) -> list[list[int]]:
+        """One list per KV-cache group. A producer that names no other group (a model of
+        one group, or the budget's synthetic steps, `kvloop.core.budget`) gives group 0's
+        ids to every group."""
+        if group_block_ids or len(self.kv_cache_groups) == 1:
+            return [list(block_ids), *(list(ids) for ids in group_block_ids)]
+        return [list(block_ids) for _ in self.kv_cache_groups]
 
     def _scheduled(self, so: SchedulerOutput) -> list[_Scheduled]:
         """Requests of this step, decodes (one token) first, then chunks."""
