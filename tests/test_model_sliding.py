@@ -240,3 +240,17 @@ def write_gemma3_gguf(model, path):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_the_auto_budget_calibrates_a_hybrid_model(setup):
+    """`--max-num-batched-tokens auto` (kvloop serve's default) times synthetic steps that
+    name no KV-cache group but the first: the runner must take them (it failed to start)."""
+    arch, folder, want = setup
+    if arch != "gemma3":
+        pytest.skip("one hybrid model is enough")
+    llm = make_llm(folder, max_num_batched_tokens="auto", target_tpot_ms=10_000.0,
+                   num_gpu_blocks_override=2048, max_num_seqs=4)
+    try:
+        assert_same(run(llm, prompts()[:1]), want[:1])
+    finally:
+        llm.shutdown()
