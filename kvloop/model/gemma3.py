@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloop.core.kv_cache_groups import layer_slots
-from kvloop.model import cpu_ops
-from kvloop.model.attention import paged_attention
 from kvloop.model.gguf import RawTensor
 from kvloop.model.llama import (
     MLP,
@@ -50,28 +48,13 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma3Attention(Attention):
+    """Llama's attention with Q/K norms (1 + w) and the scale 1/sqrt(query_pre_attn_scalar)."""
+
     def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear, group: int,
                  q_norm: GemmaRMSNorm, k_norm: GemmaRMSNorm):
-        super().__init__(config, qkv, o_proj, group)
+        super().__init__(config, qkv, o_proj, (q_norm, k_norm), group)
         assert config.query_pre_attn_scalar is not None
         self.scale = config.query_pre_attn_scalar ** -0.5
-        self.q_norm = q_norm
-        self.k_norm = k_norm
-
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor,
-                step: StepInputs) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        low_bit, lora, meta = step.low_bit, step.lora, step.meta_of(self.group)
-        H, K = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
-        rows = qkv.view(num_tokens, -1, self.head_dim)                 # [T, H + 2K, D]
-        rows[:, :H] = self.q_norm.forward(rows[:, :H])
-        rows[:, H:H + K] = self.k_norm.forward(rows[:, H:H + K])
-        cpu_ops.rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache,
-                               meta.slot_mapping, H, K)
-        q, k, v = rows.split([H, K, K], dim=1)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)     # [T, H * D]
-        return self.o_proj.forward(out, low_bit, lora)                 # [T, hidden]
 
 
 class GeluMLP(MLP):
