@@ -23,10 +23,11 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # and GGUF `general.architecture` names (llama.cpp's), each -> kvloop's family name.
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                    "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3"}
+                    "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3",
+                    "Gemma3ForCausalLM": "gemma3"}
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                  "qwen3_moe": "qwen3moe", "phi3": "phi3"}
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
+                  "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma3_text": "gemma3"}
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma3")
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -64,7 +64,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.events": (("kvloop.trust",), ("msgspec", "zmq", "nats", "xxhash")),
     "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.core.outputs", "kvloop.core.runner",
                       "kvloop.core.request", "kvloop.core.trace", "kvloop.core.hashing",
-                      "kvloop.core.kv_connector",
+                      "kvloop.core.kv_connector", "kvloop.core.kv_cache_groups",
                       "kvloop.core.lora_slots"),   # the adapter slots' LRU, shared with sim
                      ("torch", "gguf", "numpy", "safetensors")),
     "kvloop.sim": (("kvloop.config", "kvloop.core.engine", "kvloop.core.outputs",

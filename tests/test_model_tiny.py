@@ -431,10 +431,17 @@ def test_hf_config_parsing():
                     "rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}})
     assert v5.rope_theta == 1e5 and v5.rope_scaling.rope_type == "default"
     mistral = hf_config({**base, "model_type": "mistral", "sliding_window": 4096})
-    assert mistral.max_position_embeddings == 4096          # no sliding window: capped
+    # a sliding window on every layer (test_model_sliding.py runs it), the context uncapped
+    assert mistral.max_position_embeddings == 32768
+    assert (mistral.sliding_window, mistral.layer_window(0)) == (4096, 4096)
     qwen = hf_config({**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096,
                       "use_sliding_window": False})
     assert qwen.attention_bias and qwen.max_position_embeddings == 32768
+    assert qwen.sliding_window is None
+    layered = hf_config({**base, "num_hidden_layers": 2, "architectures": ["Qwen2ForCausalLM"],
+                         "sliding_window": 64,
+                         "use_sliding_window": True, "max_window_layers": 1})
+    assert [layered.layer_window(i) for i in range(2)] == [None, 64]
     with pytest.raises(ValueError, match="unsupported model"):
         hf_config({**base, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ValueError, match="unsupported rope scaling"):

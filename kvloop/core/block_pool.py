@@ -12,6 +12,10 @@ Owner: only the block pool changes a block's ref count, hash or free-queue links
   un-hashed only when reallocated, which emits `BlockRemoved`. Caching a full block emits
   `BlockStored`; a successful reset emits `AllBlocksCleared`. `touch` and `free` emit nothing.
 - Identical content in two physical blocks is not de-duplicated: the map keeps both.
+- KV-cache groups (`kvloop.core.kv_cache_groups`): a block belongs to the group whose
+  request table holds it; a cached block is found by (hash, group) (`group_key`: group 0's
+  key is the bare hash, as before groups) and its events carry its group's `group_idx`,
+  `kv_cache_spec_kind` and window.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvloop.core.hashing import event_extra_keys
+from kvloop.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec
 from kvloop.events.types import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -33,12 +38,14 @@ from kvloop.events.types import (
 class KVCacheBlock:
     """One physical block. Fields are changed by the block pool only."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free", "next_free",
+                 "is_null")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
+        self.group_id = 0                  # the KV-cache group it is cached for
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
@@ -134,6 +141,11 @@ class FreeBlockQueue:
         return out
 
 
+def group_key(block_hash: bytes, group_id: int) -> bytes:
+    """The hash map key of a block of `group_id` (group 0: the bare hash)."""
+    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(4, "big")
+
+
 class BlockHashMap:
     """block hash -> block, or {block_id: block} when several blocks share a hash."""
 
@@ -219,8 +231,8 @@ class BlockPool:
         usable = self.num_usable_blocks
         return 1.0 - self.get_num_free_blocks() / usable if usable else 0.0
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get_one_block(group_key(block_hash, group_id))
 
     def _ext(self, block_hash: bytes) -> int | bytes:
         return event_int(block_hash) if self.int_event_hashes else block_hash
@@ -243,11 +255,13 @@ class BlockPool:
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
-        if self.cached_block_hash_to_block.pop(block.block_hash, block.block_id) is not None:
+        key = group_key(block.block_hash, block.group_id)
+        if self.cached_block_hash_to_block.pop(key, block.block_id) is not None:
             if self.enable_kv_cache_events:
                 self._events.append(BlockRemoved(block_hashes=[self._ext(block.block_hash)],
-                                                 medium=MEDIUM_GPU, group_idx=0))
+                                                 medium=MEDIUM_GPU, group_idx=block.group_id))
         block.block_hash = None
+        block.group_id = 0
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
@@ -283,12 +297,15 @@ class BlockPool:
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           token_ids: Sequence[int],
                           extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
-                          lora_name: str | None = None) -> None:
+                          lora_name: str | None = None, group_id: int = 0,
+                          group: KVCacheGroupSpec | None = None) -> None:
         """Hash blocks `[num_cached_blocks, num_full_blocks)` and insert them in the map.
 
-        `blocks` and `block_hashes` are the request's (logical order); `token_ids` are the
-        request's tokens. Emits one `BlockStored` for all newly cached blocks, whose parent is
-        the logical previous block's hash (None from block 0).
+        `blocks` (of group `group_id`, spec `group`; None: a full-attention group) and
+        `block_hashes` are the request's (logical order; null blocks, a sliding window's
+        freed past, are skipped); `token_ids` are the request's tokens. Emits one
+        `BlockStored` for all newly cached blocks, whose parent is the logical previous
+        block's hash (None from block 0).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -300,7 +317,8 @@ class BlockPool:
             assert blk.block_hash is None, f"{blk} is already cached"
             h = block_hashes[i]
             blk.block_hash = h
-            self.cached_block_hash_to_block.insert(h, blk)
+            blk.group_id = group_id
+            self.cached_block_hash_to_block.insert(group_key(h, group_id), blk)
             new_hashes.append(self._ext(h))
         if not self.enable_kv_cache_events:
             return
@@ -311,7 +329,9 @@ class BlockPool:
             block_hashes=new_hashes, parent_block_hash=parent,
             token_ids=list(token_ids[num_cached_blocks * block_size:num_full_blocks * block_size]),
             block_size=block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=lora_name,
-            extra_keys=ek, group_idx=0, kv_cache_spec_kind="full_attention"))
+            extra_keys=ek, group_idx=group_id,
+            kv_cache_spec_kind=group.kind if group is not None else FULL_ATTENTION,
+            kv_cache_spec_sliding_window=group.sliding_window if group is not None else None))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Fails (False) while any block is in use."""
@@ -321,6 +341,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashMap()
         for b in self.blocks:
             b.block_hash = None
+            b.group_id = 0
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         return True
@@ -337,7 +358,8 @@ class BlockPool:
         return touched
 
     def cached_hashes(self) -> list[bytes]:
-        """Every hash currently in the prefix cache (one per hash, duplicates collapsed)."""
+        """Every map key currently in the prefix cache (one per key, duplicates collapsed):
+        the bare hash for group 0 (`group_key`)."""
         return [k for k, _ in self.cached_block_hash_to_block.items()]
 
     # --- invariants -----------------------------------------------------------------------
@@ -356,11 +378,13 @@ class BlockPool:
             assert b.ref_cnt >= 0, f"{b} has a negative ref count"
             assert (b.ref_cnt == 0) == (b.block_id in free_set), f"{b} free-queue mismatch"
             if b.block_hash is not None:
-                assert b in self.cached_block_hash_to_block.blocks_of(b.block_hash), \
+                key = group_key(b.block_hash, b.group_id)
+                assert b in self.cached_block_hash_to_block.blocks_of(key), \
                     f"{b} is hashed but not in the map"
         for key, blks in self.cached_block_hash_to_block.items():
             assert blks, "empty map entry"
             for b in blks:
-                assert b.block_hash == key, f"{b} in the map under another hash"
+                assert b.block_hash is not None and group_key(b.block_hash, b.group_id) == key, \
+                    f"{b} in the map under another hash"
         if not self.enable_caching:
             assert len(self.cached_block_hash_to_block) == 0

@@ -40,6 +40,7 @@ from kvloop.config import EngineConfig
 from kvloop.core.block_pool import BlockPool
 from kvloop.core.compile_queue import CompileLimits
 from kvloop.core.hashing import BlockHasher
+from kvloop.core.kv_cache_groups import FULL_ONLY
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.kv_connector import KVConnector
 from kvloop.core.outputs import RunnerOutput, SchedulerOutput
@@ -51,7 +52,7 @@ from kvloop.core.request import (
     SamplingParams,
     check_context_length,
 )
-from kvloop.core.runner import LoRARunner, Runner, SplitRunner
+from kvloop.core.runner import HybridRunner, LoRARunner, Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
 from kvloop.core.spec_decode import make_proposer
 from kvloop.core.structured_output import (
@@ -97,9 +98,14 @@ class EngineCore:
         self.num_gpu_blocks = num_gpu_blocks or cc.num_gpu_blocks
         self.block_pool = BlockPool(self.num_gpu_blocks, cc.enable_prefix_caching,
                                     cc.enable_kv_cache_events, cc.kv_events_int_hashes)
+        groups = runner.kv_cache_groups if isinstance(runner, HybridRunner) else FULL_ONLY
+        if connector is not None and len(groups) > 1:
+            raise ValueError("a KV connector (disaggregation, KV tiers) needs a model of one "
+                             "attention type; this model has sliding-window and full-"
+                             "attention layers")
         self.kv_cache_manager = KVCacheManager(
             self.block_pool, cc.block_size, config.scheduler.max_model_len,
-            cc.enable_prefix_caching, cc.watermark)
+            cc.enable_prefix_caching, cc.watermark, groups)
         policy = config.kv_transfer.kv_load_failure_policy if config.kv_transfer else "fail"
         self.connector = connector
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, config.log_stats,

@@ -45,6 +45,8 @@ class NewRequestData:
     resumed: bool = False
     pooling_params: PoolingParams | None = None   # a pooling request (it never samples)
     lora_name: str | None = None      # the LoRA adapter it runs with (None: the base model)
+    # block ids of KV-cache groups 1.. (`block_ids` is group 0's); empty for one group
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -54,6 +56,7 @@ class CachedRequestData:
     num_computed_tokens: int          # before this step
     token_ids: list[int]              # the known tokens this step computes
     num_output_tokens: int
+    new_group_block_ids: list[list[int]] = field(default_factory=list)   # groups 1..
 
 
 @dataclass

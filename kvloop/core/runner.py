@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from kvloop.core.kv_cache_groups import KVCacheGroupSpec
 from kvloop.core.outputs import GrammarOutput, RunnerOutput, SchedulerOutput
 
 
@@ -57,6 +58,15 @@ class LoadedRunner(Runner, Protocol):
     max_model_len: int    # the longest sequence it serves (the engine clamps it to the KV cache)
     vocab_size: int       # token ids it accepts: 0 .. vocab_size - 1
     model_name: str       # what it loaded ("sim" for the simulator)
+
+
+@runtime_checkable
+class HybridRunner(Runner, Protocol):
+    """A runner whose model has several KV-cache groups (full-attention and sliding-window
+    layers, `kvloop.core.kv_cache_groups`): the engine's KV cache manager keeps one block
+    table per group. A runner without this attribute has one full-attention group."""
+
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
 
 
 @runtime_checkable

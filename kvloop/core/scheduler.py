@@ -36,9 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvloop.config import SchedulerConfig
-from kvloop.core.block_pool import KVCacheBlock
 from kvloop.core.chunk_cost import chunk_cost, fit_chunk
-from kvloop.core.kv_cache_manager import KVCacheManager
+from kvloop.core.kv_cache_manager import GroupBlocks, KVCacheManager
 from kvloop.core.kv_connector import KVConnector, cached_tokens_after_load
 from kvloop.core.outputs import (
     CachedRequestData,
@@ -145,7 +144,7 @@ class StepPlan:
     threshold: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     charged: dict[str, int] = field(default_factory=dict)   # budget each took (chunk_cost)
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)   # per KV group
     spec: dict[str, list[int]] = field(default_factory=dict)
     running: list[Request] = field(default_factory=list)   # scheduled running reqs, in order
     new: list[Request] = field(default_factory=list)
@@ -330,17 +329,17 @@ class Scheduler:
         plan.token_budget -= cost
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, req_index: int,
-                             plan: StepPlan) -> tuple[list[int], int] | None:
+                             plan: StepPlan) -> tuple[list[list[int]], int] | None:
         """Allocate slots for a running request, preempting victims until it fits.
 
-        Returns (new block ids, updated req_index), or None if the request itself was
-        preempted.
+        Returns (new block ids of each KV-cache group, updated req_index), or None if the
+        request itself was preempted.
         """
         while True:
-            new_blocks = self.kv.allocate_slots(
+            new_blocks = self.kv.allocate_group_slots(
                 request, num_new_tokens, num_lookahead_tokens=self.config.num_lookahead_tokens)
             if new_blocks is not None:
-                return [b.block_id for b in new_blocks], req_index
+                return _block_ids(new_blocks), req_index
             victim = self._pick_victim()
             idx = self.running.index(victim)
             self.running.pop(idx)
@@ -397,11 +396,11 @@ class Scheduler:
                 if not request.is_finished:
                     skipped.append(request)
                 continue
-            hits: list[KVCacheBlock] = []
+            hits: GroupBlocks | None = None
             num_hit = 0
             fresh = request.num_computed_tokens == 0
             if fresh:
-                hits, num_hit = self.kv.get_computed_blocks(request)
+                hits, num_hit = self.kv.get_computed_group_blocks(request)
             num_external, load_async = self._num_external_tokens(request, num_hit, fresh)
             if num_external is None:
                 skipped.append(self.waiting.pop())   # the connector asks again next step
@@ -413,7 +412,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
             num_new_tokens = self._fit(num_new_tokens, plan, num_computed)
-            new_blocks = self.kv.allocate_slots(
+            new_blocks = self.kv.allocate_group_slots(
                 request, num_new_tokens, num_hit, hits,
                 0 if load_async else cfg.num_lookahead_tokens,
                 full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
@@ -428,7 +427,7 @@ class Scheduler:
                 skipped.append(request)
                 continue
             self._admit(request, num_new_tokens, num_computed, num_hit, plan)
-            plan.new_blocks[request.request_id] = [b.block_id for b in new_blocks]
+            plan.new_blocks[request.request_id] = _block_ids(new_blocks)
 
     def _num_external_tokens(self, request: Request, num_hit: int,
                              fresh: bool) -> tuple[int | None, bool]:
@@ -517,6 +516,7 @@ class Scheduler:
                 req_id=rid, prompt_token_ids=req.prompt_token_ids,
                 all_token_ids=list(req.all_token_ids), sampling_params=req.sampling_params,
                 block_ids=self.kv.get_block_ids(rid), num_computed_tokens=c,
+                group_block_ids=self.kv.get_group_block_ids(rid),
                 token_ids=req.all_token_ids[c:c + n], resumed=req in plan.resumed,
                 pooling_params=req.pooling_params, lora_name=req.lora_name))
         for req in plan.running:
@@ -524,7 +524,8 @@ class Scheduler:
             n = plan.num_scheduled[rid]
             c = req.num_computed_tokens
             out.scheduled_cached_reqs.append(CachedRequestData(
-                req_id=rid, new_block_ids=plan.new_blocks.get(rid, []),
+                req_id=rid, new_block_ids=plan.new_blocks.get(rid, [[]])[0],
+                new_group_block_ids=plan.new_blocks.get(rid, [[]])[1:],
                 num_computed_tokens=c, token_ids=req.all_token_ids[c:c + n],
                 num_output_tokens=req.num_output_tokens))
         for req in plan.running + plan.new + plan.resumed:
@@ -867,3 +868,7 @@ def _prompt_logprobs(prompt: list[int], chunk: PromptLogprobs | None
 def _adapters(requests: Iterable[Request]) -> list[str]:
     """The distinct LoRA adapters of `requests`, sorted."""
     return sorted({r.lora_name for r in requests if r.lora_name is not None})
+
+
+def _block_ids(blocks: GroupBlocks) -> list[list[int]]:
+    return [[b.block_id for b in group] for group in blocks]

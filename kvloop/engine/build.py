@@ -32,7 +32,7 @@ from kvloop.core.budget import resolve_budget
 from kvloop.core.engine import EngineCore
 from kvloop.core.hashing import resolve_seed
 from kvloop.core.kv_connector import KVConnector
-from kvloop.core.runner import LoadedRunner, SplitRunner
+from kvloop.core.runner import HybridRunner, LoadedRunner, SplitRunner
 from kvloop.trust import FleetSecret
 from kvloop.wire import KVTransferInfo
 
@@ -99,7 +99,10 @@ def engine_config_for(template: EngineConfig, runner: LoadedRunner,
     cache, sched = template.cache, template.scheduler
     num_blocks = min(runner.num_gpu_blocks, num_gpu_blocks or runner.num_gpu_blocks)
     max_len = runner.max_model_len
-    capacity = (num_blocks - 1) * cache.block_size
+    # a request holds blocks in every KV-cache group (a hybrid model's sliding-window ones
+    # too: a one-step prefill writes all its tokens there)
+    groups = len(runner.kv_cache_groups) if isinstance(runner, HybridRunner) else 1
+    capacity = (num_blocks - 1) // groups * cache.block_size
     if capacity < max_len:
         logger.warning("max_model_len %d exceeds the KV cache (%d blocks of %d = %d tokens); "
                        "using %d", max_len, num_blocks - 1, cache.block_size, capacity, capacity)

@@ -50,12 +50,15 @@ def _meta(ev: BlockStored) -> tuple[Any, ...]:
             ev.ownership, ev.session_id)
 
 
-def _drop_copy(metas: list[tuple[Any, ...]], medium: str | None) -> None:
-    """Forget one copy: the latest in `medium` (`_meta`'s third field), else the latest."""
-    for i in range(len(metas) - 1, -1, -1):
-        if metas[i][2] == medium:
-            del metas[i]
-            return
+def _drop_copy(metas: list[tuple[Any, ...]], medium: str | None,
+               group: int | None = None) -> None:
+    """Forget one copy: the latest in `medium` (`_meta`'s third field) and KV-cache group
+    (its fifth; None counts as group 0), else the latest in `medium`, else the latest."""
+    for same_group in (True, False):
+        for i in range(len(metas) - 1, -1, -1):
+            if metas[i][2] == medium and (not same_group or (metas[i][4] or 0) == (group or 0)):
+                del metas[i]
+                return
     metas.pop()
 
 
@@ -97,7 +100,7 @@ class CacheView:
         if isinstance(ev, BlockStored):
             self._store(ev)
         elif isinstance(ev, BlockRemoved):
-            self._remove(ev.block_hashes, ev.medium)
+            self._remove(ev.block_hashes, ev.medium, ev.group_idx)
         elif isinstance(ev, AllBlocksCleared):
             self.clear()
         else:
@@ -126,7 +129,8 @@ class CacheView:
                 info[h].metas.append(meta)
             parent = h
 
-    def _remove(self, hashes: Iterable[ExternalBlockHash], medium: str | None = None) -> None:
+    def _remove(self, hashes: Iterable[ExternalBlockHash], medium: str | None = None,
+                group: int | None = None) -> None:
         copies = self._copies
         for h in hashes:
             n = copies.get(h)
@@ -136,7 +140,7 @@ class CacheView:
                 copies[h] = n - 1
                 block = self._info.get(h)
                 if block is not None:
-                    _drop_copy(block.metas, medium)
+                    _drop_copy(block.metas, medium, group)
             else:
                 del copies[h]
                 self._info.pop(h, None)

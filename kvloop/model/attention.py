@@ -21,8 +21,18 @@ A step's tokens are laid out decodes first, then prefill chunks (vLLM's order):
   an explicit lower-right causal mask over `context_len + q_len` keys gathered from the cache
   (SDPA's `is_causal` is top-left aligned, wrong once a prefix is cached).
 
-Everything here is metadata built once per step by the runner (`AttentionMetadata`), shared by
-all layers; there is no module-global state.
+Sliding-window layers (window W: a query at position p sees keys p-W+1..p, transformers'
+rule) get their own metadata (their KV-cache group's block table, `kvloop.core.
+kv_cache_groups`), whose tables begin at the first block a query of the step can see
+(the blocks before it are freed by the KV cache manager):
+- a chunk gathers keys from `key_start` (a block boundary) and masks by window and causality
+  (`window_causal_mask`); a fresh chunk no longer than W keeps SDPA's `is_causal`;
+- decodes whose keys all fit in the window use the C++ op as full attention does; once
+  a row reaches past W the step's decodes run `windowed_decode_attention` (torch: gathered
+  keys, rows masked from `decode_key_starts`), so the C++ op needs no window argument.
+
+Everything here is metadata built once per step by the runner (`AttentionMetadata`, one per
+KV-cache group), shared by the layers of the group; there is no module-global state.
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ class PrefillChunk:
     end: int                         # one past its last token
     context_len: int                 # tokens computed before this chunk (cached prefix)
     block_ids: torch.Tensor | None   # [num_blocks] covering context + chunk; None if no context
-    mask: torch.Tensor | None        # [q_len, context_len + q_len] bool, True = attend
+    mask: torch.Tensor | None        # [q_len, context_len + q_len - key_start] bool, True = attend
+    key_start: int = 0               # position of the first key gathered (block-aligned)
 
 
 @dataclass
@@ -54,6 +65,9 @@ class AttentionMetadata:
     num_decodes: int = 0                         # the first num_decodes tokens are decodes
     decode_block_table: torch.Tensor | None = None  # [D, max_blocks] int64, rows 0-padded
     decode_seq_lens: torch.Tensor | None = None     # [D] int64: keys of each decode
+    # sliding window past W: [D] int64, the first key of each row that its query sees (the
+    # table's token index); None: every key up to seq_len (the C++ op)
+    decode_key_starts: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -77,8 +91,33 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                       scale: float) -> torch.Tensor:
     """q: [D, heads, head_dim] -> [D, heads * head_dim]; one query per request."""
     assert meta.decode_block_table is not None and meta.decode_seq_lens is not None
+    if meta.decode_key_starts is not None:
+        return windowed_decode_attention(q, kv_cache, meta.decode_block_table,
+                                         meta.decode_seq_lens, meta.decode_key_starts, scale)
     return cpu_ops.decode_attention(q.contiguous(), kv_cache, meta.decode_block_table,
                                     meta.decode_seq_lens, scale)
+
+
+def windowed_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                              block_table: torch.Tensor, seq_lens: torch.Tensor,
+                              key_starts: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [D, H, hd]; row r attends to keys [key_starts[r], seq_lens[r]) of its table row
+    -> [D, H * hd] (fp32 softmax)."""
+    num_reqs, heads, head_dim = q.shape
+    num_blocks = block_table.shape[1]
+    keys = _gather(kv_cache[0], block_table.reshape(-1), num_reqs)     # [K*D, L, hd]
+    values = _gather(kv_cache[1], block_table.reshape(-1), num_reqs)
+    kv_heads = kv_cache.shape[1]
+    length = num_blocks * kv_cache.shape[3]
+    keys = keys.view(kv_heads, num_reqs, length, head_dim).transpose(0, 1)   # [D, K, L, hd]
+    values = values.view(kv_heads, num_reqs, length, head_dim).transpose(0, 1)
+    query = q.view(num_reqs, kv_heads, heads // kv_heads, head_dim).float()  # [D, K, G, hd]
+    scores = torch.matmul(query, keys.float().transpose(2, 3)) * scale       # [D, K, G, L]
+    index = torch.arange(length, device=q.device)
+    visible = (index >= key_starts[:, None]) & (index < seq_lens[:, None])   # [D, L]
+    scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(-1), values.float())                   # [D, K, G, hd]
+    return out.to(q.dtype).reshape(num_reqs, heads * head_dim)
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -89,11 +128,12 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if chunk.context_len == 0:
         keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, c, hd]
         values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
+                                             is_causal=chunk.mask is None,
                                              scale=scale, enable_gqa=True)
     else:
         assert chunk.block_ids is not None
-        total = chunk.context_len + (chunk.end - chunk.start)
+        total = chunk.context_len + (chunk.end - chunk.start) - chunk.key_start
         keys = _gather(kv_cache[0], chunk.block_ids, 1)[:, :total].unsqueeze(0)
         values = _gather(kv_cache[1], chunk.block_ids, 1)[:, :total].unsqueeze(0)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
@@ -113,3 +153,12 @@ def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> to
     """[q_len, kv_len] bool: query i (at position kv_len - q_len + i) sees keys <= it."""
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
     return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
+
+
+def window_causal_mask(q_len: int, seq_len: int, key_start: int, window: int,
+                       device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len - key_start] bool: query i (at position seq_len - q_len + i) sees
+    keys at positions key_start + j with pos - window < key_start + j <= pos."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (seq_len - q_len)
+    keys = torch.arange(key_start, seq_len, device=device).unsqueeze(0)
+    return (keys <= rows) & (keys > rows - window)

@@ -10,7 +10,9 @@ Deviations from Hugging Face's LlamaForCausalLM (same math otherwise):
 - Q, K and V are one fused projection, gate and up another (weights concatenated at load);
 - the KV cache is paged (written by slot, read by block table), not a per-request tensor;
 - the final norm and the LM head run on the sampled rows only; logits come back in fp32;
-- no dropout, no training path, no sliding window;
+- no dropout, no training path;
+- sliding-window layers (Mistral, Qwen2 with `use_sliding_window`, Gemma 3) read their own
+  KV-cache group's metadata (`StepInputs.meta_of`), which bounds what each query sees;
 - Qwen3's per-head Q/K RMSNorm runs on the fused projection's rows, in place;
 - partial RoPE (Phi-4-mini) runs on Q/K rows reordered at load (`loader.rotary_order`);
   LongRoPE picks its short or long factors per position (long from
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloop.config import LoRAConfig
+from kvloop.core.kv_cache_groups import layer_slots
 from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata, paged_attention
 from kvloop.model.gguf import RawTensor
@@ -215,12 +218,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: fl
 
 
 class Attention(nn.Module):
-    """`qk_norm` (Qwen3): the RMSNorms (weights [D]) of each head's Q and of each head's K,
-    applied before RoPE."""
+    """`qk_norm` (Qwen3, Gemma 3): the RMSNorms (weights [D]) of each head's Q and of each
+    head's K, applied before RoPE. `group`: the layer's KV-cache group (its attention
+    metadata, `StepInputs.meta_of`)."""
 
     def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear,
-                 qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
+                 qk_norm: tuple[RMSNorm, RMSNorm] | None = None, group: int = 0):
         super().__init__()
+        self.group = group
         self.q_norm: RMSNorm | None = qk_norm[0] if qk_norm is not None else None
         self.k_norm: RMSNorm | None = qk_norm[1] if qk_norm is not None else None
         self.num_heads = config.num_attention_heads
@@ -235,7 +240,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: torch.Tensor,
                 step: StepInputs) -> torch.Tensor:
         num_tokens = x.shape[0]
-        low_bit, lora, meta = step.low_bit, step.lora, step.meta
+        low_bit, lora, meta = step.low_bit, step.lora, step.meta_of(self.group)
         qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
         if self.q_norm is not None:
             self._norm_qk(qkv.view(num_tokens, -1, self.head_dim))
@@ -352,10 +357,8 @@ class LlamaModel(nn.Module):
         get = _WeightGetter(weights, precision, device, quantized or {})
         self.embed_tokens = nn.Parameter(get.exact("model.embed_tokens.weight"),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(
-            [_build_layer(config, get, f"model.layers.{i}.", i)
-             for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(get.exact("model.norm.weight"), config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.build_layers(config, get))
+        self.norm = self.build_norm(get.exact("model.norm.weight"), config.rms_norm_eps)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = Linear(self.embed_tokens.data if tied else get.exact(head),
@@ -367,6 +370,20 @@ class LlamaModel(nn.Module):
                             if linear.low_bit is not None])
         self.fused_decode = FusedDecode.build(config, cast(list[DecoderLayer],
                                                            list(self.layers)))
+
+    def build_layers(self, config: ModelConfig, get: _WeightGetter) -> list[nn.Module]:
+        """The decoder layers (an architecture's subclass builds its own), each told its
+        KV-cache group."""
+        return [_build_layer(config, get, f"model.layers.{i}.", i, group)
+                for i, (group, _) in enumerate(layer_slots(config.kv_cache_groups,
+                                                           config.num_hidden_layers))]
+
+    def build_norm(self, weight: torch.Tensor, eps: float) -> RMSNorm:
+        return RMSNorm(weight, eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def forward(self, step: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """`step` (`kvloop.model.step.StepInputs`: input ids and positions [T], attention
@@ -385,7 +402,7 @@ class LlamaModel(nn.Module):
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
         final norm (whose input is their sum). The low-bit policy decides `step.low_bit`
         here; a step with adapter rows takes the layer loop (`FusedDecode` has no LoRA)."""
-        h = F.embedding(step.input_ids, self.embed_tokens)           # [T, hidden]
+        h = self.embed(step.input_ids)                               # [T, hidden]
         residual: torch.Tensor | None = None
         num_tokens = step.num_tokens
         step = step.with_low_bit(self.low_bit.layers(num_tokens))
@@ -486,7 +503,8 @@ class FusedDecode:
     @classmethod
     def build(cls, config: ModelConfig, layers: list[DecoderLayer]) -> FusedDecode | None:
         ops = cpu_ops.load()
-        if ops is None or not layers:
+        if ops is None or not layers or len(config.kv_cache_groups) > 1 or any(
+                config.layer_window(i) is not None for i in range(config.num_hidden_layers)):
             return None
         if any(not isinstance(layer.mlp, MLP) or layer.self_attn.q_norm is not None
                for layer in layers) or config.rotary_dims != config.head_dim:
@@ -551,7 +569,7 @@ class _WeightGetter:
 
 
 def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str,
-                 layer: int) -> DecoderLayer:
+                 layer: int, group: int) -> DecoderLayer:
     a = prefix + "self_attn."
     qkv_names = [f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"]
     qkv_weights = [n + ".weight" for n in qkv_names]
@@ -562,7 +580,7 @@ def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str,
                 RMSNorm(get.exact(a + "k_norm.weight"), eps)) if config.qk_norm else None)
     attn = Attention(config, qkv, Linear(get(a + "o_proj.weight"),
                                          get.optional(a + "o_proj.bias"),
-                                         get.low_bit(a + "o_proj.weight")), qk_norm)
+                                         get.low_bit(a + "o_proj.weight")), qk_norm, group)
     moe = config.moe
     mlp: MLP | SparseMoE
     if moe is not None and layer in moe.sparse_layers:

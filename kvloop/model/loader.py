@@ -28,6 +28,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
+from kvloop.core.kv_cache_groups import KVCacheGroupSpec, group_size, kv_cache_groups
 from kvloop.locate import (
     GGUF_ARCHITECTURES,
     ModelNotFoundError,
@@ -41,8 +42,11 @@ from kvloop.model.gguf import RawTensor
 T = TypeVar("T", torch.Tensor, RawTensor)
 
 _GGUF_PERMUTED_QK = ("llama", "mistral")
-_QK_NORM = ("qwen3", "qwen3moe")          # RMSNorm over each head's Q and K before RoPE
+_QK_NORM = ("qwen3", "qwen3moe", "gemma3")   # RMSNorm over each head's Q and K before RoPE
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# families whose sliding window kvloop runs (others: the context is capped by the window)
+SLIDING_WINDOW_FAMILIES = ("mistral", "qwen2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,16 @@ class ModelConfig:
     attention_bias: bool = False
     rotary_dim: int | None = None          # None: the whole head (Phi-4-mini turns 3/4)
     moe: MoEConfig | None = None
+    # sliding-window attention: the window (tokens a query sees, itself included) and each
+    # layer's type ("sliding_attention" / "full_attention"); no types: every layer slides
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3 (`kvloop.model.gemma3`): the sliding layers' RoPE base, the attention scale's
+    # 1/sqrt(query_pre_attn_scalar), the MLP activation and a tanh cap on the logits
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in GGUF_ARCHITECTURES:
@@ -113,6 +127,13 @@ class ModelConfig:
         rot = self.rotary_dims
         if rot % 2 or not 0 < rot <= self.head_dim:
             raise ValueError(f"rotary_dim={rot} must be even and at most head_dim")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_types)} layer_types for "
+                             f"{self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; "
+                             f"supported: {', '.join(LAYER_TYPES)}")
 
     @property
     def rotary_dims(self) -> int:
@@ -121,13 +142,27 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether each head's Q and K are RMS-normalized before RoPE (Qwen3)."""
+        """Whether each head's Q and K are RMS-normalized before RoPE (Qwen3, Gemma 3)."""
         return self.architecture in _QK_NORM
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """The KV-cache groups of the layers (`kvloop.core.kv_cache_groups`)."""
+        return kv_cache_groups([self.layer_window(i) for i in range(self.num_hidden_layers)])
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers, per byte of element size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        """Bytes of K and V per token of one block, per byte of element size: a block holds
+        the layers of one KV-cache group (all layers for a model of one attention type)."""
+        return 2 * group_size(self.kv_cache_groups) * self.num_key_value_heads * self.head_dim
 
 
 @dataclass
@@ -184,8 +219,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.up_proj",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
-# llama.cpp's phi3 keeps Hugging Face's fused gate_up_proj under the name ffn_up
-_GGUF_ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# llama.cpp's phi3 keeps Hugging Face's fused gate_up_proj under the name ffn_up; Gemma 3
+# has four norms per layer (its ffn_norm is the pre-feedforward one)
+_GGUF_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma3": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+}
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight",
@@ -202,12 +243,15 @@ def load_gguf(path: str
     f = GGUFFile(path)
     config = gguf_config(f)
     permuted = config.architecture in _GGUF_PERMUTED_QK
+    shifted_norms = config.architecture == "gemma3"
     weights: dict[str, torch.Tensor] = {}
     for name, array in f.tensors():
         hf_name = _gguf_to_hf_name(name, config.architecture)
         if hf_name is None:
             continue
         tensor = torch.from_numpy(array)
+        if shifted_norms and hf_name.endswith("norm.weight"):
+            tensor = tensor - 1.0    # llama.cpp stores Gemma's norms as 1 + w; HF keeps w
         weights[hf_name] = _maybe_unpermute(hf_name, tensor, config) if permuted else tensor
     quantized: dict[str, RawTensor] = {}
     for name, raw in f.raw_tensors():
@@ -234,7 +278,7 @@ def gguf_config(f: Any) -> ModelConfig:
     vocab = f.arch_value("vocab_size")
     if vocab is None:
         vocab = f.tensor_shape("token_embd.weight")[0]
-    return ModelConfig(
+    kwargs: dict[str, Any] = dict(
         architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(f.arch_value("feed_forward_length")),
         num_hidden_layers=int(f.arch_value("block_count")),
@@ -249,6 +293,28 @@ def gguf_config(f: Any) -> ModelConfig:
         attention_bias=any(n.endswith("attn_q.bias") for n in f.tensor_names()),
         rotary_dim=int(rope_dims) if partial and rope_dims else None,
         moe=_gguf_moe(f))
+    if arch == "gemma3":
+        kwargs.update(_gguf_gemma3(f, hidden, heads, head_dim))
+    return ModelConfig(**kwargs)
+
+
+def _gguf_gemma3(f: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3 as llama.cpp runs it: every 6th layer global (or the file's
+    `attention.sliding_window_pattern`), local RoPE base 10000, attention scale
+    1/sqrt(head_dim) (1/sqrt(hidden / heads) for the 62-layer 27B); its window runs, so
+    the context is not capped by it."""
+    layers = int(f.arch_value("block_count"))
+    pattern = f.arch_value("attention.sliding_window_pattern")
+    pattern = int(pattern) if isinstance(pattern, int | float) else 6
+    scalar = hidden // heads if layers == 62 else head_dim
+    return {"sliding_window": int(f.arch_value("attention.sliding_window", 4096)),
+            "layer_types": tuple("sliding_attention" if (i + 1) % pattern else
+                                 "full_attention" for i in range(layers)),
+            "rope_local_theta": 10_000.0, "query_pre_attn_scalar": float(scalar),
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": float(f.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(f.arch_value("rope.freq_base", 1_000_000.0)),
+            "max_position_embeddings": int(f.arch_value("context_length", 4096))}
 
 
 def _gguf_context_length(f: Any) -> int:
@@ -349,7 +415,10 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
     partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
-    return ModelConfig(
+    extra = _hf_sliding_window(cfg, arch)
+    if arch == "gemma3":
+        extra.update(_hf_gemma3(cfg))
+    kwargs: dict[str, Any] = dict(
         architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
@@ -358,11 +427,13 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rope_scaling=_hf_rope_scaling(rope, cfg),
-        max_position_embeddings=_hf_context_length(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=_hf_context_length(cfg, arch),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
         moe=_hf_moe(cfg))
+    kwargs.update(extra)
+    return ModelConfig(**kwargs)
 
 
 def _hf_moe(cfg: dict[str, Any]) -> MoEConfig | None:
@@ -379,14 +450,58 @@ def _hf_moe(cfg: dict[str, Any]) -> MoEConfig | None:
                             if i not in dense and (i + 1) % step == 0))
 
 
-def _hf_context_length(cfg: dict[str, Any]) -> int:
-    """max_position_embeddings, capped by a sliding window (not implemented: past the window
-    full attention would differ from the model's)."""
+def _hf_context_length(cfg: dict[str, Any], arch: str) -> int:
+    """max_position_embeddings; capped by a sliding window kvloop does not run (a family
+    outside `SLIDING_WINDOW_FAMILIES`: past the window full attention would differ)."""
     length = int(cfg.get("max_position_embeddings", 4096))
     window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", True):
+    if arch not in SLIDING_WINDOW_FAMILIES and window and cfg.get("use_sliding_window", True):
         length = min(length, int(window))
     return length
+
+
+def _hf_sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """`sliding_window` and `layer_types` as transformers 5.x reads them: `layer_types`
+    when the config lists them; else Qwen2's `use_sliding_window` (off: no window) with
+    layers from `max_window_layers` on sliding; else (Mistral) every layer slides."""
+    window = cfg.get("sliding_window") or (4096 if arch == "gemma3" else None)
+    if arch not in SLIDING_WINDOW_FAMILIES or (
+            arch == "qwen2" and not cfg.get("use_sliding_window", False)):
+        window = None
+    if not window:
+        return {}
+    types = None if arch == "mistral" else cfg.get("layer_types")   # Mistral: every layer
+    if types is None and arch == "gemma3":   # the older form: every `pattern`-th is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(int(cfg["num_hidden_layers"]))]
+    if types is None and arch == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(int(cfg["num_hidden_layers"]))]
+    return {"sliding_window": int(window), "layer_types": tuple(types or ())}
+
+
+def _hf_gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, from transformers 5.x's per-layer-type `rope_parameters` or the
+    older `rope_theta` / `rope_local_base_freq` / `rope_scaling` (full layers only)."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attn_logit_softcapping is not supported (Gemma 3 configs have none)")
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    scaling = cfg.get("rope_scaling") or (full if full.get("rope_type") else None)
+    return {
+        "head_dim": int(cfg.get("head_dim") or 256),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(full.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0),
+        "rope_scaling": _hf_rope_scaling(scaling or {}, cfg),
+        "rope_local_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq")
+                                  or 10_000.0),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "hidden_activation": str(cfg.get("hidden_activation") or "gelu_pytorch_tanh"),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
 
 
 def _hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:

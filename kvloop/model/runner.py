@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloop.config import LoRAConfig
+from kvloop.core.kv_cache_groups import group_size, layer_slots
 from kvloop.core.outputs import (
     GrammarOutput,
     Logprobs,
@@ -58,7 +59,12 @@ from kvloop.core.outputs import (
     prompt_logprob_positions,
 )
 from kvloop.core.request import PoolingParams, SamplingParams
-from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
+from kvloop.model.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    lower_right_causal_mask,
+    window_causal_mask,
+)
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
@@ -77,7 +83,7 @@ class RequestState:
     req_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]           # every known token (prompt + outputs seen so far)
-    block_ids: list[int]
+    block_ids: list[list[int]]     # one block table per KV-cache group
     params: SamplingParams
     pooling: PoolingParams | None = None    # a pooling request: it pools, never samples
     lora_name: str | None = None            # its LoRA adapter (None: the base model)
@@ -151,6 +157,7 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.model_name = model_name
         self.dtype = model.dtype
+        self.kv_cache_groups = config.kv_cache_groups   # read by the engine's KV manager
         self.kv_caches = allocate_kv_caches(config, num_gpu_blocks, block_size,
                                             model.dtype, device)
         self.sampler = Sampler(seed, device)
@@ -320,12 +327,24 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.all_token_ids),
-                list(new.block_ids), new.sampling_params, new.pooling_params, new.lora_name)
+                self._group_tables(new.block_ids, new.group_block_ids),
+                new.sampling_params, new.pooling_params, new.lora_name)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            new_ids = self._group_tables(cached.new_block_ids, cached.new_group_block_ids)
+            for table, ids in zip(state.block_ids, new_ids, strict=True):
+                table.extend(ids)
             c = cached.num_computed_tokens
             state.token_ids[c:] = cached.token_ids
+
+    def _group_tables(self, block_ids: list[int], group_block_ids: list[list[int]]
+                      ) -> list[list[int]]:
+        """One list per KV-cache group. A producer that names no other group (a model of
+        one group, or the budget's synthetic steps, `kvloop.core.budget`) gives group 0's
+        ids to every group."""
+        if group_block_ids or len(self.kv_cache_groups) == 1:
+            return [list(block_ids), *(list(ids) for ids in group_block_ids)]
+        return [list(block_ids) for _ in self.kv_cache_groups]
 
     def _scheduled(self, so: SchedulerOutput) -> list[_Scheduled]:
         """Requests of this step, decodes (one token) first, then chunks."""
@@ -349,7 +368,7 @@ class ModelRunner:
         items = self._scheduled(so)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.kv_cache_groups]
         logits_indices: list[int] = []
         pooling_indices: list[int] = []
         sample_sel: list[int] = []
@@ -365,7 +384,8 @@ class ModelRunner:
             input_ids.extend(item.token_ids)
             input_ids.extend(item.drafts)
             positions.extend(pos)
-            slots.extend(self._slots(item.state.block_ids, pos))
+            for group_slots, table in zip(slots, item.state.block_ids, strict=True):
+                group_slots.extend(self._slots(table, pos))
             if item.samples:
                 first = len(input_ids) - 1 - len(item.drafts)
                 sample_sel.extend(range(len(logits_indices),
@@ -375,13 +395,16 @@ class ModelRunner:
                 pooling_indices.append(len(input_ids) - 1)
         dev = self.device
         pooling = [i for i in items if i.pools]
-        meta = self._attention_metadata(items, torch.tensor(slots, dtype=torch.long, device=dev))
+        metas = tuple(self._attention_metadata(
+            items, torch.tensor(group_slots, dtype=torch.long, device=dev), g)
+            for g, group_slots in enumerate(slots))
         sampling = [i for i in items if i.samples]
         step = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta, logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            lora=self._lora_step(items))
+            meta=metas[0],
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            lora=self._lora_step(items), group_metas=metas if len(metas) > 1 else ())
         return StepBatch(
             req_ids=[i.state.req_id for i in items], step=step,
             sampling_rows=[_sampling_row(i) for i in sampling],
@@ -417,36 +440,66 @@ class ModelRunner:
         bs = self.block_size
         return [block_ids[p // bs] * bs + p % bs for p in positions]
 
-    def _attention_metadata(self, items: list[_Scheduled],
-                            slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def _attention_metadata(self, items: list[_Scheduled], slot_mapping: torch.Tensor,
+                            group: int) -> AttentionMetadata:
+        """KV-cache group `group`'s metadata (its block tables and window)."""
         decodes = [i for i in items if i.num_tokens == 1]
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
+        window = self.kv_cache_groups[group].sliding_window
         if decodes:
-            meta.decode_block_table, meta.decode_seq_lens = self._decode_tables(decodes)
+            (meta.decode_block_table, meta.decode_seq_lens,
+             meta.decode_key_starts) = self._decode_tables(decodes, group, window)
         start = len(decodes)
         for item in items[len(decodes):]:
-            meta.prefills.append(self._chunk(item, start))
+            meta.prefills.append(self._chunk(item, start, group, window))
             start += item.num_tokens
         return meta
 
-    def _decode_tables(self, decodes: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block table [D, nb] (each row 0-padded to the longest) and seq_lens [D]."""
+    def _decode_tables(self, decodes: list[_Scheduled], group: int, window: int | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Block table [D, nb] (each row 0-padded to the longest), seq_lens [D] and, once a
+        row reaches past the sliding window, each row's first visible key [D] (the table
+        then starts at the block of a row's first visible key, seq_lens counted from it)."""
         bs = self.block_size
-        num_blocks = max(-(-d.seq_len // bs) for d in decodes)
-        table = [d.state.block_ids[:num_blocks] + [0] * (num_blocks - min(
-            num_blocks, len(d.state.block_ids))) for d in decodes]
-        return (torch.tensor(table, dtype=torch.long, device=self.device),
-                torch.tensor([d.seq_len for d in decodes], dtype=torch.long, device=self.device))
+        windowed = window is not None and any(d.seq_len > window for d in decodes)
+        firsts = [max(0, d.seq_len - window) // bs if windowed and window is not None else 0
+                  for d in decodes]
+        rows = [d.state.block_ids[group][first:-(-d.seq_len // bs)]
+                for d, first in zip(decodes, firsts, strict=True)]
+        num_blocks = max(len(r) for r in rows)
+        table = [r + [0] * (num_blocks - len(r)) for r in rows]
+        dev = self.device
+        seq_lens = [d.seq_len - first * bs for d, first in zip(decodes, firsts, strict=True)]
+        starts = None
+        if windowed and window is not None:
+            starts = torch.tensor([max(0, d.seq_len - window) - first * bs
+                                   for d, first in zip(decodes, firsts, strict=True)],
+                                  dtype=torch.long, device=dev)
+        return (torch.tensor(table, dtype=torch.long, device=dev),
+                torch.tensor(seq_lens, dtype=torch.long, device=dev), starts)
 
-    def _chunk(self, item: _Scheduled, start: int) -> PrefillChunk:
+    def _chunk(self, item: _Scheduled, start: int, group: int,
+               window: int | None) -> PrefillChunk:
         end = start + item.num_tokens
+        dev = self.device
+        windowed = window is not None and item.seq_len > window
         if item.num_computed == 0:
-            return PrefillChunk(start, end, 0, None, None)
+            if not windowed or window is None:
+                return PrefillChunk(start, end, 0, None, None)
+            return PrefillChunk(start, end, 0, None,
+                                window_causal_mask(item.num_tokens, item.seq_len, 0, window, dev))
+        first = 0
+        if windowed and window is not None:
+            first = max(0, item.num_computed - window + 1) // self.block_size
         num_blocks = -(-item.seq_len // self.block_size)
-        block_ids = torch.tensor(item.state.block_ids[:num_blocks], dtype=torch.long,
-                                 device=self.device)
-        mask = lower_right_causal_mask(item.num_tokens, item.seq_len, self.device)
-        return PrefillChunk(start, end, item.num_computed, block_ids, mask)
+        block_ids = torch.tensor(item.state.block_ids[group][first:num_blocks],
+                                 dtype=torch.long, device=dev)
+        key_start = first * self.block_size
+        if windowed and window is not None:
+            mask = window_causal_mask(item.num_tokens, item.seq_len, key_start, window, dev)
+        else:
+            mask = lower_right_causal_mask(item.num_tokens, item.seq_len, dev)
+        return PrefillChunk(start, end, item.num_computed, block_ids, mask, key_start)
 
     # --- outputs --------------------------------------------------------------------------
     @staticmethod
@@ -556,7 +609,11 @@ def _sampling_row(item: _Scheduled) -> SamplingRow:
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed (so touched) `[2, kv_heads, num_blocks, block_size, head_dim]` per layer."""
+    """Each layer's `[2, kv_heads, num_blocks, block_size, head_dim]` cache, zeroed (so
+    touched). One tensor per layer for a model of one KV-cache group; with several groups
+    layer j of each group shares tensor j (`kvloop.core.kv_cache_groups`: a block belongs
+    to one group, so the layers sharing a tensor never share a block)."""
     shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device)
-            for _ in range(config.num_hidden_layers)]
+    groups = config.kv_cache_groups
+    shared = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(group_size(groups))]
+    return [shared[j] for _, j in layer_slots(groups, config.num_hidden_layers)]

@@ -22,6 +22,7 @@ from kvloop.config import (
 )
 from kvloop.model import cpu_ops
 from kvloop.model.crossover import measure_policy
+from kvloop.model.gemma3 import Gemma3Model
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
 from kvloop.model.precision import resolve_precision
@@ -29,6 +30,9 @@ from kvloop.model.quant import LowBitPolicy
 from kvloop.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# architectures whose model class is not the Llama family's `LlamaModel`
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {"gemma3": Gemma3Model}
 
 # What a step's activations may take on CUDA beside weights and KV cache (vLLM measures it
 # with a profiling run; kvloop reserves this much instead).
@@ -52,8 +56,9 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
                                rc.num_gpu_blocks_override)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
     torch.manual_seed(rc.seed)
-    net = LlamaModel(config, loaded.weights, precision, dev, max_positions=max_len + 1,
-                     quantized=loaded.quantized)
+    model_class = MODEL_CLASSES.get(config.architecture, LlamaModel)
+    net = model_class(config, loaded.weights, precision, dev, max_positions=max_len + 1,
+                      quantized=loaded.quantized)
     del loaded.weights, loaded.quantized
     net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
@@ -167,7 +172,7 @@ def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 def resolve_max_model_len(config: ModelConfig, block_size: int, num_blocks: int,
                           requested: int | None) -> int:
-    capacity = (num_blocks - 1) * block_size
+    capacity = (num_blocks - 1) // len(config.kv_cache_groups) * block_size
     limit = min(config.max_position_embeddings, capacity)
     if requested is not None:
         if requested > config.max_position_embeddings:

@@ -26,10 +26,16 @@ class StepInputs:
     logits_indices: torch.Tensor   # [S]: the rows whose logits are computed
     lora: LoRAStep | None = None   # the rows that use an adapter (None: every row is the base)
     low_bit: bool = False          # the linear layers run their low-bit weights
+    # one per KV-cache group (`meta` is group 0's); empty: one group, `meta`
+    group_metas: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def meta_of(self, group: int) -> AttentionMetadata:
+        """The attention metadata of KV-cache group `group`."""
+        return self.group_metas[group] if self.group_metas else self.meta
 
     def with_low_bit(self, low_bit: bool) -> StepInputs:
         return self if low_bit == self.low_bit else dataclasses.replace(self, low_bit=low_bit)

@@ -38,6 +38,7 @@ from kvloop.events.types import (
     event_int,
     tier_of,
 )
+from kvloop.router.groups import FULL_ATTENTION, GroupSpec, group_key, is_hybrid, unknown_kind
 from kvloop.router.index import BlockIndex, to_u64
 from kvloop.router.registry import EventCounters
 
@@ -114,24 +115,42 @@ class EventFeed:
             if tier != TIER_DEVICE:
                 self._store_lower(ev, tier)
                 return True
-            problem = self._check_stored(ev)
+            problem = self._check_stored(ev) or self._note_group(ev)
             if problem is not None:
                 self.refusing = problem
                 self.index.clear_worker(self.worker)
                 self.on_mismatch(self.worker, problem)
                 return False
             self.counters.stored_blocks += len(ev.block_hashes)
-            self.index.store(self.worker, ev.block_hashes)
+            self.index.store(self.worker, _group_keys(ev.block_hashes, ev.group_idx))
         elif isinstance(ev, BlockRemoved):
             tier = self._tier(ev)
             if tier is None:
                 return True
             self.counters.removed_blocks += len(ev.block_hashes)
-            self.index.remove(self.worker, ev.block_hashes, tier)
+            self.index.remove(self.worker, _group_keys(ev.block_hashes, ev.group_idx), tier)
         elif isinstance(ev, AllBlocksCleared):
             self.counters.cleared += 1
             self.index.clear_worker(self.worker)
         return True
+
+    def _note_group(self, ev: BlockStored) -> str | None:
+        """Learn the event's KV-cache group; a kind the router cannot predict hits for is a
+        problem (the worker's events are refused and an alarm raised, never silent misses).
+        """
+        group = ev.group_idx or 0
+        spec = GroupSpec(ev.kv_cache_spec_kind or FULL_ATTENTION,
+                         ev.kv_cache_spec_sliding_window)
+        if self.counters.groups.get(group) == spec:
+            return None
+        problem = unknown_kind(spec)
+        if problem is not None:
+            return f"its model has {problem} (group {group})"
+        self.counters.groups[group] = spec
+        if is_hybrid(self.counters.groups):
+            log.info("index: worker %s has KV-cache groups %s", self.worker,
+                     dict(sorted(self.counters.groups.items())))
+        return None
 
     def _tier(self, ev: BlockStored | BlockRemoved) -> str | None:
         tier = tier_of(ev.medium, ev.locality)
@@ -175,3 +194,10 @@ class EventFeed:
             return (f"its block hashes differ from the fleet's ({hasher.algo}, seed "
                     f"{hasher.seed!r}): a different hash seed or algorithm")
         return None
+
+
+def _group_keys(hashes: list[int | bytes], group: int | None) -> list[int | bytes]:
+    """Index keys of one group's hashes (group 0 or none: the hashes as they are)."""
+    if not group:
+        return hashes
+    return [group_key(to_u64(h), group) for h in hashes]

@@ -42,6 +42,7 @@ import msgspec
 from kvloop.config import DEFAULT_ROLE, ROLES
 from kvloop.events.types import TIER_DEVICE
 from kvloop.router.config import HashSpec, LivenessConfig
+from kvloop.router.groups import GroupSpec
 from kvloop.wire import WorkerInfo
 
 CONFIG_MISMATCH = "config_mismatch"
@@ -301,6 +302,9 @@ class EventCounters:
     last_event_at: float | None = None
     last_heartbeat_at: float | None = None
     clears_by_reason: dict[str, int] = field(default_factory=dict)
+    # KV-cache groups its BlockStored events named (`kvloop.router.groups`); empty or one
+    # full-attention group: the plain longest-prefix match is the engine's rule
+    groups: dict[int, GroupSpec] = field(default_factory=dict)
 
 
 class WorkerState:

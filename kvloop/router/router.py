@@ -30,10 +30,11 @@ from typing import Any, Protocol
 
 from kvloop.config import KV_LOADS, SchedulerConfig
 from kvloop.core.hashing import block_extra_keys
-from kvloop.events.types import event_int
+from kvloop.events.types import TIER_DEVICE, event_int
 from kvloop.router import filters
 from kvloop.router.config import RouterConfig
 from kvloop.router.filters import Filter
+from kvloop.router.groups import hit_blocks, is_hybrid
 from kvloop.router.membership import Membership, SubscriberFactory, capacity
 from kvloop.router.membership import Subscription as Subscription
 from kvloop.router.membership import make_index as make_index
@@ -208,6 +209,7 @@ class Router(Membership):
             raise NoWorkerError(self._no_worker_message())
         hashes = list(rr.hashes)
         matches = self.index.match_tiers(hashes, [w.name for w in workers]) if hashes else {}
+        matches = self._group_matches(matches, hashes, workers, rr.prompt_tokens)
         session = self._session_tokens(rr)
         candidates = [self._candidate(w, matches.get(w.name, ()), session.get(w.name, 0))
                       for w in workers]
@@ -222,6 +224,31 @@ class Router(Membership):
                             tiers=tiers[:predicted // bs])
         self._count_decision(decision, chosen.name, n, predicted, t0)
         return Routed(chosen, decision, ticket, predicted, len(hashes), rr)
+
+    def _group_matches(self, matches: dict[str, tuple[str, ...]], hashes: list[int],
+                       workers: Sequence[WorkerState], prompt_tokens: int
+                       ) -> dict[str, tuple[str, ...]]:
+        """A hybrid worker's match (sliding-window groups, `kvloop.router.groups`) replaced
+        by the engine's hit rule over its groups (its device tier only: such a worker has no
+        KV connector)."""
+        bs = self.block_size
+        max_blocks = max(0, prompt_tokens - 1) // bs
+        for w in workers:
+            groups = w.events.groups
+            if not hashes or not is_hybrid(groups):
+                continue
+            name = w.name
+            n = hit_blocks(self._held_by(name), hashes, dict(groups), max_blocks, bs)
+            if n:
+                matches[name] = (TIER_DEVICE,) * n
+            else:
+                matches.pop(name, None)
+        return matches
+
+    def _held_by(self, name: str) -> Callable[[list[int]], set[int]]:
+        def held(keys: list[int]) -> set[int]:
+            return set(self.index.held(name, keys))
+        return held
 
     def _serving(self, rr: RoutingRequest) -> list[WorkerState]:
         everyone = self.registry.all()
@@ -291,6 +318,7 @@ class Router(Membership):
         hashes = list(rr.hashes)
         matches = self.index.match_tiers(hashes, [w.name for w in decoders + prefillers]) \
             if hashes else {}
+        matches = self._group_matches(matches, hashes, decoders + prefillers, rr.prompt_tokens)
         req = rr.scoring()
         snaps = {w.name: self._pd_worker(w, matches.get(w.name, ()), req)
                  for w in decoders + prefillers}
