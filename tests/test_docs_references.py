@@ -36,6 +36,7 @@ FORBIDDEN = ("/work/shared", "shared/specs", "BENCHMARKS.md", "vllm-engine.md")
 # read from a model folder or a request, or placeholders in a usage line.
 RUN_TIME_NAMES = frozenset({
     "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+    "special_tokens_map.json",   # a Hugging Face tokenizer folder (kvloop export-tokenizer)
     "adapter_config.json",   # a PEFT LoRA adapter folder's config (kvloop/model/lora.py)
     "figures.md", "c8.json", "TRACE.json", "STEPLOG.json",
     "test_inner.py",   # a module tests/test_markers.py writes into pytester's folder
