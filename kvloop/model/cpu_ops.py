@@ -41,6 +41,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# Built into the same extension; each registers its own ops (the quantized KV cache's:
+# attn_kvq.cpp, in torch.ops under the build's name, see kvloop.model.kv_quant).
+EXTRA_SOURCES = [Path(__file__).parent / "csrc" / "attn_kvq.cpp"]
 HEADERS = [Path(__file__).parent / "csrc" / "pool.h"]
 CACHE_ROOT = Path(os.environ.get("KVLOOP_CACHE", Path.home() / ".cache" / "kvloop"))
 ENV_SWITCH = "KVLOOP_CPU_OPS"          # "0": never use the extension
@@ -55,7 +58,7 @@ _tried = False
 def extension_name() -> str:
     """Name of this source's build for this torch and this CPU."""
     key = hashlib.sha256()
-    for path in [SOURCE, *HEADERS]:
+    for path in [SOURCE, *EXTRA_SOURCES, *HEADERS]:
         key.update(path.read_bytes())
     key.update(torch.__version__.encode())
     key.update(" ".join(_FLAGS).encode())
@@ -114,8 +117,8 @@ def _compile(name: str, directory: Path) -> Any:
     from torch.utils.cpp_extension import load as load_extension
 
     directory.mkdir(parents=True, exist_ok=True)
-    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=_FLAGS,
-                          build_directory=str(directory), verbose=False)
+    return load_extension(name=name, sources=[str(p) for p in (SOURCE, *EXTRA_SOURCES)],
+                          extra_cflags=_FLAGS, build_directory=str(directory), verbose=False)
 
 
 def available(device: torch.device) -> bool:

@@ -59,6 +59,7 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import PoolingParams, SamplingParams
 from kvloop.model.attention import AttentionMetadata, PrefillChunk, lower_right_causal_mask
+from kvloop.model.kv_quant import KVQuant
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
@@ -141,7 +142,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, config: ModelConfig, *, num_gpu_blocks: int,
                  block_size: int, max_model_len: int, device: torch.device,
-                 model_name: str, seed: int = 0):
+                 model_name: str, seed: int = 0, kv_quant: KVQuant | None = None):
         self.model = model
         self.config = config
         self.device = device
@@ -151,12 +152,14 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
         self.model_name = model_name
         self.dtype = model.dtype
+        self.kv_quant = kv_quant                  # the cache's format (None: model.dtype)
         self.kv_caches = allocate_kv_caches(config, num_gpu_blocks, block_size,
-                                            model.dtype, device)
+                                            model.dtype, device, kv_quant)
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
-        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
+        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name,
+                                                kv_quant)
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="kvloop-forward")
         self._pending: Future[_Forward] | None = None
         self.lora_slots: LoRASlots | None = None   # set by `enable_lora`
@@ -401,7 +404,8 @@ class ModelRunner:
     def _attention_metadata(self, items: list[_Scheduled],
                             slot_mapping: torch.Tensor) -> AttentionMetadata:
         decodes = [i for i in items if i.num_tokens == 1]
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes),
+                                 kv_quant=self.kv_quant)
         if decodes:
             meta.decode_block_table, meta.decode_seq_lens = self._decode_tables(decodes)
         start = len(decodes)
@@ -525,8 +529,12 @@ def _sampling_row(item: _Scheduled) -> SamplingRow:
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed (so touched) `[2, kv_heads, num_blocks, block_size, head_dim]` per layer."""
-    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+                       dtype: torch.dtype, device: torch.device,
+                       kv_quant: KVQuant | None = None) -> list[torch.Tensor]:
+    """One zeroed (so touched) `[2, kv_heads, num_blocks, block_size, head_dim]` per layer
+    in `dtype`; quantized (`kv_quant`): uint8 rows of `head_dim` codes and a scale."""
+    row = config.head_dim if kv_quant is None else kv_quant.row_bytes(config.head_dim)
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, row)
+    dtype = dtype if kv_quant is None else torch.uint8
     return [torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(config.num_hidden_layers)]
