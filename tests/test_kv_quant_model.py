@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
+from kvloop.bench.quality import CHAT_QUESTIONS
 from kvloop.config import RunnerConfig
 from kvloop.core.engine import EngineCore
 from kvloop.kv_transfer.tier_record import record_key
@@ -38,7 +39,7 @@ from tests.test_pd_engine import PREFILL, Stats, kv_config, make_engine, settle
 from tests.test_pd_model import assert_same_greedy, greedy, pd_run
 from tests.test_tiers_engine import Rig
 
-QUESTIONS = json.loads((Path(__file__).parent / "data" / "chat_questions.json").read_text())[:6]
+QUESTIONS = json.loads(CHAT_QUESTIONS.read_text())[:6]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 # Leading tokens equal to the "auto" cache's answer (its length where all are equal),
 # measured on the 6 questions (2026-12-06, AMD EPYC, AVX-512). The one divergence looked at
