@@ -15,7 +15,6 @@ CPUs without bf16 dot products), so it never compares fp32 with fp32.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -245,12 +245,20 @@ def kv_decode_sweep(args: argparse.Namespace) -> dict[str, dict[int, float]]:
                   kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
                   kv_cache_dtype=name)
         try:
-            prompts = PromptMaker(llm.runner.vocab_size, args.seed)
-            _kvloop_decode_rate(llm, prompts(16), 4)  # warm-up
-            rates[name] = {ctx: median_of(args.repeats, lambda ctx=ctx: _kvloop_decode_rate(
-                llm, prompts(ctx), args.decode_tokens)) for ctx in contexts}
+            rates[name] = _decode_rates(args, llm, contexts)
         finally:
             llm.shutdown()
+    return rates
+
+
+def _decode_rates(args: argparse.Namespace, llm: Any, contexts: list[int]) -> dict[int, float]:
+    prompts = PromptMaker(llm.runner.vocab_size, args.seed)
+    _kvloop_decode_rate(llm, prompts(16), 4)  # warm-up
+    rates = {}
+    for ctx in contexts:
+        def rate(length: int = ctx) -> float:
+            return _kvloop_decode_rate(llm, prompts(length), args.decode_tokens)
+        rates[ctx] = median_of(args.repeats, rate)
     return rates
 
 
