@@ -143,3 +143,14 @@ def test_decode_attention_matches_twin(dtype, quant, heads, kv_heads, dim, block
     probs = torch.softmax(qf @ first[0].transpose(-1, -2) * dim ** -0.5, -1)
     ref = (probs @ first[1]).reshape(-1)
     assert (want[1].float() - ref).abs().max() <= tol * max(ref.abs().max(), 1.0)
+
+
+def test_the_router_learns_a_quantized_p_s_bytes_per_token():
+    """A prefill answer's `kv_fingerprint` names the format; the router prices its transfer
+    by the bytes stored (codes and scales), not by 1 byte an element."""
+    from kvloop.router.pd import fingerprint_bytes_per_token
+
+    shape = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+    assert fingerprint_bytes_per_token({**shape, "dtype": "float32"}) == 46080.0
+    for name in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        assert fingerprint_bytes_per_token({**shape, "dtype": name}) == 2 * 30 * 3 * 68
