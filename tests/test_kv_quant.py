@@ -7,6 +7,8 @@ Shapes: SmolLM2's (9 heads, 3 KV heads, head_dim 64) and a tiny GQA one (4/2/16)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ from kvloop.model.setup import num_kv_blocks
 needs_ops = pytest.mark.skipif(cpu_ops.load() is None,
                                reason="kvloop's CPU ops are not built (python -m "
                                       "kvloop.model.cpu_ops)")
-SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4)]     # heads, kv heads, head_dim, blocks, bs
+# heads, kv heads, head_dim, blocks, bs (head_dim 24: int8 rows are stored unrotated)
+SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4), (4, 2, 24, 20, 4)]
 QUANTS = list(FORMATS.values())
 
 
@@ -45,19 +48,38 @@ def test_round_trip_error_is_bounded_per_row(quant: KVQuant):
     assert rows.shape == (50, 68) and rows.dtype == torch.uint8
     back = kv_quant.dequantize_rows(rows, quant, torch.float32)
     amax = x.abs().amax(-1, keepdim=True)
-    # int8: half a code step; e4m3 (3 mantissa bits): 1/16 relative, e5m2 (2 bits): 1/8,
-    # and at least the smallest subnormal step of the row's scale
+    # int8: half a code step of the rotated row, each element, so in L2 norm sqrt(64) x that
+    # (H is orthogonal); e4m3 (3 mantissa bits): 1/16 relative, e5m2 (2 bits): 1/8, and at
+    # least the smallest subnormal step of the row's scale
     err = (back - x).abs()
     if quant.name == "int8":
-        assert (err <= amax / 127 / 2 * 1.0001 + 1e-7).all()
+        assert quant.rotates(64)
+        rotated_amax = (x @ kv_quant.hadamard(64)).abs().amax(-1)
+        assert (err.norm(dim=-1) <= 8 * rotated_amax / 127 / 2 * 1.0001 + 1e-6).all()
+        # the rotation's gain, on rows with one channel far larger than the rest (a small
+        # model's keys): less than a third of the unrotated rows' error
+        spiky = torch.randn(50, 64, generator=g)
+        spiky[:, 5] = 60.0
+        plain = dataclasses.replace(quant, rotated=False)
+        errs = [(kv_quant.dequantize_rows(kv_quant.quantize_rows(spiky, q), q, torch.float32)
+                 - spiky).abs().mean() for q in (quant, plain)]
+        assert errs[0] < 0.3 * errs[1]
     else:
         rel = {"fp8_e4m3": 1 / 16, "fp8_e5m2": 1 / 8}[quant.name]
         tiny = amax / quant.qmax * {"fp8_e4m3": 2 ** -9, "fp8_e5m2": 2 ** -16}[quant.name]
         assert (err <= x.abs() * rel + tiny + 1e-7).all()
     assert torch.equal(back[3], torch.zeros(64))
-    # each row's largest element is exact up to the scale's rounding
-    top = x.abs().argmax(-1)
-    assert torch.allclose(back.gather(1, top[:, None]).abs(), amax, rtol=1e-6)
+    if not quant.rotated:     # each row's largest element is exact up to the scale's rounding
+        top = x.abs().argmax(-1)
+        assert torch.allclose(back.gather(1, top[:, None]).abs(), amax, rtol=1e-6)
+
+
+def test_hadamard_is_orthogonal_and_symmetric():
+    h = kv_quant.hadamard(16)
+    assert torch.equal(h, h.T)
+    assert torch.allclose(h @ h, torch.eye(16), atol=1e-6)
+    assert set((h * 4).unique().tolist()) == {-1.0, 1.0}
+    assert not FORMATS["int8"].rotates(24) and not FORMATS["fp8_e4m3"].rotates(64)
 
 
 def _config(layers: int = 30, kv_heads: int = 3, head_dim: int = 64) -> ModelConfig:
@@ -105,12 +127,17 @@ def test_rope_and_cache_matches_twin(dtype, quant, heads, kv_heads, dim, blocks,
                                   slots, heads, kv_heads, quant)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
     assert (outs[0].float() - outs[1].float()).abs().max() <= tol * outs[1].abs().max()
-    # V (no RoPE): the same bytes; K: RoPE's last bit may differ (FMA), so one code step
-    assert torch.equal(caches[0][1], caches[1][1])
-    keys = [kv_quant.dequantize_rows(c[0], quant, torch.float32) for c in caches]
-    step = keys[1].abs().amax(-1, keepdim=True) * {"int8": 1 / 127, "fp8_e4m3": 1 / 8,
-                                                   "fp8_e5m2": 1 / 4}[quant.name]
-    assert ((keys[0] - keys[1]).abs() <= step * 1.001 + 1e-6).all()
+    # V (no RoPE) unrotated: the same bytes; K, and a rotated V: RoPE's last bit (FMA) and
+    # the rotation's (a butterfly against a matmul) may differ, so one code step, compared
+    # as stored (the rotated row's codes times its scale)
+    if not quant.rotates(dim):
+        assert torch.equal(caches[0][1], caches[1][1])
+    as_stored = dataclasses.replace(quant, rotated=False)
+    for kv in (0, 1):
+        rows = [kv_quant.dequantize_rows(c[kv], as_stored, torch.float32) for c in caches]
+        step = rows[1].abs().amax(-1, keepdim=True) * {"int8": 1 / 127, "fp8_e4m3": 1 / 8,
+                                                       "fp8_e5m2": 1 / 4}[quant.name]
+        assert ((rows[0] - rows[1]).abs() <= step * 1.001 + 1e-6).all()
     written = torch.zeros(blocks * bs, dtype=torch.bool)
     written[slots] = True
     untouched = caches[0].view(2, kv_heads, blocks * bs, dim + 4)[:, :, ~written]

@@ -4,7 +4,9 @@
 // (torch.ops.<extension name>.kvq_*), so this file needs nothing from cpu_ops.cpp.
 //
 // A layer's cache: uint8 [2, kv_heads, cache_tokens, dim + 4]; a row = dim one-byte codes
-// (int8, fp8 e4m3fn or fp8 e5m2 bits), then its fp32 scale; value = code * scale.
+// (int8, fp8 e4m3fn or fp8 e5m2 bits), then its fp32 scale; value = code * scale. int8 rows
+// (dim a power of two) hold the codes of x H, H the normalized Walsh-Hadamard matrix: the
+// decode kernel rotates the query and the output instead of each key and value.
 #include <torch/extension.h>
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -42,6 +44,25 @@ template <> struct Code<kE5M2> {
   }
 };
 
+// Whether rows of this format and size are stored rotated (kv_quant.KVQuant.rotates).
+template <int Kind>
+inline bool rotates(int64_t dim) {
+  return Kind == kInt8 && dim > 0 && (dim & (dim - 1)) == 0;
+}
+
+// x[n] <- x H in place (normalized Walsh-Hadamard, Sylvester's order; n a power of two).
+inline void hadamard(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = 1.f / std::sqrt(static_cast<float>(n));
+  for (int64_t i = 0; i < n; ++i) x[i] *= norm;
+}
+
 // The 256 values of a code byte, built once (an fp8 decode is a table look-up).
 template <int Kind>
 const float* decode_table() {
@@ -72,16 +93,19 @@ inline float row_scale(const uint8_t* row, int64_t dim) {
   return s;
 }
 
-// x[dim] -> codes and scale (kv_quant.quantize_rows, operation for operation).
+// x[dim] -> codes and scale (kv_quant.quantize_rows, operation for operation); buf: dim
+// floats of scratch.
 template <int Kind, typename T>
-inline void quantize_row(const T* x, int64_t dim, uint8_t* out) {
+inline void quantize_row(const T* x, int64_t dim, uint8_t* out, float* buf) {
   constexpr float qmax = Code<Kind>::qmax;
+  for (int64_t i = 0; i < dim; ++i) buf[i] = static_cast<float>(x[i]);
+  if (rotates<Kind>(dim)) hadamard(buf, dim);
   float amax = 0.f;
-  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(buf[i]));
   const float scale = amax / qmax;
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
   for (int64_t i = 0; i < dim; ++i)
-    out[i] = Code<Kind>::encode(std::clamp(static_cast<float>(x[i]) * inv, -qmax, qmax));
+    out[i] = Code<Kind>::encode(std::clamp(buf[i] * inv, -qmax, qmax));
   std::memcpy(out + dim, &scale, sizeof scale);
 }
 
@@ -99,6 +123,7 @@ void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, c
                            int64_t kv_heads, int64_t dim, int64_t cache_tokens) {
   const int64_t half = dim / 2, row = (heads + 2 * kv_heads) * dim, crow = dim + kScaleBytes;
   at::parallel_for(0, tokens, grain(tokens, row * 4), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dim);
     for (int64_t t = begin; t < end; ++t) {
       T* base = qkv + t * row;
       const float* c = cos + positions[t] * half;
@@ -115,7 +140,8 @@ void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, c
         const T* src = base + (heads + kv * kv_heads) * dim;
         for (int64_t h = 0; h < kv_heads; ++h)
           quantize_row<Kind, T>(src + h * dim, dim,
-                                cache + ((kv * kv_heads + h) * cache_tokens + slots[t]) * crow);
+                                cache + ((kv * kv_heads + h) * cache_tokens + slots[t]) * crow,
+                                buf.data());
       }
     }
   });
@@ -139,9 +165,11 @@ void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* bl
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
       const int64_t* blocks = block_table + r * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = static_cast<float>(q[(r * heads + kh * group + g) * dim + i]) * scale;
+        if (rotates<Kind>(dim)) hadamard(qf.data() + g * dim, dim);    // q . k = qH . kH
+      }
       scores.assign(group * len, 0.f);
       const uint8_t* keys = cache + kh * cache_tokens * crow;
       for (int64_t t = 0; t < len; ++t) {
@@ -180,9 +208,11 @@ void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* bl
           for (int64_t i = 0; i < dim; ++i) ag[i] += p * buf[i];
         }
       }
-      for (int64_t g = 0; g < group; ++g)
+      for (int64_t g = 0; g < group; ++g) {
+        if (rotates<Kind>(dim)) hadamard(acc.data() + g * dim, dim);   // (sum p vH) H
         for (int64_t i = 0; i < dim; ++i)
           out[(r * heads + kh * group + g) * dim + i] = static_cast<T>(acc[g * dim + i]);
+      }
     }
   });
 }
