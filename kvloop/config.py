@@ -312,6 +312,8 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     num_lookahead_tokens: int = 0
     max_loras: int | None = None       # LoRA served: adapters per step (None: LoRA off)
+    # attended keys that cost one budget token (kvloop.core.chunk_cost; None: each token 1)
+    attention_keys_per_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -330,6 +332,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError("max_loras must be >= 1")
+        if self.attention_keys_per_token is not None and self.attention_keys_per_token < 1:
+            raise ValueError(f"attention_keys_per_token must be >= 1 or None, "
+                             f"got {self.attention_keys_per_token}")
 
 
 def budget_floor(max_num_seqs: int) -> int:

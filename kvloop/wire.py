@@ -101,6 +101,47 @@ def missing_remote_keys(params: dict[str, Any]) -> list[str]:
     return [k for k in REQUIRED_REMOTE_KEYS if params.get(k) in (None, "", [])]
 
 
+def malformed_remote_field(params: dict[str, Any]) -> str | None:
+    """Why a field of P's `kv_transfer_params` (a fleet member's) has the wrong type or an
+    impossible value, else None: cheap checks of each field present, before any element of
+    `remote_block_ids` is looked at. D refuses such params with a 400 before any work; the
+    router serves the request decode-only rather than pass them on (issue 37, low: a
+    malformed `remote_port` gave a 500)."""
+    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+        if key in params and not isinstance(params[key], str | None):
+            return f"{key} must be a string"
+    if not isinstance(params.get("remote_block_ids", []), list | None):
+        return "remote_block_ids must be a list of block ids"
+    for key, low, high in _INT_FIELDS:
+        value = params.get(key)
+        if value is not None and not (_is_int(value) and low <= value <= high):
+            return f"{key} must be a whole number from {low} to {high}, got {_short(value)}"
+    lease = params.get("lease_expires_in_s")
+    if lease is not None and not (isinstance(lease, int | float) and not isinstance(lease, bool)
+                                  and 0 <= lease <= MAX_LEASE_FIELD_S):
+        return f"lease_expires_in_s must be seconds from 0 to {MAX_LEASE_FIELD_S:g}"
+    for key in ("do_remote_prefill", "do_remote_decode"):
+        if not isinstance(params.get(key, False), bool | None):
+            return f"{key} must be true or false"
+    if not isinstance(params.get("kv_fingerprint", {}), dict | None):
+        return "kv_fingerprint must be an object"
+    return None
+
+
+MAX_LEASE_FIELD_S = 86_400.0
+_INT_FIELDS = (("remote_port", 1, 65_535), ("block_size", 1, 1 << 16),
+               ("remote_num_tokens", 1, 1 << 31), ("remote_prefill_cached_tokens", 0, 1 << 31))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class KVTransferStats(msgspec.Struct, omit_defaults=True):
     """One step's KV-connector counters (docs/disaggregation.md section 5), and two gauges.
 
@@ -232,6 +273,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     pooling_params: PoolingParams | None = None   # a pooling request: no token, a vector
     # W3C traceparent/tracestate of the API server's span (kvloop.tracing; None: untraced)
     trace_headers: dict[str, str] | None = None
+    # who sent it: a digest of its API key (None: keyless); its grammar compile's tenant
+    tenant: str | None = None
 
 
 class UtilityRequest(msgspec.Struct, array_like=True):

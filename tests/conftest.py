@@ -9,6 +9,7 @@ the tests that start processes or servers (`processes`) and the in-process ones 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -20,13 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import openai
 import pytest
 
 from kvloop.events.types import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch
 from kvloop.front.launcher import ServeProcess
 
 if TYPE_CHECKING:
+    import openai
+
     from kvloop.router.config import RouterConfig
     from kvloop.router.registry import WorkerSpec
 
@@ -99,6 +101,39 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     return (yield from _phase(item))
+
+
+# --- modules the -m expression leaves out whole are not imported ---------------------------------
+# A module whose `pytestmark` says `processes` (or `slow`) imports servers' clients and SDKs
+# (openai, anthropic, kubernetes: seconds per xdist worker); when `-m` deselects every test it
+# could hold, collecting it only to deselect it is waste. A module's marks are read from its
+# text: those of its module-level `pytestmark`, which every test has, and every other
+# `pytest.mark.NAME` in it, which some tests may add.
+_MODULE_MARKS = re.compile(r"^pytestmark = \[?((?:pytest\.mark\.\w+(?:, )?)+)", re.M)
+_ANY_MARK = re.compile(r"pytest\.mark\.(\w+)")
+
+
+def _never_selected(text: str, markexpr: str) -> bool:
+    """True when no test of a module with this source can match `markexpr`: it is false for
+    the module's own marks plus any subset of the other marks its tests could add."""
+    from _pytest.mark.expression import Expression
+
+    head = _MODULE_MARKS.search(text)
+    if not markexpr or head is None:
+        return False
+    own = frozenset(_ANY_MARK.findall(head.group(1)))
+    extra = sorted(frozenset(_ANY_MARK.findall(text)) - own)
+    expr = Expression.compile(markexpr)
+    return not any(
+        expr.evaluate(lambda name, marks=own | {m for i, m in enumerate(extra) if bits >> i & 1}:
+                      name in marks)
+        for bits in range(1 << len(extra)))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    return True if _never_selected(collection_path.read_text(), config.option.markexpr) else None
 
 
 # --- waiting ------------------------------------------------------------------------------------
@@ -196,6 +231,8 @@ def alive(pid: int) -> bool:
 # --- clients ------------------------------------------------------------------------------------
 def sdk(url: str, key: str = "none", timeout: float = 30) -> openai.OpenAI:
     """The openai SDK against `url` (no retries: a test sees every error)."""
+    import openai  # imported here: its import costs the in-process suite a second per worker
+
     return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 

@@ -309,3 +309,30 @@ def test_the_router_reads_anthropics_cache_reads():
     assert cached_tokens({"type": "message_delta", "usage": {
         "output_tokens": 1, "cache_read_input_tokens": 0}}) == 0
     assert cached_tokens({"usage": {"prompt_tokens_details": {"cached_tokens": 5}}}) == 5
+
+
+TOOLS_TEMPLATE = (   # a template that shows tools (Qwen's and Llama 3's do; SmolLM2's does not)
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}: "
+    "{{ t.function.description }} {{ t.function.parameters | tojson }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_count_tokens_counts_the_tools_as_the_template_renders_them(smol):
+    """Issue 37, low: `count_tokens` with `tools` is the prompt `/v1/messages` runs, the
+    tools' definitions included where the model's template shows them (and, as there, not
+    where it does not: SmolLM2's template has no tools, so neither has its prompt)."""
+    shows = Tokenizer(smol._tok, model_name="t", chat_template=TOOLS_TEMPLATE,
+                      bos_token_id=smol.bos_token_id, eos_token_id=smol.eos_token_id)
+    base = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    tools = [{"name": "get_weather", "description": "The weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    for tok, grows in ((shows, True), (smol, False)):
+        bare = body_prompts(tok, "/v1/messages/count_tokens", base)[0]
+        counted = body_prompts(tok, "/v1/messages/count_tokens", {**base, "tools": tools})[0]
+        served = body_prompts(tok, "/v1/messages", {**base, "tools": tools,
+                                                    "tool_choice": {"type": "none"}})[0]
+        assert counted == served
+        assert (len(counted) > len(bare) + 10) is grows
+        if grows:
+            assert "get_weather: The weather of a city" in tok.decode(counted)

@@ -12,9 +12,11 @@ from kvloop import LLM, SamplingParams
 from kvloop.config import AutoBudget, RunnerConfig, SchedulerConfig, SimSettings
 from kvloop.core.budget import (
     DECODE_CONTEXT,
+    attention_timings,
     budget_cap,
     candidate_sizes,
     choose_budget,
+    keys_per_token,
     monotone_fit,
     non_chunked_budget,
     resolve_budget,
@@ -147,6 +149,24 @@ def test_the_simulator_budget_comes_from_its_latency_model(caplog: pytest.LogCap
         in asked.getMessage()
 
 
+def test_keys_per_token_from_a_fresh_and_a_late_step() -> None:
+    # a step costs a * (n + keys / K) with a = 1 ms, K = 500: 127 fresh tokens attend
+    # 127 * 64 keys, after 1,024 computed ones 127 * 1,024 more
+    a, k, n, ctx = 1e-3, 500, 127, 1024
+    fresh = a * (n + n * (n + 1) / 2 / k)
+    late = fresh + a * n * ctx / k
+    assert keys_per_token(n + 1, ctx, fresh, late) == k
+    assert keys_per_token(n + 1, ctx, fresh, fresh) is None       # the context added nothing
+    assert keys_per_token(n + 1, ctx, fresh, fresh * 0.9) is None  # noise: no extra time
+    assert keys_per_token(n + 1, ctx, fresh, 1e9) == 1              # never below 1
+
+
+def test_the_simulator_gets_no_attention_weight() -> None:
+    runner = make_sim_runner(RunnerConfig(sim=SimSettings()))
+    sched = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=64, max_model_len=4096)
+    assert resolve_budget(sched, AutoBudget(), runner, 16).attention_keys_per_token is None
+
+
 # --- a real model: real steps, nothing left behind --------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -172,6 +192,26 @@ def test_real_steps_leave_the_runner_as_they_found_it(tiny_gguf: str) -> None:
         for kv in runner.kv_caches:
             assert not kv[:, :, 0].any() and kv[:, :, 1:11].abs().sum(dim=(0, 1, 3, 4)).all()
             assert not kv[:, :, 11:].any()
+    finally:
+        runner.shutdown()
+
+
+def test_attention_timings_leave_the_runner_as_they_found_it(tiny_gguf: str) -> None:
+    from kvloop.model import load_runner
+
+    runner = load_runner(RunnerConfig(model=tiny_gguf, dtype="float32", device="cpu",
+                                      num_gpu_blocks_override=40, num_threads=1))
+    try:
+        rng_state = runner.sampler.generator.get_state()
+        fresh, late = attention_timings(runner, 32, 256, block_size=16)
+        assert fresh > 0 and late > 0
+        assert runner.requests == {} and runner._pending is None
+        assert torch.equal(runner.sampler.generator.get_state(), rng_state)
+        # the decode's blocks 1-2, the fresh prompts' 3-4, the late prompt's 256 + 3 * 31
+        # tokens 5-26; nothing past them, never the null block 0
+        for kv in runner.kv_caches:
+            assert not kv[:, :, 0].any() and kv[:, :, 1:27].abs().sum(dim=(0, 1, 3, 4)).all()
+            assert not kv[:, :, 27:].any()
     finally:
         runner.shutdown()
 

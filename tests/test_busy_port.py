@@ -18,7 +18,8 @@ SAYS = "the port is in use; pass another --port (--port 0 picks a free one)"
     ["serve", "sim"],
     ["router"],
     ["fleet", "--workers", "1", "--", "--model", "sim"],
-], ids=["serve", "router", "fleet"])
+    ["fleet", "--ray", "127.0.0.1:9", "--workers", "1"],   # before connecting to Ray
+], ids=["serve", "router", "fleet", "fleet-ray"])
 def test_every_front_says_the_same_line_for_a_busy_port(args: list[str]) -> None:
     held = bind_tcp("127.0.0.1", 0)
     held.listen()

@@ -1,7 +1,7 @@
 """Every `--flag` that docs/*.md and README.md name exists in a real kvloop parser: a `kvloop`
 subcommand's (kvloop.cli.build_parser(), walked through every subparser) or that of a
-`python -m kvloop.X` tool the docs name. `--kv-events-*` (a trailing `-*`) names a family:
-some flag must start with it."""
+`python -m kvloop.X` tool the docs name (or of Ray's `ray start`, which docs/deploy.md runs).
+`--kv-events-*` (a trailing `-*`) names a family: some flag must start with it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import argparse
 import importlib
 import importlib.util
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,22 @@ def known_flags(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     for module in sorted(tools):
         if _has_parser(module):
             flags |= parser_flags(tool_parser(module, monkeypatch))
+    if any(RAY_START in text for text in _docs_text().values()):
+        flags |= ray_start_flags()
     return flags
+
+
+RAY_START = "ray start"   # docs/deploy.md starts a Ray cluster for `kvloop fleet --ray`
+
+
+def ray_start_flags() -> set[str]:
+    """The long options of Ray's own `ray start` (a click command; the ray extra)."""
+    with warnings.catch_warnings():   # Ray's CLI imports Ray Serve, which warns of pydantic
+        warnings.simplefilter("ignore")
+        from ray.scripts.scripts import start
+
+    return {o for param in start.params for o in (*param.opts, *param.secondary_opts)
+            if o.startswith("--")}
 
 
 def _documented(flag: str, line: str, end: int, known: set[str]) -> bool:
@@ -93,6 +109,7 @@ def test_the_check_sees_every_kind_of_flag(monkeypatch: pytest.MonkeyPatch) -> N
     assert {"--kv-events-heartbeat", "--no-kv-events-heartbeat", "--idle-warn",
             "--disable-log-requests", "--max-log-len", "--disable-log-stats"} <= known
     assert {"--reps", "--anchor-url", "--decisions"} <= known     # bench.figures, bench.router
+    assert {"--head", "--num-cpus", "--include-dashboard"} <= known   # ray start
     assert "--no-such-flag" not in known
     assert _documented("--kv-events-", "--kv-events-* flags", len("--kv-events-"), known)
     assert not _documented("--kv-eventz-", "--kv-eventz-*", len("--kv-eventz-"), known)

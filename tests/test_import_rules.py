@@ -4,6 +4,7 @@ not runtime): the layering (a whitelist per package) and no import circle anywhe
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -78,12 +79,15 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                       "jinja2", "tokenizers", "msgspec")),
     "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.pooling_params",
                        "kvloop.config", "kvloop.wire",
+                       "kvloop.locate",   # the supported architectures, checked at start
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",
                        "kvloop.kv_transfer.params", "kvloop.batch", "kvloop.tracing"),
                       ("fastapi", "starlette", "pydantic", "msgspec", "prometheus_client", "zmq")),
     "kvloop.router": (ROUTER_KVLOOP, ROUTER_3P),
+    # ray only inside functions that run with `kvloop fleet --ray` (the ray extra)
+    "kvloop.router.ray_fleet": (ROUTER_KVLOOP, (*ROUTER_3P, "ray")),
     # the endpoint picker behind Envoy: gRPC and Envoy's protobuf stubs (the gateway extra)
     "kvloop.router.ext_proc": (ROUTER_KVLOOP,
                                (*ROUTER_3P, "grpc", "grpc_health", "envoy", "google")),
@@ -104,16 +108,17 @@ def _modules():
         yield name, path
 
 
-def _statements(path: Path, modname: str) -> list[tuple[str, list[str]]]:
+@functools.cache   # every test reads every module: parse each once per session
+def _statements(path: Path, modname: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """(module, names) of every import statement of the module, wherever it stands (function
-    bodies and `if TYPE_CHECKING:` blocks included): `import a.b` -> ("a.b", []),
+    bodies and `if TYPE_CHECKING:` blocks included): `import a.b` -> ("a.b", ()),
     `from .x import y` -> ("<package>.x", ["y"])."""
     tree = ast.parse(path.read_text(), str(path))
-    out = []
+    out: list[tuple[str, tuple[str, ...]]] = []
     pkg = modname if path.name == "__init__.py" else modname.rsplit(".", 1)[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.extend((a.name, []) for a in node.names)
+            out.extend((a.name, ()) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
@@ -121,8 +126,8 @@ def _statements(path: Path, modname: str) -> list[tuple[str, list[str]]]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            out.append((mod, [a.name for a in node.names]))
-    return out
+            out.append((mod, tuple(a.name for a in node.names)))
+    return tuple(out)
 
 
 def _imports(path: Path, modname: str) -> list[str]:

@@ -78,3 +78,21 @@ def test_unmarked_tests_that_start_processes_or_servers_fail(
         "E * AssertionError: test_inner.py::test_uses_a_server_fixture started "
         "subprocess.Popen *",
     ])
+
+
+@pytest.mark.parametrize(("text", "markexpr", "never"), [
+    ("pytestmark = pytest.mark.processes\n", "not processes and not slow", True),
+    ("pytestmark = pytest.mark.processes\n", "processes", False),
+    ("pytestmark = pytest.mark.processes\n", "", False),
+    ("pytestmark = [pytest.mark.processes, pytest.mark.slow]\n", "not slow", True),
+    # a test of a slow module may add `processes`: `-m processes` must still import it
+    ("pytestmark = pytest.mark.slow\n@pytest.mark.processes\n", "processes", False),
+    ("pytestmark = pytest.mark.slow\n@pytest.mark.processes\n", "not slow", True),
+    ("pytestmark = [pytest.mark.skipif(True, reason='x')]\n", "not processes", False),
+    ("import pytest\n", "not processes", False),
+])
+def test_a_module_is_left_unimported_only_when_no_test_of_it_can_be_selected(
+        text: str, markexpr: str, never: bool) -> None:
+    from .conftest import _never_selected
+
+    assert _never_selected(text, markexpr) is never

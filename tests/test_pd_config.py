@@ -152,7 +152,12 @@ def test_d_reads_p_s_params():
     ({"remote_block_ids": []}, "missing remote_block_ids"),
     ({"remote_engine_id": None, "remote_port": None}, "missing remote_engine_id, remote_port"),
     ({"remote_block_ids": [1, "2"]}, "remote_block_ids must be a list of block ids"),
-    ({"remote_port": 0}, "remote_port must be a port number, got 0"),
+    ({"remote_port": 0}, "remote_port must be a whole number from 1 to 65535, got 0"),
+    ({"remote_port": "5000"}, "remote_port must be a whole number from 1 to 65535, got '5000'"),
+    ({"block_size": 0}, "block_size must be a whole number from 1 to 65536, got 0"),
+    ({"lease_expires_in_s": float("nan")}, "lease_expires_in_s must be seconds from 0"),
+    ({"kv_fingerprint": "x"}, "kv_fingerprint must be an object"),
+    ({"do_remote_prefill": "yes"}, "do_remote_prefill must be true or false"),
     ({"remote_request_id": 7}, "remote_request_id must be a string"),
     ({"remote_num_tokens": 19}, "remote_num_tokens is 19 but the prompt has 20 tokens"),
 ])

@@ -181,7 +181,9 @@ def fleet() -> Iterator[Fleet]:
         f.stop()
 
 
-MAX_TOKENS = 400   # streams last seconds, so every one is still running when a test kills its worker, also on a loaded machine
+# Streams last seconds, so every one is still running when a test kills its worker, also on a
+# loaded machine.
+MAX_TOKENS = 400
 
 
 def _body(i: int) -> tuple[str, dict[str, Any]]:

@@ -157,6 +157,12 @@ def test_a_prefill_answer_is_usable_only_with_what_the_decode_worker_needs():
     gone = {k: v for k, v in params.items() if k != "remote_host"}
     assert answer_params({"kv_transfer_params": {**gone, "remote_block_ids": []}})[1] == \
         "its kv_transfer_params lack remote_host, remote_block_ids"
+    # issue 37, low: a fleet member's malformed port (or any field) is not passed on to D
+    # (whose 400 the client would get): the request goes decode-only
+    for change in ({"remote_port": "5"}, {"remote_port": 70_000}, {"block_size": -16},
+                   {"remote_host": 7}, {"lease_expires_in_s": "soon"}):
+        usable, why = answer_params({"kv_transfer_params": {**params, **change}})
+        assert usable is None and why.startswith("its kv_transfer_params are malformed: "), why
 
 
 # --- the router's decisions ----------------------------------------------------------------

@@ -363,6 +363,49 @@ def test_params_are_bounded_before_any_work(p: ServeProcess, d: ServeProcess) ->
     idle_d(d, 0)
 
 
+MALFORMED = [("remote_port", v) for v in ("5000", -1, 0, 65536, 1e10, 5000.5, True, None,
+                                        [5000], {"p": 1}, 2 ** 70)] + [
+    ("remote_block_ids", v) for v in ("0,1", [0.5], [-1], [True], [None], {"0": 1}, 7)] + [
+    (k, v) for k in ("remote_engine_id", "remote_request_id", "remote_host")
+    for v in (5, None, ["e"], {"e": 1}, True)] + [
+    ("remote_num_tokens", v) for v in ("40", -1, 1e300, [40], True)] + [
+    ("block_size", v) for v in ("16", 0, -16, 1e300, [16], True, 2 ** 70)] + [
+    ("lease_expires_in_s", v) for v in ("5", -1, float("nan"), [5], {"s": 5}, 1e308)] + [
+    ("kv_fingerprint", v) for v in ("x", 5, [1], {"model": 5}, {"dtype": [1]})] + [
+    ("do_remote_prefill", v) for v in ("yes", 1, [True])] + [
+    ("remote_prefill_cached_tokens", v) for v in ("0", -5, [0])]
+
+
+def test_malformed_params_from_a_fleet_member_are_a_4xx_never_a_500(
+        p: ServeProcess, d: ServeProcess) -> None:
+    """Issue 37, low: every field of `kv_transfer_params` with a wrong type or value, sent
+    by a fleet member (the router's token) to D in otherwise good params of a real P: a 400
+    naming kv_transfer_params before any work, or (a field D only reads as advice, well
+    typed) a 200; never a 5xx. P's leg with such fields: the same. Both keep serving."""
+    prompt = tokens(40, 2900)
+    failures = []
+    for key, value in MALFORMED:
+        for worker, base in ((d, pd_params(p, prompt)), (p, PREFILL_PARAMS)):
+            body = {**completion(prompt, max_tokens=2), "kv_transfer_params": {**base, key: value}}
+            r = httpx.post(worker.url + "/v1/completions", content=json_dumps(body), timeout=60,
+                           headers={**ROUTER, "content-type": "application/json"})
+            ok = r.status_code == 200 or (r.status_code == 400 and r.json()["error"]["param"]
+                                          == "kv_transfer_params")
+            if not ok:
+                failures.append((worker is d, key, value, r.status_code, r.text[:200]))
+    assert failures == [], "\n".join(map(str, failures))
+    for worker in (p, d):
+        assert httpx.get(worker.url + "/health").status_code == 200
+    idle(p)
+    idle_d(d)
+
+
+def json_dumps(body: Any) -> bytes:
+    """JSON as Python writes it (NaN allowed: a peer may send it)."""
+    import json
+    return json.dumps(body).encode()
+
+
 def test_a_tiny_lease_does_not_spin_or_spam_the_log(p: ServeProcess, d: ServeProcess) -> None:
     """`lease_expires_in_s: 1e-9` (the issue's 7,400 lines in 10 s): D heeds at least
     MIN_LEASE_S, heartbeats a few times during a one-second load and logs next to nothing."""

@@ -88,12 +88,12 @@ def test_a_slow_compile_yields_its_slot_to_a_tiny_one(held: Held) -> None:
 
 
 def test_slow_compiles_are_capped(held: Held) -> None:
-    q = queue(slow_after_s=0.1, max_slow=1)
-    a = q.submit(1, held.compile("a"))
+    q = queue(slow_after_s=0.1, max_slow=1)      # three tenants: each under its share
+    a = q.submit(1, held.compile("a"), tenant="ta")
     wait_until(lambda: held.started == ["a"], what="a")
-    b = q.submit(2, held.compile("b"))
+    b = q.submit(2, held.compile("b"), tenant="tb")
     wait_until(lambda: held.started == ["a", "b"], what="b, once a is slow")
-    c = q.submit(3, held.compile("c"))
+    c = q.submit(3, held.compile("c"), tenant="tc")
     time.sleep(0.5)   # a and b are slow; one slow compile may not hold a slot: b holds it
     assert held.started == ["a", "b"] and q.num_running() == 2 and q.num_pending() == 1
     held.let_go("a")
@@ -101,6 +101,51 @@ def test_slow_compiles_are_capped(held: Held) -> None:
     held.let_go()
     assert [j.future.result(5) for j in (a, b, c)] == ["a", "b", "c"]
     q.shutdown()
+
+
+def test_a_tenant_with_fewer_compiles_running_goes_first(held: Held) -> None:
+    q = queue(num_workers=2, max_slow=0)
+    a1 = q.submit(1, held.compile("a1"), tenant="a")
+    wait_until(lambda: held.started == ["a1"], what="a1")
+    pending = [q.submit(2, held.compile("a2"), tenant="a"),
+               q.submit(900, held.compile("v"), tenant="v")]   # bigger, later, no compile running
+    wait_until(lambda: held.started == ["a1", "v"], what="the other tenant's compile")
+    assert q.num_pending() == 1
+    held.let_go()
+    assert [j.future.result(5) for j in (a1, *pending)] == ["a1", "a2", "v"]
+    q.shutdown()
+
+
+def test_one_tenants_slow_compiles_leave_a_victim_a_slot(held: Held) -> None:
+    """Issue 37, item 5: six slow compiles of one tenant (each yields its slot once slow)
+    never hold every thread: it runs at most `tenant_threads` (2 of 1 slot + 2 slow), so a
+    victim's tiny compile starts while all six are held. Before, the third took the last slot
+    and the victim waited for one of them to end (or its 30 s limit: a 400)."""
+    q = queue(slow_after_s=0.1, max_slow=2)
+    assert q.limits.tenant_threads == 2
+    slow = [q.submit(2_000, held.compile(f"a{i}"), tenant="attacker") for i in range(6)]
+    wait_until(lambda: held.started == ["a0", "a1"], what="two of the attacker's compiles")
+    time.sleep(0.5)                        # both slow: a slot is free, the attacker at its share
+    assert held.started == ["a0", "a1"] and q.num_pending() == 4
+    tiny = q.submit(10, lambda: "tiny", tenant="victim")
+    assert tiny.future.result(5) == "tiny"
+    assert q.num_running() == 2 and not any(j.future.done() for j in slow)
+    held.let_go()
+    assert [j.future.result(5) for j in slow] == [f"a{i}" for i in range(6)]
+    assert held.started == [f"a{i}" for i in range(6)]
+    q.shutdown()
+
+
+def test_a_request_s_tenant_reaches_its_compile(held: Held) -> None:
+    manager = StructuredOutputManager(lambda: FakeBackend(held), limits=CompileLimits(
+        num_workers=1, slow_after_s=30.0, max_slow=0))
+    req = constrained("r1", {"type": "object"})
+    req.tenant = "key-digest"
+    manager.grammar_init(req)
+    job = req.structured_output_request._job
+    assert job is not None and job.tenant == "key-digest"
+    held.let_go()
+    manager.compiles.shutdown()
 
 
 def test_a_compile_past_the_time_limit_fails_and_its_late_result_is_dropped(held: Held) -> None:

@@ -75,16 +75,18 @@ def median_of(repeats: int, fn: Callable[[], float]) -> float:
 
 
 class PromptMaker:
-    """Fresh random prompts (token ids in [1000, vocab)), so prefix caching never hits."""
+    """Fresh random prompts (token ids in [1000, vocab), past the special tokens; the upper
+    half of a tiny test model's vocabulary), so prefix caching never hits."""
 
     def __init__(self, vocab_size: int, seed: int):
         import random
 
         self.rng = random.Random(seed)
         self.vocab = vocab_size
+        self.first = min(1000, vocab_size // 2)
 
     def __call__(self, length: int) -> list[int]:
-        return [self.rng.randrange(1000, self.vocab) for _ in range(length)]
+        return [self.rng.randrange(self.first, self.vocab) for _ in range(length)]
 
 
 # --- kvloop ---------------------------------------------------------------------------------
@@ -130,16 +132,28 @@ def _kvloop_decode_rate(llm: Any, prompt: list[int], tokens: int) -> float:
 
 
 # --- Hugging Face transformers ----------------------------------------------------------------
+_HF_REBUILT = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
+
+
 def build_hf_model(model: str | None, dtype: Any) -> Any:
-    """LlamaForCausalLM (or Qwen2/Mistral) with kvloop's dequantized weights."""
+    """A Hugging Face folder: transformers' own model of it (any family it knows); a GGUF
+    file: LlamaForCausalLM (or Qwen2/Mistral) with kvloop's dequantized weights."""
     import transformers
 
-    from kvloop.model.loader import load_model
+    from kvloop.model.loader import load_model, resolve_model_path
 
+    path = resolve_model_path(model)
+    if not path.endswith(".gguf"):
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return hf_model.eval().requires_grad_(False)
     loaded = load_model(model)
     cfg = loaded.config
-    cls_name = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]
+    if cfg.architecture not in _HF_REBUILT:
+        raise ValueError(f"the transformers side rebuilds only {', '.join(_HF_REBUILT)} "
+                         f"from a GGUF file, not {cfg.architecture}: pass the Hugging Face "
+                         "folder, or --skip-hf")
+    cls_name = _HF_REBUILT[cfg.architecture]
     config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
     hf_config = config_cls(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

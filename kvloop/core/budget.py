@@ -18,6 +18,14 @@ after the model is loaded and before any request:
 3. choice (`choose_budget`): the largest candidate within the target on a monotone
    (isotonic) fit of the timings; the floor, flagged, when even the floor's step is over.
 
+4. attention's cost (`attention_keys_per_token`, for a measured runner only): a step of the
+   chosen budget timed with its chunk after `CONTEXT_PROBE_TOKENS` computed tokens and with
+   it fresh (`ATTENTION_ROUNDS` of each, alternated, the fastest kept); the difference,
+   per attended key, against the fresh step's time per token gives K,
+   the keys that cost one budget token (`kvloop.core.chunk_cost`), so a chunk late in a long
+   prompt is shortened until its step fits the target too. None when the context adds no
+   time (or no such context fits), and for a `ModelledRunner` (its model has no such term).
+
 Without chunked prefill nothing is measured: a prompt must fit in one step, so the budget
 covers the context length (vLLM's rule, `non_chunked_budget`). The choice is logged (INFO,
 what was measured and why this budget; WARNING when the floor misses a target the user
@@ -48,9 +56,12 @@ from kvloop.core.runner import LoadedRunner, ModelledRunner
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TIME_LIMIT_S = 2.0   # measured steps stop before their total would pass this
+CONTEXT_PROBE_TOKENS = 1024      # computed tokens before the chunk that times attention
+ATTENTION_ROUNDS = 3             # fresh and late steps timed, alternated
 DECODE_CONTEXT = 31              # tokens computed for the decode that rides along
 _PREFIX = "kvloop-budget-"       # ids of the synthetic requests
 _DECODE_ID = _PREFIX + "decode"
+_LATE_ID = _PREFIX + "late"      # the long prompt of `attention_timings`
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 Timings = Mapping[int, float] | Iterable[tuple[int, float]]
@@ -170,6 +181,40 @@ def step_timings(runner: LoadedRunner, sizes: Sequence[int], target_s: float, *,
         runner.execute(steps.finish())
 
 
+def attention_timings(runner: LoadedRunner, budget: int, context: int, *, block_size: int,
+                      rounds: int = ATTENTION_ROUNDS, seed: int = 1) -> tuple[float, float]:
+    """(fresh, late): the seconds of one step of `budget` tokens (a chunk of `budget - 1`
+    and the decode riding along) with the chunk fresh, and with it after at least `context`
+    computed tokens of one long prompt (computed first, untimed); `rounds` of each,
+    alternated so a change of load hits both, the fastest of each kept (noise only adds
+    time). Leaves the runner with no synthetic request."""
+    steps = _SyntheticSteps(runner.vocab_size, block_size, random.Random(seed))
+    runner.execute(steps.warm_up())
+    try:
+        runner.execute(steps.context(context, budget - 1, rounds, after=budget))
+        fresh, late = [], []
+        for i in range(rounds):
+            fresh.append(_timed(runner, steps.step(budget)))
+            late.append(_timed(runner, steps.late_chunk(i, last=i == rounds - 1)))
+        return min(fresh), min(late)
+    finally:
+        runner.execute(steps.finish())
+
+
+def keys_per_token(budget: int, context: int, fresh_s: float, late_s: float) -> int | None:
+    """K of `kvloop.core.chunk_cost` from `attention_timings`: a step costs a * (n + keys /
+    K), the late chunk attends `(budget - 1) * context` more keys than the fresh one, so
+    a / K = (late - fresh) / that; a from the fresh step (its own keys counted). None when
+    the context added no time."""
+    n = budget - 1
+    extra = late_s - fresh_s
+    if n < 1 or context < 1 or extra <= 0:
+        return None
+    per_key = extra / (n * context)                          # a / K
+    per_token = (fresh_s - per_key * n * (n + 1) / 2) / n    # a (the decode's token ignored)
+    return max(1, round(per_token / per_key))
+
+
 def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], target_s: float,
                   time_limit_s: float) -> list[tuple[int, float]]:
     """(b, step_time(b)) for `sizes` in order, until one is over `target_s` (timed twice, the
@@ -214,6 +259,8 @@ class _SyntheticSteps:
         self.decode_blocks = list(range(1, 1 + _num_blocks(DECODE_CONTEXT + 1, block_size)))
         self.live: set[str] = set()
         self._count = 0
+        self._late_prompt: list[int] = []       # set by `context`
+        self._late_start = self._late_chunk = 0
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(n)]
@@ -229,10 +276,10 @@ class _SyntheticSteps:
 
     def step(self, num_tokens: int) -> SchedulerOutput:
         """A fresh prompt of `num_tokens - 1` tokens and one decode token."""
-        finished = self.live - {_DECODE_ID}
+        finished = self.live - {_DECODE_ID, _LATE_ID}
         rid = f"{_PREFIX}{self._count}"
         self._count += 1
-        self.live = {_DECODE_ID, rid}
+        self.live = {_DECODE_ID, rid} | (self.live & {_LATE_ID})
         prompt = self._tokens(num_tokens - 1)
         first = self.decode_blocks[-1] + 1
         blocks = list(range(first, first + _num_blocks(len(prompt), self.block_size)))
@@ -242,6 +289,36 @@ class _SyntheticSteps:
                                num_scheduled_tokens={rid: len(prompt), _DECODE_ID: 1},
                                total_num_scheduled_tokens=num_tokens,
                                finished_req_ids=finished, sampling_req_ids={rid, _DECODE_ID})
+
+    def context(self, num_computed: int, chunk: int, rounds: int, *,
+                after: int) -> SchedulerOutput:
+        """A long prompt of `num_computed + rounds * chunk` tokens, its first `num_computed`
+        computed (no decode rides along), in blocks past those of a fresh step of `after`
+        tokens; `late_chunk(i)` computes its i-th chunk. `step` leaves it running."""
+        finished = self.live - {_DECODE_ID}
+        self.live = {_DECODE_ID, _LATE_ID}
+        self._late_prompt = prompt = self._tokens(num_computed + rounds * chunk)
+        self._late_start, self._late_chunk = num_computed, chunk
+        first = self.decode_blocks[-1] + 1 + _num_blocks(after, self.block_size)
+        blocks = list(range(first, first + _num_blocks(len(prompt), self.block_size)))
+        new = NewRequestData(_LATE_ID, prompt, prompt, _GREEDY, blocks, 0,
+                             prompt[:num_computed])
+        return SchedulerOutput(scheduled_new_reqs=[new],
+                               num_scheduled_tokens={_LATE_ID: num_computed},
+                               total_num_scheduled_tokens=num_computed,
+                               finished_req_ids=finished)
+
+    def late_chunk(self, i: int, *, last: bool) -> SchedulerOutput:
+        """The i-th chunk of `context`'s prompt (the `last` one ends it and samples) and one
+        decode token."""
+        start = self._late_start + i * self._late_chunk
+        tokens = self._late_prompt[start:start + self._late_chunk]
+        late = CachedRequestData(_LATE_ID, [], start, tokens, 0)
+        decode = CachedRequestData(_DECODE_ID, [], DECODE_CONTEXT, self._tokens(1), 1)
+        return SchedulerOutput(scheduled_cached_reqs=[late, decode],
+                               num_scheduled_tokens={_LATE_ID: len(tokens), _DECODE_ID: 1},
+                               total_num_scheduled_tokens=len(tokens) + 1,
+                               sampling_req_ids={_LATE_ID, _DECODE_ID} if last else {_DECODE_ID})
 
     def finish(self) -> SchedulerOutput:
         finished, self.live = self.live, set()
@@ -269,4 +346,27 @@ def resolve_budget(sched: SchedulerConfig, auto: AutoBudget, runner: LoadedRunne
                        choice.timings[0][1] * 1e3)
     else:
         logger.info("%s", choice.describe(how))
-    return dataclasses.replace(sched, max_num_batched_tokens=choice.budget)
+    keys = None if isinstance(runner, ModelledRunner) else _measure_keys(
+        runner, choice.budget, sched.max_model_len, block_size)
+    return dataclasses.replace(sched, max_num_batched_tokens=choice.budget,
+                               attention_keys_per_token=keys)
+
+
+def _measure_keys(runner: LoadedRunner, budget: int, max_model_len: int,
+                  block_size: int) -> int | None:
+    """`keys_per_token` measured at `CONTEXT_PROBE_TOKENS` of context (less where the
+    context length or the KV cache holds less); logs what it found."""
+    decode_blocks = _num_blocks(DECODE_CONTEXT + 1, block_size)
+    kv_tokens = (runner.num_gpu_blocks - 1 - decode_blocks) * block_size
+    room = min(max_model_len, kv_tokens) - (ATTENTION_ROUNDS + 1) * budget
+    context = min(CONTEXT_PROBE_TOKENS, room)
+    if budget < 2 or context < budget:
+        return None
+    fresh, late = attention_timings(runner, budget, context, block_size=block_size)
+    keys = keys_per_token(budget, context, fresh, late)
+    logger.info("attention cost: a %d-token step took %.1f ms fresh, %.1f ms after %d computed "
+                "tokens: %s", budget, fresh * 1e3, late * 1e3, context,
+                "no extra time, chunks counted by tokens" if keys is None else
+                f"{keys} attended keys cost one budget token (chunks late in a long prompt "
+                f"shorten to keep the step within the target)")
+    return keys

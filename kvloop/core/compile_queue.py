@@ -4,9 +4,16 @@ A grammar compile cannot be interrupted (xgrammar has no cancel, and it runs in 
 GIL released), and its cost grows steeply with the schema: one request could hold the
 compile workers for minutes. So the queue decides which compile runs when:
 
-- smallest first: pending compiles start in order of their spec's compile cost (then
-  arrival): its length, or a regex's or grammar's unrolled size
+- tenants first, then smallest first: a compile belongs to a tenant (the API key that sent
+  its first request; None: every keyless caller, one tenant). Pending compiles start in
+  order of how many compiles their tenant has running (fewest first), then their spec's
+  compile cost (then arrival): its length, or a regex's or grammar's unrolled size
   (`StructuredOutputsParams.compile_cost`: a 12-byte `[a-z]{1,128}` weighs 2,048);
+- a tenant's share: one tenant runs at most `CompileLimits.tenant_threads` compiles at
+  once (slow ones included: `num_workers + max_slow - 1`), so it never holds every thread a
+  compile may have; a compile of another tenant finds a slot as soon as one of its slow
+  compiles yields (issue 37, item 5: six clients' slow regexes no longer make a victim's
+  tiny schema wait for their end, or time out);
 - slots: at most `num_workers` compiles run that started less than `slow_after_s` ago. A
   compile older than that keeps its thread but gives up its slot, so a tiny schema behind a
   big one waits at most `slow_after_s`; at most `max_slow` compiles may be slow at once (past
@@ -18,17 +25,17 @@ compile workers for minutes. So the queue decides which compile runs when:
 - unwanted: a compile whose every waiter `release`d it (their requests finished or were
   aborted, the client gone) before it started is never started.
 
-Owner: the queue's state (pending heap, running jobs) is guarded by one condition variable;
+Owner: the queue's state (pending and running jobs) is guarded by one condition variable;
 the dispatcher thread (`kvloop-grammar-dispatch`) starts and expires compiles; each compile
 runs on its own thread (`kvloop-grammar`). Pure Python: no grammar engine is imported here.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -60,6 +67,12 @@ class CompileLimits:
         if self.timeout_s <= 0 or self.slow_after_s <= 0:
             raise ValueError("timeout_s and slow_after_s must be > 0")
 
+    @property
+    def tenant_threads(self) -> int:
+        """The most compiles one tenant runs at once: one fewer than all the threads
+        compiles may have (`num_workers` slots and `max_slow` slow ones), at least 1."""
+        return max(1, self.num_workers + self.max_slow - 1)
+
 
 @dataclass(order=True)
 class CompileJob:
@@ -72,6 +85,7 @@ class CompileJob:
     waiters: int = field(compare=False, default=1)
     started_at: float | None = field(compare=False, default=None)
     submitted_at: float = field(compare=False, default=0.0)
+    tenant: str | None = field(compare=False, default=None)
 
 
 class CompileQueue:
@@ -81,20 +95,21 @@ class CompileQueue:
         self.limits = limits
         self._clock = clock
         self._cv = threading.Condition()
-        self._pending: list[CompileJob] = []     # a heap: smallest spec first
+        self._pending: list[CompileJob] = []     # in submission order (`_next` picks)
         self._running: list[CompileJob] = []     # started, thread not yet ended
         self._seq = itertools.count()
         self._stopped = False
         self._dispatcher: threading.Thread | None = None
 
-    def submit(self, size: int, fn: Callable[[], Any]) -> CompileJob:
-        """Queue `fn` (a compile of a spec of compile cost `size`) for one waiter."""
-        job = CompileJob(size, next(self._seq), fn, submitted_at=self._clock())
+    def submit(self, size: int, fn: Callable[[], Any], tenant: str | None = None) -> CompileJob:
+        """Queue `fn` (a compile of a spec of compile cost `size`, for `tenant`) for one
+        waiter."""
+        job = CompileJob(size, next(self._seq), fn, submitted_at=self._clock(), tenant=tenant)
         with self._cv:
             if self._stopped:
                 job.future.cancel()
                 return job
-            heapq.heappush(self._pending, job)
+            self._pending.append(job)
             self._start_dispatcher()
             self._cv.notify_all()
         return job
@@ -110,7 +125,6 @@ class CompileQueue:
             job.waiters -= 1
             if job.waiters <= 0 and job.started_at is None and job in self._pending:
                 self._pending.remove(job)
-                heapq.heapify(self._pending)
                 job.future.cancel()
 
     def num_pending(self) -> int:
@@ -154,8 +168,6 @@ class CompileQueue:
             job.future.set_exception(CompileTimeout(
                 f"structured output: the grammar waited {lim.timeout_s:g} s for a compile "
                 f"slot (other compiles hold them all); try again"))
-        if waited_out:
-            heapq.heapify(self._pending)
         for job in self._running:
             assert job.started_at is not None
             if now - job.started_at >= lim.timeout_s and not job.future.done():
@@ -168,9 +180,20 @@ class CompileQueue:
                    if j.started_at is not None and now - j.started_at >= self.limits.slow_after_s)
         return len(self._running) - min(slow, self.limits.max_slow)
 
+    def _next(self) -> CompileJob | None:
+        """The pending compile to start next: of a tenant under its share, the fewest of
+        its tenant's running, then the smallest, then the oldest (None: none may start)."""
+        running = Counter(j.tenant for j in self._running)
+        share = self.limits.tenant_threads
+        ready = [j for j in self._pending if running[j.tenant] < share]
+        return min(ready, key=lambda j: (running[j.tenant], j), default=None)
+
     def _start_pending(self, now: float) -> None:
-        while self._pending and self._slots_held(now) < self.limits.num_workers:
-            job = heapq.heappop(self._pending)
+        while self._slots_held(now) < self.limits.num_workers:
+            job = self._next()
+            if job is None:
+                return
+            self._pending.remove(job)
             job.started_at = now
             job.future.set_running_or_notify_cancel()
             self._running.append(job)

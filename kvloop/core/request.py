@@ -159,6 +159,9 @@ class Request:
         self.num_local_cached_tokens: int | None = None   # the pool's hit of a loaded request
         # the W3C context of its trace (kvloop.tracing): the KV connector passes it to P
         self.trace_headers: dict[str, str] | None = None
+        # who sent it (a digest of its API key; None: a keyless caller): its grammar's
+        # compile counts against this tenant's share (kvloop.core.compile_queue)
+        self.tenant: str | None = None
         self._hasher = hasher
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

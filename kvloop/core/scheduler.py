@@ -37,6 +37,7 @@ from typing import Any
 
 from kvloop.config import SchedulerConfig
 from kvloop.core.block_pool import KVCacheBlock
+from kvloop.core.chunk_cost import chunk_cost, fit_chunk
 from kvloop.core.kv_cache_manager import KVCacheManager
 from kvloop.core.kv_connector import KVConnector, cached_tokens_after_load
 from kvloop.core.outputs import (
@@ -142,6 +143,7 @@ class StepPlan:
     token_budget: int
     threshold: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    charged: dict[str, int] = field(default_factory=dict)   # budget each took (chunk_cost)
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     spec: dict[str, list[int]] = field(default_factory=dict)
     running: list[Request] = field(default_factory=list)   # scheduled running reqs, in order
@@ -291,7 +293,7 @@ class Scheduler:
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if 0 < plan.threshold < num_new_tokens:
                 num_new_tokens = plan.threshold
-            num_new_tokens = min(num_new_tokens, plan.token_budget,
+            num_new_tokens = min(self._fit(num_new_tokens, plan, request.num_computed_tokens),
                                  self.max_model_len - request.num_computed_tokens - 1)
             if num_new_tokens <= 0:
                 req_index += 1
@@ -305,13 +307,26 @@ class Scheduler:
             plan.running.append(request)
             plan.num_scheduled[request.request_id] = num_new_tokens
             plan.new_blocks[request.request_id] = new_ids
-            plan.token_budget -= num_new_tokens
+            self._charge(plan, request.request_id, num_new_tokens, request.num_computed_tokens)
             req_index += 1
             if request.spec_token_ids:
                 k = num_new_tokens + request.num_computed_tokens - request.num_tokens
                 if k > 0:
                     plan.spec[request.request_id] = request.spec_token_ids[:k]
                 request.spec_token_ids = []
+
+    def _fit(self, num_new_tokens: int, plan: StepPlan, num_computed: int) -> int:
+        """The longest chunk of at most `num_new_tokens` after `num_computed` whose charge
+        fits the budget left (`kvloop.core.chunk_cost`; each token 1 unless the config sets
+        `attention_keys_per_token`)."""
+        return fit_chunk(num_new_tokens, plan.token_budget, num_computed,
+                         self.config.attention_keys_per_token)
+
+    def _charge(self, plan: StepPlan, rid: str, num_new_tokens: int, num_computed: int) -> None:
+        """Mutates `plan`: the budget less what this chunk costs, remembered for `_unschedule`."""
+        cost = chunk_cost(num_new_tokens, num_computed, self.config.attention_keys_per_token)
+        plan.charged[rid] = cost
+        plan.token_budget -= cost
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, req_index: int,
                              plan: StepPlan) -> tuple[list[int], int] | None:
@@ -344,7 +359,8 @@ class Scheduler:
 
     def _unschedule(self, victim: Request, plan: StepPlan) -> None:
         rid = victim.request_id
-        plan.token_budget += plan.num_scheduled.pop(rid)
+        plan.num_scheduled.pop(rid)
+        plan.token_budget += plan.charged.pop(rid)
         plan.new_blocks.pop(rid, None)
         plan.spec.pop(rid, None)
         plan.running.remove(victim)
@@ -395,7 +411,7 @@ class Scheduler:
                 num_new_tokens = plan.threshold
             if not cfg.enable_chunked_prefill and num_new_tokens > plan.token_budget:
                 break
-            num_new_tokens = min(num_new_tokens, plan.token_budget)
+            num_new_tokens = self._fit(num_new_tokens, plan, num_computed)
             new_blocks = self.kv.allocate_slots(
                 request, num_new_tokens, num_hit, hits,
                 0 if load_async else cfg.num_lookahead_tokens,
@@ -477,7 +493,7 @@ class Scheduler:
         (plan.resumed if resumed else plan.new).append(request)
         plan.admitted.append(Admission(request.request_id, resumed, num_hit, request.num_tokens))
         plan.num_scheduled[request.request_id] = num_new_tokens
-        plan.token_budget -= num_new_tokens
+        self._charge(plan, request.request_id, num_new_tokens, num_computed)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens is None:

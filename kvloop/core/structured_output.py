@@ -206,11 +206,12 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None, "grammar_init is for constrained requests"
         request.structured_output_request = StructuredOutputRequest(
-            params, self._compiled(params), self._matcher, self.compiles.release)
+            params, self._compiled(params, request.tenant), self._matcher, self.compiles.release)
 
-    def _compiled(self, params: StructuredOutputsParams) -> CompileJob:
+    def _compiled(self, params: StructuredOutputsParams,
+                  tenant: str | None = None) -> CompileJob:
         """The compile of `params`, one more waiter counted: the cached one unless it
-        failed (or was dropped), else a new one."""
+        failed (or was dropped), else a new one, for `tenant` (compile_queue's share)."""
         key = params.key
         job = self._cache.get(key)
         if job is not None and not (job.future.done() and compile_exception(job) is not None):
@@ -218,7 +219,7 @@ class StructuredOutputManager:
             self.compiles.retain(job)
             return job
         job = self.compiles.submit(params.compile_cost,
-                                   functools.partial(self._compile, params))
+                                   functools.partial(self._compile, params), tenant)
         self._cache[key] = job
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -336,6 +336,7 @@ class EngineCoreProc:
                                       lora_name=msg.lora_name, client_index=msg.client_index,
                                       pooling_params=msg.pooling_params)
             req.trace_headers = msg.trace_headers
+            req.tenant = msg.tenant
             engine.add_request(req)
             if self.spans is not None:
                 self.spans.on_add(msg)

@@ -56,7 +56,7 @@ _DIE_WITH_PARENT = ("import ctypes, os, runpy, signal, sys\n"
                     "if os.getppid() != {parent}:\n"
                     "    os.kill(os.getpid(), signal.SIGTERM)\n"
                     "sys.argv = ['kvloop'] + sys.argv[1:]\n"
-                    "runpy.run_module('kvloop', run_name='__main__', alter_sys=True)\n")
+                    "runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
 
 
 def stop_processes(named: Sequence[tuple[str, subprocess.Popen[Any]]], timeout_s: float, *,
@@ -117,11 +117,14 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def kvloop_command(*args: str, die_with_parent: bool = False) -> list[str]:
-    """`python -m kvloop ARGS` with this interpreter (told to die with this process)."""
+def kvloop_command(*args: str, die_with_parent: bool = False,
+                   module: str = "kvloop") -> list[str]:
+    """`python -m kvloop ARGS` (or another `module` of kvloop's) with this interpreter (told
+    to die with this process)."""
     if die_with_parent:
-        return [sys.executable, "-c", _DIE_WITH_PARENT.format(parent=os.getpid()), *args]
-    return [sys.executable, "-m", "kvloop", *args]
+        boot = _DIE_WITH_PARENT.format(parent=os.getpid(), module=module)
+        return [sys.executable, "-c", boot, *args]
+    return [sys.executable, "-m", module, *args]
 
 
 class UrlProcess:
@@ -129,11 +132,14 @@ class UrlProcess:
     `url` is known once `start()` (or `launch()` then `wait_url()`) returns. `new_session`: in
     its own session and process group (with its children), so `signal_group` reaches them
     all, as a terminal's Ctrl-C would. `env` is added to this process's environment; `name`
-    names it in errors; `echo`, a prefix: relay its output to stdout."""
+    names it in errors; `echo`, a prefix: relay its output to stdout; `stdin`: bytes written
+    to its standard input, which is then closed (what must reach it on no command line and in
+    no environment)."""
 
     def __init__(self, cmd: list[str], log_path: str | Path, url_pattern: str,
                  env: dict[str, str] | None = None, new_session: bool = False, *,
-                 name: str | None = None, echo: str | None = None):
+                 name: str | None = None, echo: str | None = None,
+                 stdin: bytes | None = None):
         self.cmd = list(cmd)
         self.log_path = Path(log_path)
         self.url_pattern = re.compile(url_pattern)
@@ -141,6 +147,7 @@ class UrlProcess:
         self.new_session = new_session
         self.name = name or shlex.join(self.cmd[:4])
         self.echo = echo
+        self.stdin = stdin
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self._relay_thread: threading.Thread | None = None
@@ -155,7 +162,13 @@ class UrlProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(self.env or {})},
-                                         start_new_session=self.new_session)
+                                         start_new_session=self.new_session,
+                                         stdin=None if self.stdin is None else subprocess.PIPE)
+        if self.stdin is not None:
+            assert self.proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.write(self.stdin)
+            self.proc.stdin.close()
         if self.echo is not None:
             self._relay_thread = threading.Thread(target=self._relay, daemon=True,
                                                   name=f"relay {self.name}")

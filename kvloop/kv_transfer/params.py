@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvloop.core.kv_connector import KVFingerprint
-from kvloop.wire import missing_remote_keys
+from kvloop.wire import malformed_remote_field, missing_remote_keys
 
 MAX_REMOTE_BLOCK_IDS = 1 << 16     # hard cap on remote_block_ids, whatever the prompt
 MAX_BLOCK_ID = (1 << 31) - 1
@@ -103,14 +103,10 @@ def parse_remote_prefill(params: dict[str, Any], num_prompt_tokens: int,
     missing = missing_remote_keys(params)
     if missing:
         return f"missing {', '.join(missing)}"
+    malformed = malformed_remote_field(params)
+    if malformed is not None:
+        return malformed
     ids, port = params["remote_block_ids"], params["remote_port"]
-    if not isinstance(ids, list):
-        return "remote_block_ids must be a list of block ids"
-    if not _is_int(port) or not 0 < port < 65536:
-        return f"remote_port must be a port number, got {port!r}"
-    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
-        if not isinstance(params[key], str):
-            return f"{key} must be a string"
     refusal = bounds_refusal(params, num_prompt_tokens, block_size)
     if refusal is not None:
         return refusal

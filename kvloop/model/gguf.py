@@ -39,6 +39,10 @@ class RawTensor:
         """The same tensor with its rows reordered (blocks never cross rows)."""
         return RawTensor(self.kind, self.data[order], self.shape)
 
+    def rows(self, start: int, stop: int) -> RawTensor:
+        """Rows [start, stop) as a tensor of their own (a fused or stacked tensor's part)."""
+        return RawTensor(self.kind, self.data[start:stop], (stop - start, self.shape[1]))
+
 
 def is_raw_quantizable(kind: str, shape: tuple[int, ...]) -> bool:
     """True for a 2-D tensor of a type kvloop runs quantized (`RawTensor`)."""
@@ -133,6 +137,13 @@ class GGUFFile:
                 return tuple(int(d) for d in reversed(t.shape))
         raise KeyError(f"{self.path} has no tensor {name!r}")
 
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor by name, dequantized (float32, PyTorch shape)."""
+        for t in self._reader.tensors:
+            if t.name == name:
+                return dequantize_tensor(t)
+        raise KeyError(f"{self.path} has no tensor {name!r}")
+
     def tensor_types(self) -> dict[str, str]:
         return {t.name: t.tensor_type.name for t in self._reader.tensors}
 
@@ -143,10 +154,12 @@ class GGUFFile:
 
     def raw_tensors(self) -> Iterator[tuple[str, RawTensor]]:
         """Yield (name, undecoded blocks) for every 2-D tensor of a type `kvloop.model.quant`
-        keeps quantized (the 4-bit and Q8_0 ones), in file order."""
+        keeps quantized (the 4-bit and Q8_0 ones), in file order; a 3-D one (a mixture of
+        experts' stacked experts, [experts, out, in]) comes as [experts * out, in]."""
         for t in self._reader.tensors:
             kind = t.tensor_type.name
-            rows, cols = (int(d) for d in reversed(t.shape)) if len(t.shape) == 2 else (0, 0)
+            dims = [int(d) for d in t.shape]          # innermost first
+            rows, cols = (int(np.prod(dims[1:])), dims[0]) if len(dims) in (2, 3) else (0, 0)
             if rows and is_raw_quantizable(kind, (rows, cols)):
                 yield t.name, RawTensor(kind, np.asarray(t.data).reshape(rows, -1), (rows, cols))
 

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on a flattened varlen batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Phi-3, SmolLM2) on a flattened
+varlen batch.
 
 One forward pass runs every scheduled token of every request at once: `input_ids` and
 `positions` are `[T]`, all linear layers see `[T, hidden]`, and only attention looks at
@@ -9,7 +10,14 @@ Deviations from Hugging Face's LlamaForCausalLM (same math otherwise):
 - Q, K and V are one fused projection, gate and up another (weights concatenated at load);
 - the KV cache is paged (written by slot, read by block table), not a per-request tensor;
 - the final norm and the LM head run on the sampled rows only; logits come back in fp32;
-- no dropout, no training path, no sliding window.
+- no dropout, no training path, no sliding window;
+- Qwen3's per-head Q/K RMSNorm runs on the fused projection's rows, in place;
+- partial RoPE (Phi-4-mini) runs on Q/K rows reordered at load (`loader.rotary_order`);
+  LongRoPE picks its short or long factors per position (long from
+  `original_max_position_embeddings` on), where transformers picks them for the whole
+  sequence by its length: the same for every sequence shorter than that;
+- a mixture of experts (`SparseMoE`) runs each expert once per step on the rows routed to
+  it (grouped by expert), not as a per-token loop.
 Classes appear in forward order; shapes in comments use T = tokens in the step,
 H = heads, K = kv heads, D = head_dim. Inside the forward pass submodules are called through
 `.forward` (no hooks are used; nn.Module's call wrapper costs ~200 calls per step).
@@ -127,7 +135,9 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE tables for positions [0, max_positions): cos, sin [max_positions, D/2] (fp32),
-    applied with `cpu_ops.rope_and_cache` (half-split pairs: Hugging Face's rotate_half)."""
+    applied with `cpu_ops.rope_and_cache` (half-split pairs: Hugging Face's rotate_half).
+    Partial RoPE: the pairs past rotary_dim / 2 get cos 1, sin 0 (left as they are); LongRoPE
+    scales cos and sin of the turned pairs by its attention factor."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -135,21 +145,46 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device,
                  freq_factors: torch.Tensor | None = None):
         super().__init__()
-        inv_freq = rope_inv_freq(config, device)
-        if freq_factors is not None:
-            inv_freq = inv_freq / freq_factors.to(device=device, dtype=torch.float32)
-        angles = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32),
-                             inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        angles = rope_angles(config, positions, device, freq_factors)     # [P, R/2]
+        scale = config.rope_scaling.attention_factor
+        pad = config.head_dim // 2 - angles.shape[1]
+        cos = F.pad(angles.cos() * scale, (0, pad), value=1.0)
+        sin = F.pad(angles.sin() * scale, (0, pad), value=0.0)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
+
+def rope_angles(config: ModelConfig, positions: torch.Tensor, device: torch.device,
+                freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Angles [P, rotary_dim / 2] of `positions` [P] (fp32)."""
+    scaling = config.rope_scaling
+    if scaling.rope_type == "longrope":
+        short = torch.outer(positions, _longrope_inv_freq(config, scaling.short_factor, device))
+        long = torch.outer(positions, _longrope_inv_freq(config, scaling.long_factor, device))
+        is_long = positions[:, None] >= scaling.original_max_position_embeddings
+        return torch.where(is_long, long, short)
+    inv_freq = rope_inv_freq(config, device)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(device=device, dtype=torch.float32)
+    return torch.outer(positions, inv_freq)
+
+
+def _longrope_inv_freq(config: ModelConfig, factors: tuple[float, ...],
+                       device: torch.device) -> torch.Tensor:
+    return _base_inv_freq(config, device) / torch.tensor(factors, device=device,
+                                                         dtype=torch.float32)
+
+
+def _base_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    dim = config.rotary_dims
+    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
+    return 1.0 / (config.rope_theta ** exponents)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device) -> torch.Tensor:
-    """Inverse frequencies [D/2] with the model's base and scaling ("linear", "llama3")."""
-    dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    """Inverse frequencies [R/2] with the model's base and scaling ("linear", "llama3")."""
+    inv_freq = _base_inv_freq(config, device)
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
@@ -172,8 +207,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low: float, high: fl
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear):
+    """`qk_norm` (Qwen3): the RMSNorms (weights [D]) of each head's Q and of each head's K,
+    applied before RoPE."""
+
+    def __init__(self, config: ModelConfig, qkv: Linear, o_proj: Linear,
+                 qk_norm: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
+        self.q_norm: RMSNorm | None = qk_norm[0] if qk_norm is not None else None
+        self.k_norm: RMSNorm | None = qk_norm[1] if qk_norm is not None else None
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -188,12 +229,21 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         low_bit, lora, meta = step.low_bit, step.lora, step.meta
         qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
+        if self.q_norm is not None:
+            self._norm_qk(qkv.view(num_tokens, -1, self.head_dim))
         rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache, meta,
                        self.num_heads, self.num_kv_heads)
         rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
         q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
         return self.o_proj.forward(out, low_bit, lora)               # [T, hidden]
+
+    def _norm_qk(self, rows: torch.Tensor) -> None:
+        """rows [T, H + 2K, D]: each Q and K head RMS-normalized in place."""
+        assert self.q_norm is not None and self.k_norm is not None
+        h, k = self.num_heads, self.num_kv_heads
+        rows[:, :h] = self.q_norm.forward(rows[:, :h])
+        rows[:, h:h + k] = self.k_norm.forward(rows[:, h:h + k])
 
 
 class MLP(nn.Module):
@@ -205,14 +255,52 @@ class MLP(nn.Module):
         self.down_proj = down
 
     def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        low_bit, lora = step.low_bit, step.lora
+        return self.run(x, step.low_bit, step.lora)
+
+    def run(self, x: torch.Tensor, low_bit: bool, lora: LoRAStep | None = None
+            ) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x, low_bit, lora).contiguous()  # [T, 2 * ffn]
         return self.down_proj.forward(cpu_ops.silu_and_mul(gate_up), low_bit,
                                       lora)                                # [T, hidden]
 
 
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's sparse MLP: router logits [T, E] -> softmax (fp32) -> top-k experts per
+    token (weights renormalized over the k when `norm_topk_prob`) -> each expert, a SwiGLU
+    `MLP`, runs once on the rows routed to it (grouped by expert: one matmul per expert
+    and projection) -> the weighted outputs summed per token. No adapters (LoRA) here."""
+
+    def __init__(self, router: Linear, experts: list[MLP], top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = router
+        self.experts = nn.ModuleList(experts)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        probs = self.gate.forward(x).float().softmax(dim=-1)             # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)                 # [T, k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = chosen.flatten()                                          # [T * k]
+        order = flat.argsort(stable=True)         # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows = order // self.top_k                                       # token of each pair
+        scale = weights.flatten()[order].to(x.dtype)[:, None]
+        out = torch.zeros_like(x)                                        # [T, hidden]
+        first = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                mine = rows[first:first + count]
+                y = cast(MLP, expert).run(x.index_select(0, mine), step.low_bit)
+                out.index_add_(0, mine, y * scale[first:first + count])
+                first += count
+        return out
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: Attention, mlp: MLP, input_norm: RMSNorm, post_norm: RMSNorm):
+    def __init__(self, attn: Attention, mlp: MLP | SparseMoE, input_norm: RMSNorm,
+                 post_norm: RMSNorm):
         super().__init__()
         self.input_layernorm = input_norm
         self.self_attn = attn
@@ -257,7 +345,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Parameter(get.exact("model.embed_tokens.weight"),
                                          requires_grad=False)
         self.layers = nn.ModuleList(
-            [_build_layer(config, get, f"model.layers.{i}.")
+            [_build_layer(config, get, f"model.layers.{i}.", i)
              for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(get.exact("model.norm.weight"), config.rms_norm_eps)
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
@@ -319,9 +407,14 @@ class LlamaModel(nn.Module):
     def enable_lora(self, lora: LoRAConfig) -> LoRASlots:
         """Give every decoder layer's linear layers `lora.max_loras` zeroed adapter slots
         (in `precision.activations`) -> the slots' owner."""
+        if self.config.moe is not None:
+            raise ValueError("LoRA adapters are not supported on a mixture-of-experts model")
+        if self.config.rotary_dims != self.config.head_dim:
+            raise ValueError("LoRA adapters are not supported on a partial-RoPE model (its Q "
+                             "and K rows are reordered at load)")
         layers: list[dict[str, LinearLoRA]] = []
         for layer in cast(list[DecoderLayer], list(self.layers)):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(MLP, layer.mlp)
             modules: dict[str, LinearLoRA] = {}
             for linear, names in ((attn.qkv_proj, ATTN_PARTS), (attn.o_proj, ("o_proj",)),
                                   (mlp.gate_up_proj, MLP_PARTS), (mlp.down_proj, ("down_proj",))):
@@ -366,10 +459,14 @@ class FusedDecode:
         ops = cpu_ops.load()
         if ops is None or not layers:
             return None
+        if any(not isinstance(layer.mlp, MLP) or layer.self_attn.q_norm is not None
+               for layer in layers) or config.rotary_dims != config.head_dim:
+            return None                     # the stack has no MoE, Q/K norm or partial RoPE
         quantized: list[torch.Tensor] = []
         for layer in layers:
+            mlp = cast(MLP, layer.mlp)
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                           mlp.gate_up_proj, mlp.down_proj):
                 weight = linear.low_bit
                 if not (isinstance(weight, Int4Weight) and weight.kernel == "kvloop"
                         and linear.bias is None):
@@ -424,19 +521,34 @@ class _WeightGetter:
         return self(*names)
 
 
-def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str) -> DecoderLayer:
+def _build_layer(config: ModelConfig, get: _WeightGetter, prefix: str,
+                 layer: int) -> DecoderLayer:
     a = prefix + "self_attn."
     qkv_names = [f"{a}q_proj", f"{a}k_proj", f"{a}v_proj"]
     qkv_weights = [n + ".weight" for n in qkv_names]
     qkv = Linear(get(*qkv_weights), get.optional(*[n + ".bias" for n in qkv_names]),
                  get.low_bit(*qkv_weights))
+    eps = config.rms_norm_eps
+    qk_norm = ((RMSNorm(get.exact(a + "q_norm.weight"), eps),
+                RMSNorm(get.exact(a + "k_norm.weight"), eps)) if config.qk_norm else None)
     attn = Attention(config, qkv, Linear(get(a + "o_proj.weight"),
                                          get.optional(a + "o_proj.bias"),
-                                         get.low_bit(a + "o_proj.weight")))
-    m = prefix + "mlp."
-    gate_up = (m + "gate_proj.weight", m + "up_proj.weight")
-    mlp = MLP(Linear(get(*gate_up), low_bit=get.low_bit(*gate_up)),
-              Linear(get(m + "down_proj.weight"), low_bit=get.low_bit(m + "down_proj.weight")))
-    eps = config.rms_norm_eps
+                                         get.low_bit(a + "o_proj.weight")), qk_norm)
+    moe = config.moe
+    mlp: MLP | SparseMoE
+    if moe is not None and layer in moe.sparse_layers:
+        m = prefix + "mlp."
+        experts = [_build_mlp(get, f"{m}experts.{e}.") for e in range(moe.num_experts)]
+        mlp = SparseMoE(Linear(get.exact(m + "gate.weight")), experts,
+                        moe.num_experts_per_tok, moe.norm_topk_prob)
+    else:
+        mlp = _build_mlp(get, prefix + "mlp.")
     return DecoderLayer(attn, mlp, RMSNorm(get.exact(prefix + "input_layernorm.weight"), eps),
                         RMSNorm(get.exact(prefix + "post_attention_layernorm.weight"), eps))
+
+
+def _build_mlp(get: _WeightGetter, m: str) -> MLP:
+    """The SwiGLU under prefix `m` (`model.layers.0.mlp.`, or one expert's)."""
+    gate_up = (m + "gate_proj.weight", m + "up_proj.weight")
+    return MLP(Linear(get(*gate_up), low_bit=get.low_bit(*gate_up)),
+               Linear(get(m + "down_proj.weight"), low_bit=get.low_bit(m + "down_proj.weight")))

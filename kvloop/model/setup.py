@@ -46,10 +46,9 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     config = loaded.config
     kv_cache_memory = rc.kv_cache_memory
     if rc.num_gpu_blocks_override is None:
-        weight_bytes = (sum(t.numel() for t in loaded.weights.values())
-                        * _elem_size(precision.activations))
         kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, rc.gpu_memory_utilization,
-                                         weight_bytes)
+                                         model_weight_bytes(loaded.weights,
+                                                            precision.activations))
     kv_quant = kv_quant_for(rc.kv_cache_dtype)
     num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
                                rc.num_gpu_blocks_override, kv_quant)
@@ -69,6 +68,13 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     if rc.lora is not None:
         runner.enable_lora(rc.lora)
     return runner
+
+
+def model_weight_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """What the loaded weights take beside the KV cache in the memory plan: every parameter
+    at `dtype`'s size, a mixture of experts' every expert included (all stay resident,
+    whichever a step routes to)."""
+    return sum(t.numel() for t in weights.values()) * _elem_size(dtype)
 
 
 def low_bit_policy(net: LlamaModel, max_tokens: int | None) -> LowBitPolicy:

@@ -7,6 +7,7 @@
     kvloop fleet [--workers N] [--prefill N --decode M] [--model sim|PATH] [--port P]
                  [--policy NAME] [--roles R,...] [--api-key KEY]
                  [--event-plane nats|nats://HOST:PORT] [-- WORKER FLAGS]
+    kvloop fleet --ray auto|HOST:PORT [--workers N] ...   (the same fleet as Ray actors)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from kvloop.batch.cli_args import add_batch_args, batch_config
 from kvloop.config import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_ALGO, DEFAULT_ROLE, ROLES
@@ -47,6 +49,9 @@ from kvloop.router.registry import WorkerSpec
 from kvloop.tracing import add_tracing_args, tracing_config
 from kvloop.trust import FleetSecret, add_fleet_secret_arg, fleet_secret_from_args
 
+if TYPE_CHECKING:
+    from kvloop.router.fleet import FleetConfig
+
 WORKER_API_KEY_ENV = "KVLOOP_WORKER_API_KEY"   # the key the router presents to workers
 
 
@@ -62,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="N `kvloop serve` workers and a router on this "
                                           "host. --event-plane nats starts a nats-server of "
                                           "its own and puts the KV events on it "
-                                          "(--event-plane nats://HOST:PORT: a running one).")
+                                          "(--event-plane nats://HOST:PORT: a running one). "
+                                          "--ray ADDRESS: the router and the workers as "
+                                          "actors of a Ray cluster (docs/deploy.md).")
     f.add_argument("--workers", type=int, default=0,
                    help="number of workers of --roles (default: none besides --prefill and "
                         "--decode)")
@@ -87,10 +94,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    metavar="S",
                    help="seconds before a dead worker's restart, doubling per restart in a "
                         f"row up to {RestartPolicy.max_backoff_s:g} (default %(default)s)")
+    add_ray_args(f)
     add_router_args(f)
     f.add_argument("worker_args", nargs=argparse.REMAINDER,
                    help="after '--': flags passed to every `kvloop serve`")
     f.set_defaults(func=run_fleet_cmd)
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray (docs/deploy.md)")
+    g.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="run the router and the workers as actors of the Ray cluster at "
+                        "ADDRESS (auto: the one running on this host; else the head's "
+                        "HOST:PORT); Ray restarts a dead worker (--max-worker-restarts). Run "
+                        "again with another --workers: scales the running fleet (default: "
+                        "no Ray, processes on this host)")
+    g.add_argument("--ray-worker-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs each worker actor reserves on its node (default %(default)s)")
+    g.add_argument("--ray-drain-timeout", type=float, default=30.0, metavar="S",
+                   help="a worker removed by a scale-down finishes its requests within S "
+                        "seconds (its --shutdown-timeout; default %(default)s)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -436,4 +459,17 @@ def run_fleet_cmd(args: argparse.Namespace) -> int:
     if any(r not in ROLES for r in roles):
         raise SystemExit(f"kvloop fleet: --roles must be chosen from {ROLES}")
     _setup_logging(args.log_level)
+    if args.ray is not None:
+        return _run_ray_fleet(args, fleet, cfg)
     return run_fleet(fleet, cfg, args.log_level)
+
+
+def _run_ray_fleet(args: argparse.Namespace, fleet: FleetConfig, cfg: RouterConfig) -> int:
+    from kvloop.router.ray_fleet import RayFleetConfig, run_ray_fleet
+
+    try:
+        ray_cfg = RayFleetConfig(args.ray, worker_cpus=args.ray_worker_cpus,
+                                 drain_timeout_s=args.ray_drain_timeout)
+        return run_ray_fleet(fleet, cfg, ray_cfg, args.log_level)
+    except ValueError as e:
+        raise SystemExit(f"kvloop fleet: {e}") from None

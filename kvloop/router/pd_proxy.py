@@ -55,7 +55,7 @@ from kvloop.router.relay import (
 )
 from kvloop.router.request import RoutingRequest
 from kvloop.router.router import NoWorkerError, PDRouted, Routed, Router
-from kvloop.wire import PREFILL_PARAMS, missing_remote_keys
+from kvloop.wire import PREFILL_PARAMS, malformed_remote_field, missing_remote_keys
 
 CHAT_PATH = "/v1/chat/completions"
 REQUEST_ID = "x-request-id"
@@ -83,6 +83,9 @@ def answer_params(payload: Any) -> tuple[dict[str, Any] | None, str]:
         missing.append("remote_block_ids")   # not a list of blocks: D could not pull them
     if missing:
         return None, f"its kv_transfer_params lack {', '.join(missing)}"
+    malformed = malformed_remote_field(params)
+    if malformed is not None:
+        return None, f"its kv_transfer_params are malformed: {malformed}"
     return params, ""
 
 

@@ -352,6 +352,21 @@ def load_tokenizer(model: str) -> Any:
         raise ValueError(hub_id_hint(model) or str(e)) from e
 
 
+def check_architecture(model: str) -> None:
+    """ValueError with the supported list when the model's config.json or GGUF header names
+    an architecture kvloop's model code does not run (`kvloop.locate.hf_family`), before
+    the engine process loads anything."""
+    from kvloop.locate import find_model_path, gguf_family, hf_family
+
+    path = Path(find_model_path(model))
+    if path.suffix == ".gguf":
+        from kvloop.front.gguf_metadata import read_gguf_metadata
+
+        gguf_family(str(read_gguf_metadata(str(path)).get("general.architecture", "llama")))
+    elif (path / "config.json").is_file():
+        hf_family(json.loads((path / "config.json").read_text(encoding="utf-8")))
+
+
 def hub_id_hint(model: str) -> str | None:
     """What to do instead, when `model` is no local path but looks like a hub id (org/name)."""
     if not _HUB_ID.match(model) or Path(model).expanduser().exists():
@@ -517,6 +532,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServeConfig, EngineStartCon
 
     sim = load_sim_model(args.sim_model) if model == SIM else None
     tokenizer = sim.tokenizer if sim is not None else load_tokenizer(model)
+    if sim is None and model:
+        check_architecture(model)
     names = tuple(args.served_model_name or [SIM if model == SIM else
                                              (tokenizer.model_name or model)])
     if sim is not None:

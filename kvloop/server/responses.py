@@ -123,7 +123,8 @@ def prepare(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest,
     params = build_sampling_params(ctx, chat, len(prompt), MaxTokens.of(chat), None,
                                    constraint=constraint)
     rid = f"{RESPONSE_ID_PREFIX}{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, rid, [prompt], [params], req.model), constraint)
+    gen = Generation(ctx, make_children(ctx, rid, [prompt], [params], req.model), constraint,
+                     owner)
     gen.submit()
     log_received(ctx, rid, [prompt], [params])
     turn = Turn(req, rid, int(time.time()), history, prompt, params, tools, owner)

@@ -400,13 +400,22 @@ def make_children(ctx: ServerContext, base_id: str, prompts: list[list[int]],
     return children
 
 
+def request_tenant(ctx: ServerContext, request: Request) -> str | None:
+    """The tenant of a request: a digest of the configured API key it presents (None for a
+    caller without one: all keyless callers are one tenant), as its stored responses'
+    owner."""
+    return ctx.config.auth.owner(presented_authorization(request.headers))
+
+
 class Generation:
     """The children of one HTTP request, submitted together, streamed as one."""
 
     def __init__(self, ctx: ServerContext, children: list[Child],
-                 constraint: Constraint | None = None):
+                 constraint: Constraint | None = None, tenant: str | None = None):
+        """`tenant`: who sent it (`request_tenant`), for the engine's compile share."""
         self.ctx = ctx
         self.children = children
+        self.tenant = tenant
         self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self.end = StreamEnd()
         self._pending = {c.request_id: c for c in children}
@@ -433,7 +442,8 @@ class Generation:
                 client.add_request(EngineCoreRequest(c.request_id, c.prompt_ids, c.params,
                                                      arrival_time=now,
                                                      pooling_params=c.pooling_params,
-                                                     lora_name=c.lora_name),
+                                                     lora_name=c.lora_name,
+                                                     tenant=self.tenant),
                                    self.queue)
         except BaseException:
             client.abort_requests(list(self._pending))
@@ -675,7 +685,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest,
     params = [build_sampling_params(ctx, req, len(ids), asked, req.logprobs, constraint,
                                     req.logprobs if req.echo else None) for ids in prompts]
     base = f"cmpl-{uuid.uuid4().hex}"
-    gen = Generation(ctx, make_children(ctx, base, prompts, params, req.model), constraint)
+    gen = Generation(ctx, make_children(ctx, base, prompts, params, req.model), constraint,
+                     request_tenant(ctx, request))
     gen.submit()
     log_received(ctx, base, prompts, params)
     echo = ([ctx.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
@@ -801,7 +812,7 @@ def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request: Request,
                                    _chat_logprobs_arg(ctx, req), constraint=constraint)
     base = f"{prefix}{uuid.uuid4().hex}"
     gen = Generation(ctx, make_children(ctx, base, [prompt], [params], req.model),
-                     constraint)
+                     constraint, request_tenant(ctx, request))
     gen.submit()
     log_received(ctx, base, [prompt], [params])
     return ChatStart(req, gen, prompt, tools, constraint, base)
