@@ -19,9 +19,9 @@ tensor, so `kv_store`, the tiers and the P/D transfer move it with no new code.
 
 int8 rows are rotated first (where head_dim is a power of two): the stored codes are those of
 `x @ H`, H the normalized Walsh-Hadamard matrix (orthogonal and symmetric, so `x = (x @ H)
-@ H`). The keys of a small model have a few channels far larger than the rest; one scale per
-row then leaves the small channels a handful of codes, and the rotation spreads every channel
-over all of them. Attention needs no un-rotation of keys (`q . k = (q @ H) . (k @ H)`: the
+@ H`). Keys often have a few channels far larger than the rest; one scale per row then leaves
+the small channels a handful of codes, and the rotation spreads every channel over all of
+them. Attention needs no un-rotation of keys (`q . k = (q @ H) . (k @ H)`: the
 kernel rotates the query once) and one of the output (`sum p v = (sum p (v @ H)) @ H`).
 Measured on the embedded model (docs/cpu-performance.md): it halves int8's mean logprob
 error; fp8 (floating point, 3 or 2 mantissa bits at any magnitude) gains nothing from it and
