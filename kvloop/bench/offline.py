@@ -15,6 +15,11 @@ its throughput figure is one batch of all requests, all the same length). Both m
 loaded and the runs alternate (kvloop, HF, kvloop, HF...), so drifting load on a shared
 machine hits both sides alike. Prompts are random token ids, fresh for every run, so no
 prefix-cache hit flatters kvloop.
+
+`--kv-cache-dtype` runs kvloop's side with that KV cache. `--kv-decode-sweep auto,int8,...`
+instead measures only single-stream decode tok/s per KV cache dtype after a random prompt of
+each `--sweep-contexts` length (512 and 4,096: the long one is where reading the KV cache
+dominates a decode step), one engine per dtype, medians of `--repeats`, and prints a table.
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="kvloop figures only")
     p.add_argument("--skip-throughput", action="store_true",
                    help="prefill and single-stream decode only")
+    p.add_argument("--kv-cache-dtype", default="auto", help="kvloop's KV cache dtype")
+    p.add_argument("--kv-decode-sweep", default="",
+                   help="comma-separated KV cache dtypes: measure decode tok/s per dtype "
+                        "and context length only (default: off)")
+    p.add_argument("--sweep-contexts", default="512,4096",
+                   help="context lengths of --kv-decode-sweep, comma-separated")
     p.add_argument("--json-out", help="write the setup and the figures as JSON here")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -234,15 +245,66 @@ def report(args: argparse.Namespace, setup: dict[str, Any], ours: Figures,
     return "\n".join(lines)
 
 
+def kv_decode_sweep(args: argparse.Namespace) -> dict[str, dict[int, float]]:
+    """Decode tok/s per KV cache dtype and context length (medians of `repeats`); each
+    prompt is prefilled in one step (the budget covers the longest), then timed from its
+    first token."""
+    from kvloop import LLM
+
+    contexts = [int(c) for c in args.sweep_contexts.split(",")]
+    rates: dict[str, dict[int, float]] = {}
+    for name in args.kv_decode_sweep.split(","):
+        llm = LLM(args.model, dtype=args.dtype, seed=args.seed,
+                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(contexts) + 16),
+                  kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
+                  kv_cache_dtype=name)
+        try:
+            rates[name] = _decode_rates(args, llm, contexts)
+        finally:
+            llm.shutdown()
+    return rates
+
+
+def _decode_rates(args: argparse.Namespace, llm: Any, contexts: list[int]) -> dict[int, float]:
+    prompts = PromptMaker(llm.runner.vocab_size, args.seed)
+    _kvloop_decode_rate(llm, prompts(16), 4)  # warm-up
+    rates = {}
+    for ctx in contexts:
+        def rate(length: int = ctx) -> float:
+            return _kvloop_decode_rate(llm, prompts(length), args.decode_tokens)
+        rates[ctx] = median_of(args.repeats, rate)
+    return rates
+
+
+def sweep_report(args: argparse.Namespace, rates: dict[str, dict[int, float]]) -> str:
+    contexts = next(iter(rates.values())).keys()
+    lines = [f"single-stream decode tok/s ({args.decode_tokens} tokens), dtype {args.dtype}, "
+             f"repeats {args.repeats} (medians)", "",
+             "| --kv-cache-dtype | " + " | ".join(f"{c} context" for c in contexts) + " |",
+             "|---|" + "---|" * len(contexts)]
+    lines += [f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in contexts) + " |"
+              for name, r in rates.items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
     from kvloop import LLM
 
+    if args.kv_decode_sweep:
+        rates = kv_decode_sweep(args)
+        print(sweep_report(args, rates))
+        if args.json_out:
+            with open(args.json_out, "w", encoding="utf-8") as f:
+                json.dump({"threads": torch.get_num_threads(), "decode": rates}, f, indent=2)
+                f.write("\n")
+        return
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory=args.kv_cache_memory, num_threads=args.threads)
+              kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
+              kv_cache_dtype=args.kv_cache_dtype)
     runner: Any = llm.runner
     prompts = PromptMaker(runner.vocab_size, args.seed)
     setup = {"model": runner.model_name, "dtype": str(runner.dtype).removeprefix("torch."),

@@ -1,6 +1,8 @@
-"""How good is each precision path: the perplexity of a shipped text, per `--dtype`.
+"""How good is each precision path: the perplexity of a shipped text, per `--dtype` and per
+`--kv-cache-dtype`, and the greedy answers to 24 chat questions per KV cache dtype.
 
     python -m kvloop.bench.quality [--dtypes auto,float32,bfloat16] [--ctx 512]
+                                   [--kv-cache-dtypes int8,fp8_e4m3,fp8_e5m2] [--skip-chat]
                                    [--skip-hf] [--skip-llamacpp] [--json-out F]
 
 The text (`kvloop/bench/data/quality_text.txt`, written for this repository) is tokenized
@@ -15,11 +17,18 @@ scored token. The sides:
   measured from outside the same way, also over HTTP);
 - Hugging Face transformers, fp32, on the same GGUF (the ground truth: every other side's
   mean |log-probability difference| per scored token is against it);
+- kvloop once per `--kv-cache-dtypes` entry, with `--dtype float32` (`KV_BASE_DTYPE`), so
+  the quantized cache is all that differs from the `float32` side;
 - llama.cpp's `llama-perplexity` on the same GGUF and text, from the build
   `python -m kvloop.bench.llamacpp build` made (skipped, and said so, when there is none);
   it tokenizes the text itself.
 
-A benchmark script, not a test: it checks nothing and prints a markdown table.
+The chat set (`data/chat_questions.json`, unless `--skip-chat`): each question alone, greedy,
+`CHAT_TOKENS` tokens, dense fp32 weights (`low_bit_max_tokens` 0: no start-up crossover
+differs between runs), once on the unquantized cache (the fp32 path) and once per KV cache
+dtype: how many answers equal the fp32 path's, and how many leading tokens they keep.
+
+A benchmark script, not a test: it checks nothing and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -36,7 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"
+CHAT_QUESTIONS = Path(__file__).parent / "data" / "chat_questions.json"
+CHAT_TOKENS = 32
 DEFAULT_DTYPES = ("auto", "float32", "bfloat16")
+DEFAULT_KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+KV_BASE_DTYPE = "float32"
 LLAMA_PPL = re.compile(r"Final estimate: PPL = ([0-9.]+)")
 
 
@@ -74,11 +87,23 @@ def perplexity(logprobs: Sequence[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
-def kvloop_logprobs(dtype: str, wins: list[Window]) -> list[float]:
+@dataclass
+class ChatSide:
+    """One KV cache dtype on the chat set: answers equal to the fp32 path's, of how many, and
+    the leading tokens kept (summed over the questions) of how many."""
+
+    kv_cache_dtype: str
+    equal: int
+    questions: int
+    tokens_kept: int
+    tokens: int
+
+
+def kvloop_logprobs(dtype: str, wins: list[Window], kv_cache_dtype: str = "auto") -> list[float]:
     """The scored tokens' log-probabilities on kvloop's `dtype` path (prompt_logprobs)."""
     from kvloop import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, device="cpu")
+    llm = LLM(dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
         outs = llm.generate([{"prompt_token_ids": w.tokens} for w in wins], params,
@@ -91,6 +116,43 @@ def kvloop_logprobs(dtype: str, wins: list[Window]) -> list[float]:
         return out
     finally:
         llm.shutdown()
+
+
+def chat_answers(kv_cache_dtype: str) -> list[list[int]]:
+    """Greedy answers (token ids) to the chat questions, each alone, on the dense fp32 path
+    with `kv_cache_dtype`."""
+    from kvloop import LLM, SamplingParams
+
+    llm = LLM(dtype=KV_BASE_DTYPE, device="cpu", low_bit_max_tokens=0,
+              kv_cache_dtype=kv_cache_dtype)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS)
+        out = []
+        for question in json.loads(CHAT_QUESTIONS.read_text(encoding="utf-8")):
+            conversation = [{"role": "user", "content": question}]
+            done = llm.chat(conversation, params, use_tqdm=False)
+            out.append(list(done[0].outputs[0].token_ids))
+        return out
+    finally:
+        llm.shutdown()
+
+
+def leading_equal(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two answers share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def measure_chat(kv_cache_dtypes: Sequence[str]) -> list[ChatSide]:
+    reference = chat_answers("auto")
+    sides = []
+    for name in kv_cache_dtypes:
+        got = chat_answers(name)
+        sides.append(ChatSide(
+            name, sum(a == b for a, b in zip(got, reference, strict=True)), len(reference),
+            sum(leading_equal(a, b) for a, b in zip(got, reference, strict=True)),
+            sum(len(b) for b in reference)))
+    return sides
 
 
 def hf_logprobs(gguf: str, wins: list[Window]) -> list[float]:
@@ -152,6 +214,12 @@ def measure(args: argparse.Namespace) -> list[Side]:
         lps = kvloop_logprobs(dtype, wins)
         sides.append(Side(f"kvloop --dtype {dtype}", perplexity(lps), len(lps),
                           mean_abs_diff(lps, truth), time.perf_counter() - start))
+    for name in _kv_cache_dtypes(args):
+        start = time.perf_counter()
+        lps = kvloop_logprobs(KV_BASE_DTYPE, wins, name)
+        sides.append(Side(f"kvloop --dtype {KV_BASE_DTYPE} --kv-cache-dtype {name}",
+                          perplexity(lps), len(lps), mean_abs_diff(lps, truth),
+                          time.perf_counter() - start))
     if not args.skip_llamacpp:
         start = time.perf_counter()
         ppl = llamacpp_perplexity(args.build_dir, gguf, args.ctx, args.threads)
@@ -160,6 +228,20 @@ def measure(args: argparse.Namespace) -> list[Side]:
             sides.append(Side("llama.cpp llama-perplexity", ppl, scored, None,
                               time.perf_counter() - start))
     return sides
+
+
+def _kv_cache_dtypes(args: argparse.Namespace) -> list[str]:
+    return [n for n in args.kv_cache_dtypes.split(",") if n]
+
+
+def chat_table(sides: list[ChatSide]) -> str:
+    lines = [f"the chat set ({CHAT_QUESTIONS.name}), greedy, {CHAT_TOKENS} tokens, each question "
+             f"alone, --dtype {KV_BASE_DTYPE} dense, against the same path on the unquantized "
+             "cache", "",
+             "| --kv-cache-dtype | answers equal | leading tokens kept |", "|---|---|---|"]
+    lines += [f"| {s.kv_cache_dtype} | {s.equal} / {s.questions} | {s.tokens_kept} / "
+              f"{s.tokens} |" for s in sides]
+    return "\n".join(lines)
 
 
 def table(sides: list[Side], ctx: int) -> str:
@@ -182,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="GGUF file (default: the embedded model)")
     p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
                    help="kvloop --dtype values to measure, comma-separated")
+    p.add_argument("--kv-cache-dtypes", default=",".join(DEFAULT_KV_CACHE_DTYPES),
+                   help=f"kvloop --kv-cache-dtype values to measure (with --dtype "
+                        f"{KV_BASE_DTYPE}), comma-separated; '' for none")
+    p.add_argument("--skip-chat", action="store_true",
+                   help="no chat-set comparison of the KV cache dtypes")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens")
     p.add_argument("--threads", type=int, default=2, help="llama-perplexity's threads")
     p.add_argument("--build-dir", default=DEFAULT_BUILD_DIR, help="llama.cpp's build folder")
@@ -197,8 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--ctx must be at least 4")
     sides = measure(args)
     print(table(sides, args.ctx))
+    chat = [] if args.skip_chat else measure_chat(_kv_cache_dtypes(args))
+    if chat:
+        print()
+        print(chat_table(chat))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps([asdict(s) for s in sides], indent=2) + "\n")
+        figures = {"perplexity": [asdict(s) for s in sides], "chat": [asdict(c) for c in chat]}
+        Path(args.json_out).write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
 

@@ -52,6 +52,10 @@ from kvloop.wire import KVTransferInfo, KVTransferStats
 
 # The shape of one transferred frame (a layer's blocks), the same for every runner
 KV_BLOCK_LAYOUT = "per layer: [2 (key, value), num_kv_heads, blocks, block_size, head_dim]"
+# ... of a quantized cache (`--kv-cache-dtype` fp8 or int8): each row its one-byte codes, then
+# its fp32 scale (kvloop.model.kv_quant)
+QUANTIZED_KV_BLOCK_LAYOUT = ("per layer: [2 (key, value), num_kv_heads, blocks, block_size, "
+                             "head_dim codes + fp32 scale]")
 
 
 class KVFingerprint(msgspec.Struct, frozen=True):

@@ -426,6 +426,10 @@ class TransferClient:
         diffs = [f"{n}: P has {t!r}, D has {o!r}" if n != "engine_id"
                  else f"engine_id: P at {key[1]}:{key[2]} is {t!r}, the request names {o!r}"
                  for n, t, o in zip(names, theirs, ours, strict=True) if t != o]
+        if reply.kv_fingerprint.dtype != store.fingerprint.dtype:
+            diffs.insert(0, f"KV cache dtype: P stores {reply.kv_fingerprint.dtype}, D stores "
+                            f"{store.fingerprint.dtype} (--kv-cache-dtype must be the same on "
+                            "both)")
         return "; ".join(diffs)
 
     def _on_read(self, load: Load, reply: Any, frames: list[Any]) -> None:

@@ -31,6 +31,13 @@ kv_cache_groups`), whose tables begin at the first block a query of the step can
   a row reaches past W the step's decodes run `windowed_decode_attention` (torch: gathered
   keys, rows masked from `decode_key_starts`), so the C++ op needs no window argument.
 
+A quantized cache (`--kv-cache-dtype` fp8 or int8; `meta.kv_quant`, kvloop.model.kv_quant)
+is written by `kv_quant.rope_and_cache` and read by `kv_quant.decode_attention` (dequantized
+in the kernel); every prefill chunk, a first one too, reads its keys and values back from
+the cache (dequantized), so a token sees the same values whether its prefix is computed now
+or came from the prefix cache, a tier or a prefill engine. A model with sliding-window layers
+keeps its KV in the activations' dtype (the windowed paths read the cache as it is).
+
 Everything here is metadata built once per step by the runner (`AttentionMetadata`, one per
 KV-cache group), shared by the layers of the group; there is no module-global state.
 """
@@ -42,7 +49,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvloop.model import cpu_ops
+from kvloop.model import cpu_ops, kv_quant
+from kvloop.model.kv_quant import KVQuant
 
 
 @dataclass
@@ -69,6 +77,20 @@ class AttentionMetadata:
     # table's token index); None: every key up to seq_len (the C++ op)
     decode_key_starts: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    kv_quant: KVQuant | None = None                 # the cache's format (None: unquantized)
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   heads: int, kv_heads: int) -> None:
+    """RoPE on q and k of `qkv` in place, this step's K and V into `kv_cache` at
+    `meta.slot_mapping`, in the cache's format."""
+    if meta.kv_quant is None:
+        cpu_ops.rope_and_cache(qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads,
+                               kv_heads)
+    else:
+        kv_quant.rope_and_cache(qkv, positions, cos, sin, kv_cache, meta.slot_mapping, heads,
+                                kv_heads, meta.kv_quant)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -83,7 +105,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if meta.num_decodes:
         out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
     for chunk in meta.prefills:
-        out[chunk.start:chunk.end] = _chunk_attention(q, k, v, kv_cache, chunk, scale)
+        if meta.kv_quant is None:
+            out[chunk.start:chunk.end] = _chunk_attention(q, k, v, kv_cache, chunk, scale)
+        else:
+            out[chunk.start:chunk.end] = _quantized_chunk_attention(
+                q, kv_cache, chunk, meta.slot_mapping, meta.kv_quant, scale)
     return out
 
 
@@ -94,6 +120,9 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
     if meta.decode_key_starts is not None:
         return windowed_decode_attention(q, kv_cache, meta.decode_block_table,
                                          meta.decode_seq_lens, meta.decode_key_starts, scale)
+    if meta.kv_quant is not None:
+        return kv_quant.decode_attention(q.contiguous(), kv_cache, meta.decode_block_table,
+                                         meta.decode_seq_lens, scale, meta.kv_quant)
     return cpu_ops.decode_attention(q.contiguous(), kv_cache, meta.decode_block_table,
                                     meta.decode_seq_lens, scale)
 
@@ -139,6 +168,30 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
                                              scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
+
+
+def _quantized_chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
+                               slot_mapping: torch.Tensor, quant: KVQuant,
+                               scale: float) -> torch.Tensor:
+    """`_chunk_attention` over a quantized cache: keys and values (context and chunk alike)
+    read back from the cache and dequantized -> [q_len, heads * head_dim]."""
+    q_len = chunk.end - chunk.start
+    query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
+    if chunk.context_len == 0:
+        slots = slot_mapping[chunk.start:chunk.end]
+        mask, causal = None, True
+    else:
+        assert chunk.block_ids is not None
+        block_size = kv_cache.shape[3]
+        starts = chunk.block_ids.unsqueeze(1) * block_size
+        slots = (starts + torch.arange(block_size, device=starts.device)).reshape(-1)
+        slots = slots[:chunk.context_len + q_len]
+        mask, causal = chunk.mask, False
+    keys = kv_quant.gather_dequantized(kv_cache[0], slots, quant, q.dtype).unsqueeze(0)
+    values = kv_quant.gather_dequantized(kv_cache[1], slots, quant, q.dtype).unsqueeze(0)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                         is_causal=causal, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q_len, -1)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_reqs: int) -> torch.Tensor:

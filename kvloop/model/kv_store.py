@@ -2,8 +2,12 @@
 
 Each layer's cache is `[2, kv_heads, num_blocks, block_size, head_dim]` (keys, values); a
 transferred frame is one layer's selected blocks, `[2, kv_heads, n, block_size, head_dim]`
-in the cache's dtype (`KV_BLOCK_LAYOUT`), the blocks in the order asked for. Reads and writes
-run on the connector's threads while the runner computes other blocks.
+in the cache's dtype (`KV_BLOCK_LAYOUT`), the blocks in the order asked for. A quantized cache
+(`--kv-cache-dtype`, kvloop.model.kv_quant) moves its bytes as they are, rows of codes and
+scale (`QUANTIZED_KV_BLOCK_LAYOUT`); its fingerprint's dtype names the format ("int8",
+"fp8_e4m3", "fp8_e5m2"), so no engine, tier or prefill engine of another KV dtype takes its
+blocks. Reads and writes run on the connector's threads while the runner computes other
+blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kvloop.core.kv_connector import KV_BLOCK_LAYOUT, KVFingerprint
+from kvloop.core.kv_connector import KV_BLOCK_LAYOUT, QUANTIZED_KV_BLOCK_LAYOUT, KVFingerprint
+from kvloop.model.kv_quant import KVQuant
 from kvloop.model.loader import ModelConfig
 
 
@@ -23,18 +28,21 @@ class ModelKVBlockStore:
     has_payload = True
 
     def __init__(self, kv_caches: list[torch.Tensor], config: ModelConfig, block_size: int,
-                 model_name: str):
+                 model_name: str, kv_quant: KVQuant | None = None):
         self.kv_caches = kv_caches
         self.block_size = block_size
         first = kv_caches[0]
         self.dtype = first.dtype
         self.device = first.device
         self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.row = first.shape[-1]      # elements of a row: head_dim (+ the scale's bytes)
         self.fingerprint = KVFingerprint(
-            model=model_name, dtype=str(first.dtype).removeprefix("torch."),
+            model=model_name,
+            dtype=kv_quant.name if kv_quant else str(first.dtype).removeprefix("torch."),
             num_layers=len(kv_caches), num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, layout=KV_BLOCK_LAYOUT)
-        per_layer = 2 * self.num_kv_heads * block_size * self.head_dim * first.element_size()
+            head_dim=self.head_dim,
+            layout=QUANTIZED_KV_BLOCK_LAYOUT if kv_quant else KV_BLOCK_LAYOUT)
+        per_layer = 2 * self.num_kv_heads * block_size * self.row * first.element_size()
         self.block_nbytes = per_layer * len(kv_caches)
 
     def read_blocks(self, block_ids: Sequence[int]) -> list[Any]:
@@ -49,7 +57,7 @@ class ModelKVBlockStore:
         if len(frames) != len(self.kv_caches):
             raise ValueError(f"{len(frames)} frames for {len(self.kv_caches)} layers")
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        shape = (2, self.num_kv_heads, n, self.block_size, self.head_dim)
+        shape = (2, self.num_kv_heads, n, self.block_size, self.row)
         with torch.inference_mode():
             for kv, frame in zip(self.kv_caches, frames, strict=True):
                 data = torch.frombuffer(bytearray(frame), dtype=torch.uint8)

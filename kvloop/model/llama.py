@@ -37,7 +37,7 @@ from torch import nn
 from kvloop.config import LoRAConfig
 from kvloop.core.kv_cache_groups import layer_slots
 from kvloop.model import cpu_ops
-from kvloop.model.attention import AttentionMetadata, paged_attention
+from kvloop.model.attention import AttentionMetadata, paged_attention, rope_and_cache
 from kvloop.model.gguf import RawTensor
 from kvloop.model.loader import ModelConfig
 from kvloop.model.lora import (
@@ -244,8 +244,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x, low_bit, lora).contiguous()        # [T, (H + 2K) * D]
         if self.q_norm is not None:
             self._norm_qk(qkv.view(num_tokens, -1, self.head_dim))
-        cpu_ops.rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache,
-                               meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        rope_and_cache(qkv, step.positions, rotary.cos, rotary.sin, kv_cache, meta,
+                       self.num_heads, self.num_kv_heads)
         rows = qkv.view(num_tokens, -1, self.head_dim)               # [T, H + 2K, D]
         q, k, v = rows.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)   # [T, H * D]
@@ -401,13 +401,14 @@ class LlamaModel(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding and every decoder layer: (h, residual) [T, hidden] each, before the
         final norm (whose input is their sum). The low-bit policy decides `step.low_bit`
-        here; a step with adapter rows takes the layer loop (`FusedDecode` has no LoRA)."""
+        here; a step with adapter rows, or over a quantized KV cache, takes the layer loop
+        (`FusedDecode` has neither LoRA nor quantized KV)."""
         h = self.embed(step.input_ids)                               # [T, hidden]
         residual: torch.Tensor | None = None
         num_tokens = step.num_tokens
         step = step.with_low_bit(self.low_bit.layers(num_tokens))
         if (self.fused_decode is not None and step.lora is None
-                and step.meta.num_decodes == num_tokens
+                and step.meta.num_decodes == num_tokens and step.meta.kv_quant is None
                 and self.low_bit.fused_decode(num_tokens)):
             h, residual = self.fused_decode.forward(h, step.positions, self.rotary, kv_caches,
                                                     step.meta)

@@ -65,6 +65,7 @@ from kvloop.model.attention import (
     lower_right_causal_mask,
     window_causal_mask,
 )
+from kvloop.model.kv_quant import KVQuant
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig
@@ -147,7 +148,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, config: ModelConfig, *, num_gpu_blocks: int,
                  block_size: int, max_model_len: int, device: torch.device,
-                 model_name: str, seed: int = 0):
+                 model_name: str, seed: int = 0, kv_quant: KVQuant | None = None):
         self.model = model
         self.config = config
         self.device = device
@@ -158,12 +159,14 @@ class ModelRunner:
         self.model_name = model_name
         self.dtype = model.dtype
         self.kv_cache_groups = config.kv_cache_groups   # read by the engine's KV manager
+        self.kv_quant = kv_quant                  # the cache's format (None: model.dtype)
         self.kv_caches = allocate_kv_caches(config, num_gpu_blocks, block_size,
-                                            model.dtype, device)
+                                            model.dtype, device, kv_quant)
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
-        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name)
+        self.kv_block_store = ModelKVBlockStore(self.kv_caches, config, block_size, model_name,
+                                                kv_quant)
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="kvloop-forward")
         self._pending: Future[_Forward] | None = None
         self.lora_slots: LoRASlots | None = None   # set by `enable_lora`
@@ -444,7 +447,8 @@ class ModelRunner:
                             group: int) -> AttentionMetadata:
         """KV-cache group `group`'s metadata (its block tables and window)."""
         decodes = [i for i in items if i.num_tokens == 1]
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decodes),
+                                 kv_quant=self.kv_quant)
         window = self.kv_cache_groups[group].sliding_window
         if decodes:
             (meta.decode_block_table, meta.decode_seq_lens,
@@ -608,12 +612,16 @@ def _sampling_row(item: _Scheduled) -> SamplingRow:
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
-                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Each layer's `[2, kv_heads, num_blocks, block_size, head_dim]` cache, zeroed (so
-    touched). One tensor per layer for a model of one KV-cache group; with several groups
+                       dtype: torch.dtype, device: torch.device,
+                       kv_quant: KVQuant | None = None) -> list[torch.Tensor]:
+    """Each layer's zeroed (so touched) `[2, kv_heads, num_blocks, block_size, row]` cache:
+    `row` is `head_dim` values in `dtype`, or with `kv_quant` uint8 rows of `head_dim` codes
+    and a scale. One tensor per layer for a model of one KV-cache group; with several groups
     layer j of each group shares tensor j (`kvloop.core.kv_cache_groups`: a block belongs
     to one group, so the layers sharing a tensor never share a block)."""
-    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
+    row = config.head_dim if kv_quant is None else kv_quant.row_bytes(config.head_dim)
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, row)
+    dtype = dtype if kv_quant is None else torch.uint8
     groups = config.kv_cache_groups
     shared = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(group_size(groups))]
     return [shared[j] for _, j in layer_slots(groups, config.num_hidden_layers)]

@@ -23,6 +23,7 @@ from kvloop.config import (
 from kvloop.model import cpu_ops
 from kvloop.model.crossover import measure_policy
 from kvloop.model.gemma3 import Gemma3Model
+from kvloop.model.kv_quant import KVQuant, kv_quant_for, kv_row_bytes
 from kvloop.model.llama import LlamaModel
 from kvloop.model.loader import ModelConfig, load_model
 from kvloop.model.precision import resolve_precision
@@ -52,8 +53,13 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
         kv_cache_memory = kv_cache_bytes(dev, kv_cache_memory, rc.gpu_memory_utilization,
                                          model_weight_bytes(loaded.weights,
                                                             precision.activations))
+    kv_quant = kv_quant_for(rc.kv_cache_dtype)
+    if kv_quant is not None and any(g.sliding_window for g in config.kv_cache_groups):
+        raise ValueError(f"--kv-cache-dtype {rc.kv_cache_dtype}: {config.architecture} has "
+                         "sliding-window layers, whose KV stays in the activations' dtype "
+                         "(use --kv-cache-dtype auto)")
     num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
-                               rc.num_gpu_blocks_override)
+                               rc.num_gpu_blocks_override, kv_quant)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
     torch.manual_seed(rc.seed)
     model_class = MODEL_CLASSES.get(config.architecture, LlamaModel)
@@ -61,12 +67,13 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
                       quantized=loaded.quantized)
     del loaded.weights, loaded.quantized
     net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
-    logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens, max_model_len %d",
+    logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens (%s), max_model_len %d",
                 loaded.name, config.architecture, precision.describe(), dev, num_blocks,
-                rc.block_size, max_len)
+                rc.block_size, kv_quant.name if kv_quant else "KV in the activations' dtype",
+                max_len)
     runner = ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
                          max_model_len=max_len, device=dev, model_name=loaded.name,
-                         seed=rc.seed)
+                         seed=rc.seed, kv_quant=kv_quant)
     if rc.lora is not None:
         runner.enable_lora(rc.lora)
     return runner
@@ -154,15 +161,18 @@ def cuda_kv_budget(total: int, free: int, utilization: float, weight_bytes: int,
 
 
 def num_kv_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                  kv_cache_memory: int | None, override: int | None) -> int:
-    """Blocks in the pool, the null block included."""
+                  kv_cache_memory: int | None, override: int | None,
+                  kv_quant: KVQuant | None = None) -> int:
+    """Blocks in the pool, the null block included: as many as `kv_cache_memory` holds,
+    a block weighing its rows in the cache's format (`dtype`, or `kv_quant`'s codes and
+    scales: more blocks in the same memory by the rows' byte ratio)."""
     if override is not None:
         if override < 2:
             raise ValueError(f"num_gpu_blocks_override must be >= 2, got {override}")
         return override
     memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-    elem = _elem_size(dtype)
-    block_bytes = config.kv_bytes_per_token * elem * block_size
+    rows_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads
+    block_bytes = rows_per_token * kv_row_bytes(kv_quant, config.head_dim, dtype) * block_size
     blocks = memory // block_bytes
     if blocks < 2:
         raise ValueError(f"kv_cache_memory={memory} bytes holds {blocks} blocks of "

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvloop.config import QUANTIZED_KV_CACHE_DTYPES, quantized_kv_row_bytes
 from kvloop.sim.latency import LatencyModel
 
 # Decision reasons (the `reason` label of kvloop_router_pd_decisions_total).
@@ -177,7 +178,7 @@ def decode_order(d: PDWorker, session_tokens: int = 0) -> tuple[int, float, int]
 
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2,
                   "bfloat16": 2, "bf16": 2, "float64": 8, "int8": 1, "uint8": 1,
-                  "float8_e4m3fn": 1, "fp8": 1}
+                  "float8_e4m3fn": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 def fingerprint_bytes_per_token(fingerprint: object) -> float | None:
@@ -191,6 +192,8 @@ def fingerprint_bytes_per_token(fingerprint: object) -> float | None:
     if size is None or not all(isinstance(x, int) and x > 0 for x in dims):
         return None
     layers, heads, head_dim = (int(x) for x in dims)   # type: ignore[arg-type]
+    if dtype in QUANTIZED_KV_CACHE_DTYPES:     # --kv-cache-dtype fp8 / int8: codes and scale
+        return float(2 * layers * heads * quantized_kv_row_bytes(head_dim))
     return float(2 * layers * heads * head_dim * size)
 
 

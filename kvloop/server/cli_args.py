@@ -34,6 +34,7 @@ from kvloop.config import (
     GPU_MEMORY_UTILIZATION,
     GPU_MEMORY_UTILIZATION_IGNORED,
     HASH_ALGOS,
+    KV_CACHE_DTYPES,
     KV_OFFLOADING_BACKENDS,
     KV_STORE_PASSWORD_ENV,
     POLICIES,
@@ -207,6 +208,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV cache size, e.g. 512MiB (default: from --gpu-memory-utilization "
                         "on CUDA, else 1GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="how K and V are stored: auto (the activations' dtype), fp8 (= "
+                        "fp8_e4m3), fp8_e5m2 or int8: one byte per element and a scale per "
+                        "token and KV head, more blocks in the same memory; "
+                        "docs/cpu-performance.md has their quality and speed (default: auto)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="fix the KV capacity in blocks, the null block included, as vLLM "
                         "(default: from the KV cache size)")
@@ -547,7 +553,8 @@ def runner_config(args: argparse.Namespace, model: str) -> RunnerConfig:
                         max_model_len=args.max_model_len, seed=args.seed,
                         num_threads=args.num_threads,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        low_bit_max_tokens=args.low_bit_max_tokens, lora=lora_config(args))
+                        low_bit_max_tokens=args.low_bit_max_tokens, lora=lora_config(args),
+                        kv_cache_dtype=args.kv_cache_dtype)
 
 
 def sim_runner_config(args: argparse.Namespace, runner: RunnerConfig,

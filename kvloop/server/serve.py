@@ -30,6 +30,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from kvloop.config import RunnerConfig
 from kvloop.front.advertise import is_loopback_host, url_with_host
 from kvloop.front.sockets import SERVE_ANNOUNCEMENT, BindError, bind_tcp, http_url
 from kvloop.front.uvicorn_server import FrontServer
@@ -129,10 +130,10 @@ def _announcer(ctx: ServerContext, start: EngineStartConfig, url: str
                            ctx.config.fleet_secret)
 
 
-def _cache_info(ready: EngineReady) -> dict[str, str]:
+def _cache_info(ready: EngineReady, runner: RunnerConfig) -> dict[str, str]:
     return {"block_size": str(ready.block_size), "num_gpu_blocks": str(ready.num_gpu_blocks),
             "enable_prefix_caching": str(ready.enable_prefix_caching),
-            "prefix_caching_hash_algo": ready.hash_algo}
+            "prefix_caching_hash_algo": ready.hash_algo, "cache_dtype": runner.kv_cache_dtype}
 
 
 async def _first(work: Any, stop: asyncio.Event) -> tuple[bool, Any]:
@@ -188,7 +189,7 @@ async def _serve_on(sock: socket.socket, cfg: ServeConfig, start: EngineStartCon
             return 0
         spec = start.engine.speculative
         client.metrics = ServerMetrics(cfg.model_name, ready.max_model_len,
-                                       start.engine_index, _cache_info(ready),
+                                       start.engine_index, _cache_info(ready, start.runner),
                                        spec.num_speculative_tokens if spec else 0,
                                        kv_transfer=(ready.kv_transfer is not None
                                                     or start.engine.kv_offload is not None))
