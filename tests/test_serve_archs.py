@@ -6,6 +6,7 @@ the router, a Qwen3-MoE worker's reported prefix hits are the ones the router pr
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 import numpy as np
@@ -19,12 +20,13 @@ from .conftest import serving
 pytestmark = pytest.mark.processes
 
 
-def _serve_and_complete(tmp_path_factory: pytest.TempPathFactory, arch: str
-                        ) -> set[str]:
-    """Serve a tiny `arch` folder, check one greedy completion; -> its vllm: families."""
-    hf = arch_model(arch, seed=9)
+def _serve_and_complete(tmp_path_factory: pytest.TempPathFactory, arch: str,
+                        hf: Any = None, prompt_len: int = 9) -> set[str]:
+    """Serve a tiny `arch` folder (`hf`, or arch_helpers' model of `arch`), check one greedy
+    completion of a `prompt_len`-token prompt; -> its vllm: families."""
+    hf = arch_model(arch, seed=9) if hf is None else hf
     folder = write_arch_folder(hf, tmp_path_factory.mktemp(arch) / arch)
-    prompt = np.random.default_rng(3).integers(3, TINY_VOCAB, 9).tolist()
+    prompt = np.random.default_rng(3).integers(3, TINY_VOCAB, prompt_len).tolist()
     expected, _ = reference_greedy(hf, prompt, 5)
     with serving(tmp_path_factory, f"serve_{arch}", [
             "--model", str(folder), "--dtype", "float32", "--device", "cpu",
@@ -46,6 +48,16 @@ def test_serve_answers_for_qwen3_and_qwen3_moe_with_the_same_metrics(tmp_path_fa
     moe = _serve_and_complete(tmp_path_factory, "qwen3moe")
     assert "vllm:generation_tokens" in dense or "vllm:generation_tokens_total" in dense, dense
     assert len(dense) > 10 and moe == dense
+
+
+def test_serve_answers_for_phi3_and_a_sliding_window_gemma3(tmp_path_factory):
+    """Phi-3 (fused rows, LongRoPE) and Gemma 3 (sliding-window and global layers: two
+    KV-cache groups, a 20-token prompt past its 8-token window) through `kvloop serve DIR`."""
+    from tests.test_model_sliding import tiny_sliding_model
+
+    assert _serve_and_complete(tmp_path_factory, "phi3")
+    assert _serve_and_complete(tmp_path_factory, "gemma3",
+                               hf=tiny_sliding_model("gemma3", seed=9), prompt_len=20)
 
 
 def test_the_router_predicts_the_hits_a_qwen3_moe_worker_reports(tmp_path):

@@ -382,9 +382,14 @@ class Exchange:
             self.app.router.finish(self.routed.ticket, cached, outcome)
 
     def close(self) -> None:
-        """However the stream ended: the ticket and the permit close (idempotent)."""
+        """However the stream ended: the ticket and the permit close (idempotent). A stream
+        whose terminator (`[DONE]`) already passed is an answered request even when Envoy
+        closes the exchange before its end-of-stream body reaches us (a client that stops
+        reading at `[DONE]` and hangs up): its reported hit counts."""
         if self.permit is not None:
             self.permit.close()
+        if self.relay is not None and self.relay.end.ended and self.status == 200:
+            self._done()
         self._finish(None, "disconnected")
 
 
