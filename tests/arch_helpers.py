@@ -18,11 +18,9 @@ import torch
 
 from kvloop.core.request import SamplingParams
 from tests.test_model_tiny import (
-    CHAT_TEMPLATE,
-    MERGES,
     TINY_VOCAB,
-    gguf_tokenizer_metadata,
     llama_cpp_permute,
+    write_gguf_tokenizer,
     write_hf_folder,
 )
 
@@ -128,7 +126,7 @@ def write_arch_gguf(model, arch: str, path: Path, quant: str | None = None) -> P
     name = _GGUF_ARCH[arch]
     w = gguf.GGUFWriter(str(path), name)
     _write_hparams(w, cfg, arch)
-    _write_tokenizer(w)
+    write_gguf_tokenizer(w)
     for tensor_name, array in _gguf_tensors(model, arch):
         qtype = _quant_type(tensor_name, array, quant)
         if qtype is None:
@@ -187,18 +185,6 @@ def _write_longrope(w, cfg, head_dim: int) -> None:
     w.add_rope_scaling_orig_ctx_len(original)
     scale = cfg.max_position_embeddings / original
     w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-
-
-def _write_tokenizer(w) -> None:
-    meta = gguf_tokenizer_metadata()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(MERGES)
-    w.add_eos_token_id(2)
-    w.add_bos_token_id(0)
-    w.add_chat_template(CHAT_TEMPLATE)
 
 
 def _gguf_tensors(model, arch: str):

@@ -109,6 +109,20 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+def write_gguf_tokenizer(w) -> None:   # w: a gguf.GGUFWriter
+    """The tiny byte-level BPE vocabulary, its merges, ids and chat template into GGUF
+    writer `w` (llama.cpp's tokenizer keys)."""
+    meta = gguf_tokenizer_metadata()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(0)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
 def write_tiny_gguf(model, path: Path) -> Path:
     """`model`'s weights (F32, Q/K permuted as llama.cpp does) + the tiny tokenizer."""
     import gguf
@@ -124,15 +138,7 @@ def write_tiny_gguf(model, path: Path) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    meta = gguf_tokenizer_metadata()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(meta["tokenizer.ggml.tokens"])
-    w.add_token_types(meta["tokenizer.ggml.token_type"])
-    w.add_token_merges(MERGES)
-    w.add_eos_token_id(2)
-    w.add_bos_token_id(0)
-    w.add_chat_template(CHAT_TEMPLATE)
+    write_gguf_tokenizer(w)
     for name, tensor in _gguf_tensors(model):
         w.add_tensor(name, tensor)
     w.write_header_to_file()
