@@ -50,6 +50,10 @@ MODEL = ["--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "
          "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
 LENGTHS = (1, 15, 16, 17, 48, 2000)
+# D waits this long for P: the real model's P may be mid-way through a 2,000-token chunked
+# prefill when D asks (the sim tests' 2 s ran out beside a CPU burner: "no answer from
+# prefill engine ... within 2 s")
+KV = kv_config(transfer_timeout=60.0)
 LOGPROB_TOL = {"rel": 1e-5, "abs": 4e-5}
 MAX_TOKENS = 6
 
@@ -63,13 +67,13 @@ def _worker(tmp_path_factory: pytest.TempPathFactory, name: str,
 @pytest.fixture(scope="module")
 def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     yield from _worker(tmp_path_factory, "pd_model_a", "--max-num-batched-tokens", "256",
-                       "--role", "prefill", "--kv-transfer-config", kv_config())
+                       "--role", "prefill", "--kv-transfer-config", KV)
 
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     yield from _worker(tmp_path_factory, "pd_model_b", "--no-enable-chunked-prefill",
-                       "--role", "decode", "--kv-transfer-config", kv_config())
+                       "--role", "decode", "--kv-transfer-config", KV)
 
 
 def body(n: int) -> dict[str, Any]:
