@@ -278,17 +278,23 @@ def torch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     x.copy_(F.rms_norm(source, (x.shape[-1],), weight, eps))
 
 
-def torch_rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-                         heads: int, kv_heads: int) -> None:
-    tokens = qkv.shape[0]
-    dim = kv_cache.shape[-1]
-    rows = qkv.view(tokens, heads + 2 * kv_heads, dim)
+def torch_rope(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, heads: int, kv_heads: int, dim: int) -> torch.Tensor:
+    """RoPE on q and k of `qkv` in place; -> its rows `[T, heads + 2 * kv_heads, dim]`."""
+    rows = qkv.view(qkv.shape[0], heads + 2 * kv_heads, dim)
     qk = rows[:, :heads + kv_heads]
     c = cos[positions].unsqueeze(1)                                # [T, 1, D/2] fp32
     s = sin[positions].unsqueeze(1)
     x1, x2 = qk.float().chunk(2, dim=-1)
     qk.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    return rows
+
+
+def torch_rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                         heads: int, kv_heads: int) -> None:
+    dim = kv_cache.shape[-1]
+    rows = torch_rope(qkv, positions, cos, sin, heads, kv_heads, dim)
     k = rows[:, heads:heads + kv_heads]
     v = rows[:, heads + kv_heads:]
     kv_cache[0].view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))

@@ -162,15 +162,8 @@ def dequantize_rows(rows: torch.Tensor, quant: KVQuant, dtype: torch.dtype) -> t
 def torch_rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                          heads: int, kv_heads: int, quant: KVQuant) -> None:
-    tokens = qkv.shape[0]
     row = kv_cache.shape[-1]
-    dim = row - KV_SCALE_BYTES
-    rows = qkv.view(tokens, heads + 2 * kv_heads, dim)
-    qk = rows[:, :heads + kv_heads]
-    c = cos[positions].unsqueeze(1)                                # [T, 1, D/2] fp32
-    s = sin[positions].unsqueeze(1)
-    x1, x2 = qk.float().chunk(2, dim=-1)
-    qk.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+    rows = cpu_ops.torch_rope(qkv, positions, cos, sin, heads, kv_heads, row - KV_SCALE_BYTES)
     k = quantize_rows(rows[:, heads:heads + kv_heads], quant)      # [T, K, D + 4]
     v = quantize_rows(rows[:, heads + kv_heads:], quant)
     kv_cache[0].view(kv_heads, -1, row).index_copy_(1, slots, k.transpose(0, 1))

@@ -12,6 +12,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include "softmax.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -184,17 +186,7 @@ void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* bl
           scores[g * len + t] = s * ks;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        const float top = *std::max_element(sg, sg + len);
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - top);
-          total += sg[t];
-        }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) kvloop::softmax_in_place(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
       const uint8_t* vals = values + kh * cache_tokens * crow;
       for (int64_t t = 0; t < len; ++t) {

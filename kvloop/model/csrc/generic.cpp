@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include "pool.h"
+#include "softmax.h"
 
 #include <algorithm>
 #include <atomic>
@@ -263,17 +264,7 @@ void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, 
       scores[g * stride + t] = s;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * stride;
-    const float top = *std::max_element(sg, sg + len);
-    float total = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
-      sg[t] = std::exp(sg[t] - top);
-      total += sg[t];
-    }
-    const float inv = 1.f / total;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) kvloop::softmax_in_place(scores + g * stride, len);
   std::vector<float> acc(group * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const T* v = vals + slot[t] * dim;
