@@ -20,6 +20,7 @@ from kvloop.core.request import SamplingParams
 from tests.test_model_tiny import (
     TINY_VOCAB,
     llama_cpp_permute,
+    write_gguf_dims,
     write_gguf_tokenizer,
     write_hf_folder,
 )
@@ -153,12 +154,7 @@ def _quant_type(name: str, array: np.ndarray, quant: str | None):
 def _write_hparams(w, cfg, arch: str) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = cfg.rope_parameters
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_gguf_dims(w, cfg)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
-from tests.test_model_tiny import TINY_VOCAB, gguf_tokenizer_metadata, write_hf_folder
+from tests.test_model_tiny import (
+    TINY_VOCAB,
+    gguf_tokenizer_metadata,
+    write_gguf_dims,
+    write_hf_folder,
+)
 
 WINDOW = 8
 MAX_TOKENS = 8
@@ -203,12 +208,7 @@ def write_gemma3_gguf(model, path):
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_gguf_dims(w, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])

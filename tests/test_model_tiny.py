@@ -109,6 +109,16 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+def write_gguf_dims(w, cfg) -> None:   # w: a gguf.GGUFWriter; cfg: a transformers config
+    """A decoder's sizes into GGUF writer `w`: layers, context, widths and head counts."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def write_gguf_tokenizer(w) -> None:   # w: a gguf.GGUFWriter
     """The tiny byte-level BPE vocabulary, its merges, ids and chat template into GGUF
     writer `w` (llama.cpp's tokenizer keys)."""
@@ -129,12 +139,7 @@ def write_tiny_gguf(model, path: Path) -> Path:
 
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_gguf_dims(w, cfg)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
