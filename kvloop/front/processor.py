@@ -15,6 +15,11 @@ The engine knows nothing about text. For each engine request the API server keep
 - while stop strings can still match, the last `max(len(stop)) - 1` characters are held back
   from streaming until the request finishes.
 
+Outputs of one request that queue up while its handler is busy are processed as one
+(`merge_outputs`, vLLM's `RequestOutputCollector`): a handler that falls behind the engine
+detokenizes and streams once per wake, not once per engine step, with the same text, tokens
+and finish.
+
 The API server and the offline `LLM` both use this module: `model_stops` fills a request's
 EOS and the model's extra end-of-turn ids, `fan_out` turns a request with `n` samples into `n`
 engine requests, and `OutputState` follows each of them.
@@ -67,6 +72,27 @@ def fan_out(params: SamplingParams) -> list[SamplingParams]:
     """The `n` engine requests of one request: n = 1 each; seeded ones get seed, seed + 1..."""
     return [msgspec.structs.replace(params, n=1, seed=None if params.seed is None
                                     else params.seed + i) for i in range(params.n)]
+
+
+def merge_outputs(first: EngineCoreOutput, later: EngineCoreOutput) -> EngineCoreOutput | None:
+    """`first` and `later` (the request's next output) as one output, as if one engine step had
+    sampled the tokens of both; None when they cannot be one: `first` finished, either carries
+    an error, prompt logprobs or a pooled vector, or only one of them has logprobs. The
+    finishing fields (`finish_reason`, `stop_reason`, `kv_transfer_params`, ...) are `later`'s.
+    `OutputState.process` of the result gives what processing the two in order gives."""
+    if first.finished or not _plain(first) or not _plain(later):
+        return None
+    if (first.new_logprobs is None) != (later.new_logprobs is None):
+        return None
+    logprobs = (None if first.new_logprobs is None or later.new_logprobs is None
+                else first.new_logprobs + later.new_logprobs)
+    return msgspec.structs.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids,
+                                   new_logprobs=logprobs)
+
+
+def _plain(out: EngineCoreOutput) -> bool:
+    """Only tokens, logprobs and finishing fields: nothing a merge could misplace."""
+    return out.error is None and out.new_prompt_logprobs is None and out.pooling_output is None
 
 
 class Detokenizer(Protocol):

@@ -65,6 +65,7 @@ from kvloop.front.processor import (
     OutputState,
     TokenLogprob,
     fan_out,
+    merge_outputs,
     model_stops,
 )
 from kvloop.front.prompts import chat_prompt, completion_prompts
@@ -422,7 +423,7 @@ class Generation:
         self.queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self.end = StreamEnd()
         self._pending = {c.request_id: c for c in children}
-        self._held: list[QueueItem] = []   # taken from the queue by `verdict`, not yet read
+        self._held: list[QueueItem] = []   # taken from the queue, not yet read
         # the field an engine error names (the constraint's: its grammar may not compile)
         self.error_param = constraint.param if constraint else None
 
@@ -478,7 +479,7 @@ class Generation:
         client = self.ctx.client
         try:
             while self._pending:
-                rid, item = self._held.pop(0) if self._held else await self.queue.get()
+                rid, item = await self._next()
                 if isinstance(item, BaseException):
                     raise item
                 child = self._pending.get(rid or "")
@@ -494,6 +495,15 @@ class Generation:
                 yield child, delta
         finally:
             client.abort_requests(list(self._pending))
+
+    async def _next(self) -> QueueItem:
+        """The next item, with what the engine sent for the same request since merged in
+        (`take_merged`): a handler that falls behind streams once per wake, not per step."""
+        if not self._held:
+            self._held.append(await self.queue.get())
+        while not self.queue.empty():
+            self._held.append(self.queue.get_nowait())
+        return take_merged(self._held)
 
     async def verdict(self) -> None:
         """Wait for the engine's first output on this generation (kept for `deltas`), so a
@@ -531,6 +541,29 @@ class Generation:
     def abort_unfinished(self) -> None:
         """Abort in the engine whatever is still running (idempotent)."""
         self.ctx.client.abort_requests(list(self._pending))
+
+
+def take_merged(held: list[QueueItem]) -> QueueItem:
+    """Pop the first item of `held` (not empty), with the outputs of its request that follow
+    it merged in (`merge_outputs`), up to the first that cannot merge or the first exception;
+    the items left keep their order."""
+    rid, item = held.pop(0)
+    if not isinstance(item, EngineCoreOutput):
+        return rid, item
+    i = 0
+    while i < len(held):
+        other_rid, other = held[i]
+        if isinstance(other, BaseException):
+            break
+        if other_rid == rid:
+            merged = merge_outputs(item, other)
+            if merged is None:
+                break
+            item = merged
+            del held[i]
+        else:
+            i += 1
+    return rid, item
 
 
 class GenerationStream(StreamingResponse):
