@@ -1,5 +1,5 @@
 """Outputs of one request queued behind each other are processed as one (`merge_outputs`,
-`serving.take_merged`): the same text, tokens, logprobs and finish as processing them one by
+`serving.merge_held`): the same text, tokens, logprobs and finish as processing them one by
 one, with the embedded model's tokenizer (multi-byte characters split across tokens) and the
 byte tokenizer (stop strings at any byte)."""
 
@@ -15,7 +15,7 @@ from kvloop.front.byte_tokenizer import ByteTokenizer
 from kvloop.front.processor import OutputOptions, OutputState, merge_outputs
 from kvloop.front.tokenizer import Tokenizer
 from kvloop.server.client import QueueItem
-from kvloop.server.serving import ClientDisconnected, take_merged
+from kvloop.server.serving import ClientDisconnected, merge_held
 from kvloop.wire import EngineCoreOutput, PromptLogprobsChunk, TopLogprobs
 
 SMOL_TEXT = ("Déjà vu: 東京 is 3,776 m below Fuji's top 🗻; naïve café owners say "
@@ -55,10 +55,8 @@ def _steps(rng: random.Random, ids: list[int], finish: str, stop_reason: int | N
 
 
 def _merged(outs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
-    held: list[QueueItem] = [("r", o) for o in outs]
     merged = []
-    while held:
-        rid, item = take_merged(held)
+    for rid, item in merge_held([("r", o) for o in outs]):
         assert rid == "r" and isinstance(item, EngineCoreOutput)
         merged.append(item)
     return merged
@@ -122,18 +120,23 @@ def test_what_cannot_merge_keeps_its_place() -> None:
     a1, a2 = EngineCoreOutput("a", [1]), EngineCoreOutput("a", [2], finish_reason="length")
     b1, b2 = EngineCoreOutput("b", [7]), EngineCoreOutput("b", [8])
     prompt_lps = EngineCoreOutput("b", [9], new_prompt_logprobs=PromptLogprobsChunk(0, []))
+    b3 = EngineCoreOutput("b", [10])
     gone = ClientDisconnected()
     held: list[QueueItem] = [("a", a1), ("b", b1), ("a", a2), ("b", b2), ("b", prompt_lps),
-                             ("a", EngineCoreOutput("a", [3])), (None, gone)]
-    rid, first = take_merged(held)
-    assert rid == "a" and first.new_token_ids == [1, 2] and first.finish_reason == "length"
-    rid, second = take_merged(held)     # stops at the output with prompt logprobs
-    assert rid == "b" and second.new_token_ids == [7, 8]
-    assert [(r, getattr(o, "new_token_ids", None)) for r, o in held] == [
-        ("b", [9]), ("a", [3]), (None, None)]   # after a finished output nothing merges
-    held = [("b", b1), (None, gone), ("b", b2)]
-    assert take_merged(held)[1].new_token_ids == [7]    # nothing jumps an exception
-    assert held == [(None, gone), ("b", b2)]
+                             ("a", EngineCoreOutput("a", [3])), ("b", b3), (None, gone),
+                             ("b", EngineCoreOutput("b", [11]))]
+    merged = merge_held(held)
+    assert [(r, getattr(o, "new_token_ids", None)) for r, o in merged] == [
+        ("a", [1, 2]),      # finished: nothing merges into it
+        ("b", [7, 8]),
+        ("b", [9]),         # prompt logprobs: it neither merges nor takes anything in
+        ("a", [3]),
+        ("b", [10]),
+        (None, None),       # nothing jumps an exception, nothing after it merges
+        ("b", [11])]
+    assert merged[0][1].finish_reason == "length"
+    assert merge_held([("b", b1), (None, gone), ("b", b2)]) == [("b", b1), (None, gone),
+                                                               ("b", b2)]
 
 
 def test_merge_refuses_outputs_that_do_not_add_up() -> None:

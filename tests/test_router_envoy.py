@@ -12,6 +12,7 @@ upstream served each request and the picker's fallback list (the `envoy.lb` meta
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import signal
@@ -149,7 +150,9 @@ def test_streaming_passes_through_and_usage_is_read_back(fleet, tmp_path):
         chunks = list(client.completions.create(model="sim", prompt=prompt, max_tokens=5,
                                                 stream=True, extra_body={"ignore_eos": True}))
         # the usage chunk the picker asked for is cut again: the client did not ask
-        assert len(chunks) == 5 and all(c.usage is None for c in chunks)
+        # (fewer chunks than tokens when outputs queue behind a busy handler: merge_outputs)
+        assert 1 <= len(chunks) <= 5 and all(c.usage is None for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
         chunks = list(client.completions.create(
             model="sim", prompt=prompt, max_tokens=3, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
@@ -157,7 +160,7 @@ def test_streaming_passes_through_and_usage_is_read_back(fleet, tmp_path):
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
         again = list(client.completions.create(model="sim", prompt=prompt, max_tokens=2,
                                                stream=True, extra_body={"ignore_eos": True}))
-        assert len(again) == 2 and all(c.usage is None for c in again)
+        assert 1 <= len(again) <= 2 and all(c.usage is None for c in again)
         # the cut usage chunk was read too: the picker reads it as it passes, so the figure
         # may land a moment after the client has its last chunk
         wait_until(lambda: _verification(gw.rt) == (32 + 32, 32 + 32), 10,
@@ -232,10 +235,10 @@ def test_a_draining_worker_finishes_its_stream_and_gets_nothing_new(fleet, tmp_p
         with gateway(tmp_path, router_config(), [WorkerSpec(drainer.url)]) as gw:
             with httpx.stream("POST", gw.url + "/v1/completions", timeout=60, json={
                     "prompt": [9] * 40, "max_tokens": 600, "stream": True,
-                    "ignore_eos": True}) as stream:
+                    "ignore_eos": True, "return_token_ids": True}) as stream:
                 assert stream.status_code == 200
                 lines = stream.iter_lines()
-                assert next(ln for ln in lines if ln.startswith("data:"))
+                first = next(ln for ln in lines if ln.startswith("data:"))
                 for spec in fleet.specs():   # the rest of the fleet joins
                     r = httpx.post(gw.rt.url + "/workers", headers=ADMIN,
                                    json={"url": spec.url}, timeout=30)
@@ -249,7 +252,9 @@ def test_a_draining_worker_finishes_its_stream_and_gets_nothing_new(fleet, tmp_p
                         "prompt": [100 + i] * 40, "max_tokens": 2}, timeout=30)
                     assert r.status_code == 200, r.text
                 events = [ln for ln in lines if ln.startswith("data:")]
-            assert events[-1] == "data: [DONE]" and len(events) == 600
+            assert events[-1] == "data: [DONE]"
+            assert sum(len(json.loads(ln.removeprefix("data: "))["choices"][0]["token_ids"])
+                       for ln in [first, *events[:-1]]) == 600
             # the six went elsewhere; the stream (logged once it ended) was the drainer's
             upstreams = [a["upstream"] for a in gw.access(7)]
             assert len(upstreams) == 7 and upstreams.count(name) == 1

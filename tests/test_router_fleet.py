@@ -157,7 +157,9 @@ def test_streaming_passthrough_usage_and_errors(fleet):
         prompt = [7] * 40
         chunks = list(client.completions.create(model="sim", prompt=prompt, max_tokens=5,
                                                 stream=True, extra_body={"ignore_eos": True}))
-        assert len(chunks) == 5 and all(c.usage is None for c in chunks)
+        # (fewer chunks than tokens when outputs queue behind a busy handler: merge_outputs)
+        assert 1 <= len(chunks) <= 5 and all(c.usage is None for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
         chunks = list(client.completions.create(
             model="sim", prompt=prompt, max_tokens=3, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))

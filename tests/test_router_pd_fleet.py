@@ -217,12 +217,13 @@ def test_streaming_through_the_router_keeps_sse_and_the_reported_hit(fleet):
                 "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             events = [ln for ln in r.iter_lines() if ln]
-        assert len(events) == 5 and events[-1] == "data: [DONE]"
+        # (fewer chunks than tokens when outputs queue behind a busy handler: merge_outputs)
+        assert 2 <= len(events) <= 5 and events[-1] == "data: [DONE]"
         assert all(ln.startswith("data: {") for ln in events[:-1])
         chunks = list(client.completions.create(
             model="sim", prompt=prompt, max_tokens=3, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-        assert len(chunks) == 4 and chunks[-1].choices == []
+        assert 2 <= len(chunks) <= 4 and chunks[-1].choices == []
         # the repeat hits P's cache: D reports P's hit (its own is nothing, it caches nothing)
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (80 - 1) // BS * BS
         assert pd_decisions(rt, "remote", ALWAYS) == 2

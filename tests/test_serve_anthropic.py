@@ -105,7 +105,12 @@ def test_a_stream_is_anthropics_event_sequence(server):
         events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     assert all(name == e["type"] for name, e in events)
     names = [name for name, _ in events]
-    assert names == ["message_start", "ping", "content_block_start", *["content_block_delta"] * 5,
+    # one delta per engine step, or fewer: outputs that queue while the handler is busy are
+    # streamed together (kvloop.front.processor.merge_outputs)
+    num_deltas = names.count("content_block_delta")
+    assert 1 <= num_deltas <= 5
+    assert names == ["message_start", "ping", "content_block_start",
+                     *["content_block_delta"] * num_deltas,
                      "content_block_stop", "message_delta", "message_stop"]
     start, delta = events[0][1]["message"], events[-2][1]
     assert start["content"] == [] and start["stop_reason"] is None
@@ -116,7 +121,7 @@ def test_a_stream_is_anthropics_event_sequence(server):
     with client(server.url).messages.stream(model="sim", max_tokens=4, messages=USER) as s:
         texts = [e.text for e in s if e.type == "text"]
         final = s.get_final_message()
-    assert final.content[0].text == "".join(texts) and len(texts) == 4
+    assert final.content[0].text == "".join(texts) and 1 <= len(texts) <= 4
     assert final.usage.output_tokens == 4 and final.stop_reason == "max_tokens"
 
 

@@ -498,12 +498,14 @@ class Generation:
 
     async def _next(self) -> QueueItem:
         """The next item, with what the engine sent for the same request since merged in
-        (`take_merged`): a handler that falls behind streams once per wake, not per step."""
+        (`merge_held`): a handler that falls behind streams once per wake, not per step."""
         if not self._held:
             self._held.append(await self.queue.get())
-        while not self.queue.empty():
-            self._held.append(self.queue.get_nowait())
-        return take_merged(self._held)
+        if not self.queue.empty():
+            while not self.queue.empty():
+                self._held.append(self.queue.get_nowait())
+            self._held = merge_held(self._held)
+        return self._held.pop(0)
 
     async def verdict(self) -> None:
         """Wait for the engine's first output on this generation (kept for `deltas`), so a
@@ -543,27 +545,24 @@ class Generation:
         self.ctx.client.abort_requests(list(self._pending))
 
 
-def take_merged(held: list[QueueItem]) -> QueueItem:
-    """Pop the first item of `held` (not empty), with the outputs of its request that follow
-    it merged in (`merge_outputs`), up to the first that cannot merge or the first exception;
-    the items left keep their order."""
-    rid, item = held.pop(0)
-    if not isinstance(item, EngineCoreOutput):
-        return rid, item
-    i = 0
-    while i < len(held):
-        other_rid, other = held[i]
-        if isinstance(other, BaseException):
-            break
-        if other_rid == rid:
-            merged = merge_outputs(item, other)
-            if merged is None:
-                break
-            item = merged
-            del held[i]
+def merge_held(held: list[QueueItem]) -> list[QueueItem]:
+    """`held` with each output merged into the one of its request before it where they can
+    merge (`merge_outputs`), up to the first exception (what follows it is left as it is).
+    Each request's outputs keep their order; one pass."""
+    merged: list[QueueItem] = []
+    last: dict[str | None, int] = {}    # request id -> index of its last output in `merged`
+    for k, (rid, item) in enumerate(held):
+        if isinstance(item, BaseException):
+            return merged + held[k:]
+        j = last.get(rid)
+        prior = merged[j][1] if j is not None else None
+        both = merge_outputs(prior, item) if isinstance(prior, EngineCoreOutput) else None
+        if j is not None and both is not None:
+            merged[j] = (rid, both)
         else:
-            i += 1
-    return rid, item
+            last[rid] = len(merged)
+            merged.append((rid, item))
+    return merged
 
 
 class GenerationStream(StreamingResponse):
