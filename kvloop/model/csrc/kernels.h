@@ -57,13 +57,23 @@ struct QuantMatmul {
 using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
                            int64_t end, float* out, int64_t out_stride);
 
-// One request's decode attention for one KV head: `group` query heads qf [group, dim]
-// (already scaled), keys and values at `slot[0, len)` (token rows of `dim`), scores scratch
-// [group, stride] (stride = len rounded up to 8), out [group] rows `out_stride` apart.
+// One request's decode attention for one KV head: `group` query heads q [group, dim] (rows
+// `dim` apart), each score q . k times `scale`, keys and values at `slot[0, len)` (token
+// rows of `dim`), scores scratch [group, stride] (stride = len rounded up to 8), out
+// [group] rows `out_stride` apart.
 template <typename T>
-using AttendFn = void (*)(const float* qf, int64_t group, int64_t dim, const T* keys,
+using AttendFn = void (*)(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
                           const T* vals, const int64_t* slot, int64_t len, float* scores,
                           T* out, int64_t out_stride);
+
+// q [n] widened to fp32 and multiplied by `scale`: the query of the fp32 attention kernels
+// (scaled once, not each score).
+template <typename T>
+inline std::vector<float> scaled_query(const T* q, int64_t n, float scale) {
+  std::vector<float> qf(n);
+  for (int64_t i = 0; i < n; ++i) qf[i] = to_f(q[i]) * scale;
+  return qf;
+}
 
 // One row of fp32 x quantized per group of 32: q [K], d and s [K / 32] (QuantizedRows).
 using QuantizeRowFn = void (*)(const float* x, int64_t k_in, int16_t* q, float* d, float* s);
@@ -141,8 +151,8 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T>
-void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
-                    const int64_t* slot, int64_t len, float* scores, T* out,
+void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
+                    const T* vals, const int64_t* slot, int64_t len, float* scores, T* out,
                     int64_t out_stride);
 
 }  // namespace kvloop

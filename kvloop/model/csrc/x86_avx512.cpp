@@ -18,10 +18,13 @@ namespace kvloop::avx512 {
 // A KV head's `group` query heads: together where the 8 x G accumulators fit in the 32
 // vector registers (G 2-4), else one head at a time; other shapes as generic.
 template <typename T>
-void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+void attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys, const T* vals,
             const int64_t* slot, int64_t len, float* scores, T* out, int64_t out_stride) {
   if (dim % 64 != 0)
-    return generic_attend<T>(qf, group, dim, keys, vals, slot, len, scores, out, out_stride);
+    return generic_attend<T>(q, scale, group, dim, keys, vals, slot, len, scores, out,
+                             out_stride);
+  const std::vector<float> q32 = scaled_query(q, group * dim, scale);
+  const float* qf = q32.data();
   switch (group) {
     case 2: return attend_grouped<T, 2>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
     case 3: return attend_grouped<T, 3>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
