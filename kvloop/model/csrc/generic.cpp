@@ -220,6 +220,14 @@ std::vector<E> pair_order(const E* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
+// Each group of 32's sum of x, [rows, k_in / 32].
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t rows, int64_t k_in) {
+  std::vector<float> out(rows * (k_in / 32), 0.f);
+  for (int64_t i = 0; i < rows * k_in; ++i) out[i / 32] += to_f(x[i]);
+  return out;
+}
+
 template <typename T>
 std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -285,7 +293,7 @@ const Kernels& generic_kernels() {
   static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
                              generic_attend<c10::Half>, generic_silu_mul_f32,
                              generic_quantize_row, generic_int_columns, generic_fp_columns,
-                             false};
+                             nullptr, false};
   return table;
 }
 
@@ -404,9 +412,11 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 
 namespace {
 
-// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the fp32
-// kernel (x widened); else x is quantized per row and group to int16 and each group's dot
-// product is integer. Neither copied nor moved: `mm` points into it.
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
+// kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
+// the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized per row and
+// group to int16 and each group's dot product is integer. Neither copied nor moved: `mm`
+// points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
@@ -414,12 +424,25 @@ struct PreparedMatmul {
   std::vector<float> xf;
   QuantizedRows xq;
   std::vector<int16_t> xp;
+  std::vector<c10::BFloat16> xb;
+  std::vector<float> xs;
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
                  const float* offset, int64_t rows, int64_t k_in)
-      : mm{qs, scale, offset, bits, k_in, k_in / 32, k_in * bits / 8, nullptr, nullptr, nullptr},
+      : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
+           nullptr, nullptr, nullptr, nullptr, nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (fp && k.bf16_columns != nullptr) {
+        columns = k.bf16_columns;
+        xb = pair_order(x, rows, k_in);
+        xs = group_sums(x, rows, k_in);
+        mm.xb = xb.data();
+        mm.xs = xs.data();
+        return;
+      }
+    }
     if (fp) {
       xf = widen(x, rows * k_in);
       mm.xf = xf.data();
