@@ -24,7 +24,7 @@ import torch
 
 from kvloop.model import cpu_ops
 
-VARIANTS = ("avx512", "avx2", "generic")    # csrc/dispatch.cpp's kVariants, best first
+VARIANTS = ("avx512_bf16", "avx512", "avx2", "generic")    # dispatch.cpp's kVariants, best first
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,9 @@ def test_kvloop_cpu_isa_forces_a_variant_and_rejects_one_the_cpu_cannot_run(ops)
     assert failed.returncode != 0 and "no CPU kernels named 'sse9'" in failed.stderr
 
 
-SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4)]     # heads, kv heads, head_dim, blocks, bs
+# heads, kv heads, head_dim, blocks, block size; scale head_dim ** -0.5 (for 128 not a power
+# of two: q * scale is not a bf16 value)
+SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4), (8, 2, 128, 24, 16)]
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 0.0)]
 
 
@@ -210,8 +212,10 @@ def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
 def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows (and q8 at
     every count) the integer kernel, x rounded to int16 per group (on AVX-512 VNNI, the
-    `dpwssd` one); 3 and more q4 rows the fp32 kernel on x widened exactly (11 = 4 + 4 + 3
-    rows). Each y is rounded to bf16 (2^-9 relative)."""
+    `dpwssd` one); 3 and more q4 rows (11 = 4 + 4 + 3) the fp32 kernel on x widened exactly,
+    or on AVX-512 BF16 the nibbles against x in `vdpbf16ps` products: both exact but for
+    the order of their fp32 sums, so each y is the exact product rounded to bf16, give or
+    take its last bit."""
     g = torch.Generator().manual_seed(rows * 1000 + k + 7)
     x = torch.randn(rows, k, generator=g).bfloat16()
     qs, scale, offset = _random_q4(200, k, g)
@@ -219,6 +223,8 @@ def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     got = ops.q4_matmul(x, qs, scale, offset)
     assert got.dtype == torch.bfloat16
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-2
+    if rows >= 3:         # one bf16 step (2^-8 relative) and the fp32 sums' rounding
+        assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 3e-6).all()
     q8 = torch.randint(-127, 128, (200, k), dtype=torch.int8, generator=g)
     s8 = torch.rand(200, k // 32, generator=g) * 0.01
     want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
@@ -333,8 +339,9 @@ _EVEX = re.compile(r"%zmm\d|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[1-7]\b")      # AVX-5
 def test_wide_instructions_live_only_in_their_variants_code(ops):
     """The library runs on any x86-64 CPU: every function that touches a 256- or 512-bit
     register (or an AVX-512 mask) belongs to one instruction set's namespace, AVX-512
-    registers only to the AVX-512 one, and both namespaces do use theirs (their target
-    regions took effect). A shared inline function compiled wide would break this."""
+    registers only to the AVX-512 ones, every namespace does use its own (their target
+    regions took effect), and the BF16 one its `vdpbf16ps`. A shared inline function
+    compiled wide would break this."""
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ops.__file__],
                              capture_output=True, text=True, timeout=120, check=True).stdout
     wide: dict[str, set[str]] = {}
@@ -343,12 +350,21 @@ def test_wide_instructions_live_only_in_their_variants_code(ops):
         if line.endswith(">:"):
             function = line[line.index("<") + 1:-2]
         elif _WIDE.search(line):
-            wide.setdefault(function, set()).add("evex" if _EVEX.search(line) else "avx")
-    outside = [f for f in wide if "kvloop::avx2::" not in f and "kvloop::avx512::" not in f]
-    assert outside == []
-    assert [f for f in wide if "kvloop::avx2::" in f and "evex" in wide[f]] == []
-    assert any("kvloop::avx2::" in f for f in wide)
-    assert any("kvloop::avx512::" in f and "evex" in kinds for f, kinds in wide.items())
+            kinds = wide.setdefault(function, set())
+            kinds.add("evex" if _EVEX.search(line) else "avx")
+            if "vdpbf16ps" in line:
+                kinds.add("bf16")
+
+    def isa(function: str) -> str | None:
+        return next((name for name in VARIANTS if f"kvloop::{name}::" in function), None)
+
+    assert [f for f in wide if isa(f) is None] == []
+    assert [f for f in wide if isa(f) == "avx2" and "evex" in wide[f]] == []
+    assert any(isa(f) == "avx2" for f in wide)
+    for name in ("avx512", "avx512_bf16"):
+        assert any(isa(f) == name and "evex" in kinds for f, kinds in wide.items()), name
+    assert [f for f, kinds in wide.items() if "bf16" in kinds and isa(f) != "avx512_bf16"] == []
+    assert any(isa(f) == "avx512_bf16" and "bf16" in kinds for f, kinds in wide.items())
 
 
 # --- kvloop's thread pool (csrc/pool.h) -----------------------------------------------------

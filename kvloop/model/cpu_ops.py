@@ -23,7 +23,8 @@ the twins run where the extension is absent (no compiler, another device, or
   weights, on kvloop's own thread pool (csrc/pool.h).
 
 Kernels: csrc/ holds the portable kernels and drivers (generic.cpp), one file per instruction
-set (x86_avx2.cpp; x86_avx512.cpp: AVX-512 F/BW/VL/DQ with VNNI), all built on every machine
+set (x86_avx2.cpp; x86_avx512.cpp: AVX-512 F/BW/VL/DQ with VNNI; x86_avx512_bf16.cpp: the
+same with AVX512_BF16's bf16 dot products), all built on every machine
 (each in a region compiled for its own target, none with -march=native), and one dispatch
 table (dispatch.cpp) that runs the best variant this CPU can execute, chosen once per
 process from the CPU's own feature bits; `KVLOOP_CPU_ISA=<name>` (`KERNELS_ENV`) makes it
@@ -167,8 +168,8 @@ def _compile(name: str, directory: Path) -> Any:
 
 
 def kernels() -> str | None:
-    """The kernel variant the ops run ("avx512", "avx2", "generic"); None without the
-    extension."""
+    """The kernel variant the ops run ("avx512_bf16", "avx512", "avx2", "generic"); None
+    without the extension."""
     ops = load()
     return None if ops is None else str(ops.cpu_kernels())
 

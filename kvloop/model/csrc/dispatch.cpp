@@ -28,15 +28,22 @@ bool cpu_runs_avx512() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 }
+
+bool cpu_runs_avx512_bf16() {
+  return cpu_runs_avx512() && __builtin_cpu_supports("avx512bf16");
+}
 #else
 bool cpu_runs_avx2() { return false; }
 bool cpu_runs_avx512() { return false; }
+bool cpu_runs_avx512_bf16() { return false; }
 #endif
 
 const Kernels* generic_table() { return &generic_kernels(); }
 
 // Best first. `needs` names the features as /proc/cpuinfo spells them.
 const std::vector<Variant> kVariants = {
+    {"avx512_bf16", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16",
+     avx512_bf16_kernels, cpu_runs_avx512_bf16},
     {"avx512", "avx2 fma avx512f avx512bw avx512vl avx512dq avx512_vnni", avx512_kernels,
      cpu_runs_avx512},
     {"avx2", "avx2 fma", avx2_kernels, cpu_runs_avx2},

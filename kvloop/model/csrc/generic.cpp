@@ -199,23 +199,32 @@ void generic_fp_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t beg
   }
 }
 
-// x's int16 values with each pair of groups (g, g + 1) as [x_g 0-15, x_g+1 0-15,
-// x_g 16-31, x_g+1 16-31] (an odd last group as it is): the order in which a 512-bit
-// register of two 4-bit groups' widened bytes holds their weights (x86_avx512.cpp).
-std::vector<int16_t> pair_order(const QuantizedRows& xq, int64_t rows, int64_t k_in) {
-  std::vector<int16_t> out(xq.q.size());
+// Rows of x (int16 or bf16 values) with each pair of groups (g, g + 1) as [x_g 0-15,
+// x_g+1 0-15, x_g 16-31, x_g+1 16-31] (an odd last group as it is): the order in which a
+// 512-bit register of two 4-bit groups' widened bytes holds their weights (x86_avx512.cpp).
+template <typename E>
+std::vector<E> pair_order(const E* x, int64_t rows, int64_t k_in) {
+  std::vector<E> out(rows * k_in);
   const int64_t pairs = k_in / 64;
   for (int64_t m = 0; m < rows; ++m) {
-    const int16_t* src = xq.q.data() + m * k_in;
-    int16_t* dst = out.data() + m * k_in;
+    const E* src = x + m * k_in;
+    E* dst = out.data() + m * k_in;
     for (int64_t p = 0; p < pairs; ++p, src += 64, dst += 64) {
       std::copy(src, src + 16, dst);
       std::copy(src + 32, src + 48, dst + 16);
       std::copy(src + 16, src + 32, dst + 32);
       std::copy(src + 48, src + 64, dst + 48);
     }
-    std::copy(src, xq.q.data() + (m + 1) * k_in, dst);
+    std::copy(src, x + (m + 1) * k_in, dst);
   }
+  return out;
+}
+
+// Each group of 32's sum of x, [rows, k_in / 32].
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t rows, int64_t k_in) {
+  std::vector<float> out(rows * (k_in / 32), 0.f);
+  for (int64_t i = 0; i < rows * k_in; ++i) out[i / 32] += to_f(x[i]);
   return out;
 }
 
@@ -250,14 +259,15 @@ QuantizedRows quantize_rows(const Kernels& k, const T* x, int64_t rows, int64_t 
 
 // --- the portable inner kernels ------------------------------------------------------------
 template <typename T>
-void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
-                    const int64_t* slot, int64_t len, float* scores, T* out,
+void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
+                    const T* vals, const int64_t* slot, int64_t len, float* scores, T* out,
                     int64_t out_stride) {
+  const std::vector<float> qf = scaled_query(q, group * dim, scale);
   const int64_t stride = (len + 7) / 8 * 8;
   for (int64_t t = 0; t < len; ++t) {
     const T* k = keys + slot[t] * dim;
     for (int64_t g = 0; g < group; ++g) {
-      const float* qg = qf + g * dim;
+      const float* qg = qf.data() + g * dim;
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
       for (int64_t i = 0; i < dim; ++i) s += qg[i] * to_f(k[i]);
@@ -283,7 +293,7 @@ const Kernels& generic_kernels() {
   static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
                              generic_attend<c10::Half>, generic_silu_mul_f32,
                              generic_quantize_row, generic_int_columns, generic_fp_columns,
-                             false};
+                             nullptr, false};
   return table;
 }
 
@@ -368,14 +378,11 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cach
   const T* values = cache + kv_heads * cache_tokens * dim;
   const AttendFn<T> attend = attend_of<T>(k);
   par_for(pooled, reqs * kv_heads, longest * dim * group * 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), scores;
+    std::vector<float> scores;
     std::vector<int64_t> slot;            // the request's cache slots (shared by its KV heads)
     int64_t slot_request = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i = 0; i < dim; ++i)
-          qf[g * dim + i] = to_f(q[r * q_row + (kh * group + g) * dim + i]) * scale;
       if (slot_request != r) {
         const int64_t* blocks = block_table + r * max_blocks;
         slot.resize(len);
@@ -384,9 +391,9 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cach
         slot_request = r;
       }
       scores.resize(group * ((len + 7) / 8 * 8));
-      attend(qf.data(), group, dim, cache + kh * cache_tokens * dim,
-             values + kh * cache_tokens * dim, slot.data(), len, scores.data(),
-             out + (r * heads + kh * group) * dim, dim);
+      attend(q + r * q_row + kh * group * dim, scale, group, dim,
+             cache + kh * cache_tokens * dim, values + kh * cache_tokens * dim, slot.data(),
+             len, scores.data(), out + (r * heads + kh * group) * dim, dim);
     }
   });
 }
@@ -405,9 +412,11 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 
 namespace {
 
-// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the fp32
-// kernel (x widened); else x is quantized per row and group to int16 and each group's dot
-// product is integer. Neither copied nor moved: `mm` points into it.
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
+// kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
+// the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized per row and
+// group to int16 and each group's dot product is integer. Neither copied nor moved: `mm`
+// points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
@@ -415,19 +424,32 @@ struct PreparedMatmul {
   std::vector<float> xf;
   QuantizedRows xq;
   std::vector<int16_t> xp;
+  std::vector<c10::BFloat16> xb;
+  std::vector<float> xs;
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
                  const float* offset, int64_t rows, int64_t k_in)
-      : mm{qs, scale, offset, bits, k_in, k_in / 32, k_in * bits / 8, nullptr, nullptr, nullptr},
+      : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
+           nullptr, nullptr, nullptr, nullptr, nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (fp && k.bf16_columns != nullptr) {
+        columns = k.bf16_columns;
+        xb = pair_order(x, rows, k_in);
+        xs = group_sums(x, rows, k_in);
+        mm.xb = xb.data();
+        mm.xs = xs.data();
+        return;
+      }
+    }
     if (fp) {
       xf = widen(x, rows * k_in);
       mm.xf = xf.data();
     } else {
       xq = quantize_rows(k, x, rows, k_in);
       mm.xq = &xq;
-      if (bits == 4 && k.q4_pairs) xp = pair_order(xq, rows, k_in);
+      if (bits == 4 && k.q4_pairs) xp = pair_order(xq.q.data(), rows, k_in);
       mm.xv = xp.empty() ? xq.q.data() : xp.data();
     }
   }
@@ -530,7 +552,7 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
 }
 
 #define KVLOOP_INSTANTIATE(T)                                                                 \
-  template void generic_attend<T>(const float*, int64_t, int64_t, const T*, const T*,         \
+  template void generic_attend<T>(const T*, float, int64_t, int64_t, const T*, const T*,      \
                                   const int64_t*, int64_t, float*, T*, int64_t);              \
   template void add_rms_norm<T>(T*, T*, const T*, int64_t, int64_t, float, bool);             \
   template void rope_and_cache<T>(T*, const int64_t*, const float*, const float*, T*,         \

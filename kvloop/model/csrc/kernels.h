@@ -5,8 +5,9 @@
 // - generic.cpp: the portable kernels (plain C++, built for the architecture's baseline) and
 //   the drivers: threading, row quantization, tiling; each driver calls the table's inner
 //   kernels where a variant has faster ones;
-// - x86_avx2.cpp, x86_avx512.cpp: one file per instruction set, each compiled for its own
-//   target inside a `KVLOOP_TARGET` region (isa.h), each filling a `Kernels` table;
+// - x86_avx2.cpp, x86_avx512.cpp, x86_avx512_bf16.cpp: one file per instruction set, each
+//   compiled for its own target inside a `KVLOOP_TARGET` region (isa.h), each filling a
+//   `Kernels` table;
 // - dispatch.cpp: the variants in order (`kVariants`: the one place a variant is
 //   registered), the CPU's check of each, and the process's choice;
 // - cpu_ops.cpp: the torch bindings and `DecodeStack`, which call the drivers with the chosen
@@ -50,6 +51,8 @@ struct QuantMatmul {
   const QuantizedRows* xq;    // the integer kernels: x as int16 per group
   const int16_t* xv;          // xq->q in the order `int_columns` reads it (`q4_pairs`)
   const float* xf;            // the fp32 kernels: x widened to fp32, [M, K]
+  const c10::BFloat16* xb;    // the bf16 kernel: bf16 x [M, K] in pair order (`pair_order`)
+  const float* xs;            // the bf16 kernel: each group's sum of x, [M, G]
 };
 
 // y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
@@ -57,13 +60,23 @@ struct QuantMatmul {
 using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
                            int64_t end, float* out, int64_t out_stride);
 
-// One request's decode attention for one KV head: `group` query heads qf [group, dim]
-// (already scaled), keys and values at `slot[0, len)` (token rows of `dim`), scores scratch
-// [group, stride] (stride = len rounded up to 8), out [group] rows `out_stride` apart.
+// One request's decode attention for one KV head: `group` query heads q [group, dim] (rows
+// `dim` apart), each score q . k times `scale`, keys and values at `slot[0, len)` (token
+// rows of `dim`), scores scratch [group, stride] (stride = len rounded up to 8), out
+// [group] rows `out_stride` apart.
 template <typename T>
-using AttendFn = void (*)(const float* qf, int64_t group, int64_t dim, const T* keys,
+using AttendFn = void (*)(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
                           const T* vals, const int64_t* slot, int64_t len, float* scores,
                           T* out, int64_t out_stride);
+
+// q [n] widened to fp32 and multiplied by `scale`: the query of the fp32 attention kernels
+// (scaled once, not each score).
+template <typename T>
+inline std::vector<float> scaled_query(const T* q, int64_t n, float scale) {
+  std::vector<float> qf(n);
+  for (int64_t i = 0; i < n; ++i) qf[i] = to_f(q[i]) * scale;
+  return qf;
+}
 
 // One row of fp32 x quantized per group of 32: q [K], d and s [K / 32] (QuantizedRows).
 using QuantizeRowFn = void (*)(const float* x, int64_t k_in, int16_t* q, float* d, float* s);
@@ -83,6 +96,9 @@ struct Kernels {
   QuantizeRowFn quantize_row;
   ColumnsFn int_columns;      // the integer kernel: x int16, W 4- or 8-bit
   ColumnsFn fp_columns;       // 4-bit W dequantized against fp32 x (from kFpRows rows)
+  // 4-bit W's nibbles against bf16 x (from kFpRows rows of x that is bf16 already: it reads
+  // `xb` and `xs`); nullptr where the variant has none (fp_columns then runs on x widened).
+  ColumnsFn bf16_columns;
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
 };
 
@@ -97,6 +113,7 @@ constexpr int64_t kFpRows = 3;
 const Kernels& generic_kernels();
 const Kernels* avx2_kernels();
 const Kernels* avx512_kernels();
+const Kernels* avx512_bf16_kernels();
 
 // The variants in dispatch order and the process's choice (dispatch.cpp).
 struct Variant {
@@ -141,8 +158,8 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T>
-void generic_attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
-                    const int64_t* slot, int64_t len, float* scores, T* out,
+void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
+                    const T* vals, const int64_t* slot, int64_t len, float* scores, T* out,
                     int64_t out_stride);
 
 }  // namespace kvloop

@@ -16,11 +16,13 @@ namespace kvloop::avx2 {
 
 // A KV head's query heads one at a time (16 vector registers); other shapes as generic.
 template <typename T>
-void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+void attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys, const T* vals,
             const int64_t* slot, int64_t len, float* scores, T* out, int64_t out_stride) {
   if (dim % 64 != 0)
-    return generic_attend<T>(qf, group, dim, keys, vals, slot, len, scores, out, out_stride);
-  attend_heads<T>(qf, group, dim, keys, vals, slot, len, scores, out, out_stride);
+    return generic_attend<T>(q, scale, group, dim, keys, vals, slot, len, scores, out,
+                             out_stride);
+  const std::vector<float> qf = scaled_query(q, group * dim, scale);
+  attend_heads<T>(qf.data(), group, dim, keys, vals, slot, len, scores, out, out_stride);
 }
 
 }  // namespace kvloop::avx2

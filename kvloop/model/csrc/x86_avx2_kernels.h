@@ -77,14 +77,15 @@ inline __m256 softmax_unscaled(float* s, int64_t len, int64_t stride) {
 }
 
 // The decode attention of G query heads (G a constant) sharing one request's KV head,
-// vectorised (dim a multiple of 64; an fp32 or bf16 cache, fp32 math): scores 8 keys at a
-// time, each key loaded (and widened, for bf16) once for all G heads into 8 x G
-// accumulators, a vector exp, and P V with 64 dims of each head's output in registers, each
-// value loaded once for all G heads (docs/cpu-performance.md).
+// vectorised (dim a multiple of 64; an fp32 or bf16 cache, fp32 math): `grouped_scores`,
+// then `grouped_values` (docs/cpu-performance.md).
+//
+// The scores q . k of G heads (qf [G, dim], already scaled) into scores [G, stride]
+// (stride = len rounded up to 8): 8 keys at a time, each key loaded (and widened, for bf16)
+// once for all G heads into 8 x G accumulators.
 template <typename T, int G>
-inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
-                           const int64_t* slot, int64_t len, float* scores, T* out,
-                           int64_t out_stride) {
+inline void grouped_scores(const float* qf, int64_t dim, const T* keys, const int64_t* slot,
+                           int64_t len, float* scores) {
   const int64_t stride = (len + 7) / 8 * 8;
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const T* key[8];
@@ -102,6 +103,15 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
     }
     for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores + g * stride + t0, reduce8(a[g]));
   }
+}
+
+// The softmax of each head's scores (in place) and P V into out (G rows `out_stride`
+// apart): a vector exp, then 64 dims of each head's output in registers, each value loaded
+// once for all G heads.
+template <typename T, int G>
+inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int64_t len,
+                           float* scores, T* out, int64_t out_stride) {
+  const int64_t stride = (len + 7) / 8 * 8;
   __m256 inv[G];
   for (int g = 0; g < G; ++g) {
     inv[g] = softmax_unscaled(scores + g * stride, len, stride);
@@ -123,6 +133,14 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
       for (int j = 0; j < 8; ++j)
         store8(out + g * out_stride + part + 8 * j, _mm256_mul_ps(a[g][j], inv[g]));
   }
+}
+
+template <typename T, int G>
+inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
+                           const int64_t* slot, int64_t len, float* scores, T* out,
+                           int64_t out_stride) {
+  grouped_scores<T, G>(qf, dim, keys, slot, len, scores);
+  grouped_values<T, G>(dim, vals, slot, len, scores, out, out_stride);
 }
 
 // The KV head's `group` query heads one at a time (16 vector registers: 8 accumulators).

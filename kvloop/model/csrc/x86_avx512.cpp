@@ -14,14 +14,18 @@ KVLOOP_TARGET_BEGIN("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace kvloop::avx512 {
 
 #include "x86_avx2_kernels.h"
+#include "x86_avx512_kernels.h"
 
 // A KV head's `group` query heads: together where the 8 x G accumulators fit in the 32
 // vector registers (G 2-4), else one head at a time; other shapes as generic.
 template <typename T>
-void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T* vals,
+void attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys, const T* vals,
             const int64_t* slot, int64_t len, float* scores, T* out, int64_t out_stride) {
   if (dim % 64 != 0)
-    return generic_attend<T>(qf, group, dim, keys, vals, slot, len, scores, out, out_stride);
+    return generic_attend<T>(q, scale, group, dim, keys, vals, slot, len, scores, out,
+                             out_stride);
+  const std::vector<float> q32 = scaled_query(q, group * dim, scale);
+  const float* qf = q32.data();
   switch (group) {
     case 2: return attend_grouped<T, 2>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
     case 3: return attend_grouped<T, 3>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
@@ -40,10 +44,6 @@ void attend(const float* qf, int64_t group, int64_t dim, const T* keys, const T*
 // lanes (a permute of 16 groups' scales, loaded together). 8-bit groups are 32 signed
 // bytes, one register each, in x's own order. Same integer sums as the AVX2 kernel; the
 // float sums run in another order.
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
-}
-
 // acc += dot's sums times the scales that `pick` selects from sd (one per lane).
 inline __m512 add_scaled(__m512 acc, __m512i dot, __m512i pick, __m512 sd) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd), acc);
@@ -66,7 +66,6 @@ inline void vnni_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out
   for (int m = 0; m < MB; ++m) acc[m] = tail[m] = _mm512_setzero_ps();
   const int16_t* xrow[MB];
   for (int m = 0; m < MB; ++m) xrow[m] = mm.xv + (r0 + m) * mm.k_in;
-  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t g = 0; g < groups; g += 16) {
     const int64_t left = std::min<int64_t>(16, groups - g);
     const __mmask16 mask = first_lanes(left);
@@ -87,7 +86,7 @@ inline void vnni_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 16)));
         const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
         const __m512i hi = _mm512_srli_epi16(bytes, 4);
-        const __m512i pick = _mm512_add_epi32(two_groups, _mm512_set1_epi32(static_cast<int>(j)));
+        const __m512i pick = pair_pick(j);
         for (int m = 0; m < MB; ++m) {
           const int16_t* xg = xrow[m] + (g + j) * 32;
           __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));

@@ -1,0 +1,211 @@
+// The AVX-512 BF16 variant (the AVX-512 variant's CPUs with `vdpbf16ps`: AMD Zen 4 and 5,
+// Cooper Lake and Sapphire Rapids Xeons and later): the AVX-512 table with bf16 dot
+// products where a bf16 operand is exact, so that they change no number beyond the order
+// of the fp32 sums (docs/cpu-performance.md, "Kernels and dispatch"):
+// - decode attention on a bf16 cache: q . k as bf16 products of q and the keys as they are,
+//   fp32 sums, then scaled (the torch twin's order);
+// - the 4-bit matmul from kFpRows bf16 rows: the nibbles (0-15, exact in bf16) against x,
+//   scaled per group afterwards.
+// `vdpbf16ps` multiplies bf16 pairs exactly (8-bit by 8-bit significands) and adds them in
+// fp32; it flushes denormal inputs and results (below 1.2e-38) to zero.
+#include "isa.h"
+#include "kernels.h"
+
+#ifdef KVLOOP_X86
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+KVLOOP_TARGET_BEGIN("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")
+namespace kvloop::avx512_bf16 {
+
+#include "x86_avx2_kernels.h"
+#include "x86_avx512_kernels.h"
+
+// --- decode attention on a bf16 cache ------------------------------------------------------
+inline __m256bh load16bh(const c10::BFloat16* p) {
+  return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// grouped_scores with bf16 products: 16 dims of a key and a head per `vdpbf16ps`, q and the
+// keys as they are (nothing widened), each score times `scale` once summed, as the torch
+// twin's (q . k) * scale.
+template <int G>
+inline void bf16_scores(const c10::BFloat16* q, float scale, int64_t dim,
+                        const c10::BFloat16* keys, const int64_t* slot, int64_t len,
+                        float* scores) {
+  const int64_t stride = (len + 7) / 8 * 8;
+  const __m256 factor = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const c10::BFloat16* key[8];
+    for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
+    __m256 a[G][8];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+      __m256bh qc[G];
+      for (int g = 0; g < G; ++g) qc[g] = load16bh(q + g * dim + c);
+      for (int j = 0; j < 8; ++j) {
+        const __m256bh k = load16bh(key[j] + c);
+        for (int g = 0; g < G; ++g) a[g][j] = _mm256_dpbf16_ps(a[g][j], qc[g], k);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      _mm256_storeu_ps(scores + g * stride + t0, _mm256_mul_ps(reduce8(a[g]), factor));
+  }
+}
+
+template <int G>
+inline void attend_bf16_grouped(const c10::BFloat16* q, float scale, int64_t dim,
+                                const c10::BFloat16* keys, const c10::BFloat16* vals,
+                                const int64_t* slot, int64_t len, float* scores,
+                                c10::BFloat16* out, int64_t out_stride) {
+  bf16_scores<G>(q, scale, dim, keys, slot, len, scores);
+  grouped_values<c10::BFloat16, G>(dim, vals, slot, len, scores, out, out_stride);
+}
+
+// As the AVX-512 variant's `attend` (2-4 heads together, else one at a time).
+void attend_bf16(const c10::BFloat16* q, float scale, int64_t group, int64_t dim,
+                 const c10::BFloat16* keys, const c10::BFloat16* vals, const int64_t* slot,
+                 int64_t len, float* scores, c10::BFloat16* out, int64_t out_stride) {
+  if (dim % 64 != 0)
+    return generic_attend<c10::BFloat16>(q, scale, group, dim, keys, vals, slot, len, scores,
+                                         out, out_stride);
+  switch (group) {
+    case 2: return attend_bf16_grouped<2>(q, scale, dim, keys, vals, slot, len, scores, out,
+                                          out_stride);
+    case 3: return attend_bf16_grouped<3>(q, scale, dim, keys, vals, slot, len, scores, out,
+                                          out_stride);
+    case 4: return attend_bf16_grouped<4>(q, scale, dim, keys, vals, slot, len, scores, out,
+                                          out_stride);
+    default:
+      for (int64_t g = 0; g < group; ++g)
+        attend_bf16_grouped<1>(q + g * dim, scale, dim, keys, vals, slot, len, scores,
+                               out + g * out_stride, out_stride);
+  }
+}
+
+// --- the 4-bit matmul from kFpRows bf16 rows ------------------------------------------------
+// Per group, w . x = scale * (q . x) + offset * sum(x), q the nibbles: q . x in bf16 products
+// (q exact), the sums of x come with the rows (`xs`). Two groups fill a register as in the
+// VNNI kernel (x86_avx512.cpp): their 32 bytes widen to 16-bit lanes, the low nibbles (weights
+// 0-15 of both) and the high ones (16-31) become bf16 by a table lookup (`vpermw`), x is in
+// that pair order (`xb`), and the 16 fp32 lanes of a pair's products (8 per group) take their
+// group's scale by a permute of 16 groups' scales.
+// Word i (i < 32): the bf16 bits of i % 16.
+inline __m512i nibble_table() {
+  alignas(64) uint16_t bits[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16);
+    uint32_t u;
+    std::memcpy(&u, &v, sizeof u);
+    bits[i] = static_cast<uint16_t>(u >> 16);
+  }
+  return _mm512_load_si512(bits);
+}
+
+inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+inline __m512bh load32bh(const c10::BFloat16* p) {      // 16 values, the upper lanes zero
+  return as_bh(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+// One output column n for MB rows of xb from r0.
+template <int MB>
+inline void nibble_column(const QuantMatmul& mm, int64_t r0, int64_t n, const __m512i table,
+                          float* out, int64_t out_stride) {
+  const int64_t groups = mm.groups;
+  const uint8_t* row = mm.qs + n * mm.row_bytes;
+  const float* sc = mm.scale + n * groups;
+  const float* of = mm.offset + n * groups;
+  __m512 acc[MB], tail[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = tail[m] = _mm512_setzero_ps();
+  const c10::BFloat16* xrow[MB];
+  for (int m = 0; m < MB; ++m) xrow[m] = mm.xb + (r0 + m) * mm.k_in;
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t left = std::min<int64_t>(16, groups - g);
+    const __mmask16 mask = first_lanes(left);
+    const __m512 scales = _mm512_maskz_loadu_ps(mask, sc + g);
+    const __m512 offsets = _mm512_maskz_loadu_ps(mask, of + g);
+    for (int m = 0; m < MB; ++m)
+      tail[m] = _mm512_fmadd_ps(offsets,
+                                _mm512_maskz_loadu_ps(mask, mm.xs + (r0 + m) * groups + g),
+                                tail[m]);
+    int64_t j = 0;
+    for (; j + 2 <= left; j += 2) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 16)));
+      const __m512bh lo = as_bh(_mm512_permutexvar_epi16(bytes, table));   // index mod 32
+      const __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+      const __m512 s = _mm512_permutexvar_ps(pair_pick(j), scales);
+      for (int m = 0; m < MB; ++m) {
+        const c10::BFloat16* xg = xrow[m] + (g + j) * 32;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, as_bh(_mm512_loadu_si512(xg)));
+        dot = _mm512_dpbf16_ps(dot, hi, as_bh(_mm512_loadu_si512(xg + 32)));
+        acc[m] = _mm512_fmadd_ps(dot, s, acc[m]);
+      }
+    }
+    if (j < left) {                     // an odd last group: 16 lanes, half of them zero
+      const __m512i bytes = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (g + j) * 16))));
+      const __m512bh lo = as_bh(_mm512_permutexvar_epi16(bytes, table));   // (0 is bf16 0)
+      const __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+      const __m512 s = _mm512_set1_ps(sc[g + j]);
+      for (int m = 0; m < MB; ++m) {
+        const c10::BFloat16* xg = xrow[m] + (g + j) * 32;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, load32bh(xg));
+        dot = _mm512_dpbf16_ps(dot, hi, load32bh(xg + 16));
+        acc[m] = _mm512_fmadd_ps(dot, s, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], tail[m]));
+}
+
+template <int MB>
+void nibble_tile(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
+                 int64_t out_stride) {
+  const __m512i table = nibble_table();
+  for (int64_t n = begin; n < end; ++n)
+    nibble_column<MB>(mm, r0, n, table, out + (n - begin), out_stride);
+}
+
+void nibble_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
+                    float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return nibble_tile<1>(mm, r0, begin, end, out, out_stride);
+    case 2: return nibble_tile<2>(mm, r0, begin, end, out, out_stride);
+    case 3: return nibble_tile<3>(mm, r0, begin, end, out, out_stride);
+    default: return nibble_tile<4>(mm, r0, begin, end, out, out_stride);
+  }
+}
+
+}  // namespace kvloop::avx512_bf16
+KVLOOP_TARGET_END
+
+namespace kvloop {
+
+const Kernels* avx512_bf16_kernels() {
+  static const Kernels table = [] {
+    Kernels k = *avx512_kernels();
+    k.name = "avx512_bf16";
+    k.attend_bf16 = avx512_bf16::attend_bf16;
+    k.bf16_columns = avx512_bf16::nibble_columns;
+    return k;
+  }();
+  return &table;
+}
+
+}  // namespace kvloop
+
+#else
+
+namespace kvloop {
+const Kernels* avx512_bf16_kernels() { return nullptr; }
+}  // namespace kvloop
+
+#endif
