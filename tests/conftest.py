@@ -107,9 +107,11 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 # A module whose `pytestmark` says `processes` (or `slow`) imports servers' clients and SDKs
 # (openai, anthropic, kubernetes: seconds per xdist worker); when `-m` deselects every test it
 # could hold, collecting it only to deselect it is waste. A module's marks are read from its
-# text: those of its module-level `pytestmark`, which every test has, and every other
-# `pytest.mark.NAME` in it, which some tests may add.
-_MODULE_MARKS = re.compile(r"^pytestmark = \[?((?:pytest\.mark\.\w+(?:, )?)+)", re.M)
+# text: those of its module-level `pytestmark` (one mark, or a list that may span lines and
+# hold a `skipif(...)`), which every test has, and every other `pytest.mark.NAME` in it,
+# which some tests may add.
+_MODULE_MARKS = re.compile(r"^pytestmark = (\[.*?\][ \t]*(?:#[^\n]*)?$|pytest\.mark\.\w+)",
+                           re.M | re.S)
 _ANY_MARK = re.compile(r"pytest\.mark\.(\w+)")
 
 
