@@ -138,6 +138,32 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True if _never_selected(collection_path.read_text(), config.option.markexpr) else None
 
 
+# --- the order modules start in ------------------------------------------------------------------
+# `make test` hands whole modules to its two workers (`--dist loadscope`) in collection order
+# (`--no-loadscope-reorder`). xdist's own order, most tests first, started these modules last:
+# each has a few tests that run for minutes (the real model, transformers' reference, every
+# README line), so one worker ran on alone for minutes after the other had finished. Started
+# first, the many short modules fill in around them. Longest first, as measured one module at
+# a time on a shared 2-core machine (load 5-11), 2026-12-06: lm_eval 413 s, readme 301 s,
+# precision 253 s, kv_quant_model 233 s, pd_serve_model 161 s, lora_embedded 108 s,
+# model_embedded 69 s, serve_model 51 s, serve_structured 48 s.
+LONGEST_FIRST = ("test_lm_eval", "test_readme", "test_precision", "test_kv_quant_model",
+                 "test_pd_serve_model", "test_lora_embedded", "test_model_embedded",
+                 "test_serve_model", "test_serve_structured")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules in LONGEST_FIRST's order, then the rest with the most tests first (xdist's
+    rule); each module's tests stay together, in their own order."""
+    modules: dict[Path, int] = {}
+    for item in items:
+        modules[item.path] = modules.get(item.path, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {path: (rank.get(path.stem, len(rank)), -count, i)
+             for i, (path, count) in enumerate(modules.items())}
+    items.sort(key=lambda item: order[item.path])
+
+
 # --- waiting ------------------------------------------------------------------------------------
 def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "the condition") -> T:
     """Poll `pred` until it returns something truthy and return that; AssertionError naming
