@@ -144,12 +144,20 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # each has a few tests that run for minutes (the real model, transformers' reference, every
 # README line), so one worker ran on alone for minutes after the other had finished. Started
 # first, the many short modules fill in around them. Longest first, as measured one module at
-# a time on a shared 2-core machine (load 5-11), 2026-12-06: lm_eval 413 s, readme 301 s,
-# precision 253 s, kv_quant_model 233 s, pd_serve_model 161 s, lora_embedded 108 s,
-# model_embedded 69 s, serve_model 51 s, serve_structured 48 s.
+# a time on a shared 2-core machine (load 5-11), 2026-12-06, in seconds (tests): lm_eval 413
+# (4), readme 301 (11), precision 253 (2), kv_quant_model 233 (11), pd_serve_model 161 (3),
+# router_migration 117 (22), lora_embedded 108 (3), ray_fleet 78 (7), serve_schema 75 (3),
+# prompt_logprobs 75 (3), model_embedded 69 (8), router_envoy 62 (11), embed_model 62 (3),
+# serve_model 51 (5), serve_structured 48 (37), router_drain 35-53 (3), router_replicas 42
+# (4), serve_lora 41 (6), serve_anthropic_model 37 (2), nats_tls 33 (5), pd_model 33 (8),
+# tiers_model 32 (5).
 LONGEST_FIRST = ("test_lm_eval", "test_readme", "test_precision", "test_kv_quant_model",
-                 "test_pd_serve_model", "test_lora_embedded", "test_model_embedded",
-                 "test_serve_model", "test_serve_structured")
+                 "test_pd_serve_model", "test_router_migration", "test_lora_embedded",
+                 "test_ray_fleet", "test_serve_schema", "test_prompt_logprobs",
+                 "test_model_embedded", "test_router_envoy", "test_embed_model",
+                 "test_serve_model", "test_serve_structured", "test_router_drain",
+                 "test_router_replicas", "test_serve_lora", "test_serve_anthropic_model",
+                 "test_nats_tls", "test_pd_model", "test_tiers_model")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
