@@ -64,11 +64,13 @@ typecheck: install-test
 
 # The whole suite on TEST_WORKERS pytest-xdist processes; `--dist loadscope` keeps a module's
 # tests on one worker, so a module's fixtures (fleets, servers, the loaded model) start once.
-# Every test takes its ports from the kernel and its files from tmp_path, so workers share
-# nothing; tests/conftest.py's `processes` check runs inside each worker.
+# Modules start in collection order (`--no-loadscope-reorder`), which tests/conftest.py's
+# LONGEST_FIRST makes the longest first. Every test takes its ports from the kernel and its
+# files from tmp_path, so workers share nothing; tests/conftest.py's `processes` check runs
+# inside each worker.
 TEST_WORKERS ?= 2
 test: install-test lint typecheck
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # The edit-test loop: the in-process tests, not those marked `processes` (they start
 # processes or servers) or `slow` (the real model, benchmarks, waits that prove nothing

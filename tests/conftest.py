@@ -107,9 +107,11 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 # A module whose `pytestmark` says `processes` (or `slow`) imports servers' clients and SDKs
 # (openai, anthropic, kubernetes: seconds per xdist worker); when `-m` deselects every test it
 # could hold, collecting it only to deselect it is waste. A module's marks are read from its
-# text: those of its module-level `pytestmark`, which every test has, and every other
-# `pytest.mark.NAME` in it, which some tests may add.
-_MODULE_MARKS = re.compile(r"^pytestmark = \[?((?:pytest\.mark\.\w+(?:, )?)+)", re.M)
+# text: those of its module-level `pytestmark` (one mark, or a list that may span lines and
+# hold a `skipif(...)`), which every test has, and every other `pytest.mark.NAME` in it,
+# which some tests may add.
+_MODULE_MARKS = re.compile(r"^pytestmark = (\[.*?\][ \t]*(?:#[^\n]*)?$|pytest\.mark\.\w+)",
+                           re.M | re.S)
 _ANY_MARK = re.compile(r"pytest\.mark\.(\w+)")
 
 
@@ -134,6 +136,40 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
         return None
     return True if _never_selected(collection_path.read_text(), config.option.markexpr) else None
+
+
+# --- the order modules start in ------------------------------------------------------------------
+# `make test` hands whole modules to its two workers (`--dist loadscope`) in collection order
+# (`--no-loadscope-reorder`). xdist's own order, most tests first, started these modules last:
+# each has a few tests that run for minutes (the real model, transformers' reference, every
+# README line), so one worker ran on alone for minutes after the other had finished. Started
+# first, the many short modules fill in around them. Longest first, as measured one module at
+# a time on a shared 2-core machine (load 5-11), 2026-12-06, in seconds (tests): lm_eval 413
+# (4), readme 301 (11), precision 253 (2), kv_quant_model 233 (11), pd_serve_model 161 (3),
+# router_migration 117 (22), lora_embedded 108 (3), ray_fleet 78 (7), serve_schema 75 (3),
+# prompt_logprobs 75 (3), model_embedded 69 (8), router_envoy 62 (11), embed_model 62 (3),
+# serve_model 51 (5), serve_structured 48 (37), router_drain 35-53 (3), router_replicas 42
+# (4), serve_lora 41 (6), serve_anthropic_model 37 (2), nats_tls 33 (5), pd_model 33 (8),
+# tiers_model 32 (5).
+LONGEST_FIRST = ("test_lm_eval", "test_readme", "test_precision", "test_kv_quant_model",
+                 "test_pd_serve_model", "test_router_migration", "test_lora_embedded",
+                 "test_ray_fleet", "test_serve_schema", "test_prompt_logprobs",
+                 "test_model_embedded", "test_router_envoy", "test_embed_model",
+                 "test_serve_model", "test_serve_structured", "test_router_drain",
+                 "test_router_replicas", "test_serve_lora", "test_serve_anthropic_model",
+                 "test_nats_tls", "test_pd_model", "test_tiers_model")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules in LONGEST_FIRST's order, then the rest with the most tests first (xdist's
+    rule); each module's tests stay together, in their own order."""
+    modules: dict[Path, int] = {}
+    for item in items:
+        modules[item.path] = modules.get(item.path, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = {path: (rank.get(path.stem, len(rank)), -count, i)
+             for i, (path, count) in enumerate(modules.items())}
+    items.sort(key=lambda item: order[item.path])
 
 
 # --- waiting ------------------------------------------------------------------------------------

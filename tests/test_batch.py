@@ -16,10 +16,9 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import openai
 import pytest
 
 from kvloop.batch import journal
@@ -33,6 +32,9 @@ from kvloop.router.flow import BATCH_PRIORITY
 from kvloop.router.flow_config import FlowConfig
 
 from .conftest import RouterThread, lines_until, sdk, serving, wait_until
+
+if TYPE_CHECKING:   # the processes tests import openai: a second per xdist worker otherwise
+    import openai
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
 SIM_ARGS = ("--sim-speedup", "200", "--max-num-seqs", "4", "--max-num-batched-tokens", "512")
@@ -188,6 +190,7 @@ def results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
 
 @pytest.mark.processes
 def test_sdk_workflow_paging_and_cancel(router):
+    import openai
     a = sdk(router.url, KEY_A)
     rows = [line(f"req-{i}", f"shared prefix {i % 3} " * 3 + str(i)) for i in range(12)]
     b = submit(a, rows)
@@ -217,6 +220,7 @@ def test_sdk_workflow_paging_and_cancel(router):
 
 @pytest.mark.processes
 def test_another_key_sees_nothing(router):
+    import openai
     a, b = sdk(router.url, KEY_A), sdk(router.url, KEY_B)
     batch = submit(a, [line("only", "mine")])
     fid = batch.input_file_id
@@ -353,6 +357,7 @@ def test_router_killed_mid_batch_loses_and_repeats_nothing(fleet, tmp_path):
 @pytest.mark.processes
 def test_a_single_server_runs_a_batch(tmp_path_factory, tmp_path):
     """`kvloop serve --batch-dir`: the same routes, lines run on the server itself."""
+    import openai
     with serving(tmp_path_factory, "batch_serve", [
             "--model", "sim", "--sim-speedup", "200", "--api-key", KEY_A, "--api-key", KEY_B,
             "--batch-dir", str(tmp_path)]) as srv:
@@ -378,6 +383,8 @@ def test_a_single_server_runs_a_batch(tmp_path_factory, tmp_path):
 def test_replicas_share_batches_through_redis(fleet, tmp_path):
     """Two routers, one directory, metadata in a real redis-server: a batch created on one
     is seen (by its owner only) and run once."""
+    import openai
+
     from kvloop.router.services import redis_url
 
     from .bus_helpers import redis_server

@@ -48,3 +48,14 @@ def test_a_free_port_is_refused_until_a_server_binds_it_and_rebinds_it(
             pub.close(0)
             other.close(0)
             ctx.term()
+
+
+def test_the_modules_started_first_exist() -> None:
+    """conftest's LONGEST_FIRST names modules of this folder (a renamed one would silently
+    start last again)."""
+    from pathlib import Path
+
+    from .conftest import LONGEST_FIRST
+
+    here = Path(__file__).parent
+    assert [m for m in LONGEST_FIRST if not (here / f"{m}.py").is_file()] == []

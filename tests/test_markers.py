@@ -89,6 +89,13 @@ def test_unmarked_tests_that_start_processes_or_servers_fail(
     ("pytestmark = pytest.mark.slow\n@pytest.mark.processes\n", "processes", False),
     ("pytestmark = pytest.mark.slow\n@pytest.mark.processes\n", "not slow", True),
     ("pytestmark = [pytest.mark.skipif(True, reason='x')]\n", "not processes", False),
+    # a list over lines, a skipif first, a comment after it
+    ("pytestmark = [pytest.mark.skipif(not X, reason='y'),\n"
+     "              pytest.mark.slow]   # the real model\n", "not processes and not slow", True),
+    ("pytestmark = [pytest.mark.skipif(not X, reason='y'),\n"
+     "              pytest.mark.slow]\n@pytest.mark.processes\n", "processes", False),
+    ("pytestmark = pytest.mark.skipif(not X, reason='y')\n@pytest.mark.slow\n", "not slow",
+     False),
     ("import pytest\n", "not processes", False),
 ])
 def test_a_module_is_left_unimported_only_when_no_test_of_it_can_be_selected(

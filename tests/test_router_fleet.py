@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from kvloop.front.auth import AuthConfig
@@ -152,6 +151,7 @@ def test_prefix_aware_routing_nears_the_best_hit_share_round_robin_thrashes(flee
 
 
 def test_streaming_passthrough_usage_and_errors(fleet):
+    import openai
     with RouterThread(router_config(), fleet.specs()) as rt:
         client = sdk(rt.url, "x")
         prompt = [7] * 40

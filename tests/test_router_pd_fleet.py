@@ -20,7 +20,6 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from kvloop.front.prometheus_text import metric_value
@@ -473,6 +472,7 @@ def test_soak_200_concurrent_requests_with_cancels_leave_nothing_held(fleet):
 
 def test_openai_errors_from_the_prefill_leg_reach_the_client(fleet):
     """A request both workers would refuse: P's 400 goes back as P sent it, D never sees it."""
+    import openai
     with RouterThread(pd_router(ALWAYS), fleet.specs()) as rt:
         client = sdk(rt.url)
         with pytest.raises(openai.BadRequestError):

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from kvloop.cli import build_parser
@@ -50,6 +49,7 @@ def assert_error(r: httpx.Response, code: int, type_: str) -> dict[str, Any]:
 # --- API keys -----------------------------------------------------------------------------------
 @pytest.mark.processes
 def test_the_openai_client_needs_one_of_the_keys(server: ServeProcess) -> None:
+    import openai
     for key in KEYS:
         r = sdk(server.url, key).completions.create(model="sim", prompt="hi", max_tokens=3)
         assert r.usage is not None and r.usage.completion_tokens == 3
@@ -162,6 +162,7 @@ def test_who_sees_private_facts() -> None:
 @pytest.mark.processes
 def test_the_environment_key_works_and_admin_routes_are_off_without_an_admin_key(
         tmp_path: Path) -> None:
+    import openai
     with ServeProcess(["--model", "sim", "--sim-speedup", "50"], tmp_path / "serve.log",
                       env={"VLLM_API_KEY": "env-key"}).start() as srv:
         r = sdk(srv.url, "env-key").completions.create(model="sim", prompt="x", max_tokens=2)
@@ -198,6 +199,7 @@ def _head(key: str, extra: str) -> bytes:
 
 @pytest.mark.processes
 def test_a_body_over_the_limit_gets_413(server: ServeProcess) -> None:
+    import openai
     client = sdk(server.url, KEYS[0])
     fits = "y" * (LIMIT - 200)          # the JSON body stays under the limit
     ok = client.completions.create(model="sim", prompt=fits, max_tokens=1)
