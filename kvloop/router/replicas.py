@@ -57,7 +57,7 @@ class ReplicaSync:
         self.replica = uuid.uuid4().hex
         self._peer: dict[tuple[str, int], Ticket] = {}
         self._lock = threading.Lock()
-        self.received = self.refused = 0
+        self.received = self.refused = self.applied = 0   # messages; peer opens applied
 
     def start(self) -> ReplicaSync:
         self.plane.subscribe(self.subject, self._on_message)
@@ -116,6 +116,7 @@ class ReplicaSync:
             self._peer[key] = self.router.registry.open_ticket(
                 w.name, msg.prompt_tokens, msg.uncached_tokens, 0, expects_event=False,
                 verify=False)
+            self.applied += 1
         if msg.hashes and w.caches_prefixes:
             self.router.index.add_provisional(w.name, msg.hashes)
 
@@ -135,4 +136,4 @@ class ReplicaSync:
     def describe(self) -> dict[str, int]:
         with self._lock:
             return {"peer_in_flight": len(self._peer), "received": self.received,
-                    "refused": self.refused}
+                    "applied": self.applied, "refused": self.refused}
