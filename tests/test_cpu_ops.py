@@ -173,6 +173,32 @@ def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, d
     assert err <= tol * max(want.float().abs().max().item(), 1.0), err
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant, dtype, tol,
+                                                                   group, block_size):
+    """Requests of ragged lengths over blocks scattered through the cache: lengths at and
+    around a block's end, at and around the read-ahead distance (where it runs past a pass's
+    end) and past both; block sizes that do and do not divide them."""
+    g = torch.Generator().manual_seed(100 * group + block_size)
+    ahead = ops.attention_prefetch_tokens
+    around = [1, block_size - 1, block_size, block_size + 1, ahead - 1, ahead, ahead + 1,
+              2 * ahead + 3, 97, 260]
+    lens = sorted({n for n in around if n >= 1})
+    width = -(-max(lens) // block_size)
+    blocks = width * len(lens) + 1
+    cache = (torch.randn(2, 2, blocks, block_size, 64, generator=g) * 2).to(dtype)
+    table = (torch.randperm(blocks - 1, generator=g) + 1)[:width * len(lens)]
+    table = table.view(len(lens), width)
+    q = torch.randn(len(lens), 2 * group, 64, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens)
+    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
+    want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
+
+
 def _random_q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     scale = torch.rand(n, k // 32, generator=g) * 0.02

@@ -339,6 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
+  m.attr("attention_prefetch_tokens") = kvloop::kPrefetchTokens;    // (for the tests)
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "every decoder layer of a step of decodes, "
                                 "low-bit, in one call")

@@ -264,7 +264,9 @@ void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T
                     int64_t out_stride) {
   const std::vector<float> qf = scaled_query(q, group * dim, scale);
   const int64_t stride = (len + 7) / 8 * 8;
+  prefetch_first_rows(keys, vals, slot, dim, len);
   for (int64_t t = 0; t < len; ++t) {
+    prefetch_row(keys, slot, dim, t + kPrefetchTokens, len);
     const T* k = keys + slot[t] * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * dim;
@@ -277,6 +279,7 @@ void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T
   for (int64_t g = 0; g < group; ++g) kvloop::softmax_in_place(scores + g * stride, len);
   std::vector<float> acc(group * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
+    prefetch_row(vals, slot, dim, t + kPrefetchTokens, len);
     const T* v = vals + slot[t] * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * stride + t];
@@ -362,6 +365,16 @@ void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const fl
   });
 }
 
+// slot[t] for t < len: the cache row of a request's token t (its block table's `blocks`).
+inline void slot_rows(const int64_t* blocks, int64_t block_size, int64_t len,
+                      std::vector<int64_t>& slot) {
+  slot.resize(len);
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t first = blocks[b] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) slot[t0 + i] = first + i;
+  }
+}
+
 // One query token per request: out[r, h] = softmax(q[r, h] . K[r]^T * scale) V[r], keys read
 // in place from the paged cache through block_table; the query heads of a KV head together
 // (the variant's `attend`). q's rows are `q_row` elements apart (heads * dim when
@@ -384,10 +397,7 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cach
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
       if (slot_request != r) {
-        const int64_t* blocks = block_table + r * max_blocks;
-        slot.resize(len);
-        for (int64_t t = 0; t < len; ++t)
-          slot[t] = blocks[t / block_size] * block_size + t % block_size;
+        slot_rows(block_table + r * max_blocks, block_size, len, slot);
         slot_request = r;
       }
       scores.resize(group * ((len + 7) / 8 * 8));

@@ -90,6 +90,7 @@ inline void grouped_scores(const float* qf, int64_t dim, const T* keys, const in
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const T* key[8];
     for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
+    prefetch_rows(keys, slot, dim, t0 + kPrefetchTokens, t0 + 8 + kPrefetchTokens, len);
     __m256 a[G][8];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
@@ -121,6 +122,7 @@ inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int6
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
+      if (part == 0) prefetch_row(vals, slot, dim, t + kPrefetchTokens, len);
       __m256 pt[G];
       for (int g = 0; g < G; ++g) pt[g] = _mm256_set1_ps(scores[g * stride + t]);
       const T* v = vals + slot[t] * dim + part;
@@ -139,6 +141,7 @@ template <typename T, int G>
 inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
                            const int64_t* slot, int64_t len, float* scores, T* out,
                            int64_t out_stride) {
+  prefetch_first_rows(keys, vals, slot, dim, len);
   grouped_scores<T, G>(qf, dim, keys, slot, len, scores);
   grouped_values<T, G>(dim, vals, slot, len, scores, out, out_stride);
 }

@@ -42,6 +42,7 @@ inline void bf16_scores(const c10::BFloat16* q, float scale, int64_t dim,
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const c10::BFloat16* key[8];
     for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
+    prefetch_rows(keys, slot, dim, t0 + kPrefetchTokens, t0 + 8 + kPrefetchTokens, len);
     __m256 a[G][8];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
@@ -63,6 +64,7 @@ inline void attend_bf16_grouped(const c10::BFloat16* q, float scale, int64_t dim
                                 const c10::BFloat16* keys, const c10::BFloat16* vals,
                                 const int64_t* slot, int64_t len, float* scores,
                                 c10::BFloat16* out, int64_t out_stride) {
+  prefetch_first_rows(keys, vals, slot, dim, len);
   bf16_scores<G>(q, scale, dim, keys, slot, len, scores);
   grouped_values<c10::BFloat16, G>(dim, vals, slot, len, scores, out, out_stride);
 }
