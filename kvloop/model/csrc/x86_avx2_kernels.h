@@ -85,12 +85,13 @@ inline __m256 softmax_unscaled(float* s, int64_t len, int64_t stride) {
 // once for all G heads into 8 x G accumulators.
 template <typename T, int G>
 inline void grouped_scores(const float* qf, int64_t dim, const T* keys, const int64_t* slot,
-                           int64_t len, float* scores) {
+                           int64_t len, float* scores, bool read_ahead = true) {
   const int64_t stride = (len + 7) / 8 * 8;
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const T* key[8];
     for (int j = 0; j < 8; ++j) key[j] = keys + slot[std::min(t0 + j, len - 1)] * dim;
-    prefetch_rows(keys, slot, dim, t0 + kPrefetchTokens, t0 + 8 + kPrefetchTokens, len);
+    if (read_ahead)
+      prefetch_rows(keys, slot, dim, t0 + kPrefetchTokens, t0 + 8 + kPrefetchTokens, len);
     __m256 a[G][8];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
@@ -111,7 +112,7 @@ inline void grouped_scores(const float* qf, int64_t dim, const T* keys, const in
 // once for all G heads.
 template <typename T, int G>
 inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int64_t len,
-                           float* scores, T* out, int64_t out_stride) {
+                           float* scores, T* out, int64_t out_stride, bool read_ahead = true) {
   const int64_t stride = (len + 7) / 8 * 8;
   __m256 inv[G];
   for (int g = 0; g < G; ++g) {
@@ -122,7 +123,7 @@ inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int6
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 8; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      if (part == 0) prefetch_row(vals, slot, dim, t + kPrefetchTokens, len);
+      if (read_ahead && part == 0) prefetch_row(vals, slot, dim, t + kPrefetchTokens, len);
       __m256 pt[G];
       for (int g = 0; g < G; ++g) pt[g] = _mm256_set1_ps(scores[g * stride + t]);
       const T* v = vals + slot[t] * dim + part;
@@ -146,14 +147,18 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
   grouped_values<T, G>(dim, vals, slot, len, scores, out, out_stride);
 }
 
-// The KV head's `group` query heads one at a time (16 vector registers: 8 accumulators).
+// The KV head's `group` query heads one at a time (16 vector registers: 8 accumulators);
+// the first head's passes read ahead, the others find the rows in cache.
 template <typename T>
 inline void attend_heads(const float* qf, int64_t group, int64_t dim, const T* keys,
                          const T* vals, const int64_t* slot, int64_t len, float* scores,
                          T* out, int64_t out_stride) {
-  for (int64_t g = 0; g < group; ++g)
-    attend_grouped<T, 1>(qf + g * dim, dim, keys, vals, slot, len, scores,
-                         out + g * out_stride, out_stride);
+  prefetch_first_rows(keys, vals, slot, dim, len);
+  for (int64_t g = 0; g < group; ++g) {
+    grouped_scores<T, 1>(qf + g * dim, dim, keys, slot, len, scores, g == 0);
+    grouped_values<T, 1>(dim, vals, slot, len, scores, out + g * out_stride, out_stride,
+                         g == 0);
+  }
 }
 
 // silu(gate) * up, 8 at a time with exp8; the tail as the portable kernel.
