@@ -106,7 +106,7 @@ def test_table_of_fixed_figures_has_ratios_targets_and_verdicts() -> None:
          ">= 1.25", True),
         ("random 256/128 c=8: output tok/s (build without AMX)", 3.0, ">= 3", True),
         ("random 256/128 c=8: TTFT p50 ms (build without AMX)", 0.25, "<= 0.2", False),
-        ("random 256/128 c=1: TPOT p50 ms (build without AMX)", 0.5, "<= 0.5", True),
+        ("random 256/128 c=1: TPOT p50 ms (build without AMX)", 0.5, "<= 0.8", True),
         ("engine single-stream decode tok/s (offline vs tg128, build without AMX)", None,
          ">= 1", None),
         ("engine prefill tok/s, 512 tokens (offline vs pp512, build without AMX)", 6.0,

@@ -647,14 +647,14 @@ class Row:
     target: Target
 
 
-ROWS = (  # issue 26's targets (c=1 and TTFT: issue 15's), as ratios kvloop / llama.cpp
+ROWS = (  # issue 38's targets (c=1 and TTFT: issue 15's), as ratios kvloop / llama.cpp
     Row("random c=1", "output tok/s", Target(">=", 1.25)),
     Row("random c=8", "output tok/s", Target(">=", 3.0)),
     Row("random c=32", "output tok/s", Target(">=", 4.0)),
     Row("shared-prefix c=16", "output tok/s", Target(">=", 8.0)),
     Row("multi-turn c=4", "output tok/s", Target(">=", 3.0)),
     Row("random c=8", "TTFT p50 ms", Target("<=", 0.2)),
-    Row("random c=1", "TPOT p50 ms", Target("<=", 0.5)),
+    Row("random c=1", "TPOT p50 ms", Target("<=", 0.8)),
     Row("engine", "decode tok/s", Target(">=", 1.0)),    # ambition: 1.25
     Row("engine", "prefill tok/s", Target(">=", 6.0)),
 )
