@@ -210,7 +210,9 @@ def test_fleet_restarts_a_killed_worker_on_its_port_and_the_router_serves_throug
         text = "\n".join(lines)
         assert re.search(rf"worker \d \(pid {old_pid}\) ended, killed by SIGKILL \(exit code "
                          rf"-9\); restart 1 of 2 in 1 s on port \d+", text), text[-3000:]
-        assert f"serving again on {victim_url} (pid {pid})" in text
+        # the fleet says so once its own health poll sees the new pid (after the router may)
+        wait_until(lambda: f"serving again on {victim_url} (pid {pid})" in "\n".join(lines),
+                   30, "the fleet to report the restarted worker")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         wait_until(lambda: not alive(pid), 10, "the restarted worker to stop with the fleet")
