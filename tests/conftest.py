@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -170,6 +170,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order = {path: (rank.get(path.stem, len(rank)), -count, i)
              for i, (path, count) in enumerate(modules.items())}
     items.sort(key=lambda item: order[item.path])
+
+
+# --- server-sent events -------------------------------------------------------------------------
+def sse_events(lines: Iterable[str]) -> list[Any]:
+    """The data of an SSE stream's events, from its lines ([DONE] as the string)."""
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def sse_json(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON events of an SSE stream (every one but [DONE])."""
+    return [e for e in sse_events(lines) if e != "[DONE]"]
 
 
 # --- waiting ------------------------------------------------------------------------------------

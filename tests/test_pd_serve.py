@@ -30,7 +30,7 @@ from kvloop.router.registry import WorkerDescription
 from kvloop.trust import INTERNAL_TOKEN_HEADER, PURPOSE_INTERNAL_HTTP, FleetSecret, secret_env
 from kvloop.wire import WorkerInfo
 
-from .conftest import alive, serving, wait_until
+from .conftest import alive, serving, sse_events, wait_until
 
 pytestmark = pytest.mark.processes   # every test here runs kvloop serve processes
 
@@ -107,16 +107,6 @@ def completion(prompt: list[int], max_tokens: int = 8, **extra: Any) -> dict[str
 def token_ids(r: httpx.Response) -> list[int]:
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]  # type: ignore[no-any-return]
-
-
-def sse_events(lines: list[str]) -> list[Any]:
-    """The data of an SSE stream's events ([DONE] as the string)."""
-    out: list[Any] = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # --- looking at workers -------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import signal
 import threading
 import time
@@ -29,7 +28,7 @@ from kvloop.front.drain import DRAINING_HEADER, DRAINING_METRIC
 from kvloop.front.launcher import UrlProcess
 from kvloop.front.prometheus_text import metric_value
 from kvloop.router.fleet import Fleet, FleetConfig
-from tests.conftest import RouterThread, wait_until
+from tests.conftest import RouterThread, sse_json, wait_until
 from tests.test_router_faults import _hold, _settled, _stats
 from tests.test_router_fleet import SIM_ARGS, router_config
 
@@ -99,8 +98,7 @@ def _long_stream(url: str, max_tokens: int, out: list[int]) -> None:
             "prompt": [7] * 40, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}) as r:
         out.append(r.status_code)
-        chunks = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines()
-                  if ln.startswith("data: {")]
+        chunks = sse_json(r.iter_lines())
     out.append(next(c["usage"]["completion_tokens"] for c in reversed(chunks) if c["usage"]))
 
 
@@ -207,8 +205,7 @@ def test_a_stream_outliving_its_workers_shutdown_timeout_migrates(fleet):
             w = next(w for w in rt.router.registry.all() if w.in_flight())
             i = next(i for i, p in enumerate(fleet.workers) if p.url == w.spec.url)
             fleet.workers[i].signal(signal.SIGTERM)
-            payloads = [json.loads(x[6:]) for x in [first, *lines]
-                        if x.startswith("data: {")]
+            payloads = sse_json([first, *lines])
         finishes = [c["finish_reason"] for p in payloads for c in p["choices"]
                     if c["finish_reason"]]
         assert finishes == ["length"] and payloads[-1]["usage"]["completion_tokens"] == 600

@@ -12,7 +12,6 @@ upstream served each request and the picker's fallback list (the `envoy.lb` meta
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import signal
@@ -38,7 +37,7 @@ from kvloop.router.flow_config import FlowConfig, Objective
 from kvloop.router.registry import WorkerSpec
 from kvloop.router.services import LocalService, find_binary
 
-from .conftest import RouterThread, embedded_model_installed, held_port, sdk, wait_until
+from .conftest import RouterThread, embedded_model_installed, held_port, sdk, sse_json, wait_until
 from .test_router_fleet import (
     ADMIN,
     BS,
@@ -253,8 +252,8 @@ def test_a_draining_worker_finishes_its_stream_and_gets_nothing_new(fleet, tmp_p
                     assert r.status_code == 200, r.text
                 events = [ln for ln in lines if ln.startswith("data:")]
             assert events[-1] == "data: [DONE]"
-            assert sum(len(json.loads(ln.removeprefix("data: "))["choices"][0]["token_ids"])
-                       for ln in [first, *events[:-1]]) == 600
+            assert sum(len(e["choices"][0]["token_ids"])
+                       for e in sse_json([first, *events])) == 600
             # the six went elsewhere; the stream (logged once it ended) was the drainer's
             upstreams = [a["upstream"] for a in gw.access(7)]
             assert len(upstreams) == 7 and upstreams.count(name) == 1

@@ -26,7 +26,7 @@ from kvloop.events import protocol as proto
 from kvloop.events.types import BlockStored, KVEventBatch, event_int
 from kvloop.front.launcher import ServeProcess
 
-from .conftest import alive, wait_until
+from .conftest import alive, sse_json, wait_until
 
 pytestmark = pytest.mark.processes   # each test starts its own `kvloop serve`
 
@@ -73,10 +73,6 @@ def _stream_lines(url: str, body: dict[str, Any], out: list[str], started: threa
             if line:
                 out.append(line)
                 started.set()
-
-
-def _sse_json(lines: list[str]) -> list[dict[str, Any]]:
-    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
 
 
 # --- admission control --------------------------------------------------------------------------
@@ -135,7 +131,7 @@ def test_signal_with_requests_in_flight(serve: Any, sig: int) -> None:
     for t in threads:
         t.join(10)
     for lines in outs:
-        chunks = _sse_json(lines)
+        chunks = sse_json(lines)
         assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
         assert lines[-1] == "data: [DONE]"
     assert plain[0].status_code == 503
@@ -174,7 +170,7 @@ def test_process_group_signal_stops_both_processes_cleanly(serve: Any, sig: int)
     srv.signal_group(sig)
     assert srv.wait(20) == 0
     t.join(10)
-    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
     assert lines[-1] == "data: [DONE]"
     assert not alive(engine_pid) and port_closed(srv.url)
     assert_clean_exit(srv)
@@ -191,7 +187,7 @@ def test_signal_to_both_processes_stops_them_cleanly(serve: Any, sig: int) -> No
     srv.signal(sig)
     assert srv.wait(20) == 0
     t.join(10)
-    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
     assert not alive(engine_pid) and port_closed(srv.url)
     assert_clean_exit(srv)
 
@@ -203,7 +199,7 @@ def test_sigterm_to_the_engine_alone_stops_both_cleanly(serve: Any) -> None:
     os.kill(engine_pid, signal.SIGTERM)
     assert srv.wait(20) == 0
     t.join(10)
-    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
     assert "the engine core process stopped" in srv.log()
     assert_clean_exit(srv)
 
@@ -226,7 +222,7 @@ def test_sigterm_drains_with_a_shutdown_timeout(serve: Any, to_engine: bool) -> 
     assert t.is_alive()                      # the stream is still going
     assert srv.wait(30) == 0 and time.monotonic() - start < 30
     t.join(10)
-    chunks = _sse_json(lines)
+    chunks = sse_json(lines)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(len(c["choices"][0].get("token_ids") or []) for c in chunks) == 100
     assert lines[-1] == "data: [DONE]"
@@ -242,7 +238,7 @@ def test_second_sigterm_ends_the_drain_at_once(serve: Any) -> None:
     srv.signal(signal.SIGTERM)
     assert srv.wait(20) == 0
     t.join(10)
-    assert _sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sse_json(lines)[-1]["choices"][0]["finish_reason"] == "abort"
     assert_clean_exit(srv)
 
 

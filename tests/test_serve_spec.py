@@ -16,8 +16,7 @@ from kvloop.front.launcher import ServeProcess
 from kvloop.front.prometheus_text import metric_value
 from kvloop.server import cli_args
 
-from .conftest import post, serving, wait_until
-from .test_pd_serve import sse_events
+from .conftest import post, serving, sse_events, wait_until
 from .test_serve_cli import run_serve, serve_args
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
