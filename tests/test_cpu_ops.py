@@ -329,6 +329,44 @@ def test_huge_page_copies_hold_the_same_values_in_one_buffer_of_huge_pages(ops):
     assert cpu_ops.huge_page_copies([]) == []
 
 
+def _thp_mode() -> str:
+    """The kernel's transparent huge page mode: "always", "madvise" or "never"."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as f:
+        found = re.search(r"\[(\w+)\]", f.read())
+    assert found is not None
+    return found.group(1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_kv_cache_is_zeroed_in_one_buffer_of_huge_pages(ops, kv_cache_dtype):
+    """`allocate_kv_caches` on CPU (`cpu_ops.huge_page_zeros`): every layer's cache zeroed,
+    all in one buffer from a 2 MiB boundary, and the kernel backs it with huge pages
+    (smaps' AnonHugePages), unless it had none free and counted the fallback."""
+    from kvloop.model.kv_quant import kv_quant_for
+    from kvloop.model.loader import ModelConfig
+    from kvloop.model.runner import allocate_kv_caches
+
+    if _thp_mode() == "never":
+        pytest.skip("transparent huge pages are off here (/sys/kernel/mm/"
+                    "transparent_hugepage/enabled says never): the cache stays in 4 KiB pages")
+    config = ModelConfig(architecture="llama", vocab_size=100, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64)
+    quant = kv_quant_for(kv_cache_dtype)
+    fallbacks = _thp_fault_fallbacks()
+    caches = allocate_kv_caches(config, 100, 16, torch.float32, torch.device("cpu"), quant)
+    row, dtype = (64, torch.float32) if quant is None else (68, torch.uint8)
+    assert len(caches) == 4 and len({c.data_ptr() for c in caches}) == 4
+    for c in caches:
+        assert c.shape == (2, 3, 100, 16, row) and c.dtype == dtype and c.is_contiguous()
+        assert not c.any() and c.data_ptr() % 64 == 0
+    base = caches[0].untyped_storage().data_ptr()
+    assert all(c.untyped_storage().data_ptr() == base for c in caches)
+    assert base % (2 << 20) == 0
+    assert (_huge_page_bytes_at(base) >= 2 << 20
+            or _thp_fault_fallbacks() > fallbacks), "no huge page and no fallback counted"
+
+
 def test_the_build_is_keyed_by_source_torch_flags_and_architecture():
     """`build_key` of the same inputs is the same name; a changed source file, another file,
     another torch version, other compiler flags or another architecture each give another.

@@ -172,6 +172,36 @@ def test_decode_attention_matches_twin(dtype, quant, heads, kv_heads, dim, block
     assert (want[1].float() - ref).abs().max() <= tol * max(ref.abs().max(), 1.0)
 
 
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_decode_attention_over_scattered_blocks_and_ragged_lengths(dtype, quant, group,
+                                                                   block_size):
+    """Every format's kernel (the quantized kernel has one portable version, whatever the
+    CPU variant) over requests of ragged lengths in blocks scattered through the cache:
+    lengths at and around a block's end, at and around the read-ahead distance (where it
+    runs past a pass's end) and past both; block sizes that do and do not divide them."""
+    g = torch.Generator().manual_seed(100 * group + block_size)
+    ahead = cpu_ops.load().attention_prefetch_tokens
+    around = [1, block_size - 1, block_size, block_size + 1, ahead - 1, ahead, ahead + 1,
+              2 * ahead + 3, 97, 260]
+    lens = sorted({n for n in around if n >= 1})
+    width = -(-max(lens) // block_size)
+    blocks = width * len(lens) + 1
+    cache = kv_quant.quantize_rows(torch.randn(2, 2, blocks, block_size, 64, generator=g) * 2,
+                                   quant)
+    table = (torch.randperm(blocks - 1, generator=g) + 1)[:width * len(lens)]
+    table = table.view(len(lens), width)
+    q = torch.randn(len(lens), 2 * group, 64, generator=g).to(dtype)
+    seq_lens = torch.tensor(lens)
+    got = _torch_ops().kvq_decode_attention(q, cache, table, seq_lens, 0.125, quant.kind)
+    want = kv_quant.torch_decode_attention(q, cache, table, seq_lens, 0.125, quant)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max(), 1.0)
+
+
 def test_the_router_learns_a_quantized_p_s_bytes_per_token():
     """A prefill answer's `kv_fingerprint` names the format; the router prices its transfer
     by the bytes stored (codes and scales), not by 1 byte an element."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import sys
@@ -253,16 +254,38 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     in 2 MiB pages (`huge_page_buffer`, csrc/cpu_ops.cpp: why), each at a 64-byte line; the
     buffer lives as long as any copy. Without the extension, or for none, `tensors` as
     they are."""
-    ops = load()
-    if ops is None or not tensors:
+    views = _huge_page_views([(t.shape, t.dtype) for t in tensors])
+    if views is None:
         return tensors
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    return [v.copy_(t) for v, t in zip(views, tensors, strict=True)]
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype, count: int,
+                    device: torch.device) -> list[torch.Tensor]:
+    """`count` zeroed (so touched) tensors of `shape` and `dtype`: on CPU with the extension,
+    all in one buffer in 2 MiB pages as `huge_page_copies` (the KV cache: a decode step reads
+    it scattered through a layer's blocks), else `torch.zeros` each."""
+    views = (_huge_page_views([(shape, dtype)] * count) if device.type == "cpu" and count
+             else None)
+    if views is None:
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    return [v.zero_() for v in views]
+
+
+def _huge_page_views(specs: list[tuple[Any, torch.dtype]]) -> list[torch.Tensor] | None:
+    """Uninitialised contiguous tensors of these (shape, dtype)s in one `huge_page_buffer`,
+    each at a 64-byte line; None without the extension or for none."""
+    ops = load()
+    if ops is None or not specs:
+        return None
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+             for shape, dtype in specs]
     starts = [0]
     for nbytes in sizes:
         starts.append(starts[-1] + -(-nbytes // _LINE) * _LINE)
-    buffer = ops.huge_page_buffer(starts[-1])
-    return [buffer[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            for t, start, nbytes in zip(tensors, starts, sizes, strict=False)]
+    buffer = ops.huge_page_buffer(max(starts[-1], 1))
+    return [buffer[start:start + nbytes].view(dtype).view(shape)
+            for (shape, dtype), start, nbytes in zip(specs, starts, sizes, strict=False)]
 
 
 _LINE = 64

@@ -59,6 +59,7 @@ from kvloop.core.outputs import (
     prompt_logprob_positions,
 )
 from kvloop.core.request import PoolingParams, SamplingParams
+from kvloop.model import cpu_ops
 from kvloop.model.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -623,5 +624,5 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
     shape = (2, config.num_key_value_heads, num_blocks, block_size, row)
     dtype = dtype if kv_quant is None else torch.uint8
     groups = config.kv_cache_groups
-    shared = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(group_size(groups))]
+    shared = cpu_ops.huge_page_zeros(shape, dtype, group_size(groups), device)   # 2 MiB pages
     return [shared[j] for _, j in layer_slots(groups, config.num_hidden_layers)]

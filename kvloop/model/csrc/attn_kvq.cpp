@@ -12,6 +12,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
+#include "kernels.h"   // slot_rows and the read-ahead (prefetch_rows, kPrefetchTokens)
 #include "softmax.h"
 
 #include <algorithm>
@@ -151,7 +152,9 @@ void rope_and_cache_kernel(T* qkv, const int64_t* positions, const float* cos, c
 
 // One query per request, keys and values dequantized in the kernel a row at a time (into a
 // dim-float buffer shared by the KV head's query heads): score = k_scale * (q . codes),
-// out += p * v_scale * codes. No copy of the cache is made.
+// out += p * v_scale * codes. No copy of the cache is made. Each pass reads
+// kvloop::kPrefetchTokens rows ahead, as the fp32 kernels do (kernels.h: a block of 16
+// rows is ~1 KiB here, so a request's scattered blocks break the stream even more often).
 template <int Kind, typename T>
 void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* block_table,
                              const int64_t* seq_lens, T* out, int64_t reqs, int64_t heads,
@@ -164,18 +167,26 @@ void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* bl
   const int64_t work = reqs * kv_heads;
   at::parallel_for(0, work, grain(work, longest * dim * group * 2), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), buf(dim), scores;
+    std::vector<int64_t> slot;            // the request's cache rows (shared by its KV heads)
+    int64_t slot_request = -1;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / kv_heads, kh = w % kv_heads, len = seq_lens[r];
-      const int64_t* blocks = block_table + r * max_blocks;
+      if (slot_request != r) {
+        kvloop::slot_rows(block_table + r * max_blocks, block_size, len, slot);
+        slot_request = r;
+      }
+      const uint8_t* keys = cache + kh * cache_tokens * crow;
+      const uint8_t* vals = values + kh * cache_tokens * crow;
+      kvloop::prefetch_first_rows(keys, vals, slot.data(), crow, len);
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = 0; i < dim; ++i)
           qf[g * dim + i] = static_cast<float>(q[(r * heads + kh * group + g) * dim + i]) * scale;
         if (rotates<Kind>(dim)) hadamard(qf.data() + g * dim, dim);    // q . k = qH . kH
       }
       scores.assign(group * len, 0.f);
-      const uint8_t* keys = cache + kh * cache_tokens * crow;
       for (int64_t t = 0; t < len; ++t) {
-        const uint8_t* k = keys + (blocks[t / block_size] * block_size + t % block_size) * crow;
+        kvloop::prefetch_row(keys, slot.data(), crow, t + kvloop::kPrefetchTokens, len);
+        const uint8_t* k = keys + slot[t] * crow;
         decode_row<Kind>(k, dim, buf.data());
         const float ks = row_scale(k, dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -188,9 +199,9 @@ void decode_attention_kernel(const T* q, const uint8_t* cache, const int64_t* bl
       }
       for (int64_t g = 0; g < group; ++g) kvloop::softmax_in_place(scores.data() + g * len, len);
       std::fill(acc.begin(), acc.end(), 0.f);
-      const uint8_t* vals = values + kh * cache_tokens * crow;
       for (int64_t t = 0; t < len; ++t) {
-        const uint8_t* v = vals + (blocks[t / block_size] * block_size + t % block_size) * crow;
+        kvloop::prefetch_row(vals, slot.data(), crow, t + kvloop::kPrefetchTokens, len);
+        const uint8_t* v = vals + slot[t] * crow;
         decode_row<Kind>(v, dim, buf.data());
         const float vs = row_scale(v, dim);
         for (int64_t g = 0; g < group; ++g) {

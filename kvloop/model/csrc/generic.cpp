@@ -365,16 +365,6 @@ void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const fl
   });
 }
 
-// slot[t] for t < len: the cache row of a request's token t (its block table's `blocks`).
-inline void slot_rows(const int64_t* blocks, int64_t block_size, int64_t len,
-                      std::vector<int64_t>& slot) {
-  slot.resize(len);
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
-    const int64_t first = blocks[b] * block_size, n = std::min(block_size, len - t0);
-    for (int64_t i = 0; i < n; ++i) slot[t0 + i] = first + i;
-  }
-}
-
 // One query token per request: out[r, h] = softmax(q[r, h] . K[r]^T * scale) V[r], keys read
 // in place from the paged cache through block_table; the query heads of a KV head together
 // (the variant's `attend`). q's rows are `q_row` elements apart (heads * dim when

@@ -79,6 +79,17 @@ inline void prefetch_row(const T* rows, const int64_t* slot, int64_t dim, int64_
   prefetch_rows(rows, slot, dim, t, t + 1, len);
 }
 
+// slot[t] for t < len: the cache row of a request's token t (its block table's `blocks`),
+// built a block at a time (no division per token).
+inline void slot_rows(const int64_t* blocks, int64_t block_size, int64_t len,
+                      std::vector<int64_t>& slot) {
+  slot.resize(len);
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const int64_t first = blocks[b] * block_size, n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) slot[t0 + i] = first + i;
+  }
+}
+
 // Rows of x quantized per group of 32 to int16 (dx = max|x| / 32767): the integer kernels'
 // operand.
 constexpr float kQMax = 32767.f;
