@@ -7,8 +7,11 @@ Scope: the choice, not the kernels. A `Precision` names three dtypes:
 - `matmul`: the dense weights of the decoder layers and the rows of x entering them (a
   layer's output comes back in `activations`; the accumulators are fp32 in every kernel
   kvloop runs on CPU);
-- `kv_cache`: the paged cache (equal to `activations`: the fused CPU ops read and write it
-  in the activations' dtype).
+- `kv_cache`: the paged cache's values: `activations` (`--kv-cache-dtype auto`), or bf16
+  beside fp32 activations (`--kv-cache-dtype bfloat16`: half the bytes; RoPE's result is
+  rounded as it is written, and every reader widens it exactly, so scores, softmax and P V
+  stay fp32). A quantized cache (fp8, int8) is codes and scales instead
+  (`kvloop.model.kv_quant`), whatever this says.
 
 The 4-bit and 8-bit weights of a GGUF stay as stored whatever the dtype
 (`kvloop.model.quant`); what enters their kernels is `activations`.
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloop.config import DTYPE_ALIASES, check_dtype
+from kvloop.config import DTYPE_ALIASES, check_dtype, resolve_kv_cache_dtype
 
 DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
                                    for alias, name in DTYPE_ALIASES.items()}
@@ -40,10 +43,11 @@ class Precision:
 
     activations: torch.dtype
     matmul: torch.dtype
+    kv_values: torch.dtype | None = None    # the cache's, where not `activations`
 
     @property
     def kv_cache(self) -> torch.dtype:
-        return self.activations
+        return self.kv_values or self.activations
 
     @classmethod
     def uniform(cls, dtype: torch.dtype) -> Precision:
@@ -51,14 +55,28 @@ class Precision:
 
     def describe(self) -> str:
         """One phrase for the start-up log, e.g. "fp32, bf16 layer matmuls"."""
-        name = _short(self.activations)
-        if self.matmul == self.activations:
-            return name
-        return f"{name}, {_short(self.matmul)} layer matmuls"
+        parts = [_short(self.activations)]
+        if self.matmul != self.activations:
+            parts.append(f"{_short(self.matmul)} layer matmuls")
+        if self.kv_cache != self.activations:
+            parts.append(f"{_short(self.kv_cache)} KV cache")
+        return ", ".join(parts)
 
 
-def resolve_precision(dtype: str, device: torch.device) -> Precision:
-    """`--dtype` (vLLM's values) on `device` -> the Precision (module docstring)."""
+def resolve_precision(dtype: str, device: torch.device,
+                      kv_cache_dtype: str = "auto") -> Precision:
+    """`--dtype` (vLLM's values) and `--kv-cache-dtype` on `device` -> the Precision (module
+    docstring). ValueError for a bf16 cache beside fp16 activations (no kernel reads it)."""
+    base = _resolve_activations(dtype, device)
+    if resolve_kv_cache_dtype(kv_cache_dtype) != "bfloat16" or base.activations == torch.bfloat16:
+        return base
+    if base.activations != torch.float32:
+        raise ValueError(f"--kv-cache-dtype bfloat16 needs fp32 or bf16 activations; --dtype "
+                         f"{dtype} runs {_short(base.activations)} (use --kv-cache-dtype auto)")
+    return Precision(base.activations, base.matmul, torch.bfloat16)
+
+
+def _resolve_activations(dtype: str, device: torch.device) -> Precision:
     check_dtype(dtype)
     if dtype != "auto":
         return Precision.uniform(DTYPES[dtype])
