@@ -41,7 +41,8 @@ is written by `kv_quant.rope_and_cache` and read by `kv_quant.decode_attention` 
 in the kernel); every prefill chunk, a first one too, reads its keys and values back from
 the cache (dequantized), so a token sees the same values whether its prefix is computed now
 or came from the prefix cache, a tier or a prefill engine. A model with sliding-window layers
-keeps its KV in the activations' dtype (the windowed paths read the cache as it is).
+keeps its KV unquantized, in the activations' dtype or bf16 (the windowed paths read the
+cache as it is, widened).
 
 Everything here is metadata built once per step by the runner (`AttentionMetadata`, one per
 KV-cache group), shared by the layers of the group; there is no module-global state.

@@ -58,8 +58,8 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     kv_quant = kv_quant_for(rc.kv_cache_dtype)
     if kv_quant is not None and any(g.sliding_window for g in config.kv_cache_groups):
         raise ValueError(f"--kv-cache-dtype {rc.kv_cache_dtype}: {config.architecture} has "
-                         "sliding-window layers, whose KV stays in the activations' dtype "
-                         "(use --kv-cache-dtype auto)")
+                         "sliding-window layers, whose KV stays unquantized "
+                         "(use --kv-cache-dtype auto or bfloat16)")
     num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
                                rc.num_gpu_blocks_override, kv_quant)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
