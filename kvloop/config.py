@@ -57,10 +57,12 @@ def check_device(device: str) -> None:
 
 
 # `--kv-cache-dtype` (vLLM's names, plus int8). "auto": K and V in the activations' dtype;
-# the others: one-byte codes, each row (one token's K or V of one KV head) `head_dim` codes
-# then the row's fp32 scale, `KV_SCALE_BYTES` (kvloop.model.kv_quant says why per row). "fp8"
-# is "fp8_e4m3", as in vLLM.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# "bfloat16": K and V in bf16 whatever the activations' dtype (fp32 or bf16: under fp32
+# activations the kernels read the bf16 cache widened; kvloop.model.precision); the others:
+# one-byte codes, each row (one token's K or V of one KV head) `head_dim` codes then the
+# row's fp32 scale, `KV_SCALE_BYTES` (kvloop.model.kv_quant says why per row). "fp8" is
+# "fp8_e4m3", as in vLLM.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 QUANTIZED_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
 KV_SCALE_BYTES = 4
@@ -73,7 +75,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """The stored format a `--kv-cache-dtype` names: "auto" or a `QUANTIZED_KV_CACHE_DTYPES`."""
+    """The stored format a `--kv-cache-dtype` names: "auto", "bfloat16" or a
+    `QUANTIZED_KV_CACHE_DTYPES`."""
     check_kv_cache_dtype(kv_cache_dtype)
     return KV_CACHE_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
 
@@ -217,7 +220,8 @@ class RunnerConfig:
       at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons);
     - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given);
     - `kv_cache_dtype`: how K and V are stored (`KV_CACHE_DTYPES`; "auto": the activations'
-      dtype; fp8 and int8: one byte per element and a scale per row, `kvloop.model.kv_quant`).
+      dtype; "bfloat16": bf16, under fp32 activations too; fp8 and int8: one byte per element
+      and a scale per row, `kvloop.model.kv_quant`).
     """
 
     model: str | None = None

@@ -1,12 +1,13 @@
-"""kvloop's fused C++ CPU ops against their pure-torch twins (the oracle), fp32 and bf16, on
-every kernel variant this CPU runs (csrc/dispatch.cpp; the others are skipped, saying why).
+"""kvloop's fused C++ CPU ops against their pure-torch twins (the oracle), fp32 and bf16 (and
+the cache's ops on a bf16 cache beside fp32, `--kv-cache-dtype bfloat16`), on every kernel
+variant this CPU runs (csrc/dispatch.cpp; the others are skipped, saying why).
 
 Shapes: SmolLM2's (9 heads, 3 KV heads, head_dim 64) and a tiny GQA one (4/2/16), blocks
 of 16 and 4, ragged decode lengths, slots scattered over the pool. The ops are built by
 `python -m kvloop.model.cpu_ops` (the Makefile's install step); where they cannot be built
 these tests fail (a broken build must not pass `make test` as skips). One end-to-end test
 runs a tiny model with the extension off (`KVLOOP_CPU_OPS=0`), on every variant and under
-transformers: the same greedy tokens.
+transformers: the same greedy tokens, with an fp32 and with a bf16 KV cache.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def test_kvloop_cpu_isa_forces_a_variant_and_rejects_one_the_cpu_cannot_run(ops)
 # of two: q * scale is not a bf16 value)
 SHAPES = [(9, 3, 64, 24, 16), (4, 2, 16, 20, 4), (8, 2, 128, 24, 16)]
 DTYPES = [(torch.float32, 2e-6), (torch.bfloat16, 0.0)]
+# (activations, KV cache, tolerance) of the cache's ops: the cache in the activations' dtype,
+# or bf16 beside fp32 (--kv-cache-dtype bfloat16: read widened exactly, so fp32's tolerance)
+KV_DTYPES = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat16, 0.0),
+             (torch.float32, torch.bfloat16, 2e-6)]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
@@ -110,31 +115,43 @@ def test_add_rms_norm(ops, dtype, tol, with_residual):
         assert torch.equal(r1, r2)
 
 
-@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype,tol", KV_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
-def test_rope_and_cache(ops, dtype, tol, heads, kv_heads, dim, blocks, bs):
+def test_rope_and_cache(ops, dtype, cache_dtype, tol, heads, kv_heads, dim, blocks, bs):
     g = torch.Generator().manual_seed(1)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     positions = torch.randint(0, 300, (tokens,), generator=g)
     angles = torch.outer(torch.arange(300.0), torch.rand(dim // 2, generator=g))
     slots = torch.randperm(blocks * bs, generator=g)[:tokens]
-    caches = [torch.zeros(2, kv_heads, blocks, bs, dim, dtype=dtype) for _ in range(2)]
+    caches = [torch.zeros(2, kv_heads, blocks, bs, dim, dtype=cache_dtype) for _ in range(2)]
     outs = [qkv.clone(), qkv.clone()]
     ops.rope_and_cache(outs[0], positions, angles.cos(), angles.sin(), caches[0], slots,
                        heads, kv_heads)
     cpu_ops.torch_rope_and_cache(outs[1], positions, angles.cos(), angles.sin(), caches[1],
                                  slots, heads, kv_heads)
     _close(outs[0], outs[1], tol)
-    _close(caches[0], caches[1], tol)
     assert caches[0].abs().sum() > 0
+    if cache_dtype == dtype:
+        _close(caches[0], caches[1], tol)
+        return
+    # a bf16 cache beside fp32: V (no RoPE) the same bits; K rounded from RoPE's fp32 result,
+    # whose last bit may differ (FMA), so at most one bf16 step apart
+    assert torch.equal(caches[0][1], caches[1][1])
+    step = caches[1][0].float().abs() * 2 ** -7
+    assert ((caches[0][0].float() - caches[1][0].float()).abs() <= step).all()
+    written = caches[0].view(2, kv_heads, -1, dim)[:, :, slots]
+    rows = outs[0].view(tokens, heads + 2 * kv_heads, dim)[:, heads:]      # this step's K, V
+    assert torch.equal(written.float(), rows.view(tokens, 2, kv_heads, dim).permute(1, 2, 0, 3)
+                       .to(cache_dtype).float())
 
 
-@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("dtype,cache_dtype,tol", KV_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
-def test_decode_attention(ops, variant, dtype, tol, heads, kv_heads, dim, blocks, bs):
+def test_decode_attention(ops, variant, dtype, cache_dtype, tol, heads, kv_heads, dim, blocks,
+                          bs):
     g = torch.Generator().manual_seed(2)
-    cache = torch.randn(2, kv_heads, blocks, bs, dim, generator=g).to(dtype)
+    cache = torch.randn(2, kv_heads, blocks, bs, dim, generator=g).to(cache_dtype)
     table = torch.randint(1, blocks, (4, 5), generator=g)
     seq_lens = torch.tensor([1, bs + 1, 5 * bs, 3 * bs - 2])
     q = torch.randn(4, heads, dim, generator=g).to(dtype)
@@ -142,6 +159,17 @@ def test_decode_attention(ops, variant, dtype, tol, heads, kv_heads, dim, blocks
     want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, dim ** -0.5)
     assert got.shape == (4, heads * dim) and got.dtype == dtype
     _close(got, want, tol + (8e-3 if dtype == torch.bfloat16 else 0))
+
+
+def test_a_cache_of_another_dtype_is_refused(ops):
+    """The cache takes the activations' dtype, or bf16 beside fp32; nothing else."""
+    cache = torch.zeros(2, 1, 4, 4, 16, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2, 16, dtype=torch.float16)
+    table, lens = torch.ones(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="a KV cache of BFloat16 beside activations of Half"):
+        ops.decode_attention(q, cache, table, lens, 0.25)
+    with pytest.raises(RuntimeError, match="a KV cache of Float beside activations of BFloat16"):
+        ops.decode_attention(q.bfloat16(), cache.float(), table, lens, 0.25)
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
@@ -152,16 +180,20 @@ def test_silu_and_mul(ops, variant, dtype, tol):
     _close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+LONG_KV_DTYPES = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat16, 8e-3),
+                  (torch.float32, torch.bfloat16, 2e-6)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tol", LONG_KV_DTYPES)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
-def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, dtype, tol,
-                                                                 group):
+def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, dtype,
+                                                                 cache_dtype, tol, group):
     """The vectorised path (head_dim a multiple of 64; fp32 or bf16 cache) at lengths around
     its 8-key tiles and far past a block, where the scores span many tiles; for every group
     of query heads per KV head: 2-4 share each key's load where AVX-512 gives the registers,
     1 and 5 take a head at a time."""
     g = torch.Generator().manual_seed(4 + group)
-    cache = (torch.randn(2, 3, 90, 16, 64, generator=g) * 3).to(dtype)   # large scores
+    cache = (torch.randn(2, 3, 90, 16, 64, generator=g) * 3).to(cache_dtype)   # large scores
     lens = [1, 7, 8, 9, 15, 16, 17, 300, 1400]
     table = torch.stack([torch.randperm(89, generator=g)[:88] + 1 for _ in lens])
     q = torch.randn(len(lens), 3 * group, 64, generator=g).to(dtype)
@@ -173,11 +205,12 @@ def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, d
     assert err <= tol * max(want.float().abs().max().item(), 1.0), err
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("dtype,cache_dtype,tol", LONG_KV_DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
-def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant, dtype, tol,
-                                                                   group, block_size):
+def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant, dtype,
+                                                                   cache_dtype, tol, group,
+                                                                   block_size):
     """Requests of ragged lengths over blocks scattered through the cache: lengths at and
     around a block's end, at and around the read-ahead distance (where it runs past a pass's
     end) and past both; block sizes that do and do not divide them."""
@@ -188,7 +221,7 @@ def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant,
     lens = sorted({n for n in around if n >= 1})
     width = -(-max(lens) // block_size)
     blocks = width * len(lens) + 1
-    cache = (torch.randn(2, 2, blocks, block_size, 64, generator=g) * 2).to(dtype)
+    cache = (torch.randn(2, 2, blocks, block_size, 64, generator=g) * 2).to(cache_dtype)
     table = (torch.randperm(blocks - 1, generator=g) + 1)[:width * len(lens)]
     table = table.view(len(lens), width)
     q = torch.randn(len(lens), 2 * group, 64, generator=g).to(dtype)
@@ -506,7 +539,7 @@ import json, sys
 from kvloop import LLM, SamplingParams
 from kvloop.model import cpu_ops
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", block_size=16, num_threads=1,
-          num_gpu_blocks_override=32)
+          num_gpu_blocks_override=32, kv_cache_dtype=sys.argv[4])
 params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])], params,
                     use_tqdm=False)
@@ -516,7 +549,7 @@ llm.shutdown()
 """
 
 
-def _greedy_in_process(path, variants):
+def _greedy_in_process(path, variants, kv_cache_dtype="auto"):
     """variant -> greedy tokens of E2E_PROMPTS, in a child process per variant (None: the
     extension off)."""
     out = {}
@@ -525,7 +558,8 @@ def _greedy_in_process(path, variants):
                if k not in (cpu_ops.ENV_SWITCH, cpu_ops.KERNELS_ENV)}
         env.update({cpu_ops.ENV_SWITCH: "0"} if name is None else {cpu_ops.KERNELS_ENV: name})
         run = subprocess.run([sys.executable, "-c", _GREEDY_SCRIPT, str(path),
-                              json.dumps(E2E_PROMPTS), str(E2E_TOKENS)], env=env,
+                              json.dumps(E2E_PROMPTS), str(E2E_TOKENS), kv_cache_dtype],
+                             env=env,
                              capture_output=True, text=True, timeout=300, check=True)
         result = json.loads(run.stdout.strip().splitlines()[-1])
         assert result["kernels"] == name
@@ -555,3 +589,6 @@ def test_a_tiny_model_gives_transformers_greedy_tokens_with_and_without_the_exte
     got = _greedy_in_process(path, [None, *runnable])
     assert all(len(t) == E2E_TOKENS for t in want)
     assert got == {name: want for name in [None, *runnable]}
+    # a bf16 cache beside the fp32 activations (--kv-cache-dtype bfloat16): the twins and
+    # every variant agree, and on this model keep transformers' fp32 tokens
+    assert _greedy_in_process(path, [None, *runnable], "bfloat16") == got

@@ -1,5 +1,6 @@
 """The quantized KV cache's format and ops (kvloop.model.kv_quant): the pure-torch twins'
-round trip bounds, the C++ ops (csrc/attn_kvq.cpp) against the twins, and the block budget.
+round trip bounds, the C++ ops (csrc/attn_kvq.cpp) against the twins, and the block budget
+(a bf16 cache beside fp32 activations, `--kv-cache-dtype bfloat16`, included).
 
 Shapes: SmolLM2's (9 heads, 3 KV heads, head_dim 64) and a tiny GQA one (4/2/16); blocks of
 16 and 4, ragged decode lengths, slots scattered over the pool.
@@ -16,7 +17,10 @@ from kvloop.config import resolve_kv_cache_dtype
 from kvloop.model import cpu_ops, kv_quant
 from kvloop.model.kv_quant import FORMATS, KVQuant, kv_quant_for
 from kvloop.model.loader import ModelConfig
+from kvloop.model.precision import Precision, resolve_precision
 from kvloop.model.setup import num_kv_blocks
+
+CPU = torch.device("cpu")
 
 needs_ops = pytest.mark.skipif(cpu_ops.load() is None,
                                reason="kvloop's CPU ops are not built (python -m "
@@ -37,6 +41,22 @@ def test_names_follow_vllm():
     assert [kv_quant_for(n).name for n in ("fp8_e5m2", "int8")] == ["fp8_e5m2", "int8"]
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of"):
         resolve_kv_cache_dtype("q4")
+
+
+def test_a_bf16_cache_is_the_precision_s_kv_dtype():
+    """`--kv-cache-dtype bfloat16` (vLLM's name) stores values, not codes: the Precision's
+    KV cache dtype, beside fp32 activations; under bf16 activations it is "auto"'s cache."""
+    assert resolve_kv_cache_dtype("bfloat16") == "bfloat16" and kv_quant_for("bfloat16") is None
+    fp32 = resolve_precision("float32", CPU, "bfloat16")
+    assert fp32 == Precision(torch.float32, torch.float32, torch.bfloat16)
+    assert fp32.kv_cache == torch.bfloat16 and fp32.describe() == "fp32, bf16 KV cache"
+    assert resolve_precision("float32", CPU, "int8").kv_cache == torch.float32   # codes instead
+    bf16 = resolve_precision("bfloat16", CPU, "bfloat16")
+    assert bf16 == resolve_precision("bfloat16", CPU) == Precision.uniform(torch.bfloat16)
+    auto = resolve_precision("auto", CPU, "bfloat16")
+    assert (auto.activations, auto.kv_cache) == (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="--kv-cache-dtype bfloat16 needs fp32 or bf16"):
+        resolve_precision("float16", CPU, "bfloat16")
 
 
 @pytest.mark.parametrize("quant", QUANTS, ids=lambda q: q.name)
@@ -98,6 +118,9 @@ def test_block_budget_rises_by_the_byte_ratio():
     assert num_kv_blocks(cfg, 16, torch.float32, memory, None) == memory // (
         rows_per_block * 256) == 91
     assert num_kv_blocks(cfg, 16, torch.bfloat16, memory, None) == 182
+    # a bf16 cache beside fp32 activations weighs as bf16's
+    kv_dtype = resolve_precision("float32", CPU, "bfloat16").kv_cache
+    assert num_kv_blocks(cfg, 16, kv_dtype, memory, None, kv_quant_for("bfloat16")) == 182
     for name in ("int8", "fp8", "fp8_e4m3", "fp8_e5m2"):
         blocks = num_kv_blocks(cfg, 16, torch.float32, memory, None, kv_quant_for(name))
         assert blocks == memory // (rows_per_block * 68) == 342
@@ -209,5 +232,6 @@ def test_the_router_learns_a_quantized_p_s_bytes_per_token():
 
     shape = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
     assert fingerprint_bytes_per_token({**shape, "dtype": "float32"}) == 46080.0
+    assert fingerprint_bytes_per_token({**shape, "dtype": "bfloat16"}) == 23040.0
     for name in ("int8", "fp8_e4m3", "fp8_e5m2"):
         assert fingerprint_bytes_per_token({**shape, "dtype": name}) == 2 * 30 * 3 * 68

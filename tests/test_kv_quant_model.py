@@ -12,6 +12,9 @@
   blocks equal P's byte for byte, and D refuses a P of another KV dtype with both named.
 - Qwen3, Llama 3, Phi-3 and Qwen3-MoE (tiny, random): int8 KV gives the same greedy tokens
   in one pass, after a prefix-cache hit and in 5-token chunks.
+- A bf16 cache beside fp32 activations (`--kv-cache-dtype bfloat16`, the tiny model): its
+  blocks weigh half of fp32's, go through a tier and P/D as bf16 ("bfloat16" in the
+  fingerprint, as a bf16 engine's), and an fp32 engine takes none of them.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ def test_embedded_greedy_with_quantized_kv_keeps_the_measured_prefixes():
 BS = 16
 INT8_BLOCK = 2 * 2 * 2 * BS * (16 + 4)       # layers, K and V, KV heads, tokens, row bytes
 FP32_BLOCK = 2 * 2 * 2 * BS * 16 * 4
+BF16_BLOCK = FP32_BLOCK // 2
 
 
 @pytest.fixture(scope="module")
@@ -110,16 +114,30 @@ def tiny(tmp_path_factory) -> ModelRunner:
                                     max_model_len=256, num_threads=1))
 
 
+@pytest.fixture(scope="module")
+def tiny_bf16_kv(tmp_path_factory) -> ModelRunner:
+    """The tiny model with a bf16 KV cache beside its fp32 activations."""
+    path = write_tiny_gguf(tiny_hf_model(seed=5), tmp_path_factory.mktemp("kvb") / "t.gguf")
+    return load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
+                                    block_size=BS, num_gpu_blocks_override=12,
+                                    max_model_len=256, num_threads=1,
+                                    kv_cache_dtype="bfloat16"))
+
+
 def with_kv(runner: ModelRunner, blocks: int, kv_cache_dtype: str) -> ModelRunner:
-    """A runner over `runner`'s weights with its own cache in `kv_cache_dtype`."""
+    """A runner over `runner`'s weights with its own cache in `kv_cache_dtype` (a value
+    dtype, as "bfloat16", comes with the model's Precision: `tiny_bf16_kv`)."""
     return ModelRunner(runner.model, runner.config, num_gpu_blocks=blocks,
                        block_size=runner.block_size, max_model_len=runner.max_model_len,
                        device=runner.device, model_name=runner.model_name,
                        kv_quant=kv_quant_for(kv_cache_dtype))
 
 
-def test_block_bytes_of_the_tiny_model(tiny):
+def test_block_bytes_of_the_tiny_model(tiny, tiny_bf16_kv):
     assert with_kv(tiny, 4, "auto").kv_block_store.block_nbytes == FP32_BLOCK == 8192
+    store = with_kv(tiny_bf16_kv, 4, "bfloat16").kv_block_store
+    assert store.block_nbytes == BF16_BLOCK == 4096 and store.fingerprint.dtype == "bfloat16"
+    assert tiny_bf16_kv.model.dtype == torch.float32
     for name in ("int8", "fp8", "fp8_e5m2"):
         store = with_kv(tiny, 4, name).kv_block_store
         assert store.block_nbytes == INT8_BLOCK == 2560
@@ -168,6 +186,28 @@ def test_tier_round_trip_and_another_dtype_misses(tiny, tmp_path):
         other.close()
 
 
+def test_a_bf16_cache_goes_through_a_tier_and_an_fp32_engine_misses_it(tiny, tiny_bf16_kv,
+                                                                         tmp_path):
+    writer = tier_rig(tiny_bf16_kv, tmp_path, "bfloat16")
+    try:
+        writer.run("w", PROMPT, max_tokens=4)
+        written = writer.tokens("w")
+    finally:
+        writer.close()
+    reader = tier_rig(tiny_bf16_kv, tmp_path, "bfloat16")   # a fresh pool: blocks from disk
+    try:
+        assert reader.run("r", PROMPT, max_tokens=4).num_cached_tokens == 32
+        assert reader.tokens("r") == written
+    finally:
+        reader.close()
+    other = tier_rig(tiny, tmp_path, "auto")                 # fp32 KV: another key, a miss
+    try:
+        assert other.run("o", PROMPT, max_tokens=4).num_cached_tokens == 0
+        assert other.connector.record_errors == {}
+    finally:
+        other.close()
+
+
 def pd_engine(tiny: ModelRunner, kv_cache_dtype: str, pd: bool = True) -> EngineCore:
     runner = with_kv(tiny, 12, kv_cache_dtype)
     return make_engine(runner, runner.kv_block_store, 12, kv_config() if pd else None,
@@ -175,14 +215,16 @@ def pd_engine(tiny: ModelRunner, kv_cache_dtype: str, pd: bool = True) -> Engine
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
-def test_pd_moves_the_quantized_bytes(tiny, name):
+@pytest.mark.parametrize("name,block", [("int8", INT8_BLOCK), ("fp8_e4m3", INT8_BLOCK),
+                                        ("bfloat16", BF16_BLOCK)])
+def test_pd_moves_the_quantized_bytes(request, name, block):
+    tiny = request.getfixturevalue("tiny_bf16_kv" if name == "bfloat16" else "tiny")
     p, d, agg = pd_engine(tiny, name), pd_engine(tiny, name), pd_engine(tiny, name, pd=False)
     try:
         ref, _ = greedy(agg, "agg", PROMPT, 4)
         stats = Stats()
         got, params = pd_run(p, d, "r", PROMPT, 4, stats)
-        assert stats.total.bytes_received == 3 * INT8_BLOCK     # 7,680 bytes, fp32: 24,576
+        assert stats.total.bytes_received == 3 * block     # int8 7,680 bytes, fp32: 24,576
         assert_same_greedy(ref, got)
         p_kv, d_kv = p.runner.kv_caches, d.runner.kv_caches
         p_blocks = params["remote_block_ids"]
@@ -197,10 +239,13 @@ def test_pd_moves_the_quantized_bytes(tiny, name):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("p_dtype,d_dtype,p_name", [("auto", "int8", "float32"),
-                                                    ("int8", "fp8_e5m2", "int8")])
-def test_d_refuses_a_p_of_another_kv_dtype(tiny, p_dtype, d_dtype, p_name, caplog):
-    p, d = pd_engine(tiny, p_dtype), pd_engine(tiny, d_dtype)
+@pytest.mark.parametrize("p_dtype,d_dtype,p_name,d_name", [
+    ("auto", "int8", "float32", "int8"), ("int8", "fp8_e5m2", "int8", "fp8_e5m2"),
+    ("auto", "bfloat16", "float32", "bfloat16")])
+def test_d_refuses_a_p_of_another_kv_dtype(tiny, tiny_bf16_kv, p_dtype, d_dtype, p_name,
+                                           d_name, caplog):
+    p = pd_engine(tiny, p_dtype)
+    d = pd_engine(tiny_bf16_kv if d_dtype == "bfloat16" else tiny, d_dtype)
     try:
         _, p_last = greedy(p, "p", PROMPT, 1, dict(PREFILL))
         params: dict[str, Any] = p_last.kv_transfer_params
@@ -208,7 +253,7 @@ def test_d_refuses_a_p_of_another_kv_dtype(tiny, p_dtype, d_dtype, p_name, caplo
         with caplog.at_level(logging.WARNING):
             lps, last = greedy(d, "d", PROMPT, 2, params, stats)
         assert lps == [] and last.finish_reason == "error"
-        why = (f"KV cache dtype: P stores {p_name}, D stores {kv_quant_for(d_dtype).name} "
+        why = (f"KV cache dtype: P stores {p_name}, D stores {d_name} "
                "(--kv-cache-dtype must be the same on both)")
         assert why in last.error and why in caplog.text
         assert stats.total.failures == {"mismatch": 1} and stats.total.bytes_received == 0

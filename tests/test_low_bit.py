@@ -164,12 +164,25 @@ def _copy_field(writer, name, field):
         writer.add_key_value(name, value, kind)
 
 
+def _q4_runner(directory, kv_cache_dtype: str = "auto"):
+    return load_runner(RunnerConfig(model=str(write_q4_gguf(directory)), dtype="float32",
+                                    device="cpu", block_size=4, num_threads=1,
+                                    num_gpu_blocks_override=20, low_bit_max_tokens=0,
+                                    kv_cache_dtype=kv_cache_dtype))
+
+
 @pytest.fixture(scope="module")
 def q4_runner(tmp_path_factory):
-    path = write_q4_gguf(tmp_path_factory.mktemp("q4"))
-    runner = load_runner(RunnerConfig(model=str(path), dtype="float32", device="cpu",
-                                      block_size=4, num_threads=1, num_gpu_blocks_override=20,
-                                      low_bit_max_tokens=0))
+    runner = _q4_runner(tmp_path_factory.mktemp("q4"))
+    yield runner
+    runner.shutdown()
+
+
+@pytest.fixture(scope="module")
+def q4_runner_bf16_kv(tmp_path_factory):
+    """The same model with a bf16 KV cache beside its fp32 activations."""
+    runner = _q4_runner(tmp_path_factory.mktemp("q4bf16"), "bfloat16")
+    assert runner.kv_caches[0].dtype == torch.bfloat16 and runner.model.dtype == torch.float32
     yield runner
     runner.shutdown()
 
@@ -304,12 +317,15 @@ def test_each_step_takes_the_path_its_token_count_picks(q4_runner):
 
 
 @pytest.mark.skipif(not cpu_ops.available(torch.device("cpu")), reason="CPU ops not built")
+@pytest.mark.parametrize("kv_runner", ["q4_runner", "q4_runner_bf16_kv"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_decode_stack_equals_the_layer_loop(q4_runner, threads):
+def test_fused_decode_stack_equals_the_layer_loop(request, kv_runner, threads):
     """A low-bit step of decodes runs every layer in one `DecodeStack` call (steps with a
-    prefill chunk keep the loop), with logits exactly the layer loop's, on 1 or 2 threads."""
+    prefill chunk keep the loop), with logits exactly the layer loop's, on 1 or 2 threads,
+    over a KV cache in the activations' dtype (fp32) or in bf16 beside them."""
     from tests.test_model_tiny import mixed_batch_steps
 
+    q4_runner = request.getfixturevalue(kv_runner)
     model = q4_runner.model
     fused = model.fused_decode
     assert fused is not None

@@ -479,14 +479,16 @@ def test_kv_sizing_dtype_and_context():
 
 def test_precision_policy_per_dtype():
     """--dtype auto on CPU keeps fp32 where precision decides tokens and takes bf16 only
-    inside the layer matmuls, where the CPU has bf16 dot products; an explicit dtype is
-    vLLM's meaning, everything in it."""
+    inside the layer matmuls and the KV cache, where the CPU has bf16 dot products (fp32
+    everywhere elsewhere); an explicit dtype is vLLM's meaning, everything in it."""
     from kvloop.model.precision import Precision, cpu_has_native_bf16, resolve_precision
 
     cpu = torch.device("cpu")
     auto = resolve_precision("auto", cpu)
-    assert auto.activations == auto.kv_cache == torch.float32
-    assert auto.matmul == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert auto.activations == torch.float32
+    mixed = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert auto.matmul == auto.kv_cache == mixed
+    assert resolve_precision("float32", cpu).kv_cache == torch.float32
     assert resolve_precision("float16", cpu) == Precision.uniform(torch.float16)
     assert resolve_precision("bfloat16", cpu).kv_cache == torch.bfloat16
     assert resolve_precision("float32", cpu).describe() == "fp32"

@@ -5,11 +5,17 @@ mixed precision that `--dtype auto` chooses on a CPU with bf16 dot products (fp3
 layer matmuls) must give the same tokens as `--dtype float32` on at least 90 % of
 them, and where the two part, the fp32 path's log-probabilities of the two candidates must
 be within 0.1 of each other (a near tie, not a wrong path); "What is the capital of France?"
-answers Paris. The default must also answer the same with and without a prefix-cache hit.
+answers Paris. A prefix-cache hit must change no answer, or only at such a near tie.
 Measured when written (AMD EPYC Zen 5, AVX512_BF16: auto = fp32 with bf16 layer matmuls):
 24/24 equal alone; the old all-bf16 default kept 13/24 of transformers fp32's answers.
 The test forces the mixed path wherever oneDNN can run bf16 matmuls (emulated on AVX-512
-CPUs without bf16 dot products), so it never compares fp32 with fp32.
+CPUs without bf16 dot products), so it never compares fp32 with fp32. The mixed path's KV
+cache is bf16 since 2026-12-07 (docs/cpu-performance.md): this test held it to the same gate.
+Why a prefix-cache hit may part at a near tie: the hit recomputes the prompt's last partial
+block, a smaller step than the whole prompt, which may take other kernels (the 4-bit weights
+below the crossover; oneDNN's bf16 matmul at another row count). Measured on AMD EPYC Zen 4,
+dense layers only, the fp32 cache's cached pass parted from its first pass too; with the
+bf16 cache and the measured crossover it parted on 2 of 24, 0.0002 and 0.037 nats apart.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ QUESTIONS = json.loads(CHAT_QUESTIONS.read_text())
 MAX_TOKENS = 32
 NEAR_TIE = 0.1
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-MIXED = Precision(activations=torch.float32, matmul=torch.bfloat16)
+MIXED = Precision(activations=torch.float32, matmul=torch.bfloat16, kv_values=torch.bfloat16)
 
 
 @pytest.fixture
@@ -92,14 +98,18 @@ def test_default_dtype_keeps_the_fp32_answers(prompts, mixed_auto):
         auto = greedy("auto", prompts, again=True)
         n = len(prompts)
         # the second pass runs every prompt again on its cached prefix
-        assert auto[n:] == auto[:n], "a prefix-cache hit changed a greedy answer"
+        cached_same = sum(a == b for a, b in zip(auto[n:], auto[:n], strict=True))
+        assert cached_same >= 5 / 6 * n, f"prefix-cache hits changed {n - cached_same} answers"
         same = sum(a == b for a, b in zip(auto[:n], fp32[:n], strict=True))
         # A count floor; the gate is below: every divergence is a near tie on the fp32 path
         # (AMD EPYC Zen 4: 22/24 with -march=native kernels, 21/24 with the per-ISA build,
-        # whose three divergences differ by 0.0003, 0.009 and 0.037 nats)
+        # whose three divergences differ by 0.0003, 0.009 and 0.037 nats; with the bf16 KV
+        # cache, 23/24, one divergence of 0.0002)
         assert same >= 5 / 6 * n, f"default equals fp32 on {same}/{n} prompts"
         parted = [(p, a, b) for p, a, b in zip(prompts, auto[:n], fp32[:n], strict=True)
                   if a != b]
+        parted += [(p, a, b) for p, a, b in zip(prompts, auto[n:], auto[:n], strict=True)
+                   if a != b]
         if parted:
             llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=64,
                       num_threads=1)

@@ -31,12 +31,18 @@ kv_cache_groups`), whose tables begin at the first block a query of the step can
   a row reaches past W the step's decodes run `windowed_decode_attention` (torch: gathered
   keys, rows masked from `decode_key_starts`), so the C++ op needs no window argument.
 
+A bf16 cache beside fp32 activations (`--kv-cache-dtype bfloat16`) is written rounded by
+the same ops and read widened (the C++ ops take the two dtypes); a prefill chunk attends to
+its own K and V rounded as the cache holds them, so a token sees the same values whether its
+prefix was computed now or came from the prefix cache, a tier or a prefill engine.
+
 A quantized cache (`--kv-cache-dtype` fp8 or int8; `meta.kv_quant`, kvloop.model.kv_quant)
 is written by `kv_quant.rope_and_cache` and read by `kv_quant.decode_attention` (dequantized
 in the kernel); every prefill chunk, a first one too, reads its keys and values back from
 the cache (dequantized), so a token sees the same values whether its prefix is computed now
 or came from the prefix cache, a tier or a prefill engine. A model with sliding-window layers
-keeps its KV in the activations' dtype (the windowed paths read the cache as it is).
+keeps its KV unquantized, in the activations' dtype or bf16 (the windowed paths read the
+cache as it is, widened).
 
 Everything here is metadata built once per step by the runner (`AttentionMetadata`, one per
 KV-cache group), shared by the layers of the group; there is no module-global state.
@@ -155,19 +161,27 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of one chunk over its context and itself -> [q_len, heads*head_dim]."""
     query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
     if chunk.context_len == 0:
-        keys = k[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, c, hd]
-        values = v[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)
+        keys = _as_cached(k[chunk.start:chunk.end], kv_cache).transpose(0, 1).unsqueeze(0)
+        values = _as_cached(v[chunk.start:chunk.end], kv_cache).transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
                                              is_causal=chunk.mask is None,
                                              scale=scale, enable_gqa=True)
     else:
         assert chunk.block_ids is not None
         total = chunk.context_len + (chunk.end - chunk.start) - chunk.key_start
-        keys = _gather(kv_cache[0], chunk.block_ids, 1)[:, :total].unsqueeze(0)
-        values = _gather(kv_cache[1], chunk.block_ids, 1)[:, :total].unsqueeze(0)
+        keys = _gather(kv_cache[0], chunk.block_ids, 1)[:, :total].unsqueeze(0).to(q.dtype)
+        values = _gather(kv_cache[1], chunk.block_ids, 1)[:, :total].unsqueeze(0).to(q.dtype)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
                                              scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
+
+
+def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """This step's k or v [c, kv_heads, hd] as the cache holds them: rounded to a narrower
+    cache's dtype and widened back (the cache's dtype is the activations' otherwise)."""
+    if x.dtype == kv_cache.dtype:
+        return x
+    return x.to(kv_cache.dtype).to(x.dtype)
 
 
 def _quantized_chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,

@@ -12,6 +12,8 @@ the twins run where the extension is absent (no compiler, another device, or
   K and V into the layer's cache [2, K, blocks, block_size, D] at `slots`;
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
+- the cache of these two (and of `DecodeStack`) is in q's dtype, or bf16 beside fp32 q
+  (`--kv-cache-dtype bfloat16`): written rounded to nearest even, read widened exactly;
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
 - `q4_matmul` / `q8_matmul(x, ...)`: x @ W.T on 4-bit / 8-bit group-32 weights
   (`kvloop.model.quant` holds them), and `q4_matmul_argmax` / `q8_matmul_argmax`: each
@@ -319,8 +321,8 @@ def torch_rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.
                          heads: int, kv_heads: int) -> None:
     dim = kv_cache.shape[-1]
     rows = torch_rope(qkv, positions, cos, sin, heads, kv_heads, dim)
-    k = rows[:, heads:heads + kv_heads]
-    v = rows[:, heads + kv_heads:]
+    k = rows[:, heads:heads + kv_heads].to(kv_cache.dtype)     # a bf16 cache: rounded
+    v = rows[:, heads + kv_heads:].to(kv_cache.dtype)
     kv_cache[0].view(kv_heads, -1, dim).index_copy_(1, slots, k.transpose(0, 1))
     kv_cache[1].view(kv_heads, -1, dim).index_copy_(1, slots, v.transpose(0, 1))
 

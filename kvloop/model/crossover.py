@@ -121,8 +121,8 @@ def _decode_inputs(model: LlamaModel, num_layers: int, size: int
     decodes with one cached token each."""
     c = model.config
     x = torch.randn(size, c.hidden_size, dtype=model.dtype)
-    caches = [torch.zeros(2, c.num_key_value_heads, size + 1, 1, c.head_dim, dtype=model.dtype)
-              for _ in range(num_layers)]
+    caches = [torch.zeros(2, c.num_key_value_heads, size + 1, 1, c.head_dim,
+                          dtype=model.precision.kv_cache) for _ in range(num_layers)]
     blocks = torch.arange(1, size + 1, dtype=torch.int64)
     meta = AttentionMetadata(slot_mapping=blocks, num_decodes=size,
                              decode_block_table=blocks.view(size, 1).contiguous(),

@@ -7,15 +7,20 @@ Scope: the choice, not the kernels. A `Precision` names three dtypes:
 - `matmul`: the dense weights of the decoder layers and the rows of x entering them (a
   layer's output comes back in `activations`; the accumulators are fp32 in every kernel
   kvloop runs on CPU);
-- `kv_cache`: the paged cache (equal to `activations`: the fused CPU ops read and write it
-  in the activations' dtype).
+- `kv_cache`: the paged cache's values: `activations` (`--kv-cache-dtype auto`), or bf16
+  beside fp32 activations (`--kv-cache-dtype bfloat16`, and `auto` on the mixed path below:
+  half the bytes; RoPE's result is rounded as it is written, and every reader widens it
+  exactly, so scores, softmax and P V stay fp32). A quantized cache (fp8, int8) is codes and
+  scales instead (`kvloop.model.kv_quant`), whatever this says.
 
 The 4-bit and 8-bit weights of a GGUF stay as stored whatever the dtype
 (`kvloop.model.quant`); what enters their kernels is `activations`.
 
 `--dtype auto` on a CPU with bf16 dot products (AVX512_BF16, AMX, Arm BF16) is *mixed*: fp32
 everywhere precision decides tokens, bf16 only inside the dense layer matmuls (the steps with
-many tokens, where oneDNN's bf16 kernels are 1.5-2.5x faster than fp32); on other CPUs fp32.
+many tokens, where oneDNN's bf16 kernels are 1.5-2.5x faster than fp32) and in the KV cache
+(`--kv-cache-dtype auto` there: half the bytes a decode reads; the same answers, measured);
+on other CPUs fp32, the cache too.
 Measured on the embedded model (docs/cpu-performance.md, "Precision"): all-bf16 kept 13 of 24
 greedy chat answers of transformers fp32, mixed and fp32 kept all 24. `--dtype bfloat16` or
 `float16` is vLLM's meaning, everything in that dtype: the user's explicit trade. On CUDA
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloop.config import DTYPE_ALIASES, check_dtype
+from kvloop.config import DTYPE_ALIASES, check_dtype, resolve_kv_cache_dtype
 
 DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name)
                                    for alias, name in DTYPE_ALIASES.items()}
@@ -40,10 +45,11 @@ class Precision:
 
     activations: torch.dtype
     matmul: torch.dtype
+    kv_values: torch.dtype | None = None    # the cache's, where not `activations`
 
     @property
     def kv_cache(self) -> torch.dtype:
-        return self.activations
+        return self.kv_values or self.activations
 
     @classmethod
     def uniform(cls, dtype: torch.dtype) -> Precision:
@@ -51,14 +57,31 @@ class Precision:
 
     def describe(self) -> str:
         """One phrase for the start-up log, e.g. "fp32, bf16 layer matmuls"."""
-        name = _short(self.activations)
-        if self.matmul == self.activations:
-            return name
-        return f"{name}, {_short(self.matmul)} layer matmuls"
+        parts = [_short(self.activations)]
+        if self.matmul != self.activations:
+            parts.append(f"{_short(self.matmul)} layer matmuls")
+        if self.kv_cache != self.activations:
+            parts.append(f"{_short(self.kv_cache)} KV cache")
+        return ", ".join(parts)
 
 
-def resolve_precision(dtype: str, device: torch.device) -> Precision:
-    """`--dtype` (vLLM's values) on `device` -> the Precision (module docstring)."""
+def resolve_precision(dtype: str, device: torch.device,
+                      kv_cache_dtype: str = "auto") -> Precision:
+    """`--dtype` (vLLM's values) and `--kv-cache-dtype` on `device` -> the Precision (module
+    docstring). ValueError for a bf16 cache beside fp16 activations (no kernel reads it)."""
+    base = _resolve_activations(dtype, device)
+    kv = resolve_kv_cache_dtype(kv_cache_dtype)
+    if kv == "auto" and base.activations == torch.float32 and base.matmul == torch.bfloat16:
+        kv = "bfloat16"             # the mixed path's cache: bf16 (module docstring)
+    if kv != "bfloat16" or base.activations == torch.bfloat16:
+        return base
+    if base.activations != torch.float32:
+        raise ValueError(f"--kv-cache-dtype bfloat16 needs fp32 or bf16 activations; --dtype "
+                         f"{dtype} runs {_short(base.activations)} (use --kv-cache-dtype auto)")
+    return Precision(base.activations, base.matmul, torch.bfloat16)
+
+
+def _resolve_activations(dtype: str, device: torch.device) -> Precision:
     check_dtype(dtype)
     if dtype != "auto":
         return Precision.uniform(DTYPES[dtype])

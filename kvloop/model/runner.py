@@ -160,9 +160,9 @@ class ModelRunner:
         self.model_name = model_name
         self.dtype = model.dtype
         self.kv_cache_groups = config.kv_cache_groups   # read by the engine's KV manager
-        self.kv_quant = kv_quant                  # the cache's format (None: model.dtype)
+        self.kv_quant = kv_quant          # the cache's codes (None: precision.kv_cache values)
         self.kv_caches = allocate_kv_caches(config, num_gpu_blocks, block_size,
-                                            model.dtype, device, kv_quant)
+                                            model.precision.kv_cache, device, kv_quant)
         self.sampler = Sampler(seed, device)
         self.requests: dict[str, RequestState] = {}
         self.num_steps = 0

@@ -1,9 +1,11 @@
 """Turning a `RunnerConfig` into a ready ModelRunner: device, dtype, KV cache size.
 
-Scope: choices made once at start-up. `--dtype` becomes a `Precision` (what each tensor
-class runs in: `kvloop.model.precision`). The number of KV blocks comes from a memory budget
-(or an override) and includes the null block 0: `--kv-cache-memory`, else on CUDA vLLM's
-`--gpu-memory-utilization` rule (`kv_cache_bytes`), else `DEFAULT_KV_CACHE_MEMORY`.
+Scope: choices made once at start-up. `--dtype` and `--kv-cache-dtype` become a `Precision`
+(what each tensor class runs in, the KV cache's values included: `kvloop.model.precision`)
+and, for fp8 / int8, a `KVQuant` (the cache's codes: `kvloop.model.kv_quant`). The number of
+KV blocks comes from a memory budget (or an override) and includes the null block 0:
+`--kv-cache-memory`, else on CUDA vLLM's `--gpu-memory-utilization` rule (`kv_cache_bytes`),
+else `DEFAULT_KV_CACHE_MEMORY`.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ CUDA_ACTIVATION_RESERVE = 1 << 30
 
 def build_runner(rc: RunnerConfig) -> ModelRunner:
     dev = resolve_device(rc.device)
-    precision = resolve_precision(rc.dtype, dev)
+    precision = resolve_precision(rc.dtype, dev, rc.kv_cache_dtype)
     torch_dtype = precision.kv_cache
     if dev.type == "cpu":
         set_cpu_threads(rc.num_threads)
@@ -56,8 +58,8 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     kv_quant = kv_quant_for(rc.kv_cache_dtype)
     if kv_quant is not None and any(g.sliding_window for g in config.kv_cache_groups):
         raise ValueError(f"--kv-cache-dtype {rc.kv_cache_dtype}: {config.architecture} has "
-                         "sliding-window layers, whose KV stays in the activations' dtype "
-                         "(use --kv-cache-dtype auto)")
+                         "sliding-window layers, whose KV stays unquantized "
+                         "(use --kv-cache-dtype auto or bfloat16)")
     num_blocks = num_kv_blocks(config, rc.block_size, torch_dtype, kv_cache_memory,
                                rc.num_gpu_blocks_override, kv_quant)
     max_len = resolve_max_model_len(config, rc.block_size, num_blocks, rc.max_model_len)
@@ -69,7 +71,7 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens (%s), max_model_len %d",
                 loaded.name, config.architecture, precision.describe(), dev, num_blocks,
-                rc.block_size, kv_quant.name if kv_quant else "KV in the activations' dtype",
+                rc.block_size, kv_quant.name if kv_quant else f"KV in {precision.kv_cache}",
                 max_len)
     runner = ModelRunner(net, config, num_gpu_blocks=num_blocks, block_size=rc.block_size,
                          max_model_len=max_len, device=dev, model_name=loaded.name,

@@ -24,6 +24,19 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// fn(C{}) with C the element of a KV cache beside activations of T: T itself, or bf16 under
+// fp32 activations (--kv-cache-dtype bfloat16); any other pair is refused.
+template <typename T, typename Fn>
+void with_cache_element(const at::Tensor& cache, const Fn& fn) {
+  if (cache.scalar_type() == c10::CppTypeToScalarType<T>::value) return fn(T{});
+  if constexpr (std::is_same_v<T, float>) {
+    if (cache.scalar_type() == at::kBFloat16) return fn(c10::BFloat16{});
+  }
+  TORCH_CHECK(false, "a KV cache of ", cache.scalar_type(), " beside activations of ",
+              c10::CppTypeToScalarType<T>::value, " (the cache takes the activations' dtype, "
+              "or bf16 beside fp32)");
+}
+
 }  // namespace
 
 void add_rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& weight,
@@ -51,10 +64,13 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
   const int64_t cache_tokens = cache.size(2) * cache.size(3);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_and_cache",
                                   [&] {
-    kvloop::rope_and_cache<scalar_t>(
-        qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
-        sin.data_ptr<float>(), cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(),
-        qkv.size(0), heads, kv_heads, dim, cache_tokens, false);
+    with_cache_element<scalar_t>(cache, [&](auto element) {
+      using C = decltype(element);
+      kvloop::rope_and_cache<scalar_t, C>(
+          qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+          sin.data_ptr<float>(), cache.data_ptr<C>(), slots.data_ptr<int64_t>(), qkv.size(0),
+          heads, kv_heads, dim, cache_tokens, false);
+    });
   });
 }
 
@@ -68,11 +84,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   auto out = at::empty({reqs, heads * dim}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
-    kvloop::decode_attention<scalar_t>(
-        active_kernels(), q.data_ptr<scalar_t>(), heads * dim, cache.data_ptr<scalar_t>(),
-        block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-        out.data_ptr<scalar_t>(), reqs, heads, cache.size(1), dim, cache.size(3),
-        cache.size(2) * cache.size(3), block_table.size(1), static_cast<float>(scale), false);
+    with_cache_element<scalar_t>(cache, [&](auto element) {
+      using C = decltype(element);
+      kvloop::decode_attention<scalar_t, C>(
+          active_kernels(), q.data_ptr<scalar_t>(), heads * dim, cache.data_ptr<C>(),
+          block_table.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+          out.data_ptr<scalar_t>(), reqs, heads, cache.size(1), dim, cache.size(3),
+          cache.size(2) * cache.size(3), block_table.size(1), static_cast<float>(scale), false);
+    });
   });
   return out;
 }
@@ -192,7 +211,10 @@ class DecodeStack {
     check_cpu_contiguous(embedded, "embedded");
     check_cpu_contiguous(block_table, "block_table");
     TORCH_CHECK(caches.size() == layers_, "DecodeStack: one KV cache per layer");
-    for (const auto& c : caches) check_cpu_contiguous(c, "cache");
+    for (const auto& c : caches) {
+      check_cpu_contiguous(c, "cache");
+      TORCH_CHECK(c.scalar_type() == caches[0].scalar_type(), "DecodeStack: one cache dtype");
+    }
     const int64_t tokens = embedded.size(0), dim = caches[0].size(-1);
     TORCH_CHECK(block_table.size(0) == tokens && seq_lens.size(0) == tokens,
                 "DecodeStack: one block-table row and sequence length per token");
@@ -210,7 +232,10 @@ class DecodeStack {
                                 slots.data_ptr<int64_t>(), cos.data_ptr<float>(),
                                 sin.data_ptr<float>(), block_table.data_ptr<int64_t>(),
                                 block_table.size(1), seq_lens.data_ptr<int64_t>()};
-      for (size_t l = 0; l < layers_; ++l) layer<scalar_t>(step, l, caches[l]);
+      with_cache_element<scalar_t>(caches[0], [&](auto element) {
+        using C = decltype(element);
+        for (size_t l = 0; l < layers_; ++l) layer<scalar_t, C>(step, l, caches[l]);
+      });
     });
     return {h, residual};
   }
@@ -237,20 +262,21 @@ class DecodeStack {
     kvloop::quant_matmul<4, T>(k, x, op.qs, op.scale, op.offset, y, rows, op.n_out, k_in);
   }
 
-  template <typename T>
+  // One layer; the cache's element C is T, or bf16 beside fp32 T (with_cache_element).
+  template <typename T, typename C>
   void layer(const Step<T>& s, size_t l, const at::Tensor& cache) const {
     const int64_t n = s.tokens, qkv_row = (heads_ + 2 * kv_heads_) * s.dim;
     const int64_t block_size = cache.size(3), cache_tokens = cache.size(2) * block_size;
-    T* kv = cache.data_ptr<T>();
+    C* kv = cache.data_ptr<C>();
     const size_t w = 4 * l;
     kvloop::add_rms_norm<T>(s.h, l == 0 ? nullptr : s.residual, norms_[2 * l].data_ptr<T>(),
                             n, s.hidden, eps_, true);
     q4<T>(s.k, s.h, w, s.qkv, n, s.hidden);
-    kvloop::rope_and_cache<T>(s.qkv, s.positions, s.cos, s.sin, kv, s.slots, n, heads_,
-                              kv_heads_, s.dim, cache_tokens, true);
-    kvloop::decode_attention<T>(s.k, s.qkv, qkv_row, kv, s.block_table, s.seq_lens, s.attn, n,
-                                heads_, kv_heads_, s.dim, block_size, cache_tokens,
-                                s.max_blocks, scale_, true);
+    kvloop::rope_and_cache<T, C>(s.qkv, s.positions, s.cos, s.sin, kv, s.slots, n, heads_,
+                                 kv_heads_, s.dim, cache_tokens, true);
+    kvloop::decode_attention<T, C>(s.k, s.qkv, qkv_row, kv, s.block_table, s.seq_lens, s.attn,
+                                   n, heads_, kv_heads_, s.dim, block_size, cache_tokens,
+                                   s.max_blocks, scale_, true);
     q4<T>(s.k, s.attn, w + 1, s.h, n, heads_ * s.dim);
     kvloop::add_rms_norm<T>(s.h, s.residual, norms_[2 * l + 1].data_ptr<T>(), n, s.hidden,
                             eps_, true);

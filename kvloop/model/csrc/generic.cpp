@@ -60,12 +60,20 @@ void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn, int64_t 
 // the second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
 constexpr int64_t kColumnsPerLine = 16;
 
-template <typename T>
-AttendFn<T> attend_of(const Kernels& k) {
-  if constexpr (std::is_same_v<T, float>) return k.attend_f32;
-  else if constexpr (std::is_same_v<T, c10::BFloat16>) return k.attend_bf16;
-  else if constexpr (std::is_same_v<T, c10::Half>) return k.attend_f16;
-  else return generic_attend<T>;     // fp64 (torch's dispatch includes it): no variant
+template <typename T, typename C>
+AttendFn<T, C> attend_of(const Kernels& k) {
+  if constexpr (!std::is_same_v<T, C>) {
+    static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::BFloat16>);
+    return k.attend_f32_bf16;
+  } else if constexpr (std::is_same_v<T, float>) {
+    return k.attend_f32;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return k.attend_bf16;
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return k.attend_f16;
+  } else {
+    return generic_attend<T>;     // fp64 (torch's dispatch includes it): no variant
+  }
 }
 
 // out[i] = silu(gate[i]) * up[i], silu rounded to T first, as the unfused
@@ -258,16 +266,16 @@ QuantizedRows quantize_rows(const Kernels& k, const T* x, int64_t rows, int64_t 
 }  // namespace
 
 // --- the portable inner kernels ------------------------------------------------------------
-template <typename T>
-void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
-                    const T* vals, const int64_t* slot, int64_t len, float* scores, T* out,
+template <typename T, typename C>
+void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys,
+                    const C* vals, const int64_t* slot, int64_t len, float* scores, T* out,
                     int64_t out_stride) {
   const std::vector<float> qf = scaled_query(q, group * dim, scale);
   const int64_t stride = (len + 7) / 8 * 8;
   prefetch_first_rows(keys, vals, slot, dim, len);
   for (int64_t t = 0; t < len; ++t) {
     prefetch_row(keys, slot, dim, t + kPrefetchTokens, len);
-    const T* k = keys + slot[t] * dim;
+    const C* k = keys + slot[t] * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf.data() + g * dim;
       float s = 0.f;
@@ -280,7 +288,7 @@ void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T
   std::vector<float> acc(group * dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
     prefetch_row(vals, slot, dim, t + kPrefetchTokens, len);
-    const T* v = vals + slot[t] * dim;
+    const C* v = vals + slot[t] * dim;
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * stride + t];
       float* ag = acc.data() + g * dim;
@@ -294,7 +302,8 @@ void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T
 
 const Kernels& generic_kernels() {
   static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
-                             generic_attend<c10::Half>, generic_silu_mul_f32,
+                             generic_attend<c10::Half>,
+                             generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_quantize_row, generic_int_columns, generic_fp_columns,
                              nullptr, false};
   return table;
@@ -333,10 +342,11 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
 }
 
 // qkv [T, (H + 2K) * D]: rotate the H + K query/key heads in place (half-split pairs), then
-// store K and V into the paged cache [2, K, blocks, block_size, D] at slot_mapping[t].
-template <typename T>
+// store K and V into the paged cache [2, K, blocks, block_size, D] at slot_mapping[t]
+// (rounded to the cache's C where it is narrower: bf16 under fp32, to nearest even).
+template <typename T, typename C>
 void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
-                    T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                    C* cache, const int64_t* slots, int64_t tokens, int64_t heads,
                     int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled) {
   const int64_t half = dim / 2;
   const int64_t row = (heads + 2 * kv_heads) * dim;
@@ -357,8 +367,12 @@ void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const fl
       for (int64_t kv = 0; kv < 2; ++kv) {
         const T* src = base + (heads + kv * kv_heads) * dim;
         for (int64_t h = 0; h < kv_heads; ++h) {
-          T* dst = cache + ((kv * kv_heads + h) * cache_tokens + slot) * dim;
-          std::copy(src + h * dim, src + (h + 1) * dim, dst);
+          C* dst = cache + ((kv * kv_heads + h) * cache_tokens + slot) * dim;
+          if constexpr (std::is_same_v<T, C>) {
+            std::copy(src + h * dim, src + (h + 1) * dim, dst);
+          } else {
+            for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<C>(to_f(src[h * dim + i]));
+          }
         }
       }
     }
@@ -369,8 +383,8 @@ void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const fl
 // in place from the paged cache through block_table; the query heads of a KV head together
 // (the variant's `attend`). q's rows are `q_row` elements apart (heads * dim when
 // contiguous; more when q is the first part of a fused qkv row).
-template <typename T>
-void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cache,
+template <typename T, typename C>
+void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cache,
                       const int64_t* block_table, const int64_t* seq_lens, T* out,
                       int64_t reqs, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t block_size, int64_t cache_tokens, int64_t max_blocks,
@@ -378,8 +392,8 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cach
   const int64_t group = heads / kv_heads;
   int64_t longest = 1;
   for (int64_t r = 0; r < reqs; ++r) longest = std::max(longest, seq_lens[r]);
-  const T* values = cache + kv_heads * cache_tokens * dim;
-  const AttendFn<T> attend = attend_of<T>(k);
+  const C* values = cache + kv_heads * cache_tokens * dim;
+  const AttendFn<T, C> attend = attend_of<T, C>(k);
   par_for(pooled, reqs * kv_heads, longest * dim * group * 2, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<int64_t> slot;            // the request's cache slots (shared by its KV heads)
@@ -578,5 +592,18 @@ KVLOOP_INSTANTIATE(float)
 KVLOOP_INSTANTIATE(c10::BFloat16)
 KVLOOP_INSTANTIATE(c10::Half)
 #undef KVLOOP_INSTANTIATE
+
+// fp32 activations over a bf16 cache (--kv-cache-dtype bfloat16)
+using BF16 = c10::BFloat16;
+template void generic_attend<float, BF16>(const float*, float, int64_t, int64_t, const BF16*,
+                                          const BF16*, const int64_t*, int64_t, float*, float*,
+                                          int64_t);
+template void rope_and_cache<float, BF16>(float*, const int64_t*, const float*, const float*,
+                                          BF16*, const int64_t*, int64_t, int64_t, int64_t,
+                                          int64_t, int64_t, bool);
+template void decode_attention<float, BF16>(const Kernels&, const float*, int64_t, const BF16*,
+                                            const int64_t*, const int64_t*, float*, int64_t,
+                                            int64_t, int64_t, int64_t, int64_t, int64_t,
+                                            int64_t, float, bool);
 
 }  // namespace kvloop

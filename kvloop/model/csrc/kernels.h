@@ -125,10 +125,11 @@ using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t 
 // One request's decode attention for one KV head: `group` query heads q [group, dim] (rows
 // `dim` apart), each score q . k times `scale`, keys and values at `slot[0, len)` (token
 // rows of `dim`), scores scratch [group, stride] (stride = len rounded up to 8), out
-// [group] rows `out_stride` apart.
-template <typename T>
-using AttendFn = void (*)(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
-                          const T* vals, const int64_t* slot, int64_t len, float* scores,
+// [group] rows `out_stride` apart. q and out in the activations' dtype T, the cache in C: T
+// itself, or bf16 under fp32 activations (--kv-cache-dtype bfloat16; widened exactly).
+template <typename T, typename C = T>
+using AttendFn = void (*)(const T* q, float scale, int64_t group, int64_t dim, const C* keys,
+                          const C* vals, const int64_t* slot, int64_t len, float* scores,
                           T* out, int64_t out_stride);
 
 // q [n] widened to fp32 and multiplied by `scale`: the query of the fp32 attention kernels
@@ -154,6 +155,7 @@ struct Kernels {
   AttendFn<float> attend_f32;
   AttendFn<c10::BFloat16> attend_bf16;
   AttendFn<c10::Half> attend_f16;
+  AttendFn<float, c10::BFloat16> attend_f32_bf16;   // fp32 q and output, a bf16 cache
   SiluMulFn silu_mul_f32;
   QuantizeRowFn quantize_row;
   ColumnsFn int_columns;      // the integer kernel: x int16, W 4- or 8-bit
@@ -195,12 +197,13 @@ void use_variant(const char* name);
 template <typename T>
 void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim, float eps,
                   bool pooled);
-template <typename T>
+// The cache's element C: T, or bf16 beside fp32 T (AttendFn).
+template <typename T, typename C = T>
 void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
-                    T* cache, const int64_t* slots, int64_t tokens, int64_t heads,
+                    C* cache, const int64_t* slots, int64_t tokens, int64_t heads,
                     int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled);
-template <typename T>
-void decode_attention(const Kernels& k, const T* q, int64_t q_row, const T* cache,
+template <typename T, typename C = T>
+void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cache,
                       const int64_t* block_table, const int64_t* seq_lens, T* out,
                       int64_t reqs, int64_t heads, int64_t kv_heads, int64_t dim,
                       int64_t block_size, int64_t cache_tokens, int64_t max_blocks,
@@ -219,9 +222,9 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
                          int64_t* column, float* value);
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
-template <typename T>
-void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys,
-                    const T* vals, const int64_t* slot, int64_t len, float* scores, T* out,
+template <typename T, typename C = T>
+void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys,
+                    const C* vals, const int64_t* slot, int64_t len, float* scores, T* out,
                     int64_t out_stride);
 
 }  // namespace kvloop

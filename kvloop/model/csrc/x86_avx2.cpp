@@ -15,14 +15,15 @@ namespace kvloop::avx2 {
 #include "x86_avx2_kernels.h"
 
 // A KV head's query heads one at a time (16 vector registers); other shapes as generic.
-template <typename T>
-void attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys, const T* vals,
+// q and out in T, the cache in C (AttendFn).
+template <typename T, typename C = T>
+void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, const C* vals,
             const int64_t* slot, int64_t len, float* scores, T* out, int64_t out_stride) {
   if (dim % 64 != 0)
-    return generic_attend<T>(q, scale, group, dim, keys, vals, slot, len, scores, out,
-                             out_stride);
+    return generic_attend<T, C>(q, scale, group, dim, keys, vals, slot, len, scores, out,
+                                out_stride);
   const std::vector<float> qf = scaled_query(q, group * dim, scale);
-  attend_heads<T>(qf.data(), group, dim, keys, vals, slot, len, scores, out, out_stride);
+  attend_heads<C>(qf.data(), group, dim, keys, vals, slot, len, scores, out, out_stride);
 }
 
 }  // namespace kvloop::avx2
@@ -36,6 +37,7 @@ const Kernels* avx2_kernels() {
     k.name = "avx2";
     k.attend_f32 = avx2::attend<float>;
     k.attend_bf16 = avx2::attend<c10::BFloat16>;
+    k.attend_f32_bf16 = avx2::attend<float, c10::BFloat16>;
     k.silu_mul_f32 = avx2::silu_mul_f32;
     k.quantize_row = avx2::quantize_row;
     k.int_columns = avx2::int_columns;

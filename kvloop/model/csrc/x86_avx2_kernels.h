@@ -108,11 +108,11 @@ inline void grouped_scores(const float* qf, int64_t dim, const T* keys, const in
 }
 
 // The softmax of each head's scores (in place) and P V into out (G rows `out_stride`
-// apart): a vector exp, then 64 dims of each head's output in registers, each value loaded
-// once for all G heads.
-template <typename T, int G>
+// apart, in O: the cache's T, or fp32 over a bf16 cache): a vector exp, then 64 dims of each
+// head's output in registers, each value loaded once for all G heads.
+template <typename T, int G, typename O = T>
 inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int64_t len,
-                           float* scores, T* out, int64_t out_stride, bool read_ahead = true) {
+                           float* scores, O* out, int64_t out_stride, bool read_ahead = true) {
   const int64_t stride = (len + 7) / 8 * 8;
   __m256 inv[G];
   for (int g = 0; g < G; ++g) {
@@ -138,9 +138,9 @@ inline void grouped_values(int64_t dim, const T* vals, const int64_t* slot, int6
   }
 }
 
-template <typename T, int G>
+template <typename T, int G, typename O = T>
 inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T* vals,
-                           const int64_t* slot, int64_t len, float* scores, T* out,
+                           const int64_t* slot, int64_t len, float* scores, O* out,
                            int64_t out_stride) {
   prefetch_first_rows(keys, vals, slot, dim, len);
   grouped_scores<T, G>(qf, dim, keys, slot, len, scores);
@@ -149,10 +149,10 @@ inline void attend_grouped(const float* qf, int64_t dim, const T* keys, const T*
 
 // The KV head's `group` query heads one at a time (16 vector registers: 8 accumulators);
 // the first head's passes read ahead, the others find the rows in cache.
-template <typename T>
+template <typename T, typename O = T>
 inline void attend_heads(const float* qf, int64_t group, int64_t dim, const T* keys,
                          const T* vals, const int64_t* slot, int64_t len, float* scores,
-                         T* out, int64_t out_stride) {
+                         O* out, int64_t out_stride) {
   prefetch_first_rows(keys, vals, slot, dim, len);
   for (int64_t g = 0; g < group; ++g) {
     grouped_scores<T, 1>(qf + g * dim, dim, keys, slot, len, scores, g == 0);

@@ -17,20 +17,21 @@ namespace kvloop::avx512 {
 #include "x86_avx512_kernels.h"
 
 // A KV head's `group` query heads: together where the 8 x G accumulators fit in the 32
-// vector registers (G 2-4), else one head at a time; other shapes as generic.
-template <typename T>
-void attend(const T* q, float scale, int64_t group, int64_t dim, const T* keys, const T* vals,
+// vector registers (G 2-4), else one head at a time; other shapes as generic. q and out in
+// T, the cache in C (AttendFn).
+template <typename T, typename C = T>
+void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, const C* vals,
             const int64_t* slot, int64_t len, float* scores, T* out, int64_t out_stride) {
   if (dim % 64 != 0)
-    return generic_attend<T>(q, scale, group, dim, keys, vals, slot, len, scores, out,
-                             out_stride);
+    return generic_attend<T, C>(q, scale, group, dim, keys, vals, slot, len, scores, out,
+                                out_stride);
   const std::vector<float> q32 = scaled_query(q, group * dim, scale);
   const float* qf = q32.data();
   switch (group) {
-    case 2: return attend_grouped<T, 2>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
-    case 3: return attend_grouped<T, 3>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
-    case 4: return attend_grouped<T, 4>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
-    default: return attend_heads<T>(qf, group, dim, keys, vals, slot, len, scores, out,
+    case 2: return attend_grouped<C, 2>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
+    case 3: return attend_grouped<C, 3>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
+    case 4: return attend_grouped<C, 4>(qf, dim, keys, vals, slot, len, scores, out, out_stride);
+    default: return attend_heads<C>(qf, group, dim, keys, vals, slot, len, scores, out,
                                     out_stride);
   }
 }
@@ -159,6 +160,7 @@ const Kernels* avx512_kernels() {
     k.name = "avx512";
     k.attend_f32 = avx512::attend<float>;
     k.attend_bf16 = avx512::attend<c10::BFloat16>;
+    k.attend_f32_bf16 = avx512::attend<float, c10::BFloat16>;
     k.silu_mul_f32 = avx512::silu_mul_f32;
     k.quantize_row = avx512::quantize_row;
     k.int_columns = avx512::vnni_columns;

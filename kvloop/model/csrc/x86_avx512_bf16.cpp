@@ -2,8 +2,10 @@
 // Cooper Lake and Sapphire Rapids Xeons and later): the AVX-512 table with bf16 dot
 // products where a bf16 operand is exact, so that they change no number beyond the order
 // of the fp32 sums (docs/cpu-performance.md, "Kernels and dispatch"):
-// - decode attention on a bf16 cache: q . k as bf16 products of q and the keys as they are,
-//   fp32 sums, then scaled (the torch twin's order);
+// - decode attention on a bf16 cache under bf16 activations: q . k as bf16 products of q and
+//   the keys as they are, fp32 sums, then scaled (the torch twin's order); under fp32
+//   activations (--kv-cache-dtype bfloat16) q is not bf16, so the keys are widened as in the
+//   AVX-512 table (`attend_f32_bf16`, inherited: rounding q would change the scores);
 // - the 4-bit matmul from kFpRows bf16 rows: the nibbles (0-15, exact in bf16) against x,
 //   scaled per group afterwards.
 // `vdpbf16ps` multiplies bf16 pairs exactly (8-bit by 8-bit significands) and adds them in
