@@ -83,10 +83,11 @@ test: install-test lint typecheck
 # One torch (and kvloop pool) thread per worker: two workers of two OpenMP threads each on a
 # 2-core machine spin on each other's cores (the workers' CPU time fell from 40-46 s to 35-36 s
 # of a run). No test here starts a process, so none inherits the setting; the tests of
-# thread counts set their own.
+# thread counts set their own. `--dist loadgroup` runs tests/conftest.py's scheduler: a module
+# is one unit of work, and the modules that load transformers are one unit together.
 test-fast: install-test
 	env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 \
-		$(VENV)/bin/pytest -n $(TEST_WORKERS) -m "not processes and not slow"
+		$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup -m "not processes and not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
