@@ -172,6 +172,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: order[item.path])
 
 
+# --- which worker runs what (`make test-fast`: `--dist loadgroup`) ------------------------------
+# Each module is one unit of work (its module fixtures are set up once), and the modules whose
+# tests load transformers (the reference models, the tiny GGUFs written from them, peft) are
+# one unit together, so only one worker imports it (about 2.7 s of CPU; measured beside other
+# jobs, the two workers' CPU time fell from 35-39 s to 33-35 s of a run). xdist's own
+# loadgroup no longer groups under pytest 9.2 (it renames node ids, which pytest now ignores:
+# pytest-xdist issue 1386); this scheduler groups by module name, in the controller.
+TRANSFORMERS_MODULES = ("test_budget", "test_kv_quant_model", "test_llm", "test_lora_model",
+                        "test_low_bit", "test_model_archs", "test_model_sliding",
+                        "test_model_tiny", "test_router_hybrid", "test_structured_output",
+                        "test_tokenizer")
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: "transformers" or its module's path."""
+    module = nodeid.split("::", 1)[0]
+    return "transformers" if Path(module).stem in TRANSFORMERS_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True)   # xdist's hook: absent under `-p no:xdist`
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 # --- server-sent events -------------------------------------------------------------------------
 def sse_events(lines: Iterable[str]) -> list[Any]:
     """The data of an SSE stream's events, from its lines ([DONE] as the string)."""
@@ -366,37 +398,52 @@ needs_embedded_model = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2() -> Any:
-    """transformers fp32 on the embedded model's GGUF, loaded once per session (dequantizing
-    the GGUF takes ~20 s each time): the reference of the exact-comparison tests. Read-only:
-    a test that changes a model (peft wraps its layers) loads `hf_smollm2_folder` instead."""
+def hf_smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """transformers' fp32 load of the embedded model's GGUF, saved as a Hugging Face folder
+    (safetensors, the same fp32 values), which loads in about a second. Dequantizing the GGUF
+    takes ~20 s, so it is done once per run: the first xdist worker to ask makes the folder
+    in the run's temporary root (shared by its workers), under a lock the others wait on."""
+    import fcntl
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    out = shared / "hf_smollm2"
+    with open(shared / "hf_smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        if not (out / "config.json").is_file():
+            partial = shared / f"hf_smollm2.partial-{os.getpid()}"
+            _save_hf_smollm2(partial)
+            partial.rename(out)
+    return str(out)
+
+
+def _save_hf_smollm2(folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     from kvloop.locate import find_model_path
 
-    folder, name = find_model_path(None).rsplit("/", 1)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                dtype=torch.float32).eval()
+    gguf_folder, name = find_model_path(None).rsplit("/", 1)
+    model = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=name,
+                                                 dtype=torch.float32)
+    if hasattr(model.config, "quantization_config"):   # a GGUF-loaded model refuses to be saved
+        del model.config.quantization_config
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(folder)
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_folder(hf_smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """`hf_smollm2` saved as a Hugging Face folder (safetensors, the same fp32 values), which
-    loads in about a second."""
-    import copy
-
+def hf_smollm2(hf_smollm2_folder: str) -> Any:
+    """transformers fp32 on the embedded model's GGUF (its dequantized values, from
+    `hf_smollm2_folder`), loaded once per session: the reference of the exact-comparison
+    tests. Read-only: a test that changes a model (peft wraps its layers) loads
+    `hf_smollm2_folder` itself."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(hf_smollm2.config)
-    if hasattr(config, "quantization_config"):   # a GGUF-loaded model refuses to be saved
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(hf_smollm2.state_dict())
-    out = tmp_path_factory.mktemp("hf_smollm2")
-    plain.save_pretrained(out)
-    return str(out)
+    return AutoModelForCausalLM.from_pretrained(hf_smollm2_folder, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

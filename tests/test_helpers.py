@@ -59,3 +59,17 @@ def test_the_modules_started_first_exist() -> None:
 
     here = Path(__file__).parent
     assert [m for m in LONGEST_FIRST if not (here / f"{m}.py").is_file()] == []
+
+
+def test_the_transformers_modules_are_one_unit_of_work() -> None:
+    """conftest's TRANSFORMERS_MODULES name modules of this folder, and `make test-fast`'s
+    scheduler gives their tests one unit of work and every other module its own."""
+    from pathlib import Path
+
+    from .conftest import TRANSFORMERS_MODULES, work_unit
+
+    here = Path(__file__).parent
+    assert [m for m in TRANSFORMERS_MODULES if not (here / f"{m}.py").is_file()] == []
+    assert work_unit("tests/test_model_archs.py::test_x[qwen3-hf]") == "transformers"
+    assert work_unit("tests/test_llm.py::test_y") == "transformers"
+    assert work_unit("tests/test_helpers.py::test_z") == "tests/test_helpers.py"
