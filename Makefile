@@ -77,7 +77,7 @@ test: install-test lint typecheck
 
 # The edit-test loop: the in-process tests, not those marked `processes` (they start
 # processes or servers) or `slow` (the real model, benchmarks, waits that prove nothing
-# arrives): about 20 s on two workers (README says how long). `make test` runs every test. Python's bytecode
+# arrives), on two workers (README says how long). `make test` runs every test. Python's bytecode
 # cache stays on here even where the environment turns it off (PYTHONDONTWRITEBYTECODE):
 # without it every run compiles kvloop and rewrites the asserts of every test module again.
 # One torch (and kvloop pool) thread per worker: two workers of two OpenMP threads each on a

@@ -56,7 +56,8 @@ def check_device(device: str) -> None:
     raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 
-# `--kv-cache-dtype` (vLLM's names, plus int8). "auto": K and V in the activations' dtype;
+# `--kv-cache-dtype` (vLLM's names, plus int8). "auto": K and V in the activations' dtype
+# (bf16 on `--dtype auto`'s mixed path: kvloop.model.precision.resolve_precision);
 # "bfloat16": K and V in bf16 whatever the activations' dtype (fp32 or bf16: under fp32
 # activations the kernels read the bf16 cache widened; kvloop.model.precision); the others:
 # one-byte codes, each row (one token's K or V of one KV head) `head_dim` codes then the
@@ -220,8 +221,9 @@ class RunnerConfig:
       at start-up, `kvloop.model.crossover`; 0: dense only, e.g. for exact fp32 comparisons);
     - `lora`: LoRA adapters served (`LoRAConfig`; None: `--enable-lora` not given);
     - `kv_cache_dtype`: how K and V are stored (`KV_CACHE_DTYPES`; "auto": the activations'
-      dtype; "bfloat16": bf16, under fp32 activations too; fp8 and int8: one byte per element
-      and a scale per row, `kvloop.model.kv_quant`).
+      dtype, bf16 on the mixed path (`kvloop.model.precision`); "bfloat16": bf16, under fp32
+      activations too; fp8 and int8: one byte per element and a scale per row,
+      `kvloop.model.kv_quant`).
     """
 
     model: str | None = None

@@ -209,7 +209,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache size, e.g. 512MiB (default: from --gpu-memory-utilization "
                         "on CUDA, else 1GiB)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="how K and V are stored: auto (the activations' dtype), bfloat16 "
+                   help="how K and V are stored: auto (the activations' dtype; bf16 under --dtype "
+                        "auto where it runs fp32 with bf16 layer matmuls), bfloat16 "
                         "(2 bytes per element, beside fp32 activations too), fp8 (= "
                         "fp8_e4m3), fp8_e5m2 or int8: one byte per element and a scale per "
                         "token and KV head, more blocks in the same memory; "
