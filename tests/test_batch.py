@@ -274,10 +274,12 @@ def test_a_thousand_lines_beside_interactive_traffic(router):
     flow.queue.pop = watched_pop   # type: ignore[method-assign]
     try:
         a = sdk(router.url, KEY_A)
-        batch = submit(a, [line(f"n{i}", f"doc {i % 10} " * 4 + str(i)) for i in range(1000)])
+        # 16 tokens a line: a line holds its slot for ~16 engine steps, so the batch fills the
+        # fleet however slowly this busy process's router sends lines (2-token lines ended as
+        # fast as the router sent them on a loaded machine: no poll saw all 8 slots taken)
+        batch = submit(a, [line(f"n{i}", f"doc {i % 10} " * 4 + str(i), max_tokens=16)
+                           for i in range(1000)])
         wait_until(lambda: any(p == BATCH_PRIORITY for p, _ in pops), 60, "batch lines queue")
-        # a poll sees all 8 slots taken at once: its lines are short, so beside a CPU burner
-        # that can take more than 30 s of the 1,000 (it did once)
         wait_until(lambda: sum(w.in_flight() for w in router.router.registry.all()) >= 8, 90,
                    "the batch alone to fill every slot of the fleet (2 workers x 4 seqs)")
         statuses = _interactive(router.url, clients=4, each=15)
