@@ -37,6 +37,7 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
     "kvloop.pooling_params": ((), ("msgspec",)),   # beside sampling_params, for the same reasons
     "kvloop.lora_request": ((), ()),   # vLLM's LoRARequest for `LLM.generate`: a plain dataclass
     "kvloop.locate": ((), ()),
+    "kvloop.gguf_format": ((), ()),   # the GGUF header, read with the standard library
     "kvloop.version": ((), ()),
     "kvloop.trust": ((), ("zmq",)),
     # OpenTelemetry only inside functions that run with --otlp-traces-endpoint
@@ -63,7 +64,8 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                             "kvloop.events.types"),
                            ("msgspec", "zmq", "xxhash", "redis")),
     "kvloop.events": (("kvloop.trust",), ("msgspec", "zmq", "nats", "xxhash")),
-    "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.core.outputs", "kvloop.core.runner",
+    "kvloop.model": (("kvloop.config", "kvloop.locate", "kvloop.gguf_format",
+                      "kvloop.core.outputs", "kvloop.core.runner",
                       "kvloop.core.request", "kvloop.core.trace", "kvloop.core.hashing",
                       "kvloop.core.kv_connector", "kvloop.core.kv_cache_groups",
                       "kvloop.core.lora_slots"),   # the adapter slots' LRU, shared with sim
@@ -74,13 +76,14 @@ ALLOWED: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...] | None]] = {
                     # simulated tiers publish the wire's events, with its tier names
                     "kvloop.events.types"),
                    ("msgspec", "numpy")),
-    "kvloop.front": (("kvloop.locate", "kvloop.wire", "kvloop.core.request",
+    "kvloop.front": (("kvloop.locate", "kvloop.gguf_format", "kvloop.wire", "kvloop.core.request",
                       "kvloop.sim.byte_vocab"),
                      ("starlette", "uvicorn", "h11", "pydantic", "typing_extensions", "httpx",
                       "jinja2", "tokenizers", "msgspec")),
     "kvloop.server": (("kvloop.version", "kvloop.sampling_params", "kvloop.pooling_params",
                        "kvloop.config", "kvloop.wire",
                        "kvloop.locate",   # the supported architectures, checked at start
+                       "kvloop.gguf_format",
                        "kvloop.front",
                        "kvloop.core.request", "kvloop.events.cli_args", "kvloop.events.config",
                        "kvloop.events.nats_plane", "kvloop.sim.byte_vocab", "kvloop.trust",

@@ -132,7 +132,7 @@ def write_q4_gguf(tmp_path):
     path = write_tiny_gguf(hf, tmp_path / "tiny-f32.gguf")
     src = GGUFFile(str(path))
     out = gguf.GGUFWriter(str(tmp_path / "tiny-q4.gguf"), "llama")
-    for name, field in src._reader.fields.items():
+    for name, field in gguf.GGUFReader(str(path)).fields.items():   # with their value types
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         _copy_field(out, name, field)
@@ -185,6 +185,65 @@ def q4_runner_bf16_kv(tmp_path_factory):
     assert runner.kv_caches[0].dtype == torch.bfloat16 and runner.model.dtype == torch.float32
     yield runner
     runner.shutdown()
+
+
+def _reader_view(path):
+    """What `gguf.GGUFReader` reads of a file: metadata without its GGUF.* pseudo-keys, and
+    each tensor's (name, type, dims innermost first, data)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    meta = {k: v.item() if hasattr(v, "item") else v for k, v in meta.items()}
+    return meta, [(t.name, t.tensor_type, tuple(int(d) for d in t.shape), np.asarray(t.data))
+                  for t in reader.tensors]
+
+
+def test_gguf_file_maps_what_the_gguf_package_reads(tmp_path):
+    """kvloop's own header reader and mapping (kvloop.gguf_format, GGUFFile) give the
+    `gguf` package's metadata and tensors, byte for byte and dtype for dtype: Q4_1 and Q8_0
+    blocks, F32 tensors; a file cut short is refused by name, not read past its end."""
+    path = write_q4_gguf(tmp_path)
+    meta, tensors = _reader_view(path)
+    f = GGUFFile(str(path))
+    assert f.metadata == {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
+    assert [(t.name, t.tensor_type, t.shape) for t in f._tensors] == [t[:3] for t in tensors]
+    for (name, _, _, data), mine in zip(tensors, f._tensors, strict=True):
+        assert mine.data.dtype == data.dtype and np.array_equal(mine.data, data), name
+    assert {t.tensor_type.name for t in f._tensors} == {"Q4_1", "Q8_0", "F32"}
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="runs past the end of the file"):
+        GGUFFile(str(cut))
+
+
+def test_a_big_endian_gguf_maps_its_f32_tensors_and_refuses_quantized_ones(tmp_path):
+    """F32 elements are read in the file's byte order; quantized blocks, whose fp16 scales
+    `gguf.quants` would read in this machine's order, are refused by name."""
+    import gguf
+
+    def write(name, arrays):
+        w = gguf.GGUFWriter(str(tmp_path / name), "llama", endianess=gguf.GGUFEndian.BIG)
+        for tensor_name, array, qtype in arrays:
+            w.add_tensor(tensor_name, array, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 64)).astype(np.float32)
+    path = write("be.gguf", [("w", weight.byteswap(), None)])   # the writer stores as given
+    np.testing.assert_array_equal(GGUFFile(str(path)).tensor("w"), weight)
+    # (gguf.GGUFReader hands these bytes over unswapped: the loader built on it read them
+    # as other numbers)
+    _, tensors = _reader_view(path)
+    assert not np.array_equal(tensors[0][3], weight)
+    q8 = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
+    path = write("be-q8.gguf", [("w", q8, gguf.GGMLQuantizationType.Q8_0)])
+    with pytest.raises(ValueError, match="Q8_0 tensor w in a big-endian GGUF file"):
+        GGUFFile(str(path))
 
 
 def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):

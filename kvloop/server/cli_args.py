@@ -146,9 +146,9 @@ def _add_export_tokenizer(subparsers: argparse._SubParsersAction) -> None:
 def run_export_tokenizer(args: argparse.Namespace) -> int:
     """`kvloop export-tokenizer DIR [--model M]`: one line naming the folder, or a one-line
     error (a model that is not found, or has no vocabulary)."""
-    from kvloop.front.gguf_metadata import read_gguf_metadata
     from kvloop.front.tokenizer import load_vocabulary  # type: ignore[import-not-found]
     from kvloop.front.tokenizer_files import gguf_special_ids, write_hf_folder
+    from kvloop.gguf_format import read_gguf_metadata
 
     model = embedded_alias(args.model)
     if model == "sim":
@@ -413,7 +413,7 @@ def check_architecture(model: str) -> None:
 
     path = Path(find_model_path(model))
     if path.suffix == ".gguf":
-        from kvloop.front.gguf_metadata import read_gguf_metadata
+        from kvloop.gguf_format import read_gguf_metadata
 
         gguf_family(str(read_gguf_metadata(str(path)).get("general.architecture", "llama")))
     elif (path / "config.json").is_file():
