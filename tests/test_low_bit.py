@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -244,6 +246,46 @@ def test_a_big_endian_gguf_maps_its_f32_tensors_and_refuses_quantized_ones(tmp_p
     path = write("be-q8.gguf", [("w", q8, gguf.GGMLQuantizationType.Q8_0)])
     with pytest.raises(ValueError, match="Q8_0 tensor w in a big-endian GGUF file"):
         GGUFFile(str(path))
+
+
+def test_the_crossover_is_measured_once_per_key_and_cached(q4_runner, tmp_path, monkeypatch,
+                                                            caplog):
+    """`cached_policy`: the first start with a key measures and writes the policy; the next
+    reads it (no measurement); another model identity or thread count measures again; a
+    corrupt file is measured over; a cache that cannot be written still gives the policy."""
+    from kvloop.model import crossover
+
+    measured: list[LowBitPolicy] = []
+
+    def measure(model):
+        measured.append(LowBitPolicy(4, 2, 8 + len(measured)))
+        return measured[-1]
+
+    monkeypatch.setattr(crossover, "measure_policy", measure)
+    monkeypatch.setattr(cpu_ops, "CACHE_ROOT", tmp_path / "cache")
+    model, ident = q4_runner.model, {"model": ["tiny.gguf", 1, 2], "precision": "fp32"}
+    first = crossover.cached_policy(model, ident)
+    assert first == LowBitPolicy(4, 2, 8) and len(measured) == 1
+    files = list((tmp_path / "cache" / "crossover").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["max_decode_tokens"] == 8
+    with caplog.at_level("INFO", logger="kvloop.model.crossover"):
+        assert crossover.cached_policy(model, ident) == first and len(measured) == 1
+    assert "measured before on this machine" in caplog.text
+    rewritten = {**ident, "model": ["tiny.gguf", 1, 3]}
+    assert crossover.cached_policy(model, rewritten).max_decode_tokens == 9
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert crossover.cached_policy(model, ident).max_decode_tokens == 10
+    finally:
+        torch.set_num_threads(threads)
+    files[0].write_text("{not json")
+    assert crossover.cached_policy(model, ident).max_decode_tokens == 11
+    assert crossover.cached_policy(model, ident).max_decode_tokens == 11
+    monkeypatch.setattr(cpu_ops, "CACHE_ROOT", tmp_path / "a-file")
+    (tmp_path / "a-file").write_text("")
+    assert crossover.cached_policy(model, ident).max_decode_tokens == 12
+    assert len(measured) == 5
 
 
 def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):

@@ -14,18 +14,30 @@ with no Python between them, on kvloop's own thread pool), which wins up to larg
 than the matmuls alone say; so those steps are timed too, whole (norms, RoPE, attention over
 a one-token context, both ways alike) on the same layers: the dense layer loop against the
 fused stack, giving `LowBitPolicy.max_decode_tokens`.
+
+The measurement takes ~3 s of CPU at every start, so `cached_policy` keeps its answer on disk
+(`~/.cache/kvloop/crossover/`, or under `KVLOOP_CACHE`) under a key of everything the
+timings depend on: the model's file, the precision, the CPU, the thread count, the kernel
+build and variant, torch and the model code. A later start with the same key reads it;
+deleting the folder measures again.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import cast
 
 import torch
 
+from kvloop.model import cpu_ops
 from kvloop.model.attention import AttentionMetadata
 from kvloop.model.llama import DecoderLayer, FusedDecode, Linear, LlamaModel
 from kvloop.model.quant import LowBitPolicy
@@ -67,6 +79,55 @@ def measure_policy(model: LlamaModel, sizes: tuple[int, ...] = SIZES) -> LowBitP
                 policy.max_decode_tokens, _fmt(layer_times), _fmt(head_times),
                 _fmt(decode_times))
     return policy
+
+
+def cached_policy(model: LlamaModel, identity: Mapping[str, object]) -> LowBitPolicy:
+    """`measure_policy(model)`, measured once per key and then read from the cache folder:
+    the key digests `identity` (what names the model and its precision) with this machine's
+    facts (`machine_identity`). A cache that cannot be read or written is measured around."""
+    key = hashlib.sha256(json.dumps({**identity, **machine_identity()}, sort_keys=True,
+                                    default=str).encode()).hexdigest()[:24]
+    path = cpu_ops.CACHE_ROOT / "crossover" / f"{key}.json"
+    try:
+        policy = LowBitPolicy(**json.loads(path.read_text()))
+        logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows, "
+                    "decode steps fused up to %s (measured before on this machine: %s)",
+                    policy.max_tokens, policy.max_logits_rows, policy.max_decode_tokens, path)
+        return policy
+    except (OSError, ValueError, TypeError):
+        pass
+    policy = measure_policy(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(policy.__dict__))
+        scratch.replace(path)        # whole or absent, for a start beside this one
+    except OSError as exc:
+        logger.warning("low-bit crossover not cached (%s)", exc)
+    return policy
+
+
+def machine_identity() -> dict[str, object]:
+    """What the timings depend on besides the model: the CPU (its model and flags), torch's
+    threads and version, the kernel build and variant, and the model code's source."""
+    model_code = hashlib.sha256(b"".join(p.read_bytes() for p in
+                                         sorted(Path(__file__).parent.glob("*.py"))))
+    built = cpu_ops.load() is not None
+    return {"cpu": _cpu_description(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "kernels": cpu_ops.kernels(),
+            "build": cpu_ops.extension_name() if built else None,
+            "model_code": model_code.hexdigest(), "machine": platform.machine()}
+
+
+def _cpu_description() -> str:
+    """/proc/cpuinfo's first processor's model name and flags ("" where it is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    first = text.split("\n\n", 1)[0]
+    return "\n".join(line for line in first.splitlines()
+                     if line.startswith(("model name", "flags", "cpu family", "model\t")))
 
 
 def _layer_linears(layer: torch.nn.Module) -> list[Linear]:

@@ -23,7 +23,7 @@ from kvloop.config import (
     check_device,
 )
 from kvloop.model import cpu_ops
-from kvloop.model.crossover import measure_policy
+from kvloop.model.crossover import cached_policy
 from kvloop.model.gemma3 import Gemma3Model
 from kvloop.model.kv_quant import KVQuant, kv_quant_for, kv_row_bytes
 from kvloop.model.llama import LlamaModel
@@ -68,7 +68,9 @@ def build_runner(rc: RunnerConfig) -> ModelRunner:
     net = model_class(config, loaded.weights, precision, dev, max_positions=max_len + 1,
                       quantized=loaded.quantized)
     del loaded.weights, loaded.quantized
-    net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens)
+    net.low_bit = low_bit_policy(net, rc.low_bit_max_tokens,
+                                 {"model": _file_identity(loaded.path),
+                                  "precision": precision.describe(), "device": str(dev)})
     logger.info("loaded %s (%s, %s on %s): %d KV blocks of %d tokens (%s), max_model_len %d",
                 loaded.name, config.architecture, precision.describe(), dev, num_blocks,
                 rc.block_size, kv_quant.name if kv_quant else f"KV in {precision.kv_cache}",
@@ -88,14 +90,22 @@ def model_weight_bytes(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> 
     return sum(t.numel() for t in weights.values()) * _elem_size(dtype)
 
 
-def low_bit_policy(net: LlamaModel, max_tokens: int | None) -> LowBitPolicy:
+def low_bit_policy(net: LlamaModel, max_tokens: int | None,
+                   identity: dict[str, object]) -> LowBitPolicy:
     """`RunnerConfig.low_bit_max_tokens`: a fixed threshold for layers and LM head alike,
-    else (None) the measured crossover; never where the model has no low-bit weights."""
+    else (None) the measured crossover (`cached_policy`: measured once per model, precision
+    and machine); never where the model has no low-bit weights."""
     if not any(m.low_bit is not None for m in net.linears()):
         return LowBitPolicy()
     if max_tokens is not None:
         return LowBitPolicy(max_tokens, max_tokens)
-    return measure_policy(net)
+    return cached_policy(net, identity)
+
+
+def _file_identity(path: str) -> list[object]:
+    """A model file by path, size and modification time (a rewritten file is another)."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
 
 
 def resolve_device(device: str) -> torch.device:
