@@ -117,7 +117,8 @@ def test_add_rms_norm(ops, dtype, tol, with_residual):
 
 @pytest.mark.parametrize("dtype,cache_dtype,tol", KV_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim,blocks,bs", SHAPES)
-def test_rope_and_cache(ops, dtype, cache_dtype, tol, heads, kv_heads, dim, blocks, bs):
+def test_rope_and_cache(ops, variant, dtype, cache_dtype, tol, heads, kv_heads, dim, blocks,
+                        bs):
     g = torch.Generator().manual_seed(1)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -144,6 +145,42 @@ def test_rope_and_cache(ops, dtype, cache_dtype, tol, heads, kv_heads, dim, bloc
     rows = outs[0].view(tokens, heads + 2 * kv_heads, dim)[:, heads:]      # this step's K, V
     assert torch.equal(written.float(), rows.view(tokens, 2, kv_heads, dim).permute(1, 2, 0, 3)
                        .to(cache_dtype).float())
+
+
+# fp32 values whose bf16 rounding is an edge: ties to even (down and up), a carry into the
+# exponent, the largest finite floats (to inf), infinities, zeros, subnormals, NaNs
+BF16_EDGES = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20,
+              2 - 2 ** -9, 3.4028235e38, -3.4028235e38, 3.3961776e38, float("inf"),
+              float("-inf"), 0.0, -0.0, 1e-45, -3e-39, 1.1754942e-38, float("nan"),
+              -float("nan")]
+
+
+@pytest.mark.parametrize("dim", [64, 24])           # 24: a tail after 16 (AVX-512) or 3 x 8
+def test_the_bf16_cache_write_rounds_as_torch_does(ops, variant, dim):
+    """Over a bf16 cache beside fp32 activations, V (no RoPE) is written as torch's
+    `.to(torch.bfloat16)` writes it, bit for bit (round to nearest, ties to even), edge values
+    included; a NaN stays a NaN (the kernels write c10's 0x7FC0, torch's vector loop 0xFFFF)."""
+    g = torch.Generator().manual_seed(dim)
+    heads, kv_heads, tokens, blocks, bs = 2, 2, 6, 8, 4
+    v = torch.randn(tokens * kv_heads * dim, generator=g) * 100
+    v[:len(BF16_EDGES)] = torch.tensor(BF16_EDGES)
+    v[len(BF16_EDGES):2 * len(BF16_EDGES)] = torch.tensor(BF16_EDGES) * 2 ** -100
+    qk = torch.randn(tokens, (heads + kv_heads) * dim, generator=g)
+    qkv = torch.cat([qk, v.view(tokens, -1)], dim=1)
+    positions = torch.arange(tokens)
+    angles = torch.outer(torch.arange(tokens, dtype=torch.float32), torch.rand(dim // 2,
+                                                                              generator=g))
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    caches = [torch.zeros(2, kv_heads, blocks, bs, dim, dtype=torch.bfloat16) for _ in range(2)]
+    ops.rope_and_cache(qkv.clone(), positions, angles.cos(), angles.sin(), caches[0], slots,
+                       heads, kv_heads)
+    cpu_ops.torch_rope_and_cache(qkv.clone(), positions, angles.cos(), angles.sin(), caches[1],
+                                 slots, heads, kv_heads)
+    got, want = caches[0][1], caches[1][1]
+    nan = want.isnan()
+    assert nan.sum() == 2 * 2 and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(got.view(torch.int16)[nan], torch.full((4,), 0x7FC0, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tol", KV_DTYPES)

@@ -6,7 +6,7 @@
 - a tiny GGUF with Q4_1 tensors loads with Q/K rows unpermuted in the low-bit copy too;
 - the per-step choice: steps at or under the threshold run the low-bit weights, others the
   dense ones (logits equal the all-low-bit or all-dense run, exactly);
-- the crossover from a timing table;
+- the crossover from a timing table, and its timings: every size once a pass, each side's best;
 - fidelity on the embedded model: 8 chat prompts x 64 greedy tokens, low-bit against fp32:
   at the first difference each side's token is in the other's top-5 (vLLM's rule).
 """
@@ -100,6 +100,51 @@ def test_int8_matmul_on_q8_0_blocks(kernel):
     x = torch.randn(3, 128)
     want = x @ dense.T
     assert ((weight.matmul(x) - want).norm() / want.norm()).item() < 1e-2
+
+
+class _FakeClock:
+    """`time` for kvloop.model.crossover: perf_counter reads `now`, which the timed callables
+    advance (no sleeping, so a loaded machine changes nothing)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_crossover_times_each_size_once_a_pass_and_keeps_each_side_s_best(monkeypatch):
+    """Sizes grow until the low-bit side has lost twice (here at 2, in a burst of load, and
+    at 4; 8 is never built); then every size is timed once per pass, `REPEATS` passes in all,
+    the two sides back to back, dense first on even passes and low-bit first on odd ones;
+    each side keeps its best time, so the burst decides nothing: the low-bit side wins at 2."""
+    from kvloop.model import crossover as module
+
+    clock = _FakeClock()
+    monkeypatch.setattr(module, "time", clock)
+    calls: list[tuple[int, str]] = []
+    # size 2's low-bit runs: the warm-up (untimed), then the first timed one in a burst of load
+    burst = {(2, "low"): [0.5, 10.0]}
+
+    def side(size: int, name: str, seconds: float):
+        def run() -> None:
+            calls.append((size, name))
+            extra = burst.get((size, name))
+            clock.now += extra.pop(0) if extra else seconds
+        return run
+
+    def pair(size: int):
+        assert size <= 4
+        return side(size, "dense", 1.0), side(size, "low", 0.5 if size <= 2 else 3.0)
+
+    timings = module._time_until_lost((1, 2, 4, 8, 16), pair)
+    assert timings == {1: (1.0, 0.5), 2: (1.0, 0.5), 4: (1.0, 3.0)}
+    assert module.crossover(timings) == 2
+    first_pass = [c for s in (1, 2, 4) for c in [(s, "dense"), (s, "low")] * 2]
+    passes = [c for turn in range(1, module.REPEATS) for s in (1, 2, 4)
+              for c in ([(s, "dense"), (s, "low")] if turn % 2 == 0
+                        else [(s, "low"), (s, "dense")])]
+    assert calls == first_pass + passes
 
 
 def test_crossover_from_a_timing_table():

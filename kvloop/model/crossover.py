@@ -163,17 +163,52 @@ def _time_decode_steps(model: LlamaModel, sizes: tuple[int, ...]
 def _time_until_lost(sizes: tuple[int, ...],
                      pair: Callable[[int], tuple[Callable[[], object], Callable[[], object]]]
                      ) -> dict[int, tuple[float, float]]:
-    """size -> (dense, low-bit) best times of the two callables `pair(size)` makes, for
-    growing sizes until the low-bit side has lost twice."""
+    """size -> (dense, low-bit) best times of the two callables `pair(size)` makes: the sizes
+    grown until the low-bit side has lost twice, then timed again `REPEATS - 1` times over,
+    one repeat of every size per pass (`_best_of_passes`)."""
+    pairs: dict[int, tuple[Callable[[], object], Callable[[], object]]] = {}
     out: dict[int, tuple[float, float]] = {}
     losses = 0
     with torch.inference_mode():
         for size in sizes:
-            out[size] = _best_of_interleaved(*pair(size))
+            pairs[size] = pair(size)
+            a, b = pairs[size]
+            a(), b()                          # warm-up: first touch, primitive creation
+            out[size] = _time_pair(a, b, 0)
             losses += out[size][1] >= out[size][0]
             if losses >= 2:
                 break
-    return out
+        return _best_of_passes(pairs, out)
+
+
+def _best_of_passes(pairs: dict[int, tuple[Callable[[], object], Callable[[], object]]],
+                    first: dict[int, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+    """`first` (one timing of each size) improved to the best of `REPEATS`: each further pass
+    times every size once, so the repeats of one size lie seconds apart and a burst of load
+    from another process (on a shared machine it lasts tens to hundreds of ms) slows one
+    repeat of several sizes, not every repeat of one size (docs/cpu-performance.md, "One
+    decode step at 8 and 32 rows": on a loaded 2-core Zen 4, with a size's repeats back to
+    back, 8 start-ups chose fused decode steps up to 2-32 rows)."""
+    best = dict(first)
+    for turn in range(1, REPEATS):
+        for size, (a, b) in pairs.items():
+            dense, low = _time_pair(a, b, turn)
+            best[size] = (min(best[size][0], dense), min(best[size][1], low))
+    return best
+
+
+def _time_pair(a: Callable[[], object], b: Callable[[], object], turn: int
+               ) -> tuple[float, float]:
+    """(seconds of a, seconds of b), run back to back, a first on even turns, b on odd ones
+    (whichever runs second may find the first's threads still awake)."""
+    times = [0.0, 0.0]
+    order = (0, 1) if turn % 2 == 0 else (1, 0)
+    for i in order:
+        fn = (a, b)[i]
+        start = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - start
+    return times[0], times[1]
 
 
 def _decode_inputs(model: LlamaModel, num_layers: int, size: int
@@ -204,20 +239,6 @@ def _dense_decode(layers: list[DecoderLayer], x: torch.Tensor, positions: torch.
 def _run(linears: list[Linear], inputs: list[torch.Tensor], low_bit: bool) -> None:
     for m, x in zip(linears, inputs, strict=True):
         m(x, low_bit)
-
-
-def _best_of_interleaved(a: Callable[[], object], b: Callable[[], object]
-                         ) -> tuple[float, float]:
-    """The fastest of `REPEATS` runs of each, a and b alternating (a busy neighbour then
-    slows both alike, and the minimum drops the runs it hit)."""
-    a(), b()                                  # warm-up: first touch, primitive creation
-    best = [float("inf"), float("inf")]
-    for _ in range(REPEATS):
-        for i, fn in enumerate((a, b)):
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best[0], best[1]
 
 
 def _fmt(timings: dict[int, tuple[float, float]]) -> str:

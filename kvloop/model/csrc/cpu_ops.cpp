@@ -67,7 +67,7 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& positions, const at::Tenso
     with_cache_element<scalar_t>(cache, [&](auto element) {
       using C = decltype(element);
       kvloop::rope_and_cache<scalar_t, C>(
-          qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+          active_kernels(), qkv.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
           sin.data_ptr<float>(), cache.data_ptr<C>(), slots.data_ptr<int64_t>(), qkv.size(0),
           heads, kv_heads, dim, cache_tokens, false);
     });
@@ -272,7 +272,7 @@ class DecodeStack {
     kvloop::add_rms_norm<T>(s.h, l == 0 ? nullptr : s.residual, norms_[2 * l].data_ptr<T>(),
                             n, s.hidden, eps_, true);
     q4<T>(s.k, s.h, w, s.qkv, n, s.hidden);
-    kvloop::rope_and_cache<T, C>(s.qkv, s.positions, s.cos, s.sin, kv, s.slots, n, heads_,
+    kvloop::rope_and_cache<T, C>(s.k, s.qkv, s.positions, s.cos, s.sin, kv, s.slots, n, heads_,
                                  kv_heads_, s.dim, cache_tokens, true);
     kvloop::decode_attention<T, C>(s.k, s.qkv, qkv_row, kv, s.block_table, s.seq_lens, s.attn,
                                    n, heads_, kv_heads_, s.dim, block_size, cache_tokens,

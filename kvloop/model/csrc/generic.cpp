@@ -91,6 +91,10 @@ void generic_silu_mul_f32(const float* gate, const float* up, float* out, int64_
   silu_mul_row<float>(gate, up, out, f);
 }
 
+void generic_round_bf16(const float* x, c10::BFloat16* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<c10::BFloat16>(x[i]);
+}
+
 // One row, per group of 32: dx = max|x| / 32767, q = round-to-nearest-even(x / dx).
 void generic_quantize_row(const float* x, int64_t k_in, int16_t* q, float* d, float* s) {
   for (int64_t g = 0; g < k_in / 32; ++g) {
@@ -304,8 +308,8 @@ const Kernels& generic_kernels() {
   static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
-                             generic_quantize_row, generic_int_columns, generic_fp_columns,
-                             nullptr, false};
+                             generic_round_bf16, generic_quantize_row, generic_int_columns,
+                             generic_fp_columns, nullptr, false};
   return table;
 }
 
@@ -345,9 +349,9 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
 // store K and V into the paged cache [2, K, blocks, block_size, D] at slot_mapping[t]
 // (rounded to the cache's C where it is narrower: bf16 under fp32, to nearest even).
 template <typename T, typename C>
-void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
-                    C* cache, const int64_t* slots, int64_t tokens, int64_t heads,
-                    int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled) {
+void rope_and_cache(const Kernels& k, T* qkv, const int64_t* positions, const float* cos,
+                    const float* sin, C* cache, const int64_t* slots, int64_t tokens,
+                    int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled) {
   const int64_t half = dim / 2;
   const int64_t row = (heads + 2 * kv_heads) * dim;
   par_for(pooled, tokens, row * 3, [&](int64_t begin, int64_t end) {
@@ -371,7 +375,8 @@ void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const fl
           if constexpr (std::is_same_v<T, C>) {
             std::copy(src + h * dim, src + (h + 1) * dim, dst);
           } else {
-            for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<C>(to_f(src[h * dim + i]));
+            static_assert(std::is_same_v<T, float> && std::is_same_v<C, c10::BFloat16>);
+            k.round_bf16(src + h * dim, dst, dim);
           }
         }
       }
@@ -569,9 +574,9 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
   template void generic_attend<T>(const T*, float, int64_t, int64_t, const T*, const T*,      \
                                   const int64_t*, int64_t, float*, T*, int64_t);              \
   template void add_rms_norm<T>(T*, T*, const T*, int64_t, int64_t, float, bool);             \
-  template void rope_and_cache<T>(T*, const int64_t*, const float*, const float*, T*,         \
-                                  const int64_t*, int64_t, int64_t, int64_t, int64_t,         \
-                                  int64_t, bool);                                             \
+  template void rope_and_cache<T>(const Kernels&, T*, const int64_t*, const float*,          \
+                                  const float*, T*, const int64_t*, int64_t, int64_t, int64_t, \
+                                  int64_t, int64_t, bool);                                    \
   template void decode_attention<T>(const Kernels&, const T*, int64_t, const T*,              \
                                     const int64_t*, const int64_t*, T*, int64_t, int64_t,     \
                                     int64_t, int64_t, int64_t, int64_t, int64_t, float, bool); \
@@ -598,9 +603,9 @@ using BF16 = c10::BFloat16;
 template void generic_attend<float, BF16>(const float*, float, int64_t, int64_t, const BF16*,
                                           const BF16*, const int64_t*, int64_t, float*, float*,
                                           int64_t);
-template void rope_and_cache<float, BF16>(float*, const int64_t*, const float*, const float*,
-                                          BF16*, const int64_t*, int64_t, int64_t, int64_t,
-                                          int64_t, int64_t, bool);
+template void rope_and_cache<float, BF16>(const Kernels&, float*, const int64_t*,
+                                          const float*, const float*, BF16*, const int64_t*,
+                                          int64_t, int64_t, int64_t, int64_t, int64_t, bool);
 template void decode_attention<float, BF16>(const Kernels&, const float*, int64_t, const BF16*,
                                             const int64_t*, const int64_t*, float*, int64_t,
                                             int64_t, int64_t, int64_t, int64_t, int64_t,

@@ -147,9 +147,13 @@ using QuantizeRowFn = void (*)(const float* x, int64_t k_in, int16_t* q, float* 
 // out[i] = silu(gate[i]) * up[i], i < f (fp32 rows).
 using SiluMulFn = void (*)(const float* gate, const float* up, float* out, int64_t f);
 
+// out[i] = x[i] rounded to bf16 as c10::BFloat16(float) rounds it (to nearest even; every NaN
+// to the quiet NaN 0x7FC0), i < n: a bf16 KV cache's write beside fp32 activations.
+using RoundBf16Fn = void (*)(const float* x, c10::BFloat16* out, int64_t n);
+
 // What an instruction-set variant provides; every entry is set (a variant starts from the
 // generic table and replaces what it does faster). An op whose kernel has no variant (the
-// norm, RoPE) is not here: generic.cpp alone holds it.
+// norm, RoPE's rotation) is not here: generic.cpp alone holds it.
 struct Kernels {
   const char* name;
   AttendFn<float> attend_f32;
@@ -157,6 +161,7 @@ struct Kernels {
   AttendFn<c10::Half> attend_f16;
   AttendFn<float, c10::BFloat16> attend_f32_bf16;   // fp32 q and output, a bf16 cache
   SiluMulFn silu_mul_f32;
+  RoundBf16Fn round_bf16;
   QuantizeRowFn quantize_row;
   ColumnsFn int_columns;      // the integer kernel: x int16, W 4- or 8-bit
   ColumnsFn fp_columns;       // 4-bit W dequantized against fp32 x (from kFpRows rows)
@@ -199,9 +204,9 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
                   bool pooled);
 // The cache's element C: T, or bf16 beside fp32 T (AttendFn).
 template <typename T, typename C = T>
-void rope_and_cache(T* qkv, const int64_t* positions, const float* cos, const float* sin,
-                    C* cache, const int64_t* slots, int64_t tokens, int64_t heads,
-                    int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled);
+void rope_and_cache(const Kernels& k, T* qkv, const int64_t* positions, const float* cos,
+                    const float* sin, C* cache, const int64_t* slots, int64_t tokens,
+                    int64_t heads, int64_t kv_heads, int64_t dim, int64_t cache_tokens, bool pooled);
 template <typename T, typename C = T>
 void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cache,
                       const int64_t* block_table, const int64_t* seq_lens, T* out,

@@ -39,6 +39,7 @@ const Kernels* avx2_kernels() {
     k.attend_bf16 = avx2::attend<c10::BFloat16>;
     k.attend_f32_bf16 = avx2::attend<float, c10::BFloat16>;
     k.silu_mul_f32 = avx2::silu_mul_f32;
+    k.round_bf16 = avx2::round_bf16;
     k.quantize_row = avx2::quantize_row;
     k.int_columns = avx2::int_columns;
     k.fp_columns = avx2::fp_columns;

@@ -161,6 +161,27 @@ inline void attend_heads(const float* qf, int64_t group, int64_t dim, const T* k
   }
 }
 
+// 8 fp32 values rounded to bf16 as c10::BFloat16(float) does (RoundBf16Fn): the bits plus
+// 0x7FFF plus the kept part's lowest bit, shifted down 16 (to nearest, ties to even; inf
+// stays inf, the largest finite values round to it), every NaN 0x7FC0; as 8 words.
+inline __m128i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // (each lane < 2^16) packus per 128-bit half: [r0-3 r0-3 | r4-7 r4-7]; qwords 0 and 2
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+void round_bf16(const float* x, c10::BFloat16* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bf16_bits8(_mm256_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = static_cast<c10::BFloat16>(x[i]);
+}
+
 // silu(gate) * up, 8 at a time with exp8; the tail as the portable kernel.
 void silu_mul_f32(const float* gate, const float* up, float* out, int64_t f) {
   const __m256 one = _mm256_set1_ps(1.f);

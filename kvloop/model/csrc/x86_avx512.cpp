@@ -162,6 +162,7 @@ const Kernels* avx512_kernels() {
     k.attend_bf16 = avx512::attend<c10::BFloat16>;
     k.attend_f32_bf16 = avx512::attend<float, c10::BFloat16>;
     k.silu_mul_f32 = avx512::silu_mul_f32;
+    k.round_bf16 = avx512::round_bf16_wide;
     k.quantize_row = avx512::quantize_row;
     k.int_columns = avx512::vnni_columns;
     k.fp_columns = avx512::fp_columns;
