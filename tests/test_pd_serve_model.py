@@ -1,14 +1,15 @@
 """Prefill/decode disaggregation with the embedded SmolLM2-135M: through vLLM's toy proxy
 flow (tests/test_pd_serve.py), a decode worker's greedy output equals an aggregated
-worker's, token for token, for prompts of 1, 15, 16, 17, 48 and 2,000 tokens, with the
+worker's, token for token, for prompts of 1, 15, 16, 17, 48 and 624 tokens, with the
 prefill worker computing the prompt in chunks and in one pass.
 
-Three real workers for the module: A (chunked prefill, 256-token steps: the long prompt takes
-8; `--role prefill`), B (no chunked prefill: the long prompt in one step; `--role decode`),
-both `kv_both`, and the aggregated reference C, which answers each prompt once. Flow 1
-prefills on A and decodes on B, flow 2 the other way round, on the same prompts, both prefix
-caches reset in between; a third run sends the prompts through kvloop's router (P/D policy
-`always`) in front of A and B: the same tokens again.
+Three real workers for the module: A (chunked prefill, 128-token steps: the long prompt takes
+5, four whole and a partial last, over 39 full blocks; `--role prefill`), B (no chunked
+prefill: the long prompt in one step; `--role decode`), both `kv_both`, and the aggregated
+reference C, which answers each prompt once. Flow 1 prefills on A and decodes on B, flow 2
+the other way round, on the same prompts, both prefix caches reset in between; a third run
+sends the prompts through kvloop's router (P/D policy `always`) in front of A and B: the
+same tokens again.
 
 D recomputes only the last prompt token on top of P's KV; the aggregated worker computes it
 in the same pass as the rest (docs/vllm-facts.md#openai-server, P/D numerics). The equality
@@ -45,8 +46,13 @@ MODEL = ["--dtype", "float32", "--low-bit-max-tokens", "0", "--max-model-len", "
          "--block-size", str(BS),
          "--max-num-seqs", "8",
          "--kv-cache-memory", "256MiB", "--admin-api-key", ADMIN]
-LENGTHS = (1, 15, 16, 17, 48, 2000)
-# D waits this long for P: the real model's P may be mid-way through a 2,000-token chunked
+# The long prompt: several chunks on A (a first, middle ones reading the KV of earlier
+# chunks, a partial last one), whole blocks only (as the 2,000 tokens it replaces had);
+# each chunk beyond a few adds cost, not a path.
+LONG = 624
+CHUNK = 128
+LENGTHS = (1, 15, 16, 17, 48, LONG)
+# D waits this long for P: the real model's P may be mid-way through the long prompt's chunked
 # prefill when D asks (the sim tests' 2 s ran out beside a CPU burner: "no answer from
 # prefill engine ... within 2 s")
 KV = kv_config(transfer_timeout=60.0)
@@ -62,7 +68,7 @@ def _worker(tmp_path_factory: pytest.TempPathFactory, name: str,
 
 @pytest.fixture(scope="module")
 def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    yield from _worker(tmp_path_factory, "pd_model_a", "--max-num-batched-tokens", "256",
+    yield from _worker(tmp_path_factory, "pd_model_a", "--max-num-batched-tokens", str(CHUNK),
                        "--role", "prefill", "--kv-transfer-config", KV)
 
 

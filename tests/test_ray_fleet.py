@@ -58,7 +58,10 @@ def _processes_mentioning(text: str) -> list[int]:
 def ray_cluster() -> Iterator[str]:
     """A one-node Ray cluster (2 CPUs, no dashboard) in a session of its own; its address.
     Stopped by signalling that session (not `ray stop`, which would stop every Ray cluster of
-    this user on the host), then no process of it may be left."""
+    this user on the host), then no process of it may be left. Ray's drain of a node on
+    SIGTERM (for Ray Serve's proxies: up to 30 s, `RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`) is
+    off: nothing here serves through Ray Serve; with it, the node outlived the 10 s grace and
+    was SIGKILLed, without it, it ends on SIGTERM within seconds."""
     tmp = tempfile.mkdtemp(prefix="kvray-", dir="/tmp")   # Ray's socket paths must be short
     held = [held_port() for _ in range(4)]
     port, agent, client, dashboard = (s.getsockname()[1] for s in held)
@@ -70,7 +73,8 @@ def ray_cluster() -> Iterator[str]:
            str(client), "--object-store-memory", str(100 << 20), "--temp-dir", tmp,
            "--disable-usage-stats"]
     head = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(), start_new_session=True)
+                            env={**_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+                            start_new_session=True)
     try:
         lines_until(head, "Ray runtime started", 120)
         yield f"127.0.0.1:{port}"

@@ -169,7 +169,16 @@ def test_the_flag_reaches_the_router_config(command):
 
 
 # --- a fleet of simulated workers -----------------------------------------------------------
-@pytest.fixture
+def _revive(fleet: Fleet) -> None:
+    """Start again any worker of a module's fleet that an earlier case killed (the last
+    case's victim is left dead: the fleet stops after it)."""
+    for i, p in enumerate(fleet.workers):
+        if not p.alive():
+            fleet.workers[i] = fleet.worker(i)
+            fleet.workers[i].start(300)
+
+
+@pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     f = Fleet(FleetConfig(3, "sim", ("both",), SIM_ARGS + ("--sim-speedup", "4"),
                           start_timeout_s=120, stop_timeout_s=10, echo_output=False))
@@ -250,6 +259,7 @@ def _kill_the_busiest(rt: RouterThread, fleet: Fleet, streams: list[Stream]) -> 
 def test_kill_9_with_20_streams_in_flight_and_migration_limit_1_completes_every_stream(
         fleet, caplog):
     caplog.set_level(logging.WARNING, "kvloop.router")
+    _revive(fleet)
     cfg = replace(router_config(), migration_limit=1)
     with RouterThread(cfg, fleet.specs()) as rt:
         streams = [Stream(rt.url, i) for i in range(20)]
@@ -270,6 +280,7 @@ def test_kill_9_with_20_streams_in_flight_and_migration_limit_1_completes_every_
 
 @pytest.mark.processes
 def test_without_migration_the_same_kill_ends_those_streams_with_the_error_event(fleet):
+    _revive(fleet)
     with RouterThread(router_config(), fleet.specs()) as rt:
         streams = [Stream(rt.url, i) for i in range(20)]
         victim, held = _kill_the_busiest(rt, fleet, streams)
@@ -333,6 +344,7 @@ def _stream_killing(rt: RouterThread, fleet: Fleet, path: str, body: dict[str, A
 def test_greedy_text_of_a_migrated_stream_equals_an_uninterrupted_run(model_fleet, path,
                                                                       body):
     """The second run is killed after 12 chunks: the rest comes from the other worker."""
+    _revive(model_fleet)
     cfg = replace(router_config(), migration_limit=1)
     with RouterThread(cfg, model_fleet.specs()) as rt:
         whole = _stream_killing(rt, model_fleet, path, body, None)
@@ -342,9 +354,6 @@ def test_greedy_text_of_a_migrated_stream_equals_an_uninterrupted_run(model_flee
         assert _text(moved) == _text(whole)
         text = httpx.get(rt.url + "/metrics").text
         assert metric_value(text, "kvloop_router_migrations_total", outcome="migrated") == 1
-    dead = next(i for i, p in enumerate(model_fleet.workers) if not p.alive())
-    model_fleet.workers[dead] = model_fleet.worker(dead)
-    model_fleet.workers[dead].start(300)
 
 
 # --- a migrated stream keeps its LoRA adapter and its session -------------------------------
