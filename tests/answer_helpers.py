@@ -1,6 +1,7 @@
 """The chat-question answer checks that the precision and KV-dtype tests share: the 24
-questions, greedy at 32 tokens, each prompt run alone, and the log-probability gap at the
-first token where two answers part (a near tie is <= `NEAR_TIE` nats on the asking path)."""
+questions, greedy at 32 tokens, each prompt run alone or all in one batch, and the
+log-probability gap at the first token where two answers part (a near tie is <= `NEAR_TIE`
+nats on the asking path)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def run_alone(llm: LLM, prompt: list[int]) -> list[int]:
     """`prompt`'s greedy answer, the only request in its steps."""
     out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
+
+
+def run_batched(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts' greedy answers, all submitted in one `generate` call."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def logprob_gap(llm: LLM, prompt: list[int], ours: list[int], theirs: list[int]) -> float:
