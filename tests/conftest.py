@@ -139,25 +139,24 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 # --- the order modules start in ------------------------------------------------------------------
-# `make test` hands whole modules to its two workers (`--dist loadscope`) in collection order
+# `make test` hands whole modules to its workers (`--dist loadscope`) in collection order
 # (`--no-loadscope-reorder`). xdist's own order, most tests first, started these modules last:
 # each has a few tests that run for minutes (the real model, transformers' reference, every
-# README line), so one worker ran on alone for minutes after the other had finished. Started
-# first, the many short modules fill in around them. Longest first, as measured one module at
-# a time on a shared 2-core machine (load 5-11), 2026-12-06, in seconds (tests): lm_eval 413
-# (4), readme 301 (11), precision 253 (2), kv_quant_model 233 (11), pd_serve_model 161 (3),
-# router_migration 117 (22), lora_embedded 108 (3), ray_fleet 78 (7), serve_schema 75 (3),
-# prompt_logprobs 75 (3), model_embedded 69 (8), router_envoy 62 (11), embed_model 62 (3),
-# serve_model 51 (5), serve_structured 48 (37), router_drain 35-53 (3), router_replicas 42
-# (4), serve_lora 41 (6), serve_anthropic_model 37 (2), nats_tls 33 (5), pd_model 33 (8),
-# tiers_model 32 (5).
-LONGEST_FIRST = ("test_lm_eval", "test_readme", "test_precision", "test_kv_quant_model",
-                 "test_pd_serve_model", "test_router_migration", "test_lora_embedded",
-                 "test_ray_fleet", "test_serve_schema", "test_prompt_logprobs",
-                 "test_model_embedded", "test_router_envoy", "test_embed_model",
-                 "test_serve_model", "test_serve_structured", "test_router_drain",
-                 "test_router_replicas", "test_serve_lora", "test_serve_anthropic_model",
-                 "test_nats_tls", "test_pd_model", "test_tiers_model")
+# README line), so one worker ran on alone for minutes after the others had finished. Started
+# first, the many short modules fill in around them. Longest first, as measured in a whole
+# `make test` (3 workers; a helper's tests beside it for its first 11 minutes), 2026-12-07,
+# seconds of each module's slowest tests: lm_eval 178, readme 139, precision 105, ray_fleet
+# 91, router_migration 85, pd_serve_model 74, kv_quant_model 70 (139 before it loaded the
+# model once), lora_embedded 62, router_drain 61, router_envoy 60, serve_schema 58, cpu_ops 55,
+# security_bus 50, kv_bf16_model 45, router_replicas 39, router_bus 35, router_pd_fleet 32,
+# serve_structured 31, nats_tls 30, pd_model 26, long_prompt_fair_share 26, model_embedded 26.
+LONGEST_FIRST = ("test_lm_eval", "test_readme", "test_precision", "test_ray_fleet",
+                 "test_router_migration", "test_pd_serve_model", "test_kv_quant_model",
+                 "test_lora_embedded", "test_router_drain", "test_router_envoy",
+                 "test_serve_schema", "test_cpu_ops", "test_security_bus", "test_kv_bf16_model",
+                 "test_router_replicas", "test_router_bus", "test_router_pd_fleet",
+                 "test_serve_structured", "test_nats_tls", "test_pd_model",
+                 "test_long_prompt_fair_share", "test_model_embedded")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
