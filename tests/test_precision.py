@@ -3,9 +3,10 @@
 On 24 short factual chat questions (kvloop/bench/data/chat_questions.json), greedy, 32 tokens: the
 mixed precision that `--dtype auto` chooses on a CPU with bf16 dot products (fp32 with bf16
 layer matmuls) must give the same tokens as `--dtype float32` on at least 5/6 of
-them (20 of 24), and where the two part, the fp32 path's log-probabilities of the two candidates must
-be within 0.1 of each other (a near tie, not a wrong path); "What is the capital of France?"
-answers Paris. A prefix-cache hit must change no answer, or only at such a near tie.
+them (20 of 24), and where the two part, the fp32 path's log-probabilities of the two
+candidates must be within 0.1 of each other (a near tie, not a wrong path); "What is the
+capital of France?" answers Paris. A prefix-cache hit must change no answer, or only at
+such a near tie.
 Measured when written (AMD EPYC Zen 5, AVX512_BF16: auto = fp32 with bf16 layer matmuls):
 24/24 equal alone; the old all-bf16 default kept 13/24 of transformers fp32's answers.
 The test forces the mixed path wherever oneDNN can run bf16 matmuls (emulated on AVX-512
