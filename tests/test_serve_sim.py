@@ -371,7 +371,10 @@ def test_answers_name_the_model_the_client_sent(server: ServeProcess, sent: str 
         r = post(server, path, body)
         assert r.status_code == 200 and r.json()["model"] == named, r.text
         events = _events(server, path, body)
-        assert len(events) >= 3 and {e["model"] for e in events} == {named}, events
+        # at least a content chunk and the usage chunk: a loaded API process merges the
+        # outputs that queued for one stream into one chunk (2 of 3 tokens seen beside a
+        # CPU burner), so how many chunks 3 tokens make is not the claim
+        assert len(events) >= 2 and {e["model"] for e in events} == {named}, events
 
 
 def test_small_responses_are_not_delayed(server: ServeProcess) -> None:
