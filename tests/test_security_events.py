@@ -140,12 +140,15 @@ def test_without_the_fleet_keys_a_subscriber_gets_nothing_live_or_replayed() -> 
         late = Member(pub.endpoint, pub.replay_endpoint, KEYS)
         wait_until(lambda: late.tokens("snapshot")[:len(PROMPT)] == PROMPT, timeout=10,
                    what="the member's snapshot")
+        # the members may have asked a replay of what a PUB dropped before they joined (a
+        # loaded run did): only what the strangers ask must be served nothing
+        replays = pub.stats.replays_served
         for s in strangers:
             s.ask_everything()
         pub.publish(prompt_batch())
         for s in strangers:
             assert s.received(wait_ms=1500) == []
-        assert pub.stats.snapshots_served >= 1 and pub.stats.replays_served == 0
+        assert pub.stats.snapshots_served >= 1 and pub.stats.replays_served == replays
         late.sub.stop()
     finally:
         live.sub.stop()
