@@ -73,12 +73,16 @@ def measure_policy(model: LlamaModel, sizes: tuple[int, ...] = SIZES) -> LowBitP
     decode_times = _time_decode_steps(model, sizes) if model.fused_decode else {}
     policy = LowBitPolicy(crossover(layer_times), crossover(head_times),
                           crossover(decode_times) if decode_times else None)
-    logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows, "
-                "decode steps fused up to %s (measured ms dense/low-bit: layers %s; head %s;"
-                " decode steps dense/fused %s)", policy.max_tokens, policy.max_logits_rows,
-                policy.max_decode_tokens, _fmt(layer_times), _fmt(head_times),
-                _fmt(decode_times))
+    _log_policy(policy, f"measured ms dense/low-bit: layers {_fmt(layer_times)}; head "
+                        f"{_fmt(head_times)}; decode steps dense/fused {_fmt(decode_times)}")
     return policy
+
+
+def _log_policy(policy: LowBitPolicy, source: str) -> None:
+    """The start-up line naming the thresholds, and where they come from."""
+    logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows, "
+                "decode steps fused up to %s (%s)", policy.max_tokens, policy.max_logits_rows,
+                policy.max_decode_tokens, source)
 
 
 def cached_policy(model: LlamaModel, identity: Mapping[str, object]) -> LowBitPolicy:
@@ -90,9 +94,7 @@ def cached_policy(model: LlamaModel, identity: Mapping[str, object]) -> LowBitPo
     path = cpu_ops.CACHE_ROOT / "crossover" / f"{key}.json"
     try:
         policy = LowBitPolicy(**json.loads(path.read_text()))
-        logger.info("low-bit weights: layers up to %d tokens per step, LM head up to %d rows, "
-                    "decode steps fused up to %s (measured before on this machine: %s)",
-                    policy.max_tokens, policy.max_logits_rows, policy.max_decode_tokens, path)
+        _log_policy(policy, f"measured before on this machine: {path}")
         return policy
     except (OSError, ValueError, TypeError):
         pass
@@ -120,7 +122,8 @@ def machine_identity() -> dict[str, object]:
 
 
 def _cpu_description() -> str:
-    """/proc/cpuinfo's first processor's model name and flags ("" where it is absent)."""
+    """/proc/cpuinfo's first processor's family, model, model name and flags
+    (`platform.processor()` where there is no /proc/cpuinfo)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
