@@ -7,20 +7,19 @@ each ConfigMap's kvloop `--config` YAML parsed by its command's parser."""
 from __future__ import annotations
 
 import datetime
+import functools
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
-kubernetes = pytest.importorskip("kubernetes")
-from kubernetes.client import ApiClient, models  # noqa: E402
+from kvloop.cli import _expand_config, build_parser
 
-from kvloop.cli import _expand_config, build_parser  # noqa: E402
-
-from .pki_helpers import write_pki  # noqa: E402
+from .pki_helpers import write_pki
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 SCHEMA = yaml.safe_load((K8S / "schemas" / "gaie-v1.yaml").read_text())
@@ -30,6 +29,17 @@ PRIMITIVES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "bool":
                                            "datetime": (str, datetime.datetime), "bytes": (str,)}
 NATS_CA_DIR = "/etc/kvloop-nats-tls"
 COMMAND_OF = {"worker.yaml": "serve", "router.yaml": "router", "epp.yaml": "router"}
+
+
+@functools.cache
+def k8s_client() -> ModuleType:
+    """`kubernetes.client` (its models and ApiClient), imported by the first test that needs
+    it: importing the kubernetes package costs a fifth of a second, which every pytest-xdist
+    worker would pay at collection."""
+    pytest.importorskip("kubernetes")
+    import kubernetes.client
+
+    return kubernetes.client
 
 
 def manifests() -> list[tuple[str, dict[str, Any]]]:
@@ -62,7 +72,7 @@ def check_model(data: Any, type_name: str, where: str) -> None:
     if type_name in PRIMITIVES:
         assert isinstance(data, PRIMITIVES[type_name]), f"{where}: {data!r} is no {type_name}"
         return
-    cls = getattr(models, type_name)
+    cls = getattr(k8s_client().models, type_name)
     assert isinstance(data, dict), f"{where}: not a mapping for {type_name}"
     by_json = {json: attr for attr, json in cls.attribute_map.items()}
     unknown = sorted(set(data) - set(by_json))
@@ -86,7 +96,7 @@ def test_every_manifest_is_a_valid_object_of_its_api(where: str, doc: dict[str, 
         return
     check_model(doc, name, where)
     # the client's own constructors check required fields (client-side validation)
-    obj = ApiClient()._ApiClient__deserialize(doc, name)
+    obj = k8s_client().ApiClient()._ApiClient__deserialize(doc, name)
     assert obj.metadata.name == doc["metadata"]["name"]
 
 
@@ -101,7 +111,7 @@ def test_the_checks_refuse_what_a_cluster_would() -> None:
     bad = yaml.safe_load(yaml.safe_dump(deployment))
     del bad["spec"]["selector"]
     with pytest.raises(ValueError, match="selector"):
-        ApiClient()._ApiClient__deserialize(bad, "V1Deployment")
+        k8s_client().ApiClient()._ApiClient__deserialize(bad, "V1Deployment")
     pool = next(d for _, d in MANIFESTS if d["kind"] == "InferencePool")
     schema = {**SCHEMA["kinds"]["inference.networking.k8s.io/v1/InferencePool"],
               "$defs": SCHEMA["$defs"]}
