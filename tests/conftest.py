@@ -9,6 +9,7 @@ the tests that start processes or servers (`processes`) and the in-process ones 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -201,6 +202,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return work_unit(nodeid)
 
     return ModuleGroups(config, log)
+
+
+# --- a worker's end ------------------------------------------------------------------------------
+# An xdist worker has sent all it reports (its results, then "workerfinished" in
+# pytest_sessionfinish) before pytest_unconfigure. What follows is the interpreter's
+# finalization, which frees every module and object one by one: about a second of CPU in a
+# worker that imported torch and transformers, on each worker, while the controller waits for
+# them to exit before it ends. Nothing of the run is left to say by then, so a worker ends at
+# once. A run without xdist (no `workerinput`), pytester's inner sessions included, ends as usual.
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", None) is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- server-sent events -------------------------------------------------------------------------
@@ -403,7 +420,6 @@ def hf_smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     takes ~20 s, so it is done once per run: the first xdist worker to ask makes the folder
     in the run's temporary root (shared by its workers), under a lock the others wait on."""
     import fcntl
-    import os
 
     root = tmp_path_factory.getbasetemp()
     shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
