@@ -57,8 +57,26 @@ def held() -> Iterator[Held]:
     h.let_go()
 
 
-def queue(**limits: Any) -> CompileQueue:
-    return CompileQueue(CompileLimits(**{"num_workers": 1, "slow_after_s": 30.0, **limits}))
+class ReadClock:
+    """time.monotonic, remembering its latest reading. Once a test has submitted its last
+    compile, only the queue's dispatcher reads the clock, once at the start of each pass (which
+    it makes holding the queue's lock): a reading at or past a time says a pass saw that time,
+    and `num_running()`/`num_pending()`, which take the lock, then see what the pass did."""
+
+    def __init__(self) -> None:
+        self.latest = 0.0
+
+    def __call__(self) -> float:
+        self.latest = time.monotonic()
+        return self.latest
+
+    def wait_for_a_pass_at(self, t: float, what: str) -> None:
+        wait_until(lambda: self.latest >= t, what=what)
+
+
+def queue(clock: Callable[[], float] = time.monotonic, **limits: Any) -> CompileQueue:
+    return CompileQueue(CompileLimits(**{"num_workers": 1, "slow_after_s": 30.0, **limits}),
+                        clock)
 
 
 def test_pending_compiles_start_smallest_first(held: Held) -> None:
@@ -77,7 +95,7 @@ def test_pending_compiles_start_smallest_first(held: Held) -> None:
 
 
 def test_a_slow_compile_yields_its_slot_to_a_tiny_one(held: Held) -> None:
-    q = queue(slow_after_s=0.2)
+    q = queue(slow_after_s=0.1)
     slow = q.submit(60_000, held.compile("slow"))
     wait_until(lambda: held.started == ["slow"], what="the slow compile")
     tiny = q.submit(10, lambda: "tiny")
@@ -88,14 +106,17 @@ def test_a_slow_compile_yields_its_slot_to_a_tiny_one(held: Held) -> None:
 
 
 def test_slow_compiles_are_capped(held: Held) -> None:
-    q = queue(slow_after_s=0.1, max_slow=1)      # three tenants: each under its share
+    clock = ReadClock()
+    q = queue(clock, slow_after_s=0.1, max_slow=1)      # three tenants: each under its share
     a = q.submit(1, held.compile("a"), tenant="ta")
     wait_until(lambda: held.started == ["a"], what="a")
     b = q.submit(2, held.compile("b"), tenant="tb")
     wait_until(lambda: held.started == ["a", "b"], what="b, once a is slow")
     c = q.submit(3, held.compile("c"), tenant="tc")
-    time.sleep(0.5)   # a and b are slow; one slow compile may not hold a slot: b holds it
-    assert held.started == ["a", "b"] and q.num_running() == 2 and q.num_pending() == 1
+    assert b.started_at is not None
+    clock.wait_for_a_pass_at(b.started_at + 0.1, "a pass of the dispatcher once b is slow")
+    # a and b are slow; one slow compile may not hold a slot: b holds it
+    assert q.num_running() == 2 and q.num_pending() == 1 and held.started == ["a", "b"]
     held.let_go("a")
     wait_until(lambda: held.started == ["a", "b", "c"], what="c, once a ended")
     held.let_go()
@@ -121,12 +142,16 @@ def test_one_tenants_slow_compiles_leave_a_victim_a_slot(held: Held) -> None:
     never hold every thread: it runs at most `tenant_threads` (2 of 1 slot + 2 slow), so a
     victim's tiny compile starts while all six are held. Before, the third took the last slot
     and the victim waited for one of them to end (or its 30 s limit: a 400)."""
-    q = queue(slow_after_s=0.1, max_slow=2)
+    clock = ReadClock()
+    q = queue(clock, slow_after_s=0.1, max_slow=2)
     assert q.limits.tenant_threads == 2
     slow = [q.submit(2_000, held.compile(f"a{i}"), tenant="attacker") for i in range(6)]
     wait_until(lambda: held.started == ["a0", "a1"], what="two of the attacker's compiles")
-    time.sleep(0.5)                        # both slow: a slot is free, the attacker at its share
-    assert held.started == ["a0", "a1"] and q.num_pending() == 4
+    assert slow[1].started_at is not None and slow[0].started_at is not None
+    clock.wait_for_a_pass_at(max(slow[0].started_at, slow[1].started_at) + 0.1,
+                             "a pass of the dispatcher once both are slow")
+    # both slow: a slot is free, the attacker at its share
+    assert q.num_pending() == 4 and held.started == ["a0", "a1"]
     tiny = q.submit(10, lambda: "tiny", tenant="victim")
     assert tiny.future.result(5) == "tiny"
     assert q.num_running() == 2 and not any(j.future.done() for j in slow)
@@ -164,11 +189,11 @@ def test_a_compile_that_waits_past_the_time_limit_for_a_slot_fails_unstarted(
         held: Held) -> None:
     """Slow compiles holding every slot cannot leave the requests behind them pending for
     ever: a compile still waiting `timeout_s` after its submission fails, never started."""
-    q = queue(timeout_s=0.5)
+    q = queue(timeout_s=0.3)
     busy = q.submit(1, held.compile("busy"))
     wait_until(lambda: held.started == ["busy"], what="the busy compile")
     waiting = q.submit(2, held.compile("waiting"))
-    with pytest.raises(CompileTimeout, match=r"waited 0.5 s for a compile slot"):
+    with pytest.raises(CompileTimeout, match=r"waited 0.3 s for a compile slot"):
         waiting.future.result(5)
     assert held.started == ["busy"] and q.num_pending() == 0
     held.let_go()
