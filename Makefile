@@ -31,14 +31,22 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 
 # kvloop's fused C++ CPU ops, one build for every CPU of this architecture (a no-op when
 # built). A failed build fails `cpu-ops` (so `make test`); `make serve` goes on without it:
-# kvloop says so and runs its pure-torch twins.
+# kvloop says so and runs its pure-torch twins. The check imports torch (1.5-2 s of CPU), so
+# `make test-fast` runs it only when the install, the sources or their build flags
+# (cpu_ops.py) changed: the stamp .cpu-ops. A build deleted from the cache
+# (~/.cache/kvloop) since is built again by test_cpu_ops; `make test` always checks.
+CPU_OPS_SOURCES := kvloop/model/cpu_ops.py $(wildcard kvloop/model/csrc/*)
 cpu-ops: $(VENV)/.installed
 	$(PY) -m kvloop.model.cpu_ops
+
+$(VENV)/.cpu-ops: $(VENV)/.installed $(CPU_OPS_SOURCES)
+	$(PY) -m kvloop.model.cpu_ops
+	touch $@
 
 install: $(VENV)/.installed
 	$(PY) -m kvloop.model.cpu_ops \
 		|| echo 'warning: kvloop CPU ops not built (above); serving with the slower pure-torch ops'
-install-test: $(VENV)/.installed-test cpu-ops
+install-test: $(VENV)/.installed-test $(VENV)/.cpu-ops
 	# Headless Chromium opens the schedule page in tests (Debian package; no-op when present).
 	command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo 'warning: chromium could not be installed; the HTML page test will be skipped'
@@ -78,7 +86,7 @@ typecheck: install-test
 # mypy (~50 s of one core from a clean clone) runs beside the suite, in the CPU the waits
 # leave, and its report follows the suite's; either failing fails `make test`.
 TEST_WORKERS ?= 3
-test: install-test lint
+test: install-test cpu-ops lint
 	@$(VENV)/bin/mypy kvloop > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
 	env OMP_NUM_THREADS=1 \
 		$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder; \
