@@ -98,8 +98,7 @@ def ray_start_flags() -> set[str]:
     ray.autoscaler._private.cli_logger). A click option's name is a string argument:
     "--name", or "--name/--no-name" for a boolean pair."""
     spec = importlib.util.find_spec("ray")   # finds the package without importing it
-    if spec is None or spec.origin is None:
-        pytest.skip("ray is not installed")
+    assert spec is not None and spec.origin is not None, "ray (in the test extra) is missing"
     ray = Path(spec.origin).parent
     start = next(node for node in ast.parse((ray / "scripts" / "scripts.py").read_text()).body
                  if isinstance(node, ast.FunctionDef) and node.name == "start")
@@ -121,7 +120,6 @@ def _is_click_option(node: ast.AST) -> TypeGuard[ast.Call]:
 
 def ray_start_command_flags() -> set[str]:
     """The long options of `ray start` as its click command has them (importing Ray's CLI)."""
-    pytest.importorskip("ray")
     with warnings.catch_warnings():   # Ray's CLI imports Ray Serve, which warns of pydantic
         warnings.simplefilter("ignore")
         from ray.scripts.scripts import start
