@@ -240,6 +240,16 @@ std::vector<float> group_sums(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
+// x [rows, k_in] transposed for the lane kernel: [k_in, lane_stride(rows)], the padding zero.
+template <typename T>
+std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
+  const int64_t stride = lane_stride(rows);
+  std::vector<float> out(k_in * stride, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k_in; ++i) out[i * stride + m] = to_f(x[m * k_in + i]);
+  return out;
+}
+
 template <typename T>
 std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -309,7 +319,7 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, false};
+                             generic_fp_columns, nullptr, nullptr, false};
   return table;
 }
 
@@ -433,14 +443,17 @@ namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
 // kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
-// the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized per row and
-// group to int16 and each group's dot product is integer. Neither copied nor moved: `mm`
-// points into it.
+// from kLaneRows rows the lane kernel where the variant has one (x transposed, all rows in
+// one call), else the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized
+// per row and group to int16 and each group's dot product is integer. Neither copied nor
+// moved: `mm` points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
+  bool lanes = false;
   ColumnsFn columns;
   std::vector<float> xf;
+  std::vector<float> xt;
   QuantizedRows xq;
   std::vector<int16_t> xp;
   std::vector<c10::BFloat16> xb;
@@ -450,7 +463,7 @@ struct PreparedMatmul {
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
                  const float* offset, int64_t rows, int64_t k_in)
       : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
-           nullptr, nullptr, nullptr, nullptr, nullptr},
+           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
@@ -462,7 +475,13 @@ struct PreparedMatmul {
         return;
       }
     }
-    if (fp) {
+    if (fp && k.lane_columns != nullptr && rows >= kLaneRows) {
+      lanes = true;
+      columns = k.lane_columns;
+      xt = lane_order(x, rows, k_in);
+      mm.xt = xt.data();
+      mm.xt_stride = lane_stride(rows);
+    } else if (fp) {
       xf = widen(x, rows * k_in);
       mm.xf = xf.data();
     } else {
@@ -476,9 +495,10 @@ struct PreparedMatmul {
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
   // fn(r0, mb) over the rows in tiles of 4 (then 2, then 1; the fp32 kernel: the 1-3 rows
-  // left at once), so the weights stream once per 4 rows.
+  // left at once), so the weights stream once per 4 rows; the lane kernel: all rows at once.
   template <typename Fn>
   void tiles(int64_t rows, const Fn& fn) const {
+    if (lanes) return fn(0, static_cast<int>(rows));
     int64_t r0 = 0;
     for (; rows - r0 >= 4; r0 += 4) fn(r0, 4);
     if (fp) {
