@@ -330,13 +330,14 @@ def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
 
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (288, 200), (1536, 72)])
-@pytest.mark.parametrize("rows", [3, 8, 9, 17, 32, 130])
+@pytest.mark.parametrize("rows", [3, 13, 17, 20, 32, 45, 130])
 def test_q4_matmul_at_many_rows_on_edge_shapes(ops, variant, rows, k, n):
-    """The fp32 4-bit kernels on shapes that end mid-tile: K of one group, of 9 (a block of
-    256 and one group: the lane kernel's k-blocks) and of 48 (six blocks: its sums over the
-    blocks); rows that fill no whole vector of lanes (3, 9, 17), exactly two (32) and more than
-    one pass of 128 rows (130); 13 columns (under one tile of 8) and 200 (a last pool chunk of
-    8 columns). Each y within 1e-6 of the largest, as the 4-row tiles."""
+    """The fp32 4-bit kernels on shapes that end mid-tile: K of one group, of 9 and of 48
+    (the lane kernel's scratch holds 16 of them, its partial sums 4); rows in 4-row tiles
+    alone (3), in lanes padded to a vector (13, 45 = 32 + 13), in lanes then tiles (17, 20 =
+    16 + 4, 130 = 128 + 2: more than one pass of 128 rows), in whole vectors (32); 13
+    columns (under one tile of 16) and 200 (a last pool chunk of 8). Each y within 1e-6 of
+    the largest, as the 4-row tiles alone."""
     g = torch.Generator().manual_seed(rows * 7 + k + n)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(n, k, g)

@@ -240,7 +240,8 @@ std::vector<float> group_sums(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
-// x [rows, k_in] transposed for the lane kernel: [k_in, lane_stride(rows)], the padding zero.
+// x's first `rows` rows [rows, k_in] transposed for the lane kernel: [k_in,
+// lane_stride(rows)], the padding zero.
 template <typename T>
 std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
   const int64_t stride = lane_stride(rows);
@@ -443,15 +444,16 @@ namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
 // kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
-// from kLaneRows rows the lane kernel where the variant has one (x transposed, all rows in
-// one call), else the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized
+// the fp32 kernel (x widened), its first lane_rows(rows) rows the lane kernel's where the
+// variant has one (x transposed, in one call); below, and for 8-bit weights, x is quantized
 // per row and group to int16 and each group's dot product is integer. Neither copied nor
 // moved: `mm` points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
-  bool lanes = false;
+  int64_t lanes = 0;              // rows of the lane kernel, from row 0
   ColumnsFn columns;
+  ColumnsFn lane_columns = nullptr;
   std::vector<float> xf;
   std::vector<float> xt;
   QuantizedRows xq;
@@ -475,13 +477,14 @@ struct PreparedMatmul {
         return;
       }
     }
-    if (fp && k.lane_columns != nullptr && rows >= kLaneRows) {
-      lanes = true;
-      columns = k.lane_columns;
-      xt = lane_order(x, rows, k_in);
+    if (fp && k.lane_columns != nullptr && lane_rows(rows) > 0) {
+      lanes = lane_rows(rows);
+      lane_columns = k.lane_columns;
+      xt = lane_order(x, lanes, k_in);
       mm.xt = xt.data();
-      mm.xt_stride = lane_stride(rows);
-    } else if (fp) {
+      mm.xt_stride = lane_stride(lanes);
+    }
+    if (fp) {
       xf = widen(x, rows * k_in);
       mm.xf = xf.data();
     } else {
@@ -494,22 +497,23 @@ struct PreparedMatmul {
   PreparedMatmul(const PreparedMatmul&) = delete;
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
-  // fn(r0, mb) over the rows in tiles of 4 (then 2, then 1; the fp32 kernel: the 1-3 rows
-  // left at once), so the weights stream once per 4 rows; the lane kernel: all rows at once.
+  // fn(kernel, r0, mb) over the rows: the lane kernel's at once, then the others in tiles of
+  // 4 (then 2, then 1; the fp32 kernel: the 1-3 rows left at once), so the weights stream
+  // once per 4 rows.
   template <typename Fn>
   void tiles(int64_t rows, const Fn& fn) const {
-    if (lanes) return fn(0, static_cast<int>(rows));
-    int64_t r0 = 0;
-    for (; rows - r0 >= 4; r0 += 4) fn(r0, 4);
+    if (lanes > 0) fn(lane_columns, 0, static_cast<int>(lanes));
+    int64_t r0 = lanes;
+    for (; rows - r0 >= 4; r0 += 4) fn(columns, r0, 4);
     if (fp) {
-      if (rows > r0) fn(r0, static_cast<int>(rows - r0));
+      if (rows > r0) fn(columns, r0, static_cast<int>(rows - r0));
       return;
     }
     if (rows - r0 >= 2) {
-      fn(r0, 2);
+      fn(columns, r0, 2);
       r0 += 2;
     }
-    if (rows - r0 >= 1) fn(r0, 1);
+    if (rows - r0 >= 1) fn(columns, r0, 1);
   }
 };
 
@@ -523,13 +527,13 @@ void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* 
   const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
-    p.tiles(rows, [&](int64_t r0, int mb) {
+    p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
       if constexpr (std::is_same_v<T, float>) {
-        p.columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
+        columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
       } else {
         const int64_t width = end - begin;
         buf.resize(mb * width);
-        p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+        columns(p.mm, r0, mb, begin, end, buf.data(), width);
         for (int m = 0; m < mb; ++m)
           for (int64_t n = 0; n < width; ++n)
             y[(r0 + m) * n_out + begin + n] = static_cast<T>(buf[m * width + n]);
@@ -572,9 +576,9 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
     const int64_t width = end - begin;
     std::vector<float> buf;
     std::vector<uint64_t> mine(rows, 0);
-    p.tiles(rows, [&](int64_t r0, int mb) {
+    p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
       buf.resize(mb * width);
-      p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+      columns(p.mm, r0, mb, begin, end, buf.data(), width);
       for (int m = 0; m < mb; ++m)
         for (int64_t n = 0; n < width; ++n) {
           const float v = to_f(static_cast<T>(buf[m * width + n]));

@@ -115,8 +115,8 @@ struct QuantMatmul {
   const float* xf;            // the fp32 kernels: x widened to fp32, [M, K]
   const c10::BFloat16* xb;    // the bf16 kernel: bf16 x [M, K] in pair order (`pair_order`)
   const float* xs;            // the bf16 kernel: each group's sum of x, [M, G]
-  const float* xt;            // the lane kernel: x transposed, [K, lane_stride(M)], zero-padded
-  int64_t xt_stride;          // lane_stride(M)
+  const float* xt;            // the lane kernel: x's first lane_rows(M) rows transposed,
+  int64_t xt_stride;          //   [K, xt_stride = lane_stride(lane_rows(M))], zero-padded
 };
 
 // y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
@@ -170,9 +170,9 @@ struct Kernels {
   // 4-bit W's nibbles against bf16 x (from kFpRows rows of x that is bf16 already: it reads
   // `xb` and `xs`); nullptr where the variant has none (fp_columns then runs on x widened).
   ColumnsFn bf16_columns;
-  // 4-bit W against fp32 x with the rows in vector lanes (from kLaneRows rows: it reads
-  // `xt`), every row in one call (r0 0, rows the matmul's); nullptr where the variant has
-  // none (fp_columns then runs in tiles of 4 rows).
+  // 4-bit W against fp32 x with the rows in vector lanes (it reads `xt`): rows [0,
+  // lane_rows(M)) in one call (r0 0); nullptr where the variant has none (fp_columns then
+  // takes every row, in tiles of 4).
   ColumnsFn lane_columns;
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
 };
@@ -183,13 +183,22 @@ struct Kernels {
 // 8-bit weights, `int_columns`.
 constexpr int64_t kFpRows = 3;
 
-// From this many rows on, a variant with `lane_columns` runs it in place of `fp_columns`: the
-// weights are dequantized once per block of columns for every row, not once per 4 rows.
-constexpr int64_t kLaneRows = 8;
+// The rows of a 4-bit matmul that a variant with `lane_columns` gives it, from row 0 (the rest
+// go to `fp_columns` in tiles of 4): whole vectors of 16 rows, and the last 13-15 rows too
+// (padded to one more vector: measured, Zen 4, a step's 120 matmuls on one thread, 16 rows
+// in lanes 42.9 ms against the 4-row tiles' 51.6 at 16 and 39.4 at 12).
+constexpr int64_t kLaneWidth = 16;
+constexpr int64_t kLanePadFrom = 13;
+inline int64_t lane_rows(int64_t rows) {
+  const int64_t whole = rows / kLaneWidth * kLaneWidth;
+  return rows - whole >= kLanePadFrom ? rows : whole;
+}
 
-// The lane kernel's x: rows padded to whole vectors of lanes (8 up to 8 rows, else 16), the
-// padding zero: [K, lane_stride(rows)].
-inline int64_t lane_stride(int64_t rows) { return rows <= 8 ? 8 : (rows + 15) / 16 * 16; }
+// The lane kernel's x for its `lanes` rows: padded to whole vectors, the padding zero:
+// [K, lane_stride(lanes)].
+inline int64_t lane_stride(int64_t lanes) {
+  return (lanes + kLaneWidth - 1) / kLaneWidth * kLaneWidth;
+}
 
 // The portable table (generic.cpp) and each instruction set's (its own file; nullptr where
 // not built for this architecture).

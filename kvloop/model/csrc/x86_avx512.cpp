@@ -149,19 +149,20 @@ void vnni_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, in
   else vnni_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
 }
 
-// The 4-bit matmul from kLaneRows fp32 rows, the rows in vector lanes: x transposed (`xt`,
-// [K, lane_stride(M)]) puts 16 rows' values of one k in a register (8 in a 256-bit one up to
-// 8 rows). A tile of kLaneColumns output columns is dequantized a block of kLaneDepth k at a
-// time into a scratch that stays in L1 (q * scale + offset, the weights fp_columns makes),
-// and every row runs over it: per k, one load of x per 16 rows, one broadcast weight per
-// column and an FMA per column and 16 rows, so a weight is dequantized once per block for
-// all rows (the 4-row tiles did it once per 4 rows, for 4 FMAs). Sums: each (row, column) in
-// one lane along k within a block, then the blocks' sums in order (the order differs from
-// fp_columns', not the products).
+// The 4-bit matmul at many fp32 rows (lane_rows, kernels.h), the rows in vector lanes: x
+// transposed (`xt`, [K, lane_stride(rows)]) puts 16 rows' values of one k in a register. A
+// tile of kLaneColumns output columns is dequantized kLaneDepth k at a time into a scratch
+// about the L1's size (q * scale + offset, the weights fp_columns makes; each
+// column's 256 bytes of nibbles read in one run), and every row runs over it: per k, one
+// load of x per 16 rows, one broadcast weight per column and an FMA per column and 16 rows,
+// so a weight is dequantized once for all rows (the 4-row tiles did it once per 4 rows, for
+// 4 FMAs). Sums: each (row, column) in one lane along kLaneSum k at a time, then those
+// partial sums in order (the order differs from fp_columns', not the products).
 constexpr int kLaneColumns = 16;          // a pool chunk's columns (kColumnsPerLine)
 constexpr int kLaneHalf = 8;              // columns per register tile at 16-48 rows
-constexpr int64_t kLaneDepth = 128;       // k per block: 8 KiB of weights
-constexpr int64_t kLaneChunk = 128;       // rows per pass over a column tile's blocks
+constexpr int64_t kLaneDepth = 512;       // k per scratch fill: 32 KiB of weights
+constexpr int64_t kLaneSum = 128;         // k per partial sum (a whole number per fill)
+constexpr int64_t kLaneChunk = 128;       // rows per pass over a column tile's scratch fills
 
 // w [kLaneColumns, kLaneDepth]: columns n0 .. n0 + count of W (the others zero), k from k0
 // (kc of them, whole groups).
@@ -189,23 +190,7 @@ inline void dequant_block(const QuantMatmul& mm, int64_t n0, int count, int64_t 
 }
 
 // y[j * kLaneChunk + i] (+)= sum over k < kc of x[k * ld + i] w[j * kLaneDepth + k] (`first`:
-// =): 8 rows i in a 256-bit register against all kLaneColumns columns j.
-inline void lane_block8(const float* x, int64_t ld, const float* w, int64_t kc, float* y,
-                        bool first) {
-  __m256 acc[kLaneColumns];
-  for (int j = 0; j < kLaneColumns; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    const __m256 xv = _mm256_loadu_ps(x + k * ld);
-    for (int j = 0; j < kLaneColumns; ++j)
-      acc[j] = _mm256_fmadd_ps(xv, _mm256_set1_ps(w[j * kLaneDepth + k]), acc[j]);
-  }
-  for (int j = 0; j < kLaneColumns; ++j) {
-    float* p = y + j * kLaneChunk;
-    _mm256_storeu_ps(p, first ? acc[j] : _mm256_add_ps(_mm256_loadu_ps(p), acc[j]));
-  }
-}
-
-// The same for Z x 16 rows in 512-bit registers against kLaneHalf columns.
+// =), for Z x 16 rows i in 512-bit registers and kLaneHalf columns j.
 template <int Z>
 inline void lane_block(const float* x, int64_t ld, const float* w, int64_t kc, float* y,
                        bool first) {
@@ -234,11 +219,10 @@ inline void lane_halves(const float* x, int64_t ld, const float* w, int64_t kc, 
     lane_block<Z>(x, ld, w + j * kLaneDepth, kc, y + j * kLaneChunk, first);
 }
 
-// `lanes` rows of x (8, or a multiple of 16) against one block of w, into y: 48 rows at a
-// time while no whole run of 32 is left, then 32, then 16.
-inline void lane_rows(const float* x, int64_t ld, int64_t lanes, const float* w, int64_t kc,
-                      float* y, bool first) {
-  if (lanes == 8) return lane_block8(x, ld, w, kc, y, first);
+// `lanes` rows of x (a multiple of 16) against one block of w, into y: 48 rows at a time
+// while no whole run of 32 is left, then 32, then 16.
+inline void lane_block_rows(const float* x, int64_t ld, int64_t lanes, const float* w,
+                            int64_t kc, float* y, bool first) {
   int64_t i = 0;
   for (; lanes - i >= 48 && (lanes - i) % 32 != 0; i += 48)
     lane_halves<3>(x + i, ld, w, kc, y + i, first);
@@ -246,8 +230,8 @@ inline void lane_rows(const float* x, int64_t ld, int64_t lanes, const float* w,
   if (lanes - i >= 16) lane_halves<1>(x + i, ld, w, kc, y + i, first);
 }
 
-// ColumnsFn over every row (r0 0, rows the matmul's): column tile by tile, kLaneChunk rows at
-// a time, block by block of k.
+// ColumnsFn over the rows xt holds (r0 0, rows lane_rows(M)): column tile by tile,
+// kLaneChunk rows at a time, scratch fill by fill of k, kLaneSum k per partial sum.
 void lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
                   float* out, int64_t out_stride) {
   alignas(64) float w[kLaneColumns * kLaneDepth];
@@ -260,7 +244,9 @@ void lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64
       for (int64_t k0 = 0; k0 < mm.k_in; k0 += kLaneDepth) {
         const int64_t kc = std::min(kLaneDepth, mm.k_in - k0);
         dequant_block(mm, n0, count, k0, kc, w);
-        lane_rows(mm.xt + k0 * ld + m0, ld, lanes, w, kc, y, k0 == 0);
+        for (int64_t k = 0; k < kc; k += kLaneSum)
+          lane_block_rows(mm.xt + (k0 + k) * ld + m0, ld, lanes, w + k,
+                    std::min(kLaneSum, kc - k), y, k0 + k == 0);
       }
       const int64_t m_end = std::min<int64_t>(rows, m0 + kLaneChunk);
       for (int64_t m = m0; m < m_end; ++m)
