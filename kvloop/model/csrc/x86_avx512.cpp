@@ -1,6 +1,7 @@
 // The AVX-512 variant (F, BW, VL and VNNI: Ice Lake, Sapphire Rapids and later Xeons, AMD
 // Zen 4 and 5): the AVX2 kernels rebuilt with 32 vector registers, which lets a KV head's
-// 2-4 query heads share each key's load, and the integer matmul on `vpdpwssd`.
+// 2-4 query heads share each key's load, the integer matmul on `vpdpwssd` and the 4-bit
+// matmul with 16 and more fp32 rows in vector lanes (`lane_columns`).
 #include "isa.h"
 #include "kernels.h"
 
