@@ -282,13 +282,14 @@ def _dequantized_q4(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
 
 
 @pytest.mark.parametrize("k", [576, 96])            # 18 groups (8 + 8 + 2), 3 groups
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 33])
 def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
     """q4 and q8 matmuls against their dequantized weights in fp64, on each kernel: 1-2 rows
     (int16 activations, 8 groups' sums in one vector, then the groups left over), 3 and more
-    (q4: fp32 rows against weights dequantized in registers; q8: 4-row integer tiles). The
-    integer kernels round x to 16 bits per group (~2^-16 of its largest value); the fp32
-    one only sums in another order. 200 columns: from K = 576 the pool splits them in chunks."""
+    (q4: fp32 rows against weights dequantized in registers, in tiles of 4 rows or, on
+    AVX-512, all rows in vector lanes; q8: 4-row integer tiles). The integer kernels round x
+    to 16 bits per group (~2^-16 of its largest value); the fp32 ones only sum in another
+    order. 200 columns: from K = 576 the pool splits them in chunks."""
     g = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(200, k, g)
@@ -304,7 +305,7 @@ def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
 
 
 @pytest.mark.parametrize("k", [576, 96])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11, 33])
 def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     """The same matmuls with bf16 x, as `--dtype bfloat16` runs them: 1-2 rows (and q8 at
     every count) the integer kernel, x rounded to int16 per group (on AVX-512 VNNI, the
@@ -328,8 +329,25 @@ def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize(("k", "n"), [(32, 13), (288, 200), (1536, 72)])
+@pytest.mark.parametrize("rows", [3, 13, 17, 20, 32, 45, 130])
+def test_q4_matmul_at_many_rows_on_edge_shapes(ops, variant, rows, k, n):
+    """The fp32 4-bit kernels on shapes that end mid-tile: K of one group, of 9 and of 48
+    (the lane kernel's scratch holds 16 of them, its partial sums 4); rows in 4-row tiles
+    alone (3), in lanes padded to a vector (13, 45 = 32 + 13), in lanes then tiles (17, 20 =
+    16 + 4, 130 = 128 + 2: more than one pass of 128 rows), in whole vectors (32); 13
+    columns (under one tile of 16) and 200 (a last pool chunk of 8). Each y within 1e-6 of
+    the largest, as the 4-row tiles alone."""
+    g = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k, generator=g)
+    qs, scale, offset = _random_q4(n, k, g)
+    want = x.double() @ _dequantized_q4(qs, scale, offset).T
+    got = ops.q4_matmul(x, qs, scale, offset)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 20])
 def test_the_lm_head_argmax_is_the_argmax_of_its_logits_exactly(ops, variant, rows, dtype):
     """`q8_matmul_argmax` / `q4_matmul_argmax` (greedy decoding's LM head, the logits row
     never written whole) give, per row, exactly `argmax` of the matmul's own output (in

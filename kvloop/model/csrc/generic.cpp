@@ -240,6 +240,17 @@ std::vector<float> group_sums(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
+// x's first `rows` rows [rows, k_in] transposed for the lane kernel: [k_in,
+// lane_stride(rows)], the padding zero.
+template <typename T>
+std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
+  const int64_t stride = lane_stride(rows);
+  std::vector<float> out(k_in * stride, 0.f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k_in; ++i) out[i * stride + m] = to_f(x[m * k_in + i]);
+  return out;
+}
+
 template <typename T>
 std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -309,7 +320,7 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, false};
+                             generic_fp_columns, nullptr, nullptr, false};
   return table;
 }
 
@@ -433,14 +444,18 @@ namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
 // kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
-// the fp32 kernel (x widened); below, and for 8-bit weights, x is quantized per row and
-// group to int16 and each group's dot product is integer. Neither copied nor moved: `mm`
-// points into it.
+// the fp32 kernel (x widened), its first lane_rows(rows) rows the lane kernel's where the
+// variant has one (x transposed, in one call); below, and for 8-bit weights, x is quantized
+// per row and group to int16 and each group's dot product is integer. Neither copied nor
+// moved: `mm` points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
+  int64_t lanes = 0;              // rows of the lane kernel, from row 0
   ColumnsFn columns;
+  ColumnsFn lane_columns = nullptr;
   std::vector<float> xf;
+  std::vector<float> xt;
   QuantizedRows xq;
   std::vector<int16_t> xp;
   std::vector<c10::BFloat16> xb;
@@ -450,7 +465,7 @@ struct PreparedMatmul {
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
                  const float* offset, int64_t rows, int64_t k_in)
       : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
-           nullptr, nullptr, nullptr, nullptr, nullptr},
+           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
@@ -461,6 +476,13 @@ struct PreparedMatmul {
         mm.xs = xs.data();
         return;
       }
+    }
+    if (fp && k.lane_columns != nullptr && lane_rows(rows) > 0) {
+      lanes = lane_rows(rows);
+      lane_columns = k.lane_columns;
+      xt = lane_order(x, lanes, k_in);
+      mm.xt = xt.data();
+      mm.xt_stride = lane_stride(lanes);
     }
     if (fp) {
       xf = widen(x, rows * k_in);
@@ -475,21 +497,23 @@ struct PreparedMatmul {
   PreparedMatmul(const PreparedMatmul&) = delete;
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
-  // fn(r0, mb) over the rows in tiles of 4 (then 2, then 1; the fp32 kernel: the 1-3 rows
-  // left at once), so the weights stream once per 4 rows.
+  // fn(kernel, r0, mb) over the rows: the lane kernel's at once, then the others in tiles of
+  // 4 (then 2, then 1; the fp32 kernel: the 1-3 rows left at once), so the weights stream
+  // once per 4 rows.
   template <typename Fn>
   void tiles(int64_t rows, const Fn& fn) const {
-    int64_t r0 = 0;
-    for (; rows - r0 >= 4; r0 += 4) fn(r0, 4);
+    if (lanes > 0) fn(lane_columns, 0, static_cast<int>(lanes));
+    int64_t r0 = lanes;
+    for (; rows - r0 >= 4; r0 += 4) fn(columns, r0, 4);
     if (fp) {
-      if (rows > r0) fn(r0, static_cast<int>(rows - r0));
+      if (rows > r0) fn(columns, r0, static_cast<int>(rows - r0));
       return;
     }
     if (rows - r0 >= 2) {
-      fn(r0, 2);
+      fn(columns, r0, 2);
       r0 += 2;
     }
-    if (rows - r0 >= 1) fn(r0, 1);
+    if (rows - r0 >= 1) fn(columns, r0, 1);
   }
 };
 
@@ -503,13 +527,13 @@ void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* 
   const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
-    p.tiles(rows, [&](int64_t r0, int mb) {
+    p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
       if constexpr (std::is_same_v<T, float>) {
-        p.columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
+        columns(p.mm, r0, mb, begin, end, y + r0 * n_out + begin, n_out);
       } else {
         const int64_t width = end - begin;
         buf.resize(mb * width);
-        p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+        columns(p.mm, r0, mb, begin, end, buf.data(), width);
         for (int m = 0; m < mb; ++m)
           for (int64_t n = 0; n < width; ++n)
             y[(r0 + m) * n_out + begin + n] = static_cast<T>(buf[m * width + n]);
@@ -552,9 +576,9 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
     const int64_t width = end - begin;
     std::vector<float> buf;
     std::vector<uint64_t> mine(rows, 0);
-    p.tiles(rows, [&](int64_t r0, int mb) {
+    p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
       buf.resize(mb * width);
-      p.columns(p.mm, r0, mb, begin, end, buf.data(), width);
+      columns(p.mm, r0, mb, begin, end, buf.data(), width);
       for (int m = 0; m < mb; ++m)
         for (int64_t n = 0; n < width; ++n) {
           const float v = to_f(static_cast<T>(buf[m * width + n]));

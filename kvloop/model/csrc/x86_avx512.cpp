@@ -1,6 +1,7 @@
 // The AVX-512 variant (F, BW, VL and VNNI: Ice Lake, Sapphire Rapids and later Xeons, AMD
 // Zen 4 and 5): the AVX2 kernels rebuilt with 32 vector registers, which lets a KV head's
-// 2-4 query heads share each key's load, and the integer matmul on `vpdpwssd`.
+// 2-4 query heads share each key's load, the integer matmul on `vpdpwssd` and the 4-bit
+// matmul with 16 and more fp32 rows in vector lanes (`lane_columns`).
 #include "isa.h"
 #include "kernels.h"
 
@@ -149,6 +150,113 @@ void vnni_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, in
   else vnni_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
 }
 
+// The 4-bit matmul at many fp32 rows (lane_rows, kernels.h), the rows in vector lanes: x
+// transposed (`xt`, [K, lane_stride(rows)]) puts 16 rows' values of one k in a register. A
+// tile of kLaneColumns output columns is dequantized kLaneDepth k at a time into a scratch
+// about the L1's size (q * scale + offset, the weights fp_columns makes; each
+// column's 256 bytes of nibbles read in one run), and every row runs over it: per k, one
+// load of x per 16 rows, one broadcast weight per column and an FMA per column and 16 rows,
+// so a weight is dequantized once for all rows (the 4-row tiles did it once per 4 rows, for
+// 4 FMAs). Sums: each (row, column) in one lane along kLaneSum k at a time, then those
+// partial sums in order (the order differs from fp_columns', not the products).
+constexpr int kLaneColumns = 16;          // a pool chunk's columns (kColumnsPerLine)
+constexpr int kLaneHalf = 8;              // columns per register tile at 16-48 rows
+constexpr int64_t kLaneDepth = 512;       // k per scratch fill: 32 KiB of weights
+constexpr int64_t kLaneSum = 128;         // k per partial sum (a whole number per fill)
+constexpr int64_t kLaneChunk = 128;       // rows per pass over a column tile's scratch fills
+
+// w [kLaneColumns, kLaneDepth]: columns n0 .. n0 + count of W (the others zero), k from k0
+// (kc of them, whole groups).
+inline void dequant_block(const QuantMatmul& mm, int64_t n0, int count, int64_t k0,
+                          int64_t kc, float* w) {
+  const __m512i mask = _mm512_set1_epi32(15);
+  for (int j = 0; j < kLaneColumns; ++j) {
+    float* dst = w + j * kLaneDepth;
+    if (j >= count) {
+      for (int64_t k = 0; k < kc; k += 16) _mm512_storeu_ps(dst + k, _mm512_setzero_ps());
+      continue;
+    }
+    const uint8_t* row = mm.qs + (n0 + j) * mm.row_bytes;
+    const float* sc = mm.scale + (n0 + j) * mm.groups;
+    const float* of = mm.offset + (n0 + j) * mm.groups;
+    for (int64_t g = k0 / 32; g < (k0 + kc) / 32; ++g, dst += 32) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+      const __m512 s = _mm512_set1_ps(sc[g]), o = _mm512_set1_ps(of[g]);
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, mask)), s, o));
+      _mm512_storeu_ps(dst + 16,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, o));
+    }
+  }
+}
+
+// y[j * kLaneChunk + i] (+)= sum over k < kc of x[k * ld + i] w[j * kLaneDepth + k] (`first`:
+// =), for Z x 16 rows i in 512-bit registers and kLaneHalf columns j.
+template <int Z>
+inline void lane_block(const float* x, int64_t ld, const float* w, int64_t kc, float* y,
+                       bool first) {
+  __m512 acc[kLaneHalf][Z];
+  for (int j = 0; j < kLaneHalf; ++j)
+    for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 xv[Z];
+    for (int z = 0; z < Z; ++z) xv[z] = _mm512_loadu_ps(x + k * ld + 16 * z);
+    for (int j = 0; j < kLaneHalf; ++j) {
+      const __m512 b = _mm512_set1_ps(w[j * kLaneDepth + k]);
+      for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_fmadd_ps(xv[z], b, acc[j][z]);
+    }
+  }
+  for (int j = 0; j < kLaneHalf; ++j)
+    for (int z = 0; z < Z; ++z) {
+      float* p = y + j * kLaneChunk + 16 * z;
+      _mm512_storeu_ps(p, first ? acc[j][z] : _mm512_add_ps(_mm512_loadu_ps(p), acc[j][z]));
+    }
+}
+
+template <int Z>
+inline void lane_halves(const float* x, int64_t ld, const float* w, int64_t kc, float* y,
+                        bool first) {
+  for (int j = 0; j < kLaneColumns; j += kLaneHalf)
+    lane_block<Z>(x, ld, w + j * kLaneDepth, kc, y + j * kLaneChunk, first);
+}
+
+// `lanes` rows of x (a multiple of 16) against one block of w, into y: 48 rows at a time
+// while no whole run of 32 is left, then 32, then 16.
+inline void lane_block_rows(const float* x, int64_t ld, int64_t lanes, const float* w,
+                            int64_t kc, float* y, bool first) {
+  int64_t i = 0;
+  for (; lanes - i >= 48 && (lanes - i) % 32 != 0; i += 48)
+    lane_halves<3>(x + i, ld, w, kc, y + i, first);
+  for (; lanes - i >= 32; i += 32) lane_halves<2>(x + i, ld, w, kc, y + i, first);
+  if (lanes - i >= 16) lane_halves<1>(x + i, ld, w, kc, y + i, first);
+}
+
+// ColumnsFn over the rows xt holds (r0 0, rows lane_rows(M)): column tile by tile,
+// kLaneChunk rows at a time, scratch fill by fill of k, kLaneSum k per partial sum.
+void lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
+                  float* out, int64_t out_stride) {
+  alignas(64) float w[kLaneColumns * kLaneDepth];
+  alignas(64) float y[kLaneColumns * kLaneChunk];
+  const int64_t ld = mm.xt_stride;
+  for (int64_t n0 = begin; n0 < end; n0 += kLaneColumns) {
+    const int count = static_cast<int>(std::min<int64_t>(kLaneColumns, end - n0));
+    for (int64_t m0 = 0; m0 < rows; m0 += kLaneChunk) {
+      const int64_t lanes = std::min(kLaneChunk, ld - m0);
+      for (int64_t k0 = 0; k0 < mm.k_in; k0 += kLaneDepth) {
+        const int64_t kc = std::min(kLaneDepth, mm.k_in - k0);
+        dequant_block(mm, n0, count, k0, kc, w);
+        for (int64_t k = 0; k < kc; k += kLaneSum)
+          lane_block_rows(mm.xt + (k0 + k) * ld + m0, ld, lanes, w + k,
+                    std::min(kLaneSum, kc - k), y, k0 + k == 0);
+      }
+      const int64_t m_end = std::min<int64_t>(rows, m0 + kLaneChunk);
+      for (int64_t m = m0; m < m_end; ++m)
+        for (int j = 0; j < count; ++j)
+          out[m * out_stride + (n0 - begin) + j] = y[j * kLaneChunk + (m - m0)];
+    }
+  }
+}
+
 }  // namespace kvloop::avx512
 KVLOOP_TARGET_END
 
@@ -166,6 +274,7 @@ const Kernels* avx512_kernels() {
     k.quantize_row = avx512::quantize_row;
     k.int_columns = avx512::vnni_columns;
     k.fp_columns = avx512::fp_columns;
+    k.lane_columns = avx512::lane_columns;
     k.q4_pairs = true;
     return k;
   }();
