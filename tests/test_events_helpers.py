@@ -19,6 +19,7 @@ from kvloop.events.publisher import ZmqEventPublisher
 from kvloop.events.subscriber import KVEventSubscriber, WorkerBatch
 from kvloop.events.types import event_int
 from kvloop.events.view import CacheView
+from kvloop.events.wakeup import WakeupPipe
 from kvloop.sim.runner import SimRunner
 
 from .conftest import wait_until
@@ -150,12 +151,16 @@ class Relay:
         self.transform = transform
         self.heartbeats = 0
         self._stop = threading.Event()
+        self._stop_pipe = WakeupPipe()   # close() wakes the thread's poll
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self._stop_pipe.fd, zmq.POLLIN)
         while not self._stop.is_set():
-            if not self.sub.poll(20):
+            if self.sub not in dict(poller.poll(1000)):
                 continue
             frames = self.sub.recv_multipart()
             if frames[0] == HEARTBEAT_TOPIC:
@@ -169,7 +174,9 @@ class Relay:
 
     def close(self) -> None:
         self._stop.set()
+        self._stop_pipe.wake()
         self._thread.join(2)
+        self._stop_pipe.close()
         self.sub.close(0)
         self.pub.close(0)
         self.ctx.term()

@@ -15,6 +15,7 @@ from kvloop.events.config import KVEventsConfig
 from kvloop.events.publisher import ZmqEventPublisher, endpoint_for_rank
 from kvloop.events.types import AllBlocksCleared, BlockStored, KVEventBatch
 from kvloop.events.view import CacheView
+from kvloop.events.wakeup import WakeupPipe
 
 from .conftest import block_removed, wait_until
 from .conftest import block_stored as stored
@@ -342,3 +343,25 @@ def test_lifecycle_errors_and_idempotent_shutdown():
     assert pub.stats.published == 1  # what was queued went out before the sockets closed
     pub.publish(batch(AllBlocksCleared()))  # after shutdown: a no-op
     assert pub.stats.published == 1
+
+
+def test_a_wakeup_pipe_wakes_a_poller_until_drained_and_is_inert_once_closed():
+    pipe = WakeupPipe()
+    poller = zmq.Poller()
+    poller.register(pipe.fd, zmq.POLLIN)
+    assert poller.poll(0) == []
+    pipe.wake()
+    pipe.wake()
+    assert poller.poll(0) == [(pipe.fd, zmq.POLLIN)]
+    pipe.drain()
+    assert poller.poll(0) == []
+    pipe.close()
+    other = WakeupPipe()   # most likely given the descriptor numbers just closed
+    try:
+        others = zmq.Poller()
+        others.register(other.fd, zmq.POLLIN)
+        pipe.wake()   # after close: writes nothing, to whatever file has its number now
+        pipe.close()
+        assert others.poll(0) == []
+    finally:
+        other.close()

@@ -37,7 +37,6 @@ Events carry the prompt's token ids, so they are as private as the prompts:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -52,6 +51,7 @@ from kvloop.events import protocol as proto
 from kvloop.events.batch_log import OVERFLOWED, QUEUED, BatchLog, BatchQueue
 from kvloop.events.config import DEFAULT_ENDPOINT, KVEventsConfig
 from kvloop.events.types import BlockStored, KVEventBatch, event_int
+from kvloop.events.wakeup import WakeupPipe
 from kvloop.trust import CurveKeys, curve_authenticator
 
 logger = logging.getLogger(__name__)
@@ -173,8 +173,7 @@ class ZmqEventPublisher(QueuedPublisher):
         self._ctx: zmq.Context | None = None
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
-        self._pipe: tuple[int, int] | None = None    # (read, write) ends of the wake-up pipe
-        self._wake_lock = threading.Lock()
+        self._pipe: WakeupPipe | None = None
         self._failed_addr = ""
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
@@ -221,9 +220,7 @@ class ZmqEventPublisher(QueuedPublisher):
             self._stop_auth()
             self._ctx.term()
             raise OSError(f"KV events: cannot open {self._failed_addr}: {e}") from e
-        self._pipe = os.pipe()
-        for fd in self._pipe:
-            os.set_blocking(fd, False)
+        self._pipe = WakeupPipe()
         self._started = True
         self._thread = threading.Thread(target=self._run, name="kvloop-kv-events", daemon=True)
         self._thread.start()
@@ -248,10 +245,8 @@ class ZmqEventPublisher(QueuedPublisher):
             return  # the stuck thread may still read its pipe: leave it open
         if self._ctx is not None:
             self._ctx.term()
-        with self._wake_lock:  # never write to a closed (or reused) descriptor
-            for fd in self._pipe or ():
-                os.close(fd)
-            self._pipe = None
+        if self._pipe is not None:
+            self._pipe.close()
 
     def _stop_auth(self) -> None:
         if self._auth is not None:
@@ -314,19 +309,15 @@ class ZmqEventPublisher(QueuedPublisher):
                 sock.close(linger=linger)
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._pipe is not None:
-                try:
-                    os.write(self._pipe[1], b"\0")
-                except OSError:  # the pipe is full: the thread is awake anyway
-                    pass
+        if self._pipe is not None:
+            self._pipe.wake()
 
     # --- the publisher thread -------------------------------------------------------------
     def _run(self) -> None:
         cfg = self.config
         poller = zmq.Poller()
         assert self._pipe is not None
-        poller.register(self._pipe[0], zmq.POLLIN)
+        poller.register(self._pipe.fd, zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
         now = time.monotonic()
@@ -361,10 +352,7 @@ class ZmqEventPublisher(QueuedPublisher):
             ms = 1000 if timeout_s == float("inf") else max(0, int(timeout_s * 1000) + 1)
             poller.poll(ms)
             assert self._pipe is not None    # closed only after this thread stopped
-            try:
-                os.read(self._pipe[0], 4096)
-            except BlockingIOError:
-                pass
+            self._pipe.drain()
         finally:
             self._sleeping = False
 

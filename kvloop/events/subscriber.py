@@ -51,6 +51,7 @@ from kvloop.events.sequencer import (
     count_delivery,
 )
 from kvloop.events.types import AllBlocksCleared, KVEventBatch
+from kvloop.events.wakeup import WakeupPipe
 from kvloop.trust import CurveKeys
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class KVEventSubscriber:
         self._sub: zmq.Socket | None = None
         self._dealer: zmq.Socket | None = None
         self._poller = zmq.Poller()
+        self._stop_pipe: WakeupPipe | None = None   # `stop()` wakes the thread's poll with it
         self._resyncing = False
         self._last_heard = 0.0
         self._probe_sent: float | None = None
@@ -124,18 +126,25 @@ class KVEventSubscriber:
             raise RuntimeError("KVEventSubscriber.start() called twice")
         self._ctx = zmq.Context()
         self._open_sockets()
+        self._stop_pipe = WakeupPipe()
+        self._poller.register(self._stop_pipe.fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name="kvloop-kv-sub", daemon=True)
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread and close the sockets. Idempotent."""
+        """Stop the thread (waking it from its poll) and close the sockets. Idempotent."""
         self._stop.set()
+        if self._stop_pipe is not None:
+            self._stop_pipe.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._ctx is not None and (self._thread is None or not self._thread.is_alive()):
-            self._ctx.term()
-            self._ctx = None
+        if self._thread is None or not self._thread.is_alive():
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+            if self._stop_pipe is not None:
+                self._stop_pipe.close()
 
     def wait_for_seq(self, seq: int, timeout: float) -> bool:
         """Block until the batch numbered `seq` (or later) was delivered; False on timeout."""
