@@ -238,10 +238,14 @@ def sse_json(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 
 # --- waiting ------------------------------------------------------------------------------------
+WAIT_POLL_MAX_S = 0.05   # wait_until's longest poll interval
+
+
 def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "the condition") -> T:
     """Poll `pred` until it returns something truthy and return that; AssertionError naming
     `what` once `timeout` s have passed without one. The poll interval starts at 5 ms and
-    doubles up to 100 ms (quick conditions are seen at once, slow ones are not hammered)."""
+    doubles up to `WAIT_POLL_MAX_S` (quick conditions are seen at once, slow ones are not
+    hammered, and none is seen more than 50 ms late)."""
     deadline = time.monotonic() + timeout
     step = 0.005
     while True:
@@ -251,7 +255,7 @@ def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "the con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(step)
-        step = min(2 * step, 0.1)
+        step = min(2 * step, WAIT_POLL_MAX_S)
 
 
 # --- ports --------------------------------------------------------------------------------------

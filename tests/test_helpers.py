@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import zmq
 
-from .conftest import wait_until
+from .conftest import WAIT_POLL_MAX_S, wait_until
 
 
 def test_wait_until_returns_the_value_or_names_what_it_waited_for() -> None:
@@ -22,12 +22,15 @@ def test_wait_until_returns_the_value_or_names_what_it_waited_for() -> None:
 
     assert wait_until(later, 5, "three calls") is calls
     calls.clear()
+    timeout = 4 * WAIT_POLL_MAX_S   # an interval doubled without the cap would pass 3 times it
+    message = rf"^timed out after {timeout} s waiting for the moon$"
     t0 = time.monotonic()
-    with pytest.raises(AssertionError, match=r"^timed out after 0.4 s waiting for the moon$"):
-        wait_until(lambda: calls.append(time.monotonic()), 0.4, "the moon")
-    assert time.monotonic() - t0 >= 0.4
+    with pytest.raises(AssertionError, match=message):
+        wait_until(lambda: calls.append(time.monotonic()), timeout, "the moon")
+    assert time.monotonic() - t0 >= timeout
     gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
-    assert len(calls) >= 5 and max(gaps) < 0.3   # polled often, never more than ~0.1 s apart
+    # polled often, never much more than WAIT_POLL_MAX_S apart
+    assert len(calls) >= 5 and max(gaps) < 3 * WAIT_POLL_MAX_S
 
 
 def test_a_free_port_is_refused_until_a_server_binds_it_and_rebinds_it(
