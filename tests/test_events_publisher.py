@@ -22,6 +22,7 @@ from .conftest import block_stored as stored
 from .conftest import event_batch as batch
 
 LOCAL = "tcp://127.0.0.1:0"
+OWN_TOPICS = (proto.HEARTBEAT_TOPIC, proto.RECENCY_TOPIC)
 
 
 class Client:
@@ -77,16 +78,22 @@ def started():
 
 
 def warm_up(pub: ZmqEventPublisher, client: Client) -> int:
-    """Publish until the (slow-joining) SUB gets something; returns the next seq expected."""
+    """Publish to an idle `pub` until the (slow-joining) SUB gets something, then read up to
+    the last batch published (a connected SUB gets every one); returns the next seq expected.
+    Messages on kvloop's own topics (heartbeats, recency) are skipped."""
+    last = pub.next_seq - 1
     for _ in range(300):
         pub.publish(batch(AllBlocksCleared()))
+        last += 1
         msg = client.recv(10)
         if msg is not None:
-            wait_until(lambda: pub.stats.published == pub.next_seq and not pub._queue)
-            while client.recv(50) is not None:
-                pass
-            return pub.next_seq
-    raise AssertionError("subscriber never connected")
+            break
+    else:
+        raise AssertionError("subscriber never connected")
+    while msg[0] in OWN_TOPICS or proto.seq_from_bytes(msg[1]) < last:
+        msg = client.recv()
+        assert msg is not None, f"the warm-up batches up to {last}"
+    return last + 1
 
 
 def test_sequence_numbers_start_at_zero_and_count_batches(started):
@@ -127,11 +134,20 @@ def test_replay_keeps_only_the_last_buffer_steps_batches(started):
 
 
 def test_topics_filter(started):
-    pub, client = started(topic="foo", sub_topic=b"bar", replay_endpoint=None)
+    pub, client = started(topic="foo", sub_topic=b"bar", replay_endpoint=None,
+                          heartbeat_interval_s=0.01)
+    # heartbeats tell when the SUB is connected, and when all 20 batches are past it: a
+    # heartbeat sent after them (it carries next_seq 20) arrives after them
+    client.sub.setsockopt(zmq.SUBSCRIBE, proto.HEARTBEAT_TOPIC)
+    assert (msg := client.recv()) is not None and msg[0] == proto.HEARTBEAT_TOPIC
     for _ in range(20):
         pub.publish(batch(AllBlocksCleared()))
-    wait_until(lambda: pub.stats.published == 20)
-    assert client.recv(200) is None
+    topics = []
+    while not (topics and msg[0] == proto.HEARTBEAT_TOPIC and proto.seq_from_bytes(msg[1]) == 20):
+        msg = client.recv()
+        assert msg is not None, "a heartbeat after the 20 batches"
+        topics.append(msg[0])
+    assert set(topics) == {proto.HEARTBEAT_TOPIC}
 
 
 def test_data_parallel_rank_offsets_the_port_and_tags_batches(started, free_port):
@@ -203,24 +219,28 @@ def test_heartbeats_only_where_no_vllm_consumer_can_receive_them(started):
     assert KVEventsConfig(topic="kv-events").heartbeats_enabled
     assert KVEventsConfig(topic="", heartbeat=True).heartbeats_enabled
     assert not KVEventsConfig(topic="kv", heartbeat=False).heartbeats_enabled
-    pub, everything = started(topic="kv-events", sub_topic=b"", heartbeat_interval_s=0.02)
+    pub, everything = started(topic="kv-events", sub_topic=b"", heartbeat_interval_s=0.01)
     msg = everything.recv()
     assert msg[0] == proto.HEARTBEAT_TOPIC
     info = proto.decode_info(msg[2])
     assert info.epoch == pub.epoch and info.next_seq == 0 and proto.seq_from_bytes(msg[1]) == 0
-    # a consumer of the data topic never sees them
+    # a consumer of the data topic never sees them: the batch published after two more
+    # heartbeats is the next thing it receives
     data_only = Client(pub, b"kv-events")
     try:
         first = warm_up(pub, data_only)
+        beats = pub.stats.heartbeats
+        wait_until(lambda: pub.stats.heartbeats >= beats + 2, 5, "two more heartbeats")
         pub.publish(batch(stored(1)))
         msg = data_only.recv()
         assert msg[0] == b"kv-events" and proto.seq_from_bytes(msg[1]) == first
-        assert data_only.recv(100) is None
+        assert msgspec.msgpack.decode(msg[2], type=KVEventBatch).events == [stored(1)]
     finally:
         data_only.close()
-    # with the empty topic, nothing but data
-    pub2, client2 = started(topic="", heartbeat_interval_s=0.02)
-    assert client2.recv(150) is None
+    # with the empty topic, nothing but data (a connected SUB of "" would get them)
+    pub2, client2 = started(topic="", heartbeat_interval_s=0.01)
+    warm_up(pub2, client2)
+    assert client2.recv(50) is None
     assert pub2.stats.heartbeats == 0
 
 
@@ -304,28 +324,42 @@ def test_a_full_queue_drops_batches_and_publishes_a_clear_in_their_place(started
 
 
 def test_recency_notices_are_batched_deduplicated_and_opt_in(started):
+    interval = 0.02
     pub, client = started(topic="kv", sub_topic=proto.RECENCY_TOPIC, recency=True,
-                          recency_interval_s=0.05)
-    h1, h2 = b"\x01" * 32, b"\x02" * 32
+                          recency_interval_s=interval)
+    h0, h1, h2 = b"\x00" * 32, b"\x01" * 32, b"\x02" * 32
+    ints = {h: int.from_bytes(h[-8:], "big") for h in (h0, h1, h2)}
     t0 = time.monotonic()
     while client.recv(0) is None and time.monotonic() - t0 < 5:  # until subscribed
-        pub.publish_touches([h1])
+        pub.publish_touches([h0])   # h0: notices of the warm-up, wherever they arrive
         time.sleep(0.005)
-    while client.recv(150) is not None:  # drain what the loop left
-        pass
     pub.publish_touches([h1, h2, h1])
     pub.publish_touches([h2])
-    notices = []
-    while (msg := client.recv(200)) is not None:
-        notices.append(proto.decode_touches(msg[2]))
+    notices: list[proto.Touches] = []
+
+    def receive(timeout_ms: int) -> bool:
+        """One notice that names h1 or h2 (others, h0's alone, are dropped); False if none."""
+        while (msg := client.recv(timeout_ms)) is not None:
+            notice = proto.decode_touches(msg[2])
+            if set(notice.block_hashes) - {ints[h0]}:
+                notices.append(notice)
+                return True
+        return False
+
+    def named() -> set[int | bytes]:
+        return {h for n in notices for h in n.block_hashes} - {ints[h0]}
+
+    while named() != {ints[h1], ints[h2]}:
+        assert receive(2000), f"notices naming h1 and h2, got {notices}"
+    while receive(int(3 * interval * 1000)):   # any more would come within an interval
+        pass
     assert 1 <= len(notices) <= 2  # 4 touches, one or two intervals
+    assert named() == {ints[h1], ints[h2]}
     assert all(n.epoch == pub.epoch for n in notices)
     assert all(len(set(n.block_hashes)) == len(n.block_hashes) for n in notices)
-    assert {h for n in notices for h in n.block_hashes} == \
-        {int.from_bytes(h1[-8:], "big"), int.from_bytes(h2[-8:], "big")}
-    off, client2 = started(topic="kv", sub_topic=proto.RECENCY_TOPIC, recency_interval_s=0.02)
+    off, client2 = started(topic="kv", sub_topic=proto.RECENCY_TOPIC, recency_interval_s=0.01)
     off.publish_touches([h1])
-    assert client2.recv(100) is None and off.stats.touch_notices == 0
+    assert client2.recv(50) is None and off.stats.touch_notices == 0
 
 
 def test_lifecycle_errors_and_idempotent_shutdown():

@@ -22,7 +22,7 @@ def events_config(**kw) -> KVEventsConfig:
     kw.setdefault("endpoint", LOCAL)
     kw.setdefault("replay_endpoint", LOCAL)
     kw.setdefault("topic", "kv")
-    kw.setdefault("heartbeat_interval_s", 0.05)
+    kw.setdefault("heartbeat_interval_s", 0.02)
     return KVEventsConfig(**kw)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from prometheus_client import generate_latest
 from kvloop.front.prometheus_text import metric_value
 from kvloop.router.config import CostConfig, LivenessConfig
 from kvloop.router.flow import (
+    DISPATCH_TICK_S,
     QUEUE_FULL,
     QUEUE_TIMEOUT,
     SHED,
@@ -38,6 +41,15 @@ from .test_router_core import PROMPT_A, desc, make_router
 ON = FlowConfig(enabled=True, max_waiting=0, staleness_s=1.0, max_queue=4,
                 queue_timeout_s=5.0,
                 objectives=(Objective("chat", 10), Objective("batch", -1, 0.05)))
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Yield to the loop's other tasks until `cond()` holds; AssertionError naming `what`
+    after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.001)
 
 
 def waiter(priority: int, tenant: int, seq: int) -> Waiter:
@@ -154,12 +166,12 @@ def test_queued_requests_are_released_by_band_then_tenant_as_room_appears():
             served.append((k.priority, k.tenant))
             t = _open(reg, name, 1)[0]                # routed: its ticket counts it
             p.close()
-            await asyncio.sleep(0.03)                 # being served
+            await asyncio.sleep(2 * DISPATCH_TICK_S)  # being served, while the dispatcher looks
             reg.close_ticket(t, True)
 
         tasks = [asyncio.create_task(client(k)) for k in keys]
-        await asyncio.sleep(0.05)
-        assert served == [] and len(flow.queue) == 4
+        await until(lambda: len(flow.queue) == 4, "four queued")
+        assert served == []
         reg.close_ticket(busy, True)
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
         return served
@@ -171,13 +183,13 @@ def test_queue_full_and_queue_timeout_answer_503_and_a_leaving_client_leaves_the
         flow, reg, _ = _flow()
         _open(reg, reg.all()[0].name, 1)
         waiting = [asyncio.create_task(flow.admit(FlowKey(0, i))) for i in range(4)]
-        await asyncio.sleep(0.02)
+        await until(lambda: len(flow.queue) == 4, "four queued")
         full = await flow.admit(FlowKey(0))
         assert isinstance(full, Rejection) and (full.reason, full.status) == (QUEUE_FULL, 503)
         waiting[0].cancel()
-        await asyncio.sleep(0.02)
+        await until(lambda: waiting[0].done(), "the cancelled waiter gone")
         assert len(flow.queue) == 3
-        late = await flow.admit(FlowKey(1, 9, queue_timeout_s=0.05))
+        late = await flow.admit(FlowKey(1, 9, queue_timeout_s=0.02))
         assert isinstance(late, Rejection) and (late.reason, late.status) == (QUEUE_TIMEOUT,
                                                                               503)
         assert len(flow.queue) == 3
@@ -193,7 +205,7 @@ def test_a_waiter_released_as_its_client_leaves_gives_its_permit_back():
         flow, reg, _ = _flow()
         t = _open(reg, reg.all()[0].name, 1)[0]
         task = asyncio.create_task(flow.admit(FlowKey(0)))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(flow.queue) == 1, "one queued")
         reg.close_ticket(t, True)
         assert flow.release_ready() == 1 and flow.in_transit == 1
         task.cancel()                                  # before it resumes with its permit
