@@ -171,6 +171,7 @@ def _own_package(mod: str) -> str:
     return ".".join(parts[:2]) if (ROOT / parts[1]).is_dir() else mod
 
 
+@functools.cache   # asked for every name of every `from` import, by several tests
 def _is_module(name: str) -> bool:
     path = ROOT.parent / Path(*name.split("."))
     return path.is_dir() or path.with_suffix(".py").exists()
