@@ -19,6 +19,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -35,6 +37,26 @@ def ops():
         return cpu_ops.build()
     except Exception as exc:  # noqa: BLE001 - the failure is the message
         pytest.fail(f"kvloop's CPU ops do not build: {exc}")
+
+
+# A case's inputs and its torch twin's output, built once for every kernel variant that runs
+# it (variants vary slowest: a case comes round again once per variant). Building was 2-4 ms
+# of a decode-attention case (the twin up to 13), the kernel 0.03-0.2; the kernels only read
+# their inputs. Let go at the module's end.
+_CASES: dict[tuple[Any, ...], Any] = {}
+
+
+def _once(build: Callable[..., Any], *args: Any) -> Any:
+    key = (build, *args)
+    if key not in _CASES:
+        _CASES[key] = build(*args)
+    return _CASES[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_cases() -> Iterator[None]:
+    yield
+    _CASES.clear()
 
 
 @pytest.fixture(params=VARIANTS)
@@ -229,17 +251,23 @@ def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, d
     its 8-key tiles and far past a block, where the scores span many tiles; for every group
     of query heads per KV head: 2-4 share each key's load where AVX-512 gives the registers,
     1 and 5 take a head at a time."""
+    q, cache, table, seq_lens, want = _once(_long_context_case, group, dtype, cache_dtype)
+    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
+    assert got.shape == want.shape == (len(seq_lens), 3 * group * 64)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
+
+
+def _long_context_case(group: int, dtype: torch.dtype, cache_dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(4 + group)
     cache = (torch.randn(2, 3, 90, 16, 64, generator=g) * 3).to(cache_dtype)   # large scores
     lens = [1, 7, 8, 9, 15, 16, 17, 300, 1400]
     table = torch.stack([torch.randperm(89, generator=g)[:88] + 1 for _ in lens])
     q = torch.randn(len(lens), 3 * group, 64, generator=g).to(dtype)
     seq_lens = torch.tensor(lens)
-    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
-    want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125)
-    assert got.shape == want.shape == (len(lens), 3 * group * 64)
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
+    return (q, cache, table, seq_lens,
+            cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125))
 
 
 @pytest.mark.parametrize("dtype,cache_dtype,tol", LONG_KV_DTYPES)
@@ -251,8 +279,16 @@ def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant,
     """Requests of ragged lengths over blocks scattered through the cache: lengths at and
     around a block's end, at and around the read-ahead distance (where it runs past a pass's
     end) and past both; block sizes that do and do not divide them."""
+    q, cache, table, seq_lens, want = _once(_scattered_case, group, block_size,
+                                            ops.attention_prefetch_tokens, dtype, cache_dtype)
+    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
+
+
+def _scattered_case(group: int, block_size: int, ahead: int, dtype: torch.dtype,
+                    cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(100 * group + block_size)
-    ahead = ops.attention_prefetch_tokens
     around = [1, block_size - 1, block_size, block_size + 1, ahead - 1, ahead, ahead + 1,
               2 * ahead + 3, 97, 260]
     lens = sorted({n for n in around if n >= 1})
@@ -263,10 +299,8 @@ def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant,
     table = table.view(len(lens), width)
     q = torch.randn(len(lens), 2 * group, 64, generator=g).to(dtype)
     seq_lens = torch.tensor(lens)
-    got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
-    want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125)
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * max(want.float().abs().max().item(), 1.0), err
+    return (q, cache, table, seq_lens,
+            cpu_ops.torch_decode_attention(q, cache, table, seq_lens, 0.125))
 
 
 def _random_q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:

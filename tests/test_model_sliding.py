@@ -113,7 +113,8 @@ def setup(request, tmp_path_factory):
     # the window matters: with a window longer than every sequence some token differs
     unbounded = tiny_sliding_model(arch, seed=3, window=1024)
     unbounded.load_state_dict(model.state_dict())
-    assert [reference(unbounded, p)[0] for p in prompts()] != [w[0] for w in want]
+    assert any(reference(unbounded, p)[0] != w[0]   # (stops at the first prompt that differs)
+               for p, w in zip(prompts(), want, strict=True))
     return arch, path, want
 
 

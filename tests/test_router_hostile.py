@@ -298,8 +298,7 @@ def test_the_session_table_is_bounded_in_entries_and_bytes():
     )
 
     table = SessionTable(max_bytes=512 * SESSION_ENTRY_BYTES)
-    gc.collect()
-    tracemalloc.start()
+    tracemalloc.start()   # (it traces what is allocated from here on: no collection before)
     try:
         for i in range(2000):
             table.record(session_key({"x-session-id": f"s{i}"}, {}), "worker-a", 64, float(i))

@@ -291,6 +291,8 @@ def run_to_end(engine, limit_s: float = 60.0):
             records.append(res.record)
         for o in res.outputs:
             outputs.setdefault(o.request_id, []).append(o)
+        if not res.executed:
+            time.sleep(0.001)   # a grammar still compiling: do not spin (as the engine process)
     return outputs, records
 
 
