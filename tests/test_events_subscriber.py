@@ -89,7 +89,10 @@ def test_missed_batches_within_the_buffer_are_replayed(cleanup):
     worker.run(10, min_batches=15)
     vs.wait_equal(worker)
     st = vs.sub.stats
-    assert st.gaps == 1 and st.replays == 1 and st.snapshots == 0
+    # One gap, or two where a heartbeat (every 20 ms) came while the lost batches were still
+    # being published: the first replay then ends where the publisher was, and the next live
+    # batch finds the rest missing. Each is found and replayed, none needs a snapshot.
+    assert st.gaps in (1, 2) and st.replays == st.gaps and st.snapshots == 0
     assert st.unrecovered_gaps == 0
     replayed = [d.seq for d in vs.deliveries if d.source == "replay"]
     assert replayed[:len(lost)] == sorted(lost)
@@ -109,9 +112,11 @@ def test_missed_more_than_the_buffer_falls_back_to_a_snapshot(cleanup):
     worker.run(12, min_batches=20)
     vs.wait_equal(worker)
     st = vs.sub.stats
-    assert st.gaps >= 1 and st.snapshots == 1 and st.unrecovered_gaps == 0
+    # One snapshot, or two where a heartbeat found the loss while it was still going on (as
+    # in the replay test above): each loss past the buffer is a snapshot, none unrecovered.
+    assert st.snapshots in (1, 2) and st.gaps >= st.snapshots and st.unrecovered_gaps == 0
     reset = [d for d in vs.deliveries if d.is_reset]
-    assert [d.reason for d in reset] == ["gap"]
+    assert [d.reason for d in reset] == ["gap"] * st.snapshots
 
 
 def test_lost_tail_is_found_by_the_heartbeat(cleanup):
@@ -128,8 +133,8 @@ def test_lost_tail_is_found_by_the_heartbeat(cleanup):
     vs.wait_equal(worker)
     drop["on"] = True  # the last batches never arrive live; only heartbeats do
     worker.run(3, min_batches=2)
-    vs.wait_equal(worker)
-    assert vs.sub.stats.gaps == 1 and vs.sub.stats.replays == 1
+    vs.wait_equal(worker)   # only a heartbeat can have told it (one, or two mid-loss)
+    assert vs.sub.stats.gaps in (1, 2) and vs.sub.stats.replays == vs.sub.stats.gaps
 
 
 def test_publisher_restart_is_a_new_epoch(cleanup, free_port):
