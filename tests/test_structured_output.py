@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams, StructuredOutputsParams
+from kvloop.core.engine import IDLE_BACKOFF_S
 from kvloop.core.outputs import GrammarOutput, SchedulerOutput
 from kvloop.core.request import Request as LLMRequest
 from kvloop.core.request import RequestStatus, StructuredOutputKind
@@ -292,7 +293,7 @@ def run_to_end(engine, limit_s: float = 60.0):
         for o in res.outputs:
             outputs.setdefault(o.request_id, []).append(o)
         if not res.executed:
-            time.sleep(0.001)   # a grammar still compiling: do not spin (as the engine process)
+            engine.wait_for_work(0.05)   # a grammar still compiling: backs off, no spin
     return outputs, records
 
 
@@ -326,6 +327,25 @@ def test_a_slow_grammar_does_not_delay_other_requests(llm):
     outputs, _ = run_to_end(engine)
     assert slow.status == RequestStatus.FINISHED_LENGTH_CAPPED and not outputs["slow"][-1].error
     assert engine.block_pool.get_num_free_blocks() == engine.block_pool.num_usable_blocks
+
+
+def test_wait_for_work_backs_off_while_a_grammar_compiles(llm):
+    """A loop of `step()` and, after a step that executed nothing, `wait_for_work()` (as
+    `LLM` and the engine process run) while its one request's grammar compiles: each idle
+    step is followed by a back-off of IDLE_BACKOFF_S, not a spin (without it the loop had
+    stepped ~5,000 times a second, each step with the invariant checks), so such steps times
+    the back-off fit in the loop's time."""
+    engine = llm.engine
+    engine.add_request(engine.make_request("compiling", [5, 6, 7], SamplingParams(
+        temperature=0.0, max_tokens=2,
+        structured_outputs=StructuredOutputsParams(json=big_schema(150)))))  # ~0.15 s, new
+    idle, t0 = 0, time.monotonic()
+    while engine.has_unfinished_requests():
+        assert time.monotonic() - t0 < 60, "the engine did not finish in time"
+        if not engine.step().executed:
+            idle += 1
+            engine.wait_for_work(0.05)
+    assert idle and idle * IDLE_BACKOFF_S <= time.monotonic() - t0
 
 
 def test_free_requests_get_the_tokens_they_get_alone_beside_constrained_ones(llm):

@@ -65,6 +65,10 @@ from kvloop.core.waiting import AdapterSlots
 from kvloop.events.types import KVEvent, KVEventBatch
 from kvloop.wire import EngineCoreOutput, SchedulerStats
 
+# How long a loop waits after a step that executed nothing while requests wait on what no
+# wake-up announces (a grammar compiling, blocks to be freed): the engine process and `LLM`.
+IDLE_BACKOFF_S = 0.001
+
 logger = logging.getLogger("kvloop.engine")
 
 
@@ -194,9 +198,14 @@ class EngineCore:
         return self.connector is not None and bool(self.connector.request_ids_in_transfer())
 
     def wait_for_work(self, timeout: float) -> None:
-        """Sleep until there is work (an abort, connector news) or `timeout` passes."""
+        """After a step that executed nothing: sleep until there is work (an abort, connector
+        news) or `timeout` passes. Where a step could run now and still executed nothing
+        (requests waiting on a grammar compile, or for blocks), a back-off of IDLE_BACKOFF_S
+        (at most `timeout`) instead of a spin."""
         if not self.has_work():
             self._wake.wait(timeout)
+        else:
+            time.sleep(min(IDLE_BACKOFF_S, timeout))
         self._wake.clear()
 
     # --- the step -------------------------------------------------------------------------

@@ -60,7 +60,7 @@ import msgspec
 import zmq
 
 from kvloop.config import GRAMMAR_BACKEND
-from kvloop.core.engine import EngineCore, StepResult
+from kvloop.core.engine import IDLE_BACKOFF_S, EngineCore, StepResult
 from kvloop.core.trace import TraceWriter
 from kvloop.engine.build import build_engine
 from kvloop.engine.spans import EngineSpans, make_engine_spans
@@ -390,7 +390,7 @@ class EngineCoreProc:
             self.output_queue.put(outputs)
         self._send_faults(engine)
         if not result.executed and engine.has_unfinished_requests():
-            time.sleep(0.001)  # waiting requests that cannot be admitted yet: do not spin
+            time.sleep(IDLE_BACKOFF_S)  # waiting requests that cannot be admitted yet
 
     def _publish_events(self, engine: EngineCore, result: StepResult) -> None:
         if self.publisher is None:
