@@ -280,12 +280,17 @@ def test_engine_death_stops_the_api_server(serve: Any) -> None:
     assert port_closed(srv.url)
 
 
-def test_api_server_death_stops_the_engine(serve: Any) -> None:
-    srv = serve(*SLOW)
-    engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
-    srv.signal(signal.SIGKILL)
-    srv.wait(10)
-    assert wait_until(lambda: not alive(engine_pid), 15, "the engine process to end")
+def test_api_server_death_stops_the_engine(tmp_path: Path) -> None:
+    """A killed API server cannot remove its sockets' folder: the engine, which then
+    ends, does."""
+    srv = ServeProcess(list(SLOW), tmp_path / "serve.log", env={"TMPDIR": str(tmp_path)})
+    with srv.start():
+        (folder,) = tmp_path.glob("kvloop-engine-*")
+        engine_pid = httpx.get(srv.url + "/kvloop/worker").json()["engine_pid"]
+        srv.signal(signal.SIGKILL)
+        srv.wait(10)
+        assert wait_until(lambda: not alive(engine_pid), 15, "the engine process to end")
+    assert not folder.exists()
 
 
 def test_failed_engine_start_exits_1(tmp_path: Path) -> None:

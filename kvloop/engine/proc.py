@@ -43,6 +43,7 @@ publisher and the trace.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -106,6 +107,7 @@ class EngineCoreProc:
         self._push.setsockopt(zmq.LINGER, 4000)
         self._push.connect(config.output_address)
         self._threads: list[threading.Thread] = []
+        self._api_pid = os.getppid()   # the API server; once it is not, it died
         self._parent_gone = threading.Event()
         self._stop_deadline: float | None = None   # set by SIGTERM (monotonic seconds)
         self.engine: EngineCore | None = None
@@ -457,6 +459,21 @@ class EngineCoreProc:
             self.engine.shutdown()
         self._dealer.close()
         self._push.close()
+        if os.getppid() != self._api_pid:   # killed: its own close cannot remove them
+            _remove_ipc_sockets(self.config.input_address, self.config.output_address)
+
+
+def _remove_ipc_sockets(*addresses: str) -> None:
+    """The socket files of `ipc://` addresses, and each one's folder once empty (the API
+    server's private folder, kvloop.server.client); other addresses are left alone."""
+    for address in addresses:
+        if not address.startswith("ipc://"):
+            continue
+        path = address.removeprefix("ipc://")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
 
 
 def _events_info(publisher: Any, cfg: KVEventsConfig) -> KVEventsInfo:
