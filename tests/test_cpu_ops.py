@@ -12,6 +12,7 @@ transformers: the same greedy tokens, with an fp32 and with a bf16 KV cache.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -19,8 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -39,24 +39,16 @@ def ops():
         pytest.fail(f"kvloop's CPU ops do not build: {exc}")
 
 
-# A case's inputs and its torch twin's output, built once for every kernel variant that runs
-# it (variants vary slowest: a case comes round again once per variant). Building was 2-4 ms
-# of a decode-attention case (the twin up to 13), the kernel 0.03-0.2; the kernels only read
-# their inputs. Let go at the module's end.
-_CASES: dict[tuple[Any, ...], Any] = {}
-
-
-def _once(build: Callable[..., Any], *args: Any) -> Any:
-    key = (build, *args)
-    if key not in _CASES:
-        _CASES[key] = build(*args)
-    return _CASES[key]
-
-
+# A decode-attention case's inputs and its torch twin's output are built once for every
+# kernel variant that runs it (`functools.cache` on the builders below; variants vary
+# slowest: a case comes round again once per variant). Building was 2-4 ms of a case (the
+# twin up to 13), the kernel 0.03-0.2; the kernels only read their inputs. Let go at the
+# module's end.
 @pytest.fixture(scope="module", autouse=True)
 def _forget_cases() -> Iterator[None]:
     yield
-    _CASES.clear()
+    _long_context_case.cache_clear()
+    _scattered_case.cache_clear()
 
 
 @pytest.fixture(params=VARIANTS)
@@ -251,13 +243,14 @@ def test_decode_attention_over_long_contexts_and_every_tile_tail(ops, variant, d
     its 8-key tiles and far past a block, where the scores span many tiles; for every group
     of query heads per KV head: 2-4 share each key's load where AVX-512 gives the registers,
     1 and 5 take a head at a time."""
-    q, cache, table, seq_lens, want = _once(_long_context_case, group, dtype, cache_dtype)
+    q, cache, table, seq_lens, want = _long_context_case(group, dtype, cache_dtype)
     got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
     assert got.shape == want.shape == (len(seq_lens), 3 * group * 64)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= tol * max(want.float().abs().max().item(), 1.0), err
 
 
+@functools.cache
 def _long_context_case(group: int, dtype: torch.dtype, cache_dtype: torch.dtype
                        ) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(4 + group)
@@ -279,13 +272,15 @@ def test_decode_attention_over_scattered_blocks_and_ragged_lengths(ops, variant,
     """Requests of ragged lengths over blocks scattered through the cache: lengths at and
     around a block's end, at and around the read-ahead distance (where it runs past a pass's
     end) and past both; block sizes that do and do not divide them."""
-    q, cache, table, seq_lens, want = _once(_scattered_case, group, block_size,
-                                            ops.attention_prefetch_tokens, dtype, cache_dtype)
+    q, cache, table, seq_lens, want = _scattered_case(group, block_size,
+                                                      ops.attention_prefetch_tokens, dtype,
+                                                      cache_dtype)
     got = ops.decode_attention(q, cache, table, seq_lens, 0.125)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= tol * max(want.float().abs().max().item(), 1.0), err
 
 
+@functools.cache
 def _scattered_case(group: int, block_size: int, ahead: int, dtype: torch.dtype,
                     cache_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(100 * group + block_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Any
 
 import jsonschema
 import msgspec
@@ -329,23 +330,26 @@ def test_a_slow_grammar_does_not_delay_other_requests(llm):
     assert engine.block_pool.get_num_free_blocks() == engine.block_pool.num_usable_blocks
 
 
-def test_wait_for_work_backs_off_while_a_grammar_compiles(llm):
-    """A loop of `step()` and, after a step that executed nothing, `wait_for_work()` (as
-    `LLM` and the engine process run) while its one request's grammar compiles: each idle
-    step is followed by a back-off of IDLE_BACKOFF_S, not a spin (without it the loop had
-    stepped ~5,000 times a second, each step with the invariant checks), so such steps times
-    the back-off fit in the loop's time."""
-    engine = llm.engine
+def test_wait_for_work_backs_off_while_a_grammar_compiles(llm, monkeypatch):
+    """`run_to_end`'s loop (`step()`, then `wait_for_work()` after a step that executed
+    nothing, as `LLM` runs it) while its one request's grammar compiles: each idle step is
+    followed by a back-off of IDLE_BACKOFF_S, not a spin (without it the loop had stepped
+    ~14,000 times a second, each step with the invariant checks), so such steps times the
+    back-off fit in the loop's time."""
+    engine, idle = llm.engine, [0]   # steps that executed nothing
+    step = engine.step
+
+    def counted() -> Any:
+        res = step()
+        idle[0] += not res.executed
+        return res
+    monkeypatch.setattr(engine, "step", counted)
     engine.add_request(engine.make_request("compiling", [5, 6, 7], SamplingParams(
         temperature=0.0, max_tokens=2,
         structured_outputs=StructuredOutputsParams(json=big_schema(150)))))  # ~0.15 s, new
-    idle, t0 = 0, time.monotonic()
-    while engine.has_unfinished_requests():
-        assert time.monotonic() - t0 < 60, "the engine did not finish in time"
-        if not engine.step().executed:
-            idle += 1
-            engine.wait_for_work(0.05)
-    assert idle and idle * IDLE_BACKOFF_S <= time.monotonic() - t0
+    t0 = time.monotonic()
+    run_to_end(engine)
+    assert idle[0] and idle[0] * IDLE_BACKOFF_S <= time.monotonic() - t0
 
 
 def test_free_requests_get_the_tokens_they_get_alone_beside_constrained_ones(llm):

@@ -485,8 +485,10 @@ struct PreparedMatmul {
       mm.xt_stride = lane_stride(lanes);
     }
     if (fp) {
-      xf = widen(x, rows * k_in);
-      mm.xf = xf.data();
+      if (lanes < rows) {           // rows left to the 4-row tiles (which read x widened)
+        xf = widen(x, rows * k_in);
+        mm.xf = xf.data();
+      }
     } else {
       xq = quantize_rows(k, x, rows, k_in);
       mm.xq = &xq;

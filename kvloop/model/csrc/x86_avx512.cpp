@@ -247,7 +247,7 @@ void lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64
         dequant_block(mm, n0, count, k0, kc, w);
         for (int64_t k = 0; k < kc; k += kLaneSum)
           lane_block_rows(mm.xt + (k0 + k) * ld + m0, ld, lanes, w + k,
-                    std::min(kLaneSum, kc - k), y, k0 + k == 0);
+                          std::min(kLaneSum, kc - k), y, k0 + k == 0);
       }
       const int64_t m_end = std::min<int64_t>(rows, m0 + kLaneChunk);
       for (int64_t m = m0; m < m_end; ++m)
