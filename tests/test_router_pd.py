@@ -269,6 +269,36 @@ def test_decode_worker_is_chosen_by_load():
     assert r.route_pd([9] * 40).decision.reason == NEVER
 
 
+def test_a_sessions_next_turn_is_not_sent_away_by_the_poll_its_last_turn_left():
+    """A poll taken while a turn ran counts it (1 running, its 4 of 100 blocks); once the
+    router closes that turn, the snapshot less it is what decides: the next turn of the
+    session goes back to its decoder, not to the other idle one."""
+    r, clock, _ = make_pd_router("never")
+    r.register(WorkerSpec("http://d:2", "decode"), pd_desc("decode", "ed2"))
+    first = r.route_pd([1] * 64, session=42)
+    home = first.decode.worker.name
+    other = ({"d:1", "d:2"} - {home}).pop()
+    clock.t += 0.1
+    r.registry.set_load(home, LoadSnapshot(1, 0, 0.04, clock()))
+    r.registry.set_load(other, LoadSnapshot(0, 0, 0.0, clock()))
+    clock.t += 0.1
+    late = r.route_pd([3] * 64)             # to the idle one, after its poll: never counted
+    assert late.decode.worker.name == other
+    r.finish(late.decode.ticket, 0)
+    assert r.registry.get(other).finished_since_load == 0
+    r.finish(first.decode.ticket, 0)
+    state = r.registry.get(home)
+    assert (state.load.running, state.load.kv_usage) == (1, 0.04)       # as polled
+    assert (state.reported_load().running, state.reported_load().kv_usage) == (0, 0.0)
+    for i in (5, 6):
+        turn = r.route_pd([i] * 64, session=42)
+        assert turn.decode.worker.name == home
+        r.finish(turn.decode.ticket, 0)
+    # the next poll is the worker's own word again
+    r.registry.set_load(home, LoadSnapshot(2, 0, 0.08, clock()))
+    assert r.registry.get(home).reported_load() == LoadSnapshot(2, 0, 0.08, clock())
+
+
 def test_a_failed_prefill_leg_falls_back_is_counted_visible_and_then_skipped():
     r, clock, subs = make_pd_router("always")
     routed = r.route_pd(list(range(100)))

@@ -317,6 +317,10 @@ class WorkerState:
         self.up = False
         self.down_reason = "not probed yet"
         self.load = LoadSnapshot()
+        # requests `load` counted that the router has seen finish since (tickets sent before
+        # the snapshot, closed after it) and their prompt blocks: `reported_load()`
+        self.finished_since_load = 0
+        self.finished_blocks_since_load = 0
         self.tickets: dict[int, Ticket] = {}
         self.verifier = Verifier(cfg)
         self.alarms: dict[str, Alarm] = {}
@@ -344,6 +348,22 @@ class WorkerState:
 
     def in_flight(self) -> int:
         return len(self.tickets)
+
+    def reported_load(self) -> LoadSnapshot:
+        """Its last load snapshot less what the router has seen finish since: requests sent
+        before the snapshot and closed after it (running first, then waiting) and their
+        prompt blocks' share of its KV usage. The next poll would not count them either.
+        A session's next turn comes right after its last one finished, on the worker that
+        served it: the plain snapshot would show that worker busy to exactly that turn."""
+        n, load = self.finished_since_load, self.load
+        if not n:
+            return load
+        running = max(0, load.running - n)
+        waiting = max(0, load.waiting - max(0, n - load.running))
+        cap = self.description.kv_capacity_blocks if self.description is not None else 0
+        freed = self.finished_blocks_since_load / cap if cap > 0 else 0.0
+        return replace(load, running=running, waiting=waiting,
+                       kv_usage=max(0.0, load.kv_usage - freed))
 
     @property
     def kv_role(self) -> str | None:
@@ -446,6 +466,7 @@ class Registry:
         w = self._workers.get(name)
         if w is not None:
             w.load = load
+            w.finished_since_load = w.finished_blocks_since_load = 0
 
     def mark_draining(self, name: str) -> None:
         """`name` refused a request because it drains: nothing more goes there until a poll
@@ -521,6 +542,10 @@ class Registry:
             if w is None:
                 return True
             w.tickets.pop(t.request_id, None)
+            if t.sent_at < w.load.at:        # its last snapshot counted it: no longer
+                w.finished_since_load += 1
+                bs = w.description.block_size if w.description is not None else 0
+                w.finished_blocks_since_load += -(-t.prompt_tokens // bs) if bs > 0 else 0
             if ok:
                 w.served += 1
             else:

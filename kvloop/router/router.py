@@ -60,6 +60,7 @@ from kvloop.router.scorer import (
     Candidate,
     Decision,
     RouteRequest,
+    external_requests,
     hit_tokens,
     make_policy,
     rendezvous,
@@ -363,16 +364,17 @@ class Router(Membership):
         prefilling = w.prefilling()
         decoding = tuple(t.prompt_tokens for t in w.open_tickets()
                          if t.first_token_at is not None)
-        external = max(0, w.load.running + w.load.waiting - w.in_flight())
+        load = w.reported_load()
+        external = external_requests(load.running, load.waiting, w.in_flight())
         budget = (w.description.max_num_batched_tokens if w.description is not None
                   else SchedulerConfig.max_num_batched_tokens)   # not a kvloop worker: ours
         cached = 0 if w.load_only else int(tier_credit(
             Candidate(w.name, cached_blocks=len(tiers), tiers=tiers), req, self.config.cost))
         return PDWorker(
             w.name, budget, sum(t.uncached_tokens for t in prefilling)
-            + min(w.load.waiting, external) * req.prompt_tokens,
-            decoding + (req.prompt_tokens,) * max(0, external - w.load.waiting), cached,
-            w.in_flight() + external, w.load.kv_usage)
+            + min(load.waiting, external) * req.prompt_tokens,
+            decoding + (req.prompt_tokens,) * max(0, external - load.waiting), cached,
+            w.in_flight() + external, load.kv_usage)
 
     def _transfer(self, prefill: WorkerState) -> TransferModel:
         cfg = self.config.pd
@@ -473,16 +475,16 @@ class Router(Membership):
 
     def _candidate(self, w: WorkerState, tiers: tuple[str, ...],
                    session_tokens: int = 0) -> Candidate:
-        prefilling = w.prefilling()
+        prefilling, load = w.prefilling(), w.reported_load()
         return Candidate(
             name=w.name, cached_blocks=len(tiers), tiers=tiers, load_only=w.load_only,
             in_flight=w.in_flight(), prefilling=len(prefilling),
             queued_prefill_tokens=sum(t.uncached_tokens for t in prefilling),
-            running=w.load.running, waiting=w.load.waiting, kv_usage=w.load.kv_usage,
+            running=load.running, waiting=load.waiting, kv_usage=load.kv_usage,
             capacity_blocks=capacity(w.description),
             indexed_blocks=0 if w.load_only else self.index.worker_blocks(w.name),
             session_tokens=session_tokens,
-            lora_adapters=w.load.lora_adapters, max_loras=w.load.max_loras)
+            lora_adapters=load.lora_adapters, max_loras=load.max_loras)
 
     def _count_decision(self, d: Decision, worker: str, prompt_tokens: int, predicted: int,
                         t0: float) -> None:

@@ -144,13 +144,18 @@ def session_credit(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
                                            req.prompt_tokens, req.block_size)
 
 
+def external_requests(running: int, waiting: int, in_flight: int) -> int:
+    """Requests a worker reports beyond the router's own in-flight ones. The router's own
+    are exact; the worker's figures (polled, so a little stale) only add what the router
+    cannot explain: another router's requests."""
+    return max(0, running + waiting - in_flight)
+
+
 def estimate_cost(c: Candidate, req: RouteRequest, cfg: CostConfig) -> float:
     """The candidate's estimated work (tokens) before this request's first token."""
     credited = max(index_credit(c, req, cfg), session_credit(c, req, cfg))
     own_prefill = (1.0 + cfg.marginal_work_weight) * (req.prompt_tokens - credited)
-    # The router's own in-flight requests are exact; the worker's figures (polled, so a
-    # little stale) only add what the router cannot explain: another router's requests.
-    external = max(0, c.running + c.waiting - c.in_flight)
+    external = external_requests(c.running, c.waiting, c.in_flight)
     queued = c.queued_prefill_tokens + min(c.waiting, external) * req.prompt_tokens
     active = c.in_flight + external
     return (queued + own_prefill + cfg.decode_token_cost * active
