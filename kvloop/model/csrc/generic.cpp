@@ -251,6 +251,47 @@ std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
+// x's first `rows` rows for the bf16 lane kernel (kernels.h: `xtb`, `xts`): rounded to bf16
+// (fp32 x, by the table's round_bf16; bf16 x as it is), each group's 16 pairs (x[32g + i],
+// x[32g + i + 16]) transposed to [k_in / 2, lane_stride(rows)], and each group's sum of the
+// 32 bf16 values (in order, fp32) to [k_in / 32, lane_stride(rows)]; the padding zero.
+template <typename T>
+void bf16_lane_order(const Kernels& k, const T* x, int64_t rows, int64_t k_in,
+                     std::vector<uint32_t>& xt, std::vector<float>& xs) {
+  const int64_t stride = lane_stride(rows), groups = k_in / 32;
+  xt.assign(k_in / 2 * stride, 0);
+  xs.assign(groups * stride, 0.f);
+  std::vector<c10::BFloat16> rounded;
+  for (int64_t m = 0; m < rows; ++m) {
+    const c10::BFloat16* b;
+    if constexpr (std::is_same_v<T, float>) {
+      rounded.resize(k_in);
+      k.round_bf16(x + m * k_in, rounded.data(), k_in);
+      b = rounded.data();
+    } else {
+      static_assert(std::is_same_v<T, c10::BFloat16>);
+      b = x + m * k_in;
+    }
+    for (int64_t g = 0; g < groups; ++g, b += 32) {
+      float sum = 0.f;
+      for (int i = 0; i < 32; ++i) sum += to_f(b[i]);
+      xs[g * stride + m] = sum;
+      for (int i = 0; i < 16; ++i)
+        xt[(g * 16 + i) * stride + m] = static_cast<uint32_t>(b[i].x) |
+                                        static_cast<uint32_t>(b[i + 16].x) << 16;
+    }
+  }
+}
+
+// Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_lanes` allows
+// its rounding (quant_matmul), fp16 and fp64 never.
+template <typename T>
+constexpr bool takes_bf16_lanes(bool bf16_lanes) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
+  else if constexpr (std::is_same_v<T, float>) return bf16_lanes;
+  else return false;
+}
+
 template <typename T>
 std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -320,7 +361,7 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, nullptr, false};
+                             generic_fp_columns, nullptr, nullptr, nullptr, false};
   return table;
 }
 
@@ -442,12 +483,13 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 
 namespace {
 
-// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
-// kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
-// the fp32 kernel (x widened), its first lane_rows(rows) rows the lane kernel's where the
-// variant has one (x transposed, in one call); below, and for 8-bit weights, x is quantized
-// per row and group to int16 and each group's dot product is integer. Neither copied nor
-// moved: `mm` points into it.
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights give their
+// first lane_rows(rows) rows to a lane kernel where the variant has one (x transposed, in one
+// call): the bf16 one for bf16 x, and for fp32 x under `bf16_lanes` (rounded to bf16), else
+// the fp32 one; the other rows take the bf16 kernel where x is bf16 and the variant has one
+// (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
+// 8-bit weights, x is quantized per row and group to int16 and each group's dot product is
+// integer. Neither copied nor moved: `mm` points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
@@ -460,24 +502,39 @@ struct PreparedMatmul {
   std::vector<int16_t> xp;
   std::vector<c10::BFloat16> xb;
   std::vector<float> xs;
+  std::vector<uint32_t> xtb;
+  std::vector<float> xts;
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
-                 const float* offset, int64_t rows, int64_t k_in)
-      : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
-           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0},
+                 const float* offset, int64_t rows, int64_t k_in, bool bf16_lanes)
+      : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
+           nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      if (fp && k.bf16_lane_columns != nullptr && lane_rows(rows) > 0 &&
+          takes_bf16_lanes<T>(bf16_lanes)) {
+        lanes = lane_rows(rows);
+        lane_columns = k.bf16_lane_columns;
+        bf16_lane_order(k, x, lanes, k_in, xtb, xts);
+        mm.xtb = xtb.data();
+        mm.xts = xts.data();
+        mm.xt_stride = lane_stride(lanes);
+      }
+    }
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
         columns = k.bf16_columns;
-        xb = pair_order(x, rows, k_in);
-        xs = group_sums(x, rows, k_in);
-        mm.xb = xb.data();
-        mm.xs = xs.data();
+        if (lanes < rows) {
+          xb = pair_order(x, rows, k_in);
+          xs = group_sums(x, rows, k_in);
+          mm.xb = xb.data();
+          mm.xs = xs.data();
+        }
         return;
       }
     }
-    if (fp && k.lane_columns != nullptr && lane_rows(rows) > 0) {
+    if (fp && lanes == 0 && k.lane_columns != nullptr && lane_rows(rows) > 0) {
       lanes = lane_rows(rows);
       lane_columns = k.lane_columns;
       xt = lane_order(x, lanes, k_in);
@@ -525,8 +582,9 @@ struct PreparedMatmul {
 // whole cache lines; each task runs its columns tile by tile of rows (PreparedMatmul).
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
-                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
+                  bool bf16_lanes) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
     p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
@@ -570,8 +628,8 @@ inline void argmax_of_key(uint64_t key, int64_t* column, float* value) {
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+                         int64_t* column, float* value, bool bf16_lanes) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
   std::vector<std::atomic<uint64_t>> best(rows);
   for (auto& b : best) b.store(0, std::memory_order_relaxed);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
@@ -608,15 +666,15 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
                                     int64_t, int64_t, int64_t, int64_t, int64_t, float, bool); \
   template void silu_and_mul<T>(const Kernels&, const T*, T*, int64_t, int64_t, bool);        \
   template void quant_matmul<4, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t);              \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
   template void quant_matmul<8, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t);              \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
   template void quant_matmul_argmax<4, T>(const Kernels&, const T*, const uint8_t*,           \
                                           const float*, const float*, int64_t, int64_t,       \
-                                          int64_t, int64_t*, float*);                         \
+                                          int64_t, int64_t*, float*, bool);                   \
   template void quant_matmul_argmax<8, T>(const Kernels&, const T*, const uint8_t*,           \
                                           const float*, const float*, int64_t, int64_t,       \
-                                          int64_t, int64_t*, float*);
+                                          int64_t, int64_t*, float*, bool);
 
 KVLOOP_INSTANTIATE(double)
 KVLOOP_INSTANTIATE(float)

@@ -117,6 +117,9 @@ struct QuantMatmul {
   const float* xs;            // the bf16 kernel: each group's sum of x, [M, G]
   const float* xt;            // the lane kernel: x's first lane_rows(M) rows transposed,
   int64_t xt_stride;          //   [K, xt_stride = lane_stride(lane_rows(M))], zero-padded
+  const uint32_t* xtb;        // the bf16 lane kernel: those rows as bf16 pairs, [K / 2,
+                              //   xt_stride] (`bf16_lane_order`), zero-padded
+  const float* xts;           // and each group's sum of those bf16 values, [K / 32, xt_stride]
 };
 
 // y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
@@ -174,6 +177,10 @@ struct Kernels {
   // lane_rows(M)) in one call (r0 0); nullptr where the variant has none (fp_columns then
   // takes every row, in tiles of 4).
   ColumnsFn lane_columns;
+  // 4-bit W's nibbles against bf16 x with the rows in vector lanes (it reads `xtb`, `xts`):
+  // rows [0, lane_rows(M)) of bf16 x, or of fp32 x rounded to bf16 where the caller allows it
+  // (quant_matmul's `bf16_lanes`), in one call (r0 0); nullptr where the variant has none.
+  ColumnsFn bf16_lane_columns;
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
 };
 
@@ -238,16 +245,20 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cach
                       float scale, bool pooled);
 template <typename T>
 void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f, bool pooled);
+// `bf16_lanes`: fp32 x may be rounded to bf16 for the rows the bf16 lane kernel takes (the
+// precision's layer matmuls are bf16: docs/cpu-performance.md, "Precision"); bf16 x takes it
+// whatever this says, other x never.
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
-                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in);
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
+                  bool bf16_lanes = false);
 
 // For each row of x, the column of x @ W.T with the largest value (the first of equals) and
 // that value (rounded to T as quant_matmul's y), without writing y whole.
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value);
+                         int64_t* column, float* value, bool bf16_lanes = false);
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T, typename C = T>

@@ -188,6 +188,140 @@ void nibble_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, 
   }
 }
 
+// --- the 4-bit matmul at lane rows of bf16 x ----------------------------------------------
+// The rows in 32-bit lanes (lane_rows, kernels.h), as `lane_columns` (x86_avx512.cpp) holds
+// fp32 rows, but each lane a bf16 pair: x transposed (`xtb`, [K / 2, xt_stride]) holds in lane
+// r, for group g and i < 16, (x[r, 32g + i], x[r, 32g + i + 16]): the two weights of nibble
+// byte i of the group (low, high). A tile of kLaneColumns output columns has its nibbles
+// expanded kBf16Depth k at a time into a scratch of bf16 pairs (q exact), once for all rows;
+// per group, `vdpbf16ps` sums q . x for 8-16 columns by 16-48 rows in fp32 lanes (32 exact
+// products each), then y += scale * (q . x) + offset * sum(x), with the group sums of x in
+// lanes (`xts`, [G, xt_stride]): bf16_columns' products and sums, in lanes.
+constexpr int kLaneColumns = 16;          // a pool chunk's columns (kColumnsPerLine)
+// Columns per register tile: all 16 at 16 rows (16 accumulators), 8 at 32-48 rows (16-24).
+constexpr int lane_tile_columns(int z) { return z == 1 ? kLaneColumns : kLaneColumns / 2; }
+constexpr int64_t kBf16Depth = 1024;      // k per scratch fill: 32 KiB of pairs
+constexpr int64_t kPairDepth = kBf16Depth / 2;
+constexpr int64_t kLaneChunk = 128;       // rows per pass over a column tile's fills
+
+// Word i (i < 32) of the lookup: the bf16 bits of i % 16 (nibble_table); a dword whose low
+// word is a nibble byte b and high word b >> 4 becomes the pair (bf16(b & 15), bf16(b >> 4)).
+// wq [kLaneColumns, kPairDepth]: columns n0 .. n0 + count (the others zero), groups from g0
+// (gc of them); sc, of [kLaneColumns, gc]: their scales and offsets (zero likewise).
+inline void expand_block(const QuantMatmul& mm, int64_t n0, int count, int64_t g0, int64_t gc,
+                         const __m512i table, uint32_t* wq, float* sc, float* of) {
+  for (int j = 0; j < kLaneColumns; ++j) {
+    uint32_t* dst = wq + j * kPairDepth;
+    if (j >= count) {
+      for (int64_t p = 0; p < gc * 16; p += 16) _mm512_storeu_si512(dst + p, _mm512_setzero_si512());
+      for (int64_t g = 0; g < gc; ++g) sc[j * gc + g] = of[j * gc + g] = 0.f;
+      continue;
+    }
+    const uint8_t* row = mm.qs + (n0 + j) * mm.row_bytes + g0 * 16;
+    const int64_t ahead = kLaneColumns;     // the next tile's column j, asked for into L2
+    prefetch_bytes(row + ahead * mm.row_bytes, gc * 16);
+    prefetch_bytes(mm.scale + (n0 + j + ahead) * mm.groups + g0, gc * 4);
+    prefetch_bytes(mm.offset + (n0 + j + ahead) * mm.groups + g0, gc * 4);
+    for (int64_t g = 0; g < gc; ++g, dst += 16) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+      const __m512i index = _mm512_add_epi32(b, _mm512_slli_epi32(b, 12));    // (b, b >> 4)
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(index, table));
+    }
+    std::copy(mm.scale + (n0 + j) * mm.groups + g0, mm.scale + (n0 + j) * mm.groups + g0 + gc,
+              sc + j * gc);
+    std::copy(mm.offset + (n0 + j) * mm.groups + g0, mm.offset + (n0 + j) * mm.groups + g0 + gc,
+              of + j * gc);
+  }
+}
+
+// y[j * kLaneChunk + i] += sum over the gc groups of scale * (q . x) + offset * sum(x), for
+// Z x 16 rows i and J columns j: x pairs from xp ([gc * 16, ld]), group sums from xs
+// ([gc, ld]), pairs wq ([J, kPairDepth]), scales and offsets ([J, gstride]).
+template <int Z, int J>
+inline void bf16_lane_block(const uint32_t* xp, const float* xs, int64_t ld, const uint32_t* wq,
+                            const float* sc, const float* of, int64_t gstride, int64_t gc,
+                            float* y) {
+  __m512 out[J][Z];
+  for (int j = 0; j < J; ++j)
+    for (int z = 0; z < Z; ++z) out[j][z] = _mm512_loadu_ps(y + j * kLaneChunk + 16 * z);
+  for (int64_t g = 0; g < gc; ++g) {
+    __m512 acc[J][Z];
+    for (int j = 0; j < J; ++j)
+      for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t* x = xp + (g * 16 + i) * ld;
+      __m512bh xv[Z];
+      for (int z = 0; z < Z; ++z) xv[z] = as_bh(_mm512_loadu_si512(x + 16 * z));
+      for (int j = 0; j < J; ++j) {
+        const __m512bh w = as_bh(_mm512_set1_epi32(
+            static_cast<int>(wq[j * kPairDepth + g * 16 + i])));
+        for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_dpbf16_ps(acc[j][z], xv[z], w);
+      }
+    }
+    __m512 sums[Z];
+    for (int z = 0; z < Z; ++z) sums[z] = _mm512_loadu_ps(xs + g * ld + 16 * z);
+    for (int j = 0; j < J; ++j) {
+      const __m512 s = _mm512_set1_ps(sc[j * gstride + g]);
+      const __m512 o = _mm512_set1_ps(of[j * gstride + g]);
+      for (int z = 0; z < Z; ++z)
+        out[j][z] = _mm512_fmadd_ps(sums[z], o, _mm512_fmadd_ps(acc[j][z], s, out[j][z]));
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int z = 0; z < Z; ++z) _mm512_storeu_ps(y + j * kLaneChunk + 16 * z, out[j][z]);
+}
+
+template <int Z>
+inline void bf16_lane_halves(const uint32_t* xp, const float* xs, int64_t ld,
+                             const uint32_t* wq, const float* sc, const float* of, int64_t gc,
+                             float* y) {
+  constexpr int J = lane_tile_columns(Z);
+  for (int j = 0; j < kLaneColumns; j += J)
+    bf16_lane_block<Z, J>(xp, xs, ld, wq + j * kPairDepth, sc + j * gc, of + j * gc, gc, gc,
+                          y + j * kLaneChunk);
+}
+
+// `lanes` rows (a multiple of 16) against one fill: 48 rows at a time while no whole run of
+// 32 is left, then 32, then 16 (lane_block_rows).
+inline void bf16_lane_rows(const uint32_t* xp, const float* xs, int64_t ld, int64_t lanes,
+                           const uint32_t* wq, const float* sc, const float* of, int64_t gc,
+                           float* y) {
+  int64_t i = 0;
+  for (; lanes - i >= 48 && (lanes - i) % 32 != 0; i += 48)
+    bf16_lane_halves<3>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  for (; lanes - i >= 32; i += 32) bf16_lane_halves<2>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  if (lanes - i >= 16) bf16_lane_halves<1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+}
+
+// ColumnsFn over the rows xtb holds (r0 0, rows lane_rows(M)): column tile by tile,
+// kLaneChunk rows at a time, scratch fill by fill of k.
+void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
+                       float* out, int64_t out_stride) {
+  alignas(64) uint32_t wq[kLaneColumns * kPairDepth];
+  alignas(64) float sc[kLaneColumns * (kBf16Depth / 32)], of[kLaneColumns * (kBf16Depth / 32)];
+  alignas(64) float y[kLaneColumns * kLaneChunk];
+  const __m512i table = nibble_table();
+  const int64_t ld = mm.xt_stride;
+  for (int64_t n0 = begin; n0 < end; n0 += kLaneColumns) {
+    const int count = static_cast<int>(std::min<int64_t>(kLaneColumns, end - n0));
+    for (int64_t m0 = 0; m0 < rows; m0 += kLaneChunk) {
+      const int64_t lanes = std::min(kLaneChunk, ld - m0);
+      std::fill(y, y + kLaneColumns * kLaneChunk, 0.f);
+      for (int64_t g0 = 0; g0 < mm.groups; g0 += kBf16Depth / 32) {
+        const int64_t gc = std::min(kBf16Depth / 32, mm.groups - g0);
+        expand_block(mm, n0, count, g0, gc, table, wq, sc, of);
+        bf16_lane_rows(mm.xtb + g0 * 16 * ld + m0, mm.xts + g0 * ld + m0, ld, lanes, wq, sc,
+                       of, gc, y);
+      }
+      const int64_t m_end = std::min<int64_t>(rows, m0 + kLaneChunk);
+      for (int64_t m = m0; m < m_end; ++m)
+        for (int j = 0; j < count; ++j)
+          out[m * out_stride + (n0 - begin) + j] = y[j * kLaneChunk + (m - m0)];
+    }
+  }
+}
+
 }  // namespace kvloop::avx512_bf16
 KVLOOP_TARGET_END
 
@@ -199,6 +333,7 @@ const Kernels* avx512_bf16_kernels() {
     k.name = "avx512_bf16";
     k.attend_bf16 = avx512_bf16::attend_bf16;
     k.bf16_columns = avx512_bf16::nibble_columns;
+    k.bf16_lane_columns = avx512_bf16::bf16_lane_columns;
     return k;
   }();
   return &table;
