@@ -376,11 +376,12 @@ def test_q4_matmul_at_many_rows_on_edge_shapes(ops, variant, rows, k, n):
 
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72)])
-@pytest.mark.parametrize("rows", [3, 13, 15, 16, 17, 29, 32, 45, 48, 130, 200])
+@pytest.mark.parametrize("rows", [3, 8, 12, 13, 15, 16, 17, 24, 29, 32, 45, 48, 130, 200])
 def test_q4_matmul_rounds_fp32_rows_to_bf16_only_in_bf16_lanes(ops, variant, rows, k, n):
     """`bf16_lanes` (the mixed precision's layer matmuls): on AVX512_BF16 the rows the lane
-    kernel takes (`lane_rows`: whole vectors of 16, and 13-15 padded to one) are rounded to
-    bf16 and run in exact `vdpbf16ps` products with the nibbles, fp32 sums: each y within
+    kernel takes (`bf16_lane_rows`: whole vectors of 16, 13-15 padded to one, then 8 in a
+    half vector where 8-12 are left) are rounded to bf16 and run in exact `vdpbf16ps`
+    products with the nibbles, fp32 sums: each y within
     1e-6 of the largest of x rounded to bf16 @ W.T in fp64 (and not of the unrounded x's,
     2^-9 away). The other rows, every row on the other variants and every row without
     `bf16_lanes` stay the fp32 kernels' (x not rounded, within 1e-6). The argmax kernel
@@ -390,7 +391,7 @@ def test_q4_matmul_rounds_fp32_rows_to_bf16_only_in_bf16_lanes(ops, variant, row
     qs, scale, offset = _random_q4(n, k, g)
     w = _dequantized_q4(qs, scale, offset)
     exact, rounded = x.double() @ w.T, x.bfloat16().double() @ w.T
-    lanes = ops.lane_rows(rows) if variant == "avx512_bf16" else 0
+    lanes = ops.bf16_lane_rows(rows) if variant == "avx512_bf16" else 0
     want = torch.cat([rounded[:lanes], exact[lanes:]])
 
     def err(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -375,8 +375,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
   m.attr("attention_prefetch_tokens") = kvloop::kPrefetchTokens;    // (for the tests)
-  m.def("lane_rows", &kvloop::lane_rows,
-        "the rows of a 4-bit matmul of M rows that a lane kernel takes, from row 0 (tests)");
+  m.def("bf16_lane_rows", &kvloop::bf16_lane_rows,
+        "the rows of a 4-bit matmul of M rows that the bf16 lane kernel takes, from row 0");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   pybind11::class_<DecodeStack>(m, "DecodeStack", "every decoder layer of a step of decodes, "
                                 "low-bit, in one call")

@@ -512,9 +512,9 @@ struct PreparedMatmul {
            nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-      if (fp && k.bf16_lane_columns != nullptr && lane_rows(rows) > 0 &&
+      if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
           takes_bf16_lanes<T>(bf16_lanes)) {
-        lanes = lane_rows(rows);
+        lanes = bf16_lane_rows(rows);
         lane_columns = k.bf16_lane_columns;
         bf16_lane_order(k, x, lanes, k_in, xtb, xts);
         mm.xtb = xtb.data();

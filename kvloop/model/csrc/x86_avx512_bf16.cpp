@@ -235,67 +235,101 @@ inline void expand_block(const QuantMatmul& mm, int64_t n0, int count, int64_t g
   }
 }
 
+// The two register widths of the lane kernel: 16 rows in a 512-bit register, 8 in a 256-bit
+// one (a last 8-12 rows: bf16_lane_rows, kernels.h), with the same tiles.
+struct Rows16 {
+  static constexpr int kRows = 16;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512bh pairs(const uint32_t* p) { return as_bh(_mm512_loadu_si512(p)); }
+  static __m512bh pair1(uint32_t v) { return as_bh(_mm512_set1_epi32(static_cast<int>(v))); }
+  static F dot(F acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+struct Rows8 {
+  static constexpr int kRows = 8;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256bh pairs(const uint32_t* p) {
+    return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static __m256bh pair1(uint32_t v) { return (__m256bh)_mm256_set1_epi32(static_cast<int>(v)); }
+  static F dot(F acc, __m256bh x, __m256bh w) { return _mm256_dpbf16_ps(acc, x, w); }
+};
+
 // y[j * kLaneChunk + i] += sum over the gc groups of scale * (q . x) + offset * sum(x), for
-// Z x 16 rows i and J columns j: x pairs from xp ([gc * 16, ld]), group sums from xs
+// Z x V::kRows rows i and J columns j: x pairs from xp ([gc * 16, ld]), group sums from xs
 // ([gc, ld]), pairs wq ([J, kPairDepth]), scales and offsets ([J, gstride]).
-template <int Z, int J>
+template <typename V, int Z, int J>
 inline void bf16_lane_block(const uint32_t* xp, const float* xs, int64_t ld, const uint32_t* wq,
                             const float* sc, const float* of, int64_t gstride, int64_t gc,
                             float* y) {
-  __m512 out[J][Z];
+  constexpr int W = V::kRows;
+  typename V::F out[J][Z];
   for (int j = 0; j < J; ++j)
-    for (int z = 0; z < Z; ++z) out[j][z] = _mm512_loadu_ps(y + j * kLaneChunk + 16 * z);
+    for (int z = 0; z < Z; ++z) out[j][z] = V::load(y + j * kLaneChunk + W * z);
   for (int64_t g = 0; g < gc; ++g) {
-    __m512 acc[J][Z];
+    typename V::F acc[J][Z];
     for (int j = 0; j < J; ++j)
-      for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_setzero_ps();
+      for (int z = 0; z < Z; ++z) acc[j][z] = V::zero();
     for (int i = 0; i < 16; ++i) {
       const uint32_t* x = xp + (g * 16 + i) * ld;
-      __m512bh xv[Z];
-      for (int z = 0; z < Z; ++z) xv[z] = as_bh(_mm512_loadu_si512(x + 16 * z));
+      decltype(V::pairs(x)) xv[Z];
+      for (int z = 0; z < Z; ++z) xv[z] = V::pairs(x + W * z);
       for (int j = 0; j < J; ++j) {
-        const __m512bh w = as_bh(_mm512_set1_epi32(
-            static_cast<int>(wq[j * kPairDepth + g * 16 + i])));
-        for (int z = 0; z < Z; ++z) acc[j][z] = _mm512_dpbf16_ps(acc[j][z], xv[z], w);
+        const auto w = V::pair1(wq[j * kPairDepth + g * 16 + i]);
+        for (int z = 0; z < Z; ++z) acc[j][z] = V::dot(acc[j][z], xv[z], w);
       }
     }
-    __m512 sums[Z];
-    for (int z = 0; z < Z; ++z) sums[z] = _mm512_loadu_ps(xs + g * ld + 16 * z);
+    typename V::F sums[Z];
+    for (int z = 0; z < Z; ++z) sums[z] = V::load(xs + g * ld + W * z);
     for (int j = 0; j < J; ++j) {
-      const __m512 s = _mm512_set1_ps(sc[j * gstride + g]);
-      const __m512 o = _mm512_set1_ps(of[j * gstride + g]);
+      const auto s = V::set1(sc[j * gstride + g]), o = V::set1(of[j * gstride + g]);
       for (int z = 0; z < Z; ++z)
-        out[j][z] = _mm512_fmadd_ps(sums[z], o, _mm512_fmadd_ps(acc[j][z], s, out[j][z]));
+        out[j][z] = V::fmadd(sums[z], o, V::fmadd(acc[j][z], s, out[j][z]));
     }
   }
   for (int j = 0; j < J; ++j)
-    for (int z = 0; z < Z; ++z) _mm512_storeu_ps(y + j * kLaneChunk + 16 * z, out[j][z]);
+    for (int z = 0; z < Z; ++z) V::store(y + j * kLaneChunk + W * z, out[j][z]);
 }
 
-template <int Z>
+template <typename V, int Z>
 inline void bf16_lane_halves(const uint32_t* xp, const float* xs, int64_t ld,
                              const uint32_t* wq, const float* sc, const float* of, int64_t gc,
                              float* y) {
   constexpr int J = lane_tile_columns(Z);
   for (int j = 0; j < kLaneColumns; j += J)
-    bf16_lane_block<Z, J>(xp, xs, ld, wq + j * kPairDepth, sc + j * gc, of + j * gc, gc, gc,
-                          y + j * kLaneChunk);
+    bf16_lane_block<V, Z, J>(xp, xs, ld, wq + j * kPairDepth, sc + j * gc, of + j * gc, gc, gc,
+                             y + j * kLaneChunk);
 }
 
-// `lanes` rows (a multiple of 16) against one fill: 48 rows at a time while no whole run of
-// 32 is left, then 32, then 16 (lane_block_rows).
+// `lanes` rows (a multiple of 8) against one fill: 48 rows at a time while no whole run of
+// 32 is left, then 32, then 16, then 8 (lane_block_rows).
 inline void bf16_lane_rows(const uint32_t* xp, const float* xs, int64_t ld, int64_t lanes,
                            const uint32_t* wq, const float* sc, const float* of, int64_t gc,
                            float* y) {
   int64_t i = 0;
   for (; lanes - i >= 48 && (lanes - i) % 32 != 0; i += 48)
-    bf16_lane_halves<3>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
-  for (; lanes - i >= 32; i += 32) bf16_lane_halves<2>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
-  if (lanes - i >= 16) bf16_lane_halves<1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+    bf16_lane_halves<Rows16, 3>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  for (; lanes - i >= 32; i += 32)
+    bf16_lane_halves<Rows16, 2>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  if (lanes - i >= 16) {
+    bf16_lane_halves<Rows16, 1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+    i += 16;
+  }
+  if (lanes - i >= 8) bf16_lane_halves<Rows8, 1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
 }
 
-// ColumnsFn over the rows xtb holds (r0 0, rows lane_rows(M)): column tile by tile,
-// kLaneChunk rows at a time, scratch fill by fill of k.
+// ColumnsFn over the rows xtb holds (r0 0, rows bf16_lane_rows(M): 16s, 13-15 padded to 16,
+// 8): column tile by tile, kLaneChunk rows at a time, scratch fill by fill of k.
 void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
                        float* out, int64_t out_stride) {
   alignas(64) uint32_t wq[kLaneColumns * kPairDepth];
@@ -306,7 +340,7 @@ void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, 
   for (int64_t n0 = begin; n0 < end; n0 += kLaneColumns) {
     const int count = static_cast<int>(std::min<int64_t>(kLaneColumns, end - n0));
     for (int64_t m0 = 0; m0 < rows; m0 += kLaneChunk) {
-      const int64_t lanes = std::min(kLaneChunk, ld - m0);
+      const int64_t lanes = std::min(kLaneChunk, (rows + 7) / 8 * 8 - m0);
       std::fill(y, y + kLaneColumns * kLaneChunk, 0.f);
       for (int64_t g0 = 0; g0 < mm.groups; g0 += kBf16Depth / 32) {
         const int64_t gc = std::min(kBf16Depth / 32, mm.groups - g0);
