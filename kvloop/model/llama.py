@@ -495,7 +495,8 @@ class FusedDecode:
     once, at `build`; a step passes only its own tensors.
 
     `build` returns None (the layer loop serves) unless the CPU ops are built and every
-    linear layer has a 4-bit copy on kvloop's kernel and no bias.
+    linear layer has a 4-bit copy on kvloop's kernel and no bias; the stack rounds x at
+    lane rows as those copies do (`Int4Weight.bf16_lanes`).
     """
 
     def __init__(self, stack: object):

@@ -63,7 +63,8 @@ class Int4Weight(_QuantWeight):
     Two kernels: "kvloop" (`cpu_ops.q4_matmul`, the default where kvloop's CPU ops are
     built: the GGUF's byte layout, fp32 scale and offset; 1-2 rows of activations quantized
     to int16 per group with integer dot products, more rows in fp32 against weights
-    dequantized in registers; any activation dtype) and "torch"
+    dequantized in registers, or on AVX512_BF16 with `bf16_lanes` 8+ rows rounded to bf16
+    against the nibbles; any activation dtype) and "torch"
     (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
     """
 
