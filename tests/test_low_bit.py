@@ -373,9 +373,31 @@ def test_layer_weights_round_x_to_bf16_in_lanes_only_under_bf16_layer_matmuls(q4
         assert all(isinstance(m.low_bit, Int4Weight) for m in layers)
         assert {m.low_bit.bf16_lanes for m in layers} == {
             model.precision.matmul == torch.bfloat16}
-        assert (model.fused_decode is not None) == cpu_ops.available(torch.device("cpu"))
+        if model.fused_decode is not None:
+            _check_fused_stack_rounds_as_the_loop(model, rows=19)
     finally:
         runner.shutdown()
+
+
+def _check_fused_stack_rounds_as_the_loop(model, rows: int) -> None:
+    """A step of `rows` decodes (16 in lanes, 3 in tiles on AVX512_BF16) through the low-bit
+    layer loop and through `DecodeStack`: the same h and residual, so the stack's 4-bit
+    matmuls round x exactly as the layers' weights do."""
+    from kvloop.model import crossover
+    from kvloop.model.step import StepInputs
+
+    layers = list(model.layers)
+    x, positions, caches, meta = crossover._decode_inputs(model, len(layers), rows)
+    fused_caches = [c.clone() for c in caches]
+    step = StepInputs(input_ids=positions, positions=positions, meta=meta,
+                      logits_indices=positions[:0]).with_low_bit(True)
+    h, residual = x.clone(), None                  # (the first norm works in place)
+    with torch.inference_mode():
+        for layer, cache in zip(layers, caches, strict=True):
+            h, residual = layer.forward(h, residual, model.rotary, cache, step)
+        fused_h, fused_residual = model.fused_decode.forward(x, positions, model.rotary,
+                                                             fused_caches, meta)
+    assert torch.equal(h, fused_h) and torch.equal(residual, fused_residual)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
