@@ -252,35 +252,25 @@ std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
 }
 
 // x's first `rows` rows for the bf16 lane kernel (kernels.h: `xtb`, `xts`): rounded to bf16
-// (fp32 x, by the table's round_bf16; bf16 x as it is), each group's 16 pairs (x[32g + i],
-// x[32g + i + 16]) transposed to [k_in / 2, lane_stride(rows)], and each group's sum of the
-// 32 bf16 values (in order, fp32) to [k_in / 32, lane_stride(rows)]; the padding zero.
+// (fp32 x, by the table's round_bf16; bf16 x as it is), then in pairs, transposed, with their
+// group sums (the table's lane_pairs), [k_in / 2 or k_in / 32, lane_stride(rows)].
 template <typename T>
 void bf16_lane_order(const Kernels& k, const T* x, int64_t rows, int64_t k_in,
                      std::vector<uint32_t>& xt, std::vector<float>& xs) {
-  const int64_t stride = lane_stride(rows), groups = k_in / 32;
-  xt.assign(k_in / 2 * stride, 0);
-  xs.assign(groups * stride, 0.f);
+  const int64_t stride = lane_stride(rows);
+  xt.resize(k_in / 2 * stride);
+  xs.resize(k_in / 32 * stride);
   std::vector<c10::BFloat16> rounded;
-  for (int64_t m = 0; m < rows; ++m) {
-    const c10::BFloat16* b;
-    if constexpr (std::is_same_v<T, float>) {
-      rounded.resize(k_in);
-      k.round_bf16(x + m * k_in, rounded.data(), k_in);
-      b = rounded.data();
-    } else {
-      static_assert(std::is_same_v<T, c10::BFloat16>);
-      b = x + m * k_in;
-    }
-    for (int64_t g = 0; g < groups; ++g, b += 32) {
-      float sum = 0.f;
-      for (int i = 0; i < 32; ++i) sum += to_f(b[i]);
-      xs[g * stride + m] = sum;
-      for (int i = 0; i < 16; ++i)
-        xt[(g * 16 + i) * stride + m] = static_cast<uint32_t>(b[i].x) |
-                                        static_cast<uint32_t>(b[i + 16].x) << 16;
-    }
+  const c10::BFloat16* b;
+  if constexpr (std::is_same_v<T, float>) {
+    rounded.resize(rows * k_in);
+    k.round_bf16(x, rounded.data(), rows * k_in);
+    b = rounded.data();
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    b = x;
   }
+  k.lane_pairs(b, rows, k_in, xt.data(), xs.data(), stride);
 }
 
 // Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_lanes` allows
@@ -361,7 +351,8 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, nullptr, nullptr, false};
+                             generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
+                             false};
   return table;
 }
 

@@ -156,6 +156,13 @@ using SiluMulFn = void (*)(const float* gate, const float* up, float* out, int64
 // to the quiet NaN 0x7FC0), i < n: a bf16 KV cache's write beside fp32 activations.
 using RoundBf16Fn = void (*)(const float* x, c10::BFloat16* out, int64_t n);
 
+// bf16 rows x [rows, k_in] as the bf16 lane kernel reads them: each group g's 16 pairs (x[32g
+// + i], x[32g + i + 16]) transposed, xt [k_in / 2, stride] (xt[(16g + i) * stride + m]), and
+// each group's sum of its 32 values in fp32 in the order x_0, x_16, x_1, x_17, ..., x_31, xs
+// [k_in / 32, stride]; lanes from `rows` up to the next multiple of 16 (<= stride) zero.
+using LanePairsFn = void (*)(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xt,
+                             float* xs, int64_t stride);
+
 // What an instruction-set variant provides; every entry is set (a variant starts from the
 // generic table and replaces what it does faster). An op whose kernel has no variant (the
 // norm, RoPE's rotation) is not here: generic.cpp alone holds it.
@@ -181,6 +188,7 @@ struct Kernels {
   // rows [0, bf16_lane_rows(M)) of bf16 x, or of fp32 x rounded to bf16 where the caller allows it
   // (quant_matmul's `bf16_lanes`), in one call (r0 0); nullptr where the variant has none.
   ColumnsFn bf16_lane_columns;
+  LanePairsFn lane_pairs;     // its x (generic.cpp's bf16_lane_order); nullptr where it is
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
 };
 

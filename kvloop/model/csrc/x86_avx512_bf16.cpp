@@ -328,6 +328,65 @@ inline void bf16_lane_rows(const uint32_t* xp, const float* xs, int64_t ld, int6
   if (lanes - i >= 8) bf16_lane_halves<Rows8, 1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
 }
 
+// LanePairsFn, 16 rows at a time: a row's group of 32 becomes 16 pairs by one word permute,
+// 16 rows' pairs are transposed (16 x 16 dwords), and the sums come from the transposed pairs
+// (a pair's low word shifted up is x_i, its high word masked x_i+16).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+inline __m512i pair_words() {             // word 2i: i, word 2i + 1: i + 16
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(i);
+    idx[2 * i + 1] = static_cast<uint16_t>(i + 16);
+  }
+  return _mm512_load_si512(idx);
+}
+
+void lane_pairs(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xt, float* xs,
+                int64_t stride) {
+  const __m512i order = pair_words();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - m0);
+    for (int64_t g = 0; g < k_in / 32; ++g) {
+      __m512i p[16];
+      for (int r = 0; r < 16; ++r)
+        p[r] = r < n ? _mm512_permutexvar_epi16(
+                           order, _mm512_loadu_si512(x + (m0 + r) * k_in + g * 32))
+                     : _mm512_setzero_si512();
+      transpose16(p);
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(xt + (g * 16 + i) * stride + m0, p[i]);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p[i], 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(p[i], high)));
+      }
+      _mm512_storeu_ps(xs + g * stride + m0, sum);
+    }
+  }
+}
+
 // ColumnsFn over the rows xtb holds (r0 0, rows bf16_lane_rows(M): 16s, 13-15 padded to 16,
 // 8): column tile by tile, kLaneChunk rows at a time, scratch fill by fill of k.
 void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
@@ -368,6 +427,7 @@ const Kernels* avx512_bf16_kernels() {
     k.attend_bf16 = avx512_bf16::attend_bf16;
     k.bf16_columns = avx512_bf16::nibble_columns;
     k.bf16_lane_columns = avx512_bf16::bf16_lane_columns;
+    k.lane_pairs = avx512_bf16::lane_pairs;
     return k;
   }();
   return &table;
