@@ -475,9 +475,9 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights give their
-// first lane_rows(rows) rows to a lane kernel where the variant has one (x transposed, in one
-// call): the bf16 one for bf16 x, and for fp32 x under `bf16_lanes` (rounded to bf16), else
-// the fp32 one; the other rows take the bf16 kernel where x is bf16 and the variant has one
+// first rows to a lane kernel where the variant has one (x transposed, in one call): the
+// bf16 one for bf16 x, and for fp32 x under `bf16_lanes` (rounded to bf16; bf16_lane_rows),
+// else the fp32 one (lane_rows); the other rows take the bf16 kernel where x is bf16 and the variant has one
 // (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
 // 8-bit weights, x is quantized per row and group to int16 and each group's dot product is
 // integer. Neither copied nor moved: `mm` points into it.
@@ -502,17 +502,9 @@ struct PreparedMatmul {
       : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
            nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
-      if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
-          takes_bf16_lanes<T>(bf16_lanes)) {
-        lanes = bf16_lane_rows(rows);
-        lane_columns = k.bf16_lane_columns;
-        bf16_lane_order(k, x, lanes, k_in, xtb, xts);
-        mm.xtb = xtb.data();
-        mm.xts = xts.data();
-        mm.xt_stride = lane_stride(lanes);
-      }
-    }
+    if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
+        takes_bf16_lanes<T>(bf16_lanes))
+      use_bf16_lanes(k, x, rows, k_in);
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
         columns = k.bf16_columns;
@@ -545,6 +537,19 @@ struct PreparedMatmul {
     }
   }
   PreparedMatmul(const PreparedMatmul&) = delete;
+
+  // The bf16 lane kernel for the first bf16_lane_rows(rows) rows.
+  template <typename T>
+  void use_bf16_lanes(const Kernels& k, const T* x, int64_t rows, int64_t k_in) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      lanes = bf16_lane_rows(rows);
+      lane_columns = k.bf16_lane_columns;
+      bf16_lane_order(k, x, lanes, k_in, xtb, xts);
+      mm.xtb = xtb.data();
+      mm.xts = xts.data();
+      mm.xt_stride = lane_stride(lanes);
+    }
+  }
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
   // fn(kernel, r0, mb) over the rows: the lane kernel's at once, then the others in tiles of
