@@ -351,6 +351,55 @@ def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):
         assert len(storages) == 1 and storages.pop() % (2 << 20) == 0
 
 
+def test_layer_weights_round_x_to_bf16_in_lanes_only_under_bf16_layer_matmuls(q4_runner,
+                                                                               tmp_path):
+    """`Precision.low_bit_bf16_lanes` reaches every decoder layer's 4-bit weight (and so the
+    fused stack, which refuses mixed rules): never under `--dtype float32`; under `auto` as
+    its layer matmuls say (bf16 on a CPU with bf16 dot products)."""
+    from kvloop.model.precision import Precision
+
+    assert Precision(torch.float32, torch.bfloat16).low_bit_bf16_lanes
+    assert Precision.uniform(torch.bfloat16).low_bit_bf16_lanes
+    assert not Precision.uniform(torch.float32).low_bit_bf16_lanes
+    assert not Precision.uniform(torch.float16).low_bit_bf16_lanes
+    layers = q4_runner.model.linears()[:-1]
+    assert layers and not any(m.low_bit.bf16_lanes for m in layers)
+    runner = load_runner(RunnerConfig(model=str(write_q4_gguf(tmp_path)), dtype="auto",
+                                      device="cpu", block_size=4, num_threads=1,
+                                      num_gpu_blocks_override=20, low_bit_max_tokens=0))
+    try:
+        model = runner.model
+        layers = model.linears()[:-1]
+        assert all(isinstance(m.low_bit, Int4Weight) for m in layers)
+        assert {m.low_bit.bf16_lanes for m in layers} == {
+            model.precision.matmul == torch.bfloat16}
+        if model.fused_decode is not None:
+            _check_fused_stack_rounds_as_the_loop(model, rows=19)
+    finally:
+        runner.shutdown()
+
+
+def _check_fused_stack_rounds_as_the_loop(model, rows: int) -> None:
+    """A step of `rows` decodes (16 in lanes, 3 in tiles on AVX512_BF16) through the low-bit
+    layer loop and through `DecodeStack`: the same h and residual, so the stack's 4-bit
+    matmuls round x exactly as the layers' weights do."""
+    from kvloop.model import crossover
+    from kvloop.model.step import StepInputs
+
+    layers = list(model.layers)
+    x, positions, caches, meta = crossover._decode_inputs(model, len(layers), rows)
+    fused_caches = [c.clone() for c in caches]
+    step = StepInputs(input_ids=positions, positions=positions, meta=meta,
+                      logits_indices=positions[:0]).with_low_bit(True)
+    h, residual = x.clone(), None                  # (the first norm works in place)
+    with torch.inference_mode():
+        for layer, cache in zip(layers, caches, strict=True):
+            h, residual = layer.forward(h, residual, model.rotary, cache, step)
+        fused_h, fused_residual = model.fused_decode.forward(x, positions, model.rotary,
+                                                             fused_caches, meta)
+    assert torch.equal(h, fused_h) and torch.equal(residual, fused_residual)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_greedy_tokens_are_the_argmax_of_the_logits_exactly(q4_runner, rows):
     """`greedy_tokens` (the LM head fused with the argmax where the head runs low-bit, on

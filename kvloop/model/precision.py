@@ -14,7 +14,9 @@ Scope: the choice, not the kernels. A `Precision` names three dtypes:
   scales instead (`kvloop.model.kv_quant`), whatever this says.
 
 The 4-bit and 8-bit weights of a GGUF stay as stored whatever the dtype
-(`kvloop.model.quant`); what enters their kernels is `activations`.
+(`kvloop.model.quant`); what enters their kernels is `activations`, except that where
+`matmul` is bf16 a layer's 4-bit matmul may round fp32 x to bf16 at 16+ rows
+(`low_bit_bf16_lanes`), as the dense layer matmuls round it.
 
 `--dtype auto` on a CPU with bf16 dot products (AVX512_BF16, AMX, Arm BF16) is *mixed*: fp32
 everywhere precision decides tokens, bf16 only inside the dense layer matmuls (the steps with
@@ -46,6 +48,14 @@ class Precision:
     activations: torch.dtype
     matmul: torch.dtype
     kv_values: torch.dtype | None = None    # the cache's, where not `activations`
+
+    @property
+    def low_bit_bf16_lanes(self) -> bool:
+        """Whether a decoder layer's 4-bit matmul may round fp32 x to bf16 where its bf16 lane
+        kernel takes the rows (16+ rows on AVX512_BF16: `bf16_lanes` of `cpu_ops.q4_matmul`):
+        where the layer matmuls are bf16, whose dense kernels round the same x. Bf16 x takes
+        that kernel as it is; under fp32 layer matmuls x is never rounded."""
+        return self.matmul == torch.bfloat16
 
     @property
     def kv_cache(self) -> torch.dtype:

@@ -251,6 +251,37 @@ std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
+// x's first `rows` rows for the bf16 lane kernel (kernels.h: `xtb`, `xts`): rounded to bf16
+// (fp32 x, by the table's round_bf16; bf16 x as it is), then in pairs, transposed, with their
+// group sums (the table's lane_pairs), [k_in / 2 or k_in / 32, lane_stride(rows)].
+template <typename T>
+void bf16_lane_order(const Kernels& k, const T* x, int64_t rows, int64_t k_in,
+                     std::vector<uint32_t>& xt, std::vector<float>& xs) {
+  const int64_t stride = lane_stride(rows);
+  xt.resize(k_in / 2 * stride);
+  xs.resize(k_in / 32 * stride);
+  std::vector<c10::BFloat16> rounded;
+  const c10::BFloat16* b;
+  if constexpr (std::is_same_v<T, float>) {
+    rounded.resize(rows * k_in);
+    k.round_bf16(x, rounded.data(), rows * k_in);
+    b = rounded.data();
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    b = x;
+  }
+  k.lane_pairs(b, rows, k_in, xt.data(), xs.data(), stride);
+}
+
+// Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_lanes` allows
+// its rounding (quant_matmul), fp16 and fp64 never.
+template <typename T>
+constexpr bool takes_bf16_lanes(bool bf16_lanes) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
+  else if constexpr (std::is_same_v<T, float>) return bf16_lanes;
+  else return false;
+}
+
 template <typename T>
 std::vector<float> widen(const T* x, int64_t n) {
   std::vector<float> out(n);
@@ -320,7 +351,8 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, nullptr, false};
+                             generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
+                             false};
   return table;
 }
 
@@ -442,12 +474,13 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 
 namespace {
 
-// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights take the bf16
-// kernel where x is bf16 and the variant has one (x in pair order, its group sums), else
-// the fp32 kernel (x widened), its first lane_rows(rows) rows the lane kernel's where the
-// variant has one (x transposed, in one call); below, and for 8-bit weights, x is quantized
-// per row and group to int16 and each group's dot product is integer. Neither copied nor
-// moved: `mm` points into it.
+// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights give their
+// first rows to a lane kernel where the variant has one (x transposed, in one call): the
+// bf16 one for bf16 x, and for fp32 x under `bf16_lanes` (rounded to bf16; bf16_lane_rows),
+// else the fp32 one (lane_rows); the other rows take the bf16 kernel where x is bf16 and the variant has one
+// (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
+// 8-bit weights, x is quantized per row and group to int16 and each group's dot product is
+// integer. Neither copied nor moved: `mm` points into it.
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
@@ -460,24 +493,31 @@ struct PreparedMatmul {
   std::vector<int16_t> xp;
   std::vector<c10::BFloat16> xb;
   std::vector<float> xs;
+  std::vector<uint32_t> xtb;
+  std::vector<float> xts;
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
-                 const float* offset, int64_t rows, int64_t k_in)
-      : mm{qs,      scale,   offset,  bits,    k_in,   k_in / 32, k_in * bits / 8,
-           nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0},
+                 const float* offset, int64_t rows, int64_t k_in, bool bf16_lanes)
+      : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
+           nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+    if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
+        takes_bf16_lanes<T>(bf16_lanes))
+      use_bf16_lanes(k, x, rows, k_in);
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
         columns = k.bf16_columns;
-        xb = pair_order(x, rows, k_in);
-        xs = group_sums(x, rows, k_in);
-        mm.xb = xb.data();
-        mm.xs = xs.data();
+        if (lanes < rows) {
+          xb = pair_order(x, rows, k_in);
+          xs = group_sums(x, rows, k_in);
+          mm.xb = xb.data();
+          mm.xs = xs.data();
+        }
         return;
       }
     }
-    if (fp && k.lane_columns != nullptr && lane_rows(rows) > 0) {
+    if (fp && lanes == 0 && k.lane_columns != nullptr && lane_rows(rows) > 0) {
       lanes = lane_rows(rows);
       lane_columns = k.lane_columns;
       xt = lane_order(x, lanes, k_in);
@@ -497,6 +537,19 @@ struct PreparedMatmul {
     }
   }
   PreparedMatmul(const PreparedMatmul&) = delete;
+
+  // The bf16 lane kernel for the first bf16_lane_rows(rows) rows.
+  template <typename T>
+  void use_bf16_lanes(const Kernels& k, const T* x, int64_t rows, int64_t k_in) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      lanes = bf16_lane_rows(rows);
+      lane_columns = k.bf16_lane_columns;
+      bf16_lane_order(k, x, lanes, k_in, xtb, xts);
+      mm.xtb = xtb.data();
+      mm.xts = xts.data();
+      mm.xt_stride = lane_stride(lanes);
+    }
+  }
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
   // fn(kernel, r0, mb) over the rows: the lane kernel's at once, then the others in tiles of
@@ -525,8 +578,9 @@ struct PreparedMatmul {
 // whole cache lines; each task runs its columns tile by tile of rows (PreparedMatmul).
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
-                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
+                  bool bf16_lanes) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
     p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
@@ -570,8 +624,8 @@ inline void argmax_of_key(uint64_t key, int64_t* column, float* value) {
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in);
+                         int64_t* column, float* value, bool bf16_lanes) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
   std::vector<std::atomic<uint64_t>> best(rows);
   for (auto& b : best) b.store(0, std::memory_order_relaxed);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
@@ -608,15 +662,15 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
                                     int64_t, int64_t, int64_t, int64_t, int64_t, float, bool); \
   template void silu_and_mul<T>(const Kernels&, const T*, T*, int64_t, int64_t, bool);        \
   template void quant_matmul<4, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t);              \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
   template void quant_matmul<8, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t);              \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
   template void quant_matmul_argmax<4, T>(const Kernels&, const T*, const uint8_t*,           \
                                           const float*, const float*, int64_t, int64_t,       \
-                                          int64_t, int64_t*, float*);                         \
+                                          int64_t, int64_t*, float*, bool);                   \
   template void quant_matmul_argmax<8, T>(const Kernels&, const T*, const uint8_t*,           \
                                           const float*, const float*, int64_t, int64_t,       \
-                                          int64_t, int64_t*, float*);
+                                          int64_t, int64_t*, float*, bool);
 
 KVLOOP_INSTANTIATE(double)
 KVLOOP_INSTANTIATE(float)

@@ -117,6 +117,9 @@ struct QuantMatmul {
   const float* xs;            // the bf16 kernel: each group's sum of x, [M, G]
   const float* xt;            // the lane kernel: x's first lane_rows(M) rows transposed,
   int64_t xt_stride;          //   [K, xt_stride = lane_stride(lane_rows(M))], zero-padded
+  const uint32_t* xtb;        // the bf16 lane kernel: its bf16_lane_rows(M) rows as bf16
+                              //   pairs, [K / 2, xt_stride] (`bf16_lane_order`), zero-padded
+  const float* xts;           // and each group's sum of those bf16 values, [K / 32, xt_stride]
 };
 
 // y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
@@ -153,6 +156,13 @@ using SiluMulFn = void (*)(const float* gate, const float* up, float* out, int64
 // to the quiet NaN 0x7FC0), i < n: a bf16 KV cache's write beside fp32 activations.
 using RoundBf16Fn = void (*)(const float* x, c10::BFloat16* out, int64_t n);
 
+// bf16 rows x [rows, k_in] as the bf16 lane kernel reads them: each group g's 16 pairs (x[32g
+// + i], x[32g + i + 16]) transposed, xt [k_in / 2, stride] (xt[(16g + i) * stride + m]), and
+// each group's sum of its 32 values in fp32 in the order x_0, x_16, x_1, x_17, ..., x_31, xs
+// [k_in / 32, stride]; lanes from `rows` up to the next multiple of 16 (<= stride) zero.
+using LanePairsFn = void (*)(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xt,
+                             float* xs, int64_t stride);
+
 // What an instruction-set variant provides; every entry is set (a variant starts from the
 // generic table and replaces what it does faster). An op whose kernel has no variant (the
 // norm, RoPE's rotation) is not here: generic.cpp alone holds it.
@@ -174,6 +184,11 @@ struct Kernels {
   // lane_rows(M)) in one call (r0 0); nullptr where the variant has none (fp_columns then
   // takes every row, in tiles of 4).
   ColumnsFn lane_columns;
+  // 4-bit W's nibbles against bf16 x with the rows in vector lanes (it reads `xtb`, `xts`):
+  // rows [0, bf16_lane_rows(M)) of bf16 x, or of fp32 x rounded to bf16 where the caller allows it
+  // (quant_matmul's `bf16_lanes`), in one call (r0 0); nullptr where the variant has none.
+  ColumnsFn bf16_lane_columns;
+  LanePairsFn lane_pairs;     // its x (generic.cpp's bf16_lane_order); nullptr where it is
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
 };
 
@@ -192,6 +207,16 @@ constexpr int64_t kLanePadFrom = 13;
 inline int64_t lane_rows(int64_t rows) {
   const int64_t whole = rows / kLaneWidth * kLaneWidth;
   return rows - whole >= kLanePadFrom ? rows : whole;
+}
+
+// The rows the bf16 lane kernel takes (`bf16_lane_columns`): lane_rows(rows), then 8 more in
+// a half vector where 8-12 are left. Measured on Zen 4, a step's 120 matmuls, fp32 x under
+// bf16 layer matmuls: 8 rows 28.6 and 24.4 ms in a half vector against 34.3 and 28.5 in the
+// fp32 tiles of 4 (one thread; two: 18.6, 16.1 against 20.0, 18.1); 12 rows 1.1-1.16x.
+constexpr int64_t kHalfLane = 8;
+inline int64_t bf16_lane_rows(int64_t rows) {
+  const int64_t lanes = lane_rows(rows);
+  return rows - lanes >= kHalfLane ? lanes + kHalfLane : lanes;
 }
 
 // The lane kernel's x for its `lanes` rows: padded to whole vectors, the padding zero:
@@ -238,16 +263,20 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cach
                       float scale, bool pooled);
 template <typename T>
 void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f, bool pooled);
+// `bf16_lanes`: fp32 x may be rounded to bf16 for the rows the bf16 lane kernel takes (the
+// precision's layer matmuls are bf16: docs/cpu-performance.md, "Precision"); bf16 x takes it
+// whatever this says, other x never.
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
-                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in);
+                  const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
+                  bool bf16_lanes = false);
 
 // For each row of x, the column of x @ W.T with the largest value (the first of equals) and
 // that value (rounded to T as quant_matmul's y), without writing y whole.
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value);
+                         int64_t* column, float* value, bool bf16_lanes = false);
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T, typename C = T>

@@ -188,6 +188,233 @@ void nibble_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, 
   }
 }
 
+// --- the 4-bit matmul at lane rows of bf16 x ----------------------------------------------
+// The rows in 32-bit lanes (lane_rows, kernels.h), as `lane_columns` (x86_avx512.cpp) holds
+// fp32 rows, but each lane a bf16 pair: x transposed (`xtb`, [K / 2, xt_stride]) holds in lane
+// r, for group g and i < 16, (x[r, 32g + i], x[r, 32g + i + 16]): the two weights of nibble
+// byte i of the group (low, high). A tile of kLaneColumns output columns has its nibbles
+// expanded kBf16Depth k at a time into a scratch of bf16 pairs (q exact), once for all rows;
+// per group, `vdpbf16ps` sums q . x for 8-16 columns by 16-48 rows in fp32 lanes (32 exact
+// products each), then y += scale * (q . x) + offset * sum(x), with the group sums of x in
+// lanes (`xts`, [G, xt_stride]): bf16_columns' products and sums, in lanes.
+constexpr int kLaneColumns = 16;          // a pool chunk's columns (kColumnsPerLine)
+// Columns per register tile: all 16 at 16 rows (16 accumulators), 8 at 32-48 rows (16-24).
+constexpr int lane_tile_columns(int z) { return z == 1 ? kLaneColumns : kLaneColumns / 2; }
+constexpr int64_t kBf16Depth = 1024;      // k per scratch fill: 32 KiB of pairs
+constexpr int64_t kPairDepth = kBf16Depth / 2;
+constexpr int64_t kLaneChunk = 128;       // rows per pass over a column tile's fills
+
+// Word i (i < 32) of the lookup: the bf16 bits of i % 16 (nibble_table); a dword whose low
+// word is a nibble byte b and high word b >> 4 becomes the pair (bf16(b & 15), bf16(b >> 4)).
+// wq [kLaneColumns, kPairDepth]: columns n0 .. n0 + count (the others zero), groups from g0
+// (gc of them); sc, of [kLaneColumns, gc]: their scales and offsets (zero likewise).
+inline void expand_block(const QuantMatmul& mm, int64_t n0, int count, int64_t g0, int64_t gc,
+                         const __m512i table, uint32_t* wq, float* sc, float* of) {
+  for (int j = 0; j < kLaneColumns; ++j) {
+    uint32_t* dst = wq + j * kPairDepth;
+    if (j >= count) {
+      for (int64_t p = 0; p < gc * 16; p += 16) _mm512_storeu_si512(dst + p, _mm512_setzero_si512());
+      for (int64_t g = 0; g < gc; ++g) sc[j * gc + g] = of[j * gc + g] = 0.f;
+      continue;
+    }
+    const uint8_t* row = mm.qs + (n0 + j) * mm.row_bytes + g0 * 16;
+    const int64_t ahead = kLaneColumns;     // the next tile's column j, asked for into L2
+    prefetch_bytes(row + ahead * mm.row_bytes, gc * 16);
+    prefetch_bytes(mm.scale + (n0 + j + ahead) * mm.groups + g0, gc * 4);
+    prefetch_bytes(mm.offset + (n0 + j + ahead) * mm.groups + g0, gc * 4);
+    for (int64_t g = 0; g < gc; ++g, dst += 16) {
+      const __m512i b =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+      const __m512i index = _mm512_add_epi32(b, _mm512_slli_epi32(b, 12));    // (b, b >> 4)
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(index, table));
+    }
+    std::copy(mm.scale + (n0 + j) * mm.groups + g0, mm.scale + (n0 + j) * mm.groups + g0 + gc,
+              sc + j * gc);
+    std::copy(mm.offset + (n0 + j) * mm.groups + g0, mm.offset + (n0 + j) * mm.groups + g0 + gc,
+              of + j * gc);
+  }
+}
+
+// The two register widths of the lane kernel: 16 rows in a 512-bit register, 8 in a 256-bit
+// one (a last 8-12 rows: bf16_lane_rows, kernels.h), with the same tiles.
+struct Rows16 {
+  static constexpr int kRows = 16;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512bh pairs(const uint32_t* p) { return as_bh(_mm512_loadu_si512(p)); }
+  static __m512bh pair1(uint32_t v) { return as_bh(_mm512_set1_epi32(static_cast<int>(v))); }
+  static F dot(F acc, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
+
+struct Rows8 {
+  static constexpr int kRows = 8;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256bh pairs(const uint32_t* p) {
+    return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static __m256bh pair1(uint32_t v) { return (__m256bh)_mm256_set1_epi32(static_cast<int>(v)); }
+  static F dot(F acc, __m256bh x, __m256bh w) { return _mm256_dpbf16_ps(acc, x, w); }
+};
+
+// y[j * kLaneChunk + i] += sum over the gc groups of scale * (q . x) + offset * sum(x), for
+// Z x V::kRows rows i and J columns j: x pairs from xp ([gc * 16, ld]), group sums from xs
+// ([gc, ld]), pairs wq ([J, kPairDepth]), scales and offsets ([J, gstride]).
+template <typename V, int Z, int J>
+inline void bf16_lane_block(const uint32_t* xp, const float* xs, int64_t ld, const uint32_t* wq,
+                            const float* sc, const float* of, int64_t gstride, int64_t gc,
+                            float* y) {
+  constexpr int W = V::kRows;
+  typename V::F out[J][Z];
+  for (int j = 0; j < J; ++j)
+    for (int z = 0; z < Z; ++z) out[j][z] = V::load(y + j * kLaneChunk + W * z);
+  for (int64_t g = 0; g < gc; ++g) {
+    typename V::F acc[J][Z];
+    for (int j = 0; j < J; ++j)
+      for (int z = 0; z < Z; ++z) acc[j][z] = V::zero();
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t* x = xp + (g * 16 + i) * ld;
+      decltype(V::pairs(x)) xv[Z];
+      for (int z = 0; z < Z; ++z) xv[z] = V::pairs(x + W * z);
+      for (int j = 0; j < J; ++j) {
+        const auto w = V::pair1(wq[j * kPairDepth + g * 16 + i]);
+        for (int z = 0; z < Z; ++z) acc[j][z] = V::dot(acc[j][z], xv[z], w);
+      }
+    }
+    typename V::F sums[Z];
+    for (int z = 0; z < Z; ++z) sums[z] = V::load(xs + g * ld + W * z);
+    for (int j = 0; j < J; ++j) {
+      const auto s = V::set1(sc[j * gstride + g]), o = V::set1(of[j * gstride + g]);
+      for (int z = 0; z < Z; ++z)
+        out[j][z] = V::fmadd(sums[z], o, V::fmadd(acc[j][z], s, out[j][z]));
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int z = 0; z < Z; ++z) V::store(y + j * kLaneChunk + W * z, out[j][z]);
+}
+
+template <typename V, int Z>
+inline void bf16_lane_halves(const uint32_t* xp, const float* xs, int64_t ld,
+                             const uint32_t* wq, const float* sc, const float* of, int64_t gc,
+                             float* y) {
+  constexpr int J = lane_tile_columns(Z);
+  for (int j = 0; j < kLaneColumns; j += J)
+    bf16_lane_block<V, Z, J>(xp, xs, ld, wq + j * kPairDepth, sc + j * gc, of + j * gc, gc, gc,
+                             y + j * kLaneChunk);
+}
+
+// `lanes` rows (a multiple of 8) against one fill: 48 rows at a time while no whole run of
+// 32 is left, then 32, then 16, then 8 (lane_block_rows).
+inline void bf16_lane_rows(const uint32_t* xp, const float* xs, int64_t ld, int64_t lanes,
+                           const uint32_t* wq, const float* sc, const float* of, int64_t gc,
+                           float* y) {
+  int64_t i = 0;
+  for (; lanes - i >= 48 && (lanes - i) % 32 != 0; i += 48)
+    bf16_lane_halves<Rows16, 3>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  for (; lanes - i >= 32; i += 32)
+    bf16_lane_halves<Rows16, 2>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+  if (lanes - i >= 16) {
+    bf16_lane_halves<Rows16, 1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+    i += 16;
+  }
+  if (lanes - i >= 8) bf16_lane_halves<Rows8, 1>(xp + i, xs + i, ld, wq, sc, of, gc, y + i);
+}
+
+// LanePairsFn, 16 rows at a time: a row's group of 32 becomes 16 pairs by one word permute,
+// 16 rows' pairs are transposed (16 x 16 dwords), and the sums come from the transposed pairs
+// (a pair's low word shifted up is x_i, its high word masked x_i+16).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(u[i + j], u[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+inline __m512i pair_words() {             // word 2i: i, word 2i + 1: i + 16
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = static_cast<uint16_t>(i);
+    idx[2 * i + 1] = static_cast<uint16_t>(i + 16);
+  }
+  return _mm512_load_si512(idx);
+}
+
+void lane_pairs(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xt, float* xs,
+                int64_t stride) {
+  const __m512i order = pair_words();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    const int64_t n = std::min<int64_t>(16, rows - m0);
+    for (int64_t g = 0; g < k_in / 32; ++g) {
+      __m512i p[16];
+      for (int r = 0; r < 16; ++r)
+        p[r] = r < n ? _mm512_permutexvar_epi16(
+                           order, _mm512_loadu_si512(x + (m0 + r) * k_in + g * 32))
+                     : _mm512_setzero_si512();
+      transpose16(p);
+      __m512 sum = _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(xt + (g * 16 + i) * stride + m0, p[i]);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(p[i], 16)));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_and_si512(p[i], high)));
+      }
+      _mm512_storeu_ps(xs + g * stride + m0, sum);
+    }
+  }
+}
+
+// ColumnsFn over the rows xtb holds (r0 0, rows bf16_lane_rows(M): 16s, 13-15 padded to 16,
+// 8): column tile by tile, kLaneChunk rows at a time, scratch fill by fill of k.
+void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, int64_t end,
+                       float* out, int64_t out_stride) {
+  alignas(64) uint32_t wq[kLaneColumns * kPairDepth];
+  alignas(64) float sc[kLaneColumns * (kBf16Depth / 32)], of[kLaneColumns * (kBf16Depth / 32)];
+  alignas(64) float y[kLaneColumns * kLaneChunk];
+  const __m512i table = nibble_table();
+  const int64_t ld = mm.xt_stride;
+  for (int64_t n0 = begin; n0 < end; n0 += kLaneColumns) {
+    const int count = static_cast<int>(std::min<int64_t>(kLaneColumns, end - n0));
+    for (int64_t m0 = 0; m0 < rows; m0 += kLaneChunk) {
+      const int64_t lanes = std::min(kLaneChunk, (rows + 7) / 8 * 8 - m0);
+      std::fill(y, y + kLaneColumns * kLaneChunk, 0.f);
+      for (int64_t g0 = 0; g0 < mm.groups; g0 += kBf16Depth / 32) {
+        const int64_t gc = std::min(kBf16Depth / 32, mm.groups - g0);
+        expand_block(mm, n0, count, g0, gc, table, wq, sc, of);
+        bf16_lane_rows(mm.xtb + g0 * 16 * ld + m0, mm.xts + g0 * ld + m0, ld, lanes, wq, sc,
+                       of, gc, y);
+      }
+      const int64_t m_end = std::min<int64_t>(rows, m0 + kLaneChunk);
+      for (int64_t m = m0; m < m_end; ++m)
+        for (int j = 0; j < count; ++j)
+          out[m * out_stride + (n0 - begin) + j] = y[j * kLaneChunk + (m - m0)];
+    }
+  }
+}
+
 }  // namespace kvloop::avx512_bf16
 KVLOOP_TARGET_END
 
@@ -199,6 +426,8 @@ const Kernels* avx512_bf16_kernels() {
     k.name = "avx512_bf16";
     k.attend_bf16 = avx512_bf16::attend_bf16;
     k.bf16_columns = avx512_bf16::nibble_columns;
+    k.bf16_lane_columns = avx512_bf16::bf16_lane_columns;
+    k.lane_pairs = avx512_bf16::lane_pairs;
     return k;
   }();
   return &table;
