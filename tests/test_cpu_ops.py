@@ -377,32 +377,34 @@ def test_q4_matmul_at_many_rows_on_edge_shapes(ops, variant, rows, k, n):
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72)])
 @pytest.mark.parametrize("rows", [3, 8, 12, 13, 15, 16, 17, 24, 29, 32, 45, 48, 130, 200])
-def test_q4_matmul_rounds_fp32_rows_to_bf16_only_in_bf16_lanes(ops, variant, rows, k, n):
-    """`bf16_lanes` (the mixed precision's layer matmuls): on AVX512_BF16 the rows the lane
-    kernel takes (`bf16_lane_rows`: whole vectors of 16, 13-15 padded to one, then 8 in a
-    half vector where 8-12 are left) are rounded to bf16 and run in exact `vdpbf16ps`
-    products with the nibbles, fp32 sums: each y within
-    1e-6 of the largest of x rounded to bf16 @ W.T in fp64 (and not of the unrounded x's,
-    2^-9 away). The other rows, every row on the other variants and every row without
-    `bf16_lanes` stay the fp32 kernels' (x not rounded, within 1e-6). The argmax kernel
-    rounds as the matmul does."""
+def test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x(ops, variant, rows, k, n):
+    """`bf16_x` (the mixed precision's layer matmuls): on AVX512_BF16 every row of the
+    fp kernels (3+) is rounded to bf16 and runs in exact `vdpbf16ps` products with the
+    nibbles, fp32 sums: the lane kernel's rows (`bf16_lane_rows`: whole vectors of 16, 13-15
+    padded to one, then 8 in a half vector where 8-12 are left) and the 4-row tiles' past
+    them (`bf16_columns`). Each y within 1e-6 of the largest of x rounded to bf16 @ W.T in
+    fp64 (and not of the unrounded x's, 2^-9 away). Every row on the other variants and
+    every row without `bf16_x` stay the fp32 kernels' (x not rounded, within 1e-6). The
+    argmax kernel rounds as the matmul does."""
     g = torch.Generator().manual_seed(rows * 13 + k + n)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(n, k, g)
     w = _dequantized_q4(qs, scale, offset)
     exact, rounded = x.double() @ w.T, x.bfloat16().double() @ w.T
-    lanes = ops.bf16_lane_rows(rows) if variant == "avx512_bf16" else 0
-    want = torch.cat([rounded[:lanes], exact[lanes:]])
+    bf16 = variant == "avx512_bf16"
+    want = rounded if bf16 else exact
 
     def err(got: torch.Tensor, want: torch.Tensor) -> float:
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
-    got = ops.q4_matmul(x, qs, scale, offset, bf16_lanes=True)
+    got = ops.q4_matmul(x, qs, scale, offset, bf16_x=True)
     assert err(got, want) < 1e-6
-    if lanes:
-        assert err(got[:lanes], exact[:lanes]) > 1e-5
+    if bf16:                            # the lanes' rows and the tiles' both rounded
+        lanes = ops.bf16_lane_rows(rows)
+        parts = [p for p in (slice(0, lanes), slice(lanes, rows)) if p.stop > p.start]
+        assert all(err(got[p], exact[p]) > 1e-5 for p in parts)
     assert err(ops.q4_matmul(x, qs, scale, offset), exact) < 1e-6
-    columns, values = ops.q4_matmul_argmax(x, qs, scale, offset, bf16_lanes=True)
+    columns, values = ops.q4_matmul_argmax(x, qs, scale, offset, bf16_x=True)
     assert torch.equal(columns, got.argmax(-1)) and torch.equal(values, got.max(-1).values)
 
 

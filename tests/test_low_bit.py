@@ -353,17 +353,17 @@ def test_tiny_q4_gguf_keeps_its_blocks_with_qk_rows_unpermuted(q4_runner):
 
 def test_layer_weights_round_x_to_bf16_in_lanes_only_under_bf16_layer_matmuls(q4_runner,
                                                                                tmp_path):
-    """`Precision.low_bit_bf16_lanes` reaches every decoder layer's 4-bit weight (and so the
+    """`Precision.low_bit_bf16_x` reaches every decoder layer's 4-bit weight (and so the
     fused stack, which refuses mixed rules): never under `--dtype float32`; under `auto` as
     its layer matmuls say (bf16 on a CPU with bf16 dot products)."""
     from kvloop.model.precision import Precision
 
-    assert Precision(torch.float32, torch.bfloat16).low_bit_bf16_lanes
-    assert Precision.uniform(torch.bfloat16).low_bit_bf16_lanes
-    assert not Precision.uniform(torch.float32).low_bit_bf16_lanes
-    assert not Precision.uniform(torch.float16).low_bit_bf16_lanes
+    assert Precision(torch.float32, torch.bfloat16).low_bit_bf16_x
+    assert Precision.uniform(torch.bfloat16).low_bit_bf16_x
+    assert not Precision.uniform(torch.float32).low_bit_bf16_x
+    assert not Precision.uniform(torch.float16).low_bit_bf16_x
     layers = q4_runner.model.linears()[:-1]
-    assert layers and not any(m.low_bit.bf16_lanes for m in layers)
+    assert layers and not any(m.low_bit.bf16_x for m in layers)
     runner = load_runner(RunnerConfig(model=str(write_q4_gguf(tmp_path)), dtype="auto",
                                       device="cpu", block_size=4, num_threads=1,
                                       num_gpu_blocks_override=20, low_bit_max_tokens=0))
@@ -371,7 +371,7 @@ def test_layer_weights_round_x_to_bf16_in_lanes_only_under_bf16_layer_matmuls(q4
         model = runner.model
         layers = model.linears()[:-1]
         assert all(isinstance(m.low_bit, Int4Weight) for m in layers)
-        assert {m.low_bit.bf16_lanes for m in layers} == {
+        assert {m.low_bit.bf16_x for m in layers} == {
             model.precision.matmul == torch.bfloat16}
         if model.fused_decode is not None:
             _check_fused_stack_rounds_as_the_loop(model, rows=19)

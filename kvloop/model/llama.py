@@ -496,7 +496,7 @@ class FusedDecode:
 
     `build` returns None (the layer loop serves) unless the CPU ops are built and every
     linear layer has a 4-bit copy on kvloop's kernel and no bias; the stack rounds x at
-    lane rows as those copies do (`Int4Weight.bf16_lanes`).
+    3+ rows as those copies do (`Int4Weight.bf16_x`).
     """
 
     def __init__(self, stack: object):
@@ -512,7 +512,7 @@ class FusedDecode:
                for layer in layers) or config.rotary_dims != config.head_dim:
             return None                     # the stack has no MoE, Q/K norm or partial RoPE
         quantized: list[torch.Tensor] = []
-        bf16_lanes: set[bool] = set()
+        bf16_x: set[bool] = set()
         for layer in layers:
             mlp = cast(MLP, layer.mlp)
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -522,15 +522,15 @@ class FusedDecode:
                         and linear.bias is None):
                     return None
                 quantized.extend(weight.tensors)
-                bf16_lanes.add(weight.bf16_lanes)
-        if len(bf16_lanes) != 1:
+                bf16_x.add(weight.bf16_x)
+        if len(bf16_x) != 1:
             return None                     # one rounding rule for the stack's matmuls
         norms = [w for layer in layers for w in (layer.input_layernorm.weight.data,
                                                  layer.post_attention_layernorm.weight.data)]
         return cls(ops.DecodeStack(norms, quantized, config.num_attention_heads,
                                    config.num_key_value_heads, config.intermediate_size,
                                    config.rms_norm_eps, config.head_dim ** -0.5,
-                                   bf16_lanes=bf16_lanes.pop()))
+                                   bf16_x=bf16_x.pop()))
 
     def forward(self, embedded: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata
@@ -555,9 +555,9 @@ class _WeightGetter:
 
     def low_bit(self, *names: str, exact: bool = False) -> LowBitWeight | None:
         """`exact`: the LM head's, whose x is never rounded; else a layer matmul's, whose fp32
-        x its 4-bit kernel may round to bf16 as the precision says (`low_bit_bf16_lanes`)."""
-        bf16_lanes = not exact and self.precision.low_bit_bf16_lanes
-        return low_bit_weight([self.quantized.get(n) for n in names], self.device, bf16_lanes)
+        x its 4-bit kernel may round to bf16 as the precision says (`low_bit_bf16_x`)."""
+        bf16_x = not exact and self.precision.low_bit_bf16_x
+        return low_bit_weight([self.quantized.get(n) for n in names], self.device, bf16_x)
 
     def __call__(self, *names: str) -> torch.Tensor:
         return self._fetch(names, self.precision.matmul)

@@ -15,8 +15,8 @@ Scope: the choice, not the kernels. A `Precision` names three dtypes:
 
 The 4-bit and 8-bit weights of a GGUF stay as stored whatever the dtype
 (`kvloop.model.quant`); what enters their kernels is `activations`, except that where
-`matmul` is bf16 a layer's 4-bit matmul may round fp32 x to bf16 at 16+ rows
-(`low_bit_bf16_lanes`), as the dense layer matmuls round it.
+`matmul` is bf16 a layer's 4-bit matmul may round fp32 x to bf16 at 3+ rows
+(`low_bit_bf16_x`), as the dense layer matmuls round it.
 
 `--dtype auto` on a CPU with bf16 dot products (AVX512_BF16, AMX, Arm BF16) is *mixed*: fp32
 everywhere precision decides tokens, bf16 only inside the dense layer matmuls (the steps with
@@ -50,11 +50,11 @@ class Precision:
     kv_values: torch.dtype | None = None    # the cache's, where not `activations`
 
     @property
-    def low_bit_bf16_lanes(self) -> bool:
-        """Whether a decoder layer's 4-bit matmul may round fp32 x to bf16 where its bf16 lane
-        kernel takes the rows (16+ rows on AVX512_BF16: `bf16_lanes` of `cpu_ops.q4_matmul`):
-        where the layer matmuls are bf16, whose dense kernels round the same x. Bf16 x takes
-        that kernel as it is; under fp32 layer matmuls x is never rounded."""
+    def low_bit_bf16_x(self) -> bool:
+        """Whether a decoder layer's 4-bit matmul may round fp32 x to bf16 at the rows its
+        bf16 kernels take (3+ rows on AVX512_BF16: `bf16_x` of `cpu_ops.q4_matmul`): where
+        the layer matmuls are bf16, whose dense kernels round the same x. Bf16 x takes those
+        kernels as it is; under fp32 layer matmuls x is never rounded."""
         return self.matmul == torch.bfloat16
 
     @property

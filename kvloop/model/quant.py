@@ -63,19 +63,19 @@ class Int4Weight(_QuantWeight):
     Two kernels: "kvloop" (`cpu_ops.q4_matmul`, the default where kvloop's CPU ops are
     built: the GGUF's byte layout, fp32 scale and offset; 1-2 rows of activations quantized
     to int16 per group with integer dot products, more rows in fp32 against weights
-    dequantized in registers, or on AVX512_BF16 with `bf16_lanes` 8+ rows rounded to bf16
+    dequantized in registers, or on AVX512_BF16 with `bf16_x` 3+ rows rounded to bf16
     against the nibbles; any activation dtype) and "torch"
     (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                  dtype: torch.dtype = KERNEL_DTYPE, kernel: str | None = None,
-                 bf16_lanes: bool = False):
-        """q uint8 [out, in] (0..15); scale, offset fp32 [out, in / 32]. `bf16_lanes`: kvloop's
-        kernel may round fp32 x to bf16 at the rows its bf16 lane kernel takes
-        (`Precision.low_bit_bf16_lanes`)."""
+                 bf16_x: bool = False):
+        """q uint8 [out, in] (0..15); scale, offset fp32 [out, in / 32]. `bf16_x`: kvloop's
+        kernel may round fp32 x to bf16 at the rows its bf16 kernels take (3+ on AVX512_BF16;
+        `Precision.low_bit_bf16_x`)."""
         super().__init__(q.shape, dtype, kernel, 4)
-        self.bf16_lanes = bf16_lanes
+        self.bf16_x = bf16_x
         if self.kernel == "kvloop":
             groups = q.view(self.out_features, -1, 2, GROUP // 2)       # [out, G, 2, 16]
             self.tensors = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
@@ -88,18 +88,18 @@ class Int4Weight(_QuantWeight):
 
     @classmethod
     def from_raw(cls, parts: list[RawTensor], dtype: torch.dtype = KERNEL_DTYPE,
-                 kernel: str | None = None, bf16_lanes: bool = False) -> Int4Weight:
+                 kernel: str | None = None, bf16_x: bool = False) -> Int4Weight:
         """Rows of several raw tensors stacked (a fused QKV or gate/up projection)."""
         unpacked = [unpack_q4(p) for p in parts]
         q, scale, offset = (torch.from_numpy(np.concatenate([u[i] for u in unpacked]))
                             for i in range(3))
-        return cls(q, scale, offset, dtype, kernel, bf16_lanes)
+        return cls(q, scale, offset, dtype, kernel, bf16_x)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) -> [T, out] in x's dtype."""
         if self.kernel == "kvloop":
             return self._ops.q4_matmul(x.contiguous(), *self.tensors,
-                                       bf16_lanes=self.bf16_lanes)
+                                       bf16_x=self.bf16_x)
         packed, scales_and_zeros = self.tensors
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), packed, GROUP,
                                                        scales_and_zeros)
@@ -111,7 +111,7 @@ class Int4Weight(_QuantWeight):
         (`cpu_ops.q4_matmul_argmax`)."""
         if self.kernel == "kvloop":
             return self._ops.q4_matmul_argmax(x.contiguous(), *self.tensors,
-                                              bf16_lanes=self.bf16_lanes)[0]
+                                              bf16_x=self.bf16_x)[0]
         return self.matmul(x).argmax(dim=-1)
 
     def dequantize(self) -> torch.Tensor:
@@ -188,15 +188,15 @@ def low_bit_supported(device: torch.device) -> bool:
 
 
 def low_bit_weight(parts: list[RawTensor | None], device: torch.device,
-                   bf16_lanes: bool = False) -> LowBitWeight | None:
+                   bf16_x: bool = False) -> LowBitWeight | None:
     """The low-bit copy of a weight made of `parts` stacked by rows: 4-bit when every part
-    is a 4-bit type (`bf16_lanes`: Int4Weight's), 8-bit for a single Q8_0 tensor; None
+    is a 4-bit type (`bf16_x`: Int4Weight's), 8-bit for a single Q8_0 tensor; None
     otherwise (or off this device)."""
     if not parts or any(p is None for p in parts) or not low_bit_supported(device):
         return None
     raws = [p for p in parts if p is not None]
     if all(r.kind in INT4_TYPES for r in raws):
-        return Int4Weight.from_raw(raws, bf16_lanes=bf16_lanes)
+        return Int4Weight.from_raw(raws, bf16_x=bf16_x)
     if len(raws) == 1 and raws[0].kind in INT8_TYPES:
         return Int8Weight.from_raw(raws[0])
     return None

@@ -107,10 +107,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// `bf16_lanes`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at lane rows.
+// `bf16_x`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at 3+ rows.
 template <int Bits>
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                        const float* offset, bool bf16_lanes = false) {
+                        const float* offset, bool bf16_x = false) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qs, "qs");
   check_cpu_contiguous(scale, "scale");
@@ -124,7 +124,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     kvloop::quant_matmul<Bits, scalar_t>(active_kernels(), x.data_ptr<scalar_t>(),
                                         static_cast<const uint8_t*>(qs.data_ptr()),
                                         scale.data_ptr<float>(), offset,
-                                        y.data_ptr<scalar_t>(), rows, n_out, k_in, bf16_lanes);
+                                        y.data_ptr<scalar_t>(), rows, n_out, k_in, bf16_x);
   });
   return y;
 }
@@ -134,7 +134,7 @@ template <int Bits>
 std::tuple<at::Tensor, at::Tensor> quant_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
                                                        const at::Tensor& scale,
                                                        const float* offset,
-                                                       bool bf16_lanes = false) {
+                                                       bool bf16_x = false) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qs, "qs");
   check_cpu_contiguous(scale, "scale");
@@ -149,16 +149,16 @@ std::tuple<at::Tensor, at::Tensor> quant_matmul_argmax(const at::Tensor& x, cons
     kvloop::quant_matmul_argmax<Bits, scalar_t>(
         active_kernels(), x.data_ptr<scalar_t>(), static_cast<const uint8_t*>(qs.data_ptr()),
         scale.data_ptr<float>(), offset, rows, n_out, k_in, columns.data_ptr<int64_t>(),
-        values.data_ptr<float>(), bf16_lanes);
+        values.data_ptr<float>(), bf16_x);
   });
   return {columns, values};
 }
 
 std::tuple<at::Tensor, at::Tensor> q4_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
                                                     const at::Tensor& scale,
-                                                    const at::Tensor& offset, bool bf16_lanes) {
+                                                    const at::Tensor& offset, bool bf16_x) {
   check_cpu_contiguous(offset, "offset");
-  return quant_matmul_argmax<4>(x, qs, scale, offset.data_ptr<float>(), bf16_lanes);
+  return quant_matmul_argmax<4>(x, qs, scale, offset.data_ptr<float>(), bf16_x);
 }
 
 std::tuple<at::Tensor, at::Tensor> q8_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
@@ -167,9 +167,9 @@ std::tuple<at::Tensor, at::Tensor> q8_matmul_argmax(const at::Tensor& x, const a
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                     const at::Tensor& offset, bool bf16_lanes) {
+                     const at::Tensor& offset, bool bf16_x) {
   check_cpu_contiguous(offset, "offset");
-  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), bf16_lanes);
+  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), bf16_x);
 }
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
@@ -183,13 +183,13 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 class DecodeStack {
  public:
   // norms: 2 per layer (input, post-attention); quant: 12 per layer (qs, scale, offset of
-  // qkv, o, gate_up, down); bf16_lanes: the 4-bit matmuls' (q4_matmul's), as the layer loop
+  // qkv, o, gate_up, down); bf16_x: the 4-bit matmuls' (q4_matmul's), as the layer loop
   // passes it.
   DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> quant, int64_t heads,
-              int64_t kv_heads, int64_t ffn, double eps, double scale, bool bf16_lanes)
+              int64_t kv_heads, int64_t ffn, double eps, double scale, bool bf16_x)
       : norms_(std::move(norms)), quant_(std::move(quant)), layers_(norms_.size() / 2),
         heads_(heads), kv_heads_(kv_heads), ffn_(ffn), eps_(static_cast<float>(eps)),
-        scale_(static_cast<float>(scale)), bf16_lanes_(bf16_lanes) {
+        scale_(static_cast<float>(scale)), bf16_x_(bf16_x) {
     TORCH_CHECK(layers_ > 0 && norms_.size() == 2 * layers_, "DecodeStack: 2 norms a layer");
     TORCH_CHECK(quant_.size() == 12 * layers_,
                 "DecodeStack: 12 quantized tensors per layer (qs, scale, offset of qkv, o, "
@@ -263,7 +263,7 @@ class DecodeStack {
           int64_t k_in) const {
     const QuantOperand& op = weights_[w];
     kvloop::quant_matmul<4, T>(k, x, op.qs, op.scale, op.offset, y, rows, op.n_out, k_in,
-                               bf16_lanes_);
+                               bf16_x_);
   }
 
   // One layer; the cache's element C is T, or bf16 beside fp32 T (with_cache_element).
@@ -300,7 +300,7 @@ class DecodeStack {
   size_t layers_;
   int64_t heads_, kv_heads_, ffn_;
   float eps_, scale_;
-  bool bf16_lanes_;
+  bool bf16_x_;
   std::vector<QuantOperand> weights_;
 };
 
@@ -361,14 +361,14 @@ void use_cpu_kernels(const std::string& name) {
 void register_pool_tests(pybind11::module& m);   // testing.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x); bf16_lanes: "
-        "fp32 x may be rounded to bf16 at lane rows", pybind11::arg("x"), pybind11::arg("qs"),
-        pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_lanes") = false);
+  m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x); bf16_x: "
+        "fp32 x may be rounded to bf16 at 3+ rows", pybind11::arg("x"), pybind11::arg("qs"),
+        pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_x") = false);
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
   m.def("q4_matmul_argmax", &q4_matmul_argmax,
         "(argmax, max) of each row of x @ W.T, 4-bit W, never writing the row whole",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scale"), pybind11::arg("offset"),
-        pybind11::arg("bf16_lanes") = false);
+        pybind11::arg("bf16_x") = false);
   m.def("q8_matmul_argmax", &q8_matmul_argmax,
         "(argmax, max) of each row of x @ W.T, 8-bit W, never writing the row whole");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
@@ -384,7 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, double, bool>(),
            pybind11::arg("norms"), pybind11::arg("quant"), pybind11::arg("heads"),
            pybind11::arg("kv_heads"), pybind11::arg("ffn"), pybind11::arg("eps"),
-           pybind11::arg("scale"), pybind11::arg("bf16_lanes") = false)
+           pybind11::arg("scale"), pybind11::arg("bf16_x") = false)
       .def("forward", &DecodeStack::forward);
   m.def("huge_page_buffer", &huge_page_buffer, "uninitialised bytes in 2 MiB pages");
   m.def("set_pool_threads", &set_pool_threads, "threads of kvloop's pool (caller included)");

@@ -273,12 +273,12 @@ void bf16_lane_order(const Kernels& k, const T* x, int64_t rows, int64_t k_in,
   k.lane_pairs(b, rows, k_in, xt.data(), xs.data(), stride);
 }
 
-// Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_lanes` allows
+// Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_x` allows
 // its rounding (quant_matmul), fp16 and fp64 never.
 template <typename T>
-constexpr bool takes_bf16_lanes(bool bf16_lanes) {
+constexpr bool takes_bf16_lanes(bool bf16_x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
-  else if constexpr (std::is_same_v<T, float>) return bf16_lanes;
+  else if constexpr (std::is_same_v<T, float>) return bf16_x;
   else return false;
 }
 
@@ -476,7 +476,7 @@ namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights give their
 // first rows to a lane kernel where the variant has one (x transposed, in one call): the
-// bf16 one for bf16 x, and for fp32 x under `bf16_lanes` (rounded to bf16; bf16_lane_rows),
+// bf16 one for bf16 x, and for fp32 x under `bf16_x` (rounded to bf16; bf16_lane_rows),
 // else the fp32 one (lane_rows); the other rows take the bf16 kernel where x is bf16 and the variant has one
 // (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
 // 8-bit weights, x is quantized per row and group to int16 and each group's dot product is
@@ -498,22 +498,26 @@ struct PreparedMatmul {
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
-                 const float* offset, int64_t rows, int64_t k_in, bool bf16_lanes)
+                 const float* offset, int64_t rows, int64_t k_in, bool bf16_x)
       : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
            nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
     if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
-        takes_bf16_lanes<T>(bf16_lanes))
+        takes_bf16_lanes<T>(bf16_x))
       use_bf16_lanes(k, x, rows, k_in);
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (fp && k.bf16_columns != nullptr) {
-        columns = k.bf16_columns;
-        if (lanes < rows) {
-          xb = pair_order(x, rows, k_in);
-          xs = group_sums(x, rows, k_in);
-          mm.xb = xb.data();
-          mm.xs = xs.data();
-        }
+        use_bf16_columns(k, x, rows, k_in);
+        return;
+      }
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      // fp32 x under bf16 layer matmuls: the rows outside the lanes rounded to bf16 as
+      // the lanes' are, into the bf16 kernel (exact products, fp32 sums)
+      if (fp && bf16_x && k.bf16_columns != nullptr) {
+        std::vector<c10::BFloat16> rounded(rows * k_in);
+        k.round_bf16(x, rounded.data(), rows * k_in);
+        use_bf16_columns(k, rounded.data(), rows, k_in);
         return;
       }
     }
@@ -537,6 +541,17 @@ struct PreparedMatmul {
     }
   }
   PreparedMatmul(const PreparedMatmul&) = delete;
+
+  // The bf16 kernel (pair order, group sums) for the rows past the lanes; x bf16.
+  void use_bf16_columns(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in) {
+    columns = k.bf16_columns;
+    if (lanes < rows) {
+      xb = pair_order(x, rows, k_in);
+      xs = group_sums(x, rows, k_in);
+      mm.xb = xb.data();
+      mm.xs = xs.data();
+    }
+  }
 
   // The bf16 lane kernel for the first bf16_lane_rows(rows) rows.
   template <typename T>
@@ -579,8 +594,8 @@ struct PreparedMatmul {
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
-                  bool bf16_lanes) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
+                  bool bf16_x) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_x);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
     p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
@@ -624,8 +639,8 @@ inline void argmax_of_key(uint64_t key, int64_t* column, float* value) {
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value, bool bf16_lanes) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_lanes);
+                         int64_t* column, float* value, bool bf16_x) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_x);
   std::vector<std::atomic<uint64_t>> best(rows);
   for (auto& b : best) b.store(0, std::memory_order_relaxed);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {

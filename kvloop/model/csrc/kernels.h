@@ -186,7 +186,7 @@ struct Kernels {
   ColumnsFn lane_columns;
   // 4-bit W's nibbles against bf16 x with the rows in vector lanes (it reads `xtb`, `xts`):
   // rows [0, bf16_lane_rows(M)) of bf16 x, or of fp32 x rounded to bf16 where the caller allows it
-  // (quant_matmul's `bf16_lanes`), in one call (r0 0); nullptr where the variant has none.
+  // (quant_matmul's `bf16_x`), in one call (r0 0); nullptr where the variant has none.
   ColumnsFn bf16_lane_columns;
   LanePairsFn lane_pairs;     // its x (generic.cpp's bf16_lane_order); nullptr where it is
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
@@ -209,14 +209,20 @@ inline int64_t lane_rows(int64_t rows) {
   return rows - whole >= kLanePadFrom ? rows : whole;
 }
 
-// The rows the bf16 lane kernel takes (`bf16_lane_columns`): lane_rows(rows), then 8 more in
-// a half vector where 8-12 are left. Measured on Zen 4, a step's 120 matmuls, fp32 x under
-// bf16 layer matmuls: 8 rows 28.6 and 24.4 ms in a half vector against 34.3 and 28.5 in the
-// fp32 tiles of 4 (one thread; two: 18.6, 16.1 against 20.0, 18.1); 12 rows 1.1-1.16x.
+// The rows the bf16 lane kernel takes (`bf16_lane_columns`): whole vectors of 16, a last
+// 9-15 rows padded to one more, a last 8 in a half vector; fewer go to the bf16 tiles of 4
+// (`bf16_columns`). Measured on Zen 4, a step's 120 matmuls on one thread, fp32 x under bf16
+// layer matmuls, two runs each (load 1.2-1.6): 12 rows as 8 in a half vector and 4 in a
+// tile 36.9 and 34.8 ms, padded to 16 27.8 and 31.1; 10 rows 32.5 and 35.2 -> 27.6 and 32.2;
+// 9 rows 29.5 and 29.1 -> 26.8 and 37.0 (noise); 16 rows 28.6-31.3; 8 rows in a half vector
+// 23.5-23.8, about two tiles of 4 (4 rows 11.5-11.7).
 constexpr int64_t kHalfLane = 8;
+constexpr int64_t kBf16LanePadFrom = 9;
 inline int64_t bf16_lane_rows(int64_t rows) {
-  const int64_t lanes = lane_rows(rows);
-  return rows - lanes >= kHalfLane ? lanes + kHalfLane : lanes;
+  const int64_t whole = rows / kLaneWidth * kLaneWidth;
+  const int64_t left = rows - whole;
+  if (left >= kBf16LanePadFrom) return rows;
+  return left >= kHalfLane ? whole + kHalfLane : whole;
 }
 
 // The lane kernel's x for its `lanes` rows: padded to whole vectors, the padding zero:
@@ -263,20 +269,21 @@ void decode_attention(const Kernels& k, const T* q, int64_t q_row, const C* cach
                       float scale, bool pooled);
 template <typename T>
 void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f, bool pooled);
-// `bf16_lanes`: fp32 x may be rounded to bf16 for the rows the bf16 lane kernel takes (the
-// precision's layer matmuls are bf16: docs/cpu-performance.md, "Precision"); bf16 x takes it
-// whatever this says, other x never.
+// `bf16_x`: fp32 x may be rounded to bf16 for the rows the bf16 kernels take (3+ rows where
+// the variant has them: the lane kernel's, then the bf16 tiles'; the precision's layer
+// matmuls are bf16: docs/cpu-performance.md, "Precision"); bf16 x takes them whatever this
+// says, other x never.
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
-                  bool bf16_lanes = false);
+                  bool bf16_x = false);
 
 // For each row of x, the column of x @ W.T with the largest value (the first of equals) and
 // that value (rounded to T as quant_matmul's y), without writing y whole.
 template <int Bits, typename T>
 void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                          const float* offset, int64_t rows, int64_t n_out, int64_t k_in,
-                         int64_t* column, float* value, bool bf16_lanes = false);
+                         int64_t* column, float* value, bool bf16_x = false);
 
 // The portable inner kernels, for a variant to fall back on (generic.cpp).
 template <typename T, typename C = T>
