@@ -154,6 +154,12 @@ def test_crossover_from_a_timing_table():
     assert crossover({1: (1.0, 2.0), 2: (1.0, 0.5)}) == 0      # lost at 1: never
     assert crossover({4: (2.0, 1.0), 1: (1.0, 0.5), 2: (1.0, 3.0)}) == 1   # sorted, stops
     assert crossover({}) == 0
+    # within 10 %: a tie, which neither ends the range nor is chosen itself
+    ties = {4: (1.0, 0.5), 8: (2.32, 2.39), 16: (3.05, 2.42), 32: (4.69, 6.34)}
+    assert crossover(ties) == 16
+    assert crossover({**ties, 16: (3.05, 3.3)}) == 4                      # a last tie
+    assert crossover({**ties, 8: (2.32, 2.6)}) == 4                       # 12 % slower: lost
+    assert crossover({1: (1.0, 1.05), 2: (1.0, 0.5)}) == 2
     with pytest.raises(ValueError):
         LowBitPolicy(-1, 0)
     with pytest.raises(ValueError):

@@ -7,7 +7,8 @@ all 120 layer matmuls of one token, even at ~32 tokens, 2x slower at 64). The cr
 depends on the CPU's vector units and memory, so it is measured: for growing token counts,
 the dense and the low-bit matmuls of a few layers (enough weights to stream from memory, as a
 real step does) and of the LM head are timed, and the policy keeps the low-bit path up to the
-largest count where it is faster at that count and every smaller one (`crossover`).
+largest count where it is faster, and faster or within a tie's margin at every smaller one
+(`crossover`).
 
 Steps of decodes alone can run every layer fused (`llama.FusedDecode`: the low-bit kernels
 with no Python between them, on kvloop's own thread pool), which wins up to larger counts
@@ -48,17 +49,29 @@ logger = logging.getLogger(__name__)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 LAYERS_TIMED = 4     # layers whose matmuls are timed (~40-60 MB of fp32: past the L3 cache)
 REPEATS = 5
+TIE_MARGIN = 0.1    # low-bit within 10 % of dense: a tie (`lost`)
+
+
+def lost(dense: float, low: float) -> bool:
+    """Whether the low-bit side lost a timing: slower than dense by more than `TIE_MARGIN`
+    (closer is a tie: within what one start-up's timings move between fresh processes)."""
+    return low > dense * (1.0 + TIE_MARGIN)
 
 
 def crossover(timings: dict[int, tuple[float, float]]) -> int:
-    """timings: tokens -> (dense seconds, low-bit seconds). The largest token count such that
-    the low-bit path is faster there and at every smaller count measured; 0 if never."""
+    """timings: tokens -> (dense seconds, low-bit seconds). The largest token count where the
+    low-bit path is faster, with every smaller count measured faster or a tie (`lost`); 0 if
+    never. A tie neither ends the low-bit range nor extends it: on a 2-core Zen 4, fused
+    decode steps of 8 rows tie with the dense loop (2.29-3.64 against 2.32-3.40 ms over
+    fresh start-ups) while 16 rows win clearly (2.26-2.70 against 2.97-4.63), and stopping at
+    the first slower count chose 4 rows in 2 of 4 start-ups and 32 in the other two."""
     best = 0
     for size in sorted(timings):
         dense, low = timings[size]
-        if low >= dense:
+        if lost(dense, low):
             break
-        best = size
+        if low < dense:
+            best = size
     return best
 
 
@@ -167,7 +180,7 @@ def _time_until_lost(sizes: tuple[int, ...],
                      pair: Callable[[int], tuple[Callable[[], object], Callable[[], object]]]
                      ) -> dict[int, tuple[float, float]]:
     """size -> (dense, low-bit) best times of the two callables `pair(size)` makes: the sizes
-    grown until the low-bit side has lost twice, then timed again `REPEATS - 1` times over,
+    grown until the low-bit side has lost twice (`lost`), then timed again `REPEATS - 1` times over,
     one repeat of every size per pass (`_best_of_passes`)."""
     pairs: dict[int, tuple[Callable[[], object], Callable[[], object]]] = {}
     out: dict[int, tuple[float, float]] = {}
@@ -178,7 +191,7 @@ def _time_until_lost(sizes: tuple[int, ...],
             a, b = pairs[size]
             a(), b()                          # warm-up: first touch, primitive creation
             out[size] = _time_pair(a, b, 0)
-            losses += out[size][1] >= out[size][0]
+            losses += lost(*out[size])
             if losses >= 2:
                 break
         return _best_of_passes(pairs, out)
