@@ -236,7 +236,7 @@ inline void expand_block(const QuantMatmul& mm, int64_t n0, int count, int64_t g
 }
 
 // The two register widths of the lane kernel: 16 rows in a 512-bit register, 8 in a 256-bit
-// one (a last 8-12 rows: bf16_lane_rows, kernels.h), with the same tiles.
+// one (a last 8 rows: bf16_lane_rows, kernels.h), with the same tiles.
 struct Rows16 {
   static constexpr int kRows = 16;
   using F = __m512;
