@@ -251,35 +251,15 @@ std::vector<float> lane_order(const T* x, int64_t rows, int64_t k_in) {
   return out;
 }
 
-// x's first `rows` rows for the bf16 lane kernel (kernels.h: `xtb`, `xts`): rounded to bf16
-// (fp32 x, by the table's round_bf16; bf16 x as it is), then in pairs, transposed, with their
-// group sums (the table's lane_pairs), [k_in / 2 or k_in / 32, lane_stride(rows)].
-template <typename T>
-void bf16_lane_order(const Kernels& k, const T* x, int64_t rows, int64_t k_in,
+// bf16 x's first `rows` rows for the bf16 lane kernel (kernels.h: `xtb`, `xts`): in pairs,
+// transposed, with their group sums (the table's lane_pairs), [k_in / 2 or k_in / 32,
+// lane_stride(rows)].
+void bf16_lane_order(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in,
                      std::vector<uint32_t>& xt, std::vector<float>& xs) {
   const int64_t stride = lane_stride(rows);
   xt.resize(k_in / 2 * stride);
   xs.resize(k_in / 32 * stride);
-  std::vector<c10::BFloat16> rounded;
-  const c10::BFloat16* b;
-  if constexpr (std::is_same_v<T, float>) {
-    rounded.resize(rows * k_in);
-    k.round_bf16(x, rounded.data(), rows * k_in);
-    b = rounded.data();
-  } else {
-    static_assert(std::is_same_v<T, c10::BFloat16>);
-    b = x;
-  }
-  k.lane_pairs(b, rows, k_in, xt.data(), xs.data(), stride);
-}
-
-// Whether x of T takes the bf16 lane kernel: bf16 x always, fp32 x where `bf16_x` allows
-// its rounding (quant_matmul), fp16 and fp64 never.
-template <typename T>
-constexpr bool takes_bf16_lanes(bool bf16_x) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) return true;
-  else if constexpr (std::is_same_v<T, float>) return bf16_x;
-  else return false;
+  k.lane_pairs(x, rows, k_in, xt.data(), xs.data(), stride);
 }
 
 template <typename T>
@@ -502,23 +482,17 @@ struct PreparedMatmul {
       : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
            nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
         fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
-    if (fp && k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0 &&
-        takes_bf16_lanes<T>(bf16_x))
-      use_bf16_lanes(k, x, rows, k_in);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (fp && k.bf16_columns != nullptr) {
-        use_bf16_columns(k, x, rows, k_in);
+    if (fp && k.bf16_columns != nullptr) {     // the variant has the bf16 kernels
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        use_bf16(k, x, rows, k_in);
         return;
-      }
-    }
-    if constexpr (std::is_same_v<T, float>) {
-      // fp32 x under bf16 layer matmuls: the rows outside the lanes rounded to bf16 as
-      // the lanes' are, into the bf16 kernel (exact products, fp32 sums)
-      if (fp && bf16_x && k.bf16_columns != nullptr) {
-        std::vector<c10::BFloat16> rounded(rows * k_in);
-        k.round_bf16(x, rounded.data(), rows * k_in);
-        use_bf16_columns(k, rounded.data(), rows, k_in);
-        return;
+      } else if constexpr (std::is_same_v<T, float>) {
+        if (bf16_x) {                            // fp32 x under bf16 layer matmuls: rounded once
+          std::vector<c10::BFloat16> rounded(rows * k_in);
+          k.round_bf16(x, rounded.data(), rows * k_in);
+          use_bf16(k, rounded.data(), rows, k_in);
+          return;
+        }
       }
     }
     if (fp && lanes == 0 && k.lane_columns != nullptr && lane_rows(rows) > 0) {
@@ -542,27 +516,23 @@ struct PreparedMatmul {
   }
   PreparedMatmul(const PreparedMatmul&) = delete;
 
-  // The bf16 kernel (pair order, group sums) for the rows past the lanes; x bf16.
-  void use_bf16_columns(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in) {
+  // The bf16 kernels on bf16 x: the lane kernel for its rows (bf16_lane_rows), where the
+  // variant has it, then the bf16 tiles (pair order, group sums) for the rows past them.
+  void use_bf16(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in) {
     columns = k.bf16_columns;
-    if (lanes < rows) {
-      xb = pair_order(x, rows, k_in);
-      xs = group_sums(x, rows, k_in);
-      mm.xb = xb.data();
-      mm.xs = xs.data();
-    }
-  }
-
-  // The bf16 lane kernel for the first bf16_lane_rows(rows) rows.
-  template <typename T>
-  void use_bf16_lanes(const Kernels& k, const T* x, int64_t rows, int64_t k_in) {
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    if (k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0) {
       lanes = bf16_lane_rows(rows);
       lane_columns = k.bf16_lane_columns;
       bf16_lane_order(k, x, lanes, k_in, xtb, xts);
       mm.xtb = xtb.data();
       mm.xts = xts.data();
       mm.xt_stride = lane_stride(lanes);
+    }
+    if (lanes < rows) {
+      xb = pair_order(x, rows, k_in);
+      xs = group_sums(x, rows, k_in);
+      mm.xb = xb.data();
+      mm.xs = xs.data();
     }
   }
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
