@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -145,6 +146,23 @@ def test_the_crossover_times_each_size_once_a_pass_and_keeps_each_side_s_best(mo
               for c in ([(s, "dense"), (s, "low")] if turn % 2 == 0
                         else [(s, "low"), (s, "dense")])]
     assert calls == first_pass + passes
+
+
+def test_the_crossover_is_timed_on_a_thread_of_its_own_as_steps_run(q4_runner, monkeypatch):
+    """`measure_policy` times on a fresh thread, never the caller's: the runner runs every
+    step on its forward thread, and the main thread's timings differ (`on_a_step_thread`)."""
+    from kvloop.model import crossover as module
+
+    seen: list[threading.Thread] = []
+
+    def record(model, sizes):
+        seen.append(threading.current_thread())
+        return LowBitPolicy(2, 1, 4)
+
+    monkeypatch.setattr(module, "_measure_policy", record)
+    assert module.measure_policy(q4_runner.model) == LowBitPolicy(2, 1, 4)
+    assert len(seen) == 1 and seen[0] is not threading.current_thread()
+    assert seen[0].name.startswith("kvloop-crossover") and not seen[0].is_alive()
 
 
 def test_crossover_from_a_timing_table():
