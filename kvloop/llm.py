@@ -31,7 +31,8 @@ the same engine loop, and comes back as the final-norm hidden state of its last 
 L2-normalized unless the params say not (`EmbeddingRequestOutput.outputs.embedding`).
 
 A prompt that leaves no room for an output token raises ContextLengthError (a ValueError) with
-the server's message, before any request is added. `max_tokens` beyond the context is not an
+the server's message, before any request is added; so does a prompt token id outside the
+model's vocabulary (TokenIdError, a ValueError). `max_tokens` beyond the context is not an
 error here (the server answers 400 for it only when the client set it; SamplingParams always
 carries one): as in vLLM's offline LLM, generation stops at `max_model_len` ("length").
 """
@@ -63,6 +64,7 @@ from kvloop.core.request import (
     PoolingParams,
     SamplingParams,
     check_context_length,
+    check_token_ids,
 )
 from kvloop.core.runner import LoadedRunner
 from kvloop.engine.build import BuiltEngine, build_engine
@@ -355,6 +357,7 @@ class LLM:
         max_len = self.engine.config.scheduler.max_model_len
         for _, ids in encoded:
             check_context_length(max_len, len(ids))
+            check_token_ids(ids, self._vocab_size)
         params = [model_stops(sp, self.tokenizer) for sp in params]
         for sp in params:
             self._check_structured_outputs(sp)

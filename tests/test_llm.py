@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvloop import LLM, SamplingParams
-from kvloop.core.request import ContextLengthError
+from kvloop.core.request import ContextLengthError, TokenIdError
 from kvloop.llm import CompletionOutput, RequestOutput
 from tests.test_model_tiny import tiny_hf_model, write_hf_folder, write_tiny_gguf
 
@@ -167,6 +167,22 @@ def test_prompt_longer_than_the_context_is_rejected(llm):
                             f"the length of the input messages.")
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_pool.get_num_free_blocks() == llm.engine.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_engine_stays_usable(llm, bad):
+    """The server's check and message (before, the step raised torch's IndexError and the
+    request stayed unfinished forever); nothing is left behind and the next prompt runs."""
+    vocab = llm.runner.vocab_size
+    bad = vocab if bad == "vocab" else bad
+    with pytest.raises(TokenIdError) as e:
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, bad, 6]}], GREEDY)
+    assert str(e.value) == f"Token id {bad} is out of vocabulary [0, {vocab})"
+    assert e.value.param == "prompt" and isinstance(e.value, ValueError)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_pool.get_num_free_blocks() == llm.engine.num_gpu_blocks - 1
+    (out,) = llm.generate([{"prompt_token_ids": [5, vocab - 1]}], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_eos_is_filled_from_the_tokenizer(eos_llm):

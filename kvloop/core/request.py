@@ -12,7 +12,7 @@ generated tokens too.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from kvloop.core.hashing import BlockHasher, block_extra_keys
@@ -86,6 +86,22 @@ class ContextLengthError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class TokenIdError(ValueError):
+    """A token id outside the model's vocabulary; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, param: str = "prompt") -> None:
+    """Raise TokenIdError for the first id outside [0, vocab_size): the model's embedding
+    has no row for it, so the step that read it would fail for every request in it."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise TokenIdError(f"Token id {bad} is out of vocabulary [0, {vocab_size})", param)
 
 
 def check_context_length(max_model_len: int, prompt_len: int,

@@ -27,7 +27,9 @@ from kvloop.core.request import (
     NO_GRAMMAR_BACKEND,
     ContextLengthError,
     StructuredOutputsParams,
+    TokenIdError,
     check_context_length,
+    check_token_ids,
 )
 from kvloop.front.auth import Caller, presented_authorization
 from kvloop.front.drain import DRAINING_HEADERS
@@ -166,10 +168,10 @@ class ServerContext:
                            param="model")
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        v = self.vocab_size
-        bad = next((i for i in ids if not 0 <= i < v), None)
-        if bad is not None:
-            raise APIError(400, f"Token id {bad} is out of vocabulary [0, {v})", param=param)
+        try:
+            check_token_ids(ids, self.vocab_size, param)
+        except TokenIdError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     def token_str(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
