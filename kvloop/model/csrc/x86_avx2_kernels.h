@@ -364,11 +364,10 @@ void int_columns_bits(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin
   }
 }
 
-// The integer kernel: 1-2 rows lanes_column, 3-4 rows quant_column.
+// The integer kernel (4-bit W): 1-2 rows lanes_column, 3-4 rows quant_column.
 void int_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
                       float* out, int64_t out_stride) {
-  if (mm.bits == 4) int_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
-  else int_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
+  int_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
 }
 
 // The fp32 kernel: each group's 32 weights dequantized to fp32 in registers once (q * scale
