@@ -131,8 +131,8 @@ struct QuantMatmul {
   const float* xts;           // and each group's sum of those bf16 values, [K / 32, xt_stride]
 };
 
-// y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
-// out[m * out_stride + (n - begin)].
+// y for `rows` (1-4; q8_columns: any) rows of x from r0 and the columns [begin, end), in
+// fp32: out[m * out_stride + (n - begin)].
 using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
                            int64_t end, float* out, int64_t out_stride);
 
@@ -206,8 +206,8 @@ struct Kernels {
 
 // From this many rows on, a 4-bit matmul runs `fp_columns` (fp32 rows against weights
 // dequantized in registers: no rounding of x; measured on AVX2, all 4-bit matmuls of a step
-// of SmolLM2-135M on 2 threads: 8 rows 30 -> 25 ms, 16 rows 59 -> 52 ms); below it, and for
-// 8-bit weights, `int_columns`.
+// of SmolLM2-135M on 2 threads: 8 rows 30 -> 25 ms, 16 rows 59 -> 52 ms); below it
+// `int_columns` (8-bit weights: `q8_columns` at every row count).
 constexpr int64_t kFpRows = 3;
 
 // The rows of a 4-bit matmul that a variant with `lane_columns` gives it, from row 0 (the rest
