@@ -189,8 +189,8 @@ inline void q8_tile(const QuantMatmul& mm, int64_t r0, int64_t b, float* out,
   }
 }
 
-// MB rows from r0 over the blocks of [begin, end): C at a time while whole runs of C are
-// left, then one.
+// MB rows from r0 over the blocks of [begin, end): C at a time while C are left, then one
+// at a time.
 template <int C, int MB>
 void q8_rows(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
              int64_t out_stride) {
@@ -201,7 +201,10 @@ void q8_rows(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, floa
     q8_tile<1, MB>(mm, r0, n / kQ8Columns, out + (n - begin), out_stride, end - n);
 }
 
-// ColumnsFn: rows in tiles of kQ8Rows, the 1-7 left in one more.
+// ColumnsFn: rows in tiles of kQ8Rows, the 1-7 left in one more; 1-2 rows take 4 blocks at
+// a time, 3-4 rows 2 (4-8 chains of `dpwssd` in flight; measured, one thread, the head at 2
+// rows: 1.8-2.0 ms with 4 blocks, 2.6-2.8 with 2; a split of each sum into two chains, for 8
+// at 1 row, bought nothing measurable).
 constexpr int kQ8Rows = 8;
 
 void q8_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
@@ -209,8 +212,8 @@ void q8_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int6
   for (int64_t m = 0; m < rows; m += kQ8Rows) {
     float* o = out + m * out_stride;
     switch (std::min<int64_t>(kQ8Rows, rows - m)) {
-      case 1: q8_rows<2, 1>(mm, r0 + m, begin, end, o, out_stride); break;
-      case 2: q8_rows<2, 2>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 1: q8_rows<4, 1>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 2: q8_rows<4, 2>(mm, r0 + m, begin, end, o, out_stride); break;
       case 3: q8_rows<2, 3>(mm, r0 + m, begin, end, o, out_stride); break;
       case 4: q8_rows<2, 4>(mm, r0 + m, begin, end, o, out_stride); break;
       case 5: q8_rows<1, 5>(mm, r0 + m, begin, end, o, out_stride); break;
