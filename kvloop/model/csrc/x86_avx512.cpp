@@ -137,6 +137,7 @@ void vnni_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, in
 // multiply and an FMA, where the column kernel (vnni_column) spent a `dpwssd`, a convert, a
 // permute and an FMA per column. Same integer sums; each column's fp32 sum runs over the
 // groups in order (as generic_q8_columns'). C blocks (16 C columns) and MB rows per tile.
+
 // acc + the products of w's 16-bit pairs with x[0], x[1] (the same pair in every lane): one
 // `vpdpwssd` with x broadcast from memory, acc in place. In assembly: GCC 12 builds the
 // intrinsic's accumulator in a copy (a move per `dpwssd`) and broadcasts x apart.
@@ -147,6 +148,8 @@ inline __m512i dot_pair(__m512i acc, __m512i w, const int16_t* x) {
   return acc;
 }
 
+// The tile's columns from block b (C blocks; `count` of them stored, a last block's masked)
+// for MB rows from r0: out[m * out_stride + j].
 template <int C, int MB>
 inline void q8_tile(const QuantMatmul& mm, int64_t r0, int64_t b, float* out,
                     int64_t out_stride, int64_t count) {
