@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from kvloop.model import cpu_ops
+from kvloop.model.quant import q8_column_blocks
 
 VARIANTS = ("avx512_bf16", "avx512", "avx2", "generic")    # dispatch.cpp's kVariants, best first
 
@@ -310,15 +311,55 @@ def _dequantized_q4(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor)
     return (q * scale.double()[..., None] + offset.double()[..., None]).view(n, -1)
 
 
+def _q8_matmul(ops, x: torch.Tensor, q8: torch.Tensor, s8: torch.Tensor) -> torch.Tensor:
+    """`q8_matmul` on int8 q8 [N, K] and scales s8 [N, K / 32] (as `Int8Weight` lays them out)."""
+    return ops.q8_matmul(x, *q8_column_blocks(q8, s8, ops.q8_block_columns), q8.shape[0])
+
+
+def _q8_argmax(ops, x: torch.Tensor, q8: torch.Tensor, s8: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    blocks = q8_column_blocks(q8, s8, ops.q8_block_columns)
+    return ops.q8_matmul_argmax(x, *blocks, q8.shape[0])
+
+
+def _dequantized_q8(q8: torch.Tensor, s8: torch.Tensor) -> torch.Tensor:
+    n, k = q8.shape
+    return (q8.double().view(n, -1, 32) * s8.double()[..., None]).view(n, k)
+
+
+@pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72), (64, 1)])
+@pytest.mark.parametrize("rows", range(1, 18))
+def test_q8_matmul_at_every_row_count_on_edge_shapes(ops, variant, rows, k, n):
+    """The 8-bit kernel (the LM head's) on W in blocks of 16 columns (`q8_column_blocks`) at
+    1-17 rows (AVX-512: tiles of 8 rows, 1-4 rows two blocks at a time; AVX2: tiles of 3):
+    each y within 1e-4 of the largest of x @ W.T in fp64 (x rounded to int16 per group);
+    N of 1 column, 13 (under one block), 40 and 72 (a last block half full) and 200 (pool
+    chunks); K of one group to 48. A row's y does not depend on the rows beside it: each
+    equals, bit for bit, that row's y alone (so the argmax at any row count is the one of
+    the logits at any other), and the argmax kernel's is the matmul's."""
+    g = torch.Generator().manual_seed(rows * 101 + k + n)
+    x = torch.randn(rows, k, generator=g)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(n, k // 32, generator=g) * 0.01
+    want = x.double() @ _dequantized_q8(q8, s8).T
+    got = _q8_matmul(ops, x, q8, s8)
+    assert got.shape == (rows, n)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
+    alone = torch.cat([_q8_matmul(ops, x[m:m + 1], q8, s8) for m in range(rows)])
+    assert torch.equal(got, alone)
+    columns, values = _q8_argmax(ops, x, q8, s8)
+    assert torch.equal(columns, got.argmax(-1)) and torch.equal(values, got.max(-1).values)
+
+
 @pytest.mark.parametrize("k", [576, 96])            # 18 groups (8 + 8 + 2), 3 groups
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 33])
 def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
     """q4 and q8 matmuls against their dequantized weights in fp64, on each kernel: 1-2 rows
     (int16 activations, 8 groups' sums in one vector, then the groups left over), 3 and more
     (q4: fp32 rows against weights dequantized in registers, in tiles of 4 rows or, on
-    AVX-512, all rows in vector lanes; q8: 4-row integer tiles). The integer kernels round x
-    to 16 bits per group (~2^-16 of its largest value); the fp32 ones only sum in another
-    order. 200 columns: from K = 576 the pool splits them in chunks."""
+    AVX-512, all rows in vector lanes; q8: the columns in vector lanes at every row count).
+    The integer kernels round x to 16 bits per group (~2^-16 of its largest value); the fp32
+    ones only sum in another order. 200 columns: from K = 576 the pool splits them in chunks."""
     g = torch.Generator().manual_seed(rows * 1000 + k)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(200, k, g)
@@ -328,8 +369,8 @@ def test_quantized_matmuls_on_every_path(ops, variant, rows, k):
     assert err < (1e-6 if rows >= 3 else 1e-4), err
     q8 = torch.randint(-127, 128, (200, k), dtype=torch.int8, generator=g)
     s8 = torch.rand(200, k // 32, generator=g) * 0.01
-    want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
-    got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
+    want8 = x.double() @ _dequantized_q8(q8, s8).T
+    got8 = _q8_matmul(ops, x, q8, s8)
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-4
 
 
@@ -353,8 +394,8 @@ def test_quantized_matmuls_on_bf16_rows(ops, variant, rows, k):
         assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 3e-6).all()
     q8 = torch.randint(-127, 128, (200, k), dtype=torch.int8, generator=g)
     s8 = torch.rand(200, k // 32, generator=g) * 0.01
-    want8 = x.double() @ (q8.double().view(200, -1, 32) * s8.double()[..., None]).view(200, k).T
-    got8 = ops.q8_matmul(x, q8.view(torch.uint8), s8)
+    want8 = x.double() @ _dequantized_q8(q8, s8).T
+    got8 = _q8_matmul(ops, x, q8, s8)
     assert ((got8.double() - want8).abs().max() / want8.abs().max()).item() < 1e-2
 
 
@@ -422,19 +463,18 @@ def test_the_lm_head_argmax_is_the_argmax_of_its_logits_exactly(ops, variant, ro
     q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     s8 = torch.rand(n, k // 32, generator=g) * 0.01
     qs, scale, offset = _random_q4(n, k, g)
-    winners = ops.q8_matmul(x, q8.view(torch.uint8), s8).float().argmax(-1)
+    winners = _q8_matmul(ops, x, q8, s8).float().argmax(-1)
     for i, w in enumerate(winners.tolist()):     # a copy of row w's weights further on
         q8[900 + i], s8[900 + i] = q8[w], s8[w]
         q8[10 + i], s8[10 + i] = q8[w], s8[w]        # ... and one before it
     for got, logits in [
-            (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8),
-             ops.q8_matmul(x, q8.view(torch.uint8), s8)),
+            (_q8_argmax(ops, x, q8, s8), _q8_matmul(ops, x, q8, s8)),
             (ops.q4_matmul_argmax(x, qs, scale, offset), ops.q4_matmul(x, qs, scale, offset))]:
         columns, values = got
         assert logits.dtype == dtype and columns.dtype == torch.int64
         assert torch.equal(columns, logits.float().argmax(-1))
         assert torch.equal(values, logits.float().max(-1).values)
-    assert (ops.q8_matmul_argmax(x, q8.view(torch.uint8), s8)[0] < 100).all()   # the copies
+    assert (_q8_argmax(ops, x, q8, s8)[0] < 100).all()   # the copies
 
 
 def _huge_page_bytes_at(address: int) -> int:

@@ -103,6 +103,23 @@ def test_int8_matmul_on_q8_0_blocks(kernel):
     assert ((weight.matmul(x) - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.skipif(cpu_ops.load() is None, reason="kvloop's CPU ops are not built")
+@pytest.mark.parametrize("rows", [40, 16, 1])
+def test_int8_weight_keeps_the_values_in_column_blocks(rows):
+    """kvloop's kernel holds Q8_0 in blocks of 16 output columns (40 rows: a last block
+    half full, padded): the same values read back, and its matmul is x @ W.T."""
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (rows, 64), dtype=torch.int8, generator=g)
+    scale = torch.rand(rows, 2, generator=g) * 0.01
+    weight = Int8Weight(q, scale, kernel="kvloop")
+    dense = q.float() * scale.repeat_interleave(32, 1)
+    assert torch.equal(weight.dequantize(), dense)
+    x = torch.randn(3, 64, generator=g)
+    want = x.double() @ dense.double().T
+    assert ((weight.matmul(x).double() - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert torch.equal(weight.argmax(x), weight.matmul(x).argmax(-1))
+
+
 class _FakeClock:
     """`time` for kvloop.model.crossover: perf_counter reads `now`, which the timed callables
     advance (no sleeping, so a loaded machine changes nothing)."""

@@ -16,12 +16,13 @@ the twins run where the extension is absent (no compiler, another device, or
   (`--kv-cache-dtype bfloat16`): written rounded to nearest even, read widened exactly;
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
 - `q4_matmul` / `q8_matmul(x, ...)`: x @ W.T on 4-bit / 8-bit group-32 weights
-  (`kvloop.model.quant` holds them), and `q4_matmul_argmax` / `q8_matmul_argmax`: each
-  row's (argmax, max) of the same product without writing the row whole (greedy
-  decoding's LM head; twin: the matmul, then argmax); `q4_*(..., bf16_x=True)`: fp32 x
-  may be rounded to bf16 at the rows the AVX512_BF16 kernels take (3+: the lane kernel's
-  `bf16_lane_rows(M)`, then the bf16 tiles'; `Precision.low_bit_bf16_x`): exact products of
-  those rows rounded, fp32 sums;
+  (`kvloop.model.quant` holds them; 8-bit in blocks of `q8_block_columns` output columns,
+  `quant.q8_column_blocks`, with the column count passed), and `q4_matmul_argmax` /
+  `q8_matmul_argmax`: each row's (argmax, max) of the same product without writing the
+  row whole (greedy decoding's LM head; twin: the matmul, then argmax);
+  `q4_*(..., bf16_x=True)`: fp32 x may be rounded to bf16 at the rows the AVX512_BF16
+  kernels take (3+: the lane kernel's `bf16_lane_rows(M)`, then the bf16 tiles';
+  `Precision.low_bit_bf16_x`): exact products of those rows rounded, fp32 sums;
 - `DecodeStack(norms, quantized, ...)` (extension only, no twin: its oracle is the Python
   layer loop, see `kvloop.model.llama.FusedDecode`): built once from the weights, its
   `forward` runs every decoder layer of a step of decodes in one call, with the 4-bit

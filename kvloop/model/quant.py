@@ -13,7 +13,9 @@ matmuls, and run them; which matmul a step uses is `llama.Linear`'s choice.
   with zero = offset + 8 * scale (used where kvloop's CPU ops are not built): the GGUF's
   own nibbles either way, no re-quantization of the weights.
 - 8-bit (Q8_0, used for the tied embedding / LM head): kvloop's kernel
-  (`cpu_ops.q8_matmul`) runs the file's int8 values and per-32 scales as they are; torch's
+  (`cpu_ops.q8_matmul`) runs the file's int8 values and per-32 scales, reordered once at
+  load into blocks of 16 output columns (`q8_column_blocks`: the columns in vector lanes);
+  torch's
   `aten._weight_int8pack_mm` (the fallback) has one scale per output row, so there the rows
   are re-quantized (at most half a per-row step off the file's values).
 
@@ -124,10 +126,10 @@ class Int4Weight(_QuantWeight):
 class Int8Weight(_QuantWeight):
     """W [out, in] as int8 groups of 32 with a scale each (Q8_0): `matmul(x)` = x @ W.T.
 
-    Kernels: "kvloop" (`cpu_ops.q8_matmul`: the file's int8 values and scales, exactly;
-    int16 activations per group) or "torch" (`aten._weight_int8pack_mm`, one scale per row:
-    the rows re-quantized, round(w / s) with s = max|w| / 127 rounded up to a bf16 number, at
-    most half a step off the file's values).
+    Kernels: "kvloop" (`cpu_ops.q8_matmul`: the file's int8 values and scales, exactly, in
+    `q8_column_blocks` order; int16 activations per group) or "torch"
+    (`aten._weight_int8pack_mm`, one scale per row: the rows re-quantized, round(w / s) with
+    s = max|w| / 127 rounded up to a bf16 number, at most half a step off the file's values).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = KERNEL_DTYPE,
@@ -135,7 +137,7 @@ class Int8Weight(_QuantWeight):
         """q int8 [out, in]; scale fp32 [out, in / 32]."""
         super().__init__(q.shape, dtype, kernel, 8)
         if self.kernel == "kvloop":
-            self.tensors = (q.contiguous(), scale.float().contiguous())
+            self.tensors = q8_column_blocks(q, scale.float(), self._ops.q8_block_columns)
         else:
             self.tensors = _per_row_int8(q.float() * scale.float().repeat_interleave(GROUP, 1),
                                          dtype)
@@ -148,7 +150,7 @@ class Int8Weight(_QuantWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "kvloop":
-            return self._ops.q8_matmul(x.contiguous(), *self.tensors)
+            return self._ops.q8_matmul(x.contiguous(), *self.tensors, self.out_features)
         q, scale = self.tensors
         return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), q, scale).to(x.dtype)
 
@@ -157,15 +159,44 @@ class Int8Weight(_QuantWeight):
         maxima), exactly; on kvloop's kernel without writing the row whole
         (`cpu_ops.q8_matmul_argmax`: greedy decoding's LM head)."""
         if self.kernel == "kvloop":
-            return self._ops.q8_matmul_argmax(x.contiguous(), *self.tensors)[0]
+            return self._ops.q8_matmul_argmax(x.contiguous(), *self.tensors,
+                                              self.out_features)[0]
         return self.matmul(x).argmax(dim=-1)
 
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in fp32 as the kernel holds it (for tests)."""
-        q, scale = self.tensors
         if self.kernel == "kvloop":
+            blocks, block_scales = self.tensors
+            q, scale = q8_from_column_blocks(blocks, block_scales, self.out_features,
+                                             self._ops.q8_block_columns)
             return q.float() * scale.repeat_interleave(GROUP, 1)
+        q, scale = self.tensors
         return q.float() * scale.float()[:, None]
+
+
+def q8_column_blocks(q: torch.Tensor, scale: torch.Tensor, columns: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int8 [N, K] and scale fp32 [N, K / 32] in the layout of kvloop's 8-bit kernel
+    (csrc/kernels.h, `kQ8Columns`): N padded with zero rows to whole blocks of `columns`
+    output columns; per block, group and pair of k, the pair of every column of the block
+    side by side -> (q [N', K], scale [N', K / 32]), N' = N padded; the same bytes as many."""
+    n, k = q.shape
+    pad = -n % columns
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, k // GROUP)])
+    blocks = q.view(-1, columns, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    scales = scale.view(-1, columns, k // GROUP).permute(0, 2, 1)
+    return blocks.reshape(n + pad, k).contiguous(), scales.reshape(n + pad, -1).contiguous()
+
+
+def q8_from_column_blocks(q: torch.Tensor, scale: torch.Tensor, n: int, columns: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q8_column_blocks`' inverse: (q [n, K], scale [n, K / 32])."""
+    padded, k = q.shape
+    blocks = q.view(-1, k // GROUP, GROUP // 2, columns, 2).permute(0, 3, 1, 2, 4)
+    scales = scale.view(-1, k // GROUP, columns).permute(0, 2, 1)
+    return blocks.reshape(padded, k)[:n], scales.reshape(padded, -1)[:n]
 
 
 def _per_row_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -107,17 +107,30 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// `bf16_x`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at 3+ rows.
+// x [M, K] and W's qs and scale agree with n_out columns: 4-bit [N, K / 2] and [N, K / 32],
+// 8-bit in column blocks (kernels.h) [N', K] and [N', K / 32], N' = N padded to whole blocks.
 template <int Bits>
-at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                        const float* offset, bool bf16_x = false) {
+void check_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                  int64_t n_out) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(qs, "qs");
   check_cpu_contiguous(scale, "scale");
-  const int64_t rows = x.size(0), k_in = x.size(1), n_out = qs.size(0);
-  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) == k_in * Bits / 8 &&
-              scale.size(0) == n_out && scale.size(1) == k_in / 32,
+  const int64_t k_in = x.size(1);
+  const int64_t rows = Bits == 8 ? (n_out + kvloop::kQ8Columns - 1) / kvloop::kQ8Columns *
+                                       kvloop::kQ8Columns
+                                 : n_out;
+  TORCH_CHECK(x.dim() == 2 && k_in % 32 == 0 && qs.size(0) == rows &&
+              qs.size(1) == k_in * Bits / 8 && scale.size(0) == rows &&
+              scale.size(1) == k_in / 32 && n_out > 0 && n_out < (int64_t(1) << 32),
               "quantized matmul: shapes disagree");
+}
+
+// `bf16_x`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at 3+ rows.
+template <int Bits>
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                        const float* offset, int64_t n_out, bool bf16_x = false) {
+  check_matmul<Bits>(x, qs, scale, n_out);
+  const int64_t rows = x.size(0), k_in = x.size(1);
   auto y = at::empty({rows, n_out}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_matmul",
                                   [&] {
@@ -133,15 +146,10 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 template <int Bits>
 std::tuple<at::Tensor, at::Tensor> quant_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
                                                        const at::Tensor& scale,
-                                                       const float* offset,
+                                                       const float* offset, int64_t n_out,
                                                        bool bf16_x = false) {
-  check_cpu_contiguous(x, "x");
-  check_cpu_contiguous(qs, "qs");
-  check_cpu_contiguous(scale, "scale");
-  const int64_t rows = x.size(0), k_in = x.size(1), n_out = qs.size(0);
-  TORCH_CHECK(k_in % 32 == 0 && qs.size(1) == k_in * Bits / 8 &&
-              scale.size(0) == n_out && scale.size(1) == k_in / 32 && n_out > 0 &&
-              n_out < (int64_t(1) << 32), "quantized matmul argmax: shapes disagree");
+  check_matmul<Bits>(x, qs, scale, n_out);
+  const int64_t rows = x.size(0), k_in = x.size(1);
   auto columns = at::empty({rows}, at::kLong);
   auto values = at::empty({rows}, at::kFloat);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
@@ -158,22 +166,24 @@ std::tuple<at::Tensor, at::Tensor> q4_matmul_argmax(const at::Tensor& x, const a
                                                     const at::Tensor& scale,
                                                     const at::Tensor& offset, bool bf16_x) {
   check_cpu_contiguous(offset, "offset");
-  return quant_matmul_argmax<4>(x, qs, scale, offset.data_ptr<float>(), bf16_x);
+  return quant_matmul_argmax<4>(x, qs, scale, offset.data_ptr<float>(), qs.size(0), bf16_x);
 }
 
+// 8-bit W in column blocks (kernels.h), n_out columns.
 std::tuple<at::Tensor, at::Tensor> q8_matmul_argmax(const at::Tensor& x, const at::Tensor& qs,
-                                                    const at::Tensor& scale) {
-  return quant_matmul_argmax<8>(x, qs, scale, nullptr);
+                                                    const at::Tensor& scale, int64_t n_out) {
+  return quant_matmul_argmax<8>(x, qs, scale, nullptr, n_out);
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                      const at::Tensor& offset, bool bf16_x) {
   check_cpu_contiguous(offset, "offset");
-  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), bf16_x);
+  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), qs.size(0), bf16_x);
 }
 
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale) {
-  return quant_matmul<8>(x, qs, scale, nullptr);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                     int64_t n_out) {
+  return quant_matmul<8>(x, qs, scale, nullptr, n_out);
 }
 
 // The decoder for a step of decodes (one query token per request), every layer in one call
@@ -364,13 +374,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x); bf16_x: "
         "fp32 x may be rounded to bf16 at 3+ rows", pybind11::arg("x"), pybind11::arg("qs"),
         pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_x") = false);
-  m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x)");
+  m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x) in "
+        "column blocks, n_out columns", pybind11::arg("x"), pybind11::arg("qs"),
+        pybind11::arg("scale"), pybind11::arg("n_out"));
+  m.attr("q8_block_columns") = kvloop::kQ8Columns;      // the 8-bit layout's block (kernels.h)
   m.def("q4_matmul_argmax", &q4_matmul_argmax,
         "(argmax, max) of each row of x @ W.T, 4-bit W, never writing the row whole",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scale"), pybind11::arg("offset"),
         pybind11::arg("bf16_x") = false);
   m.def("q8_matmul_argmax", &q8_matmul_argmax,
-        "(argmax, max) of each row of x @ W.T, 8-bit W, never writing the row whole");
+        "(argmax, max) of each row of x @ W.T, 8-bit W in column blocks, never writing the "
+        "row whole", pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scale"),
+        pybind11::arg("n_out"));
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");

@@ -59,6 +59,7 @@ void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn, int64_t 
 // y (16 fp32 columns), so two threads never write one line (measured: with unaligned chunks
 // the second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
 constexpr int64_t kColumnsPerLine = 16;
+static_assert(kColumnsPerLine % kQ8Columns == 0, "a task's columns start a column block");
 
 template <typename T, typename C>
 AttendFn<T, C> attend_of(const Kernels& k) {
@@ -113,17 +114,10 @@ void generic_quantize_row(const float* x, int64_t k_in, int16_t* q, float* d, fl
   }
 }
 
-// A group's 32 weights as integers, in x's order: 4-bit (16 bytes, byte i = weights i and
-// i + 16) or 8-bit (32 signed bytes).
-template <int Bits>
-inline int32_t weight_at(const uint8_t* group, int i) {
-  if constexpr (Bits == 4) return i < 16 ? (group[i] & 15) : (group[i - 16] >> 4);
-  else return static_cast<int8_t>(group[i]);
-}
-
-// The integer kernel (llama.cpp's recipe for Q4 x Q8, with 16-bit activations):
-//   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq) + offset[n, g] dx[m, g] sum(xq).
-template <int Bits, int MB>
+// The 4-bit integer kernel (llama.cpp's recipe for Q4 x Q8, with 16-bit activations):
+//   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq) + offset[n, g] dx[m, g] sum(xq),
+// a group's weight i the low nibble of its byte i, weight i + 16 the high one.
+template <int MB>
 void int_columns_of(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
                     int64_t out_stride) {
   const QuantizedRows& xq = *mm.xq;
@@ -131,39 +125,58 @@ void int_columns_of(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t en
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = mm.qs + n * mm.row_bytes;
     const float* sc = mm.scale + n * groups;
-    const float* of = mm.offset ? mm.offset + n * groups : nullptr;
+    const float* of = mm.offset + n * groups;
     float acc[MB], tail[MB];
     for (int m = 0; m < MB; ++m) acc[m] = tail[m] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* group = row + g * Bits * 4;
+      const uint8_t* group = row + g * 16;
       for (int m = 0; m < MB; ++m) {
         const int64_t r = r0 + m;
         const int16_t* xg = xq.q.data() + r * mm.k_in + g * 32;
         int32_t dot = 0;
-        for (int i = 0; i < 32; ++i) dot += weight_at<Bits>(group, i) * xg[i];
+        for (int i = 0; i < 16; ++i) dot += (group[i] & 15) * xg[i] + (group[i] >> 4) * xg[i + 16];
         acc[m] += sc[g] * xq.d[r * groups + g] * static_cast<float>(dot);
-        if (of) tail[m] += of[g] * xq.s[r * groups + g];
+        tail[m] += of[g] * xq.s[r * groups + g];
       }
     }
     for (int m = 0; m < MB; ++m) out[m * out_stride + (n - begin)] = acc[m] + tail[m];
   }
 }
 
-template <int Bits>
-void int_columns_bits(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
-                      int64_t end, float* out, int64_t out_stride) {
+void generic_int_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                         int64_t end, float* out, int64_t out_stride) {
   switch (rows) {
-    case 4: return int_columns_of<Bits, 4>(mm, r0, begin, end, out, out_stride);
-    case 3: return int_columns_of<Bits, 3>(mm, r0, begin, end, out, out_stride);
-    case 2: return int_columns_of<Bits, 2>(mm, r0, begin, end, out, out_stride);
-    default: return int_columns_of<Bits, 1>(mm, r0, begin, end, out, out_stride);
+    case 4: return int_columns_of<4>(mm, r0, begin, end, out, out_stride);
+    case 3: return int_columns_of<3>(mm, r0, begin, end, out, out_stride);
+    case 2: return int_columns_of<2>(mm, r0, begin, end, out, out_stride);
+    default: return int_columns_of<1>(mm, r0, begin, end, out, out_stride);
   }
 }
 
-void generic_int_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
-                         int64_t end, float* out, int64_t out_stride) {
-  if (mm.bits == 4) int_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
-  else int_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
+// The 8-bit integer kernel on W in column blocks (kernels.h), a column and a row at a time:
+//   y[m, n] = sum_g scale[n, g] dx[m, g] sum(q xq), the groups in order.
+void generic_q8_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                        int64_t end, float* out, int64_t out_stride) {
+  const QuantizedRows& xq = *mm.xq;
+  const int64_t groups = mm.groups;
+  const int8_t* qs = reinterpret_cast<const int8_t*>(mm.qs);
+  for (int64_t n = begin; n < end; ++n) {
+    const int64_t b = n / kQ8Columns, j = n % kQ8Columns;
+    for (int m = 0; m < rows; ++m) {
+      const int64_t r = r0 + m;
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* w = qs + (b * groups + g) * 32 * kQ8Columns + 2 * j;
+        const int16_t* xg = xq.q.data() + r * mm.k_in + g * 32;
+        int32_t dot = 0;
+        for (int p = 0; p < 16; ++p)
+          dot += w[p * 2 * kQ8Columns] * xg[2 * p] + w[p * 2 * kQ8Columns + 1] * xg[2 * p + 1];
+        acc += mm.scale[(b * groups + g) * kQ8Columns + j] * xq.d[r * groups + g] *
+               static_cast<float>(dot);
+      }
+      out[m * out_stride + (n - begin)] = acc;
+    }
+  }
 }
 
 // 4-bit weights dequantized (q * scale + offset, as `Int4Weight.dequantize`) against fp32
@@ -331,7 +344,7 @@ const Kernels& generic_kernels() {
                              generic_attend<c10::Half>,
                              generic_attend<float, c10::BFloat16>, generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
-                             generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
+                             generic_q8_columns, generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
                              false};
   return table;
 }
@@ -481,7 +494,8 @@ struct PreparedMatmul {
                  const float* offset, int64_t rows, int64_t k_in, bool bf16_x)
       : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
            nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
-        fp(bits == 4 && rows >= kFpRows), columns(fp ? k.fp_columns : k.int_columns) {
+        fp(bits == 4 && rows >= kFpRows),
+        columns(fp ? k.fp_columns : bits == 8 ? k.q8_columns : k.int_columns) {
     if (fp && k.bf16_columns != nullptr) {     // the variant has the bf16 kernels
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         use_bf16(k, x, rows, k_in);
@@ -537,11 +551,15 @@ struct PreparedMatmul {
   }
   PreparedMatmul& operator=(const PreparedMatmul&) = delete;
 
-  // fn(kernel, r0, mb) over the rows: the lane kernel's at once, then the others in tiles of
-  // 4 (then 2, then 1; the fp32 kernel: the 1-3 rows left at once), so the weights stream
-  // once per 4 rows.
+  // fn(kernel, r0, mb) over the rows: 8-bit weights' all at once (q8_columns tiles them
+  // itself); else the lane kernel's at once, then the others in tiles of 4 (then 2, then 1;
+  // the fp32 kernel: the 1-3 rows left at once), so the weights stream once per 4 rows.
   template <typename Fn>
   void tiles(int64_t rows, const Fn& fn) const {
+    if (mm.bits == 8) {
+      fn(columns, 0, static_cast<int>(rows));
+      return;
+    }
     if (lanes > 0) fn(lane_columns, 0, static_cast<int>(lanes));
     int64_t r0 = lanes;
     for (; rows - r0 >= 4; r0 += 4) fn(columns, r0, 4);
@@ -560,7 +578,8 @@ struct PreparedMatmul {
 }  // namespace
 
 // y [M, N] = x [M, K] @ W.T (QuantMatmul: W's layout). Columns go to the pool's threads in
-// whole cache lines; each task runs its columns tile by tile of rows (PreparedMatmul).
+// whole cache lines (whole column blocks of 8-bit W); each task runs its columns tile by
+// tile of rows (PreparedMatmul).
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,

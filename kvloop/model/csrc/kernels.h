@@ -100,10 +100,19 @@ struct QuantizedRows {
   std::vector<float> s;       // [M, G]: dx * sum(xq)
 };
 
+// 8-bit weights (Q8_0: int8 q, one fp32 scale per group of 32) in blocks of kQ8Columns
+// output columns, N padded with zero columns to a whole block, so that one register holds
+// a pair of k for every column of a block (the `q8_columns` kernels): block b, group g, pair
+// p (k = 32g + 2p and 32g + 2p + 1) is 32 bytes, column j's two at 2j and 2j + 1:
+//   qs[((b * G + g) * 16 + p) * 32 + 2j + i] = q[16b + j, 32g + 2p + i]   [N', K]
+//   scale[(b * G + g) * 16 + j] = scale[16b + j, g]                      [N', G]
+// (kvloop.model.quant.q8_column_blocks writes it at load).
+constexpr int64_t kQ8Columns = 16;
+
 // One quantized matmul y = x @ W.T as the column kernels read it. W [N, K] in groups of 32:
 // 4-bit: qs [N, K/2] (per group 16 bytes, byte i = weight i low nibble, weight i + 16 high),
-// scale and offset [N, K/32] (w = q * scale + offset); 8-bit: qs [N, K] signed, scale
-// [N, K/32], offset nullptr.
+// scale and offset [N, K/32] (w = q * scale + offset); 8-bit: in column blocks (above),
+// offset nullptr.
 struct QuantMatmul {
   const uint8_t* qs;
   const float* scale;
@@ -122,8 +131,8 @@ struct QuantMatmul {
   const float* xts;           // and each group's sum of those bf16 values, [K / 32, xt_stride]
 };
 
-// y for `rows` (1-4) rows of x from r0 and the columns [begin, end), in fp32:
-// out[m * out_stride + (n - begin)].
+// y for `rows` (1-4; q8_columns: any) rows of x from r0 and the columns [begin, end), in
+// fp32: out[m * out_stride + (n - begin)].
 using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
                            int64_t end, float* out, int64_t out_stride);
 
@@ -175,7 +184,10 @@ struct Kernels {
   SiluMulFn silu_mul_f32;
   RoundBf16Fn round_bf16;
   QuantizeRowFn quantize_row;
-  ColumnsFn int_columns;      // the integer kernel: x int16, W 4- or 8-bit
+  ColumnsFn int_columns;      // the integer kernel: x int16, W 4-bit
+  // The 8-bit integer kernel: x int16, W in column blocks (kQ8Columns); every row from r0
+  // (`rows` any count) in one call, columns [begin, end) with begin a multiple of kQ8Columns.
+  ColumnsFn q8_columns;
   ColumnsFn fp_columns;       // 4-bit W dequantized against fp32 x (from kFpRows rows)
   // 4-bit W's nibbles against bf16 x (from kFpRows rows of x that is bf16 already: it reads
   // `xb` and `xs`); nullptr where the variant has none (fp_columns then runs on x widened).
@@ -194,8 +206,8 @@ struct Kernels {
 
 // From this many rows on, a 4-bit matmul runs `fp_columns` (fp32 rows against weights
 // dequantized in registers: no rounding of x; measured on AVX2, all 4-bit matmuls of a step
-// of SmolLM2-135M on 2 threads: 8 rows 30 -> 25 ms, 16 rows 59 -> 52 ms); below it, and for
-// 8-bit weights, `int_columns`.
+// of SmolLM2-135M on 2 threads: 8 rows 30 -> 25 ms, 16 rows 59 -> 52 ms); below it
+// `int_columns` (8-bit weights: `q8_columns` at every row count).
 constexpr int64_t kFpRows = 3;
 
 // The rows of a 4-bit matmul that a variant with `lane_columns` gives it, from row 0 (the rest

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 KVLOOP_TARGET_BEGIN("avx2,fma")
 namespace kvloop::avx2 {
@@ -26,6 +27,82 @@ void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, 
   attend_heads<C>(qf.data(), group, dim, keys, vals, slot, len, scores, out, out_stride);
 }
 
+// The 8-bit kernel on W in column blocks (kernels.h): a block's 16 columns in the lanes of
+// two registers (columns 0-7, 8-15), a pair of k per register pair (32 bytes widened to
+// 16-bit), x's pair at that k broadcast, one `madd` and one `add` per 8 columns into their
+// int32 sums; per group those are converted once and added times the columns' scales times
+// x's. MB rows (1-3: the 16 registers) per tile. Same sums as generic_q8_columns.
+inline __m256i pair_at(const int16_t* x) {   // x[0], x[1] as one int32, in every lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+template <int MB>
+inline void q8_tile(const QuantMatmul& mm, int64_t r0, int64_t b, float* out,
+                    int64_t out_stride, int64_t count) {
+  const int64_t groups = mm.groups;
+  const int8_t* w = reinterpret_cast<const int8_t*>(mm.qs) + b * groups * 32 * kQ8Columns;
+  const float* sc = mm.scale + b * groups * kQ8Columns;
+  const int16_t* x[MB];
+  const float* dx[MB];
+  for (int m = 0; m < MB; ++m) {
+    x[m] = mm.xq->q.data() + (r0 + m) * mm.k_in;
+    dx[m] = mm.xq->d.data() + (r0 + m) * groups;
+  }
+  __m256 acc[2][MB];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MB; ++m) acc[h][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += 32 * kQ8Columns, sc += kQ8Columns) {
+    __m256i dot[2][MB];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MB; ++m) dot[h][m] = _mm256_setzero_si256();
+    for (int p = 0; p < 16; ++p) {
+      const int8_t* wp = w + p * 2 * kQ8Columns;
+      const __m256i wv[2] = {
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp))),
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)))};
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xv = pair_at(x[m] + g * 32 + 2 * p);
+        for (int h = 0; h < 2; ++h)
+          dot[h][m] = _mm256_add_epi32(dot[h][m], _mm256_madd_epi16(wv[h], xv));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scales = _mm256_loadu_ps(sc + 8 * h);
+      for (int m = 0; m < MB; ++m)
+        acc[h][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][m]),
+                                    _mm256_mul_ps(scales, _mm256_set1_ps(dx[m][g])), acc[h][m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(32) float y[kQ8Columns];
+    _mm256_store_ps(y, acc[0][m]);
+    _mm256_store_ps(y + 8, acc[1][m]);
+    std::copy(y, y + std::min(kQ8Columns, count), out + m * out_stride);
+  }
+}
+
+template <int MB>
+void q8_rows(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
+             int64_t out_stride) {
+  for (int64_t n = begin; n < end; n += kQ8Columns)
+    q8_tile<MB>(mm, r0, n / kQ8Columns, out + (n - begin), out_stride, end - n);
+}
+
+// ColumnsFn: rows in tiles of 3, the 1-2 left in one more.
+void q8_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
+                float* out, int64_t out_stride) {
+  for (int64_t m = 0; m < rows; m += 3) {
+    float* o = out + m * out_stride;
+    switch (std::min<int64_t>(3, rows - m)) {
+      case 1: q8_rows<1>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 2: q8_rows<2>(mm, r0 + m, begin, end, o, out_stride); break;
+      default: q8_rows<3>(mm, r0 + m, begin, end, o, out_stride); break;
+    }
+  }
+}
+
 }  // namespace kvloop::avx2
 KVLOOP_TARGET_END
 
@@ -42,6 +119,7 @@ const Kernels* avx2_kernels() {
     k.round_bf16 = avx2::round_bf16;
     k.quantize_row = avx2::quantize_row;
     k.int_columns = avx2::int_columns;
+    k.q8_columns = avx2::q8_columns;
     k.fp_columns = avx2::fp_columns;
     return k;
   }();

@@ -226,20 +226,15 @@ void quantize_row(const float* x, int64_t k_in, int16_t* q, float* d, float* s) 
   }
 }
 
-template <int Bits>
+// A 4-bit group's 32 weights as int16 (8-bit weights: q8_columns, in column blocks).
 inline void load_group(const uint8_t* group, __m256i& lo, __m256i& hi) {
-  if constexpr (Bits == 4) {
-    // Bytes widened once, to 16 bits: a lane's low nibble is weight i, the rest of it
-    // (shifted down: the high byte is zero) weight i + 16. Measured, every 4-bit matmul of
-    // a one-row step on one thread: 9.7 -> 8.4 ms against masking and widening each half.
-    const __m256i bytes =
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
-    lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));                         // w0..15
-    hi = _mm256_srli_epi16(bytes, 4);                                             // w16..31
-  } else {
-    lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
-    hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16)));
-  }
+  // Bytes widened once, to 16 bits: a lane's low nibble is weight i, the rest of it
+  // (shifted down: the high byte is zero) weight i + 16. Measured, every 4-bit matmul of
+  // a one-row step on one thread: 9.7 -> 8.4 ms against masking and widening each half.
+  const __m256i bytes =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group)));
+  lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));                           // w0..15
+  hi = _mm256_srli_epi16(bytes, 4);                                               // w16..31
 }
 
 // sum(q * xq) of one group in 8 int32 lanes (w_lo, w_hi: the group's 32 weights as int16).
@@ -250,14 +245,14 @@ inline __m256i group_dot(__m256i w_lo, __m256i w_hi, const int16_t* xg) {
 }
 
 // One output column n for MB rows of x from r0, a group at a time (the 4-row tiles).
-template <int Bits, int MB>
+template <int MB>
 inline void quant_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out,
                          int64_t out_stride) {
   const QuantizedRows& xq = *mm.xq;
   const int64_t groups = mm.groups;
   const uint8_t* row = mm.qs + n * mm.row_bytes;
   const float* sc = mm.scale + n * groups;
-  const float* of = mm.offset ? mm.offset + n * groups : nullptr;
+  const float* of = mm.offset + n * groups;
   float tail[MB];
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) {
@@ -266,13 +261,13 @@ inline void quant_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* ou
   }
   for (int64_t g = 0; g < groups; ++g) {
     __m256i q_lo, q_hi;
-    load_group<Bits>(row + g * Bits * 4, q_lo, q_hi);
+    load_group(row + g * 16, q_lo, q_hi);
     for (int m = 0; m < MB; ++m) {
       const int64_t r = r0 + m;
       const __m256i dot = group_dot(q_lo, q_hi, xq.q.data() + r * mm.k_in + g * 32);
       const float sd = sc[g] * xq.d[r * groups + g];
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(sd), acc[m]);
-      if (of) tail[m] += of[g] * xq.s[r * groups + g];
+      tail[m] += of[g] * xq.s[r * groups + g];
     }
   }
   for (int m = 0; m < MB; ++m) out[m * out_stride] = hsum(acc[m]) + tail[m];
@@ -283,15 +278,15 @@ inline void quant_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* ou
 // by 8 scales at once; the offsets' term is 8 products in one FMA. Measured here, every
 // 4-bit matmul of a one-row decode step: 10.6 -> 9.1 ms on one thread, 5.0 -> 4.7 on two.
 // Groups past the last multiple of 8 take quant_column's way, one at a time.
-template <int Bits, int MB>
+template <int MB>
 inline void lanes_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out,
                          int64_t out_stride) {
   const QuantizedRows& xq = *mm.xq;
   const int64_t groups = mm.groups;
   const uint8_t* row = mm.qs + n * mm.row_bytes;
   const float* sc = mm.scale + n * groups;
-  const float* of = mm.offset ? mm.offset + n * groups : nullptr;
-  constexpr int64_t kGroupBytes = Bits * 4;
+  const float* of = mm.offset + n * groups;
+  constexpr int64_t kGroupBytes = 16;
   __m256 acc[MB], tail[MB];
   float tail_rest[MB];
   for (int m = 0; m < MB; ++m) {
@@ -308,8 +303,8 @@ inline void lanes_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* ou
       for (int p = 0; p < 2; ++p) {
         const int64_t j = g + half * 4 + p * 2;
         __m256i lo0, hi0, lo1, hi1;
-        load_group<Bits>(row + j * kGroupBytes, lo0, hi0);
-        load_group<Bits>(row + (j + 1) * kGroupBytes, lo1, hi1);
+        load_group(row + j * kGroupBytes, lo0, hi0);
+        load_group(row + (j + 1) * kGroupBytes, lo1, hi1);
         for (int m = 0; m < MB; ++m)
           pair[p][m] = _mm256_hadd_epi32(group_dot(lo0, hi0, xrow[m] + j * 32),
                                          group_dot(lo1, hi1, xrow[m] + (j + 1) * 32));
@@ -324,51 +319,43 @@ inline void lanes_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* ou
                            _mm256_permute2x128_si256(quad[0][m], quad[1][m], 0x31));
       const __m256 sd = _mm256_mul_ps(scales, _mm256_loadu_ps(xq.d.data() + r * groups + g));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), sd, acc[m]);
-      if (of)
-        tail[m] = _mm256_fmadd_ps(_mm256_loadu_ps(of + g),
-                                  _mm256_loadu_ps(xq.s.data() + r * groups + g), tail[m]);
+      tail[m] = _mm256_fmadd_ps(_mm256_loadu_ps(of + g),
+                                _mm256_loadu_ps(xq.s.data() + r * groups + g), tail[m]);
     }
   }
   for (; g < groups; ++g) {
     __m256i lo, hi;
-    load_group<Bits>(row + g * kGroupBytes, lo, hi);
+    load_group(row + g * kGroupBytes, lo, hi);
     for (int m = 0; m < MB; ++m) {
       const int64_t r = r0 + m;
       const __m256 sd = _mm256_set1_ps(sc[g] * xq.d[r * groups + g]);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_dot(lo, hi, xrow[m] + g * 32)), sd,
                                acc[m]);
-      if (of) tail_rest[m] += of[g] * xq.s[r * groups + g];
+      tail_rest[m] += of[g] * xq.s[r * groups + g];
     }
   }
   for (int m = 0; m < MB; ++m)
     out[m * out_stride] = hsum(_mm256_add_ps(acc[m], tail[m])) + tail_rest[m];
 }
 
-template <int Bits, int MB>
+template <int MB>
 void int_tile(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
               int64_t out_stride) {
   for (int64_t n = begin; n < end; ++n) {
-    if constexpr (MB <= 2) lanes_column<Bits, MB>(mm, r0, n, out + (n - begin), out_stride);
-    else quant_column<Bits, MB>(mm, r0, n, out + (n - begin), out_stride);
+    if constexpr (MB <= 2) lanes_column<MB>(mm, r0, n, out + (n - begin), out_stride);
+    else quant_column<MB>(mm, r0, n, out + (n - begin), out_stride);
   }
 }
 
-template <int Bits>
-void int_columns_bits(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
-                      int64_t end, float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1: return int_tile<Bits, 1>(mm, r0, begin, end, out, out_stride);
-    case 2: return int_tile<Bits, 2>(mm, r0, begin, end, out, out_stride);
-    case 3: return int_tile<Bits, 3>(mm, r0, begin, end, out, out_stride);
-    default: return int_tile<Bits, 4>(mm, r0, begin, end, out, out_stride);
-  }
-}
-
-// The integer kernel: 1-2 rows lanes_column, 3-4 rows quant_column.
+// The integer kernel (4-bit W): 1-2 rows lanes_column, 3-4 rows quant_column.
 void int_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
-                      float* out, int64_t out_stride) {
-  if (mm.bits == 4) int_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
-  else int_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
+                 float* out, int64_t out_stride) {
+  switch (rows) {
+    case 1: return int_tile<1>(mm, r0, begin, end, out, out_stride);
+    case 2: return int_tile<2>(mm, r0, begin, end, out, out_stride);
+    case 3: return int_tile<3>(mm, r0, begin, end, out, out_stride);
+    default: return int_tile<4>(mm, r0, begin, end, out, out_stride);
+  }
 }
 
 // The fp32 kernel: each group's 32 weights dequantized to fp32 in registers once (q * scale

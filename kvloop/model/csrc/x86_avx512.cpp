@@ -43,9 +43,8 @@ void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, 
 // weights 0-15 of both groups and whose high nibbles weights 16-31, so x is read in that
 // order (`q4_pairs`: generic.cpp's pair_order). The products of a pair land in 16 lanes, 8
 // per group: converted once and scaled by a vector holding each group's scale in its 8
-// lanes (a permute of 16 groups' scales, loaded together). 8-bit groups are 32 signed
-// bytes, one register each, in x's own order. Same integer sums as the AVX2 kernel; the
-// float sums run in another order.
+// lanes (a permute of 16 groups' scales, loaded together). Same integer sums as the AVX2
+// kernel; the float sums run in another order. (8-bit weights: q8_columns.)
 // acc += dot's sums times the scales that `pick` selects from sd (one per lane).
 inline __m512 add_scaled(__m512 acc, __m512i dot, __m512i pick, __m512 sd) {
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, sd), acc);
@@ -55,15 +54,15 @@ inline __m512i load_epi16x16(const int16_t* p) {      // 16 values, the upper la
   return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One output column n for MB rows of x from r0.
-template <int Bits, int MB>
+// One output column n of 4-bit W for MB rows of x from r0.
+template <int MB>
 inline void vnni_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out,
                         int64_t out_stride) {
   const QuantizedRows& xq = *mm.xq;
   const int64_t groups = mm.groups;
   const uint8_t* row = mm.qs + n * mm.row_bytes;
   const float* sc = mm.scale + n * groups;
-  const float* of = mm.offset ? mm.offset + n * groups : nullptr;
+  const float* of = mm.offset + n * groups;
   __m512 acc[MB], tail[MB];
   for (int m = 0; m < MB; ++m) acc[m] = tail[m] = _mm512_setzero_ps();
   const int16_t* xrow[MB];
@@ -76,49 +75,35 @@ inline void vnni_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out
     for (int m = 0; m < MB; ++m) {
       const int64_t r = r0 + m;
       sd[m] = _mm512_mul_ps(scales, _mm512_maskz_loadu_ps(mask, xq.d.data() + r * groups + g));
-      if (of)
-        tail[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, of + g),
-                                  _mm512_maskz_loadu_ps(mask, xq.s.data() + r * groups + g),
-                                  tail[m]);
+      tail[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, of + g),
+                                _mm512_maskz_loadu_ps(mask, xq.s.data() + r * groups + g),
+                                tail[m]);
     }
-    if constexpr (Bits == 4) {
-      int64_t j = 0;
-      for (; j + 2 <= left; j += 2) {
-        const __m512i bytes = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 16)));
-        const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
-        const __m512i hi = _mm512_srli_epi16(bytes, 4);
-        const __m512i pick = pair_pick(j);
-        for (int m = 0; m < MB; ++m) {
-          const int16_t* xg = xrow[m] + (g + j) * 32;
-          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
-          dot = _mm512_dpwssd_epi32(dot, hi, _mm512_loadu_si512(xg + 32));
-          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
-        }
+    int64_t j = 0;
+    for (; j + 2 <= left; j += 2) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 16)));
+      const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+      const __m512i hi = _mm512_srli_epi16(bytes, 4);
+      const __m512i pick = pair_pick(j);
+      for (int m = 0; m < MB; ++m) {
+        const int16_t* xg = xrow[m] + (g + j) * 32;
+        __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xg));
+        dot = _mm512_dpwssd_epi32(dot, hi, _mm512_loadu_si512(xg + 32));
+        acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
       }
-      if (j < left) {                     // an odd last group: 16 lanes, half of them zero
-        const __m256i bytes = _mm256_cvtepu8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (g + j) * 16)));
-        const __m512i lo = _mm512_zextsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15)));
-        const __m512i hi = _mm512_zextsi256_si512(_mm256_srli_epi16(bytes, 4));
-        const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
-        for (int m = 0; m < MB; ++m) {
-          const int16_t* xg = xrow[m] + (g + j) * 32;
-          __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, load_epi16x16(xg));
-          dot = _mm512_dpwssd_epi32(dot, hi, load_epi16x16(xg + 16));
-          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
-        }
-      }
-    } else {
-      for (int64_t j = 0; j < left; ++j) {
-        const __m512i w = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + j) * 32)));
-        const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
-        for (int m = 0; m < MB; ++m) {
-          const __m512i dot = _mm512_dpwssd_epi32(
-              _mm512_setzero_si512(), w, _mm512_loadu_si512(xrow[m] + (g + j) * 32));
-          acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
-        }
+    }
+    if (j < left) {                     // an odd last group: 16 lanes, half of them zero
+      const __m256i bytes = _mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (g + j) * 16)));
+      const __m512i lo = _mm512_zextsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15)));
+      const __m512i hi = _mm512_zextsi256_si512(_mm256_srli_epi16(bytes, 4));
+      const __m512i pick = _mm512_set1_epi32(static_cast<int>(j));
+      for (int m = 0; m < MB; ++m) {
+        const int16_t* xg = xrow[m] + (g + j) * 32;
+        __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), lo, load_epi16x16(xg));
+        dot = _mm512_dpwssd_epi32(dot, hi, load_epi16x16(xg + 16));
+        acc[m] = add_scaled(acc[m], dot, pick, sd[m]);
       }
     }
   }
@@ -126,28 +111,120 @@ inline void vnni_column(const QuantMatmul& mm, int64_t r0, int64_t n, float* out
     out[m * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], tail[m]));
 }
 
-template <int Bits, int MB>
+template <int MB>
 void vnni_tile(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
                int64_t out_stride) {
   for (int64_t n = begin; n < end; ++n)
-    vnni_column<Bits, MB>(mm, r0, n, out + (n - begin), out_stride);
-}
-
-template <int Bits>
-void vnni_columns_bits(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
-                       int64_t end, float* out, int64_t out_stride) {
-  switch (rows) {
-    case 1: return vnni_tile<Bits, 1>(mm, r0, begin, end, out, out_stride);
-    case 2: return vnni_tile<Bits, 2>(mm, r0, begin, end, out, out_stride);
-    case 3: return vnni_tile<Bits, 3>(mm, r0, begin, end, out, out_stride);
-    default: return vnni_tile<Bits, 4>(mm, r0, begin, end, out, out_stride);
-  }
+    vnni_column<MB>(mm, r0, n, out + (n - begin), out_stride);
 }
 
 void vnni_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
                   float* out, int64_t out_stride) {
-  if (mm.bits == 4) vnni_columns_bits<4>(mm, r0, rows, begin, end, out, out_stride);
-  else vnni_columns_bits<8>(mm, r0, rows, begin, end, out, out_stride);
+  switch (rows) {
+    case 1: return vnni_tile<1>(mm, r0, begin, end, out, out_stride);
+    case 2: return vnni_tile<2>(mm, r0, begin, end, out, out_stride);
+    case 3: return vnni_tile<3>(mm, r0, begin, end, out, out_stride);
+    default: return vnni_tile<4>(mm, r0, begin, end, out, out_stride);
+  }
+}
+
+// The 8-bit kernel on W in column blocks (kernels.h): the columns in vector lanes. A block's
+// pair of k for its 16 columns is one register (32 bytes widened to 16-bit), x's pair of
+// int16 at that k broadcast to every lane, and one `dpwssd` adds both products into each
+// column's int32 sum: 16 per group and row give the group's 16 integer dot products, which
+// are converted once and added times the 16 columns' scales times x's (one FMA), with no
+// horizontal sum at the end. So per group, row and 16 columns 16 `dpwssd`, a convert, a
+// multiply and an FMA, where the column kernel (vnni_column) spent a `dpwssd`, a convert, a
+// permute and an FMA per column. Same integer sums; each column's fp32 sum runs over the
+// groups in order (as generic_q8_columns'). C blocks (16 C columns) and MB rows per tile.
+
+// acc + the products of w's 16-bit pairs with x[0], x[1] (the same pair in every lane): one
+// `vpdpwssd` with x broadcast from memory, acc in place. In assembly: GCC 12 builds the
+// intrinsic's accumulator in a copy (a move per `dpwssd`) and broadcasts x apart.
+inline __m512i dot_pair(__m512i acc, __m512i w, const int16_t* x) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
+// The tile's columns from block b (C blocks; `count` of them stored, a last block's masked)
+// for MB rows from r0: out[m * out_stride + j].
+template <int C, int MB>
+inline void q8_tile(const QuantMatmul& mm, int64_t r0, int64_t b, float* out,
+                    int64_t out_stride, int64_t count) {
+  const int64_t groups = mm.groups;
+  const int8_t* w = reinterpret_cast<const int8_t*>(mm.qs) + b * groups * 32 * kQ8Columns;
+  const float* sc = mm.scale + b * groups * kQ8Columns;
+  const int64_t block_bytes = groups * 32 * kQ8Columns, block_scales = groups * kQ8Columns;
+  const int16_t* x[MB];
+  const float* dx[MB];
+  for (int m = 0; m < MB; ++m) {
+    x[m] = mm.xq->q.data() + (r0 + m) * mm.k_in;
+    dx[m] = mm.xq->d.data() + (r0 + m) * groups;
+  }
+  __m512 acc[C][MB];
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < MB; ++m) acc[c][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += 32 * kQ8Columns, sc += kQ8Columns) {
+    __m512i dot[C][MB];
+    for (int c = 0; c < C; ++c)
+      for (int m = 0; m < MB; ++m) dot[c][m] = _mm512_setzero_si512();
+    for (int p = 0; p < 16; ++p) {
+      __m512i wv[C];
+      for (int c = 0; c < C; ++c)
+        wv[c] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + c * block_bytes + p * 2 * kQ8Columns)));
+      for (int m = 0; m < MB; ++m)
+        for (int c = 0; c < C; ++c) dot[c][m] = dot_pair(dot[c][m], wv[c], x[m] + g * 32 + 2 * p);
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512 scales = _mm512_loadu_ps(sc + c * block_scales);
+      for (int m = 0; m < MB; ++m)
+        acc[c][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[c][m]),
+                                    _mm512_mul_ps(scales, _mm512_set1_ps(dx[m][g])), acc[c][m]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    const __mmask16 mask = first_lanes(count - c * kQ8Columns);
+    for (int m = 0; m < MB; ++m)
+      _mm512_mask_storeu_ps(out + m * out_stride + c * kQ8Columns, mask, acc[c][m]);
+  }
+}
+
+// MB rows from r0 over the blocks of [begin, end): C at a time while C are left, then one
+// at a time.
+template <int C, int MB>
+void q8_rows(const QuantMatmul& mm, int64_t r0, int64_t begin, int64_t end, float* out,
+             int64_t out_stride) {
+  int64_t n = begin;
+  for (; end - n > (C - 1) * kQ8Columns; n += C * kQ8Columns)
+    q8_tile<C, MB>(mm, r0, n / kQ8Columns, out + (n - begin), out_stride, end - n);
+  for (; n < end; n += kQ8Columns)
+    q8_tile<1, MB>(mm, r0, n / kQ8Columns, out + (n - begin), out_stride, end - n);
+}
+
+// ColumnsFn: rows in tiles of kQ8Rows, the 1-7 left in one more; 1-2 rows take 4 blocks at
+// a time, 3-4 rows 2 (4-8 chains of `dpwssd` in flight; measured, one thread, the head at 2
+// rows: 1.8-2.0 ms with 4 blocks, 2.6-2.8 with 2; a split of each sum into two chains, for 8
+// at 1 row, bought nothing measurable).
+constexpr int kQ8Rows = 8;
+
+void q8_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin, int64_t end,
+                float* out, int64_t out_stride) {
+  for (int64_t m = 0; m < rows; m += kQ8Rows) {
+    float* o = out + m * out_stride;
+    switch (std::min<int64_t>(kQ8Rows, rows - m)) {
+      case 1: q8_rows<4, 1>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 2: q8_rows<4, 2>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 3: q8_rows<2, 3>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 4: q8_rows<2, 4>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 5: q8_rows<1, 5>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 6: q8_rows<1, 6>(mm, r0 + m, begin, end, o, out_stride); break;
+      case 7: q8_rows<1, 7>(mm, r0 + m, begin, end, o, out_stride); break;
+      default: q8_rows<1, 8>(mm, r0 + m, begin, end, o, out_stride); break;
+    }
+  }
 }
 
 // The 4-bit matmul at many fp32 rows (lane_rows, kernels.h), the rows in vector lanes: x
@@ -273,6 +350,7 @@ const Kernels* avx512_kernels() {
     k.round_bf16 = avx512::round_bf16_wide;
     k.quantize_row = avx512::quantize_row;
     k.int_columns = avx512::vnni_columns;
+    k.q8_columns = avx512::q8_columns;
     k.fp_columns = avx512::fp_columns;
     k.lane_columns = avx512::lane_columns;
     k.q4_pairs = true;
