@@ -492,7 +492,8 @@ class ModelRunner:
             if not windowed or window is None:
                 return PrefillChunk(start, end, 0, None, None)
             return PrefillChunk(start, end, 0, None,
-                                window_causal_mask(item.num_tokens, item.seq_len, 0, window, dev))
+                                window_causal_mask(item.num_tokens, item.seq_len, 0, window, dev),
+                                window=window)
         first = 0
         if windowed and window is not None:
             first = max(0, item.num_computed - window + 1) // self.block_size
@@ -504,7 +505,8 @@ class ModelRunner:
             mask = window_causal_mask(item.num_tokens, item.seq_len, key_start, window, dev)
         else:
             mask = lower_right_causal_mask(item.num_tokens, item.seq_len, dev)
-        return PrefillChunk(start, end, item.num_computed, block_ids, mask, key_start)
+        return PrefillChunk(start, end, item.num_computed, block_ids, mask, key_start,
+                            window if windowed and window is not None else 0)
 
     # --- outputs --------------------------------------------------------------------------
     @staticmethod
