@@ -150,7 +150,7 @@ inline void block_softmax_row(float* s, int64_t first, int64_t last, int64_t upt
   }
 }
 
-// R rows of the tile from r (R 1-4): scores, softmax, values.
+// R rows of the tile from r (R 1-6): scores, softmax, values.
 template <int R>
 inline void block_rows(const float* qs, int64_t dim, const float* kt, const float* v,
                        const int32_t* lo, const int32_t* hi, float* m, float* l, float* o,
@@ -170,21 +170,26 @@ inline void block_rows(const float* qs, int64_t dim, const float* kt, const floa
   block_values<R>(s, dim, v, first, last, o);
 }
 
-// Rows 4 at a time (the last 1-3 together); head_dim not a multiple of 64 as generic.
+// Rows kBlockRows at a time (the last few together); head_dim not a multiple of 64 as
+// generic.
+constexpr int64_t kBlockRows = 6;
+
 void prefill_block(const float* qs, int64_t rows, int64_t dim, const float* kt, const float* v,
                    int64_t n, const int32_t* lo, const int32_t* hi, float* m, float* l,
                    float* o, float* s) {
   if (dim % 64 != 0)
     return generic_prefill_block(qs, rows, dim, kt, v, n, lo, hi, m, l, o, s);
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    block_rows<4>(qs + r * dim, dim, kt, v, lo + r, hi + r, m + r, l + r, o + r * dim,
-                  s + r * kPrefillKeys);
+  for (; r + kBlockRows <= rows; r += kBlockRows)
+    block_rows<kBlockRows>(qs + r * dim, dim, kt, v, lo + r, hi + r, m + r, l + r,
+                           o + r * dim, s + r * kPrefillKeys);
   const auto rest = [&](auto fn) {
     fn(qs + r * dim, dim, kt, v, lo + r, hi + r, m + r, l + r, o + r * dim,
        s + r * kPrefillKeys);
   };
   switch (rows - r) {
+    case 5: return rest(block_rows<5>);
+    case 4: return rest(block_rows<4>);
     case 3: return rest(block_rows<3>);
     case 2: return rest(block_rows<2>);
     case 1: return rest(block_rows<1>);
