@@ -753,7 +753,9 @@ def test_prefill_attention(ops, variant, dtype, cache_dtype, tol, heads, kv_head
     """A chunk's causal attention over its cached context and itself (keys read in place
     through a scattered block table) equals the twin's (SDPA over the keys gathered, here in
     fp64), fresh and over a context, for every length around the kernels' tiles and
-    blocks."""
+    blocks; the AVX-512 variants have the vector kernel (`cpu_ops.prefill_attention` runs
+    the op there), the others run the portable one."""
+    assert ops.has_prefill_kernel() == variant.startswith("avx512")   # (else SDPA serves)
     g = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + dim)
     for context, chunk in PREFILL_LENGTHS:
         for block_size in (16, 5):

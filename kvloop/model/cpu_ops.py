@@ -16,7 +16,9 @@ the twins run where the extension is absent (no compiler, another device, or
   -> [c, H * D], over the n keys at `slots` [n] of the cache (the chunk's own K and V, written
   by `rope_and_cache` before, last), lower-right causal (query i sees keys j <= n - c + i;
   `window` > 0: also j > n - c + i - window), flash style in C++ (key blocks, online
-  softmax, no [c, n] scores); twin: SDPA over the keys gathered and widened to q's dtype;
+  softmax, no [c, n] scores) where the kernel variant has a vector kernel for it (AVX-512;
+  elsewhere the twin runs: the portable loops are slower than SDPA); twin: SDPA over the
+  keys gathered and widened to q's dtype;
 - the cache of these three (and of `DecodeStack`) is in q's dtype, or bf16 beside fp32 q
   (`--kv-cache-dtype bfloat16`): written rounded to nearest even, read widened exactly;
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
@@ -247,7 +249,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
                       scale: float, window: int = 0) -> torch.Tensor:
     ops = load() if q.device.type == "cpu" else None
-    if ops is not None:
+    if ops is not None and ops.has_prefill_kernel():
         return ops.prefill_attention(q, kv_cache, slots, scale, window)
     return torch_prefill_attention(q, kv_cache, slots, scale, window)
 

@@ -404,7 +404,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
   m.def("prefill_attention", &prefill_attention,
         "a prefill chunk's causal attention over the paged cache (flash style)");
-  m.attr("prefill_key_block") = kvloop::kPrefillKeys;            // (for the tests)
+  m.def("has_prefill_kernel", [] { return active_kernels().prefill_block != nullptr; },
+        "the active variant has a vector kernel for prefill_attention");
   m.attr("attention_prefetch_tokens") = kvloop::kPrefetchTokens;    // (for the tests)
   m.def("bf16_lane_rows", &kvloop::bf16_lane_rows,
         "the rows of a 4-bit matmul of M rows that the bf16 lane kernel takes, from row 0");

@@ -293,12 +293,46 @@ QuantizedRows quantize_rows(const Kernels& k, const T* x, int64_t rows, int64_t 
 }  // namespace
 
 // --- the portable inner kernels ------------------------------------------------------------
-#include "prefill_block.h"
-
+// The prefill block kernel in plain loops (no variant's table has it: the driver's fallback
+// where a variant has no vector kernel). Each row on its own: its scores over the keys it
+// sees, the online-softmax update (running max, sum, output rescaled by e^(m_old -
+// m_new)), then the values.
 void generic_prefill_block(const float* qs, int64_t rows, int64_t dim, const float* kt,
                            const float* v, int64_t n, const int32_t* lo, const int32_t* hi,
                            float* m, float* l, float* o, float* s) {
-  portable_prefill_block(qs, rows, dim, kt, v, n, lo, hi, m, l, o, s);
+  (void)n;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t first = lo[r], last = hi[r];
+    if (first >= last) continue;
+    float* sr = s + r * kPrefillKeys;
+    const float* qr = qs + r * dim;
+    for (int64_t j = first; j < last; ++j) sr[j] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float qd = qr[d];
+      const float* kd = kt + d * kPrefillKeys;
+#pragma omp simd
+      for (int64_t j = first; j < last; ++j) sr[j] += qd * kd[j];
+    }
+    float top = m[r];
+    for (int64_t j = first; j < last; ++j) top = std::max(top, sr[j]);
+    const float alpha = std::exp(m[r] - top);     // 0 before any key (m = -inf)
+    float sum = 0.f;
+    for (int64_t j = first; j < last; ++j) {
+      sr[j] = std::exp(sr[j] - top);
+      sum += sr[j];
+    }
+    l[r] = l[r] * alpha + sum;
+    m[r] = top;
+    float* orow = o + r * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) orow[d] *= alpha;
+    for (int64_t j = first; j < last; ++j) {
+      const float p = sr[j];
+      const float* vj = v + j * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) orow[d] += p * vj[d];
+    }
+  }
 }
 
 template <typename T, typename C>
@@ -338,7 +372,7 @@ void generic_attend(const T* q, float scale, int64_t group, int64_t dim, const C
 const Kernels& generic_kernels() {
   static const Kernels table{"generic", generic_attend<float>, generic_attend<c10::BFloat16>,
                              generic_attend<c10::Half>,
-                             generic_attend<float, c10::BFloat16>, generic_prefill_block,
+                             generic_attend<float, c10::BFloat16>, nullptr,
                              generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
                              generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
@@ -558,6 +592,7 @@ void prefill_attention(const Kernels& k, const T* q, int64_t q_row, const C* cac
   const int64_t positions = prefill_positions(group);
   const int64_t tiles = (chunk + positions - 1) / positions;
   PrefillKeys packed(cache, slots, keys, kv_heads, dim, cache_tokens);
+  const PrefillBlockFn block = k.prefill_block ? k.prefill_block : generic_prefill_block;
   // a KV head's tiles together (its keys stay in cache), the costliest first (the last
   // queries see the most keys): the pool's threads claim tasks in order
   kvloop::pool_for(tiles * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -571,7 +606,7 @@ void prefill_attention(const Kernels& k, const T* q, int64_t q_row, const C* cac
            b0 += kPrefillKeys) {
         const int64_t n = std::min(kPrefillKeys, keys - b0);
         tile.clip(b0, n);
-        k.prefill_block(tile.qs.data(), tile.rows, dim, packed.block_keys(kh, b0),
+        block(tile.qs.data(), tile.rows, dim, packed.block_keys(kh, b0),
                         packed.block_values(kh, b0), n, tile.block_lo.data(),
                         tile.block_hi.data(), tile.m.data(), tile.l.data(), tile.o.data(),
                         tile.s.data());

@@ -13,7 +13,6 @@ KVLOOP_TARGET_BEGIN("avx2,fma")
 namespace kvloop::avx2 {
 
 #include "x86_avx2_kernels.h"
-#include "prefill_block.h"
 
 // A KV head's query heads one at a time (16 vector registers); other shapes as generic.
 // q and out in T, the cache in C (AttendFn).
@@ -39,7 +38,6 @@ const Kernels* avx2_kernels() {
     k.attend_f32 = avx2::attend<float>;
     k.attend_bf16 = avx2::attend<c10::BFloat16>;
     k.attend_f32_bf16 = avx2::attend<float, c10::BFloat16>;
-    k.prefill_block = avx2::portable_prefill_block;     // the portable loops, 8 lanes wide
     k.silu_mul_f32 = avx2::silu_mul_f32;
     k.round_bf16 = avx2::round_bf16;
     k.quantize_row = avx2::quantize_row;
