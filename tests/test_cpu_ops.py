@@ -781,16 +781,17 @@ def test_prefill_attention_with_a_sliding_window(ops, variant, window, context, 
     _close(got, _exact_prefill(q, cache, slots, 0.125, window), 3e-6)
 
 
-@pytest.mark.parametrize("q_len,kv_len,window", [(5, 5, 0), (3, 8, 0), (6, 20, 4), (4, 4, 2)])
-def test_the_prefill_mask_is_the_runners(q_len, kv_len, window):
-    """The twin's mask (None: SDPA's `is_causal`) is the one the runner builds for a chunk."""
-    from kvloop.model.attention import lower_right_causal_mask, window_causal_mask
-
+def test_the_prefill_mask_is_lower_right_causal_and_windowed():
+    """The twin's mask: query i (at key position kv_len - q_len + i) sees keys up to itself,
+    and with a window W only the last W of them; None where SDPA's top-left `is_causal` says
+    the same (no context, no window)."""
     cpu = torch.device("cpu")
-    mask = cpu_ops.prefill_mask(q_len, kv_len, window, cpu)
-    if window:
-        assert torch.equal(mask, window_causal_mask(q_len, kv_len, 0, window, cpu))
-    elif q_len == kv_len:
-        assert mask is None
-    else:
-        assert torch.equal(mask, lower_right_causal_mask(q_len, kv_len, cpu))
+    assert cpu_ops.prefill_mask(4, 4, 0, cpu) is None
+    assert cpu_ops.prefill_mask(2, 5, 0, cpu).tolist() == [[True, True, True, True, False],
+                                                           [True, True, True, True, True]]
+    assert cpu_ops.prefill_mask(3, 5, 2, cpu).tolist() == [[False, True, True, False, False],
+                                                           [False, False, True, True, False],
+                                                           [False, False, False, True, True]]
+    assert cpu_ops.prefill_mask(3, 3, 1, cpu).tolist() == [[True, False, False],
+                                                           [False, True, False],
+                                                           [False, False, True]]

@@ -30,8 +30,8 @@ rule) get their own metadata (their KV-cache group's block table, `kvloop.core.
 kv_cache_groups`), whose tables begin at the first block a query of the step can see
 (the blocks before it are freed by the KV cache manager):
 - a chunk reads keys from `key_start` (a block boundary) and its query sees only the last
-  W of them (`PrefillChunk.window`, the op's `window`; `mask`, `window_causal_mask`, says the
-  same for the twin's keys); a chunk no longer than W attends as a plain causal one;
+  W of them (`PrefillChunk.window`, the op's `window`; the twin's mask is
+  `cpu_ops.prefill_mask`); a chunk no longer than W attends as a plain causal one;
 - decodes whose keys all fit in the window use the C++ op as full attention does; once
   a row reaches past W the step's decodes run `windowed_decode_attention` (torch: gathered
   keys, rows masked from `decode_key_starts`), so the C++ op needs no window argument.
@@ -73,11 +73,8 @@ class PrefillChunk:
     end: int                         # one past its last token
     context_len: int                 # tokens computed before this chunk (cached prefix)
     block_ids: torch.Tensor | None   # [num_blocks] covering context + chunk; None if no context
-    # [q_len, context_len + q_len - key_start] bool, True = attend: the quantized cache's
-    # path (SDPA); None without context and window
-    mask: torch.Tensor | None
-    key_start: int = 0               # position of the first key gathered (block-aligned)
-    window: int = 0                  # sliding window (keys > pos - window) where `mask` has it
+    key_start: int = 0               # position of the first key read (block-aligned)
+    window: int = 0                  # sliding window W (a query sees the last W keys); 0: none
 
 
 @dataclass
@@ -183,16 +180,18 @@ def chunk_slots(chunk: PrefillChunk, slot_mapping: torch.Tensor,
 def _quantized_chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
                                slot_mapping: torch.Tensor, quant: KVQuant,
                                scale: float) -> torch.Tensor:
-    """`_chunk_attention` over a quantized cache: keys and values (context and chunk alike)
-    read back from the cache and dequantized -> [q_len, heads * head_dim]."""
+    """A prefill chunk over a quantized cache, as `cpu_ops.prefill_attention`'s twin: SDPA
+    over the keys and values (context and chunk alike) read back from the cache and
+    dequantized -> [q_len, heads * head_dim]."""
     q_len = chunk.end - chunk.start
     query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
     slots = chunk_slots(chunk, slot_mapping, kv_cache.shape[3])
-    mask, causal = (None, True) if chunk.context_len == 0 else (chunk.mask, False)
+    mask = cpu_ops.prefill_mask(q_len, len(slots), chunk.window, q.device)
     keys = kv_quant.gather_dequantized(kv_cache[0], slots, quant, q.dtype).unsqueeze(0)
     values = kv_quant.gather_dequantized(kv_cache[1], slots, quant, q.dtype).unsqueeze(0)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                         is_causal=causal, scale=scale, enable_gqa=True)
+                                         is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q_len, -1)
 
 
@@ -202,18 +201,3 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_reqs: int) -> torc
     kv_heads, _, block_size, head_dim = cache.shape
     blocks = cache.index_select(1, block_ids)          # [K, num_reqs * nb, block_size, hd]
     return blocks.view(kv_heads * num_reqs, -1, head_dim)
-
-
-def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool: query i (at position kv_len - q_len + i) sees keys <= it."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
-
-
-def window_causal_mask(q_len: int, seq_len: int, key_start: int, window: int,
-                       device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len - key_start] bool: query i (at position seq_len - q_len + i) sees
-    keys at positions key_start + j with pos - window < key_start + j <= pos."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (seq_len - q_len)
-    keys = torch.arange(key_start, seq_len, device=device).unsqueeze(0)
-    return (keys <= rows) & (keys > rows - window)
