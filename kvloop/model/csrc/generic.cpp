@@ -509,10 +509,18 @@ struct PrefillKeys {
         float* bk = block_keys(kh, b0);
         float* bv = block_values(kh, b0);
         if (n < kPrefillKeys) std::fill(bk, bk + dim * kPrefillKeys, 0.f);
+        // the keys 16 at a time, so each transposed row of them is one cache line
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+          const int64_t count = std::min<int64_t>(16, n - j0);
+          const C* key[16];
+          for (int64_t j = 0; j < count; ++j)
+            key[j] = cache + (kh * cache_tokens + slots[b0 + j0 + j]) * dim;
+          for (int64_t i = 0; i < dim; ++i)
+            for (int64_t j = 0; j < count; ++j) bk[i * kPrefillKeys + j0 + j] = to_f(key[j][i]);
+        }
         for (int64_t j = 0; j < n; ++j) {
-          const int64_t row = (kh * cache_tokens + slots[b0 + j]) * dim;
-          for (int64_t i = 0; i < dim; ++i) bk[i * kPrefillKeys + j] = to_f(cache[row + i]);
-          for (int64_t i = 0; i < dim; ++i) bv[j * dim + i] = to_f(values[row + i]);
+          const C* val = values + (kh * cache_tokens + slots[b0 + j]) * dim;
+          for (int64_t i = 0; i < dim; ++i) bv[j * dim + i] = to_f(val[i]);
         }
       }
     });
