@@ -138,7 +138,7 @@ using AttendFn = void (*)(const T* q, float scale, int64_t group, int64_t dim, c
                           T* out, int64_t out_stride);
 
 // Prefill (chunk) attention, flash style: a task holds the rows of one KV head's query
-// tile (kPrefillPositions(G) query positions x its G query heads, row r = position * G +
+// tile (prefill_positions(G) query positions x its G query heads, row r = position * G +
 // head) and streams the keys in blocks of kPrefillKeys, keeping each row's running max,
 // sum and output (online softmax), so nothing of size queries x keys is materialized.
 constexpr int64_t kPrefillKeys = 128;
