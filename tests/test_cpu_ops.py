@@ -749,3 +749,89 @@ def test_a_tiny_model_gives_transformers_greedy_tokens_with_and_without_the_exte
     # a bf16 cache beside the fp32 activations (--kv-cache-dtype bfloat16): the twins and
     # every variant agree, and on this model keep transformers' fp32 tokens
     assert _greedy_in_process(path, [None, *runnable], "bfloat16") == got
+
+
+# Prefill (chunk) attention: heads, KV heads (GQA groups 1-4 and MHA), head_dim (64 and 128
+# take the vector kernels, 16 the portable one everywhere)
+PREFILL_SHAPES = [(9, 3, 64), (4, 4, 64), (8, 4, 64), (6, 3, 64), (8, 2, 128), (16, 4, 128),
+                  (4, 2, 16)]
+# (context, chunk): fresh and over a cached prefix; chunks of 1 and 2 tokens, and lengths
+# off the kernels' tiles (48 query rows, blocks of 128 keys) on both sides of a block's end
+PREFILL_LENGTHS = [(0, 1), (0, 2), (0, 17), (0, 130), (0, 300), (5, 1), (100, 7),
+                   (127, 50), (128, 128), (300, 33)]
+
+
+def _prefill_case(g: torch.Generator, heads: int, kv_heads: int, dim: int, keys: int,
+                  chunk: int, block_size: int, dtype: torch.dtype, cache_dtype: torch.dtype
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [chunk, heads, dim] as a view of fused qkv rows (rows apart, as the model passes
+    it), a cache with spare blocks, and the slots of `keys` keys through a block table
+    scattered over it (a partial last block)."""
+    width = -(-keys // block_size)
+    blocks = 2 * width + 3
+    cache = (torch.randn(2, kv_heads, blocks, block_size, dim, generator=g) * 2).to(cache_dtype)
+    table = (torch.randperm(blocks - 1, generator=g) + 1)[:width]
+    slots = (table.unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[:keys]
+    rows = torch.randn(chunk, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    return rows[:, :heads], cache, slots
+
+
+def _exact_prefill(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float,
+                   window: int = 0) -> torch.Tensor:
+    """The twin in fp64 (the fp32 kernels and SDPA alike are ~1e-6 of the values from it)."""
+    return cpu_ops.torch_prefill_attention(q.double(), cache.double(), slots, scale, window)
+
+
+# (activations, cache, tolerance against fp64): fp32 sums in another order; bf16 output
+PREFILL_DTYPES = [(torch.float32, torch.float32, 3e-6), (torch.bfloat16, torch.bfloat16, 8e-3),
+                  (torch.float32, torch.bfloat16, 3e-6)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tol", PREFILL_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", PREFILL_SHAPES)
+def test_prefill_attention(ops, variant, dtype, cache_dtype, tol, heads, kv_heads, dim):
+    """A chunk's causal attention over its cached context and itself (keys read in place
+    through a scattered block table) equals the twin's (SDPA over the keys gathered, here in
+    fp64), fresh and over a context, for every length around the kernels' tiles and
+    blocks; the AVX-512 variants have the vector kernel (`cpu_ops.prefill_attention` runs
+    the op there), the others run the portable one."""
+    assert ops.has_prefill_kernel() == variant.startswith("avx512")   # (else SDPA serves)
+    g = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + dim)
+    for context, chunk in PREFILL_LENGTHS:
+        for block_size in (16, 5):
+            q, cache, slots = _prefill_case(g, heads, kv_heads, dim, context + chunk, chunk,
+                                            block_size, dtype, cache_dtype)
+            got = ops.prefill_attention(q, cache, slots, dim ** -0.5, 0)
+            want = _exact_prefill(q, cache, slots, dim ** -0.5)
+            assert got.shape == (chunk, heads * dim) and got.dtype == dtype
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= tol * max(want.float().abs().max().item(), 1.0), \
+                (context, chunk, block_size, err)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 200])
+@pytest.mark.parametrize("context,chunk", [(0, 90), (48, 70), (256, 31)])
+def test_prefill_attention_with_a_sliding_window(ops, variant, window, context, chunk):
+    """With a window W, query i sees keys j with n - c + i - W < j <= n - c + i (the slots
+    from a block-aligned first key): as the twin's mask says."""
+    g = torch.Generator().manual_seed(window + context)
+    q, cache, slots = _prefill_case(g, 9, 3, 64, context + chunk, chunk, 16, torch.float32,
+                                    torch.bfloat16)
+    got = ops.prefill_attention(q, cache, slots, 0.125, window)
+    _close(got, _exact_prefill(q, cache, slots, 0.125, window), 3e-6)
+
+
+def test_the_prefill_mask_is_lower_right_causal_and_windowed():
+    """The twin's mask: query i (at key position kv_len - q_len + i) sees keys up to itself,
+    and with a window W only the last W of them; None where SDPA's top-left `is_causal` says
+    the same (no context, no window)."""
+    cpu = torch.device("cpu")
+    assert cpu_ops.prefill_mask(4, 4, 0, cpu) is None
+    assert cpu_ops.prefill_mask(2, 5, 0, cpu).tolist() == [[True, True, True, True, False],
+                                                           [True, True, True, True, True]]
+    assert cpu_ops.prefill_mask(3, 5, 2, cpu).tolist() == [[False, True, True, False, False],
+                                                           [False, False, True, True, False],
+                                                           [False, False, False, True, True]]
+    assert cpu_ops.prefill_mask(3, 3, 1, cpu).tolist() == [[True, False, False],
+                                                           [False, True, False],
+                                                           [False, False, True]]

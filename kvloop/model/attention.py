@@ -17,24 +17,30 @@ A step's tokens are laid out decodes first, then prefill chunks (vLLM's order):
   values read in place through a block table `[D, max_blocks]`, all query heads of a KV
   head at once (no repeat of K/V for GQA), fp32 softmax (CPU SDPA with a mask is 10-30x
   slower on these shapes; the op's pure-torch twin gathers the blocks into a padded copy);
-- each prefill chunk attends with SDPA: `is_causal` when it has no computed context, else
-  an explicit lower-right causal mask over `context_len + q_len` keys gathered from the cache
-  (SDPA's `is_causal` is top-left aligned, wrong once a prefix is cached).
+- each prefill chunk attends in one `cpu_ops.prefill_attention` call: its keys, context
+  and its own alike, read in place from the cache at `chunk_slots` (this step's
+  `slot_mapping` without context, else its blocks'), lower-right causal (query i at position
+  `context_len + i` sees keys up to it), flash style in C++ (key blocks, online softmax,
+  tasks per KV head and query tile; no [q_len, keys] scores); its pure-torch twin gathers the
+  keys and runs SDPA with the lower-right mask (SDPA's `is_causal` is top-left aligned,
+  wrong once a prefix is cached).
 
 Sliding-window layers (window W: a query at position p sees keys p-W+1..p, transformers'
 rule) get their own metadata (their KV-cache group's block table, `kvloop.core.
 kv_cache_groups`), whose tables begin at the first block a query of the step can see
 (the blocks before it are freed by the KV cache manager):
-- a chunk gathers keys from `key_start` (a block boundary) and masks by window and causality
-  (`window_causal_mask`); a fresh chunk no longer than W keeps SDPA's `is_causal`;
+- a chunk reads keys from `key_start` (a block boundary) and its query sees only the last
+  W of them (`PrefillChunk.window`, the op's `window`; the twin's mask is
+  `cpu_ops.prefill_mask`); a chunk no longer than W attends as a plain causal one;
 - decodes whose keys all fit in the window use the C++ op as full attention does; once
   a row reaches past W the step's decodes run `windowed_decode_attention` (torch: gathered
   keys, rows masked from `decode_key_starts`), so the C++ op needs no window argument.
 
 A bf16 cache beside fp32 activations (`--kv-cache-dtype bfloat16`) is written rounded by
-the same ops and read widened (the C++ ops take the two dtypes); a prefill chunk attends to
-its own K and V rounded as the cache holds them, so a token sees the same values whether its
-prefix was computed now or came from the prefix cache, a tier or a prefill engine.
+the same ops and read widened (the C++ ops take the two dtypes); a prefill chunk reads its
+own K and V back from the cache, rounded as the cache holds them, so a token sees the same
+values whether its prefix was computed now or came from the prefix cache, a tier or a
+prefill engine.
 
 A quantized cache (`--kv-cache-dtype` fp8 or int8; `meta.kv_quant`, kvloop.model.kv_quant)
 is written by `kv_quant.rope_and_cache` and read by `kv_quant.decode_attention` (dequantized
@@ -67,8 +73,8 @@ class PrefillChunk:
     end: int                         # one past its last token
     context_len: int                 # tokens computed before this chunk (cached prefix)
     block_ids: torch.Tensor | None   # [num_blocks] covering context + chunk; None if no context
-    mask: torch.Tensor | None        # [q_len, context_len + q_len - key_start] bool, True = attend
-    key_start: int = 0               # position of the first key gathered (block-aligned)
+    key_start: int = 0               # position of the first key read (block-aligned)
+    window: int = 0                  # sliding window W (a query sees the last W keys); 0: none
 
 
 @dataclass
@@ -103,7 +109,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, already written
-    to `kv_cache`). Returns [T, heads * head_dim]."""
+    to `kv_cache`, where every path reads them: k and v themselves go unused). Returns
+    [T, heads * head_dim]."""
     num_tokens, heads, head_dim = q.shape
     if meta.num_decodes == num_tokens:
         return _decode_attention(q, kv_cache, meta, scale)
@@ -112,7 +119,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:meta.num_decodes] = _decode_attention(q[:meta.num_decodes], kv_cache, meta, scale)
     for chunk in meta.prefills:
         if meta.kv_quant is None:
-            out[chunk.start:chunk.end] = _chunk_attention(q, k, v, kv_cache, chunk, scale)
+            out[chunk.start:chunk.end] = cpu_ops.prefill_attention(
+                q[chunk.start:chunk.end], kv_cache,
+                chunk_slots(chunk, meta.slot_mapping, kv_cache.shape[3]), scale, chunk.window)
         else:
             out[chunk.start:chunk.end] = _quantized_chunk_attention(
                 q, kv_cache, chunk, meta.slot_mapping, meta.kv_quant, scale)
@@ -155,56 +164,34 @@ def windowed_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     return out.to(q.dtype).reshape(num_reqs, heads * head_dim)
 
 
-def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     kv_cache: torch.Tensor, chunk: PrefillChunk,
-                     scale: float) -> torch.Tensor:
-    """Causal attention of one chunk over its context and itself -> [q_len, heads*head_dim]."""
-    query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
+def chunk_slots(chunk: PrefillChunk, slot_mapping: torch.Tensor,
+                block_size: int) -> torch.Tensor:
+    """The cache slots of a chunk's keys, from `key_start` to its last token [n] (its own
+    K and V last): this step's `slot_mapping` where it has no context, else its blocks'."""
     if chunk.context_len == 0:
-        keys = _as_cached(k[chunk.start:chunk.end], kv_cache).transpose(0, 1).unsqueeze(0)
-        values = _as_cached(v[chunk.start:chunk.end], kv_cache).transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
-                                             is_causal=chunk.mask is None,
-                                             scale=scale, enable_gqa=True)
-    else:
-        assert chunk.block_ids is not None
-        total = chunk.context_len + (chunk.end - chunk.start) - chunk.key_start
-        keys = _gather(kv_cache[0], chunk.block_ids, 1)[:, :total].unsqueeze(0).to(q.dtype)
-        values = _gather(kv_cache[1], chunk.block_ids, 1)[:, :total].unsqueeze(0).to(q.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
-                                             scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
-
-
-def _as_cached(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-    """This step's k or v [c, kv_heads, hd] as the cache holds them: rounded to a narrower
-    cache's dtype and widened back (the cache's dtype is the activations' otherwise)."""
-    if x.dtype == kv_cache.dtype:
-        return x
-    return x.to(kv_cache.dtype).to(x.dtype)
+        return slot_mapping[chunk.start:chunk.end]
+    assert chunk.block_ids is not None
+    total = chunk.context_len + (chunk.end - chunk.start) - chunk.key_start
+    starts = chunk.block_ids.unsqueeze(1) * block_size
+    slots = (starts + torch.arange(block_size, device=starts.device)).reshape(-1)
+    return slots[:total]
 
 
 def _quantized_chunk_attention(q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
                                slot_mapping: torch.Tensor, quant: KVQuant,
                                scale: float) -> torch.Tensor:
-    """`_chunk_attention` over a quantized cache: keys and values (context and chunk alike)
-    read back from the cache and dequantized -> [q_len, heads * head_dim]."""
+    """A prefill chunk over a quantized cache, as `cpu_ops.prefill_attention`'s twin: SDPA
+    over the keys and values (context and chunk alike) read back from the cache and
+    dequantized -> [q_len, heads * head_dim]."""
     q_len = chunk.end - chunk.start
     query = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)   # [1, heads, c, head_dim]
-    if chunk.context_len == 0:
-        slots = slot_mapping[chunk.start:chunk.end]
-        mask, causal = None, True
-    else:
-        assert chunk.block_ids is not None
-        block_size = kv_cache.shape[3]
-        starts = chunk.block_ids.unsqueeze(1) * block_size
-        slots = (starts + torch.arange(block_size, device=starts.device)).reshape(-1)
-        slots = slots[:chunk.context_len + q_len]
-        mask, causal = chunk.mask, False
+    slots = chunk_slots(chunk, slot_mapping, kv_cache.shape[3])
+    mask = cpu_ops.prefill_mask(q_len, len(slots), chunk.window, q.device)
     keys = kv_quant.gather_dequantized(kv_cache[0], slots, quant, q.dtype).unsqueeze(0)
     values = kv_quant.gather_dequantized(kv_cache[1], slots, quant, q.dtype).unsqueeze(0)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                         is_causal=causal, scale=scale, enable_gqa=True)
+                                         is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q_len, -1)
 
 
@@ -214,18 +201,3 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_reqs: int) -> torc
     kv_heads, _, block_size, head_dim = cache.shape
     blocks = cache.index_select(1, block_ids)          # [K, num_reqs * nb, block_size, hd]
     return blocks.view(kv_heads * num_reqs, -1, head_dim)
-
-
-def lower_right_causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] bool: query i (at position kv_len - q_len + i) sees keys <= it."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
-    return torch.arange(kv_len, device=device).unsqueeze(0) <= rows
-
-
-def window_causal_mask(q_len: int, seq_len: int, key_start: int, window: int,
-                       device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len - key_start] bool: query i (at position seq_len - q_len + i) sees
-    keys at positions key_start + j with pos - window < key_start + j <= pos."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (seq_len - q_len)
-    keys = torch.arange(key_start, seq_len, device=device).unsqueeze(0)
-    return (keys <= rows) & (keys > rows - window)

@@ -12,7 +12,14 @@ the twins run where the extension is absent (no compiler, another device, or
   K and V into the layer's cache [2, K, blocks, block_size, D] at `slots`;
 - `decode_attention(q, kv_cache, block_table, seq_lens, scale)`: one query per request,
   q [R, H, D] -> [R, H * D], keys read in place through `block_table` [R, max_blocks];
-- the cache of these two (and of `DecodeStack`) is in q's dtype, or bf16 beside fp32 q
+- `prefill_attention(q, kv_cache, slots, scale, window)`: one prefill chunk, q [c, H, D]
+  -> [c, H * D], over the n keys at `slots` [n] of the cache (the chunk's own K and V, written
+  by `rope_and_cache` before, last), lower-right causal (query i sees keys j <= n - c + i;
+  `window` > 0: also j > n - c + i - window), flash style in C++ (key blocks, online
+  softmax, no [c, n] scores) where the kernel variant has a vector kernel for it (AVX-512;
+  elsewhere the twin runs: the portable loops are slower than SDPA); twin: SDPA over the
+  keys gathered and widened to q's dtype;
+- the cache of these three (and of `DecodeStack`) is in q's dtype, or bf16 beside fp32 q
   (`--kv-cache-dtype bfloat16`): written rounded to nearest even, read widened exactly;
 - `silu_and_mul(x)`: x [T, 2F] -> silu(x[:, :F]) * x[:, F:];
 - `q4_matmul` / `q8_matmul(x, ...)`: x @ W.T on 4-bit / 8-bit group-32 weights
@@ -240,6 +247,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     return torch_decode_attention(q, kv_cache, block_table, seq_lens, scale)
 
 
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                      scale: float, window: int = 0) -> torch.Tensor:
+    ops = load() if q.device.type == "cpu" else None
+    if ops is not None and ops.has_prefill_kernel():
+        return ops.prefill_attention(q, kv_cache, slots, scale, window)
+    return torch_prefill_attention(q, kv_cache, slots, scale, window)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     ops = load() if x.device.type == "cpu" else None
     if ops is not None:
@@ -346,6 +361,32 @@ def torch_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     probs = torch.softmax(scores.masked_fill(beyond, float("-inf")), dim=-1)
     out = torch.matmul(probs, values.float())                                  # [K, R, G, D]
     return out.transpose(0, 1).reshape(reqs, heads * dim).to(q.dtype)
+
+
+def torch_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+                            scale: float, window: int = 0) -> torch.Tensor:
+    chunk, heads, dim = q.shape
+    kv_heads = kv_cache.shape[1]
+    keys = kv_cache[0].view(kv_heads, -1, dim)[:, slots].to(q.dtype).unsqueeze(0)
+    values = kv_cache[1].view(kv_heads, -1, dim)[:, slots].to(q.dtype).unsqueeze(0)
+    mask = prefill_mask(chunk, len(slots), window, q.device)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, values,
+                                         attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(chunk, heads * dim)
+
+
+def prefill_mask(q_len: int, kv_len: int, window: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """[q_len, kv_len] bool, True = attend: query i sees keys j <= kv_len - q_len + i (and
+    j > kv_len - q_len + i - window where window > 0); None where that is SDPA's top-left
+    `is_causal` (no context, no window)."""
+    if q_len == kv_len and window <= 0:
+        return None
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)
+    keys = torch.arange(kv_len, device=device).unsqueeze(0)
+    mask = keys <= rows
+    return mask & (keys > rows - window) if window > 0 else mask
 
 
 def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:

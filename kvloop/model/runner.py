@@ -60,12 +60,7 @@ from kvloop.core.outputs import (
 )
 from kvloop.core.request import PoolingParams, SamplingParams
 from kvloop.model import cpu_ops
-from kvloop.model.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    lower_right_causal_mask,
-    window_causal_mask,
-)
+from kvloop.model.attention import AttentionMetadata, PrefillChunk
 from kvloop.model.kv_quant import KVQuant
 from kvloop.model.kv_store import ModelKVBlockStore
 from kvloop.model.llama import LlamaModel
@@ -486,25 +481,18 @@ class ModelRunner:
     def _chunk(self, item: _Scheduled, start: int, group: int,
                window: int | None) -> PrefillChunk:
         end = start + item.num_tokens
-        dev = self.device
         windowed = window is not None and item.seq_len > window
+        seen = window if windowed and window is not None else 0
         if item.num_computed == 0:
-            if not windowed or window is None:
-                return PrefillChunk(start, end, 0, None, None)
-            return PrefillChunk(start, end, 0, None,
-                                window_causal_mask(item.num_tokens, item.seq_len, 0, window, dev))
+            return PrefillChunk(start, end, 0, None, window=seen)
         first = 0
         if windowed and window is not None:
             first = max(0, item.num_computed - window + 1) // self.block_size
         num_blocks = -(-item.seq_len // self.block_size)
         block_ids = torch.tensor(item.state.block_ids[group][first:num_blocks],
-                                 dtype=torch.long, device=dev)
-        key_start = first * self.block_size
-        if windowed and window is not None:
-            mask = window_causal_mask(item.num_tokens, item.seq_len, key_start, window, dev)
-        else:
-            mask = lower_right_causal_mask(item.num_tokens, item.seq_len, dev)
-        return PrefillChunk(start, end, item.num_computed, block_ids, mask, key_start)
+                                 dtype=torch.long, device=self.device)
+        return PrefillChunk(start, end, item.num_computed, block_ids,
+                            key_start=first * self.block_size, window=seen)
 
     # --- outputs --------------------------------------------------------------------------
     @staticmethod

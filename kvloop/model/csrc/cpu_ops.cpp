@@ -96,6 +96,34 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache,
   return out;
 }
 
+// q [c, heads, dim] (rows may be apart: a view of fused qkv rows), keys at slots [n] of the
+// cache (the chunk's own last) -> [c, heads * dim]; window 0: none.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slots,
+                             double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 &&
+              q.stride(1) == q.size(2), "q must be CPU [c, heads, dim] with contiguous rows");
+  check_cpu_contiguous(cache, "cache");
+  check_cpu_contiguous(slots, "slots");
+  const int64_t chunk = q.size(0), heads = q.size(1), dim = q.size(2), keys = slots.size(0);
+  TORCH_CHECK(cache.dim() == 5 && cache.size(4) == dim && heads % cache.size(1) == 0,
+              "prefill_attention: the cache [2, kv_heads, blocks, block_size, dim] disagrees "
+              "with q");
+  TORCH_CHECK(chunk >= 1 && keys >= chunk, "prefill_attention: fewer keys than queries");
+  auto out = at::empty({chunk, heads * dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
+                                  "prefill_attention", [&] {
+    with_cache_element<scalar_t>(cache, [&](auto element) {
+      using C = decltype(element);
+      kvloop::prefill_attention<scalar_t, C>(
+          active_kernels(), q.data_ptr<scalar_t>(), q.stride(0), cache.data_ptr<C>(),
+          slots.data_ptr<int64_t>(), keys, chunk, out.data_ptr<scalar_t>(), heads,
+          cache.size(1), dim, cache.size(2) * cache.size(3), static_cast<float>(scale),
+          window);
+    });
+  });
+  return out;
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_cpu_contiguous(x, "x");
   const int64_t f = x.size(-1) / 2;
@@ -389,6 +417,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = rms_norm(residual) * weight");
   m.def("rope_and_cache", &rope_and_cache, "RoPE on q and k in place, k and v into the cache");
   m.def("decode_attention", &decode_attention, "one-query attention over the paged cache");
+  m.def("prefill_attention", &prefill_attention,
+        "a prefill chunk's causal attention over the paged cache (flash style)");
+  m.def("has_prefill_kernel", [] { return active_kernels().prefill_block != nullptr; },
+        "the active variant has a vector kernel for prefill_attention");
   m.attr("attention_prefetch_tokens") = kvloop::kPrefetchTokens;    // (for the tests)
   m.def("bf16_lane_rows", &kvloop::bf16_lane_rows,
         "the rows of a 4-bit matmul of M rows that the bf16 lane kernel takes, from row 0");
