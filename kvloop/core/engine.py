@@ -51,7 +51,6 @@ from kvloop.core.request import (
     RequestStatus,
     SamplingParams,
     check_context_length,
-    check_token_ids,
 )
 from kvloop.core.runner import HybridRunner, LoRARunner, Runner, SplitRunner
 from kvloop.core.scheduler import Admission, Scheduler
@@ -118,7 +117,6 @@ class EngineCore:
         self.hasher = (BlockHasher(cc.block_size, cc.prefix_caching_hash_algo, cc.hash_seed)
                        if cc.enable_prefix_caching else None)
         self.runner = runner
-        self.vocab_size: int | None = getattr(runner, "vocab_size", None)   # LoadedRunner's
         if self.scheduler.adapter_slots is not None and isinstance(runner, LoRARunner):
             self.scheduler.adapter_slots.set_reader(self._read_lora)
         self._split_runner = runner if isinstance(runner, SplitRunner) else None
@@ -148,13 +146,9 @@ class EngineCore:
         pooling request, kvloop.pooling_params).
 
         Raises ContextLengthError (a ValueError) for a prompt that leaves no room in
-        `max_model_len` for an output token, TokenIdError (a ValueError) for a prompt token
-        outside the runner's vocabulary (where it names one), ValueError for an adapter when
-        LoRA is off.
+        `max_model_len` for an output token, ValueError for an adapter when LoRA is off.
         """
         check_context_length(self.config.scheduler.max_model_len, len(prompt_token_ids))
-        if self.vocab_size is not None:
-            check_token_ids(prompt_token_ids, self.vocab_size)
         slots = self.scheduler.adapter_slots
         if lora_name is not None and slots is None:
             raise ValueError("LoRA is not enabled (--enable-lora)")
