@@ -15,20 +15,30 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-// exp(x), 8 at a time: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts,
+// exp(x) in vectors: 2^n e^r with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts,
 // Cody and Waite's reduction) and e^r from its Taylor series to r^7 (|r| <= ln2 / 2:
 // relative error < 1e-8). x is clamped to [-87, 88] (e^-87 ~ 1.6e-38, the smallest normal
-// float; e^88 ~ 1.7e38, near the largest).
+// float; e^88 ~ 1.7e38, near the largest). Its numbers, for each register width (exp8 here,
+// exp16 in x86_avx512.cpp).
+struct ExpRecipe {
+  static constexpr float kLow = -87.f, kHigh = 88.f, kLog2e = 1.44269504f;
+  static constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  static constexpr int kTerms = 8;   // 1/7! .. 1/0!, Horner's order
+  static constexpr float kInvFactorial[kTerms] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
+                                                  1.f / 6,    0.5f,       1.f,       1.f};
+};
+
+// exp(x), 8 at a time (ExpRecipe).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  using R = ExpRecipe;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(R::kLow)), _mm256_set1_ps(R::kHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(R::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  constexpr float kInvFactorial[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6,
-                                     0.5f, 1.f, 1.f};
-  __m256 e = _mm256_set1_ps(kInvFactorial[0]);
-  for (int i = 1; i < 8; ++i) e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(kInvFactorial[i]));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(R::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(R::kLn2Lo), r);
+  __m256 e = _mm256_set1_ps(R::kInvFactorial[0]);
+  for (int i = 1; i < R::kTerms; ++i)
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(R::kInvFactorial[i]));
   const __m256i two_n = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));

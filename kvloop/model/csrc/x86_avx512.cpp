@@ -38,17 +38,17 @@ void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, 
 }
 
 // --- prefill attention: one key block of a tile (PrefillBlockFn) ----------------------------
-// exp8's recipe (x86_avx2_kernels.h), 16 at a time.
+// exp(x), 16 at a time (ExpRecipe, x86_avx2_kernels.h).
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  using R = ExpRecipe;
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(R::kLow)), _mm512_set1_ps(R::kHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(R::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  constexpr float kInvFactorial[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6,
-                                     0.5f, 1.f, 1.f};
-  __m512 e = _mm512_set1_ps(kInvFactorial[0]);
-  for (int i = 1; i < 8; ++i) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(kInvFactorial[i]));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(R::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(R::kLn2Lo), r);
+  __m512 e = _mm512_set1_ps(R::kInvFactorial[0]);
+  for (int i = 1; i < R::kTerms; ++i)
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(R::kInvFactorial[i]));
   const __m512i two_n = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(e, _mm512_castsi512_ps(two_n));
