@@ -109,7 +109,8 @@ KV_DTYPES = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat
              (torch.float32, torch.bfloat16, 2e-6)]
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+def _check_close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    """Assert a is within tol (relative to the largest |b|, at least 1) of b everywhere."""
     scale = max(b.abs().max().item(), 1.0)
     assert (a.float() - b.float()).abs().max().item() <= tol * scale
 
@@ -125,7 +126,7 @@ def test_add_rms_norm(ops, dtype, tol, with_residual):
     x2, r2 = x.clone(), None if res is None else res.clone()
     ops.add_rms_norm(x1, r1, w, 1e-5)
     cpu_ops.torch_add_rms_norm(x2, r2, w, 1e-5)
-    _close(x1, x2, tol * 4)
+    _check_close(x1, x2, tol * 4)
     if res is not None:
         assert torch.equal(r1, r2)
 
@@ -146,10 +147,10 @@ def test_rope_and_cache(ops, variant, dtype, cache_dtype, tol, heads, kv_heads, 
                        heads, kv_heads)
     cpu_ops.torch_rope_and_cache(outs[1], positions, angles.cos(), angles.sin(), caches[1],
                                  slots, heads, kv_heads)
-    _close(outs[0], outs[1], tol)
+    _check_close(outs[0], outs[1], tol)
     assert caches[0].abs().sum() > 0
     if cache_dtype == dtype:
-        _close(caches[0], caches[1], tol)
+        _check_close(caches[0], caches[1], tol)
         return
     # a bf16 cache beside fp32: V (no RoPE) the same bits; K rounded from RoPE's fp32 result,
     # whose last bit may differ (FMA), so at most one bf16 step apart
@@ -210,7 +211,7 @@ def test_decode_attention(ops, variant, dtype, cache_dtype, tol, heads, kv_heads
     got = ops.decode_attention(q, cache, table, seq_lens, dim ** -0.5)
     want = cpu_ops.torch_decode_attention(q, cache, table, seq_lens, dim ** -0.5)
     assert got.shape == (4, heads * dim) and got.dtype == dtype
-    _close(got, want, tol + (8e-3 if dtype == torch.bfloat16 else 0))
+    _check_close(got, want, tol + (8e-3 if dtype == torch.bfloat16 else 0))
 
 
 def test_a_cache_of_another_dtype_is_refused(ops):
@@ -229,7 +230,7 @@ def test_silu_and_mul(ops, variant, dtype, tol):
     x = torch.randn(5, 3072, generator=torch.Generator().manual_seed(3)).to(dtype)
     got = ops.silu_and_mul(x)
     assert got.shape == (5, 1536) and got.dtype == dtype
-    _close(got, cpu_ops.torch_silu_and_mul(x), tol)
+    _check_close(got, cpu_ops.torch_silu_and_mul(x), tol)
 
 
 LONG_KV_DTYPES = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat16, 8e-3),
@@ -818,7 +819,7 @@ def test_prefill_attention_with_a_sliding_window(ops, variant, window, context, 
     q, cache, slots = _prefill_case(g, 9, 3, 64, context + chunk, chunk, 16, torch.float32,
                                     torch.bfloat16)
     got = ops.prefill_attention(q, cache, slots, 0.125, window)
-    _close(got, _exact_prefill(q, cache, slots, 0.125, window), 3e-6)
+    _check_close(got, _exact_prefill(q, cache, slots, 0.125, window), 3e-6)
 
 
 def test_the_prefill_mask_is_lower_right_causal_and_windowed():
