@@ -3,6 +3,7 @@ the simulator's modelled timings, and real steps of a tiny model that leave no s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -63,6 +64,25 @@ def test_a_target_below_the_floor_gives_the_floor_flagged() -> None:
             choose_budget({}, 0.1, 256, 100).misses_target) == (256, False)   # nothing measured
 
 
+def test_a_missed_default_target_gives_the_least_time_per_token() -> None:
+    # per token: 0.78, 0.70, 0.68, 0.73 ms; the fixed cost spread, then attention's
+    steps = {256: 0.2, 512: 0.36, 1024: 0.7, 2048: 1.5}
+    c = choose_budget(steps, 0.1, 256, 8192, for_throughput=True)
+    assert (c.budget, c.misses_target, c.step_s) == (1024, True, 0.7)
+    assert c.describe().endswith("chose 1024, the least time per token (0.68 ms): even the "
+                                 "floor's step is over the target TPOT 100 ms, so no budget "
+                                 "meets it")
+    assert choose_budget(steps, 0.1, 256, 600, for_throughput=True).budget == 600   # capped
+    # a tie goes to the smaller; the per-token times come from the monotone fit
+    assert choose_budget({256: 0.2, 512: 0.4}, 0.1, 256, 8192, for_throughput=True).budget \
+        == 256
+    assert choose_budget({256: 0.2, 512: 0.19, 1024: 0.5}, 0.1, 256, 8192,
+                         for_throughput=True).budget == 512   # fitted 0.195 at both
+    # a target met is the same choice either way
+    assert choose_budget(LINEAR, 0.1, 256, 8192, for_throughput=True) == dataclasses.replace(
+        choose_budget(LINEAR, 0.1, 256, 8192), for_throughput=True)
+
+
 def test_a_huge_target_gives_the_cap() -> None:
     assert choose_budget(LINEAR, 100.0, 256, 8192).budget == 8192
     c = choose_budget(LINEAR, 100.0, 256, 3000)       # timings beyond the cap do not count
@@ -113,6 +133,26 @@ def test_measuring_stops_over_the_target_and_before_the_time_limit() -> None:
     assert timings_until(LINEAR.__getitem__, sizes, 1.0, 0.0) == [(256, LINEAR[256])]
 
 
+def test_past_a_missed_target_measuring_stops_where_time_per_token_rises() -> None:
+    steps = {256: 0.2, 512: 0.36, 1024: 0.7, 2048: 1.5, 4096: 4.0}
+    calls: list[int] = []
+
+    def step(b: int) -> float:
+        calls.append(b)
+        return steps[b]
+
+    sizes = sorted(steps)
+    assert timings_until(step, sizes, 0.1, 100.0, past_target=True) == [
+        (b, steps[b]) for b in sizes[:4]]           # 2048 is slower per token than 1024
+    assert calls == [256, 256, 512, 512, 1024, 1024, 2048, 2048]   # each over: timed twice
+    assert timings_until(step, sizes, 0.1, 100.0) == [(256, 0.2)]   # the target the user set
+    # the limit still holds: 0.4 + 0.72 spent, 1024 predicted at 0.72 s more
+    assert timings_until(step, sizes, 0.1, 1.5, past_target=True) == [(256, 0.2), (512, 0.36)]
+    # a floor within the target: the usual stop, past_target or not
+    assert timings_until(LINEAR.__getitem__, sorted(LINEAR), 0.1, 10.0, past_target=True) == [
+        (b, LINEAR[b]) for b in sorted(LINEAR)[:4]]
+
+
 # --- the simulator: its latency model, no clock ----------------------------------------------
 def test_the_simulator_budget_comes_from_its_latency_model(caplog: pytest.LogCaptureFixture
                                                            ) -> None:
@@ -139,12 +179,16 @@ def test_the_simulator_budget_comes_from_its_latency_model(caplog: pytest.LogCap
     slow = make_sim_runner(RunnerConfig(sim=SimSettings()))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvloop.core.budget"):
-        # the default target, missed by this slow machine: the floor, one INFO line
-        assert resolve_budget(sched, AutoBudget(), slow, 16).max_num_batched_tokens == 128
+        # the default target, missed by this slow machine: the least time per token among
+        # the steps the 2 s limit allows (128, 256, 512; 1024 would pass it), one INFO line
+        assert resolve_budget(sched, AutoBudget(), slow, 16).max_num_batched_tokens == 512
         # a target the user set, missed: the floor, and a WARNING of what decodes will see
         assert resolve_budget(sched, AutoBudget(100), slow, 16).max_num_batched_tokens == 128
     default, asked = caplog.records
-    assert default.levelno == logging.INFO and "chose 128, the floor" in default.getMessage()
+    assert default.levelno == logging.INFO and default.getMessage().endswith(
+        "128 -> 117.6 ms, 256 -> 210.6 ms, 512 -> 396.4 ms; chose 512, the least time per "
+        "token (0.77 ms): even the floor's step is over the target TPOT 100 ms, so no budget "
+        "meets it")
     assert asked.levelno == logging.WARNING and "decodes will see about 118 ms per token" \
         in asked.getMessage()
 
