@@ -14,20 +14,23 @@ after the model is loaded and before any request:
    time), or until the next, predicted from the last one's time per token, would take the
    steps past `CALIBRATION_TIME_LIMIT_S`; so no large step runs once a smaller one is over.
    When the floor's step is over the default target already, no budget can meet it, and
-   measuring goes on past it (each step timed twice) until a step takes no less time per
-   token than the one before, or the time limit. A `ModelledRunner` (the simulator) is asked its
-   modelled time instead, under the same limit: nothing runs and no clock is read, so a
-   simulated worker's budget is deterministic;
+   measuring goes on past it (each step timed twice) until a step's time per token is more
+   than `NEAR_BEST_PER_TOKEN` times the least so far, or the time limit. A `ModelledRunner`
+   (the simulator) is asked its modelled time instead, under the same limit: nothing runs
+   and no clock is read, so a simulated worker's budget is deterministic;
 3. choice (`choose_budget`): the largest candidate within the target on a monotone
    (isotonic) fit of the timings. When even the floor's step is over (flagged
    `misses_target`), decodes wait more than the target whatever the budget. A target the
    user set keeps the floor, the nearest to it; the default target (no promise the user
-   asked for) gives way to throughput: the candidate with the least fitted time per token
-   (the smaller on a tie). A step's fixed cost (the decodes riding in it, the head, the engine's
-   own work) is spread over more prompt tokens up to where attention's quadratic cost, or
-   the calibration limit, ends the gain. (The floor used to be kept: on a 2-core Zen 4 a
-   128-token step took 106-119 ms against the 100 ms default, and the c=8 benchmark served
-   212-220 tok/s at 128 against 245 at 512, with a lower TPOT p50.)
+   asked for) gives way to throughput: the largest candidate whose fitted time per token
+   is within `NEAR_BEST_PER_TOKEN` of the least. A step's fixed cost (the decodes riding in
+   it, the head, the engine's own work) is spread over more prompt tokens, up to where
+   attention's quadratic cost, or the calibration limit, ends the gain. Near the least the
+   larger step is taken: step times carry a few per cent of noise, and a served step
+   carries more fixed cost than the synthetic one (every running decode, not one). (The
+   floor used to be kept: on a 2-core Zen 4 a 128-token step took 106-119 ms against the
+   100 ms default, and the c=8 benchmark served 212-220 tok/s at 128 against 245 at 512,
+   with a lower TPOT p50.)
 
 4. attention's cost (`attention_keys_per_token`, for a measured runner only): a step of the
    chosen budget timed with its chunk after `CONTEXT_PROBE_TOKENS` computed tokens and with
@@ -66,6 +69,7 @@ from kvloop.core.runner import LoadedRunner, ModelledRunner
 logger = logging.getLogger(__name__)
 
 CALIBRATION_TIME_LIMIT_S = 2.0   # measured steps stop before their total would pass this
+NEAR_BEST_PER_TOKEN = 1.05       # a missed target: time per token counted as the least's
 CONTEXT_PROBE_TOKENS = 1024      # computed tokens before the chunk that times attention
 ATTENTION_ROUNDS = 3             # fresh and late steps timed, alternated
 DECODE_CONTEXT = 31              # tokens computed for the decode that rides along
@@ -112,8 +116,8 @@ class BudgetChoice:
             return f"the floor: even its step is over the {target}"
         if self.misses_target:
             per_token = self.step_s / self.budget * 1e3
-            return (f"the least time per token ({per_token:.2f} ms): even the floor's step is "
-                    f"over the {target}, so no budget meets it")
+            return (f"the largest near the least time per token ({per_token:.2f} ms here): "
+                    f"even the floor's step is over the {target}, so no budget meets it")
         if not self.timings:
             return f"the floor (the cap {self.cap} is below it: nothing to measure)"
         over = [(b, t) for b, t in self.timings if b > self.budget]
@@ -142,9 +146,9 @@ def choose_budget(timings: Timings, target_s: float, floor: int, cap: int, *,
                   for_throughput: bool = False) -> BudgetChoice:
     """The largest token count whose step, on the monotone fit of `timings` ((tokens,
     seconds) pairs or a dict), takes at most `target_s`, capped at `cap`. When none does
-    (flagged `misses_target`): `floor`, or with `for_throughput` the one with the least
-    fitted time per token, the smaller on a tie. `floor` when there are no timings; never
-    below `floor`."""
+    (flagged `misses_target`): `floor`, or with `for_throughput` the largest whose fitted
+    time per token is within `NEAR_BEST_PER_TOKEN` of the least. `floor` when there are no
+    timings; never below `floor`."""
     points = sorted(dict(timings).items())
     fitted = monotone_fit([t for _, t in points])
     within = [b for (b, _), t in zip(points, fitted, strict=True) if t <= target_s]
@@ -152,7 +156,9 @@ def choose_budget(timings: Timings, target_s: float, floor: int, cap: int, *,
         budget = max(floor, min(max(within), cap))
     elif points and for_throughput:
         per_token = [t / b for (b, _), t in zip(points, fitted, strict=True)]
-        budget = max(floor, min(points[per_token.index(min(per_token))][0], cap))
+        near = [b for (b, _), p in zip(points, per_token, strict=True)
+                if p <= min(per_token) * NEAR_BEST_PER_TOKEN]
+        budget = max(floor, min(max(near), cap))
     else:
         budget = floor
     return BudgetChoice(budget, tuple(points), target_s, floor, cap,
@@ -249,9 +255,9 @@ def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], targe
                   time_limit_s: float, *, past_target: bool = False) -> list[tuple[int, float]]:
     """(b, step_time(b)) for `sizes` in order, a step over `target_s` timed twice (the faster
     kept), until one is over `target_s`; or, with `past_target` when the first is over
-    already (no size can meet the target), until one takes no less time per token than the
-    one before; and before one that would take the total time past `time_limit_s`
-    (predicted from the last step's time per token)."""
+    already (no size can meet the target), until one's time per token is more than
+    `NEAR_BEST_PER_TOKEN` times the least so far; and before one that would take the total
+    time past `time_limit_s` (predicted from the last step's time per token)."""
     out: list[tuple[int, float]] = []
     spent = 0.0
     for b in sizes:
@@ -272,12 +278,12 @@ def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], targe
 def _measured_enough(out: Sequence[tuple[int, float]], target_s: float,
                      past_target: bool) -> bool:
     """Whether `timings_until` stops after the last of `out`: it is over the target and
-    the first was not (or not `past_target`), or the first was over and the last takes no
-    less time per token than the one before."""
+    the first was not (or not `past_target`), or the first was over and the last's time
+    per token is past `NEAR_BEST_PER_TOKEN` of the least."""
     b, t = out[-1]
     if out[0][1] <= target_s or not past_target:
         return t > target_s
-    return len(out) > 1 and t / b >= out[-2][1] / out[-2][0]
+    return t / b > min(bt / bb for bb, bt in out) * NEAR_BEST_PER_TOKEN
 
 
 def _timed(runner: LoadedRunner, so: SchedulerOutput) -> float:
