@@ -330,27 +330,29 @@ def _dequantized_q8(q8: torch.Tensor, s8: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72), (64, 1)])
-@pytest.mark.parametrize("rows", range(1, 18))
-def test_q8_matmul_at_every_row_count_on_edge_shapes(ops, variant, rows, k, n):
+def test_q8_matmul_at_every_row_count_on_edge_shapes(ops, variant, k, n):
     """The 8-bit kernel (the LM head's) on W in blocks of 16 columns (`q8_column_blocks`) at
     1-17 rows (AVX-512: tiles of 8 rows, 1-4 rows two blocks at a time; AVX2: tiles of 3):
     each y within 1e-4 of the largest of x @ W.T in fp64 (x rounded to int16 per group);
     N of 1 column, 13 (under one block), 40 and 72 (a last block half full) and 200 (pool
     chunks); K of one group to 48. A row's y does not depend on the rows beside it: each
     equals, bit for bit, that row's y alone (so the argmax at any row count is the one of
-    the logits at any other), and the argmax kernel's is the matmul's."""
-    g = torch.Generator().manual_seed(rows * 101 + k + n)
-    x = torch.randn(rows, k, generator=g)
-    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    s8 = torch.rand(n, k // 32, generator=g) * 0.01
-    want = x.double() @ _dequantized_q8(q8, s8).T
-    got = _q8_matmul(ops, x, q8, s8)
-    assert got.shape == (rows, n)
-    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4
-    alone = torch.cat([_q8_matmul(ops, x[m:m + 1], q8, s8) for m in range(rows)])
-    assert torch.equal(got, alone)
-    columns, values = _q8_argmax(ops, x, q8, s8)
-    assert torch.equal(columns, got.argmax(-1)) and torch.equal(values, got.max(-1).values)
+    the logits at any other), and the argmax kernel's is the matmul's. (The row counts run
+    in one test: 340 cases of a few ms each were mostly pytest's own time.)"""
+    for rows in range(1, 18):
+        g = torch.Generator().manual_seed(rows * 101 + k + n)
+        x = torch.randn(rows, k, generator=g)
+        q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        s8 = torch.rand(n, k // 32, generator=g) * 0.01
+        want = x.double() @ _dequantized_q8(q8, s8).T
+        got = _q8_matmul(ops, x, q8, s8)
+        assert got.shape == (rows, n)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-4, rows
+        alone = torch.cat([_q8_matmul(ops, x[m:m + 1], q8, s8) for m in range(rows)])
+        assert torch.equal(got, alone), rows
+        columns, values = _q8_argmax(ops, x, q8, s8)
+        assert torch.equal(columns, got.argmax(-1)), rows
+        assert torch.equal(values, got.max(-1).values), rows
 
 
 @pytest.mark.parametrize("k", [576, 96])            # 18 groups (8 + 8 + 2), 3 groups
@@ -419,8 +421,7 @@ def test_q4_matmul_at_many_rows_on_edge_shapes(ops, variant, rows, k, n):
 
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72)])
-@pytest.mark.parametrize("rows", [3, 8, 12, 13, 15, 16, 17, 24, 29, 32, 45, 48, 130, 200])
-def test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x(ops, variant, rows, k, n):
+def test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x(ops, variant, k, n):
     """`bf16_x` (the mixed precision's layer matmuls): on AVX512_BF16 every row of the
     fp kernels (3+) is rounded to bf16 and runs in exact `vdpbf16ps` products with the
     nibbles, fp32 sums: the lane kernel's rows (`bf16_lane_rows`: whole vectors of 16, 13-15
@@ -428,7 +429,13 @@ def test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x(ops, variant, rows
     them (`bf16_columns`). Each y within 1e-6 of the largest of x rounded to bf16 @ W.T in
     fp64 (and not of the unrounded x's, 2^-9 away). Every row on the other variants and
     every row without `bf16_x` stay the fp32 kernels' (x not rounded, within 1e-6). The
-    argmax kernel rounds as the matmul does."""
+    argmax kernel rounds as the matmul does. (The row counts run in one test.)"""
+    for rows in (3, 8, 12, 13, 15, 16, 17, 24, 29, 32, 45, 48, 130, 200):
+        _check_bf16_x_rounding(ops, variant, rows, k, n)
+
+
+def _check_bf16_x_rounding(ops, variant: str, rows: int, k: int, n: int) -> None:
+    """`test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x` at one row count."""
     g = torch.Generator().manual_seed(rows * 13 + k + n)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(n, k, g)
@@ -441,14 +448,15 @@ def test_q4_matmul_rounds_fp32_rows_to_bf16_only_under_bf16_x(ops, variant, rows
         return ((got.double() - want).abs().max() / want.abs().max()).item()
 
     got = ops.q4_matmul(x, qs, scale, offset, bf16_x=True)
-    assert err(got, want) < 1e-6
+    assert err(got, want) < 1e-6, rows
     if bf16:                            # the lanes' rows and the tiles' both rounded
         lanes = ops.bf16_lane_rows(rows)
         parts = [p for p in (slice(0, lanes), slice(lanes, rows)) if p.stop > p.start]
-        assert all(err(got[p], exact[p]) > 1e-5 for p in parts)
-    assert err(ops.q4_matmul(x, qs, scale, offset), exact) < 1e-6
+        assert all(err(got[p], exact[p]) > 1e-5 for p in parts), rows
+    assert err(ops.q4_matmul(x, qs, scale, offset), exact) < 1e-6, rows
     columns, values = ops.q4_matmul_argmax(x, qs, scale, offset, bf16_x=True)
-    assert torch.equal(columns, got.argmax(-1)) and torch.equal(values, got.max(-1).values)
+    assert torch.equal(columns, got.argmax(-1)), rows
+    assert torch.equal(values, got.max(-1).values), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
