@@ -105,9 +105,13 @@ class KvloopConnector:
             meta = MetaReply(engine_id=config.engine_id, kv_fingerprint=store.fingerprint,
                              block_size=store.block_size, block_nbytes=store.block_nbytes,
                              version=PROTOCOL_VERSION, host_id=host_id())
-            self.server = SideChannelServer(self._ctx, extra.side_channel_host,
-                                            extra.side_channel_port, meta, self.leases,
-                                            store, self.counters, self._notify, keys)
+            try:
+                self.server = SideChannelServer(self._ctx, extra.side_channel_host,
+                                                extra.side_channel_port, meta, self.leases,
+                                                store, self.counters, self._notify, keys)
+            except OSError:      # the port is taken: leave no authenticator thread behind
+                self._stop_context()
+                raise
         if config.is_kv_consumer:
             self.client = TransferClient(self._ctx, store, transport=extra.transport,
                                          transfer_timeout=extra.transfer_timeout,
@@ -348,6 +352,11 @@ class KvloopConnector:
         for released in self.leases.take_released():
             for path in released.lease.shm_files:
                 shm.unlink(path)
+        self._stop_context()
+
+    def _stop_context(self) -> None:
+        """Stop the authenticator, then terminate the context (every other socket of it
+        closed before: `term()` waits for ever on an open one)."""
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

@@ -51,7 +51,8 @@ cache `~/.cache/kvloop/torch_extensions/<name>`, the name keyed by the sources, 
 version, the compiler flags and the machine's architecture (`build_key`; not its CPU's
 features: one build serves every CPU of the architecture). Loading never compiles unless
 asked (`load(build=True)`): a process that finds no build, or cannot build (no compiler),
-uses the twins and says so once in the log.
+uses the twins and says so once in the log. Processes building at once build once, and a
+build killed midway blocks none after it (`kvloop.model.extension_build`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvloop.model import extension_build
 
 logger = logging.getLogger(__name__)
 
@@ -151,34 +154,15 @@ def _use_forced_kernels(module: Any) -> None:
 def _load_or_build(build: bool) -> Any:
     name = extension_name()
     directory = CACHE_ROOT / "torch_extensions" / name
-    library = directory / f"{name}.so"
+    library = extension_build.library_path(name, directory)
     if library.is_file():
-        return _import(name, library)     # no compiler run, no subprocess
+        return extension_build.import_library(name, library)   # no compiler, no lock
     if build:
-        return _compile(name, directory)
+        sources = [str(p) for p in source_files() if p.suffix == ".cpp"]
+        return extension_build.build_once(name, directory, sources, _FLAGS, [str(CSRC)])
     logger.warning("kvloop's CPU ops are not built (run `python -m kvloop.model.cpu_ops`); "
                    "using the slower pure-torch ops")
     return None
-
-
-def _import(name: str, library: Path) -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, library)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _compile(name: str, directory: Path) -> Any:
-    from torch.utils.cpp_extension import load as load_extension
-
-    directory.mkdir(parents=True, exist_ok=True)
-    sources = [str(p) for p in source_files() if p.suffix == ".cpp"]
-    return load_extension(name=name, sources=sources, extra_cflags=_FLAGS,
-                          extra_include_paths=[str(CSRC)], build_directory=str(directory),
-                          verbose=False)
 
 
 def kernels() -> str | None:
