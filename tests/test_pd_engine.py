@@ -534,7 +534,7 @@ def test_a_truncated_or_garbled_read_fails_the_load(engines, answer):
     finally:
         fake.sock.close()
         fake.auth.stop()
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_roles_refuse_the_other_leg(engines, caplog):

@@ -237,7 +237,7 @@ class RoguePrefill:
         self.sock.close()
         if self.auth is not None:
             self.auth.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)   # term() waits on any socket left open
 
 
 @pytest.fixture
@@ -533,8 +533,8 @@ class Pair:
         self.client.shutdown()
         self.server.shutdown()
         self.auth.stop()
-        self.p_ctx.term()
-        self.d_ctx.term()
+        self.p_ctx.destroy(linger=0)
+        self.d_ctx.destroy(linger=0)
 
 
 @pytest.fixture
@@ -615,7 +615,7 @@ class FleetFake:
         self._thread.join(5)
         self.sock.close()
         self.auth.stop()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 def _frames(n: int, value: int = 0) -> list[bytes]:
