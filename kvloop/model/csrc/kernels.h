@@ -203,9 +203,9 @@ struct Kernels {
   AttendFn<float, c10::BFloat16> attend_f32_bf16;   // fp32 q and output, a bf16 cache
   // A prefill chunk's attention, one key block of a query tile (every dtype: the driver
   // widens q, keys and values); nullptr where the variant has no vector kernel for it (the
-  // driver then runs the portable one, and cpu_ops.py prefers SDPA: measured on Zen 4, 512
-  // fresh tokens on one thread, the portable loops 27.6 ms (16.8 built for AVX2), SDPA 8.5,
-  // the AVX-512 kernel 4.0).
+  // generic table: the driver then runs the portable one, and cpu_ops.py prefers SDPA:
+  // measured on Zen 4, 512 fresh tokens on one thread, the portable loops 27.6 ms, SDPA 8.5,
+  // the AVX-512 kernel 4.0, the AVX2 one 4.2; x86_prefill.h).
   PrefillBlockFn prefill_block;
   SiluMulFn silu_mul_f32;
   RoundBf16Fn round_bf16;

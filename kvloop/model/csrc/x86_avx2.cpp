@@ -14,6 +14,7 @@ KVLOOP_TARGET_BEGIN("avx2,fma")
 namespace kvloop::avx2 {
 
 #include "x86_avx2_kernels.h"
+#include "x86_prefill.h"
 
 // A KV head's query heads one at a time (16 vector registers); other shapes as generic.
 // q and out in T, the cache in C (AttendFn).
@@ -26,6 +27,49 @@ void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, 
   const std::vector<float> qf = scaled_query(q, group * dim, scale);
   attend_heads<C>(qf.data(), group, dim, keys, vals, slot, len, scores, out, out_stride);
 }
+
+// --- prefill attention: one key block of a tile (PrefillBlockFn, x86_prefill.h) -----------
+// The lanes of keys [first, last) among the 8 from key c0, as a compare's all-ones lanes.
+inline __m256 key_lanes(int64_t first, int64_t last, int64_t c0) {
+  const __m256i key = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(c0)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i from = _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(first) - 1));
+  const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(last)), key);
+  return _mm256_castsi256_ps(_mm256_and_si256(from, below));
+}
+
+// 8 fp32 lanes for the prefill block kernel: 3 rows x 4 vectors (32 keys or 32 dims) per
+// pass, 12 accumulators of the 16 registers. Measured on Zen 4 running this variant, one
+// thread, 512 fresh tokens of SmolLM2's shape: 4.2-4.3 ms; 4 rows x 3 key vectors and x 2
+// output vectors 4.4 (and no faster elsewhere); 2 rows x 4 and 4 slower at every length.
+struct F32x8 {
+  using Reg = __m256;
+  using Mask = __m256;
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kRows = 3, kScoreVecs = 4, kValueVecs = 4;
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float x) { return _mm256_set1_ps(x); }
+  static Reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg exp(Reg x) { return exp8(x); }
+  static Mask lanes(int64_t first, int64_t last, int64_t c0) {
+    return key_lanes(first, last, c0);
+  }
+  static Reg max_in(Reg top, Mask m, Reg x) {
+    return _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, m));
+  }
+  static Reg keep(Mask m, Reg x) { return _mm256_and_ps(m, x); }
+  static float reduce_max(Reg v) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  static float reduce_add(Reg v) { return hsum(v); }
+};
 
 // The 8-bit kernel on W in column blocks (kernels.h): a block's 16 columns in the lanes of
 // two registers (columns 0-7, 8-15), a pair of k per register pair (32 bytes widened to
@@ -115,6 +159,7 @@ const Kernels* avx2_kernels() {
     k.attend_f32 = avx2::attend<float>;
     k.attend_bf16 = avx2::attend<c10::BFloat16>;
     k.attend_f32_bf16 = avx2::attend<float, c10::BFloat16>;
+    k.prefill_block = avx2::prefill_rows_block<avx2::F32x8>;
     k.silu_mul_f32 = avx2::silu_mul_f32;
     k.round_bf16 = avx2::round_bf16;
     k.quantize_row = avx2::quantize_row;

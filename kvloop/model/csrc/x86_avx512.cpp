@@ -16,6 +16,7 @@ namespace kvloop::avx512 {
 
 #include "x86_avx2_kernels.h"
 #include "x86_avx512_kernels.h"
+#include "x86_prefill.h"
 
 // A KV head's `group` query heads: together where the 8 x G accumulators fit in the 32
 // vector registers (G 2-4), else one head at a time; other shapes as generic. q and out in
@@ -37,7 +38,7 @@ void attend(const T* q, float scale, int64_t group, int64_t dim, const C* keys, 
   }
 }
 
-// --- prefill attention: one key block of a tile (PrefillBlockFn) ----------------------------
+// --- prefill attention: one key block of a tile (PrefillBlockFn, x86_prefill.h) -----------
 // exp(x), 16 at a time (ExpRecipe, x86_avx2_kernels.h).
 inline __m512 exp16(__m512 x) {
   using R = ExpRecipe;
@@ -54,148 +55,37 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(e, _mm512_castsi512_ps(two_n));
 }
 
-constexpr int kKeyVecs = kPrefillKeys / 16;
-
-// The scores of R rows (qs, rows `dim` apart) against V vectors of 16 keys from kt (rows
-// kPrefillKeys apart) into s (rows kPrefillKeys apart): R x V accumulators, each key
-// vector loaded once for the R rows.
-template <int R, int V>
-inline void block_scores(const float* qs, int64_t dim, const float* kt, float* s) {
-  __m512 a[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; ++d) {
-    __m512 k[V];
-    for (int c = 0; c < V; ++c) k[c] = _mm512_loadu_ps(kt + d * kPrefillKeys + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512 q = _mm512_set1_ps(qs[r * dim + d]);
-      for (int c = 0; c < V; ++c) a[r][c] = _mm512_fmadd_ps(q, k[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(s + r * kPrefillKeys + 16 * c, a[r][c]);
-}
-
-// The scores of the key vectors up to the rows' last visible key, 4 vectors at a time.
-template <int R>
-inline void block_scores_upto(const float* qs, int64_t dim, const float* kt, int64_t last,
-                              float* s) {
-  const int64_t vecs = (last + 15) / 16;
-  for (int64_t c = 0; c < vecs; c += 4) {
-    switch (std::min<int64_t>(4, vecs - c)) {
-      case 1: block_scores<R, 1>(qs, dim, kt + 16 * c, s + 16 * c); break;
-      case 2: block_scores<R, 2>(qs, dim, kt + 16 * c, s + 16 * c); break;
-      case 3: block_scores<R, 3>(qs, dim, kt + 16 * c, s + 16 * c); break;
-      default: block_scores<R, 4>(qs, dim, kt + 16 * c, s + 16 * c);
-    }
-  }
-}
-
-// P V for R rows: o [R, dim] += p [R, keys first..last) v, 64 dims at a time in R x 4
-// accumulators, each value vector loaded once for the R rows.
-template <int R>
-inline void block_values(const float* p, int64_t dim, const float* v, int64_t first,
-                         int64_t last, float* o) {
-  for (int64_t part = 0; part < dim; part += 64) {
-    __m512 a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(o + r * dim + part + 16 * c);
-    for (int64_t j = first; j < last; ++j) {
-      __m512 vj[4];
-      for (int c = 0; c < 4; ++c) vj[c] = _mm512_loadu_ps(v + j * dim + part + 16 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 pr = _mm512_set1_ps(p[r * kPrefillKeys + j]);
-        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(pr, vj[c], a[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * dim + part + 16 * c, a[r][c]);
-  }
-}
-
 // The lanes of keys [first, last) among the 16 from key c0.
 inline __mmask16 key_lanes(int64_t first, int64_t last, int64_t c0) {
-  const int64_t a = std::clamp<int64_t>(first - c0, 0, 16), b = std::clamp<int64_t>(last - c0, 0, 16);
+  const int64_t a = std::clamp<int64_t>(first - c0, 0, 16);
+  const int64_t b = std::clamp<int64_t>(last - c0, 0, 16);
   return static_cast<__mmask16>(((1u << b) - 1) & ~((1u << a) - 1));
 }
 
-// One row's online-softmax update: its scores s [kPrefillKeys] over keys [first, last)
-// become e^(s - m_new) (0 elsewhere up to `last`), its sum and output rescaled by e^(m_old
-// - m_new); a row that sees none of the block's keys gets zeros up to `upto`.
-inline void block_softmax_row(float* s, int64_t first, int64_t last, int64_t upto,
-                              int64_t dim, float* m, float* l, float* o) {
-  if (first >= last) {
-    for (int64_t c = 0; c < upto; c += 16) _mm512_storeu_ps(s + c, _mm512_setzero_ps());
-    return;
+// 16 fp32 lanes for the prefill block kernel (x86_prefill.h): 6 rows x 4 vectors (64 keys
+// or 64 dims) per pass, 24 accumulators of the 32 registers.
+struct F32x16 {
+  using Reg = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kRows = 6, kScoreVecs = 4, kValueVecs = 4;
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg set1(float x) { return _mm512_set1_ps(x); }
+  static Reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Reg v) { _mm512_storeu_ps(p, v); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg exp(Reg x) { return exp16(x); }
+  static Mask lanes(int64_t first, int64_t last, int64_t c0) {
+    return key_lanes(first, last, c0);
   }
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t c = first / 16 * 16; c < last; c += 16)
-    top = _mm512_mask_max_ps(top, key_lanes(first, last, c), top, _mm512_loadu_ps(s + c));
-  const float m_new = std::max(*m, _mm512_reduce_max_ps(top));
-  const float alpha = m_new == *m ? 1.f : std::exp(*m - m_new);   // 0 before any key
-  const __m512 shift = _mm512_set1_ps(m_new);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < upto; c += 16) {
-    const __m512 e = _mm512_maskz_mov_ps(
-        key_lanes(first, last, c), exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), shift)));
-    _mm512_storeu_ps(s + c, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  *l = *l * alpha + _mm512_reduce_add_ps(sum);
-  *m = m_new;
-  if (alpha != 1.f) {
-    const __m512 factor = _mm512_set1_ps(alpha);
-    for (int64_t d = 0; d < dim; d += 16)
-      _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), factor));
-  }
-}
-
-// R rows of the tile from r (R 1-6): scores, softmax, values.
-template <int R>
-inline void block_rows(const float* qs, int64_t dim, const float* kt, const float* v,
-                       const int32_t* lo, const int32_t* hi, float* m, float* l, float* o,
-                       float* s) {
-  int64_t first = kPrefillKeys, last = 0;
-  for (int r = 0; r < R; ++r)
-    if (lo[r] < hi[r]) {
-      first = std::min<int64_t>(first, lo[r]);
-      last = std::max<int64_t>(last, hi[r]);
-    }
-  if (first >= last) return;                       // no row sees a key of the block
-  block_scores_upto<R>(qs, dim, kt, last, s);
-  const int64_t upto = (last + 15) / 16 * 16;
-  for (int r = 0; r < R; ++r)
-    block_softmax_row(s + r * kPrefillKeys, lo[r], hi[r], upto, dim, m + r, l + r,
-                      o + r * dim);
-  block_values<R>(s, dim, v, first, last, o);
-}
-
-// Rows kBlockRows at a time (the last few together); head_dim not a multiple of 64 as
-// generic.
-constexpr int64_t kBlockRows = 6;
-
-void prefill_block(const float* qs, int64_t rows, int64_t dim, const float* kt, const float* v,
-                   int64_t n, const int32_t* lo, const int32_t* hi, float* m, float* l,
-                   float* o, float* s) {
-  if (dim % 64 != 0)
-    return generic_prefill_block(qs, rows, dim, kt, v, n, lo, hi, m, l, o, s);
-  int64_t r = 0;
-  for (; r + kBlockRows <= rows; r += kBlockRows)
-    block_rows<kBlockRows>(qs + r * dim, dim, kt, v, lo + r, hi + r, m + r, l + r,
-                           o + r * dim, s + r * kPrefillKeys);
-  const auto rest = [&](auto fn) {
-    fn(qs + r * dim, dim, kt, v, lo + r, hi + r, m + r, l + r, o + r * dim,
-       s + r * kPrefillKeys);
-  };
-  switch (rows - r) {
-    case 5: return rest(block_rows<5>);
-    case 4: return rest(block_rows<4>);
-    case 3: return rest(block_rows<3>);
-    case 2: return rest(block_rows<2>);
-    case 1: return rest(block_rows<1>);
-    default: return;
-  }
-}
+  static Reg max_in(Reg top, Mask m, Reg x) { return _mm512_mask_max_ps(top, m, top, x); }
+  static Reg keep(Mask m, Reg x) { return _mm512_maskz_mov_ps(m, x); }
+  static float reduce_max(Reg v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(Reg v) { return _mm512_reduce_add_ps(v); }
+};
 
 // The integer kernel on VNNI: `dpwssd` multiplies 32 int16 pairs and adds them into 16
 // int32 lanes in one instruction, where AVX2 needs a `madd` and an `add` per 16. Two 4-bit
@@ -506,7 +396,7 @@ const Kernels* avx512_kernels() {
     k.attend_f32 = avx512::attend<float>;
     k.attend_bf16 = avx512::attend<c10::BFloat16>;
     k.attend_f32_bf16 = avx512::attend<float, c10::BFloat16>;
-    k.prefill_block = avx512::prefill_block;
+    k.prefill_block = avx512::prefill_rows_block<avx512::F32x16>;
     k.silu_mul_f32 = avx512::silu_mul_f32;
     k.round_bf16 = avx512::round_bf16_wide;
     k.quantize_row = avx512::quantize_row;
