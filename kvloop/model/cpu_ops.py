@@ -16,8 +16,8 @@ the twins run where the extension is absent (no compiler, another device, or
   -> [c, H * D], over the n keys at `slots` [n] of the cache (the chunk's own K and V, written
   by `rope_and_cache` before, last), lower-right causal (query i sees keys j <= n - c + i;
   `window` > 0: also j > n - c + i - window), flash style in C++ (key blocks, online
-  softmax, no [c, n] scores) where the kernel variant has a vector kernel for it (AVX-512;
-  elsewhere the twin runs: the portable loops are slower than SDPA); twin: SDPA over the
+  softmax, no [c, n] scores) where the kernel variant has a vector kernel for it (AVX2 and
+  AVX-512; on generic the twin runs: the portable loops are slower than SDPA); twin: SDPA over the
   keys gathered and widened to q's dtype;
 - the cache of these three (and of `DecodeStack`) is in q's dtype, or bf16 beside fp32 q
   (`--kv-cache-dtype bfloat16`): written rounded to nearest even, read widened exactly;
