@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kvloop.model import cpu_ops
-from kvloop.model.quant import q8_column_blocks
+from kvloop.model.quant import q4_column_blocks, q8_column_blocks
 
 VARIANTS = ("avx512_bf16", "avx512", "avx2", "generic")    # dispatch.cpp's kVariants, best first
 
@@ -457,6 +457,67 @@ def _check_bf16_x_rounding(ops, variant: str, rows: int, k: int, n: int) -> None
     columns, values = ops.q4_matmul_argmax(x, qs, scale, offset, bf16_x=True)
     assert torch.equal(columns, got.argmax(-1)), rows
     assert torch.equal(values, got.max(-1).values), rows
+
+
+def test_q4_column_blocks_lay_each_block_s_bytes_side_by_side(ops):
+    """`q4_column_blocks` writes kernels.h's layout: byte (b, g, i, j) is byte i of group g of
+    column 16b + j, scales and offsets (b, g, j) those of column 16b + j, the columns past N
+    zero."""
+    g = torch.Generator().manual_seed(3)
+    qs, scale, offset = _random_q4(21, 96, g)
+    columns = ops.q4_block_columns
+    bq, bs, bo = q4_column_blocks(qs, scale, offset, columns)
+    assert columns == 16 and bq.shape == (32, 48) and bs.shape == bo.shape == (32, 3)
+    flat_q, flat_s, flat_o = bq.flatten(), bs.flatten(), bo.flatten()
+    for b, grp, i, j in [(0, 0, 0, 0), (0, 2, 15, 7), (1, 1, 3, 4), (1, 0, 9, 15)]:
+        n = 16 * b + j
+        at = ((b * 3 + grp) * 16 + i) * 16 + j
+        assert flat_q[at] == (qs[n, 16 * grp + i] if n < 21 else 0)
+        at = (b * 3 + grp) * 16 + j
+        assert flat_s[at] == (scale[n, grp] if n < 21 else 0)
+        assert flat_o[at] == (offset[n, grp] if n < 21 else 0)
+
+
+@pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33])
+def test_q4_matmul_on_column_blocks(ops, variant, rows, k, n):
+    """W also in column blocks (`blocks`, as `Int4Weight` holds it under `bf16_x`): on a
+    variant with the block kernel every row of 3+ (tiles of up to 8 rows: 9 = 8 + 1, 33 = 4
+    x 8 + 1) is rounded to bf16 and runs in exact `vdpbf16ps` products with the nibbles, the
+    columns in lanes, fp32 sums: each y within 1e-6 of the largest of x rounded to bf16 @ W.T
+    in fp64 (and not of the unrounded x's), bf16 x likewise (within a bf16 step). 13 columns:
+    under one block; 40, 72: a last block partly past N; 200: pool chunks. Elsewhere (1-2
+    rows, other variants, no `bf16_x`) the blocks are not read: y is the row layout's, bit
+    for bit."""
+    g = torch.Generator().manual_seed(rows * 17 + k + n)
+    x = torch.randn(rows, k, generator=g)
+    qs, scale, offset = _random_q4(n, k, g)
+    blocks = q4_column_blocks(qs, scale, offset, ops.q4_block_columns)
+    w = _dequantized_q4(qs, scale, offset)
+    exact, rounded = x.double() @ w.T, x.bfloat16().double() @ w.T
+
+    def err(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+    got = ops.q4_matmul(x, qs, scale, offset, bf16_x=True, blocks=blocks)
+    if ops.has_q4_block_kernel() and rows >= 3:
+        assert err(got, rounded) < 1e-6 and err(got, exact) > 1e-5
+        xb = x.bfloat16()
+        got_b = ops.q4_matmul(xb, qs, scale, offset, blocks=blocks)
+        want_b = xb.double() @ w.T
+        assert ((got_b.double() - want_b).abs() <= want_b.abs() * 2 ** -8 + 3e-6).all()
+    else:
+        assert torch.equal(got, ops.q4_matmul(x, qs, scale, offset, bf16_x=True))
+    assert torch.equal(ops.q4_matmul(x, qs, scale, offset, blocks=blocks),
+                       ops.q4_matmul(x, qs, scale, offset))
+
+
+def test_q4_matmul_refuses_blocks_of_another_shape(ops):
+    g = torch.Generator().manual_seed(5)
+    qs, scale, offset = _random_q4(40, 96, g)
+    blocks = q4_column_blocks(qs[:16], scale[:16], offset[:16], ops.q4_block_columns)
+    with pytest.raises(RuntimeError, match="column blocks"):
+        ops.q4_matmul(torch.randn(3, 96), qs, scale, offset, bf16_x=True, blocks=blocks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

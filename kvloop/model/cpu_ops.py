@@ -30,6 +30,9 @@ the twins run where the extension is absent (no compiler, another device, or
   `q4_*(..., bf16_x=True)`: fp32 x may be rounded to bf16 at the rows the AVX512_BF16
   kernels take (3+: the lane kernel's `bf16_lane_rows(M)`, then the bf16 tiles';
   `Precision.low_bit_bf16_x`): exact products of those rows rounded, fp32 sums;
+  `q4_matmul(..., blocks=(qs, scale, offset))`: the same W also in column blocks
+  (`quant.q4_column_blocks`), which every one of those rows reads where the variant has
+  the block kernel (`has_q4_block_kernel()`: AVX512_BF16), the columns in vector lanes;
 - `DecodeStack(norms, quantized, ...)` (extension only, no twin: its oracle is the Python
   layer loop, see `kvloop.model.llama.FusedDecode`): built once from the weights, its
   `forward` runs every decoder layer of a step of decodes in one call, with the 4-bit

@@ -513,6 +513,7 @@ class FusedDecode:
             return None                     # the stack has no MoE, Q/K norm or partial RoPE
         quantized: list[torch.Tensor] = []
         bf16_x: set[bool] = set()
+        layouts: set[int] = set()       # 3 tensors a weight, or 6 with its column blocks
         for layer in layers:
             mlp = cast(MLP, layer.mlp)
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -523,8 +524,9 @@ class FusedDecode:
                     return None
                 quantized.extend(weight.tensors)
                 bf16_x.add(weight.bf16_x)
-        if len(bf16_x) != 1:
-            return None                     # one rounding rule for the stack's matmuls
+                layouts.add(len(weight.tensors))
+        if len(bf16_x) != 1 or len(layouts) != 1:
+            return None                     # one rounding rule, one layout for the stack's
         norms = [w for layer in layers for w in (layer.input_layernorm.weight.data,
                                                  layer.post_attention_layernorm.weight.data)]
         return cls(ops.DecodeStack(norms, quantized, config.num_attention_heads,

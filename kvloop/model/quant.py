@@ -68,6 +68,10 @@ class Int4Weight(_QuantWeight):
     dequantized in registers, or on AVX512_BF16 with `bf16_x` 3+ rows rounded to bf16
     against the nibbles; any activation dtype) and "torch"
     (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
+
+    `tensors`: the kernel's operands; on kvloop's, with `bf16_x` where the CPU's kernel
+    variant has the block kernel (`cpu_ops.has_q4_block_kernel`), the same weight a second
+    time in column blocks after the three (`q4_column_blocks`), which its bf16 rows then read.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -82,6 +86,8 @@ class Int4Weight(_QuantWeight):
             groups = q.view(self.out_features, -1, 2, GROUP // 2)       # [out, G, 2, 16]
             self.tensors = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
                 self.out_features, -1).contiguous(), scale.contiguous(), offset.contiguous())
+            if bf16_x and self._ops.has_q4_block_kernel():
+                self.tensors += q4_column_blocks(*self.tensors, self._ops.q4_block_columns)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             zero = offset + 8.0 * scale
@@ -100,8 +106,8 @@ class Int4Weight(_QuantWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) -> [T, out] in x's dtype."""
         if self.kernel == "kvloop":
-            return self._ops.q4_matmul(x.contiguous(), *self.tensors,
-                                       bf16_x=self.bf16_x)
+            return self._ops.q4_matmul(x.contiguous(), *self.tensors[:3],
+                                       bf16_x=self.bf16_x, blocks=self.tensors[3:])
         packed, scales_and_zeros = self.tensors
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), packed, GROUP,
                                                        scales_and_zeros)
@@ -112,7 +118,7 @@ class Int4Weight(_QuantWeight):
         maxima), exactly; on kvloop's kernel without writing the row whole
         (`cpu_ops.q4_matmul_argmax`)."""
         if self.kernel == "kvloop":
-            return self._ops.q4_matmul_argmax(x.contiguous(), *self.tensors,
+            return self._ops.q4_matmul_argmax(x.contiguous(), *self.tensors[:3],
                                               bf16_x=self.bf16_x)[0]
         return self.matmul(x).argmax(dim=-1)
 
@@ -172,6 +178,26 @@ class Int8Weight(_QuantWeight):
             return q.float() * scale.repeat_interleave(GROUP, 1)
         q, scale = self.tensors
         return q.float() * scale.float()[:, None]
+
+
+def q4_column_blocks(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, columns: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit qs uint8 [N, K / 2] (nibble byte i of a group: weights i and i + 16), scale and
+    offset fp32 [N, K / 32] in the layout of kvloop's block kernel (csrc/kernels.h,
+    `kQ4Columns`): N padded with zero rows to whole blocks of `columns` output columns; per
+    block, group and nibble byte, that byte of every column of the block side by side ->
+    (qs [N', K / 2], scale [N', K / 32], offset [N', K / 32]); the same bytes as many."""
+    n, half = qs.shape
+    groups = half // (GROUP // 2)
+    pad = -n % columns
+    if pad:
+        qs, scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])])
+                             for t in (qs, scale, offset))
+    blocks = qs.view(-1, columns, groups, GROUP // 2).permute(0, 2, 3, 1)
+    scales, offsets = (t.view(-1, columns, groups).permute(0, 2, 1) for t in (scale, offset))
+    return (blocks.reshape(n + pad, half).contiguous(),
+            scales.reshape(n + pad, groups).contiguous(),
+            offsets.reshape(n + pad, groups).contiguous())
 
 
 def q8_column_blocks(q: torch.Tensor, scale: torch.Tensor, columns: int

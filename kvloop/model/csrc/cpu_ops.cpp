@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -153,10 +154,30 @@ void check_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& s
               "quantized matmul: shapes disagree");
 }
 
-// `bf16_x`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at 3+ rows.
+// The 4-bit W of n_out columns and k_in in column blocks (kernels.h, kQ4Columns): none (an
+// empty list), or qs [N', K / 2], scale and offset [N', K / 32], N' = N padded to whole blocks.
+std::optional<kvloop::Q4Blocks> q4_blocks(const std::vector<at::Tensor>& blocks, int64_t n_out,
+                                          int64_t k_in) {
+  if (blocks.empty()) return std::nullopt;
+  TORCH_CHECK(blocks.size() == 3, "4-bit column blocks: qs, scale, offset");
+  for (const auto& t : blocks) check_cpu_contiguous(t, "4-bit column blocks");
+  const int64_t padded = (n_out + kvloop::kQ4Columns - 1) / kvloop::kQ4Columns *
+                         kvloop::kQ4Columns;
+  TORCH_CHECK(blocks[0].scalar_type() == at::kByte && blocks[1].scalar_type() == at::kFloat &&
+              blocks[2].scalar_type() == at::kFloat && blocks[0].numel() == padded * k_in / 2 &&
+              blocks[1].numel() == padded * (k_in / 32) &&
+              blocks[2].numel() == padded * (k_in / 32),
+              "4-bit column blocks: shapes disagree with the weight");
+  return kvloop::Q4Blocks{static_cast<const uint8_t*>(blocks[0].data_ptr()),
+                          blocks[1].data_ptr<float>(), blocks[2].data_ptr<float>()};
+}
+
+// `bf16_x`, `blocks`: quant_matmul's (kernels.h): fp32 x may be rounded to bf16 at 3+ rows;
+// W also in column blocks.
 template <int Bits>
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                        const float* offset, int64_t n_out, bool bf16_x = false) {
+                        const float* offset, int64_t n_out, bool bf16_x = false,
+                        const kvloop::Q4Blocks* blocks = nullptr) {
   check_matmul<Bits>(x, qs, scale, n_out);
   const int64_t rows = x.size(0), k_in = x.size(1);
   auto y = at::empty({rows, n_out}, x.options());
@@ -165,7 +186,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     kvloop::quant_matmul<Bits, scalar_t>(active_kernels(), x.data_ptr<scalar_t>(),
                                         static_cast<const uint8_t*>(qs.data_ptr()),
                                         scale.data_ptr<float>(), offset,
-                                        y.data_ptr<scalar_t>(), rows, n_out, k_in, bf16_x);
+                                        y.data_ptr<scalar_t>(), rows, n_out, k_in, bf16_x,
+                                        blocks);
   });
   return y;
 }
@@ -204,9 +226,12 @@ std::tuple<at::Tensor, at::Tensor> q8_matmul_argmax(const at::Tensor& x, const a
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
-                     const at::Tensor& offset, bool bf16_x) {
+                     const at::Tensor& offset, bool bf16_x, const std::vector<at::Tensor>& blocks) {
   check_cpu_contiguous(offset, "offset");
-  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), qs.size(0), bf16_x);
+  TORCH_CHECK(x.dim() == 2, "quantized matmul: x must be 2-D");
+  const auto b = q4_blocks(blocks, qs.size(0), x.size(1));
+  return quant_matmul<4>(x, qs, scale, offset.data_ptr<float>(), qs.size(0), bf16_x,
+                         b ? &*b : nullptr);
 }
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -221,7 +246,8 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& qs, const at::Tensor
 class DecodeStack {
  public:
   // norms: 2 per layer (input, post-attention); quant: 12 per layer (qs, scale, offset of
-  // qkv, o, gate_up, down); bf16_x: the 4-bit matmuls' (q4_matmul's), as the layer loop
+  // qkv, o, gate_up, down), or 24 (each weight's three then the same in column blocks:
+  // q4_matmul's `blocks`); bf16_x: the 4-bit matmuls' (q4_matmul's), as the layer loop
   // passes it.
   DecodeStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> quant, int64_t heads,
               int64_t kv_heads, int64_t ffn, double eps, double scale, bool bf16_x)
@@ -229,17 +255,21 @@ class DecodeStack {
         heads_(heads), kv_heads_(kv_heads), ffn_(ffn), eps_(static_cast<float>(eps)),
         scale_(static_cast<float>(scale)), bf16_x_(bf16_x) {
     TORCH_CHECK(layers_ > 0 && norms_.size() == 2 * layers_, "DecodeStack: 2 norms a layer");
-    TORCH_CHECK(quant_.size() == 12 * layers_,
+    TORCH_CHECK(quant_.size() == 12 * layers_ || quant_.size() == 24 * layers_,
                 "DecodeStack: 12 quantized tensors per layer (qs, scale, offset of qkv, o, "
-                "gate_up, down)");
+                "gate_up, down), or 24 (each weight's then in column blocks)");
     for (const auto& t : norms_) check_cpu_contiguous(t, "norm");
-    for (size_t i = 0; i < quant_.size(); i += 3) {
+    const size_t per_weight = quant_.size() / (4 * layers_);
+    for (size_t i = 0; i < quant_.size(); i += per_weight) {
       check_cpu_contiguous(quant_[i], "qs");
       check_cpu_contiguous(quant_[i + 1], "scale");
       check_cpu_contiguous(quant_[i + 2], "offset");
+      const std::vector<at::Tensor> blocks(quant_.begin() + i + 3,
+                                           quant_.begin() + i + per_weight);
       weights_.push_back({static_cast<const uint8_t*>(quant_[i].data_ptr()),
                           quant_[i + 1].data_ptr<float>(), quant_[i + 2].data_ptr<float>(),
-                          quant_[i].size(0)});
+                          quant_[i].size(0),
+                          q4_blocks(blocks, quant_[i].size(0), quant_[i].size(1) * 2)});
     }
   }
 
@@ -301,7 +331,7 @@ class DecodeStack {
           int64_t k_in) const {
     const QuantOperand& op = weights_[w];
     kvloop::quant_matmul<4, T>(k, x, op.qs, op.scale, op.offset, y, rows, op.n_out, k_in,
-                               bf16_x_);
+                               bf16_x_, op.blocks ? &*op.blocks : nullptr);
   }
 
   // One layer; the cache's element C is T, or bf16 beside fp32 T (with_cache_element).
@@ -332,6 +362,7 @@ class DecodeStack {
     const float* scale;
     const float* offset;
     int64_t n_out;
+    std::optional<kvloop::Q4Blocks> blocks;
   };
 
   std::vector<at::Tensor> norms_, quant_;   // held: weights_ points into quant_
@@ -400,12 +431,16 @@ void register_pool_tests(pybind11::module& m);   // testing.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x); bf16_x: "
-        "fp32 x may be rounded to bf16 at 3+ rows", pybind11::arg("x"), pybind11::arg("qs"),
-        pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_x") = false);
+        "fp32 x may be rounded to bf16 at 3+ rows; blocks: W also in column blocks", pybind11::arg("x"), pybind11::arg("qs"),
+        pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_x") = false,
+        pybind11::arg("blocks") = std::vector<at::Tensor>{});
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x) in "
         "column blocks, n_out columns", pybind11::arg("x"), pybind11::arg("qs"),
         pybind11::arg("scale"), pybind11::arg("n_out"));
   m.attr("q8_block_columns") = kvloop::kQ8Columns;      // the 8-bit layout's block (kernels.h)
+  m.attr("q4_block_columns") = kvloop::kQ4Columns;      // the 4-bit column blocks' (kernels.h)
+  m.def("has_q4_block_kernel", [] { return active_kernels().bf16_block_columns != nullptr; },
+        "the active variant runs 4-bit weights in column blocks (q4_matmul's `blocks`)");
   m.def("q4_matmul_argmax", &q4_matmul_argmax,
         "(argmax, max) of each row of x @ W.T, 4-bit W, never writing the row whole",
         pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scale"), pybind11::arg("offset"),

@@ -389,7 +389,7 @@ const Kernels& generic_kernels() {
                              generic_silu_mul_f32,
                              generic_round_bf16, generic_quantize_row, generic_int_columns,
                              generic_q8_columns, generic_fp_columns, nullptr, nullptr, nullptr, nullptr,
-                             false};
+                             false, nullptr, nullptr};
   return table;
 }
 
@@ -651,8 +651,9 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 
 namespace {
 
-// x as a quantized matmul's kernel reads it: from kFpRows rows, 4-bit weights give their
-// first rows to a lane kernel where the variant has one (x transposed, in one call): the
+// x as a quantized matmul's kernel reads it: from kFpRows rows of bf16 x (or of fp32 x under
+// `bf16_x`, rounded), 4-bit weights with `blocks` give every row to the block kernel where
+// the variant has one (x in row pairs); else they give their first rows to a lane kernel where the variant has one (x transposed, in one call): the
 // bf16 one for bf16 x, and for fp32 x under `bf16_x` (rounded to bf16; bf16_lane_rows),
 // else the fp32 one (lane_rows); the other rows take the bf16 kernel where x is bf16 and the variant has one
 // (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
@@ -661,6 +662,7 @@ namespace {
 struct PreparedMatmul {
   QuantMatmul mm;
   bool fp;
+  bool block = false;             // the block kernel takes every row
   int64_t lanes = 0;              // rows of the lane kernel, from row 0
   ColumnsFn columns;
   ColumnsFn lane_columns = nullptr;
@@ -672,23 +674,26 @@ struct PreparedMatmul {
   std::vector<float> xs;
   std::vector<uint32_t> xtb;
   std::vector<float> xts;
+  std::vector<uint32_t> xrp;
 
   template <typename T>
   PreparedMatmul(const Kernels& k, int bits, const T* x, const uint8_t* qs, const float* scale,
-                 const float* offset, int64_t rows, int64_t k_in, bool bf16_x)
+                 const float* offset, int64_t rows, int64_t k_in, bool bf16_x,
+                 const Q4Blocks* blocks = nullptr)
       : mm{qs,      scale,   offset,  bits,    k_in,    k_in / 32, k_in * bits / 8, nullptr,
-           nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr},
+           nullptr, nullptr, nullptr, nullptr, nullptr, 0,         nullptr,         nullptr,
+           nullptr},
         fp(bits == 4 && rows >= kFpRows),
         columns(fp ? k.fp_columns : bits == 8 ? k.q8_columns : k.int_columns) {
     if (fp && k.bf16_columns != nullptr) {     // the variant has the bf16 kernels
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        use_bf16(k, x, rows, k_in);
+        use_bf16(k, x, rows, k_in, blocks);
         return;
       } else if constexpr (std::is_same_v<T, float>) {
         if (bf16_x) {                            // fp32 x under bf16 layer matmuls: rounded once
           std::vector<c10::BFloat16> rounded(rows * k_in);
           k.round_bf16(x, rounded.data(), rows * k_in);
-          use_bf16(k, rounded.data(), rows, k_in);
+          use_bf16(k, rounded.data(), rows, k_in, blocks);
           return;
         }
       }
@@ -714,9 +719,25 @@ struct PreparedMatmul {
   }
   PreparedMatmul(const PreparedMatmul&) = delete;
 
-  // The bf16 kernels on bf16 x: the lane kernel for its rows (bf16_lane_rows), where the
-  // variant has it, then the bf16 tiles (pair order, group sums) for the rows past them.
-  void use_bf16(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in) {
+  // The bf16 kernels on bf16 x: the block kernel for every row, where the weights come in
+  // blocks too and the variant has it; else the lane kernel for its rows (bf16_lane_rows),
+  // where the variant has it, then the bf16 tiles (pair order, group sums) for the rows past
+  // them.
+  void use_bf16(const Kernels& k, const c10::BFloat16* x, int64_t rows, int64_t k_in,
+                const Q4Blocks* blocks) {
+    if (blocks != nullptr && k.bf16_block_columns != nullptr) {
+      block = true;
+      columns = k.bf16_block_columns;
+      mm.qs = blocks->qs;
+      mm.scale = blocks->scale;
+      mm.offset = blocks->offset;
+      xrp.resize(rows * k_in / 2);
+      xs.resize(rows * (k_in / 32));
+      k.row_pairs(x, rows, k_in, xrp.data(), xs.data());
+      mm.xrp = xrp.data();
+      mm.xs = xs.data();
+      return;
+    }
     columns = k.bf16_columns;
     if (k.bf16_lane_columns != nullptr && bf16_lane_rows(rows) > 0) {
       lanes = bf16_lane_rows(rows);
@@ -740,7 +761,7 @@ struct PreparedMatmul {
   // the fp32 kernel: the 1-3 rows left at once), so the weights stream once per 4 rows.
   template <typename Fn>
   void tiles(int64_t rows, const Fn& fn) const {
-    if (mm.bits == 8) {
+    if (mm.bits == 8 || block) {
       fn(columns, 0, static_cast<int>(rows));
       return;
     }
@@ -767,8 +788,8 @@ struct PreparedMatmul {
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
-                  bool bf16_x) {
-  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_x);
+                  bool bf16_x, const Q4Blocks* blocks) {
+  const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_x, blocks);
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
     p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
@@ -853,9 +874,11 @@ void quant_matmul_argmax(const Kernels& k, const T* x, const uint8_t* qs, const 
                                      int64_t, int64_t, float, int64_t);                       \
   template void silu_and_mul<T>(const Kernels&, const T*, T*, int64_t, int64_t, bool);        \
   template void quant_matmul<4, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool,         \
+                                   const Q4Blocks*);                                          \
   template void quant_matmul<8, T>(const Kernels&, const T*, const uint8_t*, const float*,    \
-                                   const float*, T*, int64_t, int64_t, int64_t, bool);        \
+                                   const float*, T*, int64_t, int64_t, int64_t, bool,         \
+                                   const Q4Blocks*);                                          \
   template void quant_matmul_argmax<4, T>(const Kernels&, const T*, const uint8_t*,           \
                                           const float*, const float*, int64_t, int64_t,       \
                                           int64_t, int64_t*, float*, bool);                   \

@@ -129,9 +129,20 @@ struct QuantMatmul {
   const uint32_t* xtb;        // the bf16 lane kernel: its bf16_lane_rows(M) rows as bf16
                               //   pairs, [K / 2, xt_stride] (`bf16_lane_order`), zero-padded
   const float* xts;           // and each group's sum of those bf16 values, [K / 32, xt_stride]
+  const uint32_t* xrp;        // the block kernel: bf16 x's rows as pairs, [M, K / 2] (RowPairsFn)
 };
 
-// y for `rows` (1-4; q8_columns: any) rows of x from r0 and the columns [begin, end), in
+// 4-bit weights in column blocks, for the block kernel (`bf16_block_columns`): N padded with
+// zero columns to whole blocks of kQ4Columns output columns; per block b and group g, nibble
+// byte i (weights 32g + i and 32g + i + 16: `QuantMatmul`) of every column of the block side
+// by side, and the block's scales and offsets likewise:
+//   qs[((b * G + g) * 16 + i) * kQ4Columns + j] = qs[16b + j, 16g + i]   [N' / 16, G, 16, 16]
+//   scale[(b * G + g) * kQ4Columns + j] = scale[16b + j, g]             [N' / 16, G, 16]
+// (kvloop.model.quant.q4_column_blocks writes it at load), so that one register holds a pair of
+// k of every column of a block.
+constexpr int64_t kQ4Columns = 16;
+
+// y for `rows` (1-4; q8_columns, bf16_block_columns: any) rows of x from r0 and the columns [begin, end), in
 // fp32: out[m * out_stride + (n - begin)].
 using ColumnsFn = void (*)(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
                            int64_t end, float* out, int64_t out_stride);
@@ -192,6 +203,12 @@ using RoundBf16Fn = void (*)(const float* x, c10::BFloat16* out, int64_t n);
 using LanePairsFn = void (*)(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xt,
                              float* xs, int64_t stride);
 
+// bf16 rows x [rows, k_in] as the block kernel reads them: each group g's 16 pairs (x[32g + i],
+// x[32g + i + 16]) in order, xp [rows, k_in / 2] (xp[m * k_in / 2 + 16g + i]), and each group's
+// sum of its 32 values in fp32, xs [rows, k_in / 32].
+using RowPairsFn = void (*)(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xp,
+                            float* xs);
+
 // What an instruction-set variant provides; every entry is set (a variant starts from the
 // generic table and replaces what it does faster). An op whose kernel has no variant (the
 // norm, RoPE's rotation) is not here: generic.cpp alone holds it.
@@ -228,6 +245,12 @@ struct Kernels {
   ColumnsFn bf16_lane_columns;
   LanePairsFn lane_pairs;     // its x (generic.cpp's bf16_lane_order); nullptr where it is
   bool q4_pairs;              // int_columns reads 4-bit x in pair order (generic.cpp)
+  // 4-bit W in column blocks (kQ4Columns) against bf16 x's rows in pairs (it reads `xrp`, `xs`):
+  // every row from r0 (`rows` any count, tiled inside) in one call, columns [begin, end) with
+  // begin a multiple of kQ4Columns; nullptr where the variant has none (the weights' row
+  // layout then runs: quant_matmul's `blocks` unused).
+  ColumnsFn bf16_block_columns = nullptr;
+  RowPairsFn row_pairs = nullptr;     // its x
 };
 
 // From this many rows on, a 4-bit matmul runs `fp_columns` (fp32 rows against weights
@@ -322,10 +345,18 @@ void silu_and_mul(const Kernels& k, const T* x, T* out, int64_t rows, int64_t f,
 // the variant has them: the lane kernel's, then the bf16 tiles'; the precision's layer
 // matmuls are bf16: docs/cpu-performance.md, "Precision"); bf16 x takes them whatever this
 // says, other x never.
+// `blocks`: the same 4-bit W also in column blocks (kQ4Columns), which the block kernel
+// reads where it runs: from kFpRows rows of x that the bf16 kernels take (bf16 x, or fp32 x
+// under `bf16_x`, rounded), on a variant with `bf16_block_columns`.
+struct Q4Blocks {
+  const uint8_t* qs;
+  const float* scale;
+  const float* offset;
+};
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
-                  bool bf16_x = false);
+                  bool bf16_x = false, const Q4Blocks* blocks = nullptr);
 
 // For each row of x, the column of x @ W.T with the largest value (the first of equals) and
 // that value (rounded to T as quant_matmul's y), without writing y whole.

@@ -422,6 +422,92 @@ void bf16_lane_columns(const QuantMatmul& mm, int64_t, int rows, int64_t begin, 
   }
 }
 
+// --- the 4-bit matmul on weights in column blocks -------------------------------------------
+// The columns in lanes (kQ4Columns, kernels.h): per group and nibble byte i, the block's 16
+// bytes widen to one register of 16 columns' bf16 pairs (the weights 32g + i and 32g + i + 16,
+// by the `nibble_table` lookup), which serves every row of a tile: one `vdpbf16ps` per row
+// against that row's pair (x[32g + i], x[32g + i + 16]) broadcast. Per group and row, y +=
+// scale * (q . x) + offset * sum(x) in 16 lanes at once (the block's scales and offsets as
+// they lie): bf16_columns' exact products and fp32 sums, no horizontal sums, each weight
+// widened once per tile of up to kBlockRows rows.
+constexpr int kBlockRows = 8;
+
+template <int MB>
+inline void block_tile(const QuantMatmul& mm, const uint8_t* qs, const float* sc,
+                       const float* of, const uint32_t* xp, const float* xs, const __m512i table,
+                       float* out, int64_t out_stride, int count) {
+  const int64_t groups = mm.groups, half = mm.k_in / 2;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, qs += 16 * kQ4Columns) {
+    __m512 dot[MB];
+    for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) {
+      const __m512i b = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + i * kQ4Columns)));
+      const __m512i index = _mm512_add_epi32(b, _mm512_slli_epi32(b, 12));    // (b, b >> 4)
+      const __m512bh w = as_bh(_mm512_permutexvar_epi16(index, table));
+      for (int m = 0; m < MB; ++m)
+        dot[m] = _mm512_dpbf16_ps(
+            dot[m], w, as_bh(_mm512_set1_epi32(static_cast<int>(xp[m * half + g * 16 + i]))));
+    }
+    const __m512 s = _mm512_loadu_ps(sc + g * kQ4Columns);
+    const __m512 o = _mm512_loadu_ps(of + g * kQ4Columns);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[m * groups + g]),
+                               _mm512_fmadd_ps(dot[m], s, acc[m]));
+  }
+  const __mmask16 mask = first_lanes(count);
+  for (int m = 0; m < MB; ++m) _mm512_mask_storeu_ps(out + m * out_stride, mask, acc[m]);
+}
+
+// ColumnsFn over W in column blocks (mm.qs, scale, offset) and x in row pairs (`xrp`, `xs`):
+// block by block, the rows from r0 in tiles of kBlockRows (the block's weights stay in L1).
+void bf16_block_columns(const QuantMatmul& mm, int64_t r0, int rows, int64_t begin,
+                        int64_t end, float* out, int64_t out_stride) {
+  const __m512i table = nibble_table();
+  const int64_t groups = mm.groups, half = mm.k_in / 2;
+  for (int64_t n0 = begin; n0 < end; n0 += kQ4Columns) {
+    const int64_t b = n0 / kQ4Columns;
+    const uint8_t* qs = mm.qs + b * groups * 16 * kQ4Columns;
+    const float* sc = mm.scale + b * groups * kQ4Columns;
+    const float* of = mm.offset + b * groups * kQ4Columns;
+    const int count = static_cast<int>(std::min<int64_t>(kQ4Columns, end - n0));
+    for (int64_t m0 = r0; m0 < r0 + rows; m0 += kBlockRows) {
+      const uint32_t* xp = mm.xrp + m0 * half;
+      const float* xs = mm.xs + m0 * groups;
+      float* y = out + (m0 - r0) * out_stride + (n0 - begin);
+      switch (std::min<int64_t>(kBlockRows, r0 + rows - m0)) {
+        case 1: block_tile<1>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 2: block_tile<2>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 3: block_tile<3>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 4: block_tile<4>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 5: block_tile<5>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 6: block_tile<6>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        case 7: block_tile<7>(mm, qs, sc, of, xp, xs, table, y, out_stride, count); break;
+        default: block_tile<8>(mm, qs, sc, of, xp, xs, table, y, out_stride, count);
+      }
+    }
+  }
+}
+
+// RowPairsFn: a row's group of 32 becomes its 16 pairs by one word permute (pair_words); the
+// group's sum from the pairs (a pair's low word shifted up is x_i, its high word masked
+// x_i+16).
+void row_pairs(const c10::BFloat16* x, int64_t rows, int64_t k_in, uint32_t* xp, float* xs) {
+  const __m512i order = pair_words();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t groups = k_in / 32;
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512i p = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(x + m * k_in + g * 32));
+      _mm512_storeu_si512(xp + m * k_in / 2 + g * 16, p);
+      const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(p, 16)),
+                                       _mm512_castsi512_ps(_mm512_and_si512(p, high)));
+      xs[m * groups + g] = _mm512_reduce_add_ps(sum);
+    }
+}
+
 }  // namespace kvloop::avx512_bf16
 KVLOOP_TARGET_END
 
@@ -435,6 +521,8 @@ const Kernels* avx512_bf16_kernels() {
     k.bf16_columns = avx512_bf16::nibble_columns;
     k.bf16_lane_columns = avx512_bf16::bf16_lane_columns;
     k.lane_pairs = avx512_bf16::lane_pairs;
+    k.bf16_block_columns = avx512_bf16::bf16_block_columns;
+    k.row_pairs = avx512_bf16::row_pairs;
     return k;
   }();
   return &table;
