@@ -61,6 +61,22 @@ void par_for(bool pooled, int64_t rows, int64_t row_cost, const Fn& fn, int64_t 
 // the second thread bought 1.1-1.4x at 8 rows, with aligned ones 1.6-1.9x).
 constexpr int64_t kColumnsPerLine = 16;
 static_assert(kColumnsPerLine % kQ8Columns == 0, "a task's columns start a column block");
+static_assert(kColumnsPerLine % kQ4Columns == 0, "a task's columns start a column block");
+
+// The block kernel's columns go to the pool as kBlockChunksPerThread runs of whole blocks per
+// thread, so each thread streams its weights in long runs, not block by block in turn with
+// the other. Zen 4, the served fused step (bench.steps' engine), the chunk sizes taking
+// turns step by step in one process, best of ~15 steps each, load 2.5-5 (noisy): at 4 rows
+// chunks of 16 columns 7.6-7.9 ms where 32 gave 6.9-7.1, 64 6.2-6.5, 128 5.8-5.9 (two runs);
+// 16 columns 7.7 and 9.7 where two runs a thread gave 5.4 and 9.4 (two more); at 8 rows
+// 16.4 and 16.4 against 12.5 and 14.4.
+constexpr int64_t kBlockChunksPerThread = 2;
+
+inline int64_t block_chunk(int64_t n_out) {
+  const int64_t runs = kBlockChunksPerThread * Pool::get().threads();
+  return std::max<int64_t>(1, (n_out + runs * kQ4Columns - 1) / (runs * kQ4Columns)) *
+         kQ4Columns;
+}
 
 template <typename T, typename C>
 AttendFn<T, C> attend_of(const Kernels& k) {
@@ -783,13 +799,14 @@ struct PreparedMatmul {
 }  // namespace
 
 // y [M, N] = x [M, K] @ W.T (QuantMatmul: W's layout). Columns go to the pool's threads in
-// whole cache lines (whole column blocks of 8-bit W); each task runs its columns tile by
-// tile of rows (PreparedMatmul).
+// whole cache lines (whole column blocks of 8-bit W; of 4-bit W in blocks, a few long runs
+// per thread: block_chunk); each task runs its columns tile by tile of rows (PreparedMatmul).
 template <int Bits, typename T>
 void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* scale,
                   const float* offset, T* y, int64_t rows, int64_t n_out, int64_t k_in,
                   bool bf16_x, const Q4Blocks* blocks) {
   const PreparedMatmul p(k, Bits, x, qs, scale, offset, rows, k_in, bf16_x, blocks);
+  const int64_t align = p.block ? block_chunk(n_out) : kColumnsPerLine;
   par_for(true, n_out, rows * k_in, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;             // T other than fp32: the tile's y, then rounded
     p.tiles(rows, [&](ColumnsFn columns, int64_t r0, int mb) {
@@ -804,7 +821,7 @@ void quant_matmul(const Kernels& k, const T* x, const uint8_t* qs, const float* 
             y[(r0 + m) * n_out + begin + n] = static_cast<T>(buf[m * width + n]);
       }
     });
-  }, kColumnsPerLine);
+  }, align);
 }
 
 namespace {
