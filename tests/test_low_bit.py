@@ -76,6 +76,29 @@ def test_int4_matmul_matches_the_dequantized_weight(kind, tolerance, tokens, ker
     assert (weight.dequantize() - dense).abs().max() < 3 * 2 ** -9 * dense.abs().max()
 
 
+@pytest.mark.skipif(not cpu_ops.available(torch.device("cpu")), reason="CPU ops not built")
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_int4_weight_under_bf16_x_reads_its_column_blocks_where_the_kernel_runs(kind):
+    """Under `bf16_x`, kvloop's Int4Weight also holds its weight in column blocks where the
+    kernel variant has the block kernel (three more tensors, the same bytes), and its 3+ rows
+    (x rounded to bf16) come out within 1e-6 of x rounded to bf16 times the file's dequantized
+    weight; 1-2 rows keep the int16 kernel on the row layout. Without `bf16_x`: no blocks."""
+    rng = np.random.default_rng(4)
+    raws = [random_blocks(kind, 40, 256, rng)]       # 40 columns: a last block half full
+    weight = Int4Weight.from_raw(raws, kernel="kvloop", bf16_x=True)
+    plain = Int4Weight.from_raw(raws, kernel="kvloop")
+    blocks = cpu_ops.load().has_q4_block_kernel()
+    assert len(weight.tensors) == (6 if blocks else 3) and len(plain.tensors) == 3
+    assert weight.nbytes == plain.nbytes * (2 if blocks else 1) + (
+        (48 - 40) * (128 + 2 * 8 * 4) if blocks else 0)
+    dense = torch.from_numpy(dequantize_raw(raws[0])).double()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3))
+    want = x.bfloat16().double() @ dense.T
+    got = weight.matmul(x)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    assert torch.equal(weight.matmul(x[:2]), plain.matmul(x[:2]))
+
+
 def random_q8_0(rows: int, cols: int, rng) -> RawTensor:
     data = rng.integers(-127, 128, (rows, cols // 32 * 34)).astype(np.uint8)
     blocks = data.reshape(-1, 34)
