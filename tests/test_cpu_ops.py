@@ -479,8 +479,7 @@ def test_q4_column_blocks_lay_each_block_s_bytes_side_by_side(ops):
 
 
 @pytest.mark.parametrize(("k", "n"), [(32, 13), (96, 40), (576, 200), (1536, 72)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33])
-def test_q4_matmul_on_column_blocks(ops, variant, rows, k, n):
+def test_q4_matmul_on_column_blocks(ops, variant, k, n):
     """W also in column blocks (`blocks`, as `Int4Weight` holds it under `bf16_x`): on a
     variant with the block kernel every row of 3+ (tiles of up to 8 rows: 9 = 8 + 1, 33 = 4
     x 8 + 1) is rounded to bf16 and runs in exact `vdpbf16ps` products with the nibbles, the
@@ -488,7 +487,12 @@ def test_q4_matmul_on_column_blocks(ops, variant, rows, k, n):
     in fp64 (and not of the unrounded x's), bf16 x likewise (within a bf16 step). 13 columns:
     under one block; 40, 72: a last block partly past N; 200: pool chunks. Elsewhere (1-2
     rows, other variants, no `bf16_x`) the blocks are not read: y is the row layout's, bit
-    for bit."""
+    for bit. (The row counts run in one test.)"""
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 33):
+        _check_column_blocks(ops, rows, k, n)
+
+
+def _check_column_blocks(ops, rows: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(rows * 17 + k + n)
     x = torch.randn(rows, k, generator=g)
     qs, scale, offset = _random_q4(n, k, g)
