@@ -882,15 +882,30 @@ def _prefill_cases(heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
     return cases
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,tol", PREFILL_DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", PREFILL_SHAPES)
-def test_prefill_attention(ops, variant, dtype, cache_dtype, tol, heads, kv_heads, dim):
+def test_prefill_attention(ops, variant, heads, kv_heads, dim):
     """A chunk's causal attention over its cached context and itself (keys read in place
     through a scattered block table) equals the twin's (SDPA over the keys gathered, here in
     fp64), fresh and over a context, for every length around the kernels' tiles and
     blocks; every variant but generic has a vector kernel (`cpu_ops.prefill_attention` runs
-    the op there), generic runs the portable one."""
+    the op there), generic runs the portable one. fp32 here: the variants' kernels see only
+    fp32 (the shared driver widens q and the cache and writes the output's dtype), so the
+    other dtypes run on the process's own variant (`test_prefill_attention_in_every_dtype`)."""
     assert ops.has_prefill_kernel() == (variant != "generic")   # (else SDPA serves)
+    _check_prefill(ops, heads, kv_heads, dim, *PREFILL_DTYPES[0])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tol", PREFILL_DTYPES[1:])
+@pytest.mark.parametrize("heads,kv_heads,dim", PREFILL_SHAPES)
+def test_prefill_attention_in_every_dtype(ops, dtype, cache_dtype, tol, heads, kv_heads, dim):
+    """The same grid with bf16 activations and a bf16 cache, and fp32 over a bf16 cache, on
+    the variant this CPU runs: the driver's widening and its output's rounding."""
+    _check_prefill(ops, heads, kv_heads, dim, dtype, cache_dtype, tol)
+
+
+def _check_prefill(ops, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                   cache_dtype: torch.dtype, tol: float) -> None:
+    """Asserts every case of `_prefill_cases` within `tol` of the largest fp64 output."""
     for where, q, cache, slots, want in _prefill_cases(heads, kv_heads, dim, dtype,
                                                        cache_dtype):
         got = ops.prefill_attention(q, cache, slots, dim ** -0.5, 0)
