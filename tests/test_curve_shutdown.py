@@ -21,12 +21,10 @@ import contextlib
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
-import msgspec
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -36,7 +34,8 @@ from kvloop.events.config import KVEventsConfig
 from kvloop.kv_transfer import KvloopConnector
 from kvloop.sim.kv_store import SimKVBlockStore
 from kvloop.trust import PURPOSE_KV_EVENTS, PURPOSE_KV_SIDE_CHANNEL, CurveKeys, FleetSecret
-from kvloop.wire import EngineHandshake, EngineReady, EngineStartConfig
+from kvloop.wire import EngineReady, EngineStartConfig
+from tests.engine_proc_helpers import engine_core_process
 from tests.test_pd_engine import BS, SECRET, kv_config
 
 pytestmark = pytest.mark.processes
@@ -48,40 +47,21 @@ OTHER_FLEET = FleetSecret.generate()
 @pytest.fixture
 def worker() -> Iterator[tuple[subprocess.Popen[bytes], EngineReady]]:
     """A P engine process with CURVE on its side channel and KV events, and its handshake."""
-    ctx = zmq.Context()
-    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    for s in (router, pull):
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind("tcp://127.0.0.1:*")
-    engine = EngineConfig(cache=CacheConfig(block_size=BS, num_gpu_blocks=32),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
-                                                    max_model_len=256),
-                          kv_transfer=kv_config())
-    runner = RunnerConfig(block_size=BS, num_gpu_blocks_override=32, max_model_len=256,
-                          sim=SimSettings(model_latency=False))
-    events = KVEventsConfig(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0",
-                            curve=True)
-    start = EngineStartConfig(engine=engine, runner=runner, kv_events=events,
-                              input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
-                              output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT),
-                              fleet_secret=SECRET.to_text())
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
-                            stdin=subprocess.PIPE, start_new_session=True)
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(msgspec.json.encode(start) + b"\n")
-        proc.stdin.flush()
-        assert router.poll(60_000), "no handshake from the engine core"
-        _, payload = router.recv_multipart()
-        ready = msgspec.msgpack.decode(payload, type=EngineHandshake)
-        assert isinstance(ready, EngineReady), ready
-        yield proc, ready
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdin.close()
-        ctx.destroy(linger=0)
+    def start(input_address: str, output_address: str) -> EngineStartConfig:
+        engine = EngineConfig(cache=CacheConfig(block_size=BS, num_gpu_blocks=32),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=256,
+                                                        max_num_seqs=8, max_model_len=256),
+                              kv_transfer=kv_config())
+        runner = RunnerConfig(block_size=BS, num_gpu_blocks_override=32, max_model_len=256,
+                              sim=SimSettings(model_latency=False))
+        events = KVEventsConfig(endpoint="tcp://127.0.0.1:0",
+                                replay_endpoint="tcp://127.0.0.1:0", curve=True)
+        return EngineStartConfig(engine=engine, runner=runner, kv_events=events,
+                                 input_address=input_address, output_address=output_address,
+                                 fleet_secret=SECRET.to_text())
+
+    with engine_core_process(start) as e:
+        yield e.proc, e.ready
 
 
 class Peers:

@@ -8,8 +8,6 @@ runner) and is spoken to as the API server speaks to it: a ROUTER and a PULL soc
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,12 +34,12 @@ from kvloop.wire import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineHandshake,
     EngineReady,
     EngineStartConfig,
     RequestType,
     UtilityRequest,
 )
+from tests.engine_proc_helpers import engine_core_process
 
 TEXT_IDS = (7, 8, 9)
 RUNNER = RunnerConfig(block_size=4, num_gpu_blocks_override=24, max_model_len=50, seed=3,
@@ -156,34 +154,15 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    ctx = zmq.Context()
-    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    for s in (router, pull):
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind("tcp://127.0.0.1:*")
-    start = EngineStartConfig(engine=ENGINE, runner=RUNNER,
-                              input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
-                              output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT))
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
-                            stdin=subprocess.PIPE, start_new_session=True)
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(msgspec.json.encode(start) + b"\n")
-        proc.stdin.flush()
-        assert router.poll(60_000), "no handshake from the engine core"
-        identity, payload = router.recv_multipart()
-        ready = msgspec.msgpack.decode(payload, type=EngineHandshake)
-        assert isinstance(ready, EngineReady), ready
-        yield Engine(router, pull, identity, ready)
-        proc.stdin.close()                     # the API server's way of stopping it
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        router.close()
-        pull.close()
-        ctx.term()
+    def start(input_address: str, output_address: str) -> EngineStartConfig:
+        return EngineStartConfig(engine=ENGINE, runner=RUNNER, input_address=input_address,
+                                 output_address=output_address)
+
+    with engine_core_process(start) as e:
+        yield Engine(e.router, e.pull, e.identity, e.ready)
+        assert e.proc.stdin is not None
+        e.proc.stdin.close()                   # the API server's way of stopping it
+        assert e.proc.wait(timeout=20) == 0
 
 
 @pytest.mark.processes

@@ -6,27 +6,23 @@ without spinning a core."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
-import zmq
 
 from kvloop.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig, SimSettings
 from kvloop.core.request import SamplingParams
 from kvloop.wire import (
     EngineCoreOutputs,
-    EngineHandshake,
-    EngineReady,
     EngineStartConfig,
     KVTransferStats,
     RequestType,
     UtilityRequest,
 )
 from tests.conftest import wait_until
+from tests.engine_proc_helpers import engine_core_process
 from tests.test_engine_wire import Engine
 from tests.test_pd_engine import BS, PREFILL, SECRET, generate, kv_config, sim_engine
 
@@ -38,41 +34,22 @@ LEASE = 1.0
 @pytest.fixture
 def prefill_worker() -> Iterator[tuple[Engine, int]]:
     """A P engine process (lease 1 s) and its pid."""
-    ctx = zmq.Context()
-    router, pull = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL)
-    for s in (router, pull):
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind("tcp://127.0.0.1:*")
-    engine = EngineConfig(cache=CacheConfig(block_size=BS, num_gpu_blocks=32),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
-                                                    max_model_len=256),
-                          check_invariants=True, kv_transfer=kv_config(kv_lease_duration=LEASE))
-    runner = RunnerConfig(block_size=BS, num_gpu_blocks_override=32, max_model_len=256,
-                          sim=SimSettings(model_latency=False))
-    start = EngineStartConfig(engine=engine, runner=runner,
-                              input_address=router.getsockopt_string(zmq.LAST_ENDPOINT),
-                              output_address=pull.getsockopt_string(zmq.LAST_ENDPOINT),
-                              fleet_secret=SECRET.to_text())
-    proc = subprocess.Popen([sys.executable, "-m", "kvloop.engine.proc"],
-                            stdin=subprocess.PIPE, start_new_session=True)
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(msgspec.json.encode(start) + b"\n")
-        proc.stdin.flush()
-        assert router.poll(60_000), "no handshake from the engine core"
-        identity, payload = router.recv_multipart()
-        ready = msgspec.msgpack.decode(payload, type=EngineHandshake)
-        assert isinstance(ready, EngineReady), ready
-        yield Engine(router, pull, identity, ready), proc.pid
-        proc.stdin.close()
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        router.close()
-        pull.close()
-        ctx.term()
+    def start(input_address: str, output_address: str) -> EngineStartConfig:
+        engine = EngineConfig(cache=CacheConfig(block_size=BS, num_gpu_blocks=32),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=256,
+                                                        max_num_seqs=8, max_model_len=256),
+                              check_invariants=True,
+                              kv_transfer=kv_config(kv_lease_duration=LEASE))
+        runner = RunnerConfig(block_size=BS, num_gpu_blocks_override=32, max_model_len=256,
+                              sim=SimSettings(model_latency=False))
+        return EngineStartConfig(engine=engine, runner=runner, input_address=input_address,
+                                 output_address=output_address, fleet_secret=SECRET.to_text())
+
+    with engine_core_process(start) as e:
+        yield Engine(e.router, e.pull, e.identity, e.ready), e.proc.pid
+        assert e.proc.stdin is not None
+        e.proc.stdin.close()
+        assert e.proc.wait(timeout=20) == 0
 
 
 def cpu_seconds(pid: int) -> float:
