@@ -146,14 +146,14 @@ def test_past_a_missed_target_measuring_stops_where_time_per_token_rises() -> No
         return steps[b]
 
     sizes = sorted(steps)
-    assert timings_until(step, sizes, 0.1, 100.0, past_target=True) == [
+    assert timings_until(step, sizes, 0.1, 100.0, for_throughput=True) == [
         (b, steps[b]) for b in sizes[:4]]           # 2048 is 7 % slower per token
     assert calls == [256, 256, 512, 512, 1024, 1024, 2048, 2048]   # each over: timed twice
     assert timings_until(step, sizes, 0.1, 100.0) == [(256, 0.2)]   # the target the user set
     # the limit still holds: 0.4 + 0.72 spent, 1024 predicted at 0.72 s more
-    assert timings_until(step, sizes, 0.1, 1.5, past_target=True) == [(256, 0.2), (512, 0.36)]
-    # a floor within the target: the usual stop, past_target or not
-    assert timings_until(LINEAR.__getitem__, sorted(LINEAR), 0.1, 10.0, past_target=True) == [
+    assert timings_until(step, sizes, 0.1, 1.5, for_throughput=True) == [(256, 0.2), (512, 0.36)]
+    # a floor within the target: the usual stop, for_throughput or not
+    assert timings_until(LINEAR.__getitem__, sorted(LINEAR), 0.1, 10.0, for_throughput=True) == [
         (b, LINEAR[b]) for b in sorted(LINEAR)[:4]]
 
 

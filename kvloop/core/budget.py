@@ -27,10 +27,8 @@ after the model is loaded and before any request:
    it, the head, the engine's own work) is spread over more prompt tokens, up to where
    attention's quadratic cost, or the calibration limit, ends the gain. Near the least the
    larger step is taken: step times carry a few per cent of noise, and a served step
-   carries more fixed cost than the synthetic one (every running decode, not one). (The
-   floor used to be kept: on a 2-core Zen 4 a 128-token step took 106-119 ms against the
-   100 ms default, and the c=8 benchmark served 212-220 tok/s at 128 against 245 at 512,
-   with a lower TPOT p50.)
+   carries more fixed cost than the synthetic one (every running decode, not one). What this
+   rule bought where the floor was kept: docs/serving.md, "The step budget".
 
 4. attention's cost (`attention_keys_per_token`, for a measured runner only): a step of the
    chosen budget timed with its chunk after `CONTEXT_PROBE_TOKENS` computed tokens and with
@@ -85,7 +83,8 @@ Timings = Mapping[int, float] | Iterable[tuple[int, float]]
 class BudgetChoice:
     """What `choose_budget` (or the non-chunked rule) decided, and from what: `timings` are
     the (tokens, seconds) it saw, ascending; `misses_target`: even the floor's step exceeds
-    the target (the floor is chosen, or with `for_throughput` the least time per token);
+    the target (the floor is chosen, or with `for_throughput` the largest near the least
+    time per token);
     `rule`: why nothing was measured (None: measured)."""
 
     budget: int
@@ -197,7 +196,7 @@ def candidate_sizes(floor: int, cap: int) -> list[int]:
 # --- measuring --------------------------------------------------------------------------------
 def step_timings(runner: LoadedRunner, sizes: Sequence[int], target_s: float, *,
                  block_size: int, time_limit_s: float = CALIBRATION_TIME_LIMIT_S,
-                 past_target: bool = False, seed: int = 0) -> list[tuple[int, float]]:
+                 for_throughput: bool = False, seed: int = 0) -> list[tuple[int, float]]:
     """(tokens, seconds) of one step per size in `sizes` (ascending, each >= 2), as far as
     `timings_until` goes (the module docstring). Runs real steps through `runner.execute`
     (the first after an untimed warm-up step), or asks a `ModelledRunner` (nothing runs, the
@@ -205,14 +204,14 @@ def step_timings(runner: LoadedRunner, sizes: Sequence[int], target_s: float, *,
     if not sizes:
         return []
     steps = _SyntheticSteps(runner.vocab_size, block_size, random.Random(seed))
-    if isinstance(runner, ModelledRunner):   # nothing runs: no time to limit
+    if isinstance(runner, ModelledRunner):   # nothing runs: the limit is on modelled time
         modelled = runner.modelled_step_time
         return timings_until(lambda b: modelled(steps.step(b)), sizes, target_s, time_limit_s,
-                             past_target=past_target)
+                             for_throughput=for_throughput)
     runner.execute(steps.warm_up())
     try:
         return timings_until(lambda b: _timed(runner, steps.step(b)), sizes, target_s,
-                             time_limit_s, past_target=past_target)
+                             time_limit_s, for_throughput=for_throughput)
     finally:
         runner.execute(steps.finish())
 
@@ -252,9 +251,10 @@ def keys_per_token(budget: int, context: int, fresh_s: float, late_s: float) -> 
 
 
 def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], target_s: float,
-                  time_limit_s: float, *, past_target: bool = False) -> list[tuple[int, float]]:
+                  time_limit_s: float, *, for_throughput: bool = False
+                  ) -> list[tuple[int, float]]:
     """(b, step_time(b)) for `sizes` in order, a step over `target_s` timed twice (the faster
-    kept), until one is over `target_s`; or, with `past_target` when the first is over
+    kept), until one is over `target_s`; or, `for_throughput` when the first is over
     already (no size can meet the target), until one's time per token is more than
     `NEAR_BEST_PER_TOKEN` times the least so far; and before one that would take the total
     time past `time_limit_s` (predicted from the last step's time per token)."""
@@ -270,18 +270,18 @@ def timings_until(step_time: Callable[[int], float], sizes: Sequence[int], targe
             spent += again
             t = min(t, again)
         out.append((b, t))
-        if _measured_enough(out, target_s, past_target):
+        if _measured_enough(out, target_s, for_throughput):
             break
     return out
 
 
 def _measured_enough(out: Sequence[tuple[int, float]], target_s: float,
-                     past_target: bool) -> bool:
+                     for_throughput: bool) -> bool:
     """Whether `timings_until` stops after the last of `out`: it is over the target and
-    the first was not (or not `past_target`), or the first was over and the last's time
+    the first was not (or not `for_throughput`), or the first was over and the last's time
     per token is past `NEAR_BEST_PER_TOKEN` of the least."""
     b, t = out[-1]
-    if out[0][1] <= target_s or not past_target:
+    if out[0][1] <= target_s or not for_throughput:
         return t > target_s
     return t / b > min(bt / bb for bb, bt in out) * NEAR_BEST_PER_TOKEN
 
@@ -385,9 +385,10 @@ def resolve_budget(sched: SchedulerConfig, auto: AutoBudget, runner: LoadedRunne
         return dataclasses.replace(sched, max_num_batched_tokens=choice.budget)
     floor = budget_floor(sched.max_num_seqs)
     cap = budget_cap(sched.max_model_len, runner.num_gpu_blocks, block_size)
+    for_throughput = not auto.explicit     # a missed default target gives way to throughput
     timings = step_timings(runner, candidate_sizes(floor, cap), auto.target_s,
-                           block_size=block_size, past_target=not auto.explicit)
-    choice = choose_budget(timings, auto.target_s, floor, cap, for_throughput=not auto.explicit)
+                           block_size=block_size, for_throughput=for_throughput)
+    choice = choose_budget(timings, auto.target_s, floor, cap, for_throughput=for_throughput)
     how = "modelled" if isinstance(runner, ModelledRunner) else "measured"
     if choice.misses_target and auto.explicit:
         logger.warning("%s; decodes will see about %.0f ms per token (raise --target-tpot-ms, "
