@@ -513,7 +513,7 @@ class FusedDecode:
             return None                     # the stack has no MoE, Q/K norm or partial RoPE
         quantized: list[torch.Tensor] = []
         bf16_x: set[bool] = set()
-        layouts: set[int] = set()       # 3 tensors a weight, or 6 with its column blocks
+        layouts: set[bool] = set()      # with column blocks (6 tensors a weight) or not (3)
         for layer in layers:
             mlp = cast(MLP, layer.mlp)
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -524,7 +524,7 @@ class FusedDecode:
                     return None
                 quantized.extend(weight.tensors)
                 bf16_x.add(weight.bf16_x)
-                layouts.add(len(weight.tensors))
+                layouts.add(bool(weight.blocks))
         if len(bf16_x) != 1 or len(layouts) != 1:
             return None                     # one rounding rule, one layout for the stack's
         norms = [w for layer in layers for w in (layer.input_layernorm.weight.data,

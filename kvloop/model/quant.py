@@ -69,10 +69,13 @@ class Int4Weight(_QuantWeight):
     against the nibbles; any activation dtype) and "torch"
     (`aten._weight_int4pack_mm_for_cpu`: torch's packing, bf16 scale, zero and activations).
 
-    `tensors`: the kernel's operands; on kvloop's, with `bf16_x` where the CPU's kernel
-    variant has the block kernel (`cpu_ops.has_q4_block_kernel`), the same weight a second
-    time in column blocks after the three (`q4_column_blocks`), which its bf16 rows then read.
+    `tensors`: the kernel's operands. On kvloop's, `rows` (qs, scale, offset in the GGUF's
+    layout) and then `blocks`: with `bf16_x` where the CPU's kernel variant has the block
+    kernel (`cpu_ops.has_q4_block_kernel`), the same weight a second time in column blocks
+    (`q4_column_blocks`), which its bf16 rows then read; else none.
     """
+
+    blocks: tuple[torch.Tensor, ...] = ()
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                  dtype: torch.dtype = KERNEL_DTYPE, kernel: str | None = None,
@@ -84,10 +87,11 @@ class Int4Weight(_QuantWeight):
         self.bf16_x = bf16_x
         if self.kernel == "kvloop":
             groups = q.view(self.out_features, -1, 2, GROUP // 2)       # [out, G, 2, 16]
-            self.tensors = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
+            self.rows = ((groups[:, :, 0] | (groups[:, :, 1] << 4)).reshape(
                 self.out_features, -1).contiguous(), scale.contiguous(), offset.contiguous())
             if bf16_x and self._ops.has_q4_block_kernel():
-                self.tensors += q4_column_blocks(*self.tensors, self._ops.q4_block_columns)
+                self.blocks = q4_column_blocks(*self.rows, self._ops.q4_block_columns)
+            self.tensors = self.rows + self.blocks
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             zero = offset + 8.0 * scale
@@ -106,8 +110,8 @@ class Int4Weight(_QuantWeight):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] (any float dtype) -> [T, out] in x's dtype."""
         if self.kernel == "kvloop":
-            return self._ops.q4_matmul(x.contiguous(), *self.tensors[:3],
-                                       bf16_x=self.bf16_x, blocks=self.tensors[3:])
+            return self._ops.q4_matmul(x.contiguous(), *self.rows, bf16_x=self.bf16_x,
+                                       blocks=self.blocks)
         packed, scales_and_zeros = self.tensors
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), packed, GROUP,
                                                        scales_and_zeros)
@@ -118,7 +122,7 @@ class Int4Weight(_QuantWeight):
         maxima), exactly; on kvloop's kernel without writing the row whole
         (`cpu_ops.q4_matmul_argmax`)."""
         if self.kernel == "kvloop":
-            return self._ops.q4_matmul_argmax(x.contiguous(), *self.tensors[:3],
+            return self._ops.q4_matmul_argmax(x.contiguous(), *self.rows,
                                               bf16_x=self.bf16_x)[0]
         return self.matmul(x).argmax(dim=-1)
 
@@ -187,17 +191,11 @@ def q4_column_blocks(qs: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     `kQ4Columns`): N padded with zero rows to whole blocks of `columns` output columns; per
     block, group and nibble byte, that byte of every column of the block side by side ->
     (qs [N', K / 2], scale [N', K / 32], offset [N', K / 32]); the same bytes as many."""
-    n, half = qs.shape
-    groups = half // (GROUP // 2)
-    pad = -n % columns
-    if pad:
-        qs, scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])])
-                             for t in (qs, scale, offset))
-    blocks = qs.view(-1, columns, groups, GROUP // 2).permute(0, 2, 3, 1)
-    scales, offsets = (t.view(-1, columns, groups).permute(0, 2, 1) for t in (scale, offset))
-    return (blocks.reshape(n + pad, half).contiguous(),
-            scales.reshape(n + pad, groups).contiguous(),
-            offsets.reshape(n + pad, groups).contiguous())
+    qs, scale, offset = _padded_to_blocks(columns, qs, scale, offset)
+    rows, half = qs.shape
+    blocks = qs.view(-1, columns, half // (GROUP // 2), GROUP // 2).permute(0, 2, 3, 1)
+    return (blocks.reshape(rows, half).contiguous(), _scale_blocks(scale, columns),
+            _scale_blocks(offset, columns))
 
 
 def q8_column_blocks(q: torch.Tensor, scale: torch.Tensor, columns: int
@@ -206,14 +204,27 @@ def q8_column_blocks(q: torch.Tensor, scale: torch.Tensor, columns: int
     (csrc/kernels.h, `kQ8Columns`): N padded with zero rows to whole blocks of `columns`
     output columns; per block, group and pair of k, the pair of every column of the block
     side by side -> (q [N', K], scale [N', K / 32]), N' = N padded; the same bytes as many."""
-    n, k = q.shape
-    pad = -n % columns
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        scale = torch.cat([scale, scale.new_zeros(pad, k // GROUP)])
+    q, scale = _padded_to_blocks(columns, q, scale)
+    rows, k = q.shape
     blocks = q.view(-1, columns, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    scales = scale.view(-1, columns, k // GROUP).permute(0, 2, 1)
-    return blocks.reshape(n + pad, k).contiguous(), scales.reshape(n + pad, -1).contiguous()
+    return blocks.reshape(rows, k).contiguous(), _scale_blocks(scale, columns)
+
+
+def _padded_to_blocks(columns: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of `tensors` [N, ...] with zero rows appended up to a whole number of blocks of
+    `columns` output columns."""
+    pad = -tensors[0].shape[0] % columns
+    if not pad:
+        return tensors
+    return tuple(torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors)
+
+
+def _scale_blocks(scale: torch.Tensor, columns: int) -> torch.Tensor:
+    """Per-group values [N', G] (N' whole blocks of `columns`) laid out per block and group,
+    the block's columns side by side: as [N' / columns, G, columns], out[b, g, j] =
+    scale[b * columns + j, g]; returned [N', G]."""
+    rows, groups = scale.shape
+    return scale.view(-1, columns, groups).permute(0, 2, 1).reshape(rows, groups).contiguous()
 
 
 def q8_from_column_blocks(q: torch.Tensor, scale: torch.Tensor, n: int, columns: int

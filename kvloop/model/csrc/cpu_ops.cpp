@@ -431,8 +431,9 @@ void register_pool_tests(pybind11::module& m);   // testing.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_matmul", &q4_matmul, "x @ W.T for 4-bit group-32 weights (skinny x); bf16_x: "
-        "fp32 x may be rounded to bf16 at 3+ rows; blocks: W also in column blocks", pybind11::arg("x"), pybind11::arg("qs"),
-        pybind11::arg("scale"), pybind11::arg("offset"), pybind11::arg("bf16_x") = false,
+        "fp32 x may be rounded to bf16 at 3+ rows; blocks: W also in column blocks",
+        pybind11::arg("x"), pybind11::arg("qs"), pybind11::arg("scale"),
+        pybind11::arg("offset"), pybind11::arg("bf16_x") = false,
         pybind11::arg("blocks") = std::vector<at::Tensor>{});
   m.def("q8_matmul", &q8_matmul, "x @ W.T for 8-bit group-32 weights (Q8_0; skinny x) in "
         "column blocks, n_out columns", pybind11::arg("x"), pybind11::arg("qs"),

@@ -669,10 +669,11 @@ namespace {
 
 // x as a quantized matmul's kernel reads it: from kFpRows rows of bf16 x (or of fp32 x under
 // `bf16_x`, rounded), 4-bit weights with `blocks` give every row to the block kernel where
-// the variant has one (x in row pairs); else they give their first rows to a lane kernel where the variant has one (x transposed, in one call): the
-// bf16 one for bf16 x, and for fp32 x under `bf16_x` (rounded to bf16; bf16_lane_rows),
-// else the fp32 one (lane_rows); the other rows take the bf16 kernel where x is bf16 and the variant has one
-// (x in pair order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
+// the variant has one (x in row pairs); else they give their first rows to a lane kernel
+// where the variant has one (x transposed, in one call): the bf16 one for bf16 x, and for
+// fp32 x under `bf16_x` (rounded to bf16; bf16_lane_rows), else the fp32 one (lane_rows);
+// the other rows take the bf16 kernel where x is bf16 and the variant has one (x in pair
+// order, its group sums), else the fp32 kernel (x widened). Below kFpRows, and for
 // 8-bit weights, x is quantized per row and group to int16 and each group's dot product is
 // integer. Neither copied nor moved: `mm` points into it.
 struct PreparedMatmul {
